@@ -1,0 +1,307 @@
+"""The app registry (SPEC A3): message types, their one handler each, middleware and hooks.
+
+Importing a module that registers handlers opens no connection: the registry only records. A
+:class:`Router` lets several modules register on their own and be included into one app, like a
+blueprint. A second handler for a type raises :class:`DuplicateHandlerError` naming both handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import sys
+import typing
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .errors import DuplicateHandlerError, NotConfigured, RegistrationError
+from .hooks import Hooks
+from .messages import QueueMessage
+from .naming import QueueNaming, Transport
+from .options import QueueOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .context import HandlerContext
+    from .middleware import EnqueueMiddleware, HandleMiddleware
+    from .producer import EnqueueOptions, EnqueueReceipt, Producer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerSpec:
+    """A registered handler, normalized to ``await call(message, context)``."""
+
+    message_type: type[QueueMessage]
+    func: Callable[..., Any]
+    origin: str
+    is_async: bool
+    wants_context: bool
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    async def call(self, message: QueueMessage, context: HandlerContext) -> Any:
+        args = (message, context) if self.wants_context else (message,)
+        if self.is_async:
+            return await self.func(*args)
+        # Plain ``def`` handlers run on a worker thread so they never block the event loop.
+        return await asyncio.to_thread(self.func, *args)
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """One message type as the runtime sees it: its queue, options and (maybe) handler."""
+
+    type_name: str
+    queue: str  # logical name, before prefix/suffix and transport sanitizing
+    message_type: type[QueueMessage]
+    options: QueueOptions
+    handler: HandlerSpec | None
+
+    def physical_queue(self, naming: QueueNaming, transport: Transport) -> str:
+        return naming.physical(self.queue, transport)
+
+
+def _origin(func: Callable[..., Any]) -> str:
+    try:
+        line = inspect.getsourcelines(func)[1]
+        where = f"{inspect.getsourcefile(func)}:{line}"
+    except (OSError, TypeError):
+        where = getattr(func, "__module__", "?")
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))} ({where})"
+
+
+def _infer_message_type(
+    func: Callable[..., Any], localns: dict[str, Any] | None = None
+) -> type[QueueMessage]:
+    params = list(inspect.signature(func).parameters.values())
+    if not params:
+        raise RegistrationError(f"handler {func!r} takes no parameters; it must take the message")
+    try:
+        # localns: the decorating scope, for message classes defined inside a function with
+        # ``from __future__ import annotations`` (their names are not module globals)
+        hints = typing.get_type_hints(func, localns=localns)
+    except Exception as exc:
+        raise RegistrationError(f"cannot resolve the annotations of {func!r}: {exc}") from exc
+    ann = hints.get(params[0].name)
+    if isinstance(ann, type) and issubclass(ann, QueueMessage):
+        return ann
+    raise RegistrationError(
+        f"cannot tell which message type {func.__qualname__} handles: annotate its first parameter "
+        "with a QueueMessage subclass or pass the type to @handler(MessageType)"
+    )
+
+
+def _wants_context(func: Callable[..., Any]) -> bool:
+    params = [
+        p
+        for p in inspect.signature(func).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(params) > 2:
+        raise RegistrationError(f"handler {func.__qualname__} must take (message) or (message, context)")
+    return len(params) == 2
+
+
+class Router:
+    """Collects message types and handlers. Include routers into a :class:`QueueingApp`."""
+
+    def __init__(self) -> None:
+        self._types: dict[str, type[QueueMessage]] = {}
+        self._handlers: dict[str, HandlerSpec] = {}
+        #: bumped on every registration so caches of the resolved view know to refresh
+        self.version = 0
+
+    # -- registration ----------------------------------------------------------------------------
+    def message(self, message_type: type[QueueMessage]) -> type[QueueMessage]:
+        """Register a type that this app produces (it may be handled elsewhere, or later)."""
+        self._add_type(message_type)
+        return message_type
+
+    def handler(
+        self,
+        message_type: type[QueueMessage] | None = None,
+        *,
+        max_concurrency: int | None = None,
+        time_limit: timedelta | None = None,
+    ) -> Callable[[F], F]:
+        """Register the one handler of a message type: ``async def`` or plain ``def``.
+
+        The handler takes ``(message)`` or ``(message, context)``. Without ``message_type`` the type
+        comes from the first parameter's annotation.
+        """
+
+        def decorate(func: F) -> F:
+            mtype = message_type or _infer_message_type(func, sys._getframe(1).f_locals)
+            overrides: dict[str, Any] = {}
+            if max_concurrency is not None:
+                overrides["max_concurrency"] = max_concurrency
+            if time_limit is not None:
+                overrides["time_limit"] = time_limit
+            target = func.func if isinstance(func, functools.partial) else func
+            spec = HandlerSpec(
+                message_type=mtype,
+                func=func,
+                origin=_origin(target),
+                is_async=inspect.iscoroutinefunction(target),
+                wants_context=_wants_context(func),
+                overrides=overrides,
+            )
+            self._add_handler(spec)
+            return func
+
+        return decorate
+
+    def include(self, other: Router) -> None:
+        """Accumulate another router's registrations (duplicates fail here, naming both)."""
+        for mtype in other._types.values():
+            self._add_type(mtype)
+        for spec in other._handlers.values():
+            self._add_handler(spec)
+
+    def _add_type(self, mtype: type[QueueMessage]) -> None:
+        if not (isinstance(mtype, type) and issubclass(mtype, QueueMessage)):
+            raise RegistrationError(f"{mtype!r} is not a QueueMessage subclass")
+        name = mtype.type_name()
+        known = self._types.get(name)
+        if known is not None and known is not mtype:
+            raise RegistrationError(
+                f"two message classes use the type name {name!r}: "
+                f"{known.__module__}.{known.__qualname__} and {mtype.__module__}.{mtype.__qualname__}"
+            )
+        queue = mtype.queue_options().name or name
+        for other in self._types.values():
+            if other is not mtype and (other.queue_options().name or other.type_name()) == queue:
+                raise RegistrationError(
+                    f"queue {queue!r} is declared by both {other.type_name()!r} and {name!r}: "
+                    "each message type has its own queue"
+                )
+        if known is None:
+            self._types[name] = mtype
+            self.version += 1
+
+    def _add_handler(self, spec: HandlerSpec) -> None:
+        self._add_type(spec.message_type)
+        name = spec.message_type.type_name()
+        existing = self._handlers.get(name)
+        if existing is not None and existing.func is not spec.func:
+            raise DuplicateHandlerError(name, existing.origin, spec.origin)
+        if existing is None:
+            self._handlers[name] = spec
+            self.version += 1
+
+    # -- queries -----------------------------------------------------------------------------------
+    @property
+    def message_types(self) -> dict[str, type[QueueMessage]]:
+        return dict(self._types)
+
+    def handler_for(self, type_name: str) -> HandlerSpec | None:
+        return self._handlers.get(type_name)
+
+
+HandleMiddlewareT = TypeVar("HandleMiddlewareT", bound="HandleMiddleware")
+EnqueueMiddlewareT = TypeVar("EnqueueMiddlewareT", bound="EnqueueMiddleware")
+
+
+class QueueingApp(Router):
+    """The app: registrations + defaults + naming + middleware + hooks. Pure configuration."""
+
+    def __init__(
+        self,
+        name: str = "queueing",
+        *,
+        defaults: QueueOptions | None = None,
+        naming: QueueNaming | None = None,
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self.defaults = defaults or QueueOptions()
+        self.naming = naming or QueueNaming()
+        self.hooks = Hooks()
+        self.handle_middleware: list[HandleMiddleware] = []
+        self.enqueue_middleware: list[EnqueueMiddleware] = []
+        self._producer: Producer | None = None
+
+    # -- middleware ------------------------------------------------------------------------------
+    def use_handle_middleware(self, mw: HandleMiddlewareT) -> HandleMiddlewareT:
+        """Add a handle middleware ``async def mw(ctx, call_next)``; the first added is outermost."""
+        self.handle_middleware.append(mw)
+        return mw
+
+    def use_enqueue_middleware(self, mw: EnqueueMiddlewareT) -> EnqueueMiddlewareT:
+        """Add an enqueue middleware ``async def mw(envelope, call_next)``; it may return a changed one."""
+        self.enqueue_middleware.append(mw)
+        return mw
+
+    # -- resolved view ---------------------------------------------------------------------------
+    def options_for(self, message_type: type[QueueMessage]) -> QueueOptions:
+        opts = message_type.queue_options().merged_over(self.defaults)
+        spec = self.handler_for(message_type.type_name())
+        if spec is not None and spec.overrides:
+            opts = QueueOptions.model_validate({**opts.model_dump(), **spec.overrides})
+        return opts
+
+    def subscription(self, type_name: str) -> Subscription | None:
+        mtype = self._types.get(type_name)
+        if mtype is None:
+            return None
+        return Subscription(
+            type_name=type_name,
+            queue=mtype.queue_options().name or type_name,
+            message_type=mtype,
+            options=self.options_for(mtype),
+            handler=self.handler_for(type_name),
+        )
+
+    def subscriptions(self) -> list[Subscription]:
+        subs = (self.subscription(name) for name in sorted(self._types))
+        return [s for s in subs if s is not None]
+
+    def by_queue(self) -> dict[str, Subscription]:
+        return {s.queue: s for s in self.subscriptions()}
+
+    def __iter__(self) -> Iterator[Subscription]:
+        return iter(self.subscriptions())
+
+    # -- producing -------------------------------------------------------------------------------
+    def bind(self, producer: Producer) -> None:
+        """Attach the producer the runtime built; ``enqueue`` goes through it."""
+        self._producer = producer
+
+    @property
+    def producer(self) -> Producer:
+        if self._producer is None:
+            raise NotConfigured(
+                "this app has no provider yet: call queueing_core.runtime.bootstrap(app) (reads "
+                "QUEUEING_* settings) or app.use(provider) at start-up"
+            )
+        return self._producer
+
+    def use(self, provider: Any, **kwargs: Any) -> Any:
+        """Bind a provider (and optionally control store / tracker) and return the runtime."""
+        from .runtime import Runtime  # the runtime wires hosts; registry modules stay I/O free
+
+        return Runtime(self, provider, **kwargs)
+
+    async def enqueue(self, message: QueueMessage, **options: Unpack[EnqueueOptions]) -> EnqueueReceipt:
+        """Enqueue one message (see :class:`~queueing_core.producer.EnqueueOptions`)."""
+        return await self.producer.enqueue(message, **options)
+
+    async def enqueue_many(
+        self, messages: typing.Iterable[QueueMessage], **options: Unpack[EnqueueOptions]
+    ) -> list[EnqueueReceipt]:
+        """Enqueue many messages in one batch."""
+        return await self.producer.enqueue_many(messages, **options)
+
+    async def enqueue_and_wait(
+        self, message: QueueMessage, **options: Unpack[EnqueueOptions]
+    ) -> EnqueueReceipt:
+        """Enqueue and return once the transport has durably accepted the message."""
+        return await self.producer.enqueue_and_wait(message, **options)
+
+
+Handler = Callable[..., Awaitable[Any] | Any]

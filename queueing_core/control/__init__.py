@@ -1,0 +1,6 @@
+"""Pause and circuit-breaker state (SPEC B6, B7): protocol, pure transitions, in-memory store."""
+
+from .base import CachedControlStore, CircuitState, ControlState, ControlStore
+from .memory import MemoryControlStore
+
+__all__ = ["CachedControlStore", "CircuitState", "ControlState", "ControlStore", "MemoryControlStore"]

@@ -1,0 +1,109 @@
+"""Control-store protocol. Every host and serverless instance must see the same pause/circuit state,
+so the durable stores (SQL, Azure Tables) are the real ones; the memory store serves tests and the
+in-process provider."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal, Protocol, runtime_checkable
+
+from ..options import CircuitBreakerOptions
+
+CircuitName = Literal["closed", "open", "half_open"]
+PauseKind = Literal["queue", "type"]
+
+
+@dataclass(frozen=True, slots=True)
+class CircuitState:
+    type_name: str
+    state: CircuitName = "closed"
+    consecutive_failures: int = 0
+    opened_at: datetime | None = None
+    open_until: datetime | None = None
+    probe_until: datetime | None = None
+
+    @classmethod
+    def closed(cls, type_name: str) -> CircuitState:
+        return cls(type_name)
+
+
+@dataclass(frozen=True, slots=True)
+class ControlState:
+    paused_queues: frozenset[str] = frozenset()
+    paused_types: frozenset[str] = frozenset()
+    circuits: Mapping[str, CircuitState] = field(default_factory=dict)
+
+    def is_paused(self, queue: str, type_name: str) -> bool:
+        return queue in self.paused_queues or type_name in self.paused_types
+
+    def circuit(self, type_name: str) -> CircuitState:
+        return self.circuits.get(type_name) or CircuitState.closed(type_name)
+
+
+@runtime_checkable
+class ControlStore(Protocol):
+    async def state(self) -> ControlState: ...
+
+    async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None: ...
+
+    async def record_failure(
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
+    ) -> CircuitState: ...
+
+    async def record_success(self, type_name: str) -> CircuitState: ...
+
+    async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool: ...
+
+    async def reset_circuit(self, type_name: str) -> None: ...
+
+
+class CachedControlStore:
+    """Reads the inner store at most once per ``ttl`` seconds; writes go through and invalidate.
+
+    Hot paths (a poll loop, a Functions trigger) ask for the state per message; a short TTL bounds
+    both the load on the shared store and how long a pause takes to reach every instance.
+    """
+
+    def __init__(self, inner: ControlStore, ttl: float = 1.0) -> None:
+        self.inner = inner
+        self.ttl = ttl
+        self._cached: ControlState | None = None
+        self._read_at = 0.0
+
+    async def state(self) -> ControlState:
+        now = time.monotonic()
+        if self._cached is None or now - self._read_at >= self.ttl:
+            self._cached = await self.inner.state()
+            self._read_at = now
+        return self._cached
+
+    def invalidate(self) -> None:
+        self._cached = None
+
+    async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
+        await self.inner.set_paused(kind, name, paused)
+        self.invalidate()
+
+    async def record_failure(
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
+    ) -> CircuitState:
+        result = await self.inner.record_failure(type_name, opts, now)
+        self.invalidate()
+        return result
+
+    async def record_success(self, type_name: str) -> CircuitState:
+        result = await self.inner.record_success(type_name)
+        self.invalidate()
+        return result
+
+    async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool:
+        result = await self.inner.acquire_probe(type_name, opts, now)
+        self.invalidate()
+        return result
+
+    async def reset_circuit(self, type_name: str) -> None:
+        await self.inner.reset_circuit(type_name)
+        self.invalidate()

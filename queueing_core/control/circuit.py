@@ -1,0 +1,63 @@
+"""Circuit-breaker transitions as pure functions, shared by every control store.
+
+closed --N consecutive failures--> open --cooldown elapsed, one probe acquired--> half_open
+half_open --probe succeeds--> closed;   half_open --probe fails--> open (a new cooldown)
+A probe that never reports (its host died) is replaced after ``probe_timeout``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime
+from enum import StrEnum
+
+from ..options import CircuitBreakerOptions
+from .base import CircuitState
+
+
+class Admission(StrEnum):
+    RUN = "run"
+    PROBE = "probe"  # the caller must acquire the probe first
+    HOLD = "hold"
+
+
+def admission(state: CircuitState, now: datetime) -> Admission:
+    if state.state == "closed":
+        return Admission.RUN
+    if state.state == "open":
+        return Admission.PROBE if state.open_until is not None and now >= state.open_until else Admission.HOLD
+    # half_open: a probe is out; another may go only once the probe's time is up
+    return Admission.PROBE if state.probe_until is not None and now >= state.probe_until else Admission.HOLD
+
+
+def hold_until(state: CircuitState, now: datetime) -> datetime:
+    if state.state == "open" and state.open_until is not None:
+        return max(now, state.open_until)
+    if state.state == "half_open" and state.probe_until is not None:
+        return max(now, state.probe_until)
+    return now
+
+
+def on_failure(state: CircuitState, opts: CircuitBreakerOptions, now: datetime) -> CircuitState:
+    failures = state.consecutive_failures + 1
+    if state.state == "half_open" or failures >= opts.failure_threshold:
+        return replace(
+            state,
+            state="open",
+            consecutive_failures=failures,
+            opened_at=now,
+            open_until=now + opts.cooldown,
+            probe_until=None,
+        )
+    return replace(state, consecutive_failures=failures)
+
+
+def on_success(state: CircuitState) -> CircuitState:
+    return CircuitState.closed(state.type_name)
+
+
+def acquire_probe(state: CircuitState, opts: CircuitBreakerOptions, now: datetime) -> CircuitState | None:
+    """The half-open state with this caller as the probe, or None if a probe may not go now."""
+    if admission(state, now) is not Admission.PROBE:
+        return None
+    return replace(state, state="half_open", probe_until=now + opts.probe_timeout)

@@ -1,0 +1,53 @@
+"""In-memory control store: one process only (tests, in-process provider)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+
+from ..options import CircuitBreakerOptions
+from . import circuit
+from .base import CircuitState, ControlState, PauseKind
+
+
+class MemoryControlStore:
+    def __init__(self) -> None:
+        self._queues: set[str] = set()
+        self._types: set[str] = set()
+        self._circuits: dict[str, CircuitState] = {}
+        self._lock = asyncio.Lock()
+
+    async def state(self) -> ControlState:
+        return ControlState(frozenset(self._queues), frozenset(self._types), dict(self._circuits))
+
+    async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
+        target = self._queues if kind == "queue" else self._types
+        (target.add if paused else target.discard)(name)
+
+    def _get(self, type_name: str) -> CircuitState:
+        return self._circuits.get(type_name) or CircuitState.closed(type_name)
+
+    async def record_failure(
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
+    ) -> CircuitState:
+        async with self._lock:
+            self._circuits[type_name] = new = circuit.on_failure(self._get(type_name), opts, now)
+            return new
+
+    async def record_success(self, type_name: str) -> CircuitState:
+        async with self._lock:
+            new = circuit.on_success(self._get(type_name))
+            self._circuits.pop(type_name, None)
+            return new
+
+    async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool:
+        async with self._lock:
+            new = circuit.acquire_probe(self._get(type_name), opts, now)
+            if new is None:
+                return False
+            self._circuits[type_name] = new
+            return True
+
+    async def reset_circuit(self, type_name: str) -> None:
+        async with self._lock:
+            self._circuits.pop(type_name, None)

@@ -1,0 +1,95 @@
+"""The decisions the pipeline makes. Transports only settle them (DESIGN.md: "the one idea")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from .messages import MessageStatus
+
+
+class DeadLetterReason(StrEnum):
+    MALFORMED_ENVELOPE = "malformed-envelope"
+    INVALID_BODY = "invalid-body"
+    MAX_ATTEMPTS = "max-attempts-exceeded"
+    NON_RETRYABLE = "non-retryable"
+    EXPIRED = "expired"
+
+    @property
+    def pascal(self) -> str:
+        """The spelling Service Bus users expect in ``DeadLetterReason``."""
+        return {
+            "malformed-envelope": "MalformedEnvelope",
+            "invalid-body": "InvalidBody",
+            "max-attempts-exceeded": "MaxDeliveryAttemptsExceeded",
+            "non-retryable": "NonRetryable",
+            "expired": "Expired",
+        }[self.value]
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    result: Any = None
+    cancelled: bool = False
+
+    @property
+    def status(self) -> MessageStatus:
+        return MessageStatus.CANCELLED if self.cancelled else MessageStatus.SUCCEEDED
+
+
+@dataclass(frozen=True, slots=True)
+class RetryAfter:
+    """A failed attempt: try again after ``delay`` (the attempt is counted)."""
+
+    delay: timedelta
+    error: str
+
+    status = MessageStatus.FAILED
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    reason: DeadLetterReason
+    description: str
+
+    status = MessageStatus.DEAD_LETTERED
+
+
+@dataclass(frozen=True, slots=True)
+class Defer:
+    """Not now, and not a failure: paused, circuit open, waiting for a handler, sleeping."""
+
+    until: datetime
+    status: MessageStatus
+    reason: str
+    counts_attempt: bool = False
+    #: the handler succeeded and asked to run again later: the next run starts with fresh attempts
+    reset_attempts: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Give the lease back untouched (shutdown, lost interest); the attempt is not counted."""
+
+    reason: str
+
+    status = MessageStatus.PENDING
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    expired_at: datetime
+
+    status = MessageStatus.EXPIRED
+
+
+Decision = Complete | RetryAfter | DeadLetter | Defer | Release | Expire
+
+
+def counts_attempt(decision: Decision) -> bool:
+    """Whether the delivery that led to ``decision`` used up an attempt."""
+    if isinstance(decision, Defer):
+        return decision.counts_attempt
+    return not isinstance(decision, Release)

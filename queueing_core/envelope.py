@@ -1,0 +1,86 @@
+"""The versioned wire envelope (SPEC A1) and its strict decoding.
+
+Every transport carries the same JSON document::
+
+    {"v": 1, "type": "OrderPlaced", "queue": "orders", "message_id": "...", "tracking_id": "...",
+     "correlation_id": null, "attempt": 0, "created_at": "...", "not_before": null,
+     "expires_at": "...", "headers": {}, "body": {...}}
+
+``attempt`` counts the attempts already used before this copy was sent; a transport that counts its
+own deliveries (Service Bus, Storage Queues, SQS) adds its count on top.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, Literal
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .clock import as_utc
+from .errors import MalformedEnvelope, UnsupportedEnvelopeVersion
+
+ENVELOPE_VERSION = 1
+
+
+class Envelope(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    v: Literal[1] = 1
+    type: str = Field(min_length=1, max_length=256)
+    queue: str = Field(min_length=1, max_length=260)
+    message_id: UUID
+    tracking_id: UUID
+    correlation_id: str | None = Field(default=None, max_length=256)
+    attempt: int = Field(default=0, ge=0)
+    created_at: datetime
+    not_before: datetime | None = None
+    expires_at: datetime | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    body: dict[str, Any]
+
+    @field_validator("created_at", "not_before", "expires_at")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else as_utc(value)
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    def encode_text(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Envelope:
+        """Decode strictly; anything that is not a valid v1 envelope raises :class:`MalformedEnvelope`."""
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as exc:
+            version = _version_of(raw)
+            if version is not None and version != ENVELOPE_VERSION:
+                raise UnsupportedEnvelopeVersion(version, raw) from None
+            raise MalformedEnvelope(_summarize(exc), raw) from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MalformedEnvelope(f"not JSON: {exc}", raw) from None
+
+    def with_attempt(self, attempt: int, **changes: Any) -> Envelope:
+        return self.model_copy(update={"attempt": attempt, **changes})
+
+
+def _version_of(raw: bytes | str) -> object | None:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc.get("v") if isinstance(doc, dict) else None
+
+
+def _summarize(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "(document)"
+        parts.append(f"{loc}: {err['msg']}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")

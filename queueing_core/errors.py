@@ -1,0 +1,112 @@
+"""One exception tree. Driver errors are translated into these at the provider boundary."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+
+class QueueingError(Exception):
+    """Base of every error the kit raises."""
+
+
+class ConfigurationError(QueueingError):
+    """Invalid or missing configuration; ``setting`` names it, ``accepted`` says what would do."""
+
+    def __init__(self, setting: str, problem: str, accepted: str | None = None) -> None:
+        text = f"{setting}: {problem}" + (f" (accepted: {accepted})" if accepted else "")
+        super().__init__(text)
+        self.setting = setting
+        self.problem = problem
+        self.accepted = accepted
+
+
+class RegistrationError(QueueingError):
+    """An app registration that cannot work (raised at start-up, never at processing time)."""
+
+
+class DuplicateHandlerError(RegistrationError):
+    def __init__(self, type_name: str, existing: str, new: str) -> None:
+        super().__init__(
+            f"message type {type_name!r} already has a handler: {existing}; refusing a second one: {new}"
+        )
+        self.type_name = type_name
+        self.existing = existing
+        self.new = new
+
+
+class MalformedEnvelope(QueueingError):
+    """The bytes on the wire are not a valid envelope; ``raw`` keeps them for the dead-letter record."""
+
+    reason_code = "malformed-envelope"
+
+    def __init__(self, reason: str, raw: bytes | str) -> None:
+        super().__init__(f"malformed envelope: {reason}")
+        self.reason = reason
+        self.raw = raw
+
+
+class UnsupportedEnvelopeVersion(MalformedEnvelope):
+    def __init__(self, version: object, raw: bytes | str) -> None:
+        super().__init__(f"unsupported envelope version {version!r} (this kit reads version 1)", raw)
+        self.version = version
+
+
+class InvalidMessageBody(QueueingError):
+    """The envelope is fine but its body does not validate against the message model."""
+
+    reason_code = "invalid-body"
+
+
+class MessageTooLarge(QueueingError, ValueError):
+    def __init__(self, size: int, limit: int, transport: str) -> None:
+        super().__init__(f"message is {size} bytes encoded; {transport} accepts at most {limit}")
+        self.size = size
+        self.limit = limit
+
+
+class NotConfigured(QueueingError):
+    """The app has no provider yet: call ``app.use(...)`` or set ``QUEUEING_PROVIDER``."""
+
+
+class ProviderError(QueueingError):
+    """A transport operation failed."""
+
+
+class ProviderUnavailable(ProviderError):
+    """The transport cannot be reached now; callers retry with backoff."""
+
+
+class LeaseLost(ProviderError):
+    """The lease/lock on a message moved to another owner or expired; the result was not recorded."""
+
+
+class MessageNotFound(QueueingError, LookupError):
+    pass
+
+
+class InvalidOperation(QueueingError):
+    """An ops action refused in the message's current state (HTTP 409)."""
+
+
+# --- outcomes a handler may raise -------------------------------------------------------------
+
+
+class Retry(Exception):
+    """Raise from a handler to retry after a delay (counts an attempt)."""
+
+    def __init__(self, after: timedelta | float | None = None, reason: str = "retry requested") -> None:
+        super().__init__(reason)
+        self.after = timedelta(seconds=after) if isinstance(after, int | float) else after
+        self.reason = reason
+
+
+class NonRetryableError(Exception):
+    """Raise (or subclass) to dead-letter at once: retrying cannot help."""
+
+
+class ProcessAgainAt(Exception):
+    """Internal carrier for a handler that returned a time to be processed again (seed 001)."""
+
+    def __init__(self, when: datetime) -> None:
+        super().__init__(f"process again at {when.isoformat()}")
+        self.when = when

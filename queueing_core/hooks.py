@@ -1,0 +1,79 @@
+"""Observing hooks (SPEC A5): began, succeeded, failed, dead-lettered, expired, deferred, enqueued.
+
+Hooks observe; they cannot change an outcome. A hook that raises is logged and ignored, so metrics
+or logging code can never fail a message.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .decisions import Decision
+    from .envelope import Envelope
+
+log = logging.getLogger("queueing.hooks")
+
+
+class Event(StrEnum):
+    ENQUEUED = "enqueued"
+    BEGAN = "began"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    DEAD_LETTERED = "dead_lettered"
+    EXPIRED = "expired"
+    DEFERRED = "deferred"
+    RELEASED = "released"
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    event: Event
+    envelope: Envelope | None
+    queue: str
+    attempt: int = 0
+    decision: Decision | None = None
+    error: BaseException | None = None
+    duration: timedelta | None = None
+
+
+Hook = Callable[[Observation], Awaitable[Any] | Any]
+
+
+class Hooks:
+    def __init__(self) -> None:
+        self._hooks: dict[Event, list[Hook]] = {e: [] for e in Event}
+
+    def on(self, *events: Event) -> Callable[[Hook], Hook]:
+        """Decorator: ``@app.hooks.on(Event.FAILED, Event.DEAD_LETTERED)``; no events means all."""
+
+        def register(fn: Hook) -> Hook:
+            for e in events or tuple(Event):
+                self._hooks[e].append(fn)
+            return fn
+
+        return register
+
+    def off(self, fn: Hook) -> None:
+        """Remove ``fn`` from every event it observes."""
+        for hooks in self._hooks.values():
+            while fn in hooks:
+                hooks.remove(fn)
+
+    def wants(self, event: Event) -> bool:
+        return bool(self._hooks[event])
+
+    async def emit(self, obs: Observation) -> None:
+        for fn in self._hooks[obs.event]:
+            try:
+                result = fn(obs)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("hook %r failed on %s; ignored", fn, obs.event.value)

@@ -1,0 +1,121 @@
+"""Message contracts (SPEC A1) and the ``@queue`` class decorator (SPEC A2).
+
+A message is a pydantic model deriving from :class:`QueueMessage`. The base fields (id, creation time,
+correlation id, properties) travel in the envelope, not in the body, so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, ClassVar, TypeVar
+from uuid import UUID, uuid4
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .clock import as_utc, utcnow
+from .options import QueueOptions
+
+
+class MessageStatus(StrEnum):
+    """The statuses the kit itself sets (SPEC B2). Operators may set custom statuses as well."""
+
+    PENDING = "Pending"
+    LEASED = "Leased"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"  # a retry is scheduled
+    DEAD_LETTERED = "DeadLettered"
+    EXPIRED = "Expired"
+    WAITING_FOR_HANDLER = "WaitingForHandler"
+    PAUSED = "Paused"
+    SLEEPING = "Sleeping"  # scheduled for later
+    ABANDONED = "Abandoned"  # lease expired and the queue says a person should look
+    ARCHIVED = "Archived"  # a filter over the archived flag: archived rows keep their final status
+    CANCELLED = "Cancelled"
+
+    @classmethod
+    def terminal(cls) -> frozenset[MessageStatus]:
+        return frozenset({cls.SUCCEEDED, cls.DEAD_LETTERED, cls.EXPIRED, cls.CANCELLED})
+
+    @classmethod
+    def runnable(cls) -> frozenset[MessageStatus]:
+        """Statuses processing may pick up; anything else (terminal, Abandoned, custom) it leaves alone."""
+        return frozenset({cls.PENDING, cls.FAILED, cls.SLEEPING, cls.WAITING_FOR_HANDLER, cls.PAUSED})
+
+
+BASE_FIELDS = frozenset({"message_id", "created_at", "correlation_id", "properties"})
+
+
+class QueueMessage(BaseModel):
+    """Base of every queued message type.
+
+    Subclass it and add your fields; decorate the class with :func:`queue` to set its options.
+    """
+
+    model_config = ConfigDict(frozen=False, populate_by_name=True)
+
+    __queue_options__: ClassVar[QueueOptions] = QueueOptions()
+
+    message_id: UUID = Field(default_factory=uuid4)
+    created_at: datetime = Field(default_factory=utcnow)
+    correlation_id: str | None = None
+    properties: dict[str, str] = Field(default_factory=dict)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        # A subclass does not inherit its parent's queue (it is another type with its own queue).
+        if "__queue_options__" not in cls.__dict__:
+            cls.__queue_options__ = QueueOptions()
+
+    @field_validator("created_at")
+    @classmethod
+    def _utc(cls, value: datetime) -> datetime:
+        return as_utc(value)
+
+    @classmethod
+    def type_name(cls) -> str:
+        return cls.__queue_options__.type_name or cls.__name__
+
+    @classmethod
+    def queue_options(cls) -> QueueOptions:
+        return cls.__queue_options__
+
+    @classmethod
+    def example(cls) -> QueueMessage | None:
+        """An example instance for the ops API; override, or pass ``example=`` to ``@queue``."""
+        ex = cls.__queue_options__.example
+        if isinstance(ex, dict):
+            return cls.model_validate(ex)
+        return ex if isinstance(ex, cls) else None
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body that goes on the wire (the message's own fields, without the base fields)."""
+        return self.model_dump(mode="json", exclude=set(BASE_FIELDS))
+
+
+M = TypeVar("M", bound=type[QueueMessage])
+
+
+def queue(name: str | None = None, **options: Any) -> Callable[[M], M]:
+    """Declare a message type's queue options, like Nexus's ``[Queue]`` attribute.
+
+    >>> @queue("send-order-confirmation", max_attempts=3)
+    ... class SendOrderConfirmation(QueueMessage):
+    ...     order_id: str
+    """
+
+    def decorate(cls: M) -> M:
+        if not (isinstance(cls, type) and issubclass(cls, QueueMessage)):
+            raise TypeError("@queue decorates QueueMessage subclasses")
+        fields = dict(options)
+        if name is not None:
+            fields["name"] = name
+        cls.__queue_options__ = QueueOptions(**fields)
+        return cls
+
+    return decorate
+
+
+CUSTOM_STATUS_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"

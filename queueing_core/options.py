@@ -1,0 +1,110 @@
+"""Per-type queue options (SPEC A2), the retry policy and the circuit-breaker settings.
+
+Options are declared partially (``@queue(max_attempts=3)``) and resolved against the app's defaults,
+so a deployment can change a default for every type while one type keeps its own value.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Health(StrEnum):
+    HEALTHY = "Healthy"
+    DEGRADED = "Degraded"
+    UNHEALTHY = "Unhealthy"
+
+
+class RetryPolicy(BaseModel):
+    """Exponential backoff with proportional jitter: ``base * factor**(attempt-1)``, capped, ±jitter."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base: timedelta = timedelta(seconds=1)
+    factor: float = Field(default=2.0, ge=1.0)
+    max_delay: timedelta = timedelta(minutes=5)
+    jitter: float = Field(default=0.2, ge=0.0, le=1.0)
+
+    def delay(self, attempt: int, rand: Callable[[], float] = random.random) -> timedelta:
+        """Delay before the retry that follows failed attempt number ``attempt`` (1-based)."""
+        exponent = max(0, attempt - 1)
+        # Cap the exponent before raising so a large attempt count cannot overflow a float.
+        raw = min(
+            self.base.total_seconds() * self.factor ** min(exponent, 64), self.max_delay.total_seconds()
+        )
+        spread = raw * self.jitter
+        return timedelta(
+            seconds=min(self.max_delay.total_seconds(), max(0.0, raw - spread + 2 * spread * rand()))
+        )
+
+
+class CircuitBreakerOptions(BaseModel):
+    """Open after ``failure_threshold`` consecutive failures; hold work for ``cooldown``; then one probe."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    failure_threshold: int = Field(default=5, ge=1)
+    cooldown: timedelta = timedelta(seconds=30)
+    #: how long a half-open probe may run before another message may probe instead
+    probe_timeout: timedelta = timedelta(minutes=5)
+
+
+LeaseExpiry = Literal["retry", "abandon"]
+
+#: FastEndpoints' default: work not done within four hours is stale (SPEC B12).
+DEFAULT_EXPIRATION = timedelta(hours=4)
+
+
+class QueueOptions(BaseModel):
+    """Options of one message type's queue. Unset fields inherit the app's defaults.
+
+    ``expiration=None`` means messages never expire; ``time_limit=None`` means no execution limit.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    name: str | None = Field(default=None, description="logical queue name; default: the type name")
+    type_name: str | None = Field(default=None, description="name on the wire; default: the class name")
+    category: str | None = None
+    max_attempts: int = Field(default=5, ge=1, le=10_000)
+    retry: RetryPolicy = RetryPolicy()
+    expiration: timedelta | None = DEFAULT_EXPIRATION
+    lease_duration: timedelta = timedelta(seconds=30)
+    lease_expired: LeaseExpiry = "retry"
+    max_concurrency: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, le=10_000)
+    time_limit: timedelta | None = None
+    ordered: bool = False
+    idempotent: bool = False
+    keep_processed_for: timedelta | None = None
+    default_status: str = "Pending"
+    health_when_errors: Health = Health.UNHEALTHY
+    circuit_breaker: CircuitBreakerOptions | None = None
+    example: Any = Field(default=None, description="an example body (dict) shown by the ops API")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.lease_duration <= timedelta(0):
+            raise ValueError("lease_duration must be positive")
+        if self.time_limit is not None and self.time_limit <= timedelta(0):
+            raise ValueError("time_limit must be positive or None")
+        if self.expiration is not None and self.expiration <= timedelta(0):
+            raise ValueError("expiration must be positive or None")
+        if self.ordered and self.max_concurrency != 1 and "max_concurrency" in self.model_fields_set:
+            raise ValueError("ordered queues process one message at a time: max_concurrency must be 1")
+        return self
+
+    def merged_over(self, defaults: QueueOptions) -> QueueOptions:
+        """These options with every field not explicitly set taken from ``defaults``."""
+        update = {k: getattr(self, k) for k in self.model_fields_set}
+        merged = defaults.model_copy(update=update)
+        if merged.ordered:
+            merged = merged.model_copy(update={"max_concurrency": 1})
+        # re-validate the combination (model_copy skips validation)
+        return QueueOptions.model_validate(merged.model_dump(exclude_unset=False))

@@ -1,0 +1,317 @@
+"""The one decision pipeline: an envelope + control state + the handler's outcome -> a decision.
+
+Order of the checks (each is a decision the transports only settle):
+
+1. malformed envelope           -> DeadLetter(malformed-envelope), raw kept by the settler
+2. expired (B4)                 -> Expire, never handed to a handler
+3. not yet due (early delivery) -> Defer(Sleeping)
+4. queue or type paused (B6)    -> Defer(Paused), no attempt counted
+5. circuit open (B7)            -> Defer(Paused) until the cooldown ends; then one probe goes
+6. no handler / unknown type (B3) -> Defer(WaitingForHandler), no attempt counted
+7. body invalid for the model   -> DeadLetter(invalid-body)
+8. run the handler through the middleware, under the type's concurrency and time limits (B8):
+   success -> Complete (or Defer(Sleeping) if it returned a time to run again);
+   ``Retry(after=)`` / exception / time limit -> RetryAfter(backoff) until max attempts, then
+   DeadLetter(max-attempts-exceeded); ``NonRetryableError`` -> DeadLetter(non-retryable);
+   the host cancelling (shutdown) -> Release, no attempt counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import traceback
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from time import perf_counter
+from typing import Any
+
+from pydantic import ValidationError
+
+from .app import QueueingApp, Subscription
+from .clock import Clock, utcnow
+from .context import HandlerContext
+from .control import circuit
+from .control.base import ControlStore
+from .decisions import (
+    Complete,
+    DeadLetter,
+    DeadLetterReason,
+    Decision,
+    Defer,
+    Expire,
+    Release,
+    RetryAfter,
+)
+from .envelope import Envelope
+from .errors import NonRetryableError, Retry
+from .hooks import Event, Observation
+from .messages import BASE_FIELDS, MessageStatus, QueueMessage
+from .middleware import compose_handle
+from .transport import Delivery
+
+log = logging.getLogger("queueing.pipeline")
+
+MAX_ERROR_TEXT = 4000
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` followed by the innermost frames, bounded so it fits any store."""
+    head = f"{type(exc).__name__}: {exc}"
+    frames = "".join(traceback.format_tb(exc.__traceback__)[-3:]) if exc.__traceback__ else ""
+    text = f"{head}\n{frames}".rstrip()
+    return text if len(text) <= MAX_ERROR_TEXT else text[: MAX_ERROR_TEXT - 3] + "..."
+
+
+def decode_message(sub: Subscription, env: Envelope) -> QueueMessage:
+    """Rebuild the user's model: body fields plus the base fields from the envelope."""
+    data: dict[str, Any] = {k: v for k, v in env.body.items() if k not in BASE_FIELDS}
+    data.update(
+        message_id=env.message_id,
+        created_at=env.created_at,
+        correlation_id=env.correlation_id,
+        properties=env.headers,
+    )
+    return sub.message_type.model_validate(data)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        app: QueueingApp,
+        control: ControlStore,
+        *,
+        clock: Clock = utcnow,
+        pause_recheck: timedelta = timedelta(seconds=5),
+        waiting_recheck: timedelta = timedelta(seconds=30),
+        rand: Callable[[], float] = random.random,
+        producer: Any = None,
+    ) -> None:
+        self.app = app
+        self.control = control
+        self.clock = clock
+        self.pause_recheck = pause_recheck
+        self.waiting_recheck = waiting_recheck
+        self.rand = rand
+        self.producer = producer
+        self._subs: dict[str, Subscription | None] = {}
+        self._subs_version = -1
+        self._chains: dict[str, Callable[[HandlerContext], Awaitable[Any]]] = {}
+        self._limits: dict[str, asyncio.Semaphore] = {}
+
+    # -- resolved registry, cached until the app's registrations change -------------------------
+    def subscription(self, type_name: str) -> Subscription | None:
+        if self._subs_version != self.app.version:
+            self._subs.clear()
+            self._chains.clear()
+            self._subs_version = self.app.version
+        if type_name not in self._subs:
+            self._subs[type_name] = self.app.subscription(type_name)
+        return self._subs[type_name]
+
+    def limiter(self, sub: Subscription) -> asyncio.Semaphore:
+        sem = self._limits.get(sub.type_name)
+        if sem is None:
+            sem = self._limits[sub.type_name] = asyncio.Semaphore(sub.options.max_concurrency)
+        return sem
+
+    def _chain(self, sub: Subscription) -> Callable[[HandlerContext], Awaitable[Any]]:
+        chain = self._chains.get(sub.type_name)
+        if chain is None:
+            spec = sub.handler
+            assert spec is not None
+
+            async def terminal(ctx: HandlerContext) -> Any:
+                return await spec.call(ctx.message, ctx)
+
+            chain = self._chains[sub.type_name] = compose_handle(self.app.handle_middleware, terminal)
+        return chain
+
+    # -- the decision ------------------------------------------------------------------------------
+    async def process(self, delivery: Delivery, *, stopping: asyncio.Event | None = None) -> Decision:
+        now = self.clock()
+        if delivery.malformed is not None or delivery.envelope is None:
+            reason = delivery.malformed.reason if delivery.malformed else "no envelope"
+            return await self._emit_final(delivery, DeadLetter(DeadLetterReason.MALFORMED_ENVELOPE, reason))
+        env = delivery.envelope
+        sub = self.subscription(env.type)
+
+        expires_at = env.expires_at
+        if expires_at is None and sub is not None and sub.options.expiration is not None:
+            expires_at = env.created_at + sub.options.expiration
+        if expires_at is not None and now >= expires_at:
+            return await self._emit_final(delivery, Expire(expires_at))
+
+        if env.not_before is not None and env.not_before > now:
+            return await self._emit_final(
+                delivery, Defer(env.not_before, MessageStatus.SLEEPING, "not due yet")
+            )
+
+        if sub is None:
+            return await self._emit_final(
+                delivery, self._waiting(now, f"no message type {env.type!r} is registered")
+            )
+
+        state = await self.control.state()
+        if state.is_paused(sub.queue, sub.type_name):
+            what = f"queue {sub.queue!r}" if sub.queue in state.paused_queues else f"type {sub.type_name!r}"
+            return await self._emit_final(
+                delivery, Defer(now + self.pause_recheck, MessageStatus.PAUSED, f"{what} is paused")
+            )
+
+        cb = sub.options.circuit_breaker
+        probing = False
+        if cb is not None:
+            cstate = state.circuit(sub.type_name)
+            adm = circuit.admission(cstate, now)
+            if adm is circuit.Admission.PROBE:
+                probing = await self.control.acquire_probe(sub.type_name, cb, now)
+            if adm is circuit.Admission.HOLD or (adm is circuit.Admission.PROBE and not probing):
+                # look again soon rather than at the cooldown's end, so an operator's reset is quick
+                until = min(circuit.hold_until(cstate, now), now + self.pause_recheck)
+                if until <= now:
+                    until = now + self.pause_recheck
+                return await self._emit_final(
+                    delivery, Defer(until, MessageStatus.PAUSED, f"circuit for {sub.type_name!r} is open")
+                )
+
+        if sub.handler is None:
+            return await self._emit_final(
+                delivery, self._waiting(now, f"no handler for {sub.type_name!r} yet")
+            )
+
+        try:
+            message = decode_message(sub, env)
+        except ValidationError as exc:
+            return await self._emit_final(
+                delivery, DeadLetter(DeadLetterReason.INVALID_BODY, _validation_text(exc))
+            )
+
+        decision = await self._run(delivery, sub, env, message, stopping)
+        if cb is not None and not isinstance(decision, Release):
+            await self._track_circuit(sub, decision, state.circuit(sub.type_name), probing, cb)
+        return decision
+
+    def _waiting(self, now: datetime, reason: str) -> Defer:
+        return Defer(now + self.waiting_recheck, MessageStatus.WAITING_FOR_HANDLER, reason)
+
+    async def _run(
+        self,
+        delivery: Delivery,
+        sub: Subscription,
+        env: Envelope,
+        message: QueueMessage,
+        stopping: asyncio.Event | None,
+    ) -> Decision:
+        ctx = HandlerContext(
+            envelope=env,
+            attempt=delivery.attempt,
+            subscription=sub,
+            message=message,
+            cancelled=stopping or asyncio.Event(),
+            log=logging.LoggerAdapter(
+                logging.getLogger("queueing.handler"),
+                {"message_id": str(env.message_id), "correlation_id": env.correlation_id, "queue": sub.queue},
+            ),
+            producer=self.producer,
+        )
+        hooks = self.app.hooks
+        if hooks.wants(Event.BEGAN):
+            await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
+        limit = sub.options.time_limit
+        started = perf_counter()
+        error: BaseException | None = None
+        async with self.limiter(sub):
+            try:
+                async with asyncio.timeout(limit.total_seconds() if limit else None) as scope:
+                    result = await self._chain(sub)(ctx)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or not task.cancelling():
+                    raise
+                # The host is shutting down and gave up waiting: hand the message back untouched.
+                task.uncancel()
+                decision: Decision = Release("host shutting down")
+            except Retry as exc:
+                error = exc
+                decision = self._failure(sub, delivery.attempt, f"Retry: {exc.reason}", exc.after)
+            except NonRetryableError as exc:
+                error = exc
+                decision = DeadLetter(DeadLetterReason.NON_RETRYABLE, describe_error(exc))
+            except TimeoutError as exc:
+                error = exc
+                if scope.expired() and limit is not None:
+                    text = f"execution time limit of {limit.total_seconds():g}s exceeded"
+                else:
+                    text = describe_error(exc)
+                decision = self._failure(sub, delivery.attempt, text, None)
+            except Exception as exc:
+                error = exc
+                decision = self._failure(sub, delivery.attempt, describe_error(exc), None)
+            else:
+                if isinstance(result, datetime):
+                    decision = Defer(
+                        result,
+                        MessageStatus.SLEEPING,
+                        "handler asked to run again later",
+                        reset_attempts=True,
+                    )
+                else:
+                    decision = Complete(result)
+        duration = timedelta(seconds=perf_counter() - started)
+        await self._emit(delivery, decision, error, duration)
+        return decision
+
+    def _failure(self, sub: Subscription, attempt: int, error: str, after: timedelta | None) -> Decision:
+        if attempt >= sub.options.max_attempts:
+            return DeadLetter(
+                DeadLetterReason.MAX_ATTEMPTS,
+                f"attempt {attempt} of {sub.options.max_attempts} failed; last error: {error}",
+            )
+        delay = after if after is not None else sub.options.retry.delay(attempt, self.rand)
+        return RetryAfter(delay, error)
+
+    async def _track_circuit(
+        self, sub: Subscription, decision: Decision, before: Any, probing: bool, cb: Any
+    ) -> None:
+        failed = isinstance(decision, RetryAfter | DeadLetter)
+        try:
+            if failed:
+                await self.control.record_failure(sub.type_name, cb, self.clock())
+            elif probing or before.state != "closed" or before.consecutive_failures:
+                await self.control.record_success(sub.type_name)
+        except Exception:
+            # the breaker is advisory: a control-store outage must not fail the message
+            log.exception("could not record the circuit outcome for %s", sub.type_name)
+
+    async def _emit_final(self, delivery: Delivery, decision: Decision) -> Decision:
+        await self._emit(delivery, decision, None, None)
+        return decision
+
+    async def _emit(
+        self, delivery: Delivery, decision: Decision, error: BaseException | None, duration: timedelta | None
+    ) -> None:
+        event = _EVENT_OF[type(decision)]
+        hooks = self.app.hooks
+        if hooks.wants(event):
+            await hooks.emit(
+                Observation(
+                    event, delivery.envelope, delivery.queue, delivery.attempt, decision, error, duration
+                )
+            )
+
+
+_EVENT_OF: dict[type, Event] = {
+    Complete: Event.SUCCEEDED,
+    RetryAfter: Event.FAILED,
+    DeadLetter: Event.DEAD_LETTERED,
+    Expire: Event.EXPIRED,
+    Defer: Event.DEFERRED,
+    Release: Event.RELEASED,
+}
+
+
+def _validation_text(exc: ValidationError) -> str:
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:10]]
+    return "body does not match the message model: " + "; ".join(parts)

@@ -1,0 +1,163 @@
+"""The producer API (SPEC A4): enqueue, enqueue_many, enqueue_and_wait."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, TypedDict
+from uuid import UUID, uuid4
+
+from typing_extensions import Unpack
+
+from .clock import Clock, as_utc, utcnow
+from .envelope import Envelope
+from .errors import MessageTooLarge
+from .hooks import Event, Observation
+from .messages import MessageStatus, QueueMessage
+from .middleware import compose_enqueue
+from .tracking.base import MessageRecord, Tracker, record_from_envelope
+
+if TYPE_CHECKING:
+    from .app import QueueingApp
+    from .transport import Provider
+
+
+class EnqueueOptions(TypedDict, total=False):
+    """Per-enqueue options. ``delay``/``not_before`` make the message Sleeping until then;
+    ``ttl``/``expires_at`` override the queue's expiration."""
+
+    delay: timedelta | float | None
+    not_before: datetime | None
+    ttl: timedelta | float | None
+    expires_at: datetime | None
+    correlation_id: str | None
+    headers: dict[str, str] | None
+    tracking_id: UUID | None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueReceipt:
+    message_id: UUID
+    tracking_id: UUID
+    type: str
+    queue: str
+    status: str
+    not_before: datetime | None
+    expires_at: datetime | None
+
+
+def _when(
+    now: datetime, relative: timedelta | float | None, absolute: datetime | None, what: tuple[str, str]
+) -> datetime | None:
+    if relative is not None and absolute is not None:
+        raise ValueError(f"pass either {what[0]}= or {what[1]}=, not both")
+    if absolute is not None:
+        return as_utc(absolute)
+    if relative is None:
+        return None
+    delta = timedelta(seconds=relative) if isinstance(relative, int | float) else relative
+    if delta < timedelta(0):
+        raise ValueError(f"{what[0]} must not be negative")
+    return now + delta
+
+
+class Producer:
+    def __init__(
+        self, app: QueueingApp, provider: Provider, *, tracker: Tracker | None = None, clock: Clock = utcnow
+    ) -> None:
+        self.app = app
+        self.provider = provider
+        self.tracker = tracker
+        self.clock = clock
+        self._chain = compose_enqueue(app.enqueue_middleware)
+        self._chain_len = len(app.enqueue_middleware)
+
+    def envelope_for(
+        self, message: QueueMessage, *, now: datetime | None = None, **options: Unpack[EnqueueOptions]
+    ) -> Envelope:
+        """The envelope ``enqueue`` would send (pure; raises ``ValueError`` for contradictory timing)."""
+        mtype = type(message)
+        if mtype.type_name() not in self.app.message_types:
+            self.app.message(mtype)  # producing a type registers it, so the ops API knows its queue
+        qopts = self.app.options_for(mtype)
+        now = now or self.clock()
+        due = _when(now, options.get("delay"), options.get("not_before"), ("delay", "not_before"))
+        expiry = _when(now, options.get("ttl"), options.get("expires_at"), ("ttl", "expires_at"))
+        if expiry is None and qopts.expiration is not None:
+            expiry = message.created_at + qopts.expiration
+        if expiry is not None and expiry <= now:
+            raise ValueError(f"message would expire at {expiry.isoformat()}, which is not in the future")
+        if due is not None and due <= now:
+            due = None
+        return Envelope(
+            type=mtype.type_name(),
+            queue=mtype.queue_options().name or mtype.type_name(),
+            message_id=message.message_id,
+            tracking_id=options.get("tracking_id") or uuid4(),
+            correlation_id=options.get("correlation_id") or message.correlation_id,
+            attempt=0,
+            created_at=message.created_at,
+            not_before=due,
+            expires_at=expiry,
+            headers={**message.properties, **(options.get("headers") or {})},
+            body=message.body(),
+        )
+
+    async def _prepare(self, envelopes: Sequence[Envelope]) -> list[Envelope]:
+        if self._chain_len != len(self.app.enqueue_middleware):  # middleware added after start-up
+            self._chain = compose_enqueue(self.app.enqueue_middleware)
+            self._chain_len = len(self.app.enqueue_middleware)
+        out = [await self._chain(e) for e in envelopes] if self._chain_len else list(envelopes)
+        limit = self.provider.capabilities.max_message_bytes
+        if limit is not None:
+            for env in out:
+                size = len(env.encode())
+                if size > limit:
+                    raise MessageTooLarge(size, limit, self.provider.transport.value)
+        return out
+
+    def _status(self, env: Envelope) -> str:
+        if env.not_before is not None:
+            return MessageStatus.SLEEPING
+        sub = self.app.subscription(env.type)
+        return sub.options.default_status if sub else MessageStatus.PENDING
+
+    async def _send(self, envelopes: Sequence[Envelope], *, wait: bool) -> list[EnqueueReceipt]:
+        ready = await self._prepare(envelopes)
+        await self.provider.send(ready, wait=wait)
+        receipts = [
+            EnqueueReceipt(
+                e.message_id, e.tracking_id, e.type, e.queue, self._status(e), e.not_before, e.expires_at
+            )
+            for e in ready
+        ]
+        if self.tracker is not None and not self.provider.capabilities.durable_history:
+            now = self.clock()
+            records: list[MessageRecord] = [
+                record_from_envelope(e, r.status, now) for e, r in zip(ready, receipts, strict=True)
+            ]
+            await self.tracker.upsert(records)
+        hooks = self.app.hooks
+        if hooks.wants(Event.ENQUEUED):
+            for env in ready:
+                await hooks.emit(Observation(Event.ENQUEUED, env, env.queue))
+        return receipts
+
+    async def enqueue(self, message: QueueMessage, **options: Unpack[EnqueueOptions]) -> EnqueueReceipt:
+        """Enqueue one message."""
+        return (await self._send([self.envelope_for(message, **options)], wait=False))[0]
+
+    async def enqueue_and_wait(
+        self, message: QueueMessage, **options: Unpack[EnqueueOptions]
+    ) -> EnqueueReceipt:
+        """Return only once the transport has durably accepted the message."""
+        return (await self._send([self.envelope_for(message, **options)], wait=True))[0]
+
+    async def enqueue_many(
+        self, messages: Iterable[QueueMessage], *, wait: bool = False, **options: Unpack[EnqueueOptions]
+    ) -> list[EnqueueReceipt]:
+        """Enqueue many in one batch on the wire / one statement in SQL; shared options apply to all."""
+        now = self.clock()
+        envs = [self.envelope_for(m, now=now, **options) for m in messages]
+        return await self._send(envs, wait=wait) if envs else []

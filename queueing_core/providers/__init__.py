@@ -1,0 +1,1 @@
+"""Transports. Each module imports its SDK itself, so loading one never loads another's."""

@@ -1,0 +1,50 @@
+"""Everything configurable, from environment variables / app settings with the ``QUEUEING_`` prefix."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import ConfigurationError
+
+ProviderName = Literal["inprocess", "sql", "storage_queue", "servicebus", "rabbitmq", "sqs"]
+
+
+class QueueingSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="QUEUEING_", extra="ignore", frozen=True)
+
+    provider: ProviderName = "sql"
+    app: str = Field(default="examples.orders:app", description="MODULE:ATTR of the QueueingApp to load")
+    database_url: str = "sqlite:///./queueing.db"
+    queue_prefix: str = ""
+    queue_suffix: str = ""
+    worker_id: str | None = None
+    shutdown_timeout: float = Field(default=30.0, ge=0)
+    poll_min: float = Field(default=0.05, gt=0)
+    poll_max: float = Field(default=2.0, gt=0)
+    prefetch: int = Field(default=1, ge=1, le=1000)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
+    api_key: SecretStr | None = None
+    auto_migrate: bool = True
+
+
+def describe_error(exc: ValidationError, model: type[BaseSettings] = QueueingSettings) -> ConfigurationError:
+    """One line naming the first bad setting (as its environment variable) and what it accepts."""
+    err = exc.errors()[0]
+    field = str(err["loc"][0]) if err["loc"] else "?"
+    prefix = str(model.model_config.get("env_prefix", ""))
+    setting = f"{prefix}{field}".upper()
+    ctx = err.get("ctx") or {}
+    if "expected" in ctx:  # a choice: say what was given and what is accepted, once
+        return ConfigurationError(setting, f"{err.get('input')!r} is not accepted", str(ctx["expected"]))
+    return ConfigurationError(setting, f"{err['msg']} (got {err.get('input')!r})")
+
+
+def load_settings(**overrides: object) -> QueueingSettings:
+    try:
+        return QueueingSettings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise describe_error(exc) from None

@@ -1,0 +1,110 @@
+"""Tracker protocol and the record it keeps per message."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..envelope import Envelope
+
+T = TypeVar("T")
+
+
+class MessageRecord(BaseModel):
+    """One message's life as the ops API shows it."""
+
+    model_config = ConfigDict(frozen=False)
+
+    message_id: UUID
+    tracking_id: UUID
+    type: str
+    queue: str
+    status: str
+    attempt: int = 0
+    correlation_id: str | None = None
+    created_at: datetime
+    updated_at: datetime
+    not_before: datetime | None = None
+    expires_at: datetime | None = None
+    locked_by: str | None = None
+    locked_until: datetime | None = None
+    last_error: str | None = None
+    reason: str | None = None
+    description: str | None = None
+    archived: bool = False
+    archived_at: datetime | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    body: dict[str, Any] | None = None
+    #: the raw text of a message whose envelope could not be decoded
+    raw: str | None = None
+    result: Any = None
+
+
+class MessageQuery(BaseModel):
+    """Filters for listing messages; every field is optional and they combine with AND."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    queue: str | None = None
+    type: str | None = None
+    status: tuple[str, ...] | None = None
+    created_from: datetime | None = None
+    created_to: datetime | None = None
+    archived: bool | None = None
+    correlation_id: str | None = None
+
+    def matches(self, r: MessageRecord) -> bool:
+        return (
+            (self.queue is None or r.queue == self.queue)
+            and (self.type is None or r.type == self.type)
+            and (self.status is None or r.status in self.status)
+            and (self.created_from is None or r.created_at >= self.created_from)
+            and (self.created_to is None or r.created_at < self.created_to)
+            and (self.archived is None or r.archived == self.archived)
+            and (self.correlation_id is None or r.correlation_id == self.correlation_id)
+        )
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = None
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    async def upsert(self, records: Sequence[MessageRecord]) -> None: ...
+
+    async def get(self, message_id: UUID) -> MessageRecord | None: ...
+
+    async def query(
+        self, query: MessageQuery, *, limit: int = 50, cursor: str | None = None
+    ) -> Page[MessageRecord]: ...
+
+    async def counts(self) -> dict[tuple[str, str], int]:
+        """Number of messages per (queue, status)."""
+        ...
+
+    async def delete(self, query: MessageQuery) -> int: ...
+
+
+def record_from_envelope(envelope: Envelope, status: str, now: datetime, **fields: Any) -> MessageRecord:
+    return MessageRecord(
+        message_id=envelope.message_id,
+        tracking_id=envelope.tracking_id,
+        type=envelope.type,
+        queue=envelope.queue,
+        status=status,
+        attempt=envelope.attempt,
+        correlation_id=envelope.correlation_id,
+        created_at=envelope.created_at,
+        updated_at=now,
+        not_before=envelope.not_before,
+        expires_at=envelope.expires_at,
+        headers=envelope.headers,
+        body=envelope.body,
+        **fields,
+    )

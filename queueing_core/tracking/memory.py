@@ -1,0 +1,56 @@
+"""A bounded in-memory tracker (least recently updated evicted first; 10,000 by default)."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from uuid import UUID
+
+from .base import MessageQuery, MessageRecord, Page
+
+
+class MemoryTracker:
+    def __init__(self, capacity: int = 10_000) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self._items: OrderedDict[UUID, MessageRecord] = OrderedDict()
+
+    async def upsert(self, records: Sequence[MessageRecord]) -> None:
+        for rec in records:
+            old = self._items.pop(rec.message_id, None)
+            if old is not None:
+                # later events may not carry the body again; keep what we knew
+                if rec.body is None:
+                    rec.body = old.body
+                if rec.raw is None:
+                    rec.raw = old.raw
+            self._items[rec.message_id] = rec
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    async def get(self, message_id: UUID) -> MessageRecord | None:
+        return self._items.get(message_id)
+
+    async def query(
+        self, query: MessageQuery, *, limit: int = 50, cursor: str | None = None
+    ) -> Page[MessageRecord]:
+        # newest first; the cursor is the offset into the filtered list (memory is small and local)
+        start = int(cursor) if cursor else 0
+        hits = [r for r in reversed(self._items.values()) if query.matches(r)]
+        hits.sort(key=lambda r: r.created_at, reverse=True)
+        page = hits[start : start + limit]
+        nxt = str(start + limit) if start + limit < len(hits) else None
+        return Page[MessageRecord](items=page, next_cursor=nxt)
+
+    async def counts(self) -> dict[tuple[str, str], int]:
+        return dict(Counter((r.queue, r.status) for r in self._items.values()))
+
+    async def delete(self, query: MessageQuery) -> int:
+        doomed = [k for k, r in self._items.items() if query.matches(r)]
+        for k in doomed:
+            del self._items[k]
+        return len(doomed)
+
+    def __len__(self) -> int:
+        return len(self._items)

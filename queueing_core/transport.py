@@ -1,0 +1,120 @@
+"""The provider seam (DESIGN.md): small, named by intent, with declared capabilities.
+
+Providers implement :class:`Provider`; the pipeline and the hosts use only this module's names, so
+``pause``, retries, expiry and the rest are written once for every transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from .clock import utcnow
+from .decisions import Decision, counts_attempt
+from .envelope import Envelope
+from .errors import MalformedEnvelope
+from .naming import Transport
+
+if TYPE_CHECKING:
+    from .app import QueueingApp, Subscription
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    #: longest delay the transport holds natively; None = unbounded, timedelta(0) = none
+    max_delay: timedelta | None = None
+    lock_renewal: bool = False
+    native_dead_letter: bool = False
+    #: the provider can wake a waiting consumer when work arrives (NOTIFY, an in-memory event)
+    push_wakeups: bool = False
+    #: the provider keeps message history itself (SQL); others feed a tracker
+    durable_history: bool = False
+    transactions: bool = False
+    #: largest encoded envelope the transport accepts
+    max_message_bytes: int | None = None
+    #: the provider's receive already leaves out paused queues/types (SQL filters in the claim)
+    filters_paused: bool = False
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One received message: the decoded envelope (or why it is not one) plus transport bookkeeping."""
+
+    queue: str  # logical queue name
+    raw: bytes | str
+    envelope: Envelope | None
+    malformed: MalformedEnvelope | None
+    #: this delivery's attempt number, 1-based, counting earlier counted attempts
+    attempt: int
+    handle: Any = None  # whatever the provider needs to settle (a row id, a lock token, a receipt)
+    received_at: datetime = field(default_factory=utcnow)
+    lease_until: datetime | None = None
+
+    @classmethod
+    def of(
+        cls,
+        raw: bytes | str,
+        *,
+        queue: str,
+        delivery_count: int = 1,
+        handle: Any = None,
+        lease_until: datetime | None = None,
+    ) -> Delivery:
+        """Decode ``raw``; ``delivery_count`` is the transport's own count for this copy (1 = first)."""
+        try:
+            env = Envelope.decode(raw)
+        except MalformedEnvelope as exc:
+            return cls(queue, raw, None, exc, max(1, delivery_count), handle, lease_until=lease_until)
+        return cls(
+            queue, raw, env, None, env.attempt + max(1, delivery_count), handle, lease_until=lease_until
+        )
+
+    @property
+    def type_name(self) -> str | None:
+        return self.envelope.type if self.envelope else None
+
+    def attempts_used(self, decision: Decision) -> int:
+        """Attempts consumed once ``decision`` is settled (what a re-sent copy's envelope carries)."""
+        if getattr(decision, "reset_attempts", False):
+            return 0
+        return self.attempt if counts_attempt(decision) else self.attempt - 1
+
+    def text(self) -> str:
+        raw = self.raw
+        return raw if isinstance(raw, str) else raw.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    delivery: Delivery
+    decision: Decision
+
+
+@runtime_checkable
+class Provider(Protocol):
+    transport: Transport
+    capabilities: Capabilities
+
+    async def open(self, app: QueueingApp) -> None:
+        """Connect and make sure the app's queues exist (when allowed)."""
+
+    async def close(self) -> None: ...
+
+    async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
+        """Send; with ``wait`` return only once the transport has durably accepted every envelope."""
+
+    async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
+        """Take up to ``max_messages`` available now (leased to this consumer); never blocks long."""
+        ...
+
+    async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
+        """Sleep up to ``timeout`` seconds, returning early when the provider learns of new work."""
+
+    async def settle(self, settlements: Sequence[Settlement]) -> None:
+        """Carry out the pipeline's decisions."""
+
+    async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Extend the leases of in-flight deliveries; return the ones whose lease was lost."""
+        ...

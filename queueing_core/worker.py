@@ -1,0 +1,343 @@
+"""The long-running host (seed 000's QueueingService): one consumer loop per subscribed queue.
+
+- Receives only what it can run: ``max_concurrency x prefetch`` per type, never more.
+- Polls adaptively (seed 002): straight again while batches come back full, a short pause after a
+  partial batch, doubling up to ``poll_max`` while idle; a provider with push wake-ups (NOTIFY,
+  in-memory) cuts the sleep short when work arrives.
+- Settles in small batches (one round-trip for many completions) and renews leases while handlers run.
+- Shuts down gracefully (B13): on SIGTERM/SIGINT it stops receiving, lets in-flight work finish until
+  ``shutdown_timeout``, then cancels what is left and releases those leases so another worker can take
+  them at once. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Collection
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .app import Subscription
+from .clock import utcnow
+from .control import ControlState, circuit
+from .decisions import Release
+from .runtime import Runtime, default_worker_id
+from .transport import Delivery, Settlement
+
+log = logging.getLogger("queueing.worker")
+
+
+def _held(state: ControlState, sub: Subscription) -> bool:
+    """Paused, or a circuit that admits nothing now: receiving would only hand the work back."""
+    if state.is_paused(sub.queue, sub.type_name):
+        return True
+    if sub.options.circuit_breaker is None:
+        return False
+    return circuit.admission(state.circuit(sub.type_name), utcnow()) is circuit.Admission.HOLD
+
+
+class PollBackoff:
+    def __init__(self, minimum: float, maximum: float) -> None:
+        self.minimum = minimum
+        self.maximum = maximum
+        self.current = minimum
+
+    def after(self, received: int, requested: int) -> float:
+        if received >= requested:
+            self.current = self.minimum
+            return 0.0
+        if received:
+            self.current = self.minimum
+            return self.minimum
+        delay = self.current
+        self.current = min(self.maximum, self.current * 2)
+        return delay
+
+    def failure(self) -> float:
+        self.current = min(self.maximum * 5, max(self.current * 2, 0.5))
+        return self.current
+
+
+@dataclass
+class _SubState:
+    in_flight: int = 0
+    slot_freed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Settler:
+    """Collects settlements and hands them to the provider in batches."""
+
+    def __init__(self, runtime: Runtime, *, batch: int = 200, linger: float = 0.002) -> None:
+        self.runtime = runtime
+        self.batch = batch
+        self.linger = linger
+        self._buf: list[Settlement] = []
+        self._ready = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="queueing-settler")
+
+    def add(self, settlement: Settlement) -> None:
+        self._buf.append(settlement)
+        self._ready.set()
+
+    async def _run(self) -> None:
+        while not (self._closing and not self._buf):
+            await self._ready.wait()
+            if self.linger and len(self._buf) < self.batch and not self._closing:
+                await asyncio.sleep(self.linger)  # let a burst of completions share one round-trip
+            self._ready.clear()
+            while self._buf:
+                chunk, self._buf = self._buf[: self.batch], self._buf[self.batch :]
+                await self._flush(chunk)
+
+    async def _flush(self, chunk: list[Settlement]) -> None:
+        for attempt in range(1, 6):
+            try:
+                await self.runtime.provider.settle(chunk)
+                break
+            except Exception as exc:
+                if attempt == 5:
+                    # The leases will lapse and the messages come back: at-least-once, nothing lost.
+                    log.error("could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc)
+                    return
+                log.warning("settling %d message(s) failed (%s); retrying", len(chunk), exc)
+                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+        await self.runtime.record(chunk)
+
+    async def close(self) -> None:
+        self._closing = True
+        self._ready.set()
+        if self._task is not None:
+            await self._task
+
+
+class Worker:
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        worker_id: str | None = None,
+        queues: Collection[str] | None = None,
+        shutdown_timeout: float = 30.0,
+        poll_min: float = 0.05,
+        poll_max: float = 2.0,
+        pause_poll: float = 1.0,
+        batch_size: int = 100,
+        prefetch: int = 1,
+        settle_batch: int = 200,
+        settle_linger: float = 0.002,
+    ) -> None:
+        self.runtime = runtime
+        self.worker_id = worker_id or default_worker_id()
+        self.queues = set(queues) if queues else None
+        self.shutdown_timeout = shutdown_timeout
+        self.poll_min = poll_min
+        self.poll_max = poll_max
+        self.pause_poll = pause_poll
+        self.batch_size = batch_size
+        self.prefetch = max(1, prefetch)
+        self.settler = Settler(runtime, batch=settle_batch, linger=settle_linger)
+        self._stopping = asyncio.Event()
+        self._stop_requested = asyncio.Event()
+        self._hurry = asyncio.Event()  # a second signal: do not wait for in-flight work
+        self._handler_stop = asyncio.Event()  # what handlers see as ``ctx.cancelled``
+        self._consumers: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._in_flight: dict[int, Delivery] = {}
+        self._subs: dict[str, _SubState] = {}
+        self._renewer: asyncio.Task[None] | None = None
+        self._stop_waiter: asyncio.Future[Any] | None = None
+        self.started = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def subscriptions(self) -> list[Subscription]:
+        # types without a handler are consumed too: their messages become WaitingForHandler (B3)
+        subs = self.runtime.app.subscriptions()
+        if self.queues is not None:
+            subs = [s for s in subs if s.queue in self.queues or s.type_name in self.queues]
+        return subs
+
+    async def start(self) -> None:
+        await self.runtime.open()
+        self._stop_waiter = asyncio.ensure_future(self._stopping.wait())
+        self.settler.start()
+        for sub in self.subscriptions():
+            self._subs[sub.type_name] = _SubState()
+            self._consumers.append(asyncio.create_task(self._consume(sub), name=f"consume:{sub.queue}"))
+        if self.runtime.provider.capabilities.lock_renewal:
+            self._renewer = asyncio.create_task(self._renew_loop(), name="queueing-renew")
+        log.info(
+            "worker %s started on %s: %s",
+            self.worker_id,
+            self.runtime.provider.transport.value,
+            ", ".join(f"{s.queue}(x{s.options.max_concurrency})" for s in self.subscriptions())
+            or "no handlers",
+        )
+        self.started.set()
+
+    def request_stop(self) -> None:
+        if self._stop_requested.is_set():
+            log.warning("second stop request: not waiting for in-flight handlers")
+            self._hurry.set()
+        self._stop_requested.set()
+
+    async def run(self, *, install_signal_handlers: bool = True) -> None:
+        """Run until SIGTERM/SIGINT (or :meth:`request_stop`), then shut down gracefully."""
+        loop = asyncio.get_running_loop()
+        if install_signal_handlers:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+            await self._stop_requested.wait()
+        finally:
+            await self.shutdown()
+            if install_signal_handlers:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    with contextlib.suppress(NotImplementedError, RuntimeError):
+                        loop.remove_signal_handler(sig)
+
+    async def shutdown(self) -> None:
+        if self._stopping.is_set() and not self._consumers:
+            return
+        self._stopping.set()
+        await asyncio.gather(*self._consumers, return_exceptions=True)
+        self._consumers.clear()
+        pending = set(self._tasks)
+        if pending:
+            log.info("waiting up to %.0fs for %d in-flight message(s)", self.shutdown_timeout, len(pending))
+            hurry: asyncio.Future[Any] = asyncio.ensure_future(self._hurry.wait())
+            deadline = asyncio.get_running_loop().time() + self.shutdown_timeout
+            while pending and not hurry.done():
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    break
+                waiting: set[asyncio.Future[Any]] = {*pending, hurry}
+                await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                pending = {t for t in pending if not t.done()}
+            hurry.cancel()
+            if pending:
+                log.warning("releasing %d message(s) still running at the shutdown deadline", len(pending))
+                self._handler_stop.set()
+                for t in pending:
+                    t.cancel()
+                await asyncio.wait(pending, timeout=10)
+        await self.settler.close()
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+        if self._stop_waiter is not None:
+            self._stop_waiter.cancel()
+        await self.runtime.close()
+        log.info("worker %s stopped", self.worker_id)
+
+    # -- consuming ---------------------------------------------------------------------------------
+    async def _until_stopping(self, aw: Awaitable[Any], timeout: float | None) -> None:
+        task: asyncio.Future[Any] = asyncio.ensure_future(aw)
+        assert self._stop_waiter is not None
+        waiting: set[asyncio.Future[Any]] = {task, self._stop_waiter}
+        await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _consume(self, sub: Subscription) -> None:
+        provider = self.runtime.provider
+        control = self.runtime.control
+        state = self._subs[sub.type_name]
+        backoff = PollBackoff(self.poll_min, self.poll_max)
+        while not self._stopping.is_set():
+            # re-read: a handler registered after start-up takes over its waiting backlog (B3)
+            sub = self.runtime.pipeline.subscription(sub.type_name) or sub
+            capacity = sub.options.max_concurrency * self.prefetch if sub.handler else 1
+            free = capacity - state.in_flight
+            if free <= 0:
+                state.slot_freed.clear()
+                await self._until_stopping(state.slot_freed.wait(), None)
+                continue
+            try:
+                if not provider.capabilities.filters_paused and _held(await control.state(), sub):
+                    await self._until_stopping(asyncio.sleep(self.pause_poll), None)
+                    continue
+                want = min(free, self.batch_size)
+                batch = await provider.receive(sub, want)
+            except Exception as exc:
+                delay = backoff.failure()
+                log.warning(
+                    "receiving from %s failed (%s: %s); retrying in %.1fs",
+                    sub.queue,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
+                await self._until_stopping(asyncio.sleep(delay), None)
+                continue
+            for delivery in batch:
+                state.in_flight += 1
+                self._in_flight[id(delivery)] = delivery
+                task = asyncio.create_task(self._handle(sub, state, delivery))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            delay = backoff.after(len(batch), want)
+            if delay > 0:
+                await self._until_stopping(provider.wait_for_work(sub, delay), delay + 1.0)
+
+    async def _handle(self, sub: Subscription, state: _SubState, delivery: Delivery) -> None:
+        try:
+            settlement = await self.runtime.process(delivery, stopping=self._handler_stop)
+        except asyncio.CancelledError:
+            settlement = Settlement(delivery, Release("host shutting down"))
+        except Exception as exc:
+            # the pipeline itself failed (e.g. the control store is unreachable): give it back
+            log.exception("could not process a message from %s; releasing it", sub.queue)
+            settlement = Settlement(delivery, Release(f"pipeline error: {type(exc).__name__}: {exc}"))
+        finally:
+            state.in_flight -= 1
+            state.slot_freed.set()
+            self._in_flight.pop(id(delivery), None)
+        self.settler.add(settlement)
+
+    async def _renew_loop(self) -> None:
+        leases = [s.options.lease_duration for s in self.subscriptions()] or [timedelta(seconds=30)]
+        interval = max(0.5, min(leases).total_seconds() / 3)
+        provider = self.runtime.provider
+        while True:
+            await asyncio.sleep(interval)
+            now = utcnow()
+            due = [
+                d
+                for d in list(self._in_flight.values())
+                if d.lease_until is None or (d.lease_until - now).total_seconds() < 2 * interval
+            ]
+            if not due:
+                continue
+            try:
+                lost = await provider.renew(due)
+            except Exception as exc:
+                log.warning("lease renewal failed (%s); will try again in %.1fs", exc, interval)
+                continue
+            for d in lost:
+                env = d.envelope
+                log.warning(
+                    "lease lost for message %s on %s: another worker may process it",
+                    env.message_id if env else "?",
+                    d.queue,
+                    extra={
+                        "message_id": str(env.message_id) if env else None,
+                        "correlation_id": env.correlation_id if env else None,
+                    },
+                )
+
+    # -- introspection -------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)

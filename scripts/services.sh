@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Start the local services the test suite talks to, if they are not answering already.
+set -uo pipefail
+
+up() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+wait_for() {  # name port seconds
+  for _ in $(seq 1 "$3"); do up "$2" && { echo "$1 is up on $2"; return 0; }; sleep 1; done
+  echo "$1 did not come up on port $2" >&2; return 1
+}
+
+if ! up 5432; then
+  echo "starting PostgreSQL"
+  pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
+fi
+if ! up 5672; then
+  echo "starting RabbitMQ"
+  rabbitmq-server -detached || true
+fi
+if ! up 3306; then
+  echo "starting MariaDB"
+  start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd || true
+fi
+wait_for PostgreSQL 5432 60 && wait_for RabbitMQ 5672 90 && wait_for MariaDB 3306 60

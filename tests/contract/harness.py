@@ -1,0 +1,123 @@
+"""Provider harnesses for the contract suite: a fresh provider per test plus the few things a test
+needs to reach under the kit (injecting raw bytes on the wire). A new provider joins the suite by
+adding one harness here and one name in ``HARNESSES``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from queueing_core import QueueingApp, QueueNaming
+from queueing_core.runtime import Runtime
+from queueing_core.tracking import MessageQuery, MessageRecord
+from queueing_core.transport import Provider
+from queueing_core.worker import Worker
+
+
+@dataclass
+class Harness:
+    name: str
+    #: async () -> Provider, fresh for each test
+    make_provider: Callable[[], Awaitable[Provider]]
+    #: async (runtime, logical queue, raw bytes) -> None: put bytes on the wire, bypassing the kit
+    inject_raw: Callable[[Runtime, str, bytes], Awaitable[None]]
+    #: the transport delivers in enqueue order when one consumer runs one message at a time
+    ordered: bool = True
+    runtime_kwargs: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    cleanup: Callable[[], Awaitable[None]] | None = None
+
+    def app(self) -> QueueingApp:
+        # a unique prefix isolates each test on shared brokers and databases
+        return QueueingApp("contract", naming=QueueNaming(prefix=f"t{uuid.uuid4().hex[:8]}-"))
+
+    async def runtime(self, app: QueueingApp, provider: Provider | None = None, **kw: Any) -> Runtime:
+        provider = provider or await self.make_provider()
+        opts = {
+            "pause_recheck": timedelta(milliseconds=200),
+            "waiting_recheck": timedelta(milliseconds=200),
+            "control_ttl": 0.05,
+            **self.runtime_kwargs(),
+            **kw,
+        }
+        rt = Runtime(app, provider, **opts)
+        await rt.open()
+        return rt
+
+
+def fast_worker(runtime: Runtime, **kw: Any) -> Worker:
+    opts = dict(poll_min=0.01, poll_max=0.1, pause_poll=0.05, shutdown_timeout=5.0, settle_linger=0.0)
+    opts.update(kw)
+    return Worker(runtime, **opts)
+
+
+@contextlib.asynccontextmanager
+async def running(runtime: Runtime, **kw: Any) -> AsyncIterator[Worker]:
+    worker = fast_worker(runtime, **kw)
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.shutdown()
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def record(runtime: Runtime, message_id: uuid.UUID) -> MessageRecord:
+    rec = await runtime.tracker.get(message_id)
+    assert rec is not None, f"no history for {message_id}"
+    return rec
+
+
+async def statuses(runtime: Runtime, ids: list[uuid.UUID]) -> list[str]:
+    return [(await record(runtime, i)).status for i in ids]
+
+
+async def all_have(runtime: Runtime, ids: list[uuid.UUID], status: str) -> bool:
+    for i in ids:
+        rec = await runtime.tracker.get(i)
+        if rec is None or rec.status != status:
+            return False
+    return True
+
+
+async def find(runtime: Runtime, **query: Any) -> list[MessageRecord]:
+    return (await runtime.tracker.query(MessageQuery(**query), limit=500)).items
+
+
+# -- in-process ------------------------------------------------------------------------------------
+def inprocess() -> Harness:
+    from queueing_core.providers.inprocess import InProcessProvider, _Item, _seq
+
+    async def make() -> Provider:
+        return InProcessProvider()
+
+    async def inject(rt: Runtime, queue: str, raw: bytes) -> None:
+        from queueing_core.clock import utcnow
+
+        prov = rt.provider
+        assert isinstance(prov, InProcessProvider)
+        prov._q(queue).put(_Item(utcnow(), next(_seq), raw), utcnow())
+
+    return Harness("inprocess", ordered=True, make_provider=make, inject_raw=inject)
+
+
+HARNESSES: dict[str, Callable[[], Harness]] = {"inprocess": inprocess}

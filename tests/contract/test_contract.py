@@ -1,0 +1,374 @@
+"""The contract every provider keeps (SPEC B1-B8, B13): same behaviours, same assertions.
+
+Each test builds its own app (with a unique queue prefix) and provider, drives a real Worker, and
+asserts on what the history says: statuses, attempts, order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+
+import pytest
+
+from queueing_core import (
+    CircuitBreakerOptions,
+    DeadLetterReason,
+    MessageStatus,
+    NonRetryableError,
+    QueueMessage,
+    Retry,
+    RetryPolicy,
+    queue,
+)
+
+from .harness import all_have, find, record, running, statuses, wait_until
+
+FAST_RETRY = RetryPolicy(base=timedelta(milliseconds=20), factor=1.0, jitter=0)
+
+
+@queue("jobs", max_attempts=3, retry=FAST_RETRY)
+class Job(QueueMessage):
+    key: str
+    fail_times: int = 0
+    fatal: bool = False
+    sleep: float = 0.0
+
+
+def job_app(harness, **handler_kw):
+    app = harness.app()
+    calls: list[tuple[str, int]] = []
+
+    @app.handler(**handler_kw)
+    async def handle(msg: Job, ctx):
+        calls.append((msg.key, ctx.attempt))
+        if msg.sleep:
+            await asyncio.sleep(msg.sleep)
+        if msg.fatal:
+            raise NonRetryableError(f"{msg.key} can never work")
+        if ctx.attempt <= msg.fail_times:
+            raise RuntimeError(f"{msg.key} failed on attempt {ctx.attempt}")
+        return {"key": msg.key}
+
+    return app, calls
+
+
+async def test_each_message_is_handled_once_and_succeeds(harness):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    receipts = await app.enqueue_many([Job(key=str(i)) for i in range(25)])
+    async with running(rt):
+        ids = [r.message_id for r in receipts]
+        await wait_until(lambda: all_have(rt, ids, MessageStatus.SUCCEEDED), what="25 successes")
+    assert sorted(k for k, _ in calls) == sorted(str(i) for i in range(25))
+    assert {a for _, a in calls} == {1}
+    assert {(await record(rt, i)).attempt for i in ids} == {1}
+
+
+async def test_failures_retry_with_counted_attempts_then_succeed(harness):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Job(key="flaky", fail_times=2))
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="success")
+    assert calls == [("flaky", 1), ("flaky", 2), ("flaky", 3)]
+    rec = await record(rt, r.message_id)
+    assert rec.attempt == 3
+
+
+async def test_max_attempts_dead_letters_with_reason_and_last_error(harness):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Job(key="doomed", fail_times=99))
+    async with running(rt):
+        await wait_until(
+            lambda: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED), what="dead letter"
+        )
+        await asyncio.sleep(0.2)  # nothing more happens to it
+    assert calls == [("doomed", 1), ("doomed", 2), ("doomed", 3)]
+    rec = await record(rt, r.message_id)
+    assert rec.reason == DeadLetterReason.MAX_ATTEMPTS.value
+    assert "doomed failed on attempt 3" in (rec.description or "")
+
+
+async def test_non_retryable_error_dead_letters_at_once(harness):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Job(key="fatal", fatal=True))
+    async with running(rt):
+        await wait_until(
+            lambda: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED), what="dead letter"
+        )
+    assert calls == [("fatal", 1)]
+    assert (await record(rt, r.message_id)).reason == DeadLetterReason.NON_RETRYABLE.value
+
+
+async def test_retry_after_is_honoured(harness):
+    app = harness.app()
+    seen: list[float] = []
+
+    @app.handler()
+    async def h(msg: Job, ctx):
+        seen.append(time.monotonic())
+        if ctx.attempt == 1:
+            raise Retry(after=timedelta(milliseconds=600))
+
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Job(key="later"))
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="success")
+    assert len(seen) == 2
+    assert seen[1] - seen[0] >= 0.55
+
+
+async def test_expired_messages_are_never_handled(harness):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Job(key="stale"), ttl=timedelta(milliseconds=300))
+    await asyncio.sleep(0.5)
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.EXPIRED), what="expiry")
+    assert calls == []
+
+
+async def test_delayed_messages_sleep_until_due(harness):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    start = time.monotonic()
+    r = await app.enqueue(Job(key="delayed"), delay=timedelta(milliseconds=800))
+    assert r.status == MessageStatus.SLEEPING
+    handled_at: list[float] = []
+
+    @app.hooks.on()
+    def stamp(obs):
+        if obs.event.value == "succeeded":
+            handled_at.append(time.monotonic())
+
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="success")
+    assert calls == [("delayed", 1)]
+    assert handled_at[0] - start >= 0.75
+
+
+async def test_missing_handler_waits_and_a_later_handler_takes_the_backlog(harness):
+    app = harness.app()
+    app.message(Job)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Job(key="early"))
+    async with running(rt):
+        await wait_until(
+            lambda: all_have(rt, [r.message_id], MessageStatus.WAITING_FOR_HANDLER), what="WaitingForHandler"
+        )
+        handled: list[int] = []
+
+        @app.handler()
+        async def late(msg: Job, ctx):
+            handled.append(ctx.attempt)
+
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="late handling")
+    assert handled == [1]  # waiting never burned an attempt
+
+
+@pytest.mark.parametrize("kind", ["queue", "type"])
+async def test_pause_holds_work_without_burning_attempts_and_resume_releases_it(harness, kind):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    await rt.control.set_paused(kind, "jobs" if kind == "queue" else "Job", True)
+    receipts = await app.enqueue_many([Job(key=str(i)) for i in range(3)])
+    ids = [r.message_id for r in receipts]
+    async with running(rt):
+        await asyncio.sleep(0.6)
+        assert calls == []
+        assert not {s for s in await statuses(rt, ids)} & {MessageStatus.SUCCEEDED, MessageStatus.FAILED}
+        await rt.control.set_paused(kind, "jobs" if kind == "queue" else "Job", False)
+        await wait_until(lambda: all_have(rt, ids, MessageStatus.SUCCEEDED), what="resumed work")
+    assert sorted(calls) == [("0", 1), ("1", 1), ("2", 1)]
+
+
+async def test_circuit_opens_holds_work_then_a_probe_closes_it(harness):
+    @queue(
+        "gateway",
+        max_attempts=50,
+        retry=FAST_RETRY,
+        circuit_breaker=CircuitBreakerOptions(failure_threshold=3, cooldown=timedelta(milliseconds=700)),
+    )
+    class Charge(QueueMessage):
+        n: int
+
+    app = harness.app()
+    state = {"down": True}
+    calls: list[tuple[int, float]] = []
+
+    @app.handler(max_concurrency=1)
+    async def charge(msg: Charge):
+        calls.append((msg.n, time.monotonic()))
+        if state["down"]:
+            raise ConnectionError("gateway down")
+
+    rt = await harness.runtime(app)
+    receipts = await app.enqueue_many([Charge(n=i) for i in range(4)])
+    async with running(rt):
+        await wait_until(lambda: len(calls) >= 3, what="three failures")
+        await wait_until(lambda: _circuit(rt, "Charge", "open"), what="open circuit")
+        opened = time.monotonic()
+        state["down"] = False
+        await asyncio.sleep(0.3)
+        during = [t for _, t in calls if opened + 0.05 < t < opened + 0.3]
+        assert during == []  # the open circuit held the work
+        await wait_until(
+            lambda: all_have(rt, [r.message_id for r in receipts], MessageStatus.SUCCEEDED),
+            what="work after the probe",
+        )
+    assert await _circuit(rt, "Charge", "closed")
+
+
+async def _circuit(rt, type_name, name):
+    rt.control.invalidate()
+    return (await rt.control.state()).circuit(type_name).state == name
+
+
+async def test_circuit_reset_lets_work_through_before_the_cooldown(harness):
+    @queue(
+        "gateway2",
+        max_attempts=50,
+        retry=FAST_RETRY,
+        circuit_breaker=CircuitBreakerOptions(failure_threshold=1, cooldown=timedelta(hours=1)),
+    )
+    class Charge2(QueueMessage):
+        ok: bool
+
+    app = harness.app()
+
+    @app.handler(max_concurrency=1)
+    async def charge(msg: Charge2):
+        if not msg.ok:
+            raise ConnectionError("down")
+
+    rt = await harness.runtime(app)
+    bad = await app.enqueue(Charge2(ok=False))
+    async with running(rt):
+        await wait_until(lambda: _circuit(rt, "Charge2", "open"), what="open circuit")
+        good = await app.enqueue(Charge2(ok=True))
+        await asyncio.sleep(0.3)
+        assert (await record(rt, good.message_id)).status != MessageStatus.SUCCEEDED
+        await rt.control.reset_circuit("Charge2")
+        await wait_until(lambda: all_have(rt, [good.message_id], MessageStatus.SUCCEEDED), what="after reset")
+    assert (await record(rt, bad.message_id)).attempt >= 1
+
+
+async def test_max_concurrency_per_type(harness):
+    app = harness.app()
+    running_now, peak = 0, 0
+
+    @app.handler(max_concurrency=3)
+    async def h(msg: Job):
+        nonlocal running_now, peak
+        running_now += 1
+        peak = max(peak, running_now)
+        await asyncio.sleep(0.05)
+        running_now -= 1
+
+    rt = await harness.runtime(app)
+    receipts = await app.enqueue_many([Job(key=str(i)) for i in range(15)])
+    async with running(rt):
+        await wait_until(
+            lambda: all_have(rt, [r.message_id for r in receipts], MessageStatus.SUCCEEDED),
+            what="15 successes",
+        )
+    assert peak == 3
+
+
+async def test_execution_time_limit_counts_failed_attempts(harness):
+    app, calls = job_app(harness, time_limit=timedelta(milliseconds=100))
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Job(key="slow", sleep=5))
+    async with running(rt):
+        await wait_until(
+            lambda: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED),
+            timeout=15,
+            what="dead letter after time limits",
+        )
+    assert [a for _, a in calls] == [1, 2, 3]
+    assert "execution time limit of 0.1s exceeded" in ((await record(rt, r.message_id)).description or "")
+
+
+async def test_graceful_shutdown_lets_in_flight_work_finish(harness):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Job(key="finishing", sleep=0.4))
+    async with running(rt, shutdown_timeout=5):
+        await wait_until(lambda: len(calls) == 1, what="handler start")
+    # leaving the block shut the worker down; the in-flight handler was allowed to finish
+    assert (await record(rt, r.message_id)).status == MessageStatus.SUCCEEDED
+
+
+async def test_shutdown_deadline_releases_work_for_the_next_worker_without_an_attempt(harness):
+    app, calls = job_app(harness)
+    provider = await harness.make_provider()
+    rt = await harness.runtime(app, provider)
+    r = await app.enqueue(Job(key="long", sleep=30))
+    t0 = time.monotonic()
+    async with running(rt, shutdown_timeout=0.3):
+        await wait_until(lambda: len(calls) == 1, what="handler start")
+    assert time.monotonic() - t0 < 5  # did not wait for the 30 s handler
+    rec = await record(rt, r.message_id)
+    assert rec.status == MessageStatus.PENDING
+    assert rec.attempt == 0
+    # the next worker (same durable transport) takes it at once; the first attempt did not count
+    app2, calls2 = job_app(harness)
+    app2.naming = app.naming
+    rt2 = await harness.runtime(app2, provider if harness.name == "inprocess" else None)
+    await rt2.control.set_paused("queue", "nothing", False)
+    async with running(rt2):
+        await wait_until(lambda: len(calls2) == 1, what="second worker start")
+    assert calls2 == [("long", 1)]
+
+
+async def test_malformed_bytes_on_the_wire_are_dead_lettered_with_the_raw_kept(harness):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    await harness.inject_raw(rt, "jobs", b"this is not an envelope")
+    good = await app.enqueue(Job(key="fine"))
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [good.message_id], MessageStatus.SUCCEEDED), what="good one")
+
+        async def poisoned():
+            return [
+                r
+                for r in await find(rt, status=(MessageStatus.DEAD_LETTERED,))
+                if r.reason == DeadLetterReason.MALFORMED_ENVELOPE.value
+            ]
+
+        await wait_until(poisoned, what="malformed dead letter")
+    [rec] = await poisoned()
+    assert "this is not an envelope" in (rec.raw or "")
+    assert calls == [("fine", 1)]
+
+
+async def test_one_consumer_at_a_time_keeps_enqueue_order(harness):
+    if not harness.ordered:
+        pytest.skip(f"{harness.name} does not promise order")
+
+    @queue("ordered-q", ordered=True, max_attempts=5, retry=FAST_RETRY)
+    class Step(QueueMessage):
+        n: int
+
+    app = harness.app()
+    seen: list[int] = []
+    failed_once = set()
+
+    @app.handler()
+    async def h(msg: Step):
+        if msg.n == 3 and 3 not in failed_once:
+            failed_once.add(3)
+            raise RuntimeError("3 fails once; 4 must still wait for it")
+        seen.append(msg.n)
+
+    rt = await harness.runtime(app)
+    receipts = await app.enqueue_many([Step(n=i) for i in range(8)])
+    async with running(rt):
+        await wait_until(
+            lambda: all_have(rt, [r.message_id for r in receipts], MessageStatus.SUCCEEDED), what="all steps"
+        )
+    assert seen == list(range(8))

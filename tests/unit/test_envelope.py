@@ -1,0 +1,86 @@
+"""The wire envelope: round trips, and strict decoding with typed errors."""
+
+import contextlib
+import json
+from datetime import UTC, datetime
+from uuid import uuid4
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from queueing_core.envelope import Envelope
+from queueing_core.errors import MalformedEnvelope, UnsupportedEnvelopeVersion
+
+
+def make(**kw):
+    base = dict(
+        type="OrderPlaced",
+        queue="orders",
+        message_id=uuid4(),
+        tracking_id=uuid4(),
+        created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+        body={"order_id": "1"},
+    )
+    return Envelope(**{**base, **kw})
+
+
+def test_round_trip_keeps_every_field():
+    env = make(
+        correlation_id="c-1",
+        attempt=2,
+        headers={"tenant": "t1"},
+        not_before=datetime(2026, 1, 3, tzinfo=UTC),
+        expires_at=datetime(2026, 1, 4, tzinfo=UTC),
+    )
+    assert Envelope.decode(env.encode()) == env
+    assert Envelope.decode(env.encode_text()) == env
+    doc = json.loads(env.encode())
+    assert doc["v"] == 1
+    assert doc["body"] == {"order_id": "1"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b"not json at all", "Invalid JSON"),
+        (b"[1, 2]", "(document)"),
+        (b"{}", "type: Field required"),
+        (json.dumps({"v": 1, "type": "T"}).encode(), "Field required"),
+        (b"\xff\xfe\x00", "(document)"),
+    ],
+)
+def test_malformed_input_gives_a_typed_error_with_the_raw_kept(raw, fragment):
+    with pytest.raises(MalformedEnvelope) as info:
+        Envelope.decode(raw)
+    assert fragment in info.value.reason
+    assert info.value.raw == raw
+    assert info.value.reason_code == "malformed-envelope"
+
+
+def test_unknown_fields_are_refused():
+    doc = json.loads(make().encode())
+    doc["surprise"] = True
+    with pytest.raises(MalformedEnvelope, match="surprise"):
+        Envelope.decode(json.dumps(doc))
+
+
+def test_another_version_is_its_own_error():
+    doc = json.loads(make().encode())
+    doc["v"] = 2
+    with pytest.raises(UnsupportedEnvelopeVersion, match="version 2"):
+        Envelope.decode(json.dumps(doc))
+
+
+def test_naive_datetimes_are_read_as_utc():
+    doc = json.loads(make().encode())
+    doc["created_at"] = "2026-01-02T03:04:05"
+    env = Envelope.decode(json.dumps(doc))
+    assert env.created_at.tzinfo is not None
+    assert env.created_at.utcoffset().total_seconds() == 0
+
+
+@given(st.binary(max_size=300))
+def test_any_bytes_either_decode_or_raise_malformed(raw):
+    with contextlib.suppress(MalformedEnvelope):
+        Envelope.decode(raw)

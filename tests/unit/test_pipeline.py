@@ -1,0 +1,344 @@
+"""The decision pipeline, decision by decision, with a fixed clock and in-memory control state."""
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+from queueing_core import (
+    CircuitBreakerOptions,
+    Complete,
+    DeadLetter,
+    DeadLetterReason,
+    Defer,
+    Event,
+    Expire,
+    MessageStatus,
+    NonRetryableError,
+    QueueingApp,
+    QueueMessage,
+    Release,
+    Retry,
+    RetryAfter,
+    RetryPolicy,
+    queue,
+)
+from queueing_core.control import MemoryControlStore
+from queueing_core.pipeline import Pipeline
+from queueing_core.producer import Producer
+from queueing_core.transport import Capabilities, Delivery
+
+T0 = datetime(2026, 5, 1, 9, 0, tzinfo=UTC)
+
+
+class Clock:
+    def __init__(self):
+        self.now = T0
+
+    def __call__(self):
+        return self.now
+
+
+@queue(
+    "work",
+    max_attempts=3,
+    retry=RetryPolicy(base=timedelta(seconds=2), jitter=0),
+    expiration=timedelta(minutes=10),
+)
+class Work(QueueMessage):
+    action: str = "ok"
+    seconds: float = 0
+
+
+class _NullProvider:
+    capabilities = Capabilities()
+
+
+def make(app=None, *, breaker=None):
+    app = app or QueueingApp()
+    clock = Clock()
+    control = MemoryControlStore()
+    pipe = Pipeline(app, control, clock=clock, rand=lambda: 0.5)
+    prod = Producer(app, _NullProvider(), clock=clock)
+    return app, pipe, control, clock, prod
+
+
+def delivery(prod, msg, attempt=1, **kw):
+    env = prod.envelope_for(msg, **kw)
+    return Delivery(queue=env.queue, raw=env.encode(), envelope=env, malformed=None, attempt=attempt)
+
+
+def with_handler(app):
+    calls = []
+
+    @app.handler()
+    async def handle(msg: Work, ctx):
+        calls.append((msg.action, ctx.attempt))
+        if msg.action == "fail":
+            raise RuntimeError("boom")
+        if msg.action == "retry":
+            raise Retry(after=timedelta(seconds=42), reason="not yet")
+        if msg.action == "fatal":
+            raise NonRetryableError("cannot ever work")
+        if msg.action == "later":
+            return T0 + timedelta(hours=1)
+        if msg.action == "slow":
+            await asyncio.sleep(msg.seconds)
+        return {"done": msg.action}
+
+    return calls
+
+
+async def test_success_completes_with_the_result():
+    app, pipe, *_, prod = make()
+    calls = with_handler(app)
+    d = await pipe.process(delivery(prod, Work()))
+    assert d == Complete({"done": "ok"})
+    assert d.status is MessageStatus.SUCCEEDED
+    assert calls == [("ok", 1)]
+
+
+async def test_failure_retries_with_backoff_then_dead_letters_at_max_attempts():
+    app, pipe, *_, prod = make()
+    with_handler(app)
+    msg = Work(action="fail", created_at=T0)
+    first = await pipe.process(delivery(prod, msg, attempt=1))
+    second = await pipe.process(delivery(prod, msg, attempt=2))
+    last = await pipe.process(delivery(prod, msg, attempt=3))
+    assert isinstance(first, RetryAfter)
+    assert first.delay == timedelta(seconds=2)
+    assert "RuntimeError: boom" in first.error
+    assert isinstance(second, RetryAfter)
+    assert second.delay == timedelta(seconds=4)
+    assert isinstance(last, DeadLetter)
+    assert last.reason is DeadLetterReason.MAX_ATTEMPTS
+    assert "attempt 3 of 3" in last.description
+    assert "boom" in last.description
+
+
+async def test_retry_after_and_non_retryable_and_run_again_later():
+    app, pipe, *_, prod = make()
+    with_handler(app)
+    r = await pipe.process(delivery(prod, Work(action="retry")))
+    assert isinstance(r, RetryAfter)
+    assert r.delay == timedelta(seconds=42)
+    f = await pipe.process(delivery(prod, Work(action="fatal")))
+    assert isinstance(f, DeadLetter)
+    assert f.reason is DeadLetterReason.NON_RETRYABLE
+    assert "cannot ever" in f.description
+    later = await pipe.process(delivery(prod, Work(action="later")))
+    assert later == Defer(
+        T0 + timedelta(hours=1),
+        MessageStatus.SLEEPING,
+        "handler asked to run again later",
+        reset_attempts=True,
+    )
+
+
+async def test_expired_message_never_reaches_the_handler():
+    app, pipe, _, clock, prod = make()
+    calls = with_handler(app)
+    d = delivery(prod, Work(created_at=T0))
+    clock.now = T0 + timedelta(minutes=10)
+    decision = await pipe.process(d)
+    assert decision == Expire(T0 + timedelta(minutes=10))
+    assert calls == []
+
+
+async def test_early_delivery_sleeps_until_due():
+    app, pipe, *_, prod = make()
+    calls = with_handler(app)
+    decision = await pipe.process(delivery(prod, Work(), delay=timedelta(minutes=3)))
+    assert decision == Defer(T0 + timedelta(minutes=3), MessageStatus.SLEEPING, "not due yet")
+    assert calls == []
+
+
+async def test_missing_handler_and_unknown_type_wait_without_counting_an_attempt():
+    app, pipe, *_, prod = make()
+    app.message(Work)  # known type, no handler
+    d = await pipe.process(delivery(prod, Work()))
+    assert isinstance(d, Defer)
+    assert d.status is MessageStatus.WAITING_FOR_HANDLER
+    assert not d.counts_attempt
+    env = prod.envelope_for(Work()).model_copy(update={"type": "Renamed"})
+    d2 = await pipe.process(Delivery(queue="work", raw=env.encode(), envelope=env, malformed=None, attempt=1))
+    assert d2.status is MessageStatus.WAITING_FOR_HANDLER
+    assert "no message type 'Renamed'" in d2.reason
+    # a handler registered later is used at once
+    calls = with_handler(app)
+    assert isinstance(await pipe.process(delivery(prod, Work())), Complete)
+    assert calls
+
+
+async def test_malformed_envelope_and_invalid_body_are_dead_lettered_with_reasons():
+    app, pipe, *_, prod = make()
+    calls = with_handler(app)
+    bad = Delivery.of(b"{not json", queue="work")
+    d = await pipe.process(bad)
+    assert isinstance(d, DeadLetter)
+    assert d.reason is DeadLetterReason.MALFORMED_ENVELOPE
+    assert bad.raw == b"{not json"
+    env = prod.envelope_for(Work()).model_copy(update={"body": {"action": 17}})
+    d2 = await pipe.process(Delivery(queue="work", raw=env.encode(), envelope=env, malformed=None, attempt=1))
+    assert isinstance(d2, DeadLetter)
+    assert d2.reason is DeadLetterReason.INVALID_BODY
+    assert "action" in d2.description
+    assert calls == []
+
+
+async def test_pause_by_queue_and_by_type_defers_without_an_attempt():
+    app, pipe, control, _, prod = make()
+    calls = with_handler(app)
+    await control.set_paused("queue", "work", True)
+    d = await pipe.process(delivery(prod, Work()))
+    assert d.status is MessageStatus.PAUSED
+    assert not d.counts_attempt
+    assert "queue 'work'" in d.reason
+    await control.set_paused("queue", "work", False)
+    await control.set_paused("type", "Work", True)
+    d = await pipe.process(delivery(prod, Work()))
+    assert d.status is MessageStatus.PAUSED
+    assert "type 'Work'" in d.reason
+    await control.set_paused("type", "Work", False)
+    assert isinstance(await pipe.process(delivery(prod, Work())), Complete)
+    assert len(calls) == 1
+
+
+async def test_circuit_opens_holds_probes_once_and_closes():
+    @queue(
+        "fragile",
+        max_attempts=100,
+        circuit_breaker=CircuitBreakerOptions(failure_threshold=2, cooldown=timedelta(seconds=30)),
+    )
+    class Fragile(QueueMessage):
+        ok: bool
+
+    app, pipe, control, clock, prod = make()
+    calls = []
+
+    @app.handler()
+    async def h(msg: Fragile):
+        calls.append(msg.ok)
+        if not msg.ok:
+            raise RuntimeError("down")
+
+    for _ in range(2):
+        assert isinstance(await pipe.process(delivery(prod, Fragile(ok=False))), RetryAfter)
+    assert (await control.state()).circuit("Fragile").state == "open"
+    held = await pipe.process(delivery(prod, Fragile(ok=True)))
+    assert held.status is MessageStatus.PAUSED
+    # held until the next look (the recheck), not the cooldown end, so a reset takes effect quickly
+    assert held.until == T0 + timedelta(seconds=5)
+    assert len(calls) == 2
+    clock.now = T0 + timedelta(seconds=31)
+    # the first message after the cooldown is the probe; a second one meanwhile is held
+    assert await control.acquire_probe("Fragile", Fragile.queue_options().circuit_breaker, clock.now)
+    assert (await pipe.process(delivery(prod, Fragile(ok=True)))).status is MessageStatus.PAUSED
+    await control.reset_circuit("Fragile")
+    assert isinstance(await pipe.process(delivery(prod, Fragile(ok=True))), Complete)
+    # a failing probe re-opens at once
+    for _ in range(2):
+        await pipe.process(delivery(prod, Fragile(ok=False)))
+    clock.now += timedelta(seconds=31)
+    assert isinstance(await pipe.process(delivery(prod, Fragile(ok=False))), RetryAfter)
+    st = (await control.state()).circuit("Fragile")
+    assert st.state == "open"
+    assert st.open_until == clock.now + timedelta(seconds=30)
+    clock.now += timedelta(seconds=31)
+    assert isinstance(await pipe.process(delivery(prod, Fragile(ok=True))), Complete)
+    assert (await control.state()).circuit("Fragile").state == "closed"
+
+
+async def test_time_limit_cancels_the_handler_and_counts_a_failed_attempt():
+    @queue("limited", time_limit=timedelta(milliseconds=50), max_attempts=2)
+    class Limited(QueueMessage):
+        pass
+
+    app, pipe, *_, prod = make()
+    finished = []
+
+    @app.handler()
+    async def slow(msg: Limited):
+        await asyncio.sleep(5)
+        finished.append(True)
+
+    d = await pipe.process(delivery(prod, Limited()))
+    assert isinstance(d, RetryAfter)
+    assert "execution time limit of 0.05s exceeded" in d.error
+    assert not finished
+
+
+async def test_max_concurrency_is_never_exceeded():
+    @queue("narrow", max_concurrency=3)
+    class Narrow(QueueMessage):
+        pass
+
+    app, pipe, *_, prod = make()
+    running, peak = 0, 0
+
+    @app.handler()
+    async def h(msg: Narrow):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+
+    results = await asyncio.gather(*(pipe.process(delivery(prod, Narrow())) for _ in range(20)))
+    assert all(isinstance(r, Complete) for r in results)
+    assert peak == 3
+
+
+async def test_host_cancellation_releases_without_counting():
+    app, pipe, *_, prod = make()
+    with_handler(app)
+    task = asyncio.create_task(pipe.process(delivery(prod, Work(action="slow", seconds=10))))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    decision = await task
+    assert isinstance(decision, Release)
+    assert not task.cancelled()
+
+
+async def test_middleware_is_an_onion_and_hooks_observe_without_breaking():
+    app, pipe, *_, prod = make()
+    with_handler(app)
+    trail = []
+
+    @app.use_handle_middleware
+    async def outer(ctx, call_next):
+        trail.append("outer-in")
+        result = await call_next()
+        trail.append("outer-out")
+        return {**result, "wrapped": True}
+
+    @app.use_handle_middleware
+    async def inner(ctx, call_next):
+        trail.append(f"inner-in:{ctx.message.action}")
+        return await call_next()
+
+    seen = []
+
+    @app.hooks.on(Event.BEGAN, Event.SUCCEEDED)
+    def observe(obs):
+        seen.append(obs.event)
+        raise ValueError("a broken hook must not fail the message")
+
+    d = await pipe.process(delivery(prod, Work()))
+    assert d == Complete({"done": "ok", "wrapped": True})
+    assert trail == ["outer-in", "inner-in:ok", "outer-out"]
+    assert seen == [Event.BEGAN, Event.SUCCEEDED]
+
+
+async def test_plain_def_handlers_run_off_the_event_loop():
+    import threading
+
+    app, pipe, *_, prod = make()
+    threads = []
+
+    @app.handler()
+    def sync_handler(msg: Work):
+        threads.append(threading.current_thread())
+        return "sync"
+
+    assert await pipe.process(delivery(prod, Work())) == Complete("sync")
+    assert threads
+    assert threads[0] is not threading.main_thread()

@@ -1,0 +1,110 @@
+"""The producer API (A4): envelopes, timing options, batching, durability flag, size limit."""
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from queueing_core import MessageStatus, MessageTooLarge, QueueingApp, QueueMessage, queue
+from queueing_core.naming import Transport
+from queueing_core.producer import Producer
+from queueing_core.transport import Capabilities
+
+NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+
+
+@queue("greetings", expiration=timedelta(hours=1))
+class Greet(QueueMessage):
+    name: str
+
+
+class RecordingProvider:
+    transport = Transport.INPROCESS
+
+    def __init__(self, max_bytes=None):
+        self.capabilities = Capabilities(max_message_bytes=max_bytes)
+        self.sends = []
+
+    async def send(self, envelopes, *, wait=False):
+        self.sends.append((list(envelopes), wait))
+
+
+def producer(**kw):
+    app = QueueingApp()
+    prov = RecordingProvider(**kw)
+    return app, prov, Producer(app, prov, clock=lambda: NOW)
+
+
+def test_envelope_carries_identity_timing_and_body_without_base_fields():
+    _, _, p = producer()
+    msg = Greet(name="ada", correlation_id="corr-1", properties={"tenant": "t"}, created_at=NOW)
+    env = p.envelope_for(msg, delay=timedelta(minutes=5), headers={"x": "1"})
+    assert env.type == "Greet"
+    assert env.queue == "greetings"
+    assert env.message_id == msg.message_id
+    assert env.body == {"name": "ada"}
+    assert env.not_before == NOW + timedelta(minutes=5)
+    assert env.expires_at == NOW + timedelta(hours=1)  # the queue's expiration
+    assert env.correlation_id == "corr-1"
+    assert env.headers == {"tenant": "t", "x": "1"}
+    assert env.attempt == 0
+
+
+def test_absolute_times_and_contradictions():
+    _, _, p = producer()
+    msg = Greet(name="x", created_at=NOW)
+    env = p.envelope_for(msg, not_before=NOW + timedelta(hours=2), expires_at=NOW + timedelta(hours=3))
+    assert env.not_before == NOW + timedelta(hours=2)
+    assert env.expires_at == NOW + timedelta(hours=3)
+    assert p.envelope_for(msg, ttl=60).expires_at == NOW + timedelta(seconds=60)
+    with pytest.raises(ValueError, match="either delay= or not_before="):
+        p.envelope_for(msg, delay=1, not_before=NOW)
+    with pytest.raises(ValueError, match="either ttl= or expires_at="):
+        p.envelope_for(msg, ttl=1, expires_at=NOW)
+    with pytest.raises(ValueError, match="not in the future"):
+        p.envelope_for(msg, expires_at=NOW - timedelta(seconds=1))
+    with pytest.raises(ValueError, match="must not be negative"):
+        p.envelope_for(msg, delay=-5)
+    assert p.envelope_for(msg, not_before=NOW - timedelta(days=1)).not_before is None  # past = now
+
+
+async def test_enqueue_many_is_one_send_and_and_wait_asks_for_durability():
+    app, prov, p = producer()
+    receipts = await p.enqueue_many([Greet(name=str(i)) for i in range(50)], delay=10)
+    assert len(prov.sends) == 1
+    assert len(prov.sends[0][0]) == 50
+    assert prov.sends[0][1] is False
+    assert {r.status for r in receipts} == {MessageStatus.SLEEPING}
+    await p.enqueue_and_wait(Greet(name="durable"))
+    assert prov.sends[-1][1] is True
+    assert "Greet" in app.message_types  # producing a type registers it
+
+
+async def test_oversize_message_is_refused_before_any_send():
+    _, prov, p = producer(max_bytes=1024)
+    with pytest.raises(MessageTooLarge, match="accepts at most 1024"):
+        await p.enqueue_many([Greet(name="ok"), Greet(name="x" * 2000)])
+    assert prov.sends == []
+
+
+async def test_enqueue_middleware_stamps_and_can_refuse():
+    app, prov, p = producer()
+    order = []
+
+    @app.use_enqueue_middleware
+    async def outer(env, call_next):
+        order.append("outer")
+        return await call_next(env.model_copy(update={"headers": {**env.headers, "stamp": "1"}}))
+
+    @app.use_enqueue_middleware
+    async def refuse_bob(env, call_next):
+        order.append("inner")
+        if env.body.get("name") == "bob":
+            raise PermissionError("bob may not enqueue")
+        return await call_next(env)
+
+    await p.enqueue(Greet(name="ann"))
+    assert prov.sends[-1][0][0].headers["stamp"] == "1"
+    assert order == ["outer", "inner"]
+    with pytest.raises(PermissionError):
+        await p.enqueue(Greet(name="bob"))
+    assert len(prov.sends) == 1
