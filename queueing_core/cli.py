@@ -6,19 +6,31 @@ Exit codes: 0 ok; 1 the app or an operation failed (a duplicate handler, a refus
 
 from __future__ import annotations
 
+import asyncio
+import json
 import sys
-from typing import Annotated, NoReturn
+from collections.abc import Coroutine
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from . import __version__
 from .app import QueueingApp
-from .errors import ConfigurationError, RegistrationError
+from .bootstrap import bootstrap
+from .errors import ConfigurationError, NotConfigured, ProviderUnavailable, RegistrationError
 from .loader import load_app
+from .logs import configure_logging
+from .messages import QueueMessage
 from .naming import Transport
+from .runtime import Runtime
 from .settings import QueueingSettings, load_settings
+from .worker import Worker
+
+T = TypeVar("T")
 
 cli = typer.Typer(
     name="queueing",
@@ -148,6 +160,184 @@ def check(
             err.print(f"[bold red]invalid:[/] {p}", highlight=False)
         raise typer.Exit(1)
     out.print("[green]ok[/]")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a command's coroutine; the kit's errors become one clear line and an exit code."""
+    try:
+        return asyncio.run(coro)
+    except ConfigurationError as exc:
+        fail(str(exc), 2)
+    except (ProviderUnavailable, NotConfigured) as exc:
+        fail(str(exc), 1)
+
+
+def _where(cfg: QueueingSettings) -> str:
+    if cfg.provider != "sql":
+        return cfg.provider
+    from .providers.sql.engine import redact  # SQLAlchemy only when the SQL provider is used
+
+    return redact(cfg.database_url)
+
+
+def _runtime(app: str | None) -> tuple[QueueingSettings, QueueingApp, Runtime]:
+    cfg = settings()
+    configure_logging(cfg.log_level, cfg.log_format)
+    the_app = app_from(app, cfg)
+    try:
+        return cfg, the_app, bootstrap(the_app, cfg)
+    except ConfigurationError as exc:
+        fail(str(exc), 2)
+
+
+@cli.command()
+def serve(
+    app: AppOption = None,
+    host: Annotated[str, typer.Option(help="Interface for the ops API")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port for the ops API")] = 8080,
+    api: Annotated[bool, typer.Option("--api/--no-api", help="Serve the ops API beside the worker")] = True,
+) -> None:
+    """Run a worker for every queue of the app (and the ops API) until SIGTERM/SIGINT."""
+    cfg, the_app, runtime = _runtime(app)
+    worker = Worker(
+        runtime,
+        worker_id=cfg.worker_id,
+        shutdown_timeout=cfg.shutdown_timeout,
+        poll_min=cfg.poll_min,
+        poll_max=cfg.poll_max,
+        prefetch=cfg.prefetch,
+    )
+    where = _where(cfg)
+    queues = len(the_app.subscriptions())
+    out.print(
+        f"queueing {__version__}: app [bold]{the_app.name}[/] ({queues} queues) on {where}", highlight=False
+    )
+    _run(_serve(worker, cfg, host if api else None, port))
+
+
+async def _serve(worker: Worker, cfg: QueueingSettings, host: str | None, port: int) -> None:
+    from .serve import serve_worker_and_api
+
+    await serve_worker_and_api(worker, cfg, host, port)
+
+
+@cli.command()
+def enqueue(
+    type_name: Annotated[str, typer.Argument(help="Message type name (see `queueing check`)")],
+    json_body: Annotated[str | None, typer.Option("--json", help="The message as JSON")] = None,
+    example: Annotated[bool, typer.Option(help="Use the queue's example message")] = False,
+    count: Annotated[
+        int, typer.Option(min=1, max=10_000_000, help="How many copies (each a new message)")
+    ] = 1,
+    delay: Annotated[float | None, typer.Option(min=0, help="Seconds before the messages are due")] = None,
+    app: AppOption = None,
+) -> None:
+    """Enqueue messages of a registered type (a progress bar shows for large counts)."""
+    _, the_app, runtime = _runtime(app)
+    sub = the_app.subscription(type_name)
+    if sub is None:
+        known = ", ".join(sorted(the_app.message_types)) or "none"
+        fail(f"unknown message type {type_name!r}; known: {known}", 2)
+    if (json_body is None) == (not example):
+        fail("give the message with --json '{...}' or use --example", 2)
+    if example:
+        sample = sub.message_type.example()
+        if sample is None:
+            fail(f"{type_name} declares no example message", 2)
+        body = sample.body()
+    else:
+        try:
+            body = json.loads(json_body or "")
+        except ValueError as exc:
+            fail(f"--json is not JSON: {exc}", 2)
+    try:
+        sub.message_type.model_validate(body)
+    except ValidationError as exc:
+        fail(f"the message does not match {type_name}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", 2)
+    _run(_enqueue(runtime, sub.message_type, body, count, delay))
+
+
+async def _enqueue(
+    runtime: Runtime, mtype: type[QueueMessage], body: dict[str, Any], count: int, delay: float | None
+) -> None:
+    batch = 1000
+    async with runtime:
+        with Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=err,
+            disable=count < batch,
+            transient=False,
+        ) as progress:
+            task = progress.add_task(f"enqueue {mtype.type_name()}", total=count)
+            done = 0
+            while done < count:
+                n = min(batch, count - done)
+                msgs = [mtype.model_validate(body) for _ in range(n)]
+                receipts = await runtime.producer.enqueue_many(msgs, delay=delay)
+                done += n
+                progress.update(task, advance=n)
+    if count == 1:
+        out.print(
+            f"enqueued {mtype.type_name()} {receipts[0].message_id} ({receipts[0].status})", highlight=False
+        )
+    else:
+        out.print(f"enqueued {count} {mtype.type_name()} message(s)", highlight=False)
+
+
+@cli.command()
+def stats(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+    app: AppOption = None,
+) -> None:
+    """Messages per queue and status."""
+    _, _, runtime = _runtime(app)
+
+    async def read() -> dict[tuple[str, str], int]:
+        async with runtime:
+            return await runtime.tracker.counts()
+
+    counts = _run(read())
+    if json_out:
+        doc: dict[str, dict[str, int]] = {}
+        for (q, st), n in sorted(counts.items()):
+            doc.setdefault(q, {})[st] = n
+        out.print_json(data=doc)
+        return
+    statuses = sorted({st for _, st in counts})
+    table = Table(title="messages by queue and status")
+    table.add_column("queue")
+    for st in statuses:
+        table.add_column(st, justify="right")
+    for q in sorted({q for q, _ in counts}):
+        table.add_row(q, *(str(counts.get((q, st), 0)) for st in statuses))
+    out.print(table)
+
+
+@cli.command()
+def migrate(app: AppOption = None) -> None:
+    """Create or upgrade the SQL schema (also done at start unless QUEUEING_AUTO_MIGRATE=false)."""
+    cfg = settings()
+    if cfg.provider != "sql":
+        fail(f"QUEUEING_PROVIDER is {cfg.provider!r}: only the sql provider has a schema", 2)
+    from .providers.sql import LATEST, SqlProvider
+
+    provider = SqlProvider(
+        cfg.database_url,
+        schema=cfg.database_schema,
+        auto_migrate=True,
+        connect_retries=cfg.connect_retries,
+        listen=False,
+    )
+
+    async def go() -> None:
+        await provider.open()
+        await provider.close()
+
+    _run(go())
+    out.print(f"schema at version {LATEST} on {_where(cfg)}", highlight=False)
 
 
 def main() -> None:

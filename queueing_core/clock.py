@@ -15,3 +15,7 @@ def utcnow() -> datetime:
 def as_utc(value: datetime) -> datetime:
     """Naive datetimes are taken to be UTC (as SQLite returns them); aware ones are converted."""
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def opt_utc(value: datetime | None) -> datetime | None:
+    return None if value is None else as_utc(value)

@@ -275,7 +275,11 @@ class Pipeline:
     async def _track_circuit(
         self, sub: Subscription, decision: Decision, before: Any, probing: bool, cb: Any
     ) -> None:
-        failed = isinstance(decision, RetryAfter | DeadLetter)
+        # transient failures trip the breaker; a handler's deliberate refusal (non-retryable) or a bad
+        # body says nothing about the downstream's health
+        failed = isinstance(decision, RetryAfter) or (
+            isinstance(decision, DeadLetter) and decision.reason is DeadLetterReason.MAX_ATTEMPTS
+        )
         try:
             if failed:
                 await self.control.record_failure(sub.type_name, cb, self.clock())

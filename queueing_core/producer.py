@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypedDict
@@ -62,59 +62,75 @@ def _when(
     return now + delta
 
 
+def build_envelope(
+    app: QueueingApp, message: QueueMessage, now: datetime, **options: Unpack[EnqueueOptions]
+) -> Envelope:
+    """The envelope ``enqueue`` would send (pure; raises ``ValueError`` for contradictory timing)."""
+    mtype = type(message)
+    if mtype.type_name() not in app.message_types:
+        app.message(mtype)  # producing a type registers it, so the ops API knows its queue
+    qopts = app.options_for(mtype)
+    due = _when(now, options.get("delay"), options.get("not_before"), ("delay", "not_before"))
+    expiry = _when(now, options.get("ttl"), options.get("expires_at"), ("ttl", "expires_at"))
+    if expiry is None and qopts.expiration is not None:
+        expiry = message.created_at + qopts.expiration
+    if expiry is not None and expiry <= now:
+        raise ValueError(f"message would expire at {expiry.isoformat()}, which is not in the future")
+    if due is not None and due <= now:
+        due = None
+    return Envelope(
+        type=mtype.type_name(),
+        queue=mtype.queue_options().name or mtype.type_name(),
+        message_id=message.message_id,
+        tracking_id=options.get("tracking_id") or uuid4(),
+        correlation_id=options.get("correlation_id") or message.correlation_id,
+        attempt=0,
+        created_at=message.created_at,
+        not_before=due,
+        expires_at=expiry,
+        headers={**message.properties, **(options.get("headers") or {})},
+        body=message.body(),
+    )
+
+
+def check_size(envelopes: Sequence[Envelope], limit: int | None, transport: str) -> None:
+    if limit is None:
+        return
+    for env in envelopes:
+        size = len(env.encode())
+        if size > limit:
+            raise MessageTooLarge(size, limit, transport)
+
+
 class Producer:
     def __init__(
-        self, app: QueueingApp, provider: Provider, *, tracker: Tracker | None = None, clock: Clock = utcnow
+        self,
+        app: QueueingApp,
+        provider: Provider,
+        *,
+        tracker: Tracker | None = None,
+        clock: Clock = utcnow,
+        opener: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.app = app
         self.provider = provider
         self.tracker = tracker
         self.clock = clock
+        self._opener = opener  # opens the provider on first use, so producer-only apps need no start-up call
         self._chain = compose_enqueue(app.enqueue_middleware)
         self._chain_len = len(app.enqueue_middleware)
 
     def envelope_for(
         self, message: QueueMessage, *, now: datetime | None = None, **options: Unpack[EnqueueOptions]
     ) -> Envelope:
-        """The envelope ``enqueue`` would send (pure; raises ``ValueError`` for contradictory timing)."""
-        mtype = type(message)
-        if mtype.type_name() not in self.app.message_types:
-            self.app.message(mtype)  # producing a type registers it, so the ops API knows its queue
-        qopts = self.app.options_for(mtype)
-        now = now or self.clock()
-        due = _when(now, options.get("delay"), options.get("not_before"), ("delay", "not_before"))
-        expiry = _when(now, options.get("ttl"), options.get("expires_at"), ("ttl", "expires_at"))
-        if expiry is None and qopts.expiration is not None:
-            expiry = message.created_at + qopts.expiration
-        if expiry is not None and expiry <= now:
-            raise ValueError(f"message would expire at {expiry.isoformat()}, which is not in the future")
-        if due is not None and due <= now:
-            due = None
-        return Envelope(
-            type=mtype.type_name(),
-            queue=mtype.queue_options().name or mtype.type_name(),
-            message_id=message.message_id,
-            tracking_id=options.get("tracking_id") or uuid4(),
-            correlation_id=options.get("correlation_id") or message.correlation_id,
-            attempt=0,
-            created_at=message.created_at,
-            not_before=due,
-            expires_at=expiry,
-            headers={**message.properties, **(options.get("headers") or {})},
-            body=message.body(),
-        )
+        return build_envelope(self.app, message, now or self.clock(), **options)
 
     async def _prepare(self, envelopes: Sequence[Envelope]) -> list[Envelope]:
         if self._chain_len != len(self.app.enqueue_middleware):  # middleware added after start-up
             self._chain = compose_enqueue(self.app.enqueue_middleware)
             self._chain_len = len(self.app.enqueue_middleware)
         out = [await self._chain(e) for e in envelopes] if self._chain_len else list(envelopes)
-        limit = self.provider.capabilities.max_message_bytes
-        if limit is not None:
-            for env in out:
-                size = len(env.encode())
-                if size > limit:
-                    raise MessageTooLarge(size, limit, self.provider.transport.value)
+        check_size(out, self.provider.capabilities.max_message_bytes, self.provider.transport.value)
         return out
 
     def _status(self, env: Envelope) -> str:
@@ -125,6 +141,8 @@ class Producer:
 
     async def _send(self, envelopes: Sequence[Envelope], *, wait: bool) -> list[EnqueueReceipt]:
         ready = await self._prepare(envelopes)
+        if self._opener is not None:
+            await self._opener()
         await self.provider.send(ready, wait=wait)
         receipts = [
             EnqueueReceipt(

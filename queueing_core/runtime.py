@@ -70,7 +70,7 @@ class Runtime:
             tracker = provider.tracker() if isinstance(provider, ProvidesTracker) else MemoryTracker()
         self.control = CachedControlStore(control, ttl=control_ttl)
         self.tracker = tracker
-        self.producer = Producer(app, provider, tracker=tracker, clock=clock)
+        self.producer = Producer(app, provider, tracker=tracker, clock=clock, opener=self.open)
         self.pipeline = Pipeline(
             app,
             self.control,
@@ -81,6 +81,10 @@ class Runtime:
         )
         app.bind(self.producer)
         self._opened = False
+
+    @property
+    def is_open(self) -> bool:
+        return self._opened
 
     async def open(self) -> None:
         if not self._opened:
@@ -136,7 +140,7 @@ def history_record(s: Settlement, now: Any) -> MessageRecord:
     elif isinstance(decision, Defer):
         fields.update(reason=decision.reason, not_before=decision.until)
     elif isinstance(decision, Complete):
-        fields.update(result=_jsonable(decision.result))
+        fields.update(result=jsonable(decision.result))
     elif isinstance(decision, Release):
         fields.update(reason=decision.reason)
     if env is None:
@@ -163,7 +167,8 @@ def history_record(s: Settlement, now: Any) -> MessageRecord:
     )
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """A handler's result as JSON-ready data (pydantic models dumped; other objects by repr)."""
     if value is None or isinstance(value, str | int | float | bool | list | dict):
         return value
     dump = getattr(value, "model_dump", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationError
@@ -18,6 +19,13 @@ class QueueingSettings(BaseSettings):
     provider: ProviderName = "sql"
     app: str = Field(default="examples.orders:app", description="MODULE:ATTR of the QueueingApp to load")
     database_url: str = "sqlite:///./queueing.db"
+    database_schema: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    auto_migrate: bool = True
+    connect_retries: int = Field(default=8, ge=0, le=1000)
+    maintenance_interval: float = Field(default=5.0, gt=0)
+    archive_after: timedelta | None = timedelta(days=7)
+    archive_statuses: list[str] = ["Succeeded", "DeadLettered", "Expired", "Cancelled"]
+    delete_archived_after: timedelta | None = timedelta(days=30)
     queue_prefix: str = ""
     queue_suffix: str = ""
     worker_id: str | None = None
@@ -28,7 +36,6 @@ class QueueingSettings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
     api_key: SecretStr | None = None
-    auto_migrate: bool = True
 
 
 def describe_error(exc: ValidationError, model: type[BaseSettings] = QueueingSettings) -> ConfigurationError:

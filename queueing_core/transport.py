@@ -118,3 +118,12 @@ class Provider(Protocol):
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Extend the leases of in-flight deliveries; return the ones whose lease was lost."""
         ...
+
+
+@runtime_checkable
+class Maintains(Protocol):
+    """A provider with periodic upkeep (the SQL provider's lease sweeper and retention)."""
+
+    maintenance_interval: float
+
+    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]: ...

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
 from collections.abc import Awaitable, Collection
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from .clock import utcnow
 from .control import ControlState, circuit
 from .decisions import Release
 from .runtime import Runtime, default_worker_id
-from .transport import Delivery, Settlement
+from .transport import Delivery, Maintains, Settlement
 
 log = logging.getLogger("queueing.worker")
 
@@ -153,6 +154,8 @@ class Worker:
         self._in_flight: dict[int, Delivery] = {}
         self._subs: dict[str, _SubState] = {}
         self._renewer: asyncio.Task[None] | None = None
+        self._maintainer: asyncio.Task[None] | None = None
+        self._owns_runtime = False
         self._stop_waiter: asyncio.Future[Any] | None = None
         self.started = asyncio.Event()
 
@@ -165,6 +168,7 @@ class Worker:
         return subs
 
     async def start(self) -> None:
+        self._owns_runtime = not self.runtime.is_open  # close on shutdown only what we opened
         await self.runtime.open()
         self._stop_waiter = asyncio.ensure_future(self._stopping.wait())
         self.settler.start()
@@ -173,6 +177,10 @@ class Worker:
             self._consumers.append(asyncio.create_task(self._consume(sub), name=f"consume:{sub.queue}"))
         if self.runtime.provider.capabilities.lock_renewal:
             self._renewer = asyncio.create_task(self._renew_loop(), name="queueing-renew")
+        if isinstance(self.runtime.provider, Maintains):
+            self._maintainer = asyncio.create_task(
+                self._maintain_loop(self.runtime.provider), name="queueing-maintain"
+            )
         log.info(
             "worker %s started on %s: %s",
             self.worker_id,
@@ -231,12 +239,14 @@ class Worker:
                     t.cancel()
                 await asyncio.wait(pending, timeout=10)
         await self.settler.close()
-        if self._renewer is not None:
-            self._renewer.cancel()
-            await asyncio.gather(self._renewer, return_exceptions=True)
+        for task in (self._renewer, self._maintainer):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._stop_waiter is not None:
             self._stop_waiter.cancel()
-        await self.runtime.close()
+        if self._owns_runtime:
+            await self.runtime.close()
         log.info("worker %s stopped", self.worker_id)
 
     # -- consuming ---------------------------------------------------------------------------------
@@ -336,6 +346,18 @@ class Worker:
                         "correlation_id": env.correlation_id if env else None,
                     },
                 )
+
+    async def _maintain_loop(self, provider: Maintains) -> None:
+        # spread hosts apart a little so they do not sweep in lock-step
+        await asyncio.sleep(random.uniform(0, provider.maintenance_interval))  # noqa: S311 - jitter, not crypto
+        while True:
+            try:
+                done = await provider.maintain(self.runtime.app)
+                if any(done.values()):
+                    log.info("maintenance: %s", ", ".join(f"{k}={v}" for k, v in done.items() if v))
+            except Exception as exc:
+                log.warning("maintenance failed (%s: %s); will try again", type(exc).__name__, exc)
+            await asyncio.sleep(provider.maintenance_interval)
 
     # -- introspection -------------------------------------------------------------------------------
     @property

@@ -120,4 +120,83 @@ def inprocess() -> Harness:
     return Harness("inprocess", ordered=True, make_provider=make, inject_raw=inject)
 
 
-HARNESSES: dict[str, Callable[[], Harness]] = {"inprocess": inprocess}
+# -- SQL ---------------------------------------------------------------------------------------------
+def _sql_inject(backend: str):
+    import json
+
+    from queueing_core.clock import utcnow
+
+    async def inject(rt: Runtime, queue: str, raw: bytes) -> None:
+        import sqlalchemy as sa
+
+        prov = rt.provider
+        m = prov.tables.messages
+        now = utcnow()
+        text = raw.decode()
+        # PostgreSQL's jsonb holds only JSON, so there the "corrupt" body is a JSON string, not an object;
+        # SQLite stores whatever text it is given
+        pg = backend == "postgresql"
+        cast = "CAST({} AS jsonb)" if pg else "{}"
+        async with prov.engine.begin() as conn:
+            await conn.execute(
+                sa.text(
+                    f"INSERT INTO {m.fullname} (message_id, tracking_id, queue, type, status, attempt, "
+                    "created_at, updated_at, available_at, headers, body, archived) VALUES (:mid, :tid, :q, "
+                    f"'Job', 'Pending', 0, :now, :now, :now, {cast.format(':h')}, {cast.format(':b')}, false)"
+                ).bindparams(
+                    mid=uuid.uuid4(),
+                    tid=uuid.uuid4(),
+                    q=queue,
+                    now=now,
+                    h="{}",
+                    b=json.dumps(text) if pg else text,
+                )
+            )
+
+    return inject
+
+
+def sqlite(tmp_dir: str) -> Harness:
+    from queueing_core.providers.sql import SqlProvider
+
+    url = f"sqlite:///{tmp_dir}/contract-{uuid.uuid4().hex[:8]}.db"
+
+    async def make() -> Provider:
+        return SqlProvider(url, maintenance_interval=0.2)
+
+    return Harness("sqlite", make_provider=make, inject_raw=_sql_inject("sqlite"))
+
+
+def postgres() -> Harness:
+    from queueing_core.providers.sql import SqlProvider
+    from tests.services import POSTGRES_URL, require
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    schema = f"qt_{uuid.uuid4().hex[:10]}"
+    made: list[SqlProvider] = []
+
+    async def make() -> Provider:
+        prov = SqlProvider(POSTGRES_URL, schema=schema, maintenance_interval=0.2)
+        made.append(prov)
+        return prov
+
+    async def cleanup() -> None:
+        import sqlalchemy as sa
+
+        from queueing_core.providers.sql import create_engine
+
+        for prov in made:
+            await prov.close()
+        engine = create_engine(POSTGRES_URL)
+        async with engine.begin() as conn:
+            await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        await engine.dispose()
+
+    return Harness("postgres", make_provider=make, inject_raw=_sql_inject("postgresql"), cleanup=cleanup)
+
+
+HARNESSES: dict[str, Callable[..., Harness]] = {
+    "inprocess": inprocess,
+    "sqlite": sqlite,
+    "postgres": postgres,
+}

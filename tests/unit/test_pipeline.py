@@ -342,3 +342,19 @@ async def test_plain_def_handlers_run_off_the_event_loop():
     assert await pipe.process(delivery(prod, Work())) == Complete("sync")
     assert threads
     assert threads[0] is not threading.main_thread()
+
+
+async def test_a_deliberate_refusal_does_not_trip_the_breaker():
+    @queue("refusals", circuit_breaker=CircuitBreakerOptions(failure_threshold=1))
+    class Refusal(QueueMessage):
+        pass
+
+    app, pipe, control, _, prod = make()
+
+    @app.handler()
+    async def h(msg: Refusal):
+        raise NonRetryableError("card declined")
+
+    d = await pipe.process(delivery(prod, Refusal()))
+    assert isinstance(d, DeadLetter)
+    assert (await control.state()).circuit("Refusal").state == "closed"

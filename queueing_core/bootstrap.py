@@ -1,0 +1,50 @@
+"""Build a runtime from settings: the one place that maps ``QUEUEING_PROVIDER`` to a provider.
+
+Each provider module is imported only when chosen, so an app configured for SQL never loads the
+Azure SDKs (and the Functions app stays light at cold start).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import ConfigurationError
+from .runtime import Runtime
+from .settings import QueueingSettings, load_settings
+
+if TYPE_CHECKING:
+    from .app import QueueingApp
+    from .transport import Provider
+
+
+def make_provider(settings: QueueingSettings) -> Provider:
+    name = settings.provider
+    if name == "inprocess":
+        from .providers.inprocess import InProcessProvider
+
+        return InProcessProvider()
+    if name == "sql":
+        from .providers.sql import RetentionPolicy, SqlProvider
+
+        retention = RetentionPolicy(
+            archive_after=settings.archive_after,
+            archive_statuses=frozenset(settings.archive_statuses),
+            delete_archived_after=settings.delete_archived_after,
+        )
+        return SqlProvider(
+            settings.database_url,
+            schema=settings.database_schema,
+            worker_id=settings.worker_id,
+            auto_migrate=settings.auto_migrate,
+            retention=retention,
+            connect_retries=settings.connect_retries,
+            maintenance_interval=settings.maintenance_interval,
+        )
+    raise ConfigurationError(
+        "QUEUEING_PROVIDER", f"{name!r} is not available in this build yet", "inprocess, sql"
+    )
+
+
+def bootstrap(app: QueueingApp, settings: QueueingSettings | None = None) -> Runtime:
+    """A runtime for ``app`` on the configured provider. Nothing connects until it is opened."""
+    return Runtime(app, make_provider(settings or load_settings()))

@@ -1,0 +1,131 @@
+"""Pause and circuit state in the same database, so every host shares it (SPEC B6, B7)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from ...clock import opt_utc
+from ...control import circuit
+from ...control.base import CircuitState, ControlState, PauseKind
+from ...messages import MessageStatus
+from ...options import CircuitBreakerOptions
+
+if TYPE_CHECKING:
+    from .provider import SqlProvider
+
+_CAS_TRIES = 20
+
+
+def _state_of(row: Any) -> CircuitState:
+    return CircuitState(
+        row.type,
+        row.state,
+        row.consecutive_failures,
+        opt_utc(row.opened_at),
+        opt_utc(row.open_until),
+        opt_utc(row.probe_until),
+    )
+
+
+class SqlControlStore:
+    def __init__(self, provider: SqlProvider) -> None:
+        self.provider = provider
+
+    @property
+    def _t(self) -> Any:
+        return self.provider.tables
+
+    async def state(self) -> ControlState:
+        p, c = self._t.pauses, self._t.circuits
+        await self.provider.ensure_open()
+        async with self.provider.engine.connect() as conn:
+            pauses = (await conn.execute(sa.select(p.c.kind, p.c.name))).all()
+            circuits = (await conn.execute(sa.select(c).where(c.c.state != "closed"))).all()
+        return ControlState(
+            paused_queues=frozenset(n for k, n in pauses if k == "queue"),
+            paused_types=frozenset(n for k, n in pauses if k == "type"),
+            circuits={r.type: _state_of(r) for r in circuits},
+        )
+
+    async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
+        p, m = self._t.pauses, self._t.messages
+        now = self.provider.clock()
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            if paused:
+                exists = (
+                    await conn.execute(sa.select(p.c.name).where(p.c.kind == kind, p.c.name == name))
+                ).first()
+                if exists is None:
+                    await conn.execute(p.insert().values(kind=kind, name=name, paused_at=now))
+                return
+            await conn.execute(p.delete().where(p.c.kind == kind, p.c.name == name))
+            # held rows become claimable at once instead of at their next recheck
+            column = m.c.queue if kind == "queue" else m.c.type
+            await conn.execute(
+                sa.update(m)
+                .where(column == name, m.c.status == MessageStatus.PAUSED.value)
+                .values(status=MessageStatus.PENDING.value, available_at=now, updated_at=now)
+            )
+            queues = (
+                [name]
+                if kind == "queue"
+                else list(
+                    (await conn.execute(sa.select(m.c.queue).where(m.c.type == name).limit(1))).scalars()
+                )
+            )
+            await self.provider.notify_statements(conn, set(queues))
+
+    async def _update(
+        self, type_name: str, change: Callable[[CircuitState], CircuitState | None]
+    ) -> tuple[CircuitState, bool]:
+        """Compare-and-set on the row's version; ``change`` returning None means no write."""
+        c = self._t.circuits
+        await self.provider.ensure_open()
+        for _ in range(_CAS_TRIES):
+            async with self.provider.engine.begin() as conn:
+                row = (await conn.execute(sa.select(c).where(c.c.type == type_name))).first()
+                current = _state_of(row) if row is not None else CircuitState.closed(type_name)
+                new = change(current)
+                if new is None:
+                    return current, False
+                values = dict(
+                    state=new.state,
+                    consecutive_failures=new.consecutive_failures,
+                    opened_at=new.opened_at,
+                    open_until=new.open_until,
+                    probe_until=new.probe_until,
+                )
+                if row is None:
+                    try:
+                        async with conn.begin_nested():
+                            await conn.execute(c.insert().values(type=type_name, version=1, **values))
+                    except sa.exc.IntegrityError:
+                        continue  # someone else created it first: read again
+                    return new, True
+                res = await conn.execute(
+                    sa.update(c)
+                    .where(c.c.type == type_name, c.c.version == row.version)
+                    .values(version=row.version + 1, **values)
+                )
+                if res.rowcount == 1:
+                    return new, True
+        raise RuntimeError(f"circuit state for {type_name!r} kept changing under {_CAS_TRIES} attempts")
+
+    async def record_failure(
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
+    ) -> CircuitState:
+        return (await self._update(type_name, lambda s: circuit.on_failure(s, opts, now)))[0]
+
+    async def record_success(self, type_name: str) -> CircuitState:
+        return (await self._update(type_name, circuit.on_success))[0]
+
+    async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool:
+        return (await self._update(type_name, lambda s: circuit.acquire_probe(s, opts, now)))[1]
+
+    async def reset_circuit(self, type_name: str) -> None:
+        await self._update(type_name, circuit.on_success)

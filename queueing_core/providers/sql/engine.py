@@ -1,0 +1,74 @@
+"""Engines for the SQL provider: URL normalization, SQLite tuning, and password-free URLs for logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from ...errors import ConfigurationError
+
+#: the async driver the kit uses for each database family
+_ASYNC_DRIVERS = {
+    "sqlite": "sqlite+aiosqlite",
+    "postgresql": "postgresql+psycopg",
+    "postgres": "postgresql+psycopg",
+}
+
+
+def normalize_url(url: str | URL, *, setting: str = "QUEUEING_DATABASE_URL") -> URL:
+    try:
+        u = make_url(url)
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(
+            setting, f"not a database URL: {exc}", "sqlite:///path.db or postgresql://..."
+        ) from None
+    backend = u.get_backend_name()
+    if backend not in _ASYNC_DRIVERS:
+        raise ConfigurationError(setting, f"database {backend!r} is not supported", "sqlite, postgresql")
+    if "+" not in u.drivername or u.drivername.split("+")[1] in {"pysqlite", "psycopg2", "psycopg"}:
+        u = u.set(drivername=_ASYNC_DRIVERS[backend])
+    return u
+
+
+def sync_url(url: str | URL) -> URL:
+    """The same database through a synchronous driver (for callers' own sync connections/tests)."""
+    u = normalize_url(url)
+    return u.set(
+        drivername={"sqlite": "sqlite+pysqlite", "postgresql": "postgresql+psycopg"}[u.get_backend_name()]
+    )
+
+
+def redact(url: str | URL) -> str:
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def create_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
+    u = normalize_url(url)
+    if u.get_backend_name() == "sqlite":
+        engine = create_async_engine(u, connect_args={"timeout": 30}, **kwargs)
+        _tune_sqlite(engine)
+        return engine
+    # pre-ping: a database restart leaves dead pooled connections; find out before using them
+    opts: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 10, "pool_recycle": 1800}
+    opts.update(kwargs)
+    return create_async_engine(u, **opts)
+
+
+def _tune_sqlite(engine: AsyncEngine) -> None:
+    @sa.event.listens_for(engine.sync_engine, "connect")
+    def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # take transaction control from the driver so every transaction starts IMMEDIATE: SQLite has
+        # one writer, and a deferred transaction that upgrades to a write can fail without waiting
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
+        cur.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; safe with WAL
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    @sa.event.listens_for(engine.sync_engine, "begin")
+    def on_begin(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")

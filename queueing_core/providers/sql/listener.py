@@ -1,0 +1,62 @@
+"""LISTEN/NOTIFY wake-ups on PostgreSQL, with reconnects. Polling covers the gaps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from sqlalchemy.engine import URL
+
+log = logging.getLogger("queueing.sql")
+
+
+class PgListener:
+    def __init__(self, url: URL, channel: str) -> None:
+        # psycopg takes the libpq URI form; the SQLAlchemy driver suffix is not part of it
+        self._conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self.channel = channel
+        self.on_notify: Callable[[str], None] = lambda _queue: None
+        self.connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="queueing-listen")
+            # not essential: if LISTEN is slow or down, polling still finds the work
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.connected.wait(), 5)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+            self.connected.clear()
+
+    async def _run(self) -> None:
+        import psycopg
+        from psycopg import sql
+
+        delay = 0.5
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True) as conn:
+                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                    self.connected.set()
+                    delay = 0.5
+                    async for note in conn.notifies():
+                        self.on_notify(note.payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the database went away: poll meanwhile, reconnect with backoff
+                self.connected.clear()
+                log.warning(
+                    "LISTEN connection lost (%s); polling until it is back (retry in %.1fs)",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)

@@ -1,0 +1,163 @@
+"""Periodic upkeep of the messages table. Every statement is idempotent and concurrency-safe, so each
+host (or one Functions timer) may run it; batches keep each transaction short."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from ...decisions import DeadLetterReason
+from ...messages import MessageStatus
+from .schema import CLAIMABLE
+
+if TYPE_CHECKING:
+    from ...app import QueueingApp
+    from .provider import SqlProvider
+
+LEASED = MessageStatus.LEASED.value
+
+
+async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -> dict[str, int]:
+    """Leases that lapsed (a worker died or hung): count the attempt, then retry, dead-letter at
+    max attempts, or mark Abandoned where the queue asks a person to look (seed 001)."""
+    m = provider.tables.messages
+    out = {"leases_retried": 0, "leases_abandoned": 0}
+    woke: set[str] = set()
+    async with provider.engine.begin() as conn:
+        for sub in app.subscriptions():
+            lapsed = sa.and_(m.c.queue == sub.queue, m.c.status == LEASED, m.c.locked_until < now)
+            note = sa.func.coalesce(m.c.locked_by, "?")
+            error = sa.literal("lease expired: worker ") + note + sa.literal(" stopped renewing it")
+            common: dict[str, Any] = {
+                "attempt": m.c.attempt + 1,
+                "locked_by": None,
+                "locked_until": None,
+                "updated_at": now,
+                "last_error": error,
+            }
+            if sub.options.lease_expired == "abandon":
+                res = await conn.execute(
+                    sa.update(m)
+                    .where(lapsed)
+                    .values(status=MessageStatus.ABANDONED.value, settled_at=now, **common)
+                )
+                out["leases_abandoned"] += res.rowcount or 0
+                continue
+            dead = m.c.attempt + 1 >= sub.options.max_attempts
+            res = await conn.execute(
+                sa.update(m)
+                .where(lapsed)
+                .values(
+                    status=sa.case(
+                        (dead, MessageStatus.DEAD_LETTERED.value), else_=MessageStatus.FAILED.value
+                    ),
+                    reason=sa.case((dead, DeadLetterReason.MAX_ATTEMPTS.value), else_=m.c.reason),
+                    description=sa.case((dead, error), else_=m.c.description),
+                    settled_at=sa.case((dead, now), else_=m.c.settled_at),
+                    available_at=now,
+                    **common,
+                )
+            )
+            if res.rowcount:
+                out["leases_retried"] += res.rowcount
+                woke.add(sub.queue)
+        await provider.notify_statements(conn, woke)
+    return out
+
+
+async def expire_waiting(provider: SqlProvider, app: QueueingApp, now: datetime) -> int:
+    """Rows nobody will claim before they expire (no handler, paused, held) become Expired."""
+    m = provider.tables.messages
+    total = 0
+    async with provider.engine.begin() as conn:
+        for sub in app.subscriptions():
+            res = await conn.execute(
+                sa.update(m)
+                .where(
+                    m.c.queue == sub.queue,
+                    m.c.status.in_(CLAIMABLE),
+                    ~m.c.archived,
+                    m.c.expires_at < now,
+                )
+                .values(
+                    status=MessageStatus.EXPIRED.value,
+                    reason=DeadLetterReason.EXPIRED.value,
+                    settled_at=now,
+                    updated_at=now,
+                )
+            )
+            total += res.rowcount or 0
+    return total
+
+
+async def _batched(provider: SqlProvider, build: Any) -> int:
+    """Run ``build(ids_subquery)`` until a batch touches fewer rows than the batch size."""
+    total = 0
+    while True:
+        async with provider.engine.begin() as conn:
+            res = await conn.execute(build())
+        n = res.rowcount or 0
+        total += n
+        if n < provider.retention.batch:
+            return total
+
+
+async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) -> dict[str, int]:
+    m = provider.tables.messages
+    policy = provider.retention
+    out = {"archived": 0, "deleted_processed": 0, "deleted_archived": 0}
+    if policy.archive_after is not None:
+        cutoff = now - policy.archive_after
+        statuses = sorted(policy.archive_statuses)
+
+        def archive() -> sa.Update:
+            ids = (
+                sa.select(m.c.id)
+                .where(~m.c.archived, m.c.status.in_(statuses), m.c.settled_at < cutoff)
+                .limit(policy.batch)
+                .scalar_subquery()
+            )
+            return sa.update(m).where(m.c.id.in_(ids)).values(archived=True, archived_at=now)
+
+        out["archived"] = await _batched(provider, archive)
+    for sub in app.subscriptions() if app is not None else []:
+        keep = sub.options.keep_processed_for
+        if keep is None:
+            continue
+        cutoff_p = now - keep
+
+        def drop_processed(q: str = sub.queue, c: datetime = cutoff_p) -> sa.Delete:
+            ids = (
+                sa.select(m.c.id)
+                .where(m.c.queue == q, m.c.status == MessageStatus.SUCCEEDED.value, m.c.settled_at < c)
+                .limit(policy.batch)
+                .scalar_subquery()
+            )
+            return sa.delete(m).where(m.c.id.in_(ids))
+
+        out["deleted_processed"] += await _batched(provider, drop_processed)
+    if policy.delete_archived_after is not None:
+        cutoff_a = now - policy.delete_archived_after
+
+        def drop_archived() -> sa.Delete:
+            ids = (
+                sa.select(m.c.id)
+                .where(m.c.archived, m.c.archived_at < cutoff_a)
+                .limit(policy.batch)
+                .scalar_subquery()
+            )
+            return sa.delete(m).where(m.c.id.in_(ids))
+
+        out["deleted_archived"] = await _batched(provider, drop_archived)
+    return out
+
+
+async def run_maintenance(provider: SqlProvider, app: QueueingApp | None, now: datetime) -> dict[str, int]:
+    out: dict[str, int] = {}
+    if app is not None:
+        out.update(await sweep_leases(provider, app, now))
+        out["expired"] = await expire_waiting(provider, app, now)
+    out.update(await retain(provider, app, now))
+    return out

@@ -1,0 +1,531 @@
+"""The SQL provider (SPEC C2): durable rows, atomic batch claims, leases, wake-ups, retention.
+
+- Claim: one ``UPDATE ... FROM (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED) RETURNING`` per batch
+  (PostgreSQL skips rows other workers are claiming; SQLite's single writer makes it atomic). Paused
+  queues/types are filtered in the claim itself, so pausing never hands out (or burns) an attempt.
+- Finalize: every settlement is an UPDATE guarded by ``locked_by = me AND status = 'Leased'``, so a
+  worker whose lease expired never overwrites the newer owner's outcome.
+- Wake-ups: ``pg_notify`` in the enqueuing transaction, one LISTEN connection per worker; the worker's
+  adaptive polling is the fallback (and the only mechanism on SQLite across processes).
+- Maintenance (every few seconds, safe to run on every host at once): expired leases back to retry
+  (or Abandoned, per queue), expired waiting rows to Expired, auto-archive, retention deletes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ...clock import Clock, utcnow
+from ...decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from ...envelope import Envelope
+from ...errors import ConfigurationError, NotConfigured, ProviderUnavailable
+from ...messages import MessageStatus
+from ...naming import Transport
+from ...runtime import default_worker_id, jsonable
+from ...transport import Capabilities, Delivery, Settlement
+from .control import SqlControlStore
+from .engine import create_engine, normalize_url, redact
+from .listener import PgListener
+from .retention import RetentionPolicy
+from .rows import delivery_from_row, row_for
+from .schema import CLAIMABLE, LATEST, Tables, current_version, migrate
+from .tracker import SqlTracker
+
+if TYPE_CHECKING:
+    from ...app import QueueingApp, Subscription
+
+log = logging.getLogger("queueing.sql")
+
+LEASED = MessageStatus.LEASED.value
+_DB_DOWN = (OSError, sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DBAPIError, ConnectionError)
+
+
+def initial_status(app: QueueingApp | None, env: Envelope) -> str:
+    if env.not_before is not None:
+        return MessageStatus.SLEEPING.value
+    sub = app.subscription(env.type) if app is not None else None
+    return sub.options.default_status if sub is not None else MessageStatus.PENDING.value
+
+
+def insert_statement(tables: Tables, backend: str) -> sa.Insert:
+    """INSERT that ignores a message id already present: enqueue is idempotent per message id,
+    so a producer that retries after an unclear failure adds nothing."""
+    t = tables.messages
+    dialect_insert: Any
+    if backend == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    stmt: sa.Insert = dialect_insert(t).on_conflict_do_nothing(index_elements=[t.c.message_id])
+    return stmt
+
+
+def notify_statement(channel: str, queue: str) -> sa.Select[Any]:
+    return sa.select(sa.func.pg_notify(channel, queue))
+
+
+def channel_for(schema: str | None) -> str:
+    return f"queueing_{schema or 'public'}"
+
+
+class SqlProvider:
+    transport = Transport.SQL
+
+    def __init__(
+        self,
+        url: str | URL,
+        *,
+        schema: str | None = None,
+        worker_id: str | None = None,
+        auto_migrate: bool = True,
+        listen: bool = True,
+        retention: RetentionPolicy | None = None,
+        max_message_bytes: int = 1024 * 1024,
+        connect_retries: int = 8,
+        maintenance_interval: float = 5.0,
+        clock: Clock = utcnow,
+        engine: AsyncEngine | None = None,
+    ) -> None:
+        self.url = normalize_url(url)
+        self.backend = self.url.get_backend_name()
+        if schema is not None and self.backend != "postgresql":
+            raise ConfigurationError("QUEUEING_DATABASE_SCHEMA", "schemas are a PostgreSQL feature")
+        self.tables = Tables.build(schema)
+        self.worker_id = worker_id or default_worker_id()
+        self.auto_migrate = auto_migrate
+        self.retention = retention or RetentionPolicy()
+        self.connect_retries = connect_retries
+        self.maintenance_interval = maintenance_interval
+        self.clock = clock
+        self.capabilities = Capabilities(
+            max_delay=None,
+            lock_renewal=True,
+            native_dead_letter=True,
+            push_wakeups=self.backend == "postgresql",
+            durable_history=True,
+            transactions=True,
+            max_message_bytes=max_message_bytes,
+            filters_paused=True,
+        )
+        self.channel = channel_for(schema)
+        self._engine = engine
+        self._own_engine = engine is None
+        self._app: QueueingApp | None = None
+        self._listener = (
+            PgListener(self.url, self.channel) if listen and self.backend == "postgresql" else None
+        )
+        self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self._next_due: dict[str, datetime] = {}
+        self._control = SqlControlStore(self)
+        self._tracker = SqlTracker(self)
+        self._open_lock: asyncio.Lock | None = None
+        self._opened = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise NotConfigured("the SQL provider is not open yet: await runtime.open()")
+        return self._engine
+
+    def control_store(self) -> SqlControlStore:
+        return self._control
+
+    def tracker(self) -> SqlTracker:
+        return self._tracker
+
+    async def open(self, app: QueueingApp | None = None) -> None:
+        if app is not None:
+            self._app = app
+        if self._open_lock is None:
+            self._open_lock = asyncio.Lock()
+        async with self._open_lock:
+            if self._opened:
+                return
+            if self._engine is None:
+                self._engine = create_engine(self.url)
+            await self._wait_for_database()
+            if self.auto_migrate:
+                applied = await migrate(self.engine, self.tables, now=self.clock)
+                if applied:
+                    log.info("queueing schema migrated to version %d on %s", applied[-1], redact(self.url))
+            else:
+                async with self.engine.connect() as conn:
+                    version = await current_version(conn, self.tables)
+                if version < LATEST:
+                    problem = f"the database schema is at version {version}, this kit needs {LATEST}"
+                    raise ConfigurationError("QUEUEING_AUTO_MIGRATE", f"{problem}: run `queueing migrate`")
+            if self._listener is not None:
+                self._listener.on_notify = self._wake
+                await self._listener.start()
+            self._opened = True
+
+    async def _wait_for_database(self) -> None:
+        delay = 0.5
+        for attempt in range(1, self.connect_retries + 2):
+            try:
+                async with self.engine.connect() as conn:
+                    await conn.execute(sa.text("SELECT 1"))
+                return
+            except _DB_DOWN as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                if attempt > self.connect_retries:
+                    raise ProviderUnavailable(
+                        f"database {redact(self.url)} is unreachable after {attempt} tries: {first}"
+                    ) from None
+                log.warning(
+                    "database %s is unreachable (%s); retry %d/%d in %.1fs",
+                    redact(self.url),
+                    first,
+                    attempt,
+                    self.connect_retries,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            await self._listener.stop()
+        if self._engine is not None and self._own_engine:
+            await self._engine.dispose()
+            self._engine = None
+        self._opened = False
+
+    async def ensure_open(self) -> None:
+        if not self._opened:
+            await self.open()
+
+    # -- producing ---------------------------------------------------------------------------------
+    def rows_for(self, envelopes: Sequence[Envelope], now: datetime) -> list[dict[str, Any]]:
+        return [row_for(e, initial_status(self._app, e), now) for e in envelopes]
+
+    async def notify_statements(self, conn: Any, queues: set[str]) -> None:
+        """``pg_notify`` each queue inside the caller's transaction: delivered at commit."""
+        if self.backend == "postgresql":
+            for q in sorted(queues):
+                await conn.execute(notify_statement(self.channel, q))
+
+    async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
+        # every send commits before returning, so ``wait`` (durably accepted) holds either way
+        await self.ensure_open()
+        now = self.clock()
+        rows = self.rows_for(envelopes, now)
+        async with self.engine.begin() as conn:
+            await conn.execute(insert_statement(self.tables, self.backend), rows)
+            await self.notify_statements(conn, {e.queue for e in envelopes})
+        for env in envelopes:
+            self._note_due(env.queue, env.not_before or now)
+
+    # -- consuming ---------------------------------------------------------------------------------
+    def _not_paused(self) -> sa.ColumnElement[bool]:
+        m, p = self.tables.messages, self.tables.pauses
+        return ~sa.exists().where(
+            sa.or_(
+                sa.and_(p.c.kind == "queue", p.c.name == m.c.queue),
+                sa.and_(p.c.kind == "type", p.c.name == m.c.type),
+            )
+        )
+
+    async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
+        await self.ensure_open()
+        m = self.tables.messages
+        now = self.clock()
+        if sub.handler is None:
+            # no handler here: say so on the rows (unleased, untouched otherwise) and take nothing
+            async with self.engine.begin() as conn:
+                await conn.execute(
+                    sa.update(m)
+                    .where(
+                        m.c.queue == sub.queue,
+                        m.c.status == MessageStatus.PENDING.value,
+                        m.c.available_at <= now,
+                        ~m.c.archived,
+                    )
+                    .values(status=MessageStatus.WAITING_FOR_HANDLER.value, updated_at=now)
+                )
+            return []
+        lease_until = now + sub.options.lease_duration
+        if sub.options.ordered:
+            return await self._claim_head(sub, now, lease_until)
+        due = (
+            sa.select(m.c.id)
+            .where(
+                m.c.queue == sub.queue,
+                m.c.status.in_(CLAIMABLE),
+                m.c.available_at <= now,
+                ~m.c.archived,
+                self._not_paused(),
+            )
+            .order_by(m.c.available_at, m.c.id)
+            .limit(max_messages)
+            .with_for_update(skip_locked=True)
+            .cte("due")
+        )
+        claim = (
+            sa.update(m)
+            .where(m.c.id == due.c.id)
+            .values(status=LEASED, locked_by=self.worker_id, locked_until=lease_until, updated_at=now)
+            .returning(*_CLAIM_COLUMNS(m))
+        )
+        async with self.engine.begin() as conn:
+            rows = (await conn.execute(claim)).mappings().all()
+        deliveries = [delivery_from_row(r) for r in rows]
+        deliveries.sort(key=lambda d: d.handle)
+        return deliveries
+
+    async def _claim_head(self, sub: Subscription, now: datetime, lease_until: datetime) -> list[Delivery]:
+        """Ordered queues: the oldest message that holds the line goes first, alone.
+
+        A leased message, or one waiting for its retry (or paused, or waiting for a handler), holds
+        every later message back; a message enqueued with a delay joins the line when it is due.
+        Without SKIP LOCKED: a second claimer waits for the row and then finds it taken.
+        """
+        m = self.tables.messages
+        holds = sa.or_(
+            m.c.status == LEASED,
+            sa.and_(
+                m.c.status.in_(CLAIMABLE),
+                sa.or_(m.c.available_at <= now, m.c.attempt > 0, m.c.status != MessageStatus.SLEEPING.value),
+            ),
+        )
+        head = (
+            sa.select(m.c.id)
+            .where(m.c.queue == sub.queue, ~m.c.archived, holds)
+            .order_by(m.c.id)
+            .limit(1)
+            .scalar_subquery()
+        )
+        claim = (
+            sa.update(m)
+            .where(m.c.id == head, m.c.status.in_(CLAIMABLE), m.c.available_at <= now, self._not_paused())
+            .values(status=LEASED, locked_by=self.worker_id, locked_until=lease_until, updated_at=now)
+            .returning(*_CLAIM_COLUMNS(m))
+        )
+        async with self.engine.begin() as conn:
+            rows = (await conn.execute(claim)).mappings().all()
+        return [delivery_from_row(r) for r in rows]
+
+    def _wake(self, queue: str) -> None:
+        self._wakeups[queue].set()
+
+    def _note_due(self, queue: str, when: datetime) -> None:
+        current = self._next_due.get(queue)
+        if current is None or when < current:
+            self._next_due[queue] = when
+        if when <= self.clock():
+            self._wake(queue)
+
+    async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
+        due = self._next_due.get(sub.queue)
+        if due is not None:
+            until_due = (due - self.clock()).total_seconds()
+            if until_due <= timeout:
+                self._next_due.pop(sub.queue, None)
+                timeout = max(0.0, until_due)
+        event = self._wakeups[sub.queue]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+        event.clear()
+
+    # -- settling ----------------------------------------------------------------------------------
+    async def settle(self, settlements: Sequence[Settlement]) -> None:
+        if not settlements:
+            return
+        m = self.tables.messages
+        now = self.clock()
+        owned = sa.and_(m.c.id == sa.bindparam("_id"), m.c.locked_by == self.worker_id, m.c.status == LEASED)
+        fast: list[int] = []
+        shaped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        wake: set[str] = set()
+        for s in settlements:
+            d, decision = s.delivery, s.decision
+            row_id = d.handle
+            used = d.attempts_used(decision)
+            if isinstance(decision, Complete) and decision.result is None and not decision.cancelled:
+                fast.append(row_id)
+            elif isinstance(decision, Complete):
+                shaped["complete"].append(
+                    {
+                        "_id": row_id,
+                        "status": decision.status.value,
+                        "attempt": used,
+                        "result": jsonable(decision.result),
+                    }
+                )
+            elif isinstance(decision, RetryAfter):
+                at = now + decision.delay
+                shaped["retry"].append(
+                    {"_id": row_id, "attempt": used, "available_at": at, "last_error": decision.error}
+                )
+                self._note_due(d.queue, at)
+            elif isinstance(decision, DeadLetter):
+                raw = d.text() if decision.reason is DeadLetterReason.MALFORMED_ENVELOPE else None
+                shaped["dead"].append(
+                    {
+                        "_id": row_id,
+                        "attempt": used,
+                        "reason": decision.reason.value,
+                        "description": decision.description,
+                        "raw": raw,
+                    }
+                )
+            elif isinstance(decision, Defer):
+                sleeping = decision.status is MessageStatus.SLEEPING
+                shaped["defer"].append(
+                    {
+                        "_id": row_id,
+                        "status": decision.status.value,
+                        "attempt": used,
+                        "available_at": decision.until,
+                        "reason": decision.reason,
+                        "not_before": decision.until if sleeping else None,
+                    }
+                )
+                self._note_due(d.queue, decision.until)
+            elif isinstance(decision, Release):
+                shaped["release"].append({"_id": row_id, "attempt": used})
+                wake.add(d.queue)
+            else:
+                assert isinstance(decision, Expire)
+                shaped["expire"].append({"_id": row_id})
+        released = {"locked_by": None, "locked_until": None, "updated_at": now}
+        settled = {**released, "settled_at": now}
+        stmts: dict[str, sa.Update] = {
+            "complete": sa.update(m)
+            .where(owned)
+            .values(
+                status=sa.bindparam("status"),
+                attempt=sa.bindparam("attempt"),
+                result=sa.bindparam("result"),
+                **settled,
+            ),
+            "retry": sa.update(m)
+            .where(owned)
+            .values(
+                status=MessageStatus.FAILED.value,
+                attempt=sa.bindparam("attempt"),
+                available_at=sa.bindparam("available_at"),
+                last_error=sa.bindparam("last_error"),
+                **released,
+            ),
+            "dead": sa.update(m)
+            .where(owned)
+            .values(
+                status=MessageStatus.DEAD_LETTERED.value,
+                attempt=sa.bindparam("attempt"),
+                reason=sa.bindparam("reason"),
+                description=sa.bindparam("description"),
+                raw=sa.func.coalesce(sa.bindparam("raw", type_=sa.Text()), m.c.raw),
+                **settled,
+            ),
+            "defer": sa.update(m)
+            .where(owned)
+            .values(
+                status=sa.bindparam("status"),
+                attempt=sa.bindparam("attempt"),
+                available_at=sa.bindparam("available_at"),
+                reason=sa.bindparam("reason"),
+                not_before=sa.func.coalesce(
+                    sa.bindparam("not_before", type_=m.c.not_before.type), m.c.not_before
+                ),
+                **released,
+            ),
+            "release": sa.update(m)
+            .where(owned)
+            .values(
+                status=MessageStatus.PENDING.value,
+                attempt=sa.bindparam("attempt"),
+                available_at=now,
+                **released,
+            ),
+            "expire": sa.update(m)
+            .where(owned)
+            .values(status=MessageStatus.EXPIRED.value, reason=DeadLetterReason.EXPIRED.value, **settled),
+        }
+        lost = 0
+        async with self.engine.begin() as conn:
+            if fast:
+                done = await conn.execute(
+                    sa.update(m)
+                    .where(m.c.id.in_(fast), m.c.locked_by == self.worker_id, m.c.status == LEASED)
+                    .values(status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, **settled)
+                )
+                lost += len(fast) - (done.rowcount or 0)
+            for shape, params in shaped.items():
+                res = await conn.execute(stmts[shape], params)
+                if res.rowcount is not None and res.rowcount >= 0:
+                    lost += len(params) - res.rowcount
+            await self.notify_statements(conn, wake)
+        if lost > 0:
+            log.warning("%d outcome(s) not recorded: their lease had passed to another worker", lost)
+
+    async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        if not deliveries or self._app is None:
+            return []
+        m = self.tables.messages
+        now = self.clock()
+        by_queue: dict[str, list[Delivery]] = defaultdict(list)
+        for d in deliveries:
+            by_queue[d.queue].append(d)
+        lost: list[Delivery] = []
+        async with self.engine.begin() as conn:
+            for queue, ds in by_queue.items():
+                sub = self._app.by_queue().get(queue)
+                lease = sub.options.lease_duration if sub else timedelta(seconds=30)
+                until = now + lease
+                res = await conn.execute(
+                    sa.update(m)
+                    .where(
+                        m.c.id.in_([d.handle for d in ds]),
+                        m.c.locked_by == self.worker_id,
+                        m.c.status == LEASED,
+                    )
+                    .values(locked_until=until)
+                    .returning(m.c.id)
+                )
+                kept = set(res.scalars())
+                for d in ds:
+                    if d.handle in kept:
+                        d.lease_until = until
+                    else:
+                        lost.append(d)
+        return lost
+
+    # -- maintenance ---------------------------------------------------------------------------------
+    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
+        """Sweep expired leases, expire overdue waiting rows, archive and prune. Safe on every host."""
+        from .maintenance import run_maintenance
+
+        await self.ensure_open()
+        return await run_maintenance(self, app or self._app, self.clock())
+
+
+def _CLAIM_COLUMNS(m: sa.Table) -> list[sa.ColumnElement[Any]]:
+    text = sa.Text()
+    return [
+        m.c.id,
+        m.c.message_id,
+        m.c.tracking_id,
+        m.c.queue,
+        m.c.type,
+        m.c.attempt,
+        m.c.correlation_id,
+        m.c.created_at,
+        m.c.not_before,
+        m.c.expires_at,
+        m.c.locked_until,
+        m.c.raw,
+        sa.cast(m.c.body, text).label("body_text"),
+        sa.cast(m.c.headers, text).label("headers_text"),
+    ]

@@ -1,0 +1,202 @@
+"""Tables of the SQL provider and their versioned migrations.
+
+Every statement the provider runs is built from these SQLAlchemy Core tables, so one definition
+serves SQLite and PostgreSQL. Migrations are a numbered list applied in order under a lock
+(PostgreSQL advisory lock; SQLite's single writer), recorded in ``queueing_schema``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from ...messages import MessageStatus
+
+log = logging.getLogger("queueing.sql")
+
+Json = sa.JSON().with_variant(JSONB(), "postgresql")
+Timestamp = sa.DateTime(timezone=True)
+
+#: statuses a worker may claim (custom statuses, Leased, Abandoned and terminal ones are never claimed)
+CLAIMABLE = (
+    MessageStatus.PENDING.value,
+    MessageStatus.FAILED.value,
+    MessageStatus.SLEEPING.value,
+    MessageStatus.WAITING_FOR_HANDLER.value,
+    MessageStatus.PAUSED.value,
+)
+
+
+def build_metadata(schema: str | None = None) -> sa.MetaData:
+    md = sa.MetaData(schema=schema)
+    claimable = sa.text("status IN ({})".format(", ".join(f"'{s}'" for s in CLAIMABLE)))  # constants only
+    sa.Table(
+        "queueing_messages",
+        md,
+        sa.Column(
+            "id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True
+        ),
+        sa.Column("message_id", sa.Uuid(), nullable=False, unique=True),
+        sa.Column("tracking_id", sa.Uuid(), nullable=False),
+        sa.Column("queue", sa.String(200), nullable=False),
+        sa.Column("type", sa.String(256), nullable=False),
+        sa.Column("status", sa.String(64), nullable=False),
+        sa.Column("attempt", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("correlation_id", sa.String(256)),
+        sa.Column("created_at", Timestamp, nullable=False),
+        sa.Column("updated_at", Timestamp, nullable=False),
+        sa.Column("not_before", Timestamp),
+        # when the message may next be claimed: not_before, a retry time, a deferral, or creation
+        sa.Column("available_at", Timestamp, nullable=False),
+        sa.Column("expires_at", Timestamp),
+        sa.Column("locked_by", sa.String(128)),
+        sa.Column("locked_until", Timestamp),
+        sa.Column("last_error", sa.Text()),
+        sa.Column("reason", sa.String(128)),
+        sa.Column("description", sa.Text()),
+        sa.Column("headers", Json, nullable=False),
+        sa.Column("body", Json),
+        sa.Column("raw", sa.Text()),  # the stored text of a body that no longer decodes
+        sa.Column("result", Json),
+        sa.Column("settled_at", Timestamp),
+        sa.Column("archived", sa.Boolean(), nullable=False, server_default=sa.false()),
+        sa.Column("archived_at", Timestamp),
+        # the claim: queue + due time, only over claimable, unarchived rows (a small partial index)
+        sa.Index(
+            "ix_queueing_messages_claim",
+            "queue",
+            "available_at",
+            "id",
+            postgresql_where=sa.and_(claimable, sa.text("NOT archived")),
+            sqlite_where=sa.and_(claimable, sa.text("NOT archived")),
+        ),
+        # the lease sweeper: only leased rows
+        sa.Index(
+            "ix_queueing_messages_leased",
+            "locked_until",
+            postgresql_where=sa.text("status = 'Leased'"),
+            sqlite_where=sa.text("status = 'Leased'"),
+        ),
+        # ops listings: by status / queue / type / correlation, newest first
+        sa.Index("ix_queueing_messages_status_created", "status", "created_at", "id"),
+        sa.Index("ix_queueing_messages_queue_status_created", "queue", "status", "created_at", "id"),
+        sa.Index("ix_queueing_messages_created", "created_at", "id"),
+        sa.Index("ix_queueing_messages_type_created", "type", "created_at"),
+        sa.Index("ix_queueing_messages_correlation", "correlation_id"),
+        sa.Index("ix_queueing_messages_tracking", "tracking_id"),
+        sa.Index(
+            "ix_queueing_messages_settled",
+            "settled_at",
+            postgresql_where=sa.text("NOT archived"),
+            sqlite_where=sa.text("NOT archived"),
+        ),
+    )
+    sa.Table(
+        "queueing_pauses",
+        md,
+        sa.Column("kind", sa.String(8), primary_key=True),  # 'queue' | 'type'
+        sa.Column("name", sa.String(256), primary_key=True),
+        sa.Column("paused_at", Timestamp, nullable=False),
+    )
+    sa.Table(
+        "queueing_circuits",
+        md,
+        sa.Column("type", sa.String(256), primary_key=True),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("consecutive_failures", sa.Integer(), nullable=False),
+        sa.Column("opened_at", Timestamp),
+        sa.Column("open_until", Timestamp),
+        sa.Column("probe_until", Timestamp),
+        sa.Column("version", sa.Integer(), nullable=False),  # optimistic concurrency
+    )
+    sa.Table(
+        "queueing_schema",
+        md,
+        sa.Column("version", sa.Integer(), primary_key=True),
+        sa.Column("description", sa.String(200), nullable=False),
+        sa.Column("applied_at", Timestamp, nullable=False),
+    )
+    return md
+
+
+@dataclass(frozen=True)
+class Tables:
+    metadata: sa.MetaData
+    messages: sa.Table
+    pauses: sa.Table
+    circuits: sa.Table
+    schema_versions: sa.Table
+
+    @classmethod
+    def build(cls, schema: str | None = None) -> Tables:
+        md = build_metadata(schema)
+        t = md.tables
+        key = (lambda n: f"{schema}.{n}") if schema else (lambda n: n)
+        return cls(
+            md,
+            t[key("queueing_messages")],
+            t[key("queueing_pauses")],
+            t[key("queueing_circuits")],
+            t[key("queueing_schema")],
+        )
+
+
+Migration = Callable[[sa.Connection, Tables], None]
+
+
+def _v1(conn: sa.Connection, tables: Tables) -> None:
+    tables.metadata.create_all(conn, tables=[tables.messages, tables.pauses, tables.circuits])
+
+
+#: (version, description, migration). Append only: a released migration never changes.
+MIGRATIONS: list[tuple[int, str, Migration]] = [
+    (1, "messages, pauses, circuits", _v1),
+]
+LATEST = MIGRATIONS[-1][0]
+
+
+async def current_version(conn: AsyncConnection, tables: Tables) -> int:
+    def read(sync: sa.Connection) -> int:
+        if not sa.inspect(sync).has_table(tables.schema_versions.name, schema=tables.schema_versions.schema):
+            return 0
+        return int(
+            sync.execute(
+                sa.select(sa.func.coalesce(sa.func.max(tables.schema_versions.c.version), 0))
+            ).scalar_one()
+        )
+
+    return await conn.run_sync(read)
+
+
+async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], object]) -> list[int]:
+    """Apply pending migrations; returns the versions applied (empty when up to date)."""
+    applied: list[int] = []
+    async with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            if tables.metadata.schema:
+                await conn.execute(sa.text(f'CREATE SCHEMA IF NOT EXISTS "{tables.metadata.schema}"'))
+            # one migrator at a time across every host; released at commit
+            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('queueing-kit-migrate'))"))
+
+        def run(sync: sa.Connection) -> None:
+            tables.schema_versions.create(sync, checkfirst=True)
+            done = set(sync.execute(sa.select(tables.schema_versions.c.version)).scalars())
+            for version, description, step in MIGRATIONS:
+                if version in done:
+                    continue
+                log.info("applying queueing schema migration %d: %s", version, description)
+                step(sync, tables)
+                sync.execute(
+                    tables.schema_versions.insert().values(
+                        version=version, description=description, applied_at=now()
+                    )
+                )
+                applied.append(version)
+
+        await conn.run_sync(run)
+    return applied

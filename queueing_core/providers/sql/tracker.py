@@ -1,0 +1,163 @@
+"""The messages table as message history: the SQL provider's durable tracker (SPEC D3)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import sqlalchemy as sa
+
+from ...clock import as_utc, opt_utc
+from ...messages import MessageStatus
+from ...tracking.base import MessageQuery, MessageRecord, Page
+
+if TYPE_CHECKING:
+    from .provider import SqlProvider
+
+
+def _loads(text: str | None) -> tuple[Any, str | None]:
+    """Parsed JSON, or (None, text) when the stored text is not JSON (kept for the operator)."""
+    if text is None:
+        return None, None
+    try:
+        return json.loads(text), None
+    except ValueError:
+        return None, text
+
+
+def encode_cursor(created_at: datetime, row_id: int) -> str:
+    return base64.urlsafe_b64encode(f"{as_utc(created_at).isoformat()}|{row_id}".encode()).decode()
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, int]:
+    try:
+        stamp, row_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|")
+        return datetime.fromisoformat(stamp), int(row_id)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError("invalid cursor") from exc
+
+
+class SqlTracker:
+    def __init__(self, provider: SqlProvider) -> None:
+        self.provider = provider
+
+    @property
+    def _m(self) -> sa.Table:
+        return self.provider.tables.messages
+
+    def columns(self) -> list[Any]:
+        m, text = self._m, sa.Text()
+        skip = {"body", "headers", "result"}
+        return [c for c in m.c if c.name not in skip] + [
+            sa.cast(m.c.body, text).label("body_text"),
+            sa.cast(m.c.headers, text).label("headers_text"),
+            sa.cast(m.c.result, text).label("result_text"),
+        ]
+
+    @staticmethod
+    def record(row: Any) -> MessageRecord:
+        body, bad_body = _loads(row.body_text)
+        headers, _ = _loads(row.headers_text)
+        result, _ = _loads(row.result_text)
+        return MessageRecord(
+            message_id=row.message_id,
+            tracking_id=row.tracking_id,
+            type=row.type,
+            queue=row.queue,
+            status=row.status,
+            attempt=row.attempt,
+            correlation_id=row.correlation_id,
+            created_at=as_utc(row.created_at),
+            updated_at=as_utc(row.updated_at),
+            not_before=opt_utc(row.not_before),
+            expires_at=opt_utc(row.expires_at),
+            locked_by=row.locked_by,
+            locked_until=opt_utc(row.locked_until),
+            last_error=row.last_error,
+            reason=row.reason,
+            description=row.description,
+            archived=row.archived,
+            archived_at=opt_utc(row.archived_at),
+            headers=headers if isinstance(headers, dict) else {},
+            body=body if isinstance(body, dict) else None,
+            raw=row.raw or bad_body,
+            result=result,
+        )
+
+    def where(self, q: MessageQuery) -> list[sa.ColumnElement[bool]]:
+        m = self._m
+        cond: list[sa.ColumnElement[bool]] = []
+        if q.queue is not None:
+            cond.append(m.c.queue == q.queue)
+        if q.type is not None:
+            cond.append(m.c.type == q.type)
+        if q.status:
+            plain = [s for s in q.status if s != MessageStatus.ARCHIVED.value]
+            parts: list[sa.ColumnElement[bool]] = [m.c.status.in_(plain)] if plain else []
+            if len(plain) != len(q.status):
+                parts.append(m.c.archived)
+            cond.append(sa.or_(*parts))
+        if q.created_from is not None:
+            cond.append(m.c.created_at >= q.created_from)
+        if q.created_to is not None:
+            cond.append(m.c.created_at < q.created_to)
+        if q.archived is not None:
+            cond.append(m.c.archived == q.archived)
+        if q.correlation_id is not None:
+            cond.append(m.c.correlation_id == q.correlation_id)
+        return cond
+
+    async def upsert(self, records: Sequence[MessageRecord]) -> None:
+        """Nothing to do: the provider's own statements write each row's history as they settle it."""
+
+    async def get(self, message_id: UUID) -> MessageRecord | None:
+        await self.provider.ensure_open()
+        async with self.provider.engine.connect() as conn:
+            row = (
+                await conn.execute(sa.select(*self.columns()).where(self._m.c.message_id == message_id))
+            ).first()
+        return None if row is None else self.record(row)
+
+    async def query(
+        self, query: MessageQuery, *, limit: int = 50, cursor: str | None = None
+    ) -> Page[MessageRecord]:
+        m = self._m
+        cond = self.where(query)
+        if cursor:
+            at, row_id = decode_cursor(cursor)
+            # keyset paging, newest first: stable under inserts, no OFFSET scans
+            cond.append(sa.or_(m.c.created_at < at, sa.and_(m.c.created_at == at, m.c.id < row_id)))
+        stmt = (
+            sa.select(*self.columns())
+            .where(*cond)
+            .order_by(m.c.created_at.desc(), m.c.id.desc())
+            .limit(limit + 1)
+        )
+        await self.provider.ensure_open()
+        async with self.provider.engine.connect() as conn:
+            rows = (await conn.execute(stmt)).all()
+        more = len(rows) > limit
+        rows = rows[:limit]
+        nxt = encode_cursor(rows[-1].created_at, rows[-1].id) if more and rows else None
+        return Page[MessageRecord](items=[self.record(r) for r in rows], next_cursor=nxt)
+
+    async def counts(self) -> dict[tuple[str, str], int]:
+        m = self._m
+        stmt = (
+            sa.select(m.c.queue, m.c.status, sa.func.count())
+            .where(~m.c.archived)
+            .group_by(m.c.queue, m.c.status)
+        )
+        await self.provider.ensure_open()
+        async with self.provider.engine.connect() as conn:
+            return {(q, s): n for q, s, n in (await conn.execute(stmt)).all()}
+
+    async def delete(self, query: MessageQuery) -> int:
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            res = await conn.execute(sa.delete(self._m).where(*self.where(query)))
+        return res.rowcount or 0

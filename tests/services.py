@@ -1,0 +1,29 @@
+"""Where the real services are, and whether a missing one skips or fails (CI sets
+QUEUEING_REQUIRE_SERVICES=1 so nothing is silently skipped there)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+POSTGRES_URL = os.environ.get("QUEUEING_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+RABBITMQ_URL = os.environ.get("QUEUEING_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+def reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def require(name: str, host: str, port: int) -> None:
+    if reachable(host, port):
+        return
+    message = f"{name} is not answering on {host}:{port} (scripts/services.sh starts it)"
+    if os.environ.get("QUEUEING_REQUIRE_SERVICES") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
