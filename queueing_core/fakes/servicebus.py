@@ -1,0 +1,1219 @@
+"""An in-memory Azure Service Bus (queues only), shaped like the ``azure-servicebus`` 7.x async SDK.
+
+Point a provider written on ``azure.servicebus.aio`` at it in tests::
+
+    clock = FakeClock()
+    namespace = FakeServiceBusNamespace(clock=clock)
+    async with FakeServiceBusAdministrationClient(namespace) as admin:
+        await admin.create_queue("orders", max_delivery_count=3, lock_duration=timedelta(seconds=30))
+    async with FakeServiceBusClient(namespace) as client:           # stands in for ServiceBusClient
+        async with client.get_queue_sender("orders") as sender:
+            await sender.send_messages(ServiceBusMessage("hello"))
+        async with client.get_queue_receiver("orders") as receiver:
+            [msg] = await receiver.receive_messages(max_wait_time=5)
+            await receiver.complete_message(msg)
+
+Messages go in as real ``ServiceBusMessage`` objects and come out as :class:`FakeReceivedMessage`, which
+has the attributes of ``ServiceBusReceivedMessage`` with the values the *Python* SDK returns:
+
+* ``delivery_count`` is the AMQP header's count of earlier failed deliveries: 0 on the first receive.
+  (The .NET SDK adds one and documents "starts at 1"; the Python SDK does not, and its own live tests
+  assert 0.) A queue with ``max_delivery_count=N`` hands a message out N times, with counts 0..N-1.
+* ``application_properties`` keys, and string values, come back as ``bytes``; datetimes as epoch
+  milliseconds; ``None`` when the message has none.
+
+It is not a ``ServiceBusReceivedMessage`` subclass (that class needs a live AMQP link), so code that
+checks ``isinstance`` against the SDK class will refuse it.
+
+Kept from the broker: peek-lock with lock expiry and renewal, abandon, defer, dead-lettering (explicit,
+max delivery count, expiry), effective TTL, scheduled messages and cancellation, receive-and-delete,
+the 256 KB Standard-tier size limit, duplicate detection, runtime counts. Not modelled: sessions,
+topics, transactions, auto-forwarding, partitioning, prefetch buffering, ``AutoLockRenewer``, AMQP
+value and sequence bodies.
+
+Time comes from the namespace's clock. Pass a :class:`FakeClock` to move time by hand (advancing it
+wakes waiting receivers; with a clock of your own, call ``namespace.wake_waiters()`` after moving it).
+Waits given in seconds (``max_wait_time``) are always real asyncio time.
+Everything runs in one event loop and each state change completes without an ``await`` in between,
+so competing receivers can never take the same message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import math
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from azure.core.exceptions import HttpResponseError, ResourceExistsError, ResourceNotFoundError
+from azure.servicebus import (
+    ServiceBusMessage,
+    ServiceBusMessageBatch,
+    ServiceBusMessageState,
+    ServiceBusReceiveMode,
+    ServiceBusSubQueue,
+)
+from azure.servicebus.aio import AutoLockRenewer
+from azure.servicebus.amqp import AmqpAnnotatedMessage, AmqpMessageBodyType
+from azure.servicebus.exceptions import (
+    MessageAlreadySettled,
+    MessageLockLostError,
+    MessageNotFoundError,
+    MessageSizeExceededError,
+    MessagingEntityNotFoundError,
+    ServiceBusError,
+)
+from azure.servicebus.management import QueueProperties
+
+from ..clock import Clock, as_utc, utcnow
+
+__all__ = [
+    "DEFAULT_RECEIVE_WAIT_SECONDS",
+    "MAX_DELIVERY_COUNT_EXCEEDED",
+    "STANDARD_MAX_MESSAGE_BYTES",
+    "TIMESPAN_MAX",
+    "TTL_EXPIRED",
+    "FakeClock",
+    "FakeMessageBatch",
+    "FakeQueueRuntimeProperties",
+    "FakeReceivedMessage",
+    "FakeServiceBusAdministrationClient",
+    "FakeServiceBusClient",
+    "FakeServiceBusNamespace",
+    "FakeServiceBusReceiver",
+    "FakeServiceBusSender",
+]
+
+#: largest message (and batch) a Standard-tier entity accepts
+STANDARD_MAX_MESSAGE_BYTES = 256 * 1024
+#: the SDK's receive wait when neither the call nor the receiver gives one
+DEFAULT_RECEIVE_WAIT_SECONDS = 60.0
+#: what the service reports for "no limit" (.NET ``TimeSpan.MaxValue``), e.g. the default message TTL
+TIMESPAN_MAX = timedelta(days=10675199, seconds=10085, microseconds=477581)
+MAX_DELIVERY_COUNT_EXCEEDED = "MaxDeliveryCountExceeded"
+TTL_EXPIRED = "TTLExpiredException"
+_MAX_LOCK_DURATION = timedelta(minutes=5)
+# the broker carries dead-letter reasons as application properties; the SDK reads them back from there
+_REASON_KEY = "DeadLetterReason"
+_DESCRIPTION_KEY = "DeadLetterErrorDescription"
+_SHUTDOWN = "The handler has already been shutdown. Please use ServiceBusClient to create a new instance."
+
+_T = TypeVar("_T")
+
+
+class FakeClock:
+    """A UTC clock that moves only when told to; advancing it wakes receivers waiting on its namespaces."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self._now = as_utc(start) if start is not None else datetime(2026, 1, 1, tzinfo=UTC)
+        self._namespaces: weakref.WeakSet[FakeServiceBusNamespace] = weakref.WeakSet()
+
+    def __call__(self) -> datetime:
+        return self._now
+
+    def advance(self, delta: timedelta | float) -> datetime:
+        """Move forward by ``delta`` (a timedelta or seconds); return the new time."""
+        step = delta if isinstance(delta, timedelta) else timedelta(seconds=delta)
+        if step < timedelta(0):
+            raise ValueError("a FakeClock only moves forward")
+        self._now += step
+        for namespace in list(self._namespaces):
+            namespace.wake_waiters()
+        return self._now
+
+    def _attach(self, namespace: FakeServiceBusNamespace) -> None:
+        self._namespaces.add(namespace)
+
+
+# --- broker state -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Payload:
+    """What the broker keeps of a sent message: a copy, since the sender may reuse its object."""
+
+    body: bytes | None
+    application_properties: dict[str | bytes, Any] | None
+    message_id: str | None
+    correlation_id: str | None
+    subject: str | None
+    content_type: str | None
+    to: str | None
+    reply_to: str | None
+    reply_to_session_id: str | None
+    session_id: str | None
+    partition_key: str | None
+    time_to_live: timedelta | None
+    scheduled_enqueue_time_utc: datetime | None
+
+    @classmethod
+    def of(cls, message: ServiceBusMessage) -> _Payload:
+        if message.body_type == AmqpMessageBodyType.DATA:
+            body: bytes | None = b"".join(message.body)
+        elif message.body_type == AmqpMessageBodyType.VALUE and message.body is None:
+            body = None
+        else:
+            raise TypeError("the fake keeps str and bytes bodies only (no AMQP value or sequence bodies)")
+        props = message.application_properties
+        scheduled = message.scheduled_enqueue_time_utc
+        return cls(
+            body=body,
+            application_properties=dict(props) if props else None,
+            message_id=message.message_id,
+            correlation_id=message.correlation_id,
+            subject=message.subject,
+            content_type=message.content_type,
+            to=message.to,
+            reply_to=message.reply_to,
+            reply_to_session_id=message.reply_to_session_id,
+            session_id=message.session_id,
+            partition_key=message.partition_key,
+            time_to_live=message.time_to_live,
+            scheduled_enqueue_time_utc=as_utc(scheduled) if scheduled is not None else None,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    sequence_number: int
+    payload: _Payload
+    #: when the message is (or, while scheduled, will be) active; TTL counts from here
+    enqueued_at: datetime
+    #: effective TTL, min(message, queue default); None = never expires
+    time_to_live: timedelta | None
+    scheduled: bool = False
+    deferred: bool = False
+    in_dead_letter: bool = False
+    #: the SDK's delivery_count: earlier deliveries that were abandoned or whose lock expired
+    failed_deliveries: int = 0
+    lock_token: uuid.UUID | None = None
+    locked_until: datetime | None = None
+
+    @property
+    def expires_at(self) -> datetime | None:
+        if self.time_to_live is None:
+            return None
+        try:
+            return self.enqueued_at + self.time_to_live
+        except OverflowError:
+            return None
+
+    def available(self) -> bool:
+        return not (self.scheduled or self.deferred or self.lock_token is not None)
+
+
+_DURATION_SETTINGS = frozenset(
+    {
+        "lock_duration",
+        "default_message_time_to_live",
+        "duplicate_detection_history_time_window",
+        "auto_delete_on_idle",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    """A queue's description, with the service's defaults."""
+
+    max_delivery_count: int = 10
+    lock_duration: timedelta = timedelta(seconds=60)
+    default_message_time_to_live: timedelta = TIMESPAN_MAX
+    dead_lettering_on_message_expiration: bool = False
+    requires_duplicate_detection: bool = False
+    duplicate_detection_history_time_window: timedelta = timedelta(minutes=10)
+    # kept so properties round-trip; no behaviour behind them
+    auto_delete_on_idle: timedelta = TIMESPAN_MAX
+    enable_batched_operations: bool = True
+    enable_express: bool = False
+    enable_partitioning: bool = False
+    max_size_in_megabytes: int = 1024
+    max_message_size_in_kilobytes: int | None = None
+    user_metadata: str | None = None
+    authorization_rules: list[Any] | None = None
+    status: str = "Active"
+
+    def updated(self, values: Mapping[str, Any]) -> _Settings:
+        """These settings with every non-None value of ``values`` applied, validated like the service."""
+        changes: dict[str, Any] = {}
+        for name, value in values.items():
+            if value is None:
+                continue
+            if name in _DURATION_SETTINGS and not isinstance(value, timedelta):
+                raise TypeError(f"{name}: the fake takes a timedelta, not {type(value).__name__}")
+            changes[name] = value
+        settings = dataclasses.replace(self, **changes)
+        # the service answers these with 400 Bad Request
+        if settings.max_delivery_count < 1:
+            raise HttpResponseError(message="max_delivery_count must be at least 1.")
+        if not timedelta(0) < settings.lock_duration <= _MAX_LOCK_DURATION:
+            raise HttpResponseError(message="lock_duration must be positive and at most 5 minutes.")
+        if settings.default_message_time_to_live <= timedelta(0):
+            raise HttpResponseError(message="default_message_time_to_live must be positive.")
+        return settings
+
+    def to_properties(self, name: str) -> QueueProperties:
+        return QueueProperties(
+            name,
+            authorization_rules=self.authorization_rules,
+            auto_delete_on_idle=self.auto_delete_on_idle,
+            dead_lettering_on_message_expiration=self.dead_lettering_on_message_expiration,
+            default_message_time_to_live=self.default_message_time_to_live,
+            duplicate_detection_history_time_window=self.duplicate_detection_history_time_window,
+            availability_status="Available",
+            enable_batched_operations=self.enable_batched_operations,
+            enable_express=self.enable_express,
+            enable_partitioning=self.enable_partitioning,
+            lock_duration=self.lock_duration,
+            max_delivery_count=self.max_delivery_count,
+            max_size_in_megabytes=self.max_size_in_megabytes,
+            requires_duplicate_detection=self.requires_duplicate_detection,
+            requires_session=False,
+            status=self.status,
+            forward_to=None,
+            user_metadata=self.user_metadata,
+            forward_dead_lettered_messages_to=None,
+            max_message_size_in_kilobytes=self.max_message_size_in_kilobytes,
+        )
+
+
+_SETTING_NAMES = tuple(f.name for f in dataclasses.fields(_Settings))
+
+
+def _reject_unmodelled(
+    requires_session: bool | None, forward_to: str | None, forward_dead_lettered_messages_to: str | None
+) -> None:
+    if requires_session:
+        raise NotImplementedError("the fake Service Bus has no sessions")
+    if forward_to or forward_dead_lettered_messages_to:
+        raise NotImplementedError("the fake Service Bus does not auto-forward")
+
+
+class _Queue:
+    """One queue and its dead-letter sub-queue. Entries are keyed by sequence number, in arrival order."""
+
+    def __init__(self, name: str, settings: _Settings, now: datetime) -> None:
+        self.name = name
+        self.settings = settings
+        self.active: dict[int, _Entry] = {}
+        self.dead_letter: dict[int, _Entry] = {}
+        self.created_at = self.updated_at = self.accessed_at = now
+        self._sequence = itertools.count(1)
+        self._seen_message_ids: dict[str, datetime] = {}
+
+    def sub(self, dead_letter: bool) -> dict[int, _Entry]:
+        return self.dead_letter if dead_letter else self.active
+
+    def enqueue(self, payload: _Payload, now: datetime, scheduled_at: datetime | None) -> int:
+        sequence_number = next(self._sequence)
+        self.accessed_at = now
+        if self._is_duplicate(payload.message_id, now):
+            return sequence_number  # accepted, then dropped: that is what duplicate detection does
+        due = max(now, scheduled_at) if scheduled_at is not None else now
+        self.active[sequence_number] = _Entry(
+            sequence_number, payload, due, self._effective_ttl(payload.time_to_live), scheduled=due > now
+        )
+        return sequence_number
+
+    def _is_duplicate(self, message_id: str | None, now: datetime) -> bool:
+        if not self.settings.requires_duplicate_detection or message_id is None:
+            return False
+        window = self.settings.duplicate_detection_history_time_window
+        self._seen_message_ids = {m: t for m, t in self._seen_message_ids.items() if now - t < window}
+        if message_id in self._seen_message_ids:
+            return True
+        self._seen_message_ids[message_id] = now
+        return False
+
+    def _effective_ttl(self, message_ttl: timedelta | None) -> timedelta | None:
+        # a message's TTL cannot outlive the queue's default; the service silently shortens it
+        limit = self.settings.default_message_time_to_live
+        ttl = limit if message_ttl is None else min(message_ttl, limit)
+        return None if ttl >= TIMESPAN_MAX else ttl
+
+    def sweep(self, now: datetime) -> bool:
+        """Apply what time has made due (schedules, lock expiry, message expiry); True if anything changed."""
+        changed = False
+        for entry in list(self.active.values()):
+            if entry.scheduled and entry.enqueued_at <= now:
+                entry.scheduled = False
+                changed = True
+            if entry.locked_until is not None and entry.locked_until <= now:
+                self.release(entry)
+                changed = True
+                if self.active.get(entry.sequence_number) is not entry:
+                    continue  # dead-lettered at the delivery limit
+            # a locked message does not expire under its holder, who may still complete it
+            expires_at = entry.expires_at
+            if (
+                entry.lock_token is None
+                and not entry.scheduled
+                and expires_at is not None
+                and expires_at <= now
+            ):
+                self._expire(entry)
+                changed = True
+        for entry in list(self.dead_letter.values()):
+            if entry.locked_until is not None and entry.locked_until <= now:
+                self.release(entry)
+                changed = True
+        return changed
+
+    def _expire(self, entry: _Entry) -> None:
+        if self.settings.dead_lettering_on_message_expiration:
+            self.move_to_dead_letter(entry, TTL_EXPIRED, "The message expired and was dead lettered.")
+        else:
+            del self.active[entry.sequence_number]
+
+    def next_change(self) -> datetime | None:
+        """The next instant at which :meth:`sweep` would change something."""
+        times = [e.locked_until for e in self.dead_letter.values() if e.locked_until is not None]
+        for entry in self.active.values():
+            if entry.locked_until is not None:
+                times.append(entry.locked_until)
+            elif entry.scheduled:
+                times.append(entry.enqueued_at)
+            elif (expires_at := entry.expires_at) is not None:
+                times.append(expires_at)
+        return min(times, default=None)
+
+    def take(self, dead_letter: bool, now: datetime, count: int, *, lock: bool) -> list[_Entry]:
+        sub = self.sub(dead_letter)
+        taken = list(itertools.islice((e for e in sub.values() if e.available()), count))
+        for entry in taken:
+            if lock:
+                self.lock(entry, now)
+            else:
+                del sub[entry.sequence_number]
+        if taken:
+            self.accessed_at = now
+        return taken
+
+    def lock(self, entry: _Entry, now: datetime) -> None:
+        entry.lock_token = uuid.uuid4()
+        entry.locked_until = now + self.settings.lock_duration
+
+    def release(self, entry: _Entry) -> None:
+        """End a failed delivery (abandoned, or its lock expired): count it; dead-letter at the limit."""
+        entry.lock_token = entry.locked_until = None
+        entry.failed_deliveries += 1
+        limit = self.settings.max_delivery_count
+        if not entry.in_dead_letter and entry.failed_deliveries >= limit:
+            self.move_to_dead_letter(
+                entry,
+                MAX_DELIVERY_COUNT_EXCEEDED,
+                f"Message could not be consumed after {limit} delivery attempts.",
+            )
+
+    def move_to_dead_letter(self, entry: _Entry, reason: str | None, description: str | None) -> None:
+        del self.active[entry.sequence_number]
+        props = dict(entry.payload.application_properties or {})
+        if reason is not None:
+            props[_REASON_KEY] = reason
+        if description is not None:
+            props[_DESCRIPTION_KEY] = description
+        payload = dataclasses.replace(entry.payload, application_properties=props or None)
+        # a fresh delivery count; TTL is kept for display but not enforced in the dead-letter queue
+        self.dead_letter[entry.sequence_number] = _Entry(
+            entry.sequence_number, payload, entry.enqueued_at, entry.time_to_live, in_dead_letter=True
+        )
+
+    def runtime_properties(self) -> FakeQueueRuntimeProperties:
+        scheduled = sum(1 for e in self.active.values() if e.scheduled)
+        active = len(self.active) - scheduled  # locked and deferred messages are still in the queue
+        dead = len(self.dead_letter)
+        entries = itertools.chain(self.active.values(), self.dead_letter.values())
+        return FakeQueueRuntimeProperties(
+            name=self.name,
+            active_message_count=active,
+            scheduled_message_count=scheduled,
+            dead_letter_message_count=dead,
+            transfer_dead_letter_message_count=0,
+            transfer_message_count=0,
+            total_message_count=active + scheduled + dead,
+            size_in_bytes=sum(len(e.payload.body or b"") for e in entries),
+            created_at_utc=self.created_at,
+            updated_at_utc=self.updated_at,
+            accessed_at_utc=self.accessed_at,
+        )
+
+
+class FakeServiceBusNamespace:
+    """The shared broker state: create one per test and hand it to clients (several may share it)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock | None = None,
+        fully_qualified_namespace: str = "fake.servicebus.windows.net",
+        max_message_size_in_bytes: int = STANDARD_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.clock: Clock = clock if clock is not None else utcnow
+        self.fully_qualified_namespace = fully_qualified_namespace
+        self.max_message_size_in_bytes = max_message_size_in_bytes
+        self._queues: dict[str, _Queue] = {}  # by lower-cased name: entity names are case-insensitive
+        self._changed = asyncio.Event()
+        if isinstance(clock, FakeClock):
+            clock._attach(self)
+
+    def now(self) -> datetime:
+        return as_utc(self.clock())
+
+    def wake_waiters(self) -> None:
+        """Make waiting receivers look again (``FakeClock.advance`` does this; so must your own clock)."""
+        # a fresh event per change: each waiter holds the one it saw before it last looked
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    @property
+    def queue_names(self) -> list[str]:
+        return [q.name for q in self._queues.values()]
+
+    def _find(self, name: str) -> _Queue | None:
+        return self._queues.get(name.lower())
+
+    def _queue(self, name: str) -> _Queue:
+        """The live queue, with everything due by now applied."""
+        queue = self._find(name)
+        if queue is None:
+            raise MessagingEntityNotFoundError(
+                message=f"The messaging entity '{self.fully_qualified_namespace}/{name}' could not be found."
+            )
+        if queue.sweep(self.now()):
+            self.wake_waiters()
+        return queue
+
+
+# --- client side --------------------------------------------------------------------------------
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and timeout <= 0:
+        raise ValueError("The timeout must be greater than 0.")
+
+
+def _received_value(value: Any) -> Any:
+    # what the AMQP decoder hands back: strings as bytes, timestamps as epoch milliseconds
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, datetime):
+        return int(as_utc(value).timestamp() * 1000)
+    return value
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    return value if isinstance(value, str) else None
+
+
+class FakeReceivedMessage:
+    """A received message with the attributes of ``ServiceBusReceivedMessage`` and the SDK's value shapes.
+
+    ``b"".join(msg.body)`` gives the body bytes and ``str(msg)`` the decoded text. ``lock_token`` and
+    ``locked_until_utc`` are ``None`` once the message is settled, and for peeked or receive-and-delete
+    messages.
+    """
+
+    def __init__(
+        self,
+        entry: _Entry,
+        source: _Queue,
+        *,
+        state: ServiceBusMessageState,
+        locked: bool,
+        peeked: bool = False,
+    ) -> None:
+        payload = entry.payload
+        self._payload = payload
+        self._source = source
+        self._dead_letter = entry.in_dead_letter
+        self._peeked = peeked
+        self._settled = not locked and not peeked  # receive-and-delete messages arrive settled
+        self._lock_token = entry.lock_token if locked else None
+        self._locked_until = entry.locked_until if locked else None
+        self.auto_renew_error: Exception | None = None
+        self.sequence_number: int = entry.sequence_number
+        self.enqueued_sequence_number: int = entry.sequence_number
+        self.enqueued_time_utc: datetime = entry.enqueued_at
+        self.time_to_live: timedelta | None = entry.time_to_live
+        self.delivery_count: int = entry.failed_deliveries
+        self.state = state
+        self.message_id = payload.message_id
+        self.correlation_id = payload.correlation_id
+        self.subject = payload.subject
+        self.content_type = payload.content_type
+        self.to = payload.to
+        self.reply_to = payload.reply_to
+        self.reply_to_session_id = payload.reply_to_session_id
+        self.session_id = payload.session_id
+        self.partition_key = payload.partition_key
+        self.scheduled_enqueue_time_utc = payload.scheduled_enqueue_time_utc
+        props = payload.application_properties
+        self.application_properties: dict[str | bytes, Any] | None = (
+            {(k.encode("utf-8") if isinstance(k, str) else k): _received_value(v) for k, v in props.items()}
+            if props
+            else None
+        )
+        self.dead_letter_reason = _text(props.get(_REASON_KEY)) if props else None
+        self.dead_letter_error_description = _text(props.get(_DESCRIPTION_KEY)) if props else None
+        #: set by the service only for messages auto-forwarded out of a dead-letter queue
+        self.dead_letter_source: str | None = None
+
+    @property
+    def body(self) -> Iterator[bytes] | None:
+        """The data sections, like the SDK's data body (``None`` for a message sent with body ``None``)."""
+        if self._payload.body is None:
+            return None
+        return iter((self._payload.body,))
+
+    @property
+    def body_type(self) -> AmqpMessageBodyType:
+        return AmqpMessageBodyType.VALUE if self._payload.body is None else AmqpMessageBodyType.DATA
+
+    @property
+    def lock_token(self) -> uuid.UUID | None:
+        return None if self._settled else self._lock_token
+
+    @property
+    def locked_until_utc(self) -> datetime | None:
+        return None if self._settled else self._locked_until
+
+    @property
+    def expires_at_utc(self) -> datetime | None:
+        if self.time_to_live is None:
+            return None
+        return self.enqueued_time_utc + self.time_to_live
+
+    def __str__(self) -> str:
+        body = self._payload.body
+        return "None" if body is None else body.decode("utf-8")
+
+    def __repr__(self) -> str:
+        return (
+            f"FakeReceivedMessage(sequence_number={self.sequence_number}, message_id={self.message_id!r}, "
+            f"delivery_count={self.delivery_count}, state={self.state.name}, body={str(self)[:80]!r})"
+        )
+
+    def _to_outgoing(self) -> ServiceBusMessage:
+        # re-sending a received message (a dead-letter replay, say) sends a copy without broker state
+        return ServiceBusMessage(
+            self._payload.body,
+            application_properties=dict(self.application_properties) if self.application_properties else None,
+            message_id=self.message_id,
+            correlation_id=self.correlation_id,
+            subject=self.subject,
+            content_type=self.content_type,
+            to=self.to,
+            reply_to=self.reply_to,
+            reply_to_session_id=self.reply_to_session_id,
+            session_id=self.session_id,
+            partition_key=self.partition_key,
+            time_to_live=self._payload.time_to_live,
+        )
+
+
+_Sendable = ServiceBusMessage | FakeReceivedMessage
+
+
+def _outgoing(message: Any) -> ServiceBusMessage:
+    if isinstance(message, ServiceBusMessage):
+        return message
+    if isinstance(message, FakeReceivedMessage):
+        return message._to_outgoing()
+    raise TypeError(
+        f"the fake sends ServiceBusMessage objects (and messages it handed out), not {type(message).__name__}"
+    )
+
+
+class FakeMessageBatch(ServiceBusMessageBatch):
+    """A real ``ServiceBusMessageBatch`` (so the SDK's own size accounting) that remembers its messages."""
+
+    def __init__(self, max_size_in_bytes: int) -> None:
+        super().__init__(max_size_in_bytes=max_size_in_bytes)
+        self.messages: list[ServiceBusMessage] = []
+
+    def add_message(
+        self, message: ServiceBusMessage | FakeReceivedMessage | AmqpAnnotatedMessage | Mapping[str, Any]
+    ) -> None:
+        outgoing = _outgoing(message)
+        super().add_message(outgoing)  # raises MessageSizeExceededError when full
+        self.messages.append(outgoing)
+
+
+def _check_size(message: ServiceBusMessage, limit: int) -> None:
+    try:
+        FakeMessageBatch(limit).add_message(message)
+    except MessageSizeExceededError:
+        raise MessageSizeExceededError(
+            message=f"The message is larger than the entity's limit of {limit} bytes."
+        ) from None
+
+
+class FakeServiceBusSender:
+    """Mirrors ``azure.servicebus.aio.ServiceBusSender`` for one queue."""
+
+    def __init__(self, namespace: FakeServiceBusNamespace, queue_name: str) -> None:
+        self._namespace = namespace
+        self.entity_name = queue_name
+        self.fully_qualified_namespace = namespace.fully_qualified_namespace
+        self._closed = False
+
+    async def __aenter__(self) -> Self:
+        self._check_live()
+        self._namespace._queue(self.entity_name)  # opening the link fails on a missing entity
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._closed = True
+
+    def _check_live(self) -> None:
+        if self._closed:
+            raise ValueError(_SHUTDOWN)
+
+    async def send_messages(
+        self,
+        message: _Sendable | Iterable[_Sendable] | ServiceBusMessageBatch,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Send one message, a list (sent as one batch, so it must fit in one), or a batch."""
+        self._check_live()
+        _check_timeout(timeout)
+        queue = self._namespace._queue(self.entity_name)
+        limit = self._namespace.max_message_size_in_bytes
+        if isinstance(message, FakeMessageBatch):
+            outgoing = list(message.messages)
+        elif isinstance(message, ServiceBusMessageBatch):
+            # built by hand, so with the SDK's 1 MB default cap rather than the entity's limit
+            if message.size_in_bytes > limit:
+                raise MessageSizeExceededError(
+                    message=f"The batch is larger than the entity's limit of {limit} bytes."
+                )
+            outgoing = list(message._messages)  # the SDK reads a foreign batch the same way
+        elif isinstance(message, _Sendable):
+            outgoing = [_outgoing(message)]
+            _check_size(outgoing[0], limit)
+        else:
+            batch = FakeMessageBatch(limit)
+            for item in message:
+                batch.add_message(item)
+            outgoing = batch.messages
+        payloads = [_Payload.of(m) for m in outgoing]
+        now = self._namespace.now()
+        for payload in payloads:
+            queue.enqueue(payload, now, payload.scheduled_enqueue_time_utc)
+        self._namespace.wake_waiters()
+
+    async def create_message_batch(self, max_size_in_bytes: int | None = None) -> FakeMessageBatch:
+        self._check_live()
+        limit = self._namespace.max_message_size_in_bytes
+        if max_size_in_bytes and max_size_in_bytes > limit:
+            raise ValueError(
+                f"Max message size: {max_size_in_bytes} is too large, "
+                f"acceptable max batch size is: {limit} bytes."
+            )
+        return FakeMessageBatch(max_size_in_bytes or limit)
+
+    async def schedule_messages(
+        self,
+        messages: _Sendable | Iterable[_Sendable],
+        schedule_time_utc: datetime,
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Enqueue at ``schedule_time_utc`` (naive = UTC); return the sequence numbers, for cancelling."""
+        self._check_live()
+        _check_timeout(timeout)
+        queue = self._namespace._queue(self.entity_name)
+        items = [messages] if isinstance(messages, _Sendable) else list(messages)
+        outgoing = [_outgoing(m) for m in items]
+        for m in outgoing:
+            _check_size(m, self._namespace.max_message_size_in_bytes)
+        at = as_utc(schedule_time_utc)
+        now = self._namespace.now()
+        numbers = [
+            queue.enqueue(dataclasses.replace(_Payload.of(m), scheduled_enqueue_time_utc=at), now, at)
+            for m in outgoing
+        ]
+        self._namespace.wake_waiters()
+        return numbers
+
+    async def cancel_scheduled_messages(
+        self, sequence_numbers: int | list[int], *, timeout: float | None = None
+    ) -> None:
+        self._check_live()
+        _check_timeout(timeout)
+        numbers = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
+        queue = self._namespace._queue(self.entity_name)
+        missing = [n for n in numbers if not ((e := queue.active.get(n)) is not None and e.scheduled)]
+        if missing:  # already enqueued, already cancelled, or never scheduled; nothing is cancelled then
+            raise MessageNotFoundError(message=f"No scheduled message with sequence number(s) {missing}.")
+        for n in numbers:
+            queue.active.pop(n, None)
+        self._namespace.wake_waiters()
+
+
+def _is_dead_letter(sub_queue: ServiceBusSubQueue | str | None) -> bool:
+    if sub_queue is None:
+        return False
+    value = sub_queue if isinstance(sub_queue, ServiceBusSubQueue) else ServiceBusSubQueue(sub_queue.lower())
+    if value is ServiceBusSubQueue.DEAD_LETTER:
+        return True
+    raise NotImplementedError("the fake has no transfer dead-letter queue (it never forwards)")
+
+
+class FakeServiceBusReceiver:
+    """Mirrors ``azure.servicebus.aio.ServiceBusReceiver`` for a queue or its dead-letter sub-queue."""
+
+    def __init__(
+        self,
+        namespace: FakeServiceBusNamespace,
+        queue_name: str,
+        *,
+        sub_queue: ServiceBusSubQueue | str | None = None,
+        receive_mode: ServiceBusReceiveMode | str = ServiceBusReceiveMode.PEEK_LOCK,
+        max_wait_time: float | None = None,
+        prefetch_count: int = 0,
+    ) -> None:
+        if max_wait_time is not None and max_wait_time <= 0:
+            raise ValueError("The max_wait_time must be greater than 0.")
+        self._namespace = namespace
+        self.entity_name = queue_name
+        self.fully_qualified_namespace = namespace.fully_qualified_namespace
+        self._dead_letter = _is_dead_letter(sub_queue)
+        self._receive_mode = (
+            receive_mode
+            if isinstance(receive_mode, ServiceBusReceiveMode)
+            else ServiceBusReceiveMode(receive_mode.lower())
+        )
+        self._max_wait_time = max_wait_time
+        self._prefetch_count = prefetch_count  # only the bound for max_message_count=None; no buffering
+        self._closed = False
+        self._last_sequence_number: int | None = None  # the SDK's peek cursor
+
+    @property
+    def receive_mode(self) -> ServiceBusReceiveMode:
+        return self._receive_mode
+
+    @property
+    def entity_path(self) -> str:
+        return f"{self.entity_name}/$DeadLetterQueue" if self._dead_letter else self.entity_name
+
+    async def __aenter__(self) -> Self:
+        self._check_live()
+        self._namespace._queue(self.entity_name)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        # like the service, messages still locked stay locked until their lock expires
+        self._closed = True
+
+    def _check_live(self) -> None:
+        if self._closed:
+            raise ValueError(_SHUTDOWN)
+
+    # receiving
+
+    async def receive_messages(
+        self, max_message_count: int | None = 1, max_wait_time: float | None = None
+    ) -> list[FakeReceivedMessage]:
+        """Up to ``max_message_count`` messages available now, waiting up to ``max_wait_time`` s for one."""
+        self._check_live()
+        if max_wait_time is not None and max_wait_time <= 0:
+            raise ValueError("The max_wait_time must be greater than 0.")
+        if max_message_count is not None and max_message_count <= 0:
+            raise ValueError("The max_message_count must be greater than 0")
+        count = max_message_count or self._prefetch_count
+        if not count:
+            return []
+        if max_wait_time is None:
+            max_wait_time = self._max_wait_time or DEFAULT_RECEIVE_WAIT_SECONDS
+        return await self._receive(count, max_wait_time)
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> FakeReceivedMessage:
+        """One message at a time; ends after the receiver's ``max_wait_time`` with none (never if unset)."""
+        self._check_live()
+        wait = math.inf if self._max_wait_time is None else self._max_wait_time
+        messages = await self._receive(1, wait)
+        if not messages:
+            raise StopAsyncIteration
+        return messages[0]
+
+    async def _receive(self, count: int, wait: float) -> list[FakeReceivedMessage]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            changed = self._namespace._changed  # taken before looking, so no change is missed
+            messages = self._take(count)
+            if messages:
+                return messages
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return []
+            # sleep until something could have changed: a send or settlement (the event), or the
+            # namespace clock reaching a lock expiry or schedule (assuming it runs at real speed)
+            delay = min(remaining, self._seconds_until_next_change())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if math.isinf(delay) else delay):
+                    await changed.wait()
+
+    def _seconds_until_next_change(self) -> float:
+        queue = self._namespace._find(self.entity_name)
+        when = queue.next_change() if queue is not None else None
+        if when is None:
+            return math.inf
+        # a floor keeps a clock that lags the event loop from turning this into a spin
+        return max((when - self._namespace.now()).total_seconds(), 0.0) + 0.001
+
+    def _take(self, count: int) -> list[FakeReceivedMessage]:
+        queue = self._namespace._queue(self.entity_name)
+        lock = self._receive_mode is ServiceBusReceiveMode.PEEK_LOCK
+        entries = queue.take(self._dead_letter, self._namespace.now(), count, lock=lock)
+        if entries:
+            self._last_sequence_number = entries[-1].sequence_number
+        return [
+            FakeReceivedMessage(e, queue, state=ServiceBusMessageState.ACTIVE, locked=lock) for e in entries
+        ]
+
+    async def receive_deferred_messages(
+        self, sequence_numbers: int | list[int], *, timeout: float | None = None
+    ) -> list[FakeReceivedMessage]:
+        """Deferred messages by sequence number (locked, or removed in receive-and-delete mode)."""
+        self._check_live()
+        _check_timeout(timeout)
+        numbers = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
+        queue = self._namespace._queue(self.entity_name)
+        sub = queue.sub(self._dead_letter)
+        entries = []
+        for n in numbers:
+            entry = sub.get(n)
+            if entry is None or not entry.deferred or entry.lock_token is not None:
+                raise MessageNotFoundError(
+                    message=f"Failed to lock one or more specified messages: no deferred message {n}."
+                )
+            entries.append(entry)
+        lock = self._receive_mode is ServiceBusReceiveMode.PEEK_LOCK
+        now = self._namespace.now()
+        for entry in entries:
+            if lock:
+                queue.lock(entry, now)
+            else:
+                del sub[entry.sequence_number]
+        return [
+            FakeReceivedMessage(e, queue, state=ServiceBusMessageState.DEFERRED, locked=lock) for e in entries
+        ]
+
+    async def peek_messages(
+        self, max_message_count: int = 1, *, sequence_number: int = 0, timeout: float | None = None
+    ) -> list[FakeReceivedMessage]:
+        """Browse without locking or counting a delivery; scheduled, deferred and locked messages included.
+
+        Like the SDK, ``sequence_number=0`` continues after the last message this receiver received or
+        peeked, so repeated peeks page through the queue.
+        """
+        self._check_live()
+        _check_timeout(timeout)
+        if int(max_message_count) < 0:
+            raise ValueError("max_message_count must be 1 or greater.")
+        if not sequence_number:
+            sequence_number = self._last_sequence_number + 1 if self._last_sequence_number else 1
+        queue = self._namespace._queue(self.entity_name)
+        found = sorted(
+            (e for e in queue.sub(self._dead_letter).values() if e.sequence_number >= sequence_number),
+            key=lambda e: e.sequence_number,
+        )[:max_message_count]
+        if found:
+            self._last_sequence_number = found[-1].sequence_number
+        return [
+            FakeReceivedMessage(e, queue, state=_peeked_state(e), locked=False, peeked=True) for e in found
+        ]
+
+    # settling
+
+    def _locked_entry(self, message: FakeReceivedMessage, action: str) -> tuple[_Queue, _Entry]:
+        """The broker's entry still locked by ``message``, checked in the order the SDK checks."""
+        self._check_live()
+        if not isinstance(message, FakeReceivedMessage):
+            raise TypeError("Parameter 'message' must be of type ServiceBusReceivedMessage")
+        if message._peeked:
+            raise ValueError(
+                f"The operation {action} is not supported for peeked messages."
+                "Only messages received using receive methods in PEEK_LOCK mode can be settled."
+            )
+        if self._receive_mode is ServiceBusReceiveMode.RECEIVE_AND_DELETE:
+            raise ValueError(f"The operation {action} is not supported in 'RECEIVE_AND_DELETE' receive mode.")
+        if message._settled:
+            raise MessageAlreadySettled(action=action)
+        queue = self._namespace._queue(self.entity_name)  # an expired lock is released here
+        entry = queue.sub(self._dead_letter).get(message.sequence_number)
+        if (
+            message._source is not queue
+            or message._dead_letter != self._dead_letter
+            or entry is None
+            or entry.lock_token != message._lock_token
+        ):
+            raise MessageLockLostError(message="The lock on the message lock has expired.")
+        return queue, entry
+
+    async def complete_message(self, message: FakeReceivedMessage) -> None:
+        queue, entry = self._locked_entry(message, "complete")
+        del queue.sub(self._dead_letter)[entry.sequence_number]
+        message._settled = True
+
+    async def abandon_message(self, message: FakeReceivedMessage) -> None:
+        """Unlock now for immediate redelivery, counting a delivery (dead-letters at the queue's limit)."""
+        queue, entry = self._locked_entry(message, "abandon")
+        queue.release(entry)
+        message._settled = True
+        self._namespace.wake_waiters()
+
+    async def defer_message(self, message: FakeReceivedMessage) -> None:
+        """Set aside: only :meth:`receive_deferred_messages` with its sequence number can get it again."""
+        _, entry = self._locked_entry(message, "defer")
+        entry.lock_token = entry.locked_until = None
+        entry.deferred = True
+        message._settled = True
+
+    async def dead_letter_message(
+        self, message: FakeReceivedMessage, reason: str | None = None, error_description: str | None = None
+    ) -> None:
+        queue, entry = self._locked_entry(message, "dead-letter")
+        if entry.in_dead_letter:
+            raise ServiceBusError("A message in a dead-letter queue cannot be dead-lettered again.")
+        queue.move_to_dead_letter(entry, reason, error_description)
+        message._settled = True
+        self._namespace.wake_waiters()
+
+    async def renew_message_lock(
+        self, message: FakeReceivedMessage, *, timeout: float | None = None
+    ) -> datetime:
+        """Extend the lock by the queue's lock duration from now; return the new ``locked_until_utc``."""
+        _check_timeout(timeout)
+        queue, entry = self._locked_entry(message, "renew")
+        entry.locked_until = message._locked_until = self._namespace.now() + queue.settings.lock_duration
+        return entry.locked_until
+
+
+def _peeked_state(entry: _Entry) -> ServiceBusMessageState:
+    if entry.scheduled:
+        return ServiceBusMessageState.SCHEDULED
+    if entry.deferred:
+        return ServiceBusMessageState.DEFERRED
+    return ServiceBusMessageState.ACTIVE
+
+
+class FakeServiceBusClient:
+    """Mirrors ``azure.servicebus.aio.ServiceBusClient``, on a :class:`FakeServiceBusNamespace`."""
+
+    def __init__(self, namespace: FakeServiceBusNamespace) -> None:
+        self.namespace = namespace
+        self.fully_qualified_namespace = namespace.fully_qualified_namespace
+        self._handlers: list[FakeServiceBusSender | FakeServiceBusReceiver] = []
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every sender and receiver this client made, as the SDK does."""
+        for handler in self._handlers:
+            await handler.close()
+        self._handlers.clear()
+
+    def get_queue_sender(
+        self, queue_name: str, *, client_identifier: str | None = None, socket_timeout: float | None = None
+    ) -> FakeServiceBusSender:
+        sender = FakeServiceBusSender(self.namespace, queue_name)
+        self._handlers.append(sender)
+        return sender
+
+    def get_queue_receiver(
+        self,
+        queue_name: str,
+        *,
+        sub_queue: ServiceBusSubQueue | str | None = None,
+        receive_mode: ServiceBusReceiveMode | str = ServiceBusReceiveMode.PEEK_LOCK,
+        max_wait_time: float | None = None,
+        auto_lock_renewer: AutoLockRenewer | None = None,
+        prefetch_count: int = 0,
+        client_identifier: str | None = None,
+        socket_timeout: float | None = None,
+    ) -> FakeServiceBusReceiver:
+        if auto_lock_renewer is not None:
+            raise NotImplementedError("the fake has no AutoLockRenewer support; call renew_message_lock")
+        receiver = FakeServiceBusReceiver(
+            self.namespace,
+            queue_name,
+            sub_queue=sub_queue,
+            receive_mode=receive_mode,
+            max_wait_time=max_wait_time,
+            prefetch_count=prefetch_count,
+        )
+        self._handlers.append(receiver)
+        return receiver
+
+
+# --- admin side ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FakeQueueRuntimeProperties:
+    """The attributes of ``azure.servicebus.management.QueueRuntimeProperties``."""
+
+    name: str
+    active_message_count: int
+    scheduled_message_count: int
+    dead_letter_message_count: int
+    transfer_dead_letter_message_count: int
+    transfer_message_count: int
+    total_message_count: int
+    size_in_bytes: int
+    created_at_utc: datetime
+    updated_at_utc: datetime
+    accessed_at_utc: datetime
+
+
+async def _iterate(items: list[_T]) -> AsyncIterator[_T]:
+    for item in items:
+        yield item
+
+
+class FakeServiceBusAdministrationClient:
+    """Mirrors ``azure.servicebus.aio.management.ServiceBusAdministrationClient`` for queues.
+
+    Properties come back as real ``QueueProperties``; durations must be ``timedelta`` (the SDK also
+    takes ISO-8601 strings).
+    """
+
+    def __init__(self, namespace: FakeServiceBusNamespace) -> None:
+        self.namespace = namespace
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        pass
+
+    def _existing(self, queue_name: str) -> _Queue:
+        queue = self.namespace._find(queue_name)
+        if queue is None:
+            raise ResourceNotFoundError(f"Queue '{queue_name}' does not exist in this namespace.")
+        return queue
+
+    async def create_queue(
+        self,
+        queue_name: str,
+        *,
+        authorization_rules: list[Any] | None = None,
+        auto_delete_on_idle: timedelta | None = None,
+        dead_lettering_on_message_expiration: bool | None = None,
+        default_message_time_to_live: timedelta | None = None,
+        duplicate_detection_history_time_window: timedelta | None = None,
+        enable_batched_operations: bool | None = None,
+        enable_express: bool | None = None,
+        enable_partitioning: bool | None = None,
+        lock_duration: timedelta | None = None,
+        max_delivery_count: int | None = None,
+        max_size_in_megabytes: int | None = None,
+        requires_duplicate_detection: bool | None = None,
+        requires_session: bool | None = None,
+        forward_to: str | None = None,
+        user_metadata: str | None = None,
+        forward_dead_lettered_messages_to: str | None = None,
+        max_message_size_in_kilobytes: int | None = None,
+    ) -> QueueProperties:
+        """Create a queue; ``None`` means the service default (max delivery 10, lock 60 s, no TTL limit)."""
+        _reject_unmodelled(requires_session, forward_to, forward_dead_lettered_messages_to)
+        if self.namespace._find(queue_name) is not None:
+            raise ResourceExistsError(f"Queue '{queue_name}' already exists.")
+        settings = _Settings().updated(
+            {
+                "authorization_rules": authorization_rules,
+                "auto_delete_on_idle": auto_delete_on_idle,
+                "dead_lettering_on_message_expiration": dead_lettering_on_message_expiration,
+                "default_message_time_to_live": default_message_time_to_live,
+                "duplicate_detection_history_time_window": duplicate_detection_history_time_window,
+                "enable_batched_operations": enable_batched_operations,
+                "enable_express": enable_express,
+                "enable_partitioning": enable_partitioning,
+                "lock_duration": lock_duration,
+                "max_delivery_count": max_delivery_count,
+                "max_size_in_megabytes": max_size_in_megabytes,
+                "requires_duplicate_detection": requires_duplicate_detection,
+                "user_metadata": user_metadata,
+                "max_message_size_in_kilobytes": max_message_size_in_kilobytes,
+            }
+        )
+        self.namespace._queues[queue_name.lower()] = _Queue(queue_name, settings, self.namespace.now())
+        return settings.to_properties(queue_name)
+
+    async def get_queue(self, queue_name: str) -> QueueProperties:
+        queue = self._existing(queue_name)
+        return queue.settings.to_properties(queue.name)
+
+    async def get_queue_runtime_properties(self, queue_name: str) -> FakeQueueRuntimeProperties:
+        self._existing(queue_name)
+        return self.namespace._queue(queue_name).runtime_properties()
+
+    def list_queues(self) -> AsyncIterator[QueueProperties]:
+        return _iterate([q.settings.to_properties(q.name) for q in self.namespace._queues.values()])
+
+    def list_queues_runtime_properties(self) -> AsyncIterator[FakeQueueRuntimeProperties]:
+        names = self.namespace.queue_names
+        return _iterate([self.namespace._queue(name).runtime_properties() for name in names])
+
+    async def update_queue(self, queue: QueueProperties | Mapping[str, Any]) -> None:
+        """Apply a ``QueueProperties`` (from :meth:`get_queue`, edited) or a mapping with ``name``."""
+        if isinstance(queue, QueueProperties):
+            name: str = queue.name
+            values: dict[str, Any] = {n: getattr(queue, n) for n in _SETTING_NAMES}
+            unmodelled = (queue.requires_session, queue.forward_to, queue.forward_dead_lettered_messages_to)
+        else:
+            name = queue["name"]
+            values = {n: queue[n] for n in _SETTING_NAMES if n in queue}
+            unmodelled = (
+                queue.get("requires_session"),
+                queue.get("forward_to"),
+                queue.get("forward_dead_lettered_messages_to"),
+            )
+        _reject_unmodelled(*unmodelled)
+        existing = self._existing(name)
+        existing.settings = existing.settings.updated(values)
+        existing.updated_at = self.namespace.now()
+        self.namespace.wake_waiters()
+
+    async def delete_queue(self, queue_name: str) -> None:
+        self._existing(queue_name)
+        del self.namespace._queues[queue_name.lower()]
+        self.namespace.wake_waiters()
