@@ -108,20 +108,7 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
     m = provider.tables.messages
     policy = provider.retention
     out = {"archived": 0, "deleted_processed": 0, "deleted_archived": 0}
-    if policy.archive_after is not None:
-        cutoff = now - policy.archive_after
-        statuses = sorted(policy.archive_statuses)
-
-        def archive() -> sa.Update:
-            ids = (
-                sa.select(m.c.id)
-                .where(~m.c.archived, m.c.status.in_(statuses), m.c.settled_at < cutoff)
-                .limit(policy.batch)
-                .scalar_subquery()
-            )
-            return sa.update(m).where(m.c.id.in_(ids)).values(archived=True, archived_at=now)
-
-        out["archived"] = await _batched(provider, archive)
+    # a queue's own keep_processed_for goes first: those rows are deleted, not archived
     for sub in app.subscriptions() if app is not None else []:
         keep = sub.options.keep_processed_for
         if keep is None:
@@ -138,6 +125,20 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
             return sa.delete(m).where(m.c.id.in_(ids))
 
         out["deleted_processed"] += await _batched(provider, drop_processed)
+    if policy.archive_after is not None:
+        cutoff = now - policy.archive_after
+        statuses = sorted(policy.archive_statuses)
+
+        def archive() -> sa.Update:
+            ids = (
+                sa.select(m.c.id)
+                .where(~m.c.archived, m.c.status.in_(statuses), m.c.settled_at < cutoff)
+                .limit(policy.batch)
+                .scalar_subquery()
+            )
+            return sa.update(m).where(m.c.id.in_(ids)).values(archived=True, archived_at=now)
+
+        out["archived"] = await _batched(provider, archive)
     if policy.delete_archived_after is not None:
         cutoff_a = now - policy.delete_archived_after
 

@@ -47,16 +47,18 @@ class SqlOutbox:
         self.clock = clock
         self.max_message_bytes = max_message_bytes
 
-    async def _envelopes(
+    def _build(
         self, messages: QueueMessage | Iterable[QueueMessage], options: EnqueueOptions
     ) -> list[Envelope]:
         items = [messages] if isinstance(messages, QueueMessage) else list(messages)
         now = self.clock()
-        envs = [build_envelope(self.app, m, now, **options) for m in items]
+        return [build_envelope(self.app, m, now, **options) for m in items]
+
+    async def _through_middleware(self, envs: list[Envelope]) -> list[Envelope]:
         chain = compose_enqueue(self.app.enqueue_middleware)
-        envs = [await chain(e) for e in envs]
-        check_size(envs, self.max_message_bytes, "sql")
-        return envs
+        out = [await chain(e) for e in envs]
+        check_size(out, self.max_message_bytes, "sql")
+        return out
 
     def _statements(
         self, backend: str, envs: list[Envelope]
@@ -89,14 +91,19 @@ class SqlOutbox:
         self, conn: Any, messages: QueueMessage | Iterable[QueueMessage], **options: Unpack[EnqueueOptions]
     ) -> list[EnqueueReceipt]:
         """On a sync ``Connection`` or ``Session``, inside its current transaction (not committed here)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            envs = asyncio.run(self._envelopes(messages, options))
+        envs = self._build(messages, options)
+        if self.app.enqueue_middleware:
+            # enqueue middleware is async: run it on a private loop (not possible on a loop's thread)
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                envs = asyncio.run(self._through_middleware(envs))
+            else:
+                raise RuntimeError(
+                    "this app has enqueue middleware (async): use `await outbox.enqueue_async(...)`"
+                )
         else:
-            raise RuntimeError(
-                "SqlOutbox.enqueue was called from async code; use `await outbox.enqueue_async(...)`"
-            )
+            check_size(envs, self.max_message_bytes, "sql")
         stmt, rows, notes = self._statements(_dialect(conn), envs)
         conn.execute(stmt, rows)
         for note in notes:
@@ -107,7 +114,7 @@ class SqlOutbox:
         self, conn: Any, messages: QueueMessage | Iterable[QueueMessage], **options: Unpack[EnqueueOptions]
     ) -> list[EnqueueReceipt]:
         """On an ``AsyncConnection`` or ``AsyncSession``, inside its current transaction."""
-        envs = await self._envelopes(messages, options)
+        envs = await self._through_middleware(self._build(messages, options))
         stmt, rows, notes = self._statements(_dialect(conn), envs)
         await conn.execute(stmt, rows)
         for note in notes:

@@ -258,31 +258,36 @@ class SqlProvider:
         lease_until = now + sub.options.lease_duration
         if sub.options.ordered:
             return await self._claim_head(sub, now, lease_until)
+        claim = self.claim_statement(sub.queue, max_messages, now, lease_until)
+        async with self.engine.begin() as conn:
+            rows = (await conn.execute(claim)).mappings().all()
+        deliveries = [delivery_from_row(r) for r in rows]
+        deliveries.sort(key=lambda d: d.handle)
+        return deliveries
+
+    def claim_statement(self, queue: str, limit: int, now: datetime, lease_until: datetime) -> sa.Update:
+        """The batch claim (kept on ``ix_queueing_messages_claim`` by a test that reads its plan)."""
+        m = self.tables.messages
         due = (
             sa.select(m.c.id)
             .where(
-                m.c.queue == sub.queue,
+                m.c.queue == queue,
                 m.c.status.in_(CLAIMABLE),
                 m.c.available_at <= now,
                 ~m.c.archived,
                 self._not_paused(),
             )
             .order_by(m.c.available_at, m.c.id)
-            .limit(max_messages)
+            .limit(limit)
             .with_for_update(skip_locked=True)
             .cte("due")
         )
-        claim = (
+        return (
             sa.update(m)
             .where(m.c.id == due.c.id)
             .values(status=LEASED, locked_by=self.worker_id, locked_until=lease_until, updated_at=now)
             .returning(*_CLAIM_COLUMNS(m))
         )
-        async with self.engine.begin() as conn:
-            rows = (await conn.execute(claim)).mappings().all()
-        deliveries = [delivery_from_row(r) for r in rows]
-        deliveries.sort(key=lambda d: d.handle)
-        return deliveries
 
     async def _claim_head(self, sub: Subscription, now: datetime, lease_until: datetime) -> list[Delivery]:
         """Ordered queues: the oldest message that holds the line goes first, alone.

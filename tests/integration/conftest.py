@@ -1,0 +1,67 @@
+"""Databases for the SQL integration tests: a SQLite file, or a fresh PostgreSQL schema, per test."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+import sqlalchemy as sa
+
+from queueing_core.providers.sql import SqlProvider, create_engine
+from queueing_core.providers.sql.engine import sync_url
+from tests.services import POSTGRES_URL, require
+
+
+@dataclass
+class SqlDb:
+    backend: str
+    url: str
+    schema: str | None
+    providers: list[SqlProvider] = field(default_factory=list)
+
+    def provider(self, **kw) -> SqlProvider:
+        kw.setdefault("maintenance_interval", 0.2)
+        prov = SqlProvider(self.url, schema=self.schema, **kw)
+        self.providers.append(prov)
+        return prov
+
+    def sync_engine(self) -> sa.Engine:
+        kwargs = {}
+        if self.schema:
+            kwargs["connect_args"] = {"options": f"-csearch_path={self.schema}"}
+        return sa.create_engine(sync_url(self.url), **kwargs)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def sql_db(request, tmp_path):
+    if request.param == "sqlite":
+        db = SqlDb("sqlite", f"sqlite:///{tmp_path}/q.db", None)
+        yield db
+        for p in db.providers:
+            await p.close()
+        return
+    require("PostgreSQL", "127.0.0.1", 5432)
+    schema = f"qi_{uuid.uuid4().hex[:10]}"
+    db = SqlDb("postgresql", POSTGRES_URL, schema)
+    yield db
+    for p in db.providers:
+        await p.close()
+    engine = create_engine(POSTGRES_URL)
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    await engine.dispose()
+
+
+@pytest.fixture
+async def pg_db():
+    require("PostgreSQL", "127.0.0.1", 5432)
+    schema = f"qi_{uuid.uuid4().hex[:10]}"
+    db = SqlDb("postgresql", POSTGRES_URL, schema)
+    yield db
+    for p in db.providers:
+        await p.close()
+    engine = create_engine(POSTGRES_URL)
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    await engine.dispose()
