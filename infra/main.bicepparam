@@ -1,0 +1,44 @@
+// Sample parameters for the example app (examples/orders.py). Deploy with:
+//   az deployment group create --resource-group <rg> --template-file infra/main.bicep \
+//     --parameters infra/main.bicepparam --parameters apiKey=<secret>
+// apiKey is deliberately absent: pass it on the command line or from a pipeline secret.
+using 'main.bicep'
+
+param namePrefix = 'queueing'
+param queueingProvider = 'servicebus'
+param queueingApp = 'examples.orders:app'
+param logRetentionDays = 30
+param deployPostgres = false
+
+// The block between the markers is regenerated from the registered message types by the
+// queueing CLI (`queueing infra params`); edit the code, not these lines.
+// BEGIN GENERATED QUEUES (queueing infra params)
+param serviceBusQueues = [
+  {
+    name: 'capture-payment'
+    maxDeliveryCount: 4
+    lockDuration: 'PT30S'
+    defaultMessageTimeToLive: 'PT4H'
+    requiresDuplicateDetection: false
+  }
+  {
+    name: 'generate-invoice'
+    maxDeliveryCount: 5
+    lockDuration: 'PT1M'
+    defaultMessageTimeToLive: 'PT4H'
+    requiresDuplicateDetection: false
+  }
+  {
+    name: 'order-placed'
+    maxDeliveryCount: 5
+    lockDuration: 'PT30S'
+    defaultMessageTimeToLive: 'PT4H'
+    requiresDuplicateDetection: false
+  }
+]
+param storageQueues = [
+  'capture-payment'
+  'generate-invoice'
+  'order-placed'
+]
+// END GENERATED QUEUES

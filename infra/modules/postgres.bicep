@@ -1,0 +1,101 @@
+// Optional PostgreSQL flexible server for the kit's `sql` provider. Microsoft Entra
+// authentication only: there is no admin password anywhere. The Function App's identity is made
+// an Entra administrator afterwards (postgres-admin.bicep), once that identity exists.
+
+@description('Azure region for the resources.')
+param location string
+
+@description('Tags applied to every resource.')
+param tags object = {}
+
+@description('Server name (3-63 lowercase letters, digits and hyphens, globally unique).')
+@minLength(3)
+@maxLength(63)
+param serverName string
+
+@description('PostgreSQL major version.')
+@allowed([
+  '14'
+  '15'
+  '16'
+])
+param version string = '16'
+
+@description('Compute SKU name, e.g. Standard_B1ms (Burstable) or Standard_D2ds_v5 (GeneralPurpose).')
+param skuName string = 'Standard_B1ms'
+
+@description('Compute tier matching skuName.')
+@allowed([
+  'Burstable'
+  'GeneralPurpose'
+  'MemoryOptimized'
+])
+param skuTier string = 'Burstable'
+
+@description('Storage size in GiB.')
+@minValue(32)
+param storageSizeGB int = 32
+
+@description('Days of automated backups.')
+@minValue(7)
+@maxValue(35)
+param backupRetentionDays int = 7
+
+@description('Database the kit uses.')
+param databaseName string = 'queueing'
+
+resource server 'Microsoft.DBforPostgreSQL/flexibleServers@2024-08-01' = {
+  name: serverName
+  location: location
+  tags: tags
+  sku: {
+    name: skuName
+    tier: skuTier
+  }
+  properties: {
+    version: version
+    authConfig: {
+      activeDirectoryAuth: 'Enabled'
+      passwordAuth: 'Disabled'
+      tenantId: tenant().tenantId
+    }
+    storage: {
+      storageSizeGB: storageSizeGB
+      autoGrow: 'Enabled'
+    }
+    backup: {
+      backupRetentionDays: backupRetentionDays
+      geoRedundantBackup: 'Disabled'
+    }
+    highAvailability: {
+      mode: 'Disabled'
+    }
+    network: {
+      publicNetworkAccess: 'Enabled'
+    }
+  }
+}
+
+// The Flex Consumption app has no fixed outbound address without a VNet: admit Azure-internal
+// traffic only (the 0.0.0.0 rule); authentication still requires an Entra token.
+resource allowAzureServices 'Microsoft.DBforPostgreSQL/flexibleServers/firewallRules@2024-08-01' = {
+  parent: server
+  name: 'AllowAllAzureServicesAndResourcesWithinAzureIps'
+  properties: {
+    startIpAddress: '0.0.0.0'
+    endIpAddress: '0.0.0.0'
+  }
+}
+
+resource database 'Microsoft.DBforPostgreSQL/flexibleServers/databases@2024-08-01' = {
+  parent: server
+  name: databaseName
+  properties: {
+    charset: 'UTF8'
+    collation: 'en_US.utf8'
+  }
+}
+
+output serverName string = server.name
+output fullyQualifiedDomainName string = server.properties.fullyQualifiedDomainName
+output databaseName string = database.name
