@@ -1,0 +1,879 @@
+"""Azure Tables control store (SPEC B6, B7) and durable tracker (SPEC D3).
+
+Every Functions instance of an app shares one storage account, so pause flags, circuit state and
+message history kept here are seen by all of them. Azure SDK errors are translated into the kit's
+``ProviderUnavailable`` / ``ProviderError`` at every public method; nothing from ``azure.core`` leaks.
+
+Keys: Azure Table keys may not contain ``/ \\ # ?`` or control characters, and ``%`` and ``'`` are
+known to break some operations (on Azure and in Azurite), so names are escaped as ``!XX`` (two hex
+digits) for those characters and for ``!`` itself. An escaped name never contains ``!`` followed by
+anything but two upper-case hex digits, which leaves ``!id`` free for the tracker's id index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import random
+import re
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, Final, Self, cast
+from uuid import UUID
+
+from azure.core import MatchConditions
+from azure.core.exceptions import (
+    AzureError,
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceModifiedError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.data.tables import TableEntity, TableTransactionError, UpdateMode
+from azure.data.tables.aio import TableClient
+from pydantic import TypeAdapter
+
+from ..clock import as_utc
+from ..control import circuit
+from ..control.base import CircuitName, CircuitState, ControlState, PauseKind
+from ..errors import ConfigurationError, ProviderError, ProviderUnavailable
+from ..messages import MessageStatus
+from ..options import CircuitBreakerOptions
+from ..tracking.base import MessageQuery, MessageRecord, Page
+
+if TYPE_CHECKING:
+    from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
+    from azure.core.credentials_async import AsyncTokenCredential
+
+    Credential = AsyncTokenCredential | AzureNamedKeyCredential | AzureSasCredential
+
+__all__ = ["TablesControlStore", "TablesTracker", "escape_key", "tables_from_connection", "unescape_key"]
+
+Closer = Callable[[], Awaitable[None]]
+
+# --- keys --------------------------------------------------------------------------------------
+
+_ESCAPED: Final = frozenset("!%/\\#?'")
+_UNESCAPE = re.compile(r"!([0-9A-F]{2})")
+
+
+def escape_key(name: str) -> str:
+    """A table key for ``name``: reversible, and free of the characters Tables rejects or mishandles."""
+    return "".join(
+        f"!{ord(ch):02X}" if ch in _ESCAPED or ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F else ch
+        for ch in name
+    )
+
+
+def unescape_key(key: str) -> str:
+    return _UNESCAPE.sub(lambda m: chr(int(m.group(1), 16)), key)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+#: statuses where trying again later can help; the rest are programming or permission errors
+_TRANSIENT_STATUS: Final = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@contextmanager
+def _boundary(action: str) -> Iterator[None]:
+    """Translate azure-core errors raised inside the block into the kit's provider errors."""
+    try:
+        yield
+    except (ServiceRequestError, ServiceResponseError) as exc:
+        raise ProviderUnavailable(f"Azure Tables unreachable ({action}): {exc.message}") from exc
+    except HttpResponseError as exc:
+        kind = ProviderUnavailable if exc.status_code in _TRANSIENT_STATUS else ProviderError
+        raise kind(f"Azure Tables {action} failed ({exc.status_code}): {exc.message}") from exc
+    except AzureError as exc:
+        raise ProviderError(f"Azure Tables {action} failed: {exc.message}") from exc
+
+
+def _plain_utc(value: datetime) -> datetime:
+    """The SDK returns a datetime subclass carrying the service's string; callers get a plain one."""
+    v = as_utc(value)
+    return datetime(v.year, v.month, v.day, v.hour, v.minute, v.second, v.microsecond, tzinfo=UTC)
+
+
+class _Table:
+    """One table client plus lazy creation: the first call creates the table when asked to."""
+
+    def __init__(self, client: TableClient, create: bool, closers: Sequence[Closer]) -> None:
+        self.client = client
+        self._create = create
+        self._closers = list(closers)
+
+    async def ready(self) -> TableClient:
+        if self._create:
+            # Idempotent: two instances racing both end up here, one of them gets "exists".
+            with suppress(ResourceExistsError):
+                await self.client.create_table()
+            self._create = False
+        return self.client
+
+    async def close(self) -> None:
+        await self.client.close()
+        for close in self._closers:
+            await close()
+
+
+# --- control store -----------------------------------------------------------------------------
+
+_PAUSE_PK: Final = "pause"
+_CIRCUIT_PK: Final = "circuit"
+_CIRCUIT_STATES: Final[frozenset[str]] = frozenset({"closed", "open", "half_open"})
+#: optimistic-concurrency rounds; each round only one writer wins, the others re-read
+_CAS_ATTEMPTS: Final = 25
+
+
+async def _cas_backoff(attempt: int) -> None:
+    # Jitter spreads competing writers (other instances) so the next round is not another collision.
+    await asyncio.sleep(random.uniform(0, min(0.25, 0.005 * 2**attempt)))  # noqa: S311 - not crypto
+
+
+class TablesControlStore:
+    """Pause flags and per-type circuits in one table, updated with ETag-guarded read-modify-write.
+
+    Entities: ``("pause", "queue:<name>")`` / ``("pause", "type:<name>")`` exist while paused;
+    ``("circuit", <type>)`` holds a circuit that is not plainly closed. Transitions come from
+    :mod:`queueing_core.control.circuit`, so this store and the memory store cannot disagree.
+    """
+
+    def __init__(
+        self, table_client: TableClient, *, create_table: bool = False, close_also: Sequence[Closer] = ()
+    ) -> None:
+        """``create_table``: create the table on first use; ``close_also``: more to close in aclose()."""
+        self._table = _Table(table_client, create_table, close_also)
+        # Coroutines of one instance take turns per type, so only other instances compete on the ETag
+        # (a failing dependency makes every concurrent handler record a failure at the same moment).
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        with _boundary("close"):
+            await self._table.close()
+
+    async def state(self) -> ControlState:
+        queues: set[str] = set()
+        types: set[str] = set()
+        circuits: dict[str, CircuitState] = {}
+        with _boundary("read control state"):
+            client = await self._table.ready()
+            entities = client.query_entities(
+                "PartitionKey eq @p or PartitionKey eq @c", parameters={"p": _PAUSE_PK, "c": _CIRCUIT_PK}
+            )
+            async for e in entities:
+                if e["PartitionKey"] == _PAUSE_PK:
+                    kind, _, key = str(e["RowKey"]).partition(":")
+                    (queues if kind == "queue" else types).add(unescape_key(key))
+                else:
+                    c = _circuit_from_entity(e)
+                    circuits[c.type_name] = c
+        return ControlState(frozenset(queues), frozenset(types), circuits)
+
+    async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
+        if kind not in ("queue", "type"):
+            raise ValueError(f"pause kind must be 'queue' or 'type', not {kind!r}")
+        row = f"{kind}:{escape_key(name)}"
+        with _boundary("set pause"):
+            client = await self._table.ready()
+            if paused:
+                await client.upsert_entity(
+                    {"PartitionKey": _PAUSE_PK, "RowKey": row, "Name": name}, mode=UpdateMode.REPLACE
+                )
+            else:
+                await client.delete_entity(_PAUSE_PK, row)  # the SDK ignores "not found"
+
+    async def record_failure(
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
+    ) -> CircuitState:
+        new, _ = await self._transition(type_name, lambda s: circuit.on_failure(s, opts, as_utc(now)))
+        return new
+
+    async def record_success(self, type_name: str) -> CircuitState:
+        # Called after every successful message: a missing entity (the usual case) costs one read.
+        with _boundary("record circuit success"):
+            async with self._lock(type_name):
+                client = await self._table.ready()
+                for attempt in range(_CAS_ATTEMPTS):
+                    current, etag = await self._read(client, type_name)
+                    new = circuit.on_success(current)
+                    if etag is None:
+                        return new
+                    try:
+                        # Closed is stored as "no entity", like the memory store's pop.
+                        await client.delete_entity(
+                            _CIRCUIT_PK,
+                            escape_key(type_name),
+                            etag=etag,
+                            match_condition=MatchConditions.IfNotModified,
+                        )
+                        return new
+                    except ResourceModifiedError:
+                        await _cas_backoff(attempt)
+        raise ProviderUnavailable(f"circuit of {type_name!r}: too much contention, gave up")
+
+    async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool:
+        # Exactly one caller wins: a loser's conditional write fails, and on its re-read the circuit
+        # is already half-open with a live probe, so circuit.acquire_probe returns None.
+        _, changed = await self._transition(type_name, lambda s: circuit.acquire_probe(s, opts, as_utc(now)))
+        return changed
+
+    async def reset_circuit(self, type_name: str) -> None:
+        # An operator's override: it does not depend on the current state, so no ETag is needed.
+        with _boundary("reset circuit"):
+            client = await self._table.ready()
+            await client.delete_entity(_CIRCUIT_PK, escape_key(type_name))
+
+    def _lock(self, type_name: str) -> asyncio.Lock:
+        return self._locks.setdefault(type_name, asyncio.Lock())
+
+    async def _read(self, client: TableClient, type_name: str) -> tuple[CircuitState, str | None]:
+        try:
+            e = await client.get_entity(_CIRCUIT_PK, escape_key(type_name))
+        except ResourceNotFoundError:
+            return CircuitState.closed(type_name), None
+        return _circuit_from_entity(e), str(e.metadata["etag"])
+
+    async def _transition(
+        self, type_name: str, change: Callable[[CircuitState], CircuitState | None]
+    ) -> tuple[CircuitState, bool]:
+        """Apply ``change`` atomically; ``(state, False)`` when it declined (returned None)."""
+        with _boundary("update circuit"):
+            async with self._lock(type_name):
+                client = await self._table.ready()
+                for attempt in range(_CAS_ATTEMPTS):
+                    current, etag = await self._read(client, type_name)
+                    new = change(current)
+                    if new is None:
+                        return current, False
+                    entity = _circuit_entity(new)
+                    try:
+                        if etag is None:
+                            await client.create_entity(entity)  # fails if another writer created it
+                        else:
+                            await client.update_entity(
+                                entity,
+                                mode=UpdateMode.REPLACE,  # REPLACE drops fields that became None
+                                etag=etag,
+                                match_condition=MatchConditions.IfNotModified,
+                            )
+                        return new, True
+                    except (ResourceModifiedError, ResourceExistsError):
+                        pass  # someone else wrote it between our read and our write: read again
+                    except ResourceNotFoundError:
+                        if etag is None:
+                            raise  # the table itself is missing
+                        # the entity was deleted (a success or reset) after our read: read again
+                    await _cas_backoff(attempt)
+        raise ProviderUnavailable(f"circuit of {type_name!r}: too much contention, gave up")
+
+
+def _circuit_entity(s: CircuitState) -> dict[str, Any]:
+    # None values are left out by the SDK, which with REPLACE/create means "absent".
+    return {
+        "PartitionKey": _CIRCUIT_PK,
+        "RowKey": escape_key(s.type_name),
+        "State": s.state,
+        "ConsecutiveFailures": s.consecutive_failures,
+        "OpenedAt": s.opened_at,
+        "OpenUntil": s.open_until,
+        "ProbeUntil": s.probe_until,
+    }
+
+
+def _circuit_from_entity(e: Mapping[str, Any]) -> CircuitState:
+    def when(name: str) -> datetime | None:
+        value = e.get(name)
+        return _plain_utc(value) if isinstance(value, datetime) else None
+
+    raw_state = str(e.get("State", "closed"))
+    state = cast(CircuitName, raw_state if raw_state in _CIRCUIT_STATES else "closed")
+    return CircuitState(
+        type_name=unescape_key(str(e["RowKey"])),
+        state=state,
+        consecutive_failures=int(e.get("ConsecutiveFailures", 0)),
+        opened_at=when("OpenedAt"),
+        open_until=when("OpenUntil"),
+        probe_until=when("ProbeUntil"),
+    )
+
+
+# --- tracker -----------------------------------------------------------------------------------
+
+#: partition of the id index; escape_key never produces it, so no queue can collide with it
+_INDEX_PK: Final = "!id"
+#: a string property holds at most 64 KiB of UTF-16, i.e. 32,768 code units; keep a margin
+_PART_UNITS: Final = 32_000
+#: microseconds from the epoch to 9999-12-31T23:59:59.999999Z; RowKeys count down from here
+_MAX_US: Final = 253_402_300_799_999_999
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_US: Final = timedelta(microseconds=1)
+#: Azure rejects a transaction over 4 MiB or 100 operations
+_BATCH_BYTES: Final = 3 * 1024 * 1024
+_BATCH_OPS: Final = 100
+#: a query page makes at most this many requests to fill ``limit`` (filters can make pages sparse)
+_PAGE_REQUESTS: Final = 8
+
+# Size rule (never fail an upsert for size). An entity may hold 1 MiB with strings at 2 bytes per
+# UTF-16 unit, so every text field has a fixed budget in units and the budgets add up to about
+# 470K units (~940 KB) with room for property overhead:
+#   body 7 parts (224K), raw 3 parts (96K), result 2 parts (64K), headers 1 part (32K),
+#   last_error/description 16K each, reason/type/correlation_id/locked_by/status 4K each.
+# JSON that fits is split across parts (Body0..Body6) and read back whole. JSON that does not fit is
+# replaced by a marker object {"_truncated": true, "_original_chars": N, "_preview": "<start>"}
+# (headers: as many as fit plus "x-queueing-truncated"); plain text is cut and ends with
+# "...[truncated, N chars]". The replacement fits its budget by construction.
+_BODY_PARTS: Final = 7
+_RAW_PARTS: Final = 3
+_RESULT_PARTS: Final = 2
+_HEADERS_PARTS: Final = 1
+_LONG_TEXT: Final = 16_000
+_SHORT_TEXT: Final = 4_000
+
+#: nullable scalar fields: record attribute -> (property, unit budget or 0 for datetimes)
+_NULLABLE: Final[dict[str, tuple[str, int]]] = {
+    "correlation_id": ("CorrelationId", _SHORT_TEXT),
+    "not_before": ("NotBefore", 0),
+    "expires_at": ("ExpiresAt", 0),
+    "locked_by": ("LockedBy", _SHORT_TEXT),
+    "locked_until": ("LockedUntil", 0),
+    "last_error": ("LastError", _LONG_TEXT),
+    "reason": ("Reason", _SHORT_TEXT),
+    "description": ("Description", _LONG_TEXT),
+    "archived_at": ("ArchivedAt", 0),
+}
+
+_TERMINAL: Final = tuple(sorted(str(s) for s in MessageStatus.terminal()))
+
+
+def _units(text: str) -> int:
+    return len(text.encode("utf-16-le")) // 2
+
+
+def _cut_units(text: str, units: int) -> str:
+    """The longest prefix of ``text`` with at most ``units`` UTF-16 units (no split surrogate pair)."""
+    data = text.encode("utf-16-le")[: units * 2]
+    if len(data) >= 2 and 0xD8 <= data[-1] <= 0xDB:  # the first half of a pair at the end
+        data = data[:-2]
+    return data.decode("utf-16-le")
+
+
+def _clip(text: str, units: int) -> str:
+    # Lone surrogates (text decoded with surrogateescape, say) cannot be sent as UTF-8: replace them.
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    if _units(text) <= units:
+        return text
+    marker = f"...[truncated, {len(text)} chars]"
+    return _cut_units(text, units - len(marker)) + marker
+
+
+def _split(text: str, parts: int) -> list[str]:
+    """``text`` in exactly ``parts`` pieces of at most _PART_UNITS units (unused pieces are "")."""
+    out: list[str] = []
+    rest = text
+    for _ in range(parts):
+        piece = _cut_units(rest, _PART_UNITS)
+        out.append(piece)
+        rest = rest[len(piece) :]
+    if rest:  # callers size the text first; reaching here is a bug, not a user error
+        raise AssertionError("text does not fit its parts")
+    return out
+
+
+def _fit_json(value: Any, parts: int) -> str:
+    # ensure_ascii keeps JSON to one UTF-16 unit per character, so units == len
+    text = json.dumps(value, ensure_ascii=True, separators=(",", ":"))
+    budget = parts * _PART_UNITS
+    if len(text) <= budget:
+        return text
+    preview = text[: budget - 200]
+    while True:
+        marker = json.dumps(
+            {"_truncated": True, "_original_chars": len(text), "_preview": preview}, ensure_ascii=True
+        )
+        if len(marker) <= budget:
+            return marker
+        preview = preview[: len(preview) - (len(marker) - budget) - 16]
+
+
+def _fit_headers(headers: Mapping[str, str]) -> str:
+    text = json.dumps(dict(headers), ensure_ascii=True, separators=(",", ":"))
+    budget = _HEADERS_PARTS * _PART_UNITS
+    if len(text) <= budget:
+        return text
+    kept: dict[str, str] = {}
+    size = 200  # room for the marker header
+    for k, v in headers.items():
+        item = len(json.dumps({k: v}, ensure_ascii=True))
+        if size + item > budget:
+            break
+        kept[k] = v
+        size += item
+    kept["x-queueing-truncated"] = f"{len(headers) - len(kept)} headers dropped ({len(text)} chars)"
+    return json.dumps(kept, ensure_ascii=True, separators=(",", ":"))
+
+
+def _put_parts(entity: dict[str, Any], name: str, text: str, parts: int) -> None:
+    for i, piece in enumerate(_split(text, parts)):
+        entity[f"{name}{i}"] = piece
+
+
+def _get_parts(entity: Mapping[str, Any], name: str, parts: int) -> str | None:
+    if f"{name}0" not in entity:
+        return None
+    return "".join(str(entity.get(f"{name}{i}", "")) for i in range(parts))
+
+
+def _row_key(created_at: datetime, message_id: UUID) -> str:
+    # Counting down from the end of time makes RowKey order newest-first within a queue.
+    return f"{_inverted(created_at):019d}_{message_id}"
+
+
+def _inverted(when: datetime) -> int:
+    return _MAX_US - (as_utc(when) - _EPOCH) // _ONE_US
+
+
+def _record_entity(rec: MessageRecord) -> dict[str, Any]:
+    """The entity for ``rec``. Every field is written (MERGE cannot remove a property, and the SDK
+    drops None values), except ``body``/``raw`` which are written only when present so that a later
+    event without them keeps the stored ones. None values are written as "" and listed in ``Nulls``.
+    """
+    e: dict[str, Any] = {
+        "PartitionKey": escape_key(rec.queue),
+        "RowKey": _row_key(rec.created_at, rec.message_id),
+        "MessageId": str(rec.message_id),
+        "TrackingId": str(rec.tracking_id),
+        "Type": _clip(rec.type, _SHORT_TEXT),
+        "Queue": rec.queue,
+        "Status": _clip(rec.status, _SHORT_TEXT),
+        "Attempt": rec.attempt,
+        "CreatedAt": as_utc(rec.created_at),
+        "UpdatedAt": as_utc(rec.updated_at),
+        "Archived": rec.archived,
+    }
+    nulls: list[str] = []
+    for attr, (prop, budget) in _NULLABLE.items():
+        value = getattr(rec, attr)
+        if value is None:
+            e[prop] = ""
+            nulls.append(prop)
+        elif isinstance(value, datetime):
+            e[prop] = as_utc(value)
+        else:
+            e[prop] = _clip(str(value), budget)
+    e["Nulls"] = ",".join(nulls)
+    _put_parts(e, "Headers", _fit_headers(rec.headers), _HEADERS_PARTS)
+    _put_parts(e, "Result", _fit_json(_jsonable(rec.result), _RESULT_PARTS), _RESULT_PARTS)
+    if rec.body is not None:
+        _put_parts(e, "Body", _fit_json(_jsonable(rec.body), _BODY_PARTS), _BODY_PARTS)
+    if rec.raw is not None:
+        _put_parts(e, "Raw", _clip(rec.raw, _RAW_PARTS * _PART_UNITS), _RAW_PARTS)
+    return e
+
+
+#: result is Any: pydantic turns datetimes, UUIDs, models... into JSON values (str as a last resort)
+_ANY: Final = TypeAdapter(Any)
+
+
+def _jsonable(value: Any) -> Any:
+    return _ANY.dump_python(value, mode="json", fallback=str)
+
+
+def _record_from_entity(e: Mapping[str, Any]) -> MessageRecord:
+    nulls = set(filter(None, str(e.get("Nulls", "")).split(",")))
+    data: dict[str, Any] = {
+        "message_id": e["MessageId"],
+        "tracking_id": e["TrackingId"],
+        "type": e["Type"],
+        "queue": e["Queue"],
+        "status": e["Status"],
+        "attempt": e.get("Attempt", 0),
+        "created_at": _plain_utc(e["CreatedAt"]),
+        "updated_at": _plain_utc(e["UpdatedAt"]),
+        "archived": bool(e.get("Archived", False)),
+    }
+    for attr, (prop, _) in _NULLABLE.items():
+        value = None if prop in nulls else e.get(prop)
+        data[attr] = _plain_utc(value) if isinstance(value, datetime) else value
+    headers = _get_parts(e, "Headers", _HEADERS_PARTS)
+    data["headers"] = json.loads(headers) if headers else {}
+    result = _get_parts(e, "Result", _RESULT_PARTS)
+    data["result"] = json.loads(result) if result else None
+    body = _get_parts(e, "Body", _BODY_PARTS)
+    data["body"] = json.loads(body) if body else None
+    data["raw"] = _get_parts(e, "Raw", _RAW_PARTS)
+    return MessageRecord.model_validate(data)
+
+
+def _entity_matches(q: MessageQuery, e: Mapping[str, Any]) -> bool:
+    """``MessageQuery.matches`` on a (possibly projected) entity; the server filter did most of it."""
+    nulls = set(filter(None, str(e.get("Nulls", "")).split(",")))
+    correlation = None if "CorrelationId" in nulls else e.get("CorrelationId")
+    created = as_utc(e["CreatedAt"])
+    return (
+        (q.queue is None or e.get("Queue") == q.queue)
+        and (q.type is None or e.get("Type") == q.type)
+        and (q.status is None or e.get("Status") in q.status)
+        and (q.created_from is None or created >= as_utc(q.created_from))
+        and (q.created_to is None or created < as_utc(q.created_to))
+        and (q.archived is None or bool(e.get("Archived")) == q.archived)
+        and (q.correlation_id is None or correlation == q.correlation_id)
+    )
+
+
+#: the properties _entity_matches needs (a projection keeps deletes and counts light)
+_MATCH_PROPS: Final = [
+    "PartitionKey",
+    "RowKey",
+    "MessageId",
+    "Queue",
+    "Type",
+    "Status",
+    "CreatedAt",
+    "Archived",
+    "CorrelationId",
+    "Nulls",
+]
+
+
+class _Filter:
+    """An OData filter built from fixed text and ``@name`` parameters (the SDK quotes the values)."""
+
+    def __init__(self) -> None:
+        self.clauses: list[str] = []
+        self.params: dict[str, Any] = {}
+
+    def param(self, value: Any) -> str:
+        name = f"p{len(self.params)}"
+        self.params[name] = value
+        return f"@{name}"
+
+    def add(self, clause: str) -> None:
+        self.clauses.append(clause)
+
+    def any_of(self, prop: str, values: Iterable[str]) -> None:
+        # The SDK substitutes parameters only in space-separated words: keep spaces around "(" ")".
+        self.add("( " + " or ".join(f"{prop} eq {self.param(v)}" for v in values) + " )")
+
+    @property
+    def text(self) -> str:
+        return " and ".join(self.clauses)
+
+
+def _query_filter(q: MessageQuery) -> _Filter:
+    f = _Filter()
+    if q.queue is not None:
+        f.add(f"PartitionKey eq {f.param(escape_key(q.queue))}")
+    else:
+        f.add(f"PartitionKey ne {f.param(_INDEX_PK)}")
+    # created_at is encoded in the RowKey (counting down), so a range is a key range scan.
+    if q.created_from is not None:
+        f.add(f"RowKey lt {f.param(f'{_inverted(q.created_from) + 1:019d}')}")
+    if q.created_to is not None:
+        f.add(f"RowKey ge {f.param(f'{_inverted(q.created_to) + 1:019d}')}")
+    if q.type is not None:
+        f.add(f"Type eq {f.param(q.type)}")
+    if q.status is not None:
+        f.any_of("Status", q.status)
+    if q.archived is not None:
+        f.add(f"Archived eq {f.param(q.archived)}")
+    if q.correlation_id is not None:
+        f.add(f"CorrelationId eq {f.param(q.correlation_id)}")
+    return f
+
+
+def _encode_cursor(token: Any) -> str | None:
+    if not token:
+        return None
+    return base64.urlsafe_b64encode(json.dumps(token).encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str | None) -> dict[str, str] | None:
+    if not cursor:
+        return None
+    try:
+        token = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError("invalid cursor") from exc
+    if not isinstance(token, dict) or not all(isinstance(v, str | None) for v in token.values()):
+        raise ValueError("invalid cursor")
+    return cast(dict[str, str], token)
+
+
+def _approx_bytes(entity: Mapping[str, Any]) -> int:
+    return sum(len(k) + len(str(v).encode()) + 64 for k, v in entity.items())
+
+
+def _batches(entities: Sequence[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """Per partition, runs of at most 100 entities and ~3 MiB (the transaction limits)."""
+    by_pk: dict[str, list[dict[str, Any]]] = {}
+    for e in entities:
+        by_pk.setdefault(str(e["PartitionKey"]), []).append(e)
+    for group in by_pk.values():
+        batch: list[dict[str, Any]] = []
+        size = 0
+        for e in group:
+            n = _approx_bytes(e)
+            if batch and (len(batch) >= _BATCH_OPS or size + n > _BATCH_BYTES):
+                yield batch
+                batch, size = [], 0
+            batch.append(e)
+            size += n
+        if batch:
+            yield batch
+
+
+class TablesTracker:
+    """Message history, one entity per message, bounded by :meth:`prune`.
+
+    Layout:
+
+    * record: PartitionKey = escaped queue name, RowKey = ``<inverted created_at µs>_<message id>``.
+      The inverted timestamp makes the table's natural order newest-first within a queue (like the
+      memory tracker) at no extra cost, and makes a created_at range a RowKey range. A message's
+      created_at never changes (it travels in the envelope), so the key is stable.
+    * id index: PartitionKey ``!id``, RowKey = message id, holding the record's keys. ``get`` is two
+      point reads; without it, finding an id without its queue would be a scan of the whole table.
+
+    Order of :meth:`query`: newest first within a queue; with no queue filter, queues come in
+    escaped-name order (Tables returns partitions in key order; a global order would need a second
+    copy of every record in one hot partition).
+    """
+
+    def __init__(
+        self,
+        table_client: TableClient,
+        *,
+        retention: timedelta = timedelta(days=14),
+        create_table: bool = False,
+        close_also: Sequence[Closer] = (),
+    ) -> None:
+        if retention <= timedelta(0):
+            raise ValueError("retention must be positive")
+        self.retention = retention
+        self._table = _Table(table_client, create_table, close_also)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        with _boundary("close"):
+            await self._table.close()
+
+    async def upsert(self, records: Sequence[MessageRecord]) -> None:
+        # Fold repeats of one message in this call (a transaction may not touch an entity twice),
+        # with the same rule as a later call: a missing body/raw keeps the earlier one.
+        folded: dict[UUID, MessageRecord] = {}
+        for rec in records:
+            old = folded.get(rec.message_id)
+            if old is not None and (rec.body is None or rec.raw is None):
+                keep = {
+                    "body": old.body if rec.body is None else rec.body,
+                    "raw": old.raw if rec.raw is None else rec.raw,
+                }
+                rec = rec.model_copy(update=keep)
+            folded[rec.message_id] = rec
+        if not folded:
+            return
+        entities = [_record_entity(r) for r in folded.values()]
+        index = [
+            {"PartitionKey": _INDEX_PK, "RowKey": e["MessageId"], "Pk": e["PartitionKey"], "Rk": e["RowKey"]}
+            for e in entities
+        ]
+        with _boundary("upsert history"):
+            client = await self._table.ready()
+            for batch in _batches(entities):
+                await self._write(client, batch, UpdateMode.MERGE)
+            for batch in _batches(index):
+                await self._write(client, batch, UpdateMode.REPLACE)
+
+    @staticmethod
+    async def _write(client: TableClient, batch: list[dict[str, Any]], mode: UpdateMode) -> None:
+        if len(batch) == 1:
+            await client.upsert_entity(batch[0], mode=mode)
+        else:
+            await client.submit_transaction([("upsert", e, {"mode": mode}) for e in batch])
+
+    async def get(self, message_id: UUID) -> MessageRecord | None:
+        with _boundary("read history"):
+            client = await self._table.ready()
+            try:
+                ix = await client.get_entity(_INDEX_PK, str(message_id))
+                e = await client.get_entity(str(ix["Pk"]), str(ix["Rk"]))
+            except ResourceNotFoundError:
+                return None
+        return _record_from_entity(e)
+
+    async def query(
+        self, query: MessageQuery, *, limit: int = 50, cursor: str | None = None
+    ) -> Page[MessageRecord]:
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        if query.status == ():
+            return Page[MessageRecord](items=[])
+        f = _query_filter(query)
+        token = _decode_cursor(cursor)
+        items: list[MessageRecord] = []
+        with _boundary("query history"):
+            client = await self._table.ready()
+            # The service may return short (even empty) pages with a continuation; ask only for what
+            # is still missing so the token never points past an item we did not return.
+            for _ in range(_PAGE_REQUESTS):
+                entities, token = await self._page(client, f, min(limit - len(items), 1000), token)
+                items.extend(_record_from_entity(e) for e in entities if _entity_matches(query, e))
+                if token is None or len(items) >= limit:
+                    break
+        return Page[MessageRecord](items=items, next_cursor=_encode_cursor(token))
+
+    @staticmethod
+    async def _page(
+        client: TableClient,
+        f: _Filter,
+        size: int,
+        token: dict[str, str] | None,
+        select: list[str] | None = None,
+    ) -> tuple[list[TableEntity], dict[str, str] | None]:
+        pages = client.query_entities(
+            f.text, parameters=f.params, results_per_page=size, select=select
+        ).by_page(continuation_token=cast(Any, token))  # typed as str; Tables uses a dict
+        entities: list[TableEntity] = []
+        async for page in pages:
+            entities = [e async for e in page]
+            break
+        return entities, getattr(pages, "continuation_token", None) or None
+
+    async def counts(self) -> dict[tuple[str, str], int]:
+        # A projected scan of the table (two properties per record). Counter entities would make this
+        # O(queues) but cost a read-modify-write on a few hot entities for every status change, which
+        # serializes all instances on them; the scan is bounded by retention and only the ops API asks.
+        f = _Filter()
+        f.add(f"PartitionKey ne {f.param(_INDEX_PK)}")
+        found: Counter[tuple[str, str]] = Counter()
+        with _boundary("count history"):
+            client = await self._table.ready()
+            entities = client.query_entities(
+                f.text, parameters=f.params, select=["Queue", "Status"], results_per_page=1000
+            )
+            async for e in entities:
+                found[(str(e["Queue"]), str(e["Status"]))] += 1
+        return dict(found)
+
+    async def delete(self, query: MessageQuery) -> int:
+        if query.status == ():
+            return 0
+        return await self._delete_where(_query_filter(query), lambda e: _entity_matches(query, e))
+
+    async def prune(self, now: datetime) -> int:
+        """Delete terminal records last updated before ``now - retention``; returns how many."""
+        f = _Filter()
+        f.add(f"PartitionKey ne {f.param(_INDEX_PK)}")
+        f.add(f"UpdatedAt lt {f.param(as_utc(now) - self.retention)}")
+        f.any_of("Status", _TERMINAL)
+        return await self._delete_where(f, lambda e: True)
+
+    async def _delete_where(self, f: _Filter, keep: Callable[[Mapping[str, Any]], bool]) -> int:
+        deleted = 0
+        token: dict[str, str] | None = None
+        with _boundary("delete history"):
+            client = await self._table.ready()
+            while True:
+                # Deleting rows behind the continuation token does not disturb the pages after it.
+                entities, token = await self._page(client, f, 1000, token, _MATCH_PROPS)
+                doomed = [e for e in entities if keep(e)]
+                records = [{"PartitionKey": e["PartitionKey"], "RowKey": e["RowKey"]} for e in doomed]
+                index = [{"PartitionKey": _INDEX_PK, "RowKey": e["MessageId"]} for e in doomed]
+                for batch in [*_batches(records), *_batches(index)]:
+                    await self._delete_batch(client, batch)
+                deleted += len(doomed)
+                if token is None:
+                    return deleted
+
+    @staticmethod
+    async def _delete_batch(client: TableClient, batch: list[dict[str, Any]]) -> None:
+        try:
+            await client.submit_transaction([("delete", e) for e in batch])
+        except TableTransactionError:
+            # One entity gone already (a concurrent delete) fails the whole transaction; delete one
+            # by one, where "not found" is ignored.
+            for e in batch:
+                await client.delete_entity(e["PartitionKey"], e["RowKey"])
+
+
+# --- factory -----------------------------------------------------------------------------------
+
+_TABLE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{2,62}")
+
+
+def tables_from_connection(
+    connection_string: str | None = None,
+    *,
+    table_service_uri: str | None = None,
+    credential: Credential | None = None,
+    control_table: str = "queueingcontrol",
+    tracker_table: str = "queueinghistory",
+    retention: timedelta = timedelta(days=14),
+) -> tuple[TablesControlStore, TablesTracker]:
+    """The control store and tracker on one account; the tables are created on first use.
+
+    Give a connection string, or a table service URI (``https://<acct>.table.core.windows.net``)
+    with a credential; without one, ``DefaultAzureCredential`` (managed identity in Azure).
+    """
+    for setting, name in (
+        ("QUEUEING_CONTROL_TABLE", control_table),
+        ("QUEUEING_TRACKER_TABLE", tracker_table),
+    ):
+        if not _TABLE_NAME.fullmatch(name):
+            raise ConfigurationError(
+                setting, f"invalid table name {name!r}", "3-63 letters or digits, a letter first"
+            )
+    closers: list[Closer] = []
+    if connection_string:
+        if table_service_uri:
+            raise ConfigurationError(
+                "QueueingStorage",
+                "both a connection string and a table service URI were given",
+                "one of them",
+            )
+        try:
+            control = TableClient.from_connection_string(connection_string, control_table)
+            tracker = TableClient.from_connection_string(connection_string, tracker_table)
+        except ValueError as exc:
+            raise ConfigurationError("QueueingStorage", f"invalid connection string: {exc}") from None
+    elif table_service_uri:
+        if credential is None:
+            # Imported here: identity is only needed for URI-based connections and is slow to load.
+            from azure.identity.aio import DefaultAzureCredential
+
+            owned = DefaultAzureCredential()
+            credential = owned
+            closers.append(owned.close)  # closing twice (both stores) is harmless
+        try:
+            control = TableClient(table_service_uri, control_table, credential=credential)
+            tracker = TableClient(table_service_uri, tracker_table, credential=credential)
+        except ValueError as exc:
+            raise ConfigurationError("QueueingStorage__tableServiceUri", str(exc)) from None
+    else:
+        raise ConfigurationError(
+            "QueueingStorage",
+            "no connection string and no table service URI",
+            "QueueingStorage=<connection string> or QueueingStorage__tableServiceUri=https://<account>.table.core.windows.net",
+        )
+    return (
+        TablesControlStore(control, create_table=True, close_also=closers),
+        TablesTracker(tracker, retention=retention, create_table=True, close_also=closers),
+    )
