@@ -225,6 +225,8 @@ class QueueingApp(Router):
         self.handle_middleware: list[HandleMiddleware] = []
         self.enqueue_middleware: list[EnqueueMiddleware] = []
         self._producer: Producer | None = None
+        self._subs: dict[str, Subscription | None] = {}
+        self._subs_version = -1
 
     # -- middleware ------------------------------------------------------------------------------
     def use_handle_middleware(self, mw: HandleMiddlewareT) -> HandleMiddlewareT:
@@ -239,6 +241,12 @@ class QueueingApp(Router):
 
     # -- resolved view ---------------------------------------------------------------------------
     def options_for(self, message_type: type[QueueMessage]) -> QueueOptions:
+        sub = self.subscription(message_type.type_name())
+        if sub is not None and sub.message_type is message_type:
+            return sub.options
+        return self._options(message_type)
+
+    def _options(self, message_type: type[QueueMessage]) -> QueueOptions:
         opts = message_type.queue_options().merged_over(self.defaults)
         spec = self.handler_for(message_type.type_name())
         if spec is not None and spec.overrides:
@@ -246,6 +254,17 @@ class QueueingApp(Router):
         return opts
 
     def subscription(self, type_name: str) -> Subscription | None:
+        """The resolved view of one type, cached until a registration changes the app."""
+        if self._subs_version != self.version:
+            self._subs.clear()
+            self._subs_version = self.version
+        try:
+            return self._subs[type_name]
+        except KeyError:
+            sub = self._subs[type_name] = self._resolve(type_name)
+            return sub
+
+    def _resolve(self, type_name: str) -> Subscription | None:
         mtype = self._types.get(type_name)
         if mtype is None:
             return None
@@ -253,7 +272,7 @@ class QueueingApp(Router):
             type_name=type_name,
             queue=mtype.queue_options().name or type_name,
             message_type=mtype,
-            options=self.options_for(mtype),
+            options=self._options(mtype),
             handler=self.handler_for(type_name),
         )
 

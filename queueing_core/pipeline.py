@@ -95,20 +95,16 @@ class Pipeline:
         self.waiting_recheck = waiting_recheck
         self.rand = rand
         self.producer = producer
-        self._subs: dict[str, Subscription | None] = {}
-        self._subs_version = -1
+        self._chains_version = -1
         self._chains: dict[str, Callable[[HandlerContext], Awaitable[Any]]] = {}
         self._limits: dict[str, asyncio.Semaphore] = {}
 
     # -- resolved registry, cached until the app's registrations change -------------------------
     def subscription(self, type_name: str) -> Subscription | None:
-        if self._subs_version != self.app.version:
-            self._subs.clear()
+        if self._chains_version != self.app.version:  # a new registration: rebuild the chains
             self._chains.clear()
-            self._subs_version = self.app.version
-        if type_name not in self._subs:
-            self._subs[type_name] = self.app.subscription(type_name)
-        return self._subs[type_name]
+            self._chains_version = self.app.version
+        return self.app.subscription(type_name)
 
     def limiter(self, sub: Subscription) -> asyncio.Semaphore:
         sem = self._limits.get(sub.type_name)

@@ -4,6 +4,7 @@ in-process provider."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -72,16 +73,33 @@ class CachedControlStore:
         self.ttl = ttl
         self._cached: ControlState | None = None
         self._read_at = 0.0
+        self._reading: asyncio.Future[ControlState] | None = None
+        self._generation = 0  # bumped by every write, so a read that began before it is not kept
 
     async def state(self) -> ControlState:
-        now = time.monotonic()
-        if self._cached is None or now - self._read_at >= self.ttl:
-            self._cached = await self.inner.state()
-            self._read_at = now
-        return self._cached
+        if self._cached is not None and time.monotonic() - self._read_at < self.ttl:
+            return self._cached
+        # single flight: concurrent callers share one read instead of each starting their own
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._refresh())
+        reading = self._reading
+        return await asyncio.shield(reading)
+
+    async def _refresh(self) -> ControlState:
+        generation = self._generation
+        try:
+            started = time.monotonic()
+            state = await self.inner.state()
+            if generation == self._generation:
+                self._cached, self._read_at = state, started
+            return state
+        finally:
+            self._reading = None
 
     def invalidate(self) -> None:
+        self._generation += 1
         self._cached = None
+        self._reading = None
 
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
         await self.inner.set_paused(kind, name, paused)

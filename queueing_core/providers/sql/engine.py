@@ -48,11 +48,15 @@ def redact(url: str | URL) -> str:
 def create_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
     u = normalize_url(url)
     if u.get_backend_name() == "sqlite":
-        engine = create_async_engine(u, connect_args={"timeout": 30}, **kwargs)
+        # one connection per process: SQLite has one writer, and transactions queued on the pool wait
+        # in asyncio instead of in SQLite's busy handler (which sleeps in steps of up to 100 ms)
+        single: dict[str, Any] = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 120, **kwargs}
+        engine = create_async_engine(u, connect_args={"timeout": 30}, **single)
         _tune_sqlite(engine)
         return engine
-    # pre-ping: a database restart leaves dead pooled connections; find out before using them
-    opts: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 10, "pool_recycle": 1800}
+    # No pre-ping (a round trip per transaction): when a statement meets a dead connection, SQLAlchemy
+    # sees the disconnect, invalidates the whole pool, and the worker's next attempt reconnects.
+    opts: dict[str, Any] = {"pool_size": 5, "max_overflow": 10, "pool_recycle": 1800}
     opts.update(kwargs)
     return create_async_engine(u, **opts)
 

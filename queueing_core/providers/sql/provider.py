@@ -38,7 +38,7 @@ from .engine import create_engine, normalize_url, redact
 from .listener import PgListener
 from .retention import RetentionPolicy
 from .rows import delivery_from_row, row_for
-from .schema import CLAIMABLE, LATEST, Tables, current_version, migrate
+from .schema import CLAIMABLE, LATEST, Tables, claimable, current_version, migrate
 from .tracker import SqlTracker
 
 if TYPE_CHECKING:
@@ -260,6 +260,7 @@ class SqlProvider:
             return await self._claim_head(sub, now, lease_until)
         claim = self.claim_statement(sub.queue, max_messages, now, lease_until)
         async with self.engine.begin() as conn:
+            await self._relaxed_commit(conn)
             rows = (await conn.execute(claim)).mappings().all()
         deliveries = [delivery_from_row(r) for r in rows]
         deliveries.sort(key=lambda d: d.handle)
@@ -270,13 +271,7 @@ class SqlProvider:
         m = self.tables.messages
         due = (
             sa.select(m.c.id)
-            .where(
-                m.c.queue == queue,
-                m.c.status.in_(CLAIMABLE),
-                m.c.available_at <= now,
-                ~m.c.archived,
-                self._not_paused(),
-            )
+            .where(m.c.queue == queue, claimable(), m.c.available_at <= now, self._not_paused())
             .order_by(m.c.available_at, m.c.id)
             .limit(limit)
             .with_for_update(skip_locked=True)
@@ -320,6 +315,12 @@ class SqlProvider:
         async with self.engine.begin() as conn:
             rows = (await conn.execute(claim)).mappings().all()
         return [delivery_from_row(r) for r in rows]
+
+    async def _relaxed_commit(self, conn: Any) -> None:
+        """A claim or a lease renewal lost in a database crash only makes the message claimable again
+        (its lease is gone): such transactions need not wait for the WAL flush."""
+        if self.backend == "postgresql":
+            await conn.execute(sa.text("SET LOCAL synchronous_commit = off"))
 
     def _wake(self, queue: str) -> None:
         self._wakeups[queue].set()
@@ -485,6 +486,7 @@ class SqlProvider:
             by_queue[d.queue].append(d)
         lost: list[Delivery] = []
         async with self.engine.begin() as conn:
+            await self._relaxed_commit(conn)
             for queue, ds in by_queue.items():
                 sub = self._app.by_queue().get(queue)
                 lease = sub.options.lease_duration if sub else timedelta(seconds=30)
