@@ -19,7 +19,6 @@ from queueing_core.providers.sql import SqlProvider
 from queueing_core.runtime import Runtime
 from queueing_core.worker import Worker
 
-
 # the crash test wants a short lease (quick recovery); the others set PROC_LEASE_SECONDS
 LEASE = timedelta(seconds=float(os.environ.get("PROC_LEASE_SECONDS", "2")))
 
