@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Coroutine
-from typing import Annotated, Any, NoReturn, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
+from uuid import UUID
 
 import typer
 from pydantic import ValidationError
@@ -21,7 +22,14 @@ from rich.table import Table
 from . import __version__
 from .app import QueueingApp
 from .bootstrap import bootstrap
-from .errors import ConfigurationError, NotConfigured, ProviderUnavailable, RegistrationError
+from .errors import (
+    ConfigurationError,
+    InvalidOperation,
+    MessageNotFound,
+    NotConfigured,
+    ProviderUnavailable,
+    RegistrationError,
+)
 from .loader import load_app
 from .logs import configure_logging
 from .messages import QueueMessage
@@ -29,6 +37,9 @@ from .naming import Transport
 from .runtime import Runtime
 from .settings import QueueingSettings, load_settings
 from .worker import Worker
+
+if TYPE_CHECKING:
+    from .ops.service import OpsService
 
 T = TypeVar("T")
 
@@ -314,6 +325,98 @@ def stats(
     for q in sorted({q for q, _ in counts}):
         table.add_row(q, *(str(counts.get((q, st), 0)) for st in statuses))
     out.print(table)
+
+
+def _ops_call(app: str | None, action: Callable[[OpsService], Awaitable[T]]) -> T:
+    """Run one ops action through the same service the HTTP API uses; refusals exit 1."""
+    from .ops.service import OpsService
+
+    _, _, runtime = _runtime(app)
+
+    async def go() -> T:
+        async with runtime:
+            return await action(OpsService(runtime))
+
+    try:
+        return _run(go())
+    except (MessageNotFound, InvalidOperation) as exc:
+        fail(str(exc), 1)
+
+
+def _pause_target(queue_name: str | None, type_name: str | None) -> tuple[str, str]:
+    if (queue_name is None) == (type_name is None):
+        fail("name a queue (QUEUE) or a type (--type TYPE)", 2)
+    return ("queue", queue_name) if queue_name is not None else ("type", type_name or "")
+
+
+@cli.command()
+def pause(
+    queue_name: Annotated[str | None, typer.Argument(metavar="QUEUE", help="Queue to pause")] = None,
+    type_name: Annotated[str | None, typer.Option("--type", help="Pause a message type instead")] = None,
+    app: AppOption = None,
+) -> None:
+    """Pause a queue or a type on every host: its messages stay and wait, attempts are not used."""
+    kind, name = _pause_target(queue_name, type_name)
+    _ops_call(app, lambda ops: ops.set_paused(kind, name, True))
+    out.print(f"paused {kind} {name}", highlight=False)
+
+
+@cli.command()
+def resume(
+    queue_name: Annotated[str | None, typer.Argument(metavar="QUEUE", help="Queue to resume")] = None,
+    type_name: Annotated[str | None, typer.Option("--type", help="Resume a message type instead")] = None,
+    app: AppOption = None,
+) -> None:
+    """Resume a paused queue or type."""
+    kind, name = _pause_target(queue_name, type_name)
+    _ops_call(app, lambda ops: ops.set_paused(kind, name, False))
+    out.print(f"resumed {kind} {name}", highlight=False)
+
+
+@cli.command()
+def retry(
+    message_id: Annotated[UUID, typer.Argument(help="The message id")],
+    app: AppOption = None,
+) -> None:
+    """Process a dead-lettered, failed, expired or abandoned message again, with fresh attempts."""
+    result = _ops_call(app, lambda ops: ops.retry(message_id))
+    out.print(f"{result.message_id}: {result.detail}", highlight=False)
+
+
+@cli.command()
+def purge(
+    queue_name: Annotated[str | None, typer.Option("--queue", help="Only this queue")] = None,
+    type_name: Annotated[str | None, typer.Option("--type", help="Only this type")] = None,
+    status: Annotated[list[str] | None, typer.Option(help="Only these statuses (repeat)")] = None,
+    older_than: Annotated[
+        float | None, typer.Option(min=0, help="Only messages created this many hours ago")
+    ] = None,
+    purge_all: Annotated[bool, typer.Option("--all", help="Needed to purge without any filter")] = False,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation")] = False,
+    app: AppOption = None,
+) -> None:
+    """Delete messages that match the filters (never the ones a worker holds)."""
+    from datetime import timedelta
+
+    from .clock import utcnow
+    from .tracking import MessageQuery
+
+    query = MessageQuery(
+        queue=queue_name,
+        type=type_name,
+        status=tuple(status) if status else None,
+        created_to=utcnow() - timedelta(hours=older_than) if older_than is not None else None,
+    )
+    if query == MessageQuery() and not purge_all:
+        fail("give at least one filter, or --all", 2)
+    if not yes and not typer.confirm(
+        f"delete the messages matching {query.model_dump(exclude_none=True) or 'everything'}?"
+    ):
+        raise typer.Exit(1)
+    result = _ops_call(app, lambda ops: ops.purge(query))
+    out.print(
+        f"deleted {result.deleted} message(s); left {result.skipped_leased} held by workers", highlight=False
+    )
 
 
 @cli.command()

@@ -1,14 +1,81 @@
-"""``queueing serve``: the worker and (from the ops issue on) the HTTP API in one process."""
+"""``queueing serve``: the worker and the ops API in one process, one event loop, one runtime."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ipaddress
 import logging
+import socket
+from collections.abc import Iterator
 
+from .errors import ConfigurationError
 from .settings import QueueingSettings
 from .worker import Worker
 
 log = logging.getLogger("queueing.serve")
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before starting anything, so a taken port is one clear error and not a half-started host."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigurationError("--port", f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str | None, port: int) -> None:
-    await worker.run()
+    if host is None:
+        await worker.run()
+        return
+    import uvicorn
+
+    from .ops.api import create_app
+    from .ops.service import OpsService
+
+    key = cfg.api_key.get_secret_value() if cfg.api_key else None
+    if key is None and not is_loopback(host):
+        raise ConfigurationError(
+            "QUEUEING_API_KEY",
+            f"not set, and the API would listen on {host} without authentication",
+            "set a key, or serve on 127.0.0.1",
+        )
+    sock = bind(host, port)
+    api = create_app(
+        OpsService(worker.runtime),
+        api_key=key,
+        allow_anonymous=key is None,
+        max_body_bytes=cfg.api_max_body_bytes,
+    )
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # the worker owns SIGTERM/SIGINT
+            yield
+
+    server = Server(uvicorn.Config(api, log_level="warning", lifespan="off", access_log=False))
+    if key is None:
+        log.warning(
+            "QUEUEING_API_KEY is not set: the ops API accepts unauthenticated requests, on %s only", host
+        )
+    log.info("ops API on http://%s:%d/api/_system/queueing", host, port)
+    api_task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await worker.run()
+    finally:
+        server.should_exit = True
+        await api_task

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..clock import utcnow
 from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
@@ -28,8 +28,16 @@ from ..transport import Capabilities, Delivery, Settlement
 
 if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
+    from ..tracking import MessageQuery, MessageRecord
 
 _seq = itertools.count()
+
+
+def _message_id(raw: bytes) -> Any:
+    try:
+        return Envelope.decode(raw).message_id
+    except Exception:
+        return None
 
 
 @dataclass(order=True, slots=True)
@@ -165,6 +173,47 @@ class InProcessProvider:
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         return []  # nothing can take a message from this process
+
+    # -- ops actions: history lives in the runtime's tracker; these move the messages -------------
+    def _forget(self, message_ids: set[Any]) -> int:
+        """Drop queued copies and dead letters of these messages; returns how many were dropped."""
+        dropped = 0
+        for name, q in self._queues.items():
+            keep = [i for i in q.ready if _message_id(i.raw) not in message_ids]
+            dropped += len(q.ready) - len(keep)
+            q.ready = deque(keep)
+            kept = [i for i in q.scheduled if _message_id(i.raw) not in message_ids]
+            dropped += len(q.scheduled) - len(kept)
+            q.scheduled = kept
+            heapq.heapify(q.scheduled)
+            if q.head is not None and _message_id(q.head.raw) in message_ids:
+                q.head, dropped = None, dropped + 1
+            letters = self.dead_letters.get(name, [])
+            left = [
+                s
+                for s in letters
+                if not (s.delivery.envelope and s.delivery.envelope.message_id in message_ids)
+            ]
+            dropped += len(letters) - len(left)
+            self.dead_letters[name] = left
+        return dropped
+
+    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+        self._forget({record.message_id})
+        await self.send([envelope])
+        return True
+
+    async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
+        return False  # nothing outside this process holds a message: there is no lease to release
+
+    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
+        return True  # archiving is a flag in the history; the message left the queue when it finished
+
+    async def ops_purge(
+        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
+    ) -> tuple[int, int]:
+        self._forget({r.message_id for r in records or ()})
+        return len(records or ()), 0
 
     # -- test and ops helpers ------------------------------------------------------------------
     def depth(self, queue: str) -> int:

@@ -32,7 +32,9 @@ from ...errors import ConfigurationError, NotConfigured, ProviderUnavailable
 from ...messages import MessageStatus
 from ...naming import Transport
 from ...runtime import default_worker_id, jsonable
+from ...tracking import MessageQuery, MessageRecord
 from ...transport import Capabilities, Delivery, Settlement
+from . import ops as sql_ops
 from .control import SqlControlStore
 from .engine import create_engine, normalize_url, redact
 from .listener import PgListener
@@ -508,6 +510,25 @@ class SqlProvider:
                     else:
                         lost.append(d)
         return lost
+
+    # -- ops actions (the ops service decides; these carry out, guarded by the state it saw) ---------
+    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+        await self.ensure_open()
+        return await sql_ops.retry(self, record, envelope, now)
+
+    async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
+        await self.ensure_open()
+        return await sql_ops.release(self, record, now)
+
+    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
+        await self.ensure_open()
+        return await sql_ops.archive(self, record, now)
+
+    async def ops_purge(
+        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
+    ) -> tuple[int, int]:
+        await self.ensure_open()
+        return await sql_ops.purge(self, query)
 
     # -- maintenance ---------------------------------------------------------------------------------
     async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:

@@ -8,6 +8,7 @@ serves SQLite and PostgreSQL. Migrations are a numbered list applied in order un
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,10 +16,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from ...errors import ConfigurationError
 from ...messages import MessageStatus
 
 log = logging.getLogger("queueing.sql")
 
+SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 Json = sa.JSON().with_variant(JSONB(), "postgresql")
 Timestamp = sa.DateTime(timezone=True)
 
@@ -152,6 +155,15 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("version", sa.Integer(), nullable=False),  # optimistic concurrency
     )
     sa.Table(
+        "queueing_counts",
+        md,
+        sa.Column("queue", sa.String(200), primary_key=True),
+        sa.Column("status", sa.String(64), primary_key=True),
+        sa.Column("archived", sa.Boolean(), primary_key=True),
+        sa.Column("shard", sa.SmallInteger(), primary_key=True),
+        sa.Column("n", sa.BigInteger(), nullable=False),
+    )
+    sa.Table(
         "queueing_schema",
         md,
         sa.Column("version", sa.Integer(), primary_key=True),
@@ -168,9 +180,17 @@ class Tables:
     pauses: sa.Table
     circuits: sa.Table
     schema_versions: sa.Table
+    counts: sa.Table
 
     @classmethod
     def build(cls, schema: str | None = None) -> Tables:
+        if schema is not None and not SCHEMA_NAME.fullmatch(schema):
+            # it is spliced into DDL as an identifier: letters, digits and underscores only
+            raise ConfigurationError(
+                "QUEUEING_DATABASE_SCHEMA",
+                f"{schema!r} is not a plain identifier",
+                "letters, digits and _, starting with a letter or _, at most 63",
+            )
         md = build_metadata(schema)
         t = md.tables
         key = (lambda n: f"{schema}.{n}") if schema else (lambda n: n)
@@ -180,6 +200,7 @@ class Tables:
             t[key("queueing_pauses")],
             t[key("queueing_circuits")],
             t[key("queueing_schema")],
+            t[key("queueing_counts")],
         )
 
 
@@ -190,9 +211,68 @@ def _v1(conn: sa.Connection, tables: Tables) -> None:
     tables.metadata.create_all(conn, tables=[tables.messages, tables.pauses, tables.circuits])
 
 
+def _v2(conn: sa.Connection, tables: Tables) -> None:
+    """Message counts per (queue, status, archived) kept by statement-level triggers (PostgreSQL).
+
+    ``GET stats`` must stay fast on a table of millions of rows without counting them. Each INSERT,
+    UPDATE or DELETE statement adds its net change per group in one upsert (a 100-row claim is one
+    statement, so one upsert), spread over 16 shard rows chosen by backend pid so concurrent workers
+    rarely wait on the same counter row; readers sum the shards. SQLite counts with GROUP BY instead
+    (it serves one host and smaller tables).
+    """
+    tables.counts.create(conn, checkfirst=True)
+    if conn.dialect.name != "postgresql":
+        return
+    m, c = tables.messages.fullname, tables.counts.fullname
+    fn = (
+        f"{tables.metadata.schema}.queueing_count_changes"
+        if tables.metadata.schema
+        else "queueing_count_changes"
+    )
+    delta = "SELECT queue, status, archived, 1 AS d FROM new_rows"
+    minus = "SELECT queue, status, archived, -1 AS d FROM old_rows"
+    body = {
+        "INSERT": delta,
+        "UPDATE": f"{delta} UNION ALL {minus}",
+        "DELETE": minus,
+    }
+    for op, source in body.items():
+        name = f"{fn}_{op.lower()}"
+        # identifiers only, from the table metadata (the schema name is validated by Tables.build)
+        conn.exec_driver_sql(f"""
+            CREATE OR REPLACE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO {c} (queue, status, archived, shard, n)
+                SELECT queue, status, archived, mod(pg_backend_pid(), 16), sum(d)
+                FROM ({source}) AS changes
+                GROUP BY queue, status, archived
+                HAVING sum(d) <> 0
+                ORDER BY queue, status, archived  -- one lock order for every writer: no deadlocks
+                ON CONFLICT (queue, status, archived, shard) DO UPDATE SET n = {c}.n + EXCLUDED.n;
+                RETURN NULL;
+            END $$""")
+        refs = {
+            "INSERT": "NEW TABLE AS new_rows",
+            "UPDATE": "OLD TABLE AS old_rows NEW TABLE AS new_rows",
+            "DELETE": "OLD TABLE AS old_rows",
+        }[op]
+        trigger = f"queueing_count_{op.lower()}"
+        conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {trigger} ON {m}")
+        conn.exec_driver_sql(
+            f"CREATE TRIGGER {trigger} AFTER {op} ON {m} REFERENCING {refs} FOR EACH STATEMENT "
+            f"EXECUTE FUNCTION {name}()"
+        )
+    # rows that existed before the triggers
+    conn.exec_driver_sql(f"""
+        INSERT INTO {c} (queue, status, archived, shard, n)
+        SELECT queue, status, archived, 0, count(*) FROM {m} GROUP BY queue, status, archived
+        ON CONFLICT (queue, status, archived, shard) DO UPDATE SET n = {c}.n + EXCLUDED.n""")
+
+
 #: (version, description, migration). Append only: a released migration never changes.
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "messages, pauses, circuits", _v1),
+    (2, "message counts kept by triggers (PostgreSQL)", _v2),
 ]
 LATEST = MIGRATIONS[-1][0]
 

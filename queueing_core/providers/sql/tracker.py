@@ -146,15 +146,29 @@ class SqlTracker:
         return Page[MessageRecord](items=[self.record(r) for r in rows], next_cursor=nxt)
 
     async def counts(self) -> dict[tuple[str, str], int]:
+        """Unarchived messages per (queue, status): from the trigger-kept counters on PostgreSQL (no
+        scan of the messages table), by GROUP BY on SQLite."""
         m = self._m
-        stmt = (
-            sa.select(m.c.queue, m.c.status, sa.func.count())
-            .where(~m.c.archived)
-            .group_by(m.c.queue, m.c.status)
-        )
+        stmt: sa.Select[Any]
+        if self.provider.backend == "postgresql":
+            c = self.provider.tables.counts
+            total = sa.func.sum(c.c.n)
+            stmt = (
+                sa.select(c.c.queue, c.c.status, total)
+                .where(~c.c.archived)
+                .group_by(c.c.queue, c.c.status)
+                .having(total != 0)
+            )
+        else:
+            stmt = (
+                sa.select(m.c.queue, m.c.status, sa.func.count())
+                .where(~m.c.archived)
+                .group_by(m.c.queue, m.c.status)
+            )
         await self.provider.ensure_open()
         async with self.provider.engine.connect() as conn:
-            return {(q, s): n for q, s, n in (await conn.execute(stmt)).all()}
+            rows = (await conn.execute(stmt)).all()
+        return {(str(r[0]), str(r[1])): int(r[2]) for r in rows}
 
     async def delete(self, query: MessageQuery) -> int:
         await self.provider.ensure_open()

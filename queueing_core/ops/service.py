@@ -1,0 +1,417 @@
+"""The operations service (SPEC D1): one contract for every provider.
+
+Reads go through the runtime's tracker (the SQL table itself, or a durable tracker for the cloud
+transports), pause and circuit actions through its control store, and the few state-changing
+actions through the provider's :class:`OpsActions`. Which states an action accepts is decided here,
+once; the provider's statement re-checks the state atomically, so a race loses cleanly (409).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Protocol, runtime_checkable
+from uuid import UUID
+
+from pydantic import ValidationError
+
+from ..app import Subscription
+from ..clock import Clock, utcnow
+from ..envelope import Envelope
+from ..errors import InvalidOperation, MessageNotFound
+from ..messages import MessageStatus
+from ..options import Health
+from ..producer import EnqueueOptions
+from ..runtime import Runtime
+from ..tracking import MessageQuery, MessageRecord
+from .models import (
+    ActionResult,
+    CircuitInfo,
+    EnqueuedMessage,
+    HealthReport,
+    MessageContent,
+    MessageDetail,
+    MessagePage,
+    MessageStats,
+    MessageSummary,
+    PauseResult,
+    PurgeResult,
+    QueueSummary,
+    SubscriptionInfo,
+    Summary,
+)
+
+S = MessageStatus
+#: what retry accepts: finished badly, waiting for a retry or a time, or held by an operator's status
+RETRYABLE = {S.DEAD_LETTERED, S.FAILED, S.EXPIRED, S.ABANDONED, S.CANCELLED, S.SLEEPING}
+ARCHIVABLE = {S.SUCCEEDED, S.DEAD_LETTERED, S.EXPIRED, S.CANCELLED, S.ABANDONED}
+WAITING = (S.PENDING.value, S.FAILED.value, S.SLEEPING.value, S.WAITING_FOR_HANDLER.value, S.PAUSED.value)
+KNOWN = {s.value for s in MessageStatus}
+_ORDER = {Health.HEALTHY: 0, Health.DEGRADED: 1, Health.UNHEALTHY: 2}
+
+
+class BodyInvalid(ValueError):
+    """Bodies enqueued over HTTP that do not validate; ``errors`` lists pydantic's errors per item."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__("the message body does not match the queue's message model")
+        self.errors = errors
+
+
+class UnknownQueue(MessageNotFound):
+    pass
+
+
+@runtime_checkable
+class OpsActions(Protocol):
+    """State changes a provider carries out for the ops service. Each returns False when the message
+    was no longer in the state the service checked (someone else acted first)."""
+
+    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool: ...
+
+    async def ops_release(self, record: MessageRecord, now: datetime) -> bool: ...
+
+    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool: ...
+
+    async def ops_purge(
+        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
+    ) -> tuple[int, int]:
+        """Delete what matches (``records``: the tracker's matches, for providers without history)."""
+        ...
+
+
+def summary_of(r: MessageRecord) -> MessageSummary:
+    return MessageSummary(
+        message_id=r.message_id,
+        tracking_id=r.tracking_id,
+        type=r.type,
+        queue=r.queue,
+        status=r.status,
+        attempt=r.attempt,
+        correlation_id=r.correlation_id,
+        created_at=r.created_at,
+        updated_at=r.updated_at,
+        not_before=r.not_before,
+        archived=r.archived,
+        reason=r.reason,
+    )
+
+
+class OpsService:
+    def __init__(self, runtime: Runtime, *, clock: Clock = utcnow) -> None:
+        self.runtime = runtime
+        self.app = runtime.app
+        self.clock = clock
+        provider = runtime.provider
+        if not isinstance(provider, OpsActions):
+            raise TypeError(f"{type(provider).__name__} does not implement the ops actions")
+        self.actions: OpsActions = provider
+
+    # -- lookups -------------------------------------------------------------------------------------
+    def queue(self, name: str) -> Subscription:
+        sub = self.app.by_queue().get(name)
+        if sub is None:
+            raise UnknownQueue(f"no queue named {name!r} in app {self.app.name!r}")
+        return sub
+
+    def message_type(self, name: str) -> Subscription:
+        sub = self.app.subscription(name)
+        if sub is None:
+            raise MessageNotFound(f"no message type named {name!r} in app {self.app.name!r}")
+        return sub
+
+    async def record(self, message_id: UUID) -> MessageRecord:
+        rec = await self.runtime.tracker.get(message_id)
+        if rec is None:
+            raise MessageNotFound(f"no message {message_id}")
+        return rec
+
+    # -- reading -------------------------------------------------------------------------------------
+    def health_of(self, sub: Subscription, counts: dict[str, int], circuit: CircuitInfo | None) -> Health:
+        errors = counts.get(S.DEAD_LETTERED, 0) + counts.get(S.ABANDONED, 0)
+        health = sub.options.health_when_errors if errors else Health.HEALTHY
+        if circuit is not None and circuit.state != "closed" and _ORDER[health] < _ORDER[Health.DEGRADED]:
+            health = Health.DEGRADED
+        return health
+
+    async def summary(self) -> Summary:
+        counts = await self.runtime.tracker.counts()
+        state = await self.runtime.control.state()
+        by_queue: dict[str, dict[str, int]] = defaultdict(dict)
+        for (queue, status), n in counts.items():
+            by_queue[queue][status] = n
+        queues: list[QueueSummary] = []
+        totals: dict[str, int] = defaultdict(int)
+        for sub in self.app.subscriptions():
+            c = by_queue.pop(sub.queue, {})
+            for status, n in c.items():
+                totals[status] += n
+            circuit = None
+            if sub.options.circuit_breaker is not None:
+                cs = state.circuit(sub.type_name)
+                circuit = CircuitInfo(
+                    state=cs.state, consecutive_failures=cs.consecutive_failures, open_until=cs.open_until
+                )
+            queues.append(
+                QueueSummary(
+                    queue=sub.queue,
+                    type=sub.type_name,
+                    category=sub.options.category,
+                    has_handler=sub.handler is not None,
+                    paused=sub.queue in state.paused_queues,
+                    type_paused=sub.type_name in state.paused_types,
+                    circuit=circuit,
+                    counts=c,
+                    total=sum(c.values()),
+                    health=self.health_of(sub, c, circuit),
+                )
+            )
+        return Summary(
+            provider=self.runtime.provider.transport.value,
+            generated_at=self.clock(),
+            queues=queues,
+            totals=dict(totals),
+            other_queues=dict(by_queue),
+        )
+
+    def subscriptions(self) -> list[SubscriptionInfo]:
+        out = []
+        for sub in self.app.subscriptions():
+            o = sub.options
+            example = sub.message_type.example()
+            out.append(
+                SubscriptionInfo(
+                    type=sub.type_name,
+                    queue=sub.queue,
+                    physical_queue=sub.physical_queue(self.app.naming, self.runtime.provider.transport),
+                    category=o.category,
+                    handler=sub.handler.origin.split(" (")[0] if sub.handler else None,
+                    max_attempts=o.max_attempts,
+                    max_concurrency=o.max_concurrency,
+                    lease_seconds=o.lease_duration.total_seconds(),
+                    time_limit_seconds=o.time_limit.total_seconds() if o.time_limit else None,
+                    expiration_seconds=o.expiration.total_seconds() if o.expiration else None,
+                    ordered=o.ordered,
+                    default_status=o.default_status,
+                    circuit_breaker=o.circuit_breaker.model_dump(mode="json") if o.circuit_breaker else None,
+                    example=example.body() if example is not None else None,
+                    json_schema=_body_schema(sub),
+                )
+            )
+        return out
+
+    async def list_messages(
+        self, query: MessageQuery, *, limit: int = 50, cursor: str | None = None
+    ) -> MessagePage:
+        page = await self.runtime.tracker.query(query, limit=limit, cursor=cursor)
+        return MessagePage(items=[summary_of(r) for r in page.items], next_cursor=page.next_cursor)
+
+    async def message(self, message_id: UUID) -> MessageDetail:
+        r = await self.record(message_id)
+        return MessageDetail(
+            **summary_of(r).model_dump(),
+            expires_at=r.expires_at,
+            locked_by=r.locked_by,
+            locked_until=r.locked_until,
+            last_error=r.last_error,
+            description=r.description,
+            archived_at=r.archived_at,
+            headers=r.headers,
+            result=r.result,
+        )
+
+    async def content(self, message_id: UUID) -> MessageContent:
+        r = await self.record(message_id)
+        return MessageContent(message_id=r.message_id, type=r.type, body=r.body, raw=r.raw, headers=r.headers)
+
+    async def message_stats(self, queue: str | None = None) -> MessageStats:
+        by_queue: dict[str, dict[str, int]] = defaultdict(dict)
+        by_status: dict[str, int] = defaultdict(int)
+        for (q, status), n in (await self.runtime.tracker.counts()).items():
+            if queue is not None and q != queue:
+                continue
+            by_queue[q][status] = n
+            by_status[status] += n
+        return MessageStats(total=sum(by_status.values()), by_status=dict(by_status), by_queue=dict(by_queue))
+
+    async def waiting(self, take: int = 50, queue: str | None = None) -> list[MessageSummary]:
+        page = await self.runtime.tracker.query(
+            MessageQuery(status=WAITING, archived=False, queue=queue), limit=take
+        )
+        return [summary_of(r) for r in page.items]
+
+    async def health(self) -> HealthReport:
+        summary = await self.summary()
+        queues = {q.queue: q.health for q in summary.queues}
+        reasons = {q.queue: _reason(q) for q in summary.queues if q.health is not Health.HEALTHY}
+        worst = max(queues.values(), key=lambda h: _ORDER[h], default=Health.HEALTHY)
+        return HealthReport(status=worst, queues=queues, reasons=reasons)
+
+    # -- acting --------------------------------------------------------------------------------------
+    @property
+    def _durable(self) -> bool:
+        return self.runtime.provider.capabilities.durable_history
+
+    async def _track(self, r: MessageRecord, **changes: Any) -> None:
+        """Record an action in the history of providers whose tracker is separate (the SQL provider's
+        statement already did)."""
+        if not self._durable:
+            await self.runtime.tracker.upsert([r.model_copy(update={**changes, "updated_at": self.clock()})])
+
+    def _refuse(self, r: MessageRecord, action: str, why: str) -> InvalidOperation:
+        return InvalidOperation(f"cannot {action} message {r.message_id}: it is {r.status}{why}")
+
+    async def retry(self, message_id: UUID) -> ActionResult:
+        r = await self.record(message_id)
+        if r.archived:
+            raise InvalidOperation(f"cannot retry message {r.message_id}: it is archived")
+        if r.status in KNOWN and r.status not in RETRYABLE:
+            why = {
+                S.SUCCEEDED: "; it already succeeded (enqueue a new message to run the work again)",
+                S.LEASED: f"; a worker ({r.locked_by}) is processing it",
+            }.get(MessageStatus(r.status), "; it is already waiting to be processed")
+            raise self._refuse(r, "retry", why)
+        if r.body is None:
+            raise InvalidOperation(
+                f"cannot retry message {r.message_id}: its body could not be decoded; purge it"
+            )
+        now = self.clock()
+        sub = self.app.subscription(r.type)
+        expiration = sub.options.expiration if sub is not None else None
+        envelope = Envelope(
+            type=r.type,
+            queue=r.queue,
+            message_id=r.message_id,
+            tracking_id=r.tracking_id,
+            correlation_id=r.correlation_id,
+            attempt=0,
+            created_at=r.created_at,
+            not_before=None,
+            expires_at=now + expiration if expiration is not None else None,
+            headers=r.headers,
+            body=r.body,
+        )
+        if not await self.actions.ops_retry(r, envelope, now):
+            raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
+        await self._track(
+            r,
+            status=S.PENDING.value,
+            attempt=0,
+            reason=None,
+            description=None,
+            not_before=None,
+            expires_at=envelope.expires_at,
+            locked_by=None,
+            locked_until=None,
+        )
+        return ActionResult(
+            message_id=r.message_id,
+            status=S.PENDING,
+            detail=f"retry scheduled with fresh attempts (was {r.status})",
+        )
+
+    async def release_lease(self, message_id: UUID) -> ActionResult:
+        r = await self.record(message_id)
+        if r.status != S.LEASED:
+            raise self._refuse(r, "release the lease of", ", not Leased")
+        if not await self.actions.ops_release(r, self.clock()):
+            raise InvalidOperation(f"message {r.message_id} was settled while releasing it; look again")
+        await self._track(r, status=S.PENDING.value, locked_by=None, locked_until=None)
+        return ActionResult(
+            message_id=r.message_id,
+            status=S.PENDING,
+            detail=f"lease of {r.locked_by} released; the worker may still be running it",
+        )
+
+    async def archive(self, message_id: UUID) -> ActionResult:
+        r = await self.record(message_id)
+        if r.archived:
+            raise InvalidOperation(f"message {r.message_id} is already archived")
+        if r.status not in ARCHIVABLE:
+            why = (
+                f"; a worker ({r.locked_by}) is processing it"
+                if r.status == S.LEASED
+                else "; only finished messages can be archived"
+            )
+            raise self._refuse(r, "archive", why)
+        now = self.clock()
+        if not await self.actions.ops_archive(r, now):
+            raise InvalidOperation(f"message {r.message_id} changed while archiving it; look again")
+        await self._track(r, archived=True, archived_at=now)
+        return ActionResult(message_id=r.message_id, status=r.status, detail="archived")
+
+    async def purge(self, query: MessageQuery) -> PurgeResult:
+        if self._durable:
+            deleted, skipped = await self.actions.ops_purge(query)
+            return PurgeResult(deleted=deleted, skipped_leased=skipped)
+        records: list[MessageRecord] = []
+        cursor: str | None = None
+        while True:  # the tracker's matches, so the provider can drop their queued copies
+            page = await self.runtime.tracker.query(query, limit=500, cursor=cursor)
+            records += [r for r in page.items if r.status != S.LEASED]
+            if page.next_cursor is None:
+                break
+            cursor = page.next_cursor
+        await self.actions.ops_purge(query, records)
+        await self.runtime.tracker.delete(query)
+        return PurgeResult(deleted=len(records), skipped_leased=0)
+
+    async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
+        if kind == "queue":
+            self.queue(name)
+        else:
+            self.message_type(name)
+        await self.runtime.control.set_paused("queue" if kind == "queue" else "type", name, paused)
+        return PauseResult(kind="queue" if kind == "queue" else "type", name=name, paused=paused)
+
+    async def reset_circuit(self, type_name: str) -> None:
+        self.message_type(type_name)
+        await self.runtime.control.reset_circuit(type_name)
+
+    async def enqueue(
+        self, queue: str, bodies: Sequence[dict[str, Any]], **options: Any
+    ) -> list[EnqueuedMessage]:
+        """Validate every body against the queue's model first: nothing is written unless all pass."""
+        sub = self.queue(queue)
+        messages, errors = [], []
+        for index, body in enumerate(bodies):
+            try:
+                messages.append(sub.message_type.model_validate(body))
+            except ValidationError as exc:
+                for e in exc.errors(include_url=False):
+                    errors.append(
+                        {**e, "loc": ["body", index, *e["loc"]] if len(bodies) > 1 else ["body", *e["loc"]]}
+                    )
+        if errors:
+            raise BodyInvalid(errors)
+        opts: EnqueueOptions = {k: v for k, v in options.items() if v is not None}  # type: ignore[assignment]
+        receipts = await self.runtime.producer.enqueue_many(messages, **opts)
+        return [
+            EnqueuedMessage(
+                message_id=r.message_id,
+                tracking_id=r.tracking_id,
+                type=r.type,
+                queue=r.queue,
+                status=r.status,
+                not_before=r.not_before,
+                expires_at=r.expires_at,
+            )
+            for r in receipts
+        ]
+
+
+def _reason(q: QueueSummary) -> str:
+    bad = q.counts.get(S.DEAD_LETTERED, 0) + q.counts.get(S.ABANDONED, 0)
+    parts = [f"{bad} dead-lettered or abandoned message(s)"] if bad else []
+    if q.circuit is not None and q.circuit.state != "closed":
+        parts.append(f"circuit {q.circuit.state}")
+    return "; ".join(parts)
+
+
+def _body_schema(sub: Subscription) -> dict[str, Any]:
+    schema = sub.message_type.model_json_schema()
+    props = schema.get("properties", {})
+    for base in ("message_id", "created_at", "correlation_id", "properties"):
+        props.pop(base, None)
+    return schema

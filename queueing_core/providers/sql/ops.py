@@ -1,0 +1,83 @@
+"""The SQL provider's side of the ops actions: single statements guarded by the state the ops
+service checked, so a concurrent change makes the action a clean no-op (reported as 409)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+
+from ...envelope import Envelope
+from ...messages import MessageStatus
+from ...tracking import MessageQuery, MessageRecord
+
+if TYPE_CHECKING:
+    from .provider import SqlProvider
+
+LEASED = MessageStatus.LEASED.value
+
+
+async def retry(p: SqlProvider, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+    m = p.tables.messages
+    async with p.engine.begin() as conn:
+        res = await conn.execute(
+            sa.update(m)
+            .where(m.c.message_id == record.message_id, m.c.status == record.status, ~m.c.archived)
+            .values(
+                status=MessageStatus.PENDING.value,
+                attempt=0,
+                available_at=now,
+                not_before=None,
+                expires_at=envelope.expires_at,
+                reason=None,
+                description=None,
+                settled_at=None,
+                locked_by=None,
+                locked_until=None,
+                updated_at=now,
+            )
+        )
+        await p.notify_statements(conn, {record.queue})
+    return res.rowcount == 1
+
+
+async def release(p: SqlProvider, record: MessageRecord, now: datetime) -> bool:
+    m = p.tables.messages
+    async with p.engine.begin() as conn:
+        res = await conn.execute(
+            sa.update(m)
+            .where(m.c.message_id == record.message_id, m.c.status == LEASED)
+            .values(
+                status=MessageStatus.PENDING.value,
+                locked_by=None,
+                locked_until=None,
+                available_at=now,
+                updated_at=now,
+            )
+        )
+        await p.notify_statements(conn, {record.queue})
+    return res.rowcount == 1
+
+
+async def archive(p: SqlProvider, record: MessageRecord, now: datetime) -> bool:
+    m = p.tables.messages
+    async with p.engine.begin() as conn:
+        res = await conn.execute(
+            sa.update(m)
+            .where(m.c.message_id == record.message_id, m.c.status == record.status, ~m.c.archived)
+            .values(archived=True, archived_at=now)
+        )
+    return res.rowcount == 1
+
+
+async def purge(p: SqlProvider, query: MessageQuery) -> tuple[int, int]:
+    """Delete what matches, except messages a worker holds right now (counted, not touched)."""
+    m = p.tables.messages
+    where = p.tracker().where(query)
+    async with p.engine.begin() as conn:
+        held = (
+            await conn.execute(sa.select(sa.func.count()).where(*where, m.c.status == LEASED))
+        ).scalar_one()
+        res = await conn.execute(sa.delete(m).where(*where, m.c.status != LEASED))
+    return res.rowcount or 0, int(held)
