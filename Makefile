@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: serve test lint install
+.PHONY: serve test lint install local-storage
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11+ is needed"; exit 1; }
@@ -17,6 +17,10 @@ install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/queueing serve
+
+# the example app on Storage Queues over a local Azurite, end to end (SPEC E6)
+local-storage: $(STAMP)
+	scripts/local-storage.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check queueing_core functions examples tests bench

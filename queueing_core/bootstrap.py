@@ -6,6 +6,7 @@ Azure SDKs (and the Functions app stays light at cold start).
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError
@@ -40,11 +41,26 @@ def make_provider(settings: QueueingSettings) -> Provider:
             connect_retries=settings.connect_retries,
             maintenance_interval=settings.maintenance_interval,
         )
+    if name == "storage_queue":
+        from .providers.storage_queue import StorageConnection, StorageQueueProvider
+
+        return StorageQueueProvider(
+            StorageConnection.from_environment(),
+            control_table=settings.control_table,
+            tracker_table=settings.tracker_table,
+            tracker_retention=timedelta(days=settings.tracker_retention_days),
+            ttl_grace=settings.ttl_grace,
+        )
     raise ConfigurationError(
-        "QUEUEING_PROVIDER", f"{name!r} is not available in this build yet", "inprocess, sql"
+        "QUEUEING_PROVIDER", f"{name!r} is not available in this build yet", "inprocess, sql, storage_queue"
     )
 
 
 def bootstrap(app: QueueingApp, settings: QueueingSettings | None = None) -> Runtime:
     """A runtime for ``app`` on the configured provider. Nothing connects until it is opened."""
-    return Runtime(app, make_provider(settings or load_settings()))
+    cfg = settings or load_settings()
+    if cfg.queue_prefix or cfg.queue_suffix:
+        from .naming import QueueNaming
+
+        app.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
+    return Runtime(app, make_provider(cfg))

@@ -35,6 +35,12 @@ class QueueingSettings(BaseSettings):
     prefetch: int = Field(default=1, ge=1, le=1000)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
+    # the cloud transports keep pause/circuit state and history in Azure Tables
+    control_table: str = Field(default="queueingcontrol", pattern=r"^[A-Za-z][A-Za-z0-9]{2,62}$")
+    tracker_table: str = Field(default="queueinghistory", pattern=r"^[A-Za-z][A-Za-z0-9]{2,62}$")
+    tracker_retention_days: float = Field(default=14, gt=0, le=3650)
+    #: storage TTL = the message's expiry + this, so the kit records "Expired" before the service drops it
+    ttl_grace: timedelta = timedelta(hours=1)
     api_key: SecretStr | None = None
     api_max_body_bytes: int = Field(default=256 * 1024, ge=1024, le=64 * 1024 * 1024)
 

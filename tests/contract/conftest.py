@@ -6,7 +6,12 @@ from .harness import HARNESSES
 @pytest.fixture(params=sorted(HARNESSES))
 async def harness(request, tmp_path):
     make = HARNESSES[request.param]
-    h = make(str(tmp_path)) if request.param == "sqlite" else make()
+    if request.param == "sqlite":
+        h = make(str(tmp_path))
+    elif request.param == "storage_queue":
+        h = make(request.getfixturevalue("azurite"))
+    else:
+        h = make()
     yield h
     if h.cleanup is not None:
         await h.cleanup()

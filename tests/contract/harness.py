@@ -195,8 +195,35 @@ def postgres() -> Harness:
     return Harness("postgres", make_provider=make, inject_raw=_sql_inject("postgresql"), cleanup=cleanup)
 
 
+# -- Azure Storage Queues (Azurite) ----------------------------------------------------------------
+def storage_queue(azurite) -> Harness:
+    from queueing_core.providers.storage_queue import StorageConnection, StorageQueueProvider, encode_body
+
+    # fresh tables per test: a shared control table would leak pauses between tests
+    tables = {"control_table": f"ctl{uuid.uuid4().hex[:10]}", "tracker_table": f"hist{uuid.uuid4().hex[:10]}"}
+    made: list[StorageQueueProvider] = []
+
+    async def make() -> Provider:
+        prov = StorageQueueProvider(StorageConnection(azurite.connection_string), **tables)
+        made.append(prov)
+        return prov
+
+    async def inject(rt: Runtime, queue: str, raw: bytes) -> None:
+        prov = rt.provider
+        c = await prov._ensure(prov.physical(queue))
+        await c.send_message(encode_body(raw.decode()))
+
+    async def cleanup() -> None:
+        for prov in made:
+            await prov.close()
+
+    # Storage Queues do not promise order
+    return Harness("storage_queue", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
+
+
 HARNESSES: dict[str, Callable[..., Harness]] = {
     "inprocess": inprocess,
     "sqlite": sqlite,
     "postgres": postgres,
+    "storage_queue": storage_queue,
 }

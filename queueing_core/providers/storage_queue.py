@@ -1,0 +1,513 @@
+"""Azure Storage Queues provider (SPEC C4) on ``azure-storage-queue`` (async).
+
+- A queue per type (sanitized: lowercase, 3-63) and its ``<queue>-poison`` queue, created on open.
+- The lease is the visibility timeout; ``dequeue_count`` counts attempts on top of the envelope's.
+- A failed attempt is re-hidden for the backoff delay (``update_message``): the next dequeue counts.
+- Anything that must not use an attempt (pause, waiting for a handler, an early delivery, a release at
+  shutdown) sends a fresh copy carrying the attempts used so far and deletes the original, because
+  every dequeue raises ``dequeue_count``.
+- Dead letters go to ``<queue>-poison`` with the reason and last error in ``x-queueing-*`` headers
+  of the envelope; bytes that are not an envelope are wrapped with their raw text kept.
+- Bodies are base64 text, what the Functions queue trigger reads by default; the kit decodes each
+  message itself, so one bad body is a poison message, not a failed receive. Plain JSON is read too.
+- The storage TTL is the envelope's expiry plus ``ttl_grace``, so the kit records "Expired" before
+  the service drops the message; delays beyond the 7-day visibility limit are re-hidden on arrival.
+
+Pause/circuit state and message history live in Azure Tables (shared by every host and instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import math
+import os
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from azure.core.exceptions import (
+    AzureError,
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+)
+from azure.storage.queue.aio import QueueClient, QueueServiceClient
+
+from ..clock import utcnow
+from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
+from ..envelope import Envelope
+from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
+from ..naming import InvalidQueueName, QueueNaming, Transport, validate
+from ..transport import Capabilities, Delivery, Settlement
+from .tables import TablesControlStore, TablesTracker, tables_from_connection
+
+if TYPE_CHECKING:
+    from ..app import QueueingApp, Subscription
+    from ..tracking import MessageQuery, MessageRecord
+
+log = logging.getLogger("queueing.storage_queue")
+
+MAX_VISIBILITY = timedelta(days=7)  # the service's limit on a visibility timeout
+#: 64 KiB of base64 text carries 48 KiB of envelope
+MAX_ENVELOPE_BYTES = 48 * 1024
+REASON = "x-queueing-dead-letter-reason"
+DESCRIPTION = "x-queueing-dead-letter-description"
+DEAD_AT = "x-queueing-dead-lettered-at"
+CONNECTION = "QueueingStorage"
+
+
+@dataclass(frozen=True)
+class StorageConnection:
+    """Where the account is: a connection string, or service URIs used with an Entra identity."""
+
+    connection_string: str | None = None
+    queue_service_uri: str | None = None
+    table_service_uri: str | None = None
+    client_id: str | None = None
+
+    @classmethod
+    def from_environment(cls, name: str = CONNECTION, env: dict[str, str] | None = None) -> StorageConnection:
+        """Read ``<name>`` (connection string) or ``<name>__queueServiceUri`` / ``__tableServiceUri`` /
+        ``__serviceUri`` / ``__accountName`` (identity), the names the Functions host uses too."""
+        e = os.environ if env is None else env
+        conn = e.get(name)
+        account = e.get(f"{name}__accountName")
+        queue_uri = e.get(f"{name}__queueServiceUri") or e.get(f"{name}__serviceUri")
+        table_uri = e.get(f"{name}__tableServiceUri")
+        if account and not queue_uri:
+            queue_uri = f"https://{account}.queue.core.windows.net"
+        if account and not table_uri:
+            table_uri = f"https://{account}.table.core.windows.net"
+        if not conn and not queue_uri:
+            raise ConfigurationError(
+                name,
+                "not set",
+                f"{name}=<connection string> or {name}__queueServiceUri=https://<account>"
+                ".queue.core.windows.net (+ __tableServiceUri) for a managed identity",
+            )
+        if conn == "UseDevelopmentStorage=true":
+            conn = _AZURITE
+        return cls(
+            conn or None,
+            queue_uri if not conn else None,
+            table_uri if not conn else None,
+            e.get(f"{name}__clientId"),
+        )
+
+    def credential(self) -> Any:
+        from azure.identity.aio import DefaultAzureCredential  # only for identity-based connections
+
+        return DefaultAzureCredential(managed_identity_client_id=self.client_id)
+
+
+_AZURITE = (
+    "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
+    "AccountKey=Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==;"
+    "BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1;QueueEndpoint=http://127.0.0.1:10001/devstoreaccount1;"
+    "TableEndpoint=http://127.0.0.1:10002/devstoreaccount1;"
+)
+
+
+def whole_seconds(delay: timedelta) -> int:
+    """The service counts visibility in whole seconds: round up, never down to "now", cap at 7 days."""
+    return math.ceil(min(max(delay, timedelta(0)), MAX_VISIBILITY).total_seconds())
+
+
+@dataclass
+class _Handle:
+    queue_client: QueueClient
+    id: str
+    pop_receipt: str
+    dequeue_count: int
+
+
+def encode_body(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def decode_body(content: str) -> str:
+    """Base64 text (the Functions trigger's default) or, failing that, the text as it is."""
+    try:
+        return base64.b64decode(content, validate=True).decode()
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        return content
+
+
+@contextlib.contextmanager
+def _boundary(action: str) -> Iterator[None]:
+    """SDK errors become the kit's: unreachable -> ProviderUnavailable, the rest -> ProviderError."""
+    try:
+        yield
+    except (ServiceRequestError, OSError) as exc:
+        raise ProviderUnavailable(f"storage queue service unreachable during {action}: {exc}") from None
+    except HttpResponseError as exc:
+        if exc.status_code in (408, 429, 500, 502, 503, 504):
+            raise ProviderUnavailable(f"storage queue service busy during {action}: {exc.reason}") from None
+        raise ProviderError(f"{action} failed: {exc.status_code} {exc.reason}") from None
+    except AzureError as exc:
+        raise ProviderError(f"{action} failed: {exc}") from None
+
+
+class StorageQueueProvider:
+    transport = Transport.STORAGE_QUEUE
+
+    def __init__(
+        self,
+        connection: StorageConnection,
+        *,
+        naming: QueueNaming | None = None,
+        auto_create: bool = True,
+        ttl_grace: timedelta = timedelta(hours=1),
+        control_table: str = "queueingcontrol",
+        tracker_table: str = "queueinghistory",
+        tracker_retention: timedelta = timedelta(days=14),
+        concurrency: int = 16,
+    ) -> None:
+        self.connection = connection
+        self.naming = naming
+        self.auto_create = auto_create
+        self.ttl_grace = ttl_grace
+        self.capabilities = Capabilities(
+            max_delay=MAX_VISIBILITY,
+            lock_renewal=True,
+            native_dead_letter=True,
+            max_message_bytes=MAX_ENVELOPE_BYTES,
+        )
+        self._credential = connection.credential() if connection.connection_string is None else None
+        if connection.connection_string is not None:
+            self._service = QueueServiceClient.from_connection_string(connection.connection_string)
+            control, tracker = tables_from_connection(
+                connection.connection_string,
+                control_table=control_table,
+                tracker_table=tracker_table,
+                retention=tracker_retention,
+            )
+        else:
+            if not connection.table_service_uri:
+                raise ConfigurationError(
+                    f"{CONNECTION}__tableServiceUri", "not set", "https://<account>.table.core.windows.net"
+                )
+            assert connection.queue_service_uri is not None
+            self._service = QueueServiceClient(connection.queue_service_uri, credential=self._credential)
+            control, tracker = tables_from_connection(
+                table_service_uri=connection.table_service_uri,
+                credential=self._credential,
+                control_table=control_table,
+                tracker_table=tracker_table,
+                retention=tracker_retention,
+            )
+        self._control: TablesControlStore = control
+        self._tracker: TablesTracker = tracker
+        self._clients: dict[str, QueueClient] = {}
+        self._created: set[str] = set()
+        self._limit = asyncio.Semaphore(concurrency)
+        self._wakeups: dict[str, asyncio.Event] = {}
+        self._app: QueueingApp | None = None
+
+    # -- wiring ------------------------------------------------------------------------------------
+    def control_store(self) -> TablesControlStore:
+        return self._control
+
+    def tracker(self) -> TablesTracker:
+        return self._tracker
+
+    def physical(self, queue: str) -> str:
+        naming = self.naming or (self._app.naming if self._app else QueueNaming())
+        return naming.physical(queue, Transport.STORAGE_QUEUE)
+
+    def poison_name(self, queue: str) -> str:
+        name = f"{self.physical(queue)}-poison"
+        try:
+            validate(name, Transport.STORAGE_QUEUE)
+        except InvalidQueueName as exc:
+            raise ConfigurationError(
+                "queue name", f"{exc} (the queue name leaves no room for '-poison')"
+            ) from None
+        return name
+
+    def client(self, physical: str) -> QueueClient:
+        c = self._clients.get(physical)
+        if c is None:
+            c = self._clients[physical] = self._service.get_queue_client(physical)
+        return c
+
+    async def _ensure(self, physical: str) -> QueueClient:
+        c = self.client(physical)
+        if self.auto_create and physical not in self._created:
+            with _boundary(f"creating queue {physical}"), contextlib.suppress(ResourceExistsError):
+                await c.create_queue()
+            self._created.add(physical)
+        return c
+
+    async def open(self, app: QueueingApp) -> None:
+        self._app = app
+        for sub in app.subscriptions():
+            await self._ensure(self.physical(sub.queue))
+            await self._ensure(self.poison_name(sub.queue))
+
+    async def close(self) -> None:
+        for c in self._clients.values():
+            await c.close()
+        self._clients.clear()
+        await self._service.close()
+        await self._control.aclose()
+        await self._tracker.aclose()
+        if self._credential is not None:
+            await self._credential.close()
+
+    # -- producing ---------------------------------------------------------------------------------
+    def _ttl(self, env: Envelope, now: datetime) -> int:
+        if env.expires_at is None:
+            return -1  # never expires
+        return max(1, math.ceil((env.expires_at - now + self.ttl_grace).total_seconds()))
+
+    async def _put(self, queue: str, env: Envelope, visible_in: timedelta, now: datetime) -> None:
+        """Send one envelope, hidden for ``visible_in`` (callers hold the concurrency limit)."""
+        c = await self._ensure(self.physical(queue))
+        hide = min(max(visible_in, timedelta(0)), MAX_VISIBILITY)
+        ttl = self._ttl(env, now)
+        if ttl != -1:
+            ttl = max(ttl, whole_seconds(hide) + 1)  # a message must outlive its own delay
+        with _boundary(f"sending to {queue}"):
+            await c.send_message(
+                encode_body(env.encode_text()), visibility_timeout=whole_seconds(hide), time_to_live=ttl
+            )
+
+    async def _limited(self, aw: Awaitable[None]) -> None:
+        async with self._limit:
+            await aw
+
+    async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
+        # each send is acknowledged by the service after it is stored: ``wait`` holds either way
+        now = utcnow()
+        await asyncio.gather(
+            *(
+                self._limited(
+                    self._put(e.queue, e, (e.not_before - now) if e.not_before else timedelta(0), now)
+                )
+                for e in envelopes
+            )
+        )
+        for e in envelopes:
+            if e.not_before is None:
+                self._wake(e.queue)
+
+    # -- consuming ---------------------------------------------------------------------------------
+    async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
+        c = await self._ensure(self.physical(sub.queue))
+        lease = min(sub.options.lease_duration, MAX_VISIBILITY)
+        out: list[Delivery] = []
+        with _boundary(f"receiving from {sub.queue}"):
+            pages = c.receive_messages(
+                messages_per_page=min(32, max_messages),
+                visibility_timeout=whole_seconds(lease),
+                max_messages=max_messages,
+            )
+            async for msg in pages:
+                count = msg.dequeue_count or 1
+                handle = _Handle(c, msg.id, msg.pop_receipt or "", count)
+                out.append(
+                    Delivery.of(
+                        decode_body(msg.content),
+                        queue=sub.queue,
+                        delivery_count=count,
+                        handle=handle,
+                        lease_until=utcnow() + lease,
+                    )
+                )
+        return out
+
+    def _wake(self, queue: str) -> None:
+        event = self._wakeups.get(queue)
+        if event is not None:
+            event.set()
+
+    async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
+        # Storage has no push; a send from this process cuts the wait short
+        event = self._wakeups.setdefault(sub.queue, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+        event.clear()
+
+    async def _delete(self, h: _Handle) -> None:
+        with _boundary("deleting a message"), contextlib.suppress(ResourceNotFoundError):
+            await h.queue_client.delete_message(h.id, h.pop_receipt)
+
+    async def _hide(self, h: _Handle, delay: timedelta) -> None:
+        with _boundary("re-hiding a message"):
+            await h.queue_client.update_message(h.id, h.pop_receipt, visibility_timeout=whole_seconds(delay))
+
+    async def _settle_one(self, s: Settlement) -> None:
+        d, decision = s.delivery, s.decision
+        h: _Handle = d.handle
+        now = utcnow()
+        async with self._limit:
+            if isinstance(decision, Complete | Expire):
+                await self._delete(h)
+            elif isinstance(decision, RetryAfter):
+                await self._hide(h, decision.delay)  # the next dequeue counts the attempt
+            elif isinstance(decision, DeadLetter):
+                await self._dead_letter(d, decision, now)
+                await self._delete(h)
+            else:
+                assert isinstance(decision, Defer | Release)
+                if d.envelope is None:  # cannot happen: malformed bodies are dead-lettered
+                    return
+                due = decision.until if isinstance(decision, Defer) else now
+                copy = d.envelope.with_attempt(d.attempts_used(decision))
+                # a fresh copy starts at dequeue_count 0: the deferral costs no attempt
+                await self._put(d.queue, copy, due - now, now)
+                await self._delete(h)
+
+    async def _dead_letter(self, d: Delivery, decision: DeadLetter, now: datetime) -> None:
+        poison = await self._ensure(self.poison_name(d.queue))
+        if d.envelope is not None:
+            env = d.envelope.model_copy(
+                update={
+                    "attempt": d.attempts_used(decision),
+                    "headers": {
+                        **d.envelope.headers,
+                        REASON: decision.reason.value,
+                        DEAD_AT: now.isoformat(),
+                        DESCRIPTION: decision.description[:4000],
+                    },
+                }
+            )
+            text = env.encode_text()
+        else:  # not an envelope: keep the raw text, say why
+            text = json.dumps(
+                {
+                    "dead_letter": {
+                        "reason": decision.reason.value,
+                        "description": decision.description,
+                        "at": now.isoformat(),
+                    },
+                    "raw": d.text(),
+                }
+            )
+        with _boundary(f"dead-lettering to {poison.queue_name}"):
+            await poison.send_message(encode_body(text), time_to_live=-1)
+
+    async def settle(self, settlements: Sequence[Settlement]) -> None:
+        results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for exc in failures:
+            # the message becomes visible again when its timeout passes: at-least-once, not lost
+            log.warning("settling a storage queue message failed: %s", exc)
+        if failures and len(failures) == len(settlements):
+            raise failures[0]
+
+    async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        lost: list[Delivery] = []
+
+        async def one(d: Delivery) -> None:
+            h: _Handle = d.handle
+            sub = self._app.subscription(d.type_name) if self._app and d.type_name else None
+            lease = min(sub.options.lease_duration if sub else timedelta(seconds=30), MAX_VISIBILITY)
+            try:
+                async with self._limit:
+                    with _boundary("renewing a lease"):
+                        receipt = await h.queue_client.update_message(
+                            h.id, h.pop_receipt, visibility_timeout=whole_seconds(lease)
+                        )
+                h.pop_receipt = receipt.pop_receipt or h.pop_receipt
+                d.lease_until = utcnow() + lease
+            except ProviderError:
+                lost.append(d)
+
+        await asyncio.gather(*(one(d) for d in deliveries))
+        return lost
+
+    # -- ops actions -------------------------------------------------------------------------------
+    async def _scan_poison(
+        self,
+        queue: str,
+        match: Callable[[str], bool],
+        act: Callable[[QueueClient, Any], Awaitable[None]],
+        limit: int = 5000,
+    ) -> int:
+        """Receive the poison queue page by page; ``act`` on matching messages, hand back the rest."""
+        poison = await self._ensure(self.poison_name(queue))
+        seen, hits = 0, 0
+        held: list[Any] = []
+        with _boundary(f"scanning {poison.queue_name}"):
+            async for msg in poison.receive_messages(
+                messages_per_page=32, visibility_timeout=60, max_messages=limit
+            ):
+                seen += 1
+                if match(decode_body(msg.content)):
+                    await act(poison, msg)
+                    hits += 1
+                else:
+                    held.append(msg)
+            for msg in held:
+                await poison.update_message(msg.id, msg.pop_receipt, visibility_timeout=0)
+        return hits
+
+    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+        if record.status in ("Failed", "Sleeping"):
+            raise InvalidOperation(
+                f"message {record.message_id} is hidden in its queue until {record.not_before}: "
+                "Storage Queues cannot bring a scheduled message forward (it runs then)"
+            )
+        wanted = str(record.message_id)
+
+        async def delete(poison: QueueClient, msg: Any) -> None:
+            await poison.delete_message(msg.id, msg.pop_receipt)
+
+        if record.status == "DeadLettered":
+            await self._scan_poison(record.queue, lambda text: wanted in text, delete)
+        await self._put(record.queue, envelope, timedelta(0), now)
+        self._wake(record.queue)
+        return True
+
+    async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
+        raise InvalidOperation(
+            "Storage Queues lease a message to its receiver alone (pop receipt): only the "
+            "holder can release it; it returns by itself when its visibility timeout ends"
+        )
+
+    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
+        return True  # a flag in the history; the message itself left the queue when it finished
+
+    async def ops_purge(
+        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
+    ) -> tuple[int, int]:
+        """Dead letters are removed from the poison queue; a purge of a whole queue clears it. Messages
+        waiting in a live queue cannot be picked out one by one (receiving them would use attempts)."""
+        whole = query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}
+        if whole:
+            assert query.queue is not None
+            for name in (self.physical(query.queue), self.poison_name(query.queue)):
+                with _boundary(f"clearing {name}"):
+                    await (await self._ensure(name)).clear_messages()
+            return len(records or ()), 0
+        dead = {str(r.message_id) for r in records or () if r.status == "DeadLettered"}
+        for queue in {r.queue for r in records or () if r.status == "DeadLettered"}:
+
+            async def delete(poison: QueueClient, msg: Any) -> None:
+                await poison.delete_message(msg.id, msg.pop_receipt)
+
+            await self._scan_poison(queue, lambda text: any(i in text for i in dead), delete)
+        return len(records or ()), 0
+
+    # -- upkeep ------------------------------------------------------------------------------------
+    maintenance_interval = 300.0
+
+    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
+        """Bound the history: finished records older than the tracker's retention are deleted."""
+        return {"history_pruned": await self._tracker.prune(utcnow())}
+
+    # -- for tests and the ops API -------------------------------------------------------------------
+    async def depth(self, queue: str, *, poison: bool = False) -> int:
+        c = await self._ensure(self.poison_name(queue) if poison else self.physical(queue))
+        with _boundary("reading queue properties"):
+            props = await c.get_queue_properties()
+        return int(props.approximate_message_count or 0)

@@ -1,0 +1,271 @@
+"""The Storage Queues provider on Azurite beyond the contract suite (SPEC C4, D3, issue 5):
+wire compatibility, bad input, ops through the Tables tracker, shared state, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import uuid
+from datetime import timedelta
+
+import httpx
+import pytest
+from azure.storage.queue import TextBase64DecodePolicy, TextBase64EncodePolicy
+from azure.storage.queue.aio import QueueClient
+
+from queueing_core import MessageStatus, NonRetryableError, QueueingApp, QueueMessage, queue
+from queueing_core.errors import ConfigurationError
+from queueing_core.ops import OpsService
+from queueing_core.ops.api import PREFIX, create_app
+from queueing_core.providers.storage_queue import (
+    DESCRIPTION,
+    REASON,
+    StorageConnection,
+    StorageQueueProvider,
+    decode_body,
+)
+from queueing_core.runtime import Runtime
+from tests.contract.harness import all_have, running, wait_until
+
+KEY = "k"
+
+
+@queue("Billing.Invoice_Ready", max_attempts=2)
+class InvoiceReady(QueueMessage):
+    invoice: str
+    fail: bool = False
+
+
+def make_app(prefix: str) -> tuple[QueueingApp, list[str]]:
+    from queueing_core import QueueNaming
+
+    app = QueueingApp("sq", naming=QueueNaming(prefix=prefix))
+    seen: list[str] = []
+
+    @app.handler()
+    async def handle(msg: InvoiceReady) -> None:
+        if msg.fail:
+            raise NonRetryableError(f"invoice {msg.invoice} is void")
+        seen.append(msg.invoice)
+
+    return app, seen
+
+
+@pytest.fixture
+def names():
+    tag = uuid.uuid4().hex[:8]
+    return {"prefix": f"t{tag}-", "control_table": f"ctl{tag}", "tracker_table": f"hist{tag}"}
+
+
+def provider(azurite, names) -> StorageQueueProvider:
+    return StorageQueueProvider(
+        StorageConnection(azurite.connection_string),
+        control_table=names["control_table"],
+        tracker_table=names["tracker_table"],
+    )
+
+
+async def test_queue_names_are_sanitized_and_the_trigger_format_is_base64_json(azurite, names):
+    app, _ = make_app(names["prefix"])
+    rt = Runtime(app, provider(azurite, names))
+    await rt.open()
+    r = await app.enqueue(InvoiceReady(invoice="INV-1"))
+    physical = rt.provider.physical("Billing.Invoice_Ready")
+    assert physical == f"{names['prefix']}billing-invoice-ready"
+    # what the Functions queue trigger receives: base64 text whose decoding is the envelope JSON
+    sdk = QueueClient.from_connection_string(
+        azurite.connection_string, physical, message_decode_policy=TextBase64DecodePolicy()
+    )
+    async with sdk:
+        [msg] = await sdk.peek_messages(max_messages=5)
+    doc = json.loads(msg.content)
+    assert doc["message_id"] == str(r.message_id)
+    assert doc["body"] == {"invoice": "INV-1", "fail": False}
+    await rt.close()
+
+
+async def test_a_plain_sdk_producer_with_base64_policy_is_read(azurite, names):
+    app, seen = make_app(names["prefix"])
+    rt = Runtime(app, provider(azurite, names))
+    await rt.open()
+    envelope = rt.producer.envelope_for(InvoiceReady(invoice="from-sdk"))
+    sdk = QueueClient.from_connection_string(
+        azurite.connection_string,
+        rt.provider.physical(envelope.queue),
+        message_encode_policy=TextBase64EncodePolicy(),
+    )
+    async with sdk:
+        await sdk.send_message(envelope.encode_text())
+    async with running(rt):
+        await wait_until(lambda: seen == ["from-sdk"], what="the SDK producer's message")
+    await rt.close()
+
+
+async def test_bad_bodies_go_to_poison_with_reason_and_raw_text(azurite, names):
+    app, seen = make_app(names["prefix"])
+    rt = Runtime(app, provider(azurite, names))
+    await rt.open()
+    physical = rt.provider.physical("Billing.Invoice_Ready")
+    raw_client = QueueClient.from_connection_string(azurite.connection_string, physical)
+    async with raw_client:
+        await raw_client.send_message("%%% not base64, not json %%%")
+        await raw_client.send_message(base64.b64encode(b'{"hello": "not an envelope"}').decode())
+    r = await app.enqueue(InvoiceReady(invoice="void", fail=True))
+    async with running(rt):
+        await wait_until(
+            lambda: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED), what="dead letter"
+        )
+        await wait_until(lambda: _depth(rt, poison=True, at_least=3), what="three poison messages")
+    poison = QueueClient.from_connection_string(azurite.connection_string, f"{physical}-poison")
+    async with poison:
+        texts = [decode_body(m.content) for m in await poison.peek_messages(max_messages=32)]
+    docs = [json.loads(t) for t in texts]
+    wrapped = [d for d in docs if "dead_letter" in d]
+    assert {d["raw"] for d in wrapped} == {"%%% not base64, not json %%%", '{"hello": "not an envelope"}'}
+    assert {d["dead_letter"]["reason"] for d in wrapped} == {"malformed-envelope"}
+    [envelope] = [d for d in docs if "dead_letter" not in d]
+    assert envelope["headers"][REASON] == "non-retryable"
+    assert "is void" in envelope["headers"][DESCRIPTION]
+    # history keeps the reason and the raw text too
+    dead = (
+        await rt.tracker.query(
+            __import__("queueing_core.tracking", fromlist=["MessageQuery"]).MessageQuery(
+                status=("DeadLettered",)
+            )
+        )
+    ).items
+    assert sum(1 for d in dead if d.raw and "not base64" in d.raw) == 1
+    assert seen == []
+    await rt.close()
+
+
+async def _depth(rt, *, poison: bool, at_least: int) -> bool:
+    return await rt.provider.depth("Billing.Invoice_Ready", poison=poison) >= at_least
+
+
+async def test_an_early_delivery_is_rehidden_without_using_an_attempt(azurite, names):
+    """A message that shows up before its time (e.g. a delay beyond the 7-day visibility limit, hidden
+    for 7 days at a time) is deferred with a fresh copy: dequeue counts never reach the handler."""
+    app, seen = make_app(names["prefix"])
+    rt = Runtime(app, provider(azurite, names), pause_recheck=timedelta(milliseconds=200))
+    await rt.open()
+    envelope = rt.producer.envelope_for(InvoiceReady(invoice="early"), delay=timedelta(seconds=3))
+    c = await rt.provider._ensure(rt.provider.physical(envelope.queue))
+    from queueing_core.providers.storage_queue import encode_body
+
+    await c.send_message(encode_body(envelope.encode_text()))  # visible now, due in 3 s
+    async with running(rt):
+        await asyncio.sleep(1.5)
+        assert seen == []
+        await wait_until(lambda: seen == ["early"], timeout=10, what="handling when due")
+    rec = await rt.tracker.get(envelope.message_id)
+    assert rec.status == "Succeeded"
+    assert rec.attempt == 1
+    await rt.close()
+
+
+async def test_pause_is_shared_by_every_instance_and_ops_work_through_the_tracker(azurite, names):
+    app, seen = make_app(names["prefix"])
+    rt1 = Runtime(app, provider(azurite, names), control_ttl=0.1)
+    rt2 = Runtime(app, provider(azurite, names), control_ttl=0.1)  # another host / Functions instance
+    await rt1.open()
+    await rt2.open()
+    api = create_app(OpsService(rt1), api_key=KEY)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://t" + PREFIX, headers={"X-API-Key": KEY}
+    ) as client:
+        assert (await client.post("/queues/Billing.Invoice_Ready/pause")).json()["paused"] is True
+        good = await app.enqueue(InvoiceReady(invoice="held"))
+        bad = await app.enqueue(InvoiceReady(invoice="void", fail=True))
+        async with running(rt2):  # the OTHER instance must see the pause
+            await asyncio.sleep(1.5)
+            assert seen == []
+            await client.post("/queues/Billing.Invoice_Ready/resume")
+            await wait_until(lambda: all_have(rt1, [good.message_id], MessageStatus.SUCCEEDED), what="resume")
+            await wait_until(lambda: all_have(rt1, [bad.message_id], MessageStatus.DEAD_LETTERED), what="dl")
+        stats = (await client.get("/stats")).json()
+        [q] = stats["queues"]
+        assert q["counts"] == {"Succeeded": 1, "DeadLettered": 1}
+        assert q["health"] == "Unhealthy"
+        page = (await client.get("/messages", params={"status": "DeadLettered"})).json()
+        assert [m["message_id"] for m in page["items"]] == [str(bad.message_id)]
+        content = (await client.get(f"/messages/{bad.message_id}/content")).json()
+        assert content["body"]["invoice"] == "void"
+        release = await client.post(f"/messages/{bad.message_id}/lease/release")
+        assert release.status_code == 409
+        # retry from the poison queue: the copy there is removed, a fresh one goes to the queue
+        assert await rt1.provider.depth("Billing.Invoice_Ready", poison=True) == 1
+        r = await client.post(f"/messages/{bad.message_id}/retry")
+        assert r.status_code == 200
+        assert await rt1.provider.depth("Billing.Invoice_Ready", poison=True) == 0
+        async with running(rt2):
+            await wait_until(
+                lambda: all_have(rt1, [bad.message_id], MessageStatus.DEAD_LETTERED), what="again"
+            )
+        assert (await rt1.tracker.get(bad.message_id)).attempt == 1  # fresh attempts after the retry
+        assert (await client.post(f"/messages/{good.message_id}/archive")).status_code == 200
+        purged = (await client.request("DELETE", "/messages", params={"status": "DeadLettered"})).json()
+        assert purged["deleted"] == 1
+        assert await rt1.provider.depth("Billing.Invoice_Ready", poison=True) == 0
+        assert (await client.get(f"/messages/{bad.message_id}")).status_code == 404
+    await rt1.close()
+    await rt2.close()
+
+
+async def test_history_survives_a_restart(azurite, names):
+    app, _ = make_app(names["prefix"])
+    rt = Runtime(app, provider(azurite, names))
+    r = await app.enqueue(InvoiceReady(invoice="remember-me"))
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="success")
+    await rt.close()
+    fresh = Runtime(make_app(names["prefix"])[0], provider(azurite, names))  # a new process, say
+    rec = await fresh.tracker.get(r.message_id)
+    assert rec.status == "Succeeded"
+    assert rec.body == {"invoice": "remember-me", "fail": False}
+    await fresh.close()
+
+
+def test_a_missing_connection_setting_is_one_line_naming_it():
+    with pytest.raises(ConfigurationError) as info:
+        StorageConnection.from_environment(env={})
+    assert str(info.value).startswith("QueueingStorage: not set")
+    conn = StorageConnection.from_environment(
+        env={
+            "QueueingStorage__queueServiceUri": "https://a.queue.core.windows.net",
+            "QueueingStorage__tableServiceUri": "https://a.table.core.windows.net",
+        }
+    )
+    assert conn.connection_string is None
+    assert conn.queue_service_uri.startswith("https://a.queue")
+    local = StorageConnection.from_environment(env={"QueueingStorage": "UseDevelopmentStorage=true"})
+    assert "devstoreaccount1" in local.connection_string
+
+
+async def test_an_unreachable_service_is_retried_with_a_clear_line_not_a_crash(names, caplog):
+    dead = (
+        "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=" + "A" * 88 + ";"
+        "QueueEndpoint=http://127.0.0.1:1/devstoreaccount1;TableEndpoint=http://127.0.0.1:1/devstoreaccount1;"
+    )
+    app, _ = make_app(names["prefix"])
+    rt = Runtime(
+        app,
+        StorageQueueProvider(
+            StorageConnection(dead),
+            auto_create=False,
+            control_table=names["control_table"],
+            tracker_table=names["tracker_table"],
+        ),
+    )
+    with caplog.at_level(logging.WARNING, logger="queueing.worker"):
+        async with running(rt, poll_min=0.05, poll_max=0.2) as worker:
+            await wait_until(
+                lambda: sum("retrying in" in r.getMessage() for r in caplog.records) >= 2, what="two retries"
+            )
+            assert worker.in_flight == 0
+    lines = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert "unreachable" in lines[0]
+    assert "Traceback" not in lines[0]
+    await rt.close()
