@@ -1,0 +1,307 @@
+"""Burn-down on PostgreSQL: the kit vs pgqueuer vs procrastinate, interleaved in one run.
+
+Each contender gets a fresh schema (procrastinate, which has no schema setting: a fresh database),
+N pre-enqueued no-op jobs, and one in-process worker with the same shape:
+
+- 10 handlers running at once, at most 20 jobs claimed ("in hand") at once, claims of up to 10 rows:
+  kit         max_concurrency=10, prefetch=2, batch_size=10 (poll_min 0.01 s, poll_max 0.1 s)
+  pgqueuer    batch_size=10, max_concurrent_tasks=20, and a 10-slot semaphore in the handler
+              (pgqueuer runs every picked job at once; its per-entrypoint concurrency_limit is a
+              cross-worker limit in SQL, a different thing, so it stays 0)
+  procrastin. concurrency=10: ten slots, each fetching one job when free (it has no batch knob)
+- Every tool's queue table is ANALYZEd after the enqueue, as autovacuum would do in production soon
+  after a bulk insert (without statistics a planner can pick a plan no real deployment sees).
+- The clock runs from the call that starts the worker to the moment the N-th handler has run.
+  Enqueue time is excluded. After the worker has stopped, the rows each tool keeps are counted.
+
+Usage: .venv/bin/python bench/sql_burndown.py [--messages 20000] [--rounds 3] [--only kit,procrastinate]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import common
+from psycopg import sql
+
+from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core.providers.sql import SqlProvider
+from queueing_core.runtime import Runtime
+from queueing_core.worker import Worker
+
+
+@queue("bench_noop")
+class Noop(QueueMessage):
+    n: int
+
+
+@dataclass
+class Burn:
+    messages: int
+    elapsed: float  # worker start -> N-th handler has run
+    startup: float  # worker start -> first handler has run
+    kept: str  # what the tool left in the database afterwards
+
+    @property
+    def rate(self) -> float:
+        return self.messages / self.elapsed
+
+    def __str__(self) -> str:
+        first = self.startup * 1000
+        return f"{self.rate:8,.0f} msg/s  ({self.elapsed:.2f} s, first handler after {first:.0f} ms)"
+
+
+def finished(done: common.Done, started: float) -> tuple[float, float]:
+    assert done.first_at is not None
+    assert done.last_at is not None
+    return done.last_at - started, done.first_at - started
+
+
+async def kit(args: Options) -> Burn:
+    with common.throwaway_schema(args.url, "bench_kit") as schema:
+        app = QueueingApp("bench")
+        done = common.Done(args.messages)
+
+        @app.handler(Noop, max_concurrency=args.concurrency)
+        async def handle(msg: Noop) -> None:
+            done.hit()
+
+        rt = Runtime(app, SqlProvider(args.url, schema=schema))
+        await rt.open()
+        try:
+            for i in range(0, args.messages, 1000):
+                await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, args.messages))])
+            common.analyze(args.url, sql.Identifier(schema, "queueing_messages"))
+            worker = Worker(
+                rt,
+                poll_min=0.01,
+                poll_max=0.1,
+                prefetch=args.in_hand // args.concurrency,
+                batch_size=args.batch,
+            )
+            started = common.now()
+            await worker.start()
+            await done.wait(args.timeout)
+            elapsed, startup = finished(done, started)
+            await worker.shutdown()
+        finally:
+            await rt.close()
+        kept = common.scalar(
+            args.url,
+            sql.SQL("SELECT count(*) FROM {}.queueing_messages WHERE status = 'Succeeded'").format(
+                sql.Identifier(schema)
+            ),
+        )
+        return Burn(args.messages, elapsed, startup, f"{kept} Succeeded rows")
+
+
+async def pgqueuer(args: Options, driver: str) -> Burn:
+    from pgqueuer import QueueManager
+    from pgqueuer.adapters.persistence import qb
+    from pgqueuer.adapters.persistence.queries import Queries
+    from pgqueuer.domain.settings import DBSettings
+    from pgqueuer.domain.types import Channel
+    from pgqueuer.models import Job
+    from pgqueuer.ports.driver import Driver
+
+    with common.throwaway_schema(args.url, "bench_pgq") as schema:
+        # its own NOTIFY channel too: channels are database-wide, schemas are not
+        settings = DBSettings(db_schema=schema, channel=f"ch_{schema}")
+        dsn = common.libpq_conninfo(args.url)
+        close: Callable[[], Awaitable[None]]
+        pgq_driver: Driver
+        if driver == "asyncpg":
+            import asyncpg
+            from pgqueuer.db import AsyncpgDriver
+
+            aconn = await asyncpg.connect(dsn)
+            pgq_driver, close = AsyncpgDriver(aconn), aconn.close
+        else:
+            import psycopg
+            from pgqueuer.db import PsycopgDriver
+
+            pconn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            pgq_driver, close = PsycopgDriver(pconn), pconn.close
+        try:
+            queries = Queries(
+                pgq_driver,
+                qbe=qb.QueryBuilderEnvironment(settings),
+                qbq=qb.QueryQueueBuilder(settings),
+                qbs=qb.QuerySchedulerBuilder(settings),
+            )
+            await queries.install()
+            for i in range(0, args.messages, 1000):
+                count = min(1000, args.messages - i)
+                payloads: list[bytes | None] = [json.dumps({"n": j}).encode() for j in range(i, i + count)]
+                await queries.enqueue(["noop"] * count, payloads, [0] * count)
+            common.analyze(args.url, sql.Identifier(schema, "pgqueuer"))
+            qm = QueueManager(queries, channel=Channel(settings.channel))
+            done = common.Done(args.messages)
+            slots = asyncio.Semaphore(args.concurrency)
+
+            @qm.entrypoint("noop", accepts_context=False)
+            async def noop(job: Job) -> None:
+                async with slots:
+                    done.hit()
+
+            started = common.now()
+            run = asyncio.create_task(
+                qm.run(
+                    batch_size=args.batch,
+                    max_concurrent_tasks=args.in_hand,
+                    dequeue_timeout=timedelta(seconds=1),
+                )
+            )
+            try:
+                await done.wait(args.timeout)
+            finally:
+                qm.shutdown.set()
+                await run
+            elapsed, startup = finished(done, started)
+        finally:
+            await close()
+        left = common.scalar(
+            args.url, sql.SQL("SELECT count(*) FROM {}.pgqueuer").format(sql.Identifier(schema))
+        )
+        logged = common.scalar(
+            args.url,
+            sql.SQL("SELECT count(*) FROM {}.pgqueuer_log").format(sql.Identifier(schema)),
+        )
+        return Burn(args.messages, elapsed, startup, f"{left} job rows left; {logged} log rows")
+
+
+async def procrastinate(args: Options) -> Burn:
+    import procrastinate as pc
+
+    with common.throwaway_database(args.url, "bench_proc") as db:
+        # pool: one connection per slot, one for LISTEN, one spare (the kit's engine allows 15)
+        connector = pc.PsycopgConnector(
+            conninfo=common.libpq_conninfo(args.url, dbname=db), min_size=2, max_size=args.concurrency + 2
+        )
+        app = pc.App(connector=connector)
+        done = common.Done(args.messages)
+
+        @app.task(name="noop", queue="bench")
+        async def noop(n: int) -> None:
+            done.hit()
+
+        async with app.open_async():
+            await app.schema_manager.apply_schema_async()
+            for i in range(0, args.messages, 1000):
+                await noop.batch_defer_async(*[{"n": j} for j in range(i, min(i + 1000, args.messages))])
+            common.analyze(args.url, sql.Identifier("procrastinate_jobs"), dbname=db)
+            started = common.now()
+            run = asyncio.create_task(
+                app.run_worker_async(
+                    queues=None,  # its default: all queues (the database holds only this one)
+                    concurrency=args.concurrency,
+                    wait=True,
+                    listen_notify=True,
+                    fetch_job_polling_interval=1.0,
+                    delete_jobs="never",
+                    install_signal_handlers=False,
+                )
+            )
+            try:
+                await done.wait(args.timeout)
+            finally:
+                run.cancel()  # procrastinate stops gracefully on cancel
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+            elapsed, startup = finished(done, started)
+        kept = common.scalar(
+            args.url, sql.SQL("SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'"), dbname=db
+        )
+        events = common.scalar(args.url, sql.SQL("SELECT count(*) FROM procrastinate_events"), dbname=db)
+        return Burn(args.messages, elapsed, startup, f"{kept} succeeded job rows; {events} event rows")
+
+
+class Options:
+    url: str
+    rounds: int
+    messages: int
+    concurrency: int
+    batch: int
+    in_hand: int
+    timeout: float
+    only: str
+
+
+RETAINED = {
+    "kit": "keeps every message row, updated to Succeeded (durable history); nothing else per job",
+    "pgqueuer": "deletes the job row; appends pgqueuer_log rows (queued, picked, successful) that its "
+    "periodic task folds into per-second pgqueuer_statistics counts (log rows stay, marked aggregated)",
+    "procrastinate": "keeps the job row as 'succeeded' (delete_jobs=never, its default) plus one "
+    "procrastinate_events row per status change (deferred, started, succeeded)",
+}
+
+
+def version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+async def main() -> None:
+    p = common.base_parser(__doc__.splitlines()[0], rounds=3)
+    p.add_argument("--messages", type=int, default=20_000)
+    p.add_argument("--concurrency", type=int, default=10, help="handlers running at once")
+    p.add_argument("--batch", type=int, default=10, help="most jobs claimed by one query")
+    p.add_argument("--in-hand", type=int, default=20, help="most jobs claimed but not finished")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--only", default="", help="comma-separated subset of contenders")
+    args = p.parse_args(namespace=Options())
+    if args.in_hand % args.concurrency or args.in_hand < 2 * args.batch:
+        p.error("--in-hand must be a multiple of --concurrency (kit prefetch) and >= 2x --batch (pgqueuer)")
+    logging.basicConfig(level=logging.WARNING)
+    # it warns that the App lives in __main__ (only matters for its CLI's task discovery)
+    logging.getLogger("procrastinate.blueprints").setLevel(logging.ERROR)
+    common.header("SQL burn-down: kit vs pgqueuer vs procrastinate (PostgreSQL)", args)
+    print(
+        f"   versions: pgqueuer {version('pgqueuer')}, procrastinate {version('procrastinate')}, "
+        f"asyncpg {version('asyncpg')}, psycopg {version('psycopg')}, sqlalchemy {version('sqlalchemy')}"
+    )
+
+    contenders: list[tuple[str, Callable[[], Awaitable[Burn]]]] = [
+        ("kit", lambda: kit(args)),
+        ("pgqueuer (psycopg)", lambda: pgqueuer(args, "psycopg")),
+    ]
+    if importlib.util.find_spec("asyncpg") is not None:
+        contenders.append(("pgqueuer (asyncpg)", lambda: pgqueuer(args, "asyncpg")))
+    contenders.append(("procrastinate", lambda: procrastinate(args)))
+    if args.only:
+        wanted = {w.strip() for w in args.only.split(",")}
+        contenders = [c for c in contenders if c[0] in wanted or c[0].split()[0] in wanted]
+
+    results = await common.interleaved(args.rounds, contenders)
+    medians = {name: common.median([r.rate for r in rs]) for name, rs in results.items()}
+    rows = []
+    for name, rs in results.items():
+        rates = ", ".join(f"{r.rate:,.0f}" for r in rs)
+        startup = common.median([r.startup for r in rs]) * 1000
+        rows.append([name, medians[name], rates, f"{startup:.0f}", rs[-1].kept])
+    print()
+    common.print_table(
+        ["contender", "median msg/s", "per round", "first handler ms", "rows afterwards"], rows
+    )
+    if "kit" in medians:
+        for name, m in medians.items():
+            if name != "kit":
+                print(f"ratio kit/{name}: {medians['kit'] / m:.2f}")
+    print()
+    print("What each tool keeps per finished job:")
+    for tool, text in RETAINED.items():
+        print(f"  {tool:<13} {text}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
