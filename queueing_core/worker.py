@@ -80,9 +80,29 @@ class Settler:
         self._ready = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
+        # history is written by one task, in settlement order, while the next batch settles
+        self._history: asyncio.Queue[list[Settlement] | None] = asyncio.Queue()
+        self._recorder: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="queueing-settler")
+        self._recorder = asyncio.create_task(self._record(), name="queueing-history")
+
+    async def _record(self) -> None:
+        done = False
+        while not done:
+            item = await self._history.get()
+            chunk = [] if item is None else list(item)
+            done = item is None
+            # a slow store lets work pile up: write all that waits in one go (fewer, fuller requests)
+            while not done and not self._history.empty():
+                more = self._history.get_nowait()
+                if more is None:
+                    done = True
+                else:
+                    chunk += more
+            if chunk:
+                await self.runtime.record(chunk)
 
     def add(self, settlement: Settlement) -> None:
         self._buf.append(settlement)
@@ -110,13 +130,16 @@ class Settler:
                     return
                 log.warning("settling %d message(s) failed (%s); retrying", len(chunk), exc)
                 await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-        await self.runtime.record(chunk)
+        self._history.put_nowait(chunk)
 
     async def close(self) -> None:
         self._closing = True
         self._ready.set()
         if self._task is not None:
             await self._task
+        if self._recorder is not None:
+            self._history.put_nowait(None)  # after everything queued: the history is complete
+            await self._recorder
 
 
 class Worker:
@@ -270,7 +293,8 @@ class Worker:
             sub = self.runtime.pipeline.subscription(sub.type_name) or sub
             capacity = sub.options.max_concurrency * self.prefetch if sub.handler else 1
             free = capacity - state.in_flight
-            if free <= 0:
+            # refill when half the slots are free (or all are): full pages, fewer receive round trips
+            if free <= 0 or (state.in_flight and free < min(self.batch_size, max(1, capacity // 2))):
                 state.slot_freed.clear()
                 await self._until_stopping(state.slot_freed.wait(), None)
                 continue

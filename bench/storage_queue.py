@@ -1,0 +1,176 @@
+"""Storage Queues on Azurite: the kit's processing rate against a plain SDK receive+delete loop.
+
+    .venv/bin/python bench/storage_queue.py [--messages 2000] [--rounds 3]
+
+Both drain the same kind of queue (N pre-sent messages) in the same run, interleaved, with the same
+concurrency (32: a page of 32, deleted concurrently). The kit does more per message: it decodes and
+validates the envelope, runs the pipeline, and writes each message's history to Azure Tables.
+Target: kit / SDK >= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from azure.storage.queue.aio import QueueClient
+
+from queueing_core import QueueingApp, QueueMessage, QueueNaming, queue
+from queueing_core.providers.storage_queue import StorageConnection, StorageQueueProvider
+from queueing_core.runtime import Runtime
+from queueing_core.worker import Worker
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="  # Azurite's
+CONCURRENCY = 32
+
+
+@queue("bench", max_concurrency=CONCURRENCY)
+class Tick(QueueMessage):
+    n: int
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start_azurite() -> tuple[subprocess.Popen[bytes], str]:
+    blob, q, table = free_ports(3)
+    proc = subprocess.Popen(
+        [
+            str(ROOT / "node_modules/.bin/azurite"),
+            "--silent",
+            "--location",
+            tempfile.mkdtemp(),
+            "--loose",
+            "--skipApiVersionCheck",
+            "--disableTelemetry",
+            "--blobPort",
+            str(blob),
+            "--queuePort",
+            str(q),
+            "--tablePort",
+            str(table),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", q), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    conn = (
+        f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={KEY};"
+        f"QueueEndpoint=http://127.0.0.1:{q}/devstoreaccount1;"
+        f"TableEndpoint=http://127.0.0.1:{table}/devstoreaccount1;"
+    )
+    return proc, conn
+
+
+async def fill(conn: str, name: str, n: int, body: str) -> None:
+    async with QueueClient.from_connection_string(conn, name) as c:
+        try:
+            await c.create_queue()
+        except Exception:  # noqa: S110 - already there
+            pass
+        sem = asyncio.Semaphore(64)
+
+        async def one() -> None:
+            async with sem:
+                await c.send_message(body)
+
+        await asyncio.gather(*(one() for _ in range(n)))
+
+
+async def sdk_round(conn: str, n: int) -> float:
+    name = f"sdk{uuid.uuid4().hex[:10]}"
+    await fill(conn, name, n, base64.b64encode(b'{"n": 1}').decode())
+    async with QueueClient.from_connection_string(conn, name) as c:
+        done = 0
+        start = time.perf_counter()
+        while done < n:
+            page = [
+                m
+                async for m in c.receive_messages(
+                    messages_per_page=CONCURRENCY, visibility_timeout=30, max_messages=CONCURRENCY
+                )
+            ]
+            await asyncio.gather(*(c.delete_message(m.id, m.pop_receipt) for m in page))
+            done += len(page)
+        elapsed = time.perf_counter() - start
+        await c.delete_queue()
+    return n / elapsed
+
+
+async def kit_round(conn: str, n: int) -> float:
+    tag = uuid.uuid4().hex[:8]
+    app = QueueingApp("bench", naming=QueueNaming(prefix=f"kit{tag}-"))
+    handled = 0
+    finished = asyncio.Event()
+
+    @app.handler()
+    async def handle(msg: Tick) -> None:
+        nonlocal handled
+        handled += 1
+        if handled == n:
+            finished.set()
+
+    provider = StorageQueueProvider(
+        StorageConnection(conn), control_table=f"ctl{tag}", tracker_table=f"hist{tag}"
+    )
+    rt = Runtime(app, provider)
+    await rt.open()
+    for start in range(0, n, 500):
+        await app.enqueue_many([Tick(n=i) for i in range(start, min(n, start + 500))])
+    worker = Worker(rt, poll_min=0.01, poll_max=0.2, batch_size=CONCURRENCY)
+    began = time.perf_counter()
+    await worker.start()
+    await finished.wait()
+    elapsed = time.perf_counter() - began
+    await worker.shutdown()
+    await rt.close()
+    return n / elapsed
+
+
+async def main(n: int, rounds: int) -> None:
+    proc, conn = start_azurite()
+    try:
+        sdk: list[float] = []
+        kit: list[float] = []
+        for _ in range(rounds):  # interleaved, so machine noise hits both alike
+            sdk.append(await sdk_round(conn, n))
+            kit.append(await kit_round(conn, n))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    s, k = statistics.median(sdk), statistics.median(kit)
+    print(f"{'contender':<34}{'msg/s (median)':>16}  rounds")
+    print(f"{'plain SDK receive+delete':<34}{s:>16.0f}  {', '.join(f'{x:.0f}' for x in sdk)}")
+    print(f"{'queueing-kit worker (+ history)':<34}{k:>16.0f}  {', '.join(f'{x:.0f}' for x in kit)}")
+    print(f"ratio kit/SDK = {k / s:.2f}  (target >= 0.8; {n} messages, concurrency {CONCURRENCY}, Azurite)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--messages", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    asyncio.run(main(args.messages, args.rounds))
