@@ -50,7 +50,8 @@ async def main(rows: int, requests: int) -> None:
     m = provider.tables.messages
     t0 = time.perf_counter()
     async with provider.engine.begin() as conn:
-        await conn.execute(sa.text(f"""
+        await conn.execute(
+            sa.text(f"""
             INSERT INTO {m.fullname} (message_id, tracking_id, queue, type, status, attempt, created_at,
                 updated_at, available_at, settled_at, headers, body, reason, archived)
             SELECT gen_random_uuid(), gen_random_uuid(), 'q' || (i % 5), 'Job' || (i % 5),
@@ -59,14 +60,17 @@ async def main(rows: int, requests: int) -> None:
                    1, now() - (i % 2592000) * interval '1 second', now(), now(), now(),
                    '{{}}'::jsonb, jsonb_build_object('n', i),
                    CASE WHEN i % 100 BETWEEN 85 AND 94 THEN 'max-attempts-exceeded' END, false
-            FROM generate_series(1, :rows) AS i"""), {"rows": rows})
+            FROM generate_series(1, :rows) AS i"""),
+            {"rows": rows},
+        )
         await conn.execute(sa.text(f"ANALYZE {m.fullname}"))
     print(f"filled {rows:,} rows in {time.perf_counter() - t0:.1f}s (schema {schema})")
 
     api = create_app(OpsService(rt), api_key=KEY)
     results: dict[str, list[float]] = {}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://bench" + PREFIX,
-                                 headers={"X-API-Key": KEY}) as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://bench" + PREFIX, headers={"X-API-Key": KEY}
+    ) as client:
         targets = {
             "GET stats": ("/stats", {}),
             "GET messages?status=DeadLettered (first page, 50)": ("/messages", {"status": "DeadLettered"}),

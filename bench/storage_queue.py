@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import socket
 import statistics
 import subprocess
@@ -21,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
+from azure.core.exceptions import ResourceExistsError
 from azure.storage.queue.aio import QueueClient
 
 from queueing_core import QueueingApp, QueueMessage, QueueNaming, queue
@@ -85,10 +87,8 @@ def start_azurite() -> tuple[subprocess.Popen[bytes], str]:
 
 async def fill(conn: str, name: str, n: int, body: str) -> None:
     async with QueueClient.from_connection_string(conn, name) as c:
-        try:
+        with contextlib.suppress(ResourceExistsError):
             await c.create_queue()
-        except Exception:  # noqa: S110 - already there
-            pass
         sem = asyncio.Semaphore(64)
 
         async def one() -> None:

@@ -12,15 +12,13 @@ anything but two upper-case hex digits, which leaves ``!id`` free for the tracke
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import asyncio
 import base64
 import binascii
 import json
 import random
 import re
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
