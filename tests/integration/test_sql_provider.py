@@ -274,9 +274,8 @@ async def test_claim_query_stays_on_its_index(pg_db):
         )
         await conn.execute(sa.text(f"ANALYZE {m.fullname}"))
     now = prov.clock()
-    stmt = prov.claim_statement("q0", 100, now, now + timedelta(seconds=30))
-    compiled = stmt.compile(dialect=prov.engine.dialect, compile_kwargs={"literal_binds": True})
-    async with prov.engine.connect() as conn:
-        plan = "\n".join(r[0] for r in await conn.execute(sa.text(f"EXPLAIN {compiled}")))
+    sql, params = prov.claim_sql("q0", 100, now, now + timedelta(seconds=30))
+    async with prov.engine.connect() as conn:  # values bound by the driver, as when workers claim
+        plan = "\n".join(r[0] for r in await conn.exec_driver_sql(f"EXPLAIN {sql}", params))
     assert "ix_queueing_messages_claim" in plan, plan
     assert "Seq Scan on queueing_messages" not in plan, plan

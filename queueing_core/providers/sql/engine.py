@@ -75,4 +75,6 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
 
     @sa.event.listens_for(engine.sync_engine, "begin")
     def on_begin(conn: sa.Connection) -> None:
+        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            return  # single statements: SQLite makes each atomic on its own
         conn.exec_driver_sql("BEGIN IMMEDIATE")

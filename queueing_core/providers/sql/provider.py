@@ -39,8 +39,9 @@ from .control import SqlControlStore
 from .engine import create_engine, normalize_url, redact
 from .listener import PgListener
 from .retention import RetentionPolicy
-from .rows import delivery_from_row, row_for
-from .schema import CLAIMABLE, LATEST, Tables, claimable, current_version, migrate
+from .rows import copy_rows, delivery_from_row, row_for, unnest_params
+from .schema import LATEST, Tables, current_version, migrate
+from .statements import Statements, bind
 from .tracker import SqlTracker
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("queueing.sql")
 
 LEASED = MessageStatus.LEASED.value
+#: from this many rows, enqueue_many uses COPY (below, one INSERT statement is cheaper)
+COPY_FROM = 64
 _DB_DOWN = (OSError, sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DBAPIError, ConnectionError)
 
 
@@ -128,6 +131,9 @@ class SqlProvider:
         )
         self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._next_due: dict[str, datetime] = {}
+        self.statements = Statements(self.tables, self.worker_id)
+        self._auto: AsyncEngine | None = None
+        self._relaxed: AsyncEngine | None = None
         self._control = SqlControlStore(self)
         self._tracker = SqlTracker(self)
         self._open_lock: asyncio.Lock | None = None
@@ -139,6 +145,21 @@ class SqlProvider:
         if self._engine is None:
             raise NotConfigured("the SQL provider is not open yet: await runtime.open()")
         return self._engine
+
+    @property
+    def auto(self) -> AsyncEngine:
+        """The engine in autocommit: one statement, one round trip, durable at its end."""
+        if self._auto is None:
+            raise NotConfigured("the SQL provider is not open yet: await runtime.open()")
+        return self._auto
+
+    @property
+    def relaxed(self) -> AsyncEngine:
+        """Autocommit without waiting for the WAL flush (PostgreSQL), for claims and lease renewals:
+        one lost in a database crash only makes its messages claimable again."""
+        if self._relaxed is None:
+            raise NotConfigured("the SQL provider is not open yet: await runtime.open()")
+        return self._relaxed
 
     def control_store(self) -> SqlControlStore:
         return self._control
@@ -156,6 +177,16 @@ class SqlProvider:
                 return
             if self._engine is None:
                 self._engine = create_engine(self.url)
+            self._auto = self._engine.execution_options(isolation_level="AUTOCOMMIT")
+            if self.backend == "postgresql":
+                self._relaxed = create_engine(
+                    self.url,
+                    pool_size=2,
+                    max_overflow=4,
+                    connect_args={"options": "-c synchronous_commit=off"},
+                ).execution_options(isolation_level="AUTOCOMMIT")
+            else:
+                self._relaxed = self._auto
             await self._wait_for_database()
             if self.auto_migrate:
                 applied = await migrate(self.engine, self.tables, now=self.clock)
@@ -199,6 +230,9 @@ class SqlProvider:
     async def close(self) -> None:
         if self._listener is not None:
             await self._listener.stop()
+        if self._relaxed is not None and self._relaxed is not self._auto:
+            await self._relaxed.dispose()
+        self._relaxed = self._auto = None
         if self._engine is not None and self._own_engine:
             await self._engine.dispose()
             self._engine = None
@@ -223,106 +257,62 @@ class SqlProvider:
         await self.ensure_open()
         now = self.clock()
         rows = self.rows_for(envelopes, now)
-        async with self.engine.begin() as conn:
-            await conn.execute(insert_statement(self.tables, self.backend), rows)
-            await self.notify_statements(conn, {e.queue for e in envelopes})
+        if self.backend == "postgresql" and len(rows) >= COPY_FROM:
+            await self._copy_in(rows)
+        elif self.backend == "postgresql":
+            # one statement, one round trip: arrays in, rows and wake-ups out
+            async with self.auto.connect() as conn:
+                await conn.execute(self.statements.insert_unnest, unnest_params(rows, self.channel))
+        else:
+            async with self.engine.begin() as conn:
+                await conn.execute(insert_statement(self.tables, self.backend), rows)
         for env in envelopes:
             self._note_due(env.queue, env.not_before or now)
 
-    # -- consuming ---------------------------------------------------------------------------------
-    def _not_paused(self) -> sa.ColumnElement[bool]:
-        m, p = self.tables.messages, self.tables.pauses
-        return ~sa.exists().where(
-            sa.or_(
-                sa.and_(p.c.kind == "queue", p.c.name == m.c.queue),
-                sa.and_(p.c.kind == "type", p.c.name == m.c.type),
-            )
-        )
+    async def _copy_in(self, rows: list[dict[str, Any]]) -> None:
+        """Large batches through binary COPY (rows formatted in C, not adapted value by value).
 
+        COPY cannot skip an existing message id, so it runs in a savepoint; if a producer re-sent a
+        message (rare), the batch goes again through the INSERT that ignores duplicates.
+        """
+        from psycopg.errors import UniqueViolation
+
+        async with self.engine.begin() as conn:
+            try:
+                async with conn.begin_nested():
+                    await copy_rows(conn, self.tables, rows)
+            except UniqueViolation:
+                await conn.execute(self.statements.insert_unnest, unnest_params(rows, self.channel))
+            else:
+                await self.notify_statements(conn, {r["queue"] for r in rows})
+
+    # -- consuming ---------------------------------------------------------------------------------
     async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
         await self.ensure_open()
-        m = self.tables.messages
         now = self.clock()
         if sub.handler is None:
             # no handler here: say so on the rows (unleased, untouched otherwise) and take nothing
-            async with self.engine.begin() as conn:
-                await conn.execute(
-                    sa.update(m)
-                    .where(
-                        m.c.queue == sub.queue,
-                        m.c.status == MessageStatus.PENDING.value,
-                        m.c.available_at <= now,
-                        ~m.c.archived,
-                    )
-                    .values(status=MessageStatus.WAITING_FOR_HANDLER.value, updated_at=now)
-                )
+            async with self.auto.connect() as conn:
+                await conn.execute(self.statements.mark_waiting, bind(queue=sub.queue, now=now))
             return []
-        lease_until = now + sub.options.lease_duration
-        if sub.options.ordered:
-            return await self._claim_head(sub, now, lease_until)
-        claim = self.claim_statement(sub.queue, max_messages, now, lease_until)
-        async with self.engine.begin() as conn:
-            await self._relaxed_commit(conn)
-            rows = (await conn.execute(claim)).mappings().all()
+        params = bind(
+            queue=sub.queue, now=now, lease_until=now + sub.options.lease_duration, limit=max_messages
+        )
+        # ordered queues take the head of the line only (a retried head holds the rest back)
+        stmt = self.statements.claim_head if sub.options.ordered else self.statements.claim
+        async with self.relaxed.connect() as conn:
+            rows = (await conn.execute(stmt, params)).mappings().all()
         deliveries = [delivery_from_row(r) for r in rows]
         deliveries.sort(key=lambda d: d.handle)
         return deliveries
 
-    def claim_statement(self, queue: str, limit: int, now: datetime, lease_until: datetime) -> sa.Update:
-        """The batch claim (kept on ``ix_queueing_messages_claim`` by a test that reads its plan)."""
-        m = self.tables.messages
-        due = (
-            sa.select(m.c.id)
-            .where(m.c.queue == queue, claimable(), m.c.available_at <= now, self._not_paused())
-            .order_by(m.c.available_at, m.c.id)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-            .cte("due")
-        )
-        return (
-            sa.update(m)
-            .where(m.c.id == due.c.id)
-            .values(status=LEASED, locked_by=self.worker_id, locked_until=lease_until, updated_at=now)
-            .returning(*_CLAIM_COLUMNS(m))
-        )
-
-    async def _claim_head(self, sub: Subscription, now: datetime, lease_until: datetime) -> list[Delivery]:
-        """Ordered queues: the oldest message that holds the line goes first, alone.
-
-        A leased message, or one waiting for its retry (or paused, or waiting for a handler), holds
-        every later message back; a message enqueued with a delay joins the line when it is due.
-        Without SKIP LOCKED: a second claimer waits for the row and then finds it taken.
-        """
-        m = self.tables.messages
-        holds = sa.or_(
-            m.c.status == LEASED,
-            sa.and_(
-                m.c.status.in_(CLAIMABLE),
-                sa.or_(m.c.available_at <= now, m.c.attempt > 0, m.c.status != MessageStatus.SLEEPING.value),
-            ),
-        )
-        head = (
-            sa.select(m.c.id)
-            .where(m.c.queue == sub.queue, ~m.c.archived, holds)
-            .order_by(m.c.id)
-            .limit(1)
-            .scalar_subquery()
-        )
-        claim = (
-            sa.update(m)
-            .where(m.c.id == head, m.c.status.in_(CLAIMABLE), m.c.available_at <= now, self._not_paused())
-            .values(status=LEASED, locked_by=self.worker_id, locked_until=lease_until, updated_at=now)
-            .returning(*_CLAIM_COLUMNS(m))
-        )
-        async with self.engine.begin() as conn:
-            rows = (await conn.execute(claim)).mappings().all()
-        return [delivery_from_row(r) for r in rows]
-
-    async def _relaxed_commit(self, conn: Any) -> None:
-        """A claim or a lease renewal lost in a database crash only makes the message claimable again
-        (its lease is gone): such transactions need not wait for the WAL flush."""
-        if self.backend == "postgresql":
-            await conn.execute(sa.text("SET LOCAL synchronous_commit = off"))
+    def claim_sql(
+        self, queue: str, limit: int, now: datetime, lease_until: datetime
+    ) -> tuple[str, dict[str, Any]]:
+        """The batch claim as the driver receives it (SQL text and bound values), to read its plan."""
+        compiled = self.statements.claim.compile(dialect=self.engine.dialect)
+        params = {**compiled.params, **bind(queue=queue, limit=limit, now=now, lease_until=lease_until)}
+        return str(compiled), params
 
     def _wake(self, queue: str) -> None:
         self._wakeups[queue].set()
@@ -347,25 +337,22 @@ class SqlProvider:
         event.clear()
 
     # -- settling ----------------------------------------------------------------------------------
-    async def settle(self, settlements: Sequence[Settlement]) -> None:
-        if not settlements:
-            return
-        m = self.tables.messages
-        now = self.clock()
-        owned = sa.and_(m.c.id == sa.bindparam("_id"), m.c.locked_by == self.worker_id, m.c.status == LEASED)
+    def _settle_params(
+        self, settlements: Sequence[Settlement], now: datetime
+    ) -> tuple[list[int], dict[str, list[dict[str, Any]]], set[str]]:
         fast: list[int] = []
         shaped: dict[str, list[dict[str, Any]]] = defaultdict(list)
         wake: set[str] = set()
         for s in settlements:
             d, decision = s.delivery, s.decision
-            row_id = d.handle
+            base = {"id": d.handle, "now": now}
             used = d.attempts_used(decision)
             if isinstance(decision, Complete) and decision.result is None and not decision.cancelled:
-                fast.append(row_id)
+                fast.append(d.handle)
             elif isinstance(decision, Complete):
                 shaped["complete"].append(
                     {
-                        "_id": row_id,
+                        **base,
                         "status": decision.status.value,
                         "attempt": used,
                         "result": jsonable(decision.result),
@@ -374,14 +361,14 @@ class SqlProvider:
             elif isinstance(decision, RetryAfter):
                 at = now + decision.delay
                 shaped["retry"].append(
-                    {"_id": row_id, "attempt": used, "available_at": at, "last_error": decision.error}
+                    {**base, "attempt": used, "available_at": at, "last_error": decision.error}
                 )
                 self._note_due(d.queue, at)
             elif isinstance(decision, DeadLetter):
                 raw = d.text() if decision.reason is DeadLetterReason.MALFORMED_ENVELOPE else None
                 shaped["dead"].append(
                     {
-                        "_id": row_id,
+                        **base,
                         "attempt": used,
                         "reason": decision.reason.value,
                         "description": decision.description,
@@ -392,7 +379,7 @@ class SqlProvider:
                 sleeping = decision.status is MessageStatus.SLEEPING
                 shaped["defer"].append(
                     {
-                        "_id": row_id,
+                        **base,
                         "status": decision.status.value,
                         "attempt": used,
                         "available_at": decision.until,
@@ -402,76 +389,28 @@ class SqlProvider:
                 )
                 self._note_due(d.queue, decision.until)
             elif isinstance(decision, Release):
-                shaped["release"].append({"_id": row_id, "attempt": used})
+                shaped["release"].append({**base, "attempt": used})
                 wake.add(d.queue)
             else:
                 assert isinstance(decision, Expire)
-                shaped["expire"].append({"_id": row_id})
-        released = {"locked_by": None, "locked_until": None, "updated_at": now}
-        settled = {**released, "settled_at": now}
-        stmts: dict[str, sa.Update] = {
-            "complete": sa.update(m)
-            .where(owned)
-            .values(
-                status=sa.bindparam("status"),
-                attempt=sa.bindparam("attempt"),
-                result=sa.bindparam("result"),
-                **settled,
-            ),
-            "retry": sa.update(m)
-            .where(owned)
-            .values(
-                status=MessageStatus.FAILED.value,
-                attempt=sa.bindparam("attempt"),
-                available_at=sa.bindparam("available_at"),
-                last_error=sa.bindparam("last_error"),
-                **released,
-            ),
-            "dead": sa.update(m)
-            .where(owned)
-            .values(
-                status=MessageStatus.DEAD_LETTERED.value,
-                attempt=sa.bindparam("attempt"),
-                reason=sa.bindparam("reason"),
-                description=sa.bindparam("description"),
-                raw=sa.func.coalesce(sa.bindparam("raw", type_=sa.Text()), m.c.raw),
-                **settled,
-            ),
-            "defer": sa.update(m)
-            .where(owned)
-            .values(
-                status=sa.bindparam("status"),
-                attempt=sa.bindparam("attempt"),
-                available_at=sa.bindparam("available_at"),
-                reason=sa.bindparam("reason"),
-                not_before=sa.func.coalesce(
-                    sa.bindparam("not_before", type_=m.c.not_before.type), m.c.not_before
-                ),
-                **released,
-            ),
-            "release": sa.update(m)
-            .where(owned)
-            .values(
-                status=MessageStatus.PENDING.value,
-                attempt=sa.bindparam("attempt"),
-                available_at=now,
-                **released,
-            ),
-            "expire": sa.update(m)
-            .where(owned)
-            .values(status=MessageStatus.EXPIRED.value, reason=DeadLetterReason.EXPIRED.value, **settled),
-        }
+                shaped["expire"].append(base)
+        return fast, {k: [bind(**p) for p in v] for k, v in shaped.items()}, wake
+
+    async def settle(self, settlements: Sequence[Settlement]) -> None:
+        if not settlements:
+            return
+        now = self.clock()
+        fast, shaped, wake = self._settle_params(settlements, now)
         lost = 0
-        async with self.engine.begin() as conn:
+        # Autocommit: each statement is its own (durable) transaction. They are independent and
+        # guarded by the lease owner, so no enclosing transaction is needed, and the common batch (all
+        # successes) is a single round trip.
+        async with self.auto.connect() as conn:
             if fast:
-                done = await conn.execute(
-                    sa.update(m)
-                    .where(m.c.id.in_(fast), m.c.locked_by == self.worker_id, m.c.status == LEASED)
-                    .values(status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, **settled)
-                )
+                done = await conn.execute(self.statements.complete_many, bind(ids=fast, now=now))
                 lost += len(fast) - (done.rowcount or 0)
             for shape, params in shaped.items():
-                res = await conn.execute(stmts[shape], params)
+                res = await conn.execute(self.statements.settle[shape], params)
                 if res.rowcount is not None and res.rowcount >= 0:
                     lost += len(params) - res.rowcount
             await self.notify_statements(conn, wake)
@@ -481,28 +420,16 @@ class SqlProvider:
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         if not deliveries or self._app is None:
             return []
-        m = self.tables.messages
         now = self.clock()
         by_queue: dict[str, list[Delivery]] = defaultdict(list)
         for d in deliveries:
             by_queue[d.queue].append(d)
         lost: list[Delivery] = []
-        async with self.engine.begin() as conn:
-            await self._relaxed_commit(conn)
+        async with self.relaxed.connect() as conn:
             for queue, ds in by_queue.items():
                 sub = self._app.by_queue().get(queue)
-                lease = sub.options.lease_duration if sub else timedelta(seconds=30)
-                until = now + lease
-                res = await conn.execute(
-                    sa.update(m)
-                    .where(
-                        m.c.id.in_([d.handle for d in ds]),
-                        m.c.locked_by == self.worker_id,
-                        m.c.status == LEASED,
-                    )
-                    .values(locked_until=until)
-                    .returning(m.c.id)
-                )
+                until = now + (sub.options.lease_duration if sub else timedelta(seconds=30))
+                res = await conn.execute(self.statements.renew, bind(ids=[d.handle for d in ds], until=until))
                 kept = set(res.scalars())
                 for d in ds:
                     if d.handle in kept:
@@ -537,23 +464,3 @@ class SqlProvider:
 
         await self.ensure_open()
         return await run_maintenance(self, app or self._app, self.clock())
-
-
-def _CLAIM_COLUMNS(m: sa.Table) -> list[sa.ColumnElement[Any]]:
-    text = sa.Text()
-    return [
-        m.c.id,
-        m.c.message_id,
-        m.c.tracking_id,
-        m.c.queue,
-        m.c.type,
-        m.c.attempt,
-        m.c.correlation_id,
-        m.c.created_at,
-        m.c.not_before,
-        m.c.expires_at,
-        m.c.locked_until,
-        m.c.raw,
-        sa.cast(m.c.body, text).label("body_text"),
-        sa.cast(m.c.headers, text).label("headers_text"),
-    ]

@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from ...clock import as_utc, opt_utc
+from pydantic_core import to_json
+
+from ...clock import opt_utc
 from ...envelope import Envelope
 from ...errors import MalformedEnvelope
 from ...transport import Delivery
@@ -43,6 +45,9 @@ def delivery_from_row(row: Mapping[Any, Any]) -> Delivery:
         headers = json.loads(row["headers_text"]) if row["headers_text"] else {}
         if not isinstance(body, dict):
             raise ValueError("the stored body is not a JSON object")
+        if not isinstance(headers, dict):
+            raise ValueError("the stored headers are not a JSON object")
+        # (pydantic's validation runs in Rust: cheaper than model_construct, which is pure Python)
         env = Envelope.model_validate(
             {
                 "type": row["type"],
@@ -51,9 +56,9 @@ def delivery_from_row(row: Mapping[Any, Any]) -> Delivery:
                 "tracking_id": row["tracking_id"],
                 "correlation_id": row["correlation_id"],
                 "attempt": int(row["attempt"]),
-                "created_at": as_utc(row["created_at"]),
-                "not_before": opt_utc(row["not_before"]),
-                "expires_at": opt_utc(row["expires_at"]),
+                "created_at": row["created_at"],
+                "not_before": row["not_before"],
+                "expires_at": row["expires_at"],
                 "headers": headers,
                 "body": body,
             }
@@ -66,3 +71,71 @@ def delivery_from_row(row: Mapping[Any, Any]) -> Delivery:
     return Delivery(
         row["queue"], raw, env, None, attempt, handle=row["id"], lease_until=opt_utc(row["locked_until"])
     )
+
+
+_ARRAY_COLUMNS = (
+    "message_id",
+    "tracking_id",
+    "queue",
+    "type",
+    "status",
+    "attempt",
+    "correlation_id",
+    "created_at",
+    "updated_at",
+    "not_before",
+    "available_at",
+    "expires_at",
+)
+
+
+def unnest_params(rows: list[dict[str, Any]], channel: str) -> dict[str, Any]:
+    """Column-wise arrays for the PostgreSQL ``unnest`` INSERT; JSON columns as text, cast there."""
+    params: dict[str, Any] = {c: [r[c] for r in rows] for c in _ARRAY_COLUMNS}
+    params["headers"] = [to_json(r["headers"]).decode() for r in rows]
+    params["body"] = [to_json(r["body"]).decode() for r in rows]
+    params["channel"] = channel
+    return params
+
+
+_COPY_TYPES = [
+    "uuid",
+    "uuid",
+    "text",
+    "text",
+    "text",
+    "int4",
+    "text",
+    "timestamptz",
+    "timestamptz",
+    "timestamptz",
+    "timestamptz",
+    "timestamptz",
+    "jsonb",
+    "jsonb",
+]
+
+
+def _fast_json(value: Any) -> str:
+    return to_json(value).decode()
+
+
+async def copy_rows(conn: Any, tables: Any, rows: list[dict[str, Any]]) -> None:
+    """COPY the rows into the messages table on the SQLAlchemy connection's own transaction."""
+    from psycopg.types.json import Jsonb
+
+    raw = (await conn.get_raw_connection()).driver_connection
+    columns = ", ".join((*_ARRAY_COLUMNS, "headers", "body"))
+    async with (
+        raw.cursor() as cur,
+        cur.copy(f"COPY {tables.messages.fullname} ({columns}) FROM STDIN (FORMAT BINARY)") as copy,
+    ):
+        copy.set_types(_COPY_TYPES)
+        for r in rows:
+            await copy.write_row(
+                (
+                    *(r[c] for c in _ARRAY_COLUMNS),
+                    Jsonb(r["headers"], dumps=_fast_json),
+                    Jsonb(r["body"], dumps=_fast_json),
+                )
+            )

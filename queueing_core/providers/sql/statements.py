@@ -1,0 +1,191 @@
+"""Every statement on the SQL provider's hot path, built once per provider with bind parameters.
+
+Building a SQLAlchemy statement costs about a millisecond; building one per claim or per settle
+batch was a third of the worker's CPU. These objects are reused with new parameter values only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from ...decisions import DeadLetterReason
+from ...messages import MessageStatus
+from .schema import CLAIMABLE, Tables, claimable
+
+LEASED = MessageStatus.LEASED.value
+
+
+def P(name: str, **kw: Any) -> sa.BindParameter[Any]:
+    """A bind parameter; prefixed, because UPDATE reserves the plain column names for itself."""
+    return sa.bindparam(f"b_{name}", **kw)
+
+
+def bind(**values: Any) -> dict[str, Any]:
+    """Parameters for statements built with :func:`P`."""
+    return {f"b_{k}": v for k, v in values.items()}
+
+
+def claim_columns(m: sa.Table) -> list[sa.ColumnElement[Any]]:
+    """What a claim returns: enough to rebuild the envelope; JSON as text, parsed per row."""
+    text = sa.Text()
+    return [
+        m.c.id,
+        m.c.message_id,
+        m.c.tracking_id,
+        m.c.queue,
+        m.c.type,
+        m.c.attempt,
+        m.c.correlation_id,
+        m.c.created_at,
+        m.c.not_before,
+        m.c.expires_at,
+        m.c.locked_until,
+        m.c.raw,
+        sa.cast(m.c.body, text).label("body_text"),
+        sa.cast(m.c.headers, text).label("headers_text"),
+    ]
+
+
+class Statements:
+    def __init__(self, tables: Tables, worker_id: str) -> None:
+        m, p = tables.messages, tables.pauses
+        self.not_paused = ~sa.exists().where(
+            sa.or_(
+                sa.and_(p.c.kind == "queue", p.c.name == m.c.queue),
+                sa.and_(p.c.kind == "type", p.c.name == m.c.type),
+            )
+        )
+        take = {
+            "status": LEASED,
+            "locked_by": worker_id,
+            "locked_until": P("lease_until"),
+            "updated_at": P("now"),
+        }
+
+        # the batch claim: on ix_queueing_messages_claim (its predicate repeated as literal text)
+        due = (
+            sa.select(m.c.id)
+            .where(m.c.queue == P("queue"), claimable(), m.c.available_at <= P("now"), self.not_paused)
+            .order_by(m.c.available_at, m.c.id)
+            .limit(P("limit", type_=sa.Integer()))
+            .with_for_update(skip_locked=True)
+            .cte("due")
+        )
+        self.claim = sa.update(m).where(m.c.id == due.c.id).values(**take).returning(*claim_columns(m))
+
+        # ordered queues: the oldest message that holds the line, and only if it is due
+        holds = sa.or_(
+            m.c.status == LEASED,
+            sa.and_(
+                m.c.status.in_(CLAIMABLE),
+                sa.or_(
+                    m.c.available_at <= P("now"), m.c.attempt > 0, m.c.status != MessageStatus.SLEEPING.value
+                ),
+            ),
+        )
+        head = (
+            sa.select(m.c.id)
+            .where(m.c.queue == P("queue"), ~m.c.archived, holds)
+            .order_by(m.c.id)
+            .limit(1)
+            .scalar_subquery()
+        )
+        self.claim_head = (
+            sa.update(m)
+            .where(m.c.id == head, m.c.status.in_(CLAIMABLE), m.c.available_at <= P("now"), self.not_paused)
+            .values(**take)
+            .returning(*claim_columns(m))
+        )
+
+        self.mark_waiting = (
+            sa.update(m)
+            .where(
+                m.c.queue == P("queue"),
+                m.c.status == MessageStatus.PENDING.value,
+                m.c.available_at <= P("now"),
+                ~m.c.archived,
+            )
+            .values(status=MessageStatus.WAITING_FOR_HANDLER.value, updated_at=P("now"))
+        )
+
+        # settlement: every UPDATE is guarded by the lease owner, so an old owner never overwrites
+        owned = sa.and_(m.c.id == P("id"), m.c.locked_by == worker_id, m.c.status == LEASED)
+        released: dict[str, Any] = {"locked_by": None, "locked_until": None, "updated_at": P("now")}
+        settled = {**released, "settled_at": P("now")}
+        self.complete_many = (
+            sa.update(m)
+            .where(m.c.id.in_(P("ids", expanding=True)), m.c.locked_by == worker_id, m.c.status == LEASED)
+            .values(status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, **settled)
+        )
+        self.settle: dict[str, sa.Update] = {
+            "complete": sa.update(m)
+            .where(owned)
+            .values(
+                status=P("status"), attempt=P("attempt"), result=P("result", type_=m.c.result.type), **settled
+            ),
+            "retry": sa.update(m)
+            .where(owned)
+            .values(
+                status=MessageStatus.FAILED.value,
+                attempt=P("attempt"),
+                available_at=P("available_at"),
+                last_error=P("last_error"),
+                **released,
+            ),
+            "dead": sa.update(m)
+            .where(owned)
+            .values(
+                status=MessageStatus.DEAD_LETTERED.value,
+                attempt=P("attempt"),
+                reason=P("reason"),
+                description=P("description"),
+                raw=sa.func.coalesce(P("raw", type_=sa.Text()), m.c.raw),
+                **settled,
+            ),
+            "defer": sa.update(m)
+            .where(owned)
+            .values(
+                status=P("status"),
+                attempt=P("attempt"),
+                available_at=P("available_at"),
+                reason=P("reason"),
+                not_before=sa.func.coalesce(P("not_before", type_=m.c.not_before.type), m.c.not_before),
+                **released,
+            ),
+            "release": sa.update(m)
+            .where(owned)
+            .values(
+                status=MessageStatus.PENDING.value, attempt=P("attempt"), available_at=P("now"), **released
+            ),
+            "expire": sa.update(m)
+            .where(owned)
+            .values(status=MessageStatus.EXPIRED.value, reason=DeadLetterReason.EXPIRED.value, **settled),
+        }
+
+        self.renew = (
+            sa.update(m)
+            .where(m.c.id.in_(P("ids", expanding=True)), m.c.locked_by == worker_id, m.c.status == LEASED)
+            .values(locked_until=P("until"))
+            .returning(m.c.id)
+        )
+
+        # PostgreSQL enqueue: the whole batch as arrays in one statement, with its wake-ups
+        self.insert_unnest = sa.text(f"""
+            WITH added AS (
+                INSERT INTO {m.fullname} (message_id, tracking_id, queue, type, status, attempt,
+                    correlation_id, created_at, updated_at, not_before, available_at, expires_at,
+                    headers, body)
+                SELECT * FROM unnest(
+                    CAST(:message_id AS uuid[]), CAST(:tracking_id AS uuid[]), CAST(:queue AS text[]),
+                    CAST(:type AS text[]), CAST(:status AS text[]), CAST(:attempt AS integer[]),
+                    CAST(:correlation_id AS text[]), CAST(:created_at AS timestamptz[]),
+                    CAST(:updated_at AS timestamptz[]), CAST(:not_before AS timestamptz[]),
+                    CAST(:available_at AS timestamptz[]), CAST(:expires_at AS timestamptz[]),
+                    CAST(:headers AS jsonb[]), CAST(:body AS jsonb[]))
+                ON CONFLICT (message_id) DO NOTHING
+                RETURNING queue
+            )
+            SELECT pg_notify(:channel, q) FROM (SELECT DISTINCT queue AS q FROM added) AS queues
+        """)
