@@ -51,8 +51,27 @@ def make_provider(settings: QueueingSettings) -> Provider:
             tracker_retention=timedelta(days=settings.tracker_retention_days),
             ttl_grace=settings.ttl_grace,
         )
+    if name == "servicebus":
+        from .providers.servicebus import ServiceBusConnection, ServiceBusProvider
+        from .providers.storage_queue import StorageConnection
+        from .providers.tables import tables_from_connection
+
+        connection = ServiceBusConnection.from_environment()  # a missing setting fails before Tables
+        storage = StorageConnection.from_environment()
+        control, tracker = tables_from_connection(
+            storage.connection_string,
+            table_service_uri=storage.table_service_uri,
+            control_table=settings.control_table,
+            tracker_table=settings.tracker_table,
+            retention=timedelta(days=settings.tracker_retention_days),
+        )
+        return ServiceBusProvider.from_connection(
+            connection, control=control, tracker=tracker, ttl_grace=settings.ttl_grace
+        )
     raise ConfigurationError(
-        "QUEUEING_PROVIDER", f"{name!r} is not available in this build yet", "inprocess, sql, storage_queue"
+        "QUEUEING_PROVIDER",
+        f"{name!r} is not available in this build yet",
+        "inprocess, sql, storage_queue, servicebus",
     )
 
 

@@ -63,3 +63,30 @@ async def run_until_idle(runtime: Runtime, *, raise_errors: bool = True, max_mes
     finally:
         hooks.off(capture)
     return processed
+
+
+def in_memory_servicebus(app: QueueingApp, namespace: Any = None, **kwargs: Any) -> Runtime:
+    """A runtime on the real Service Bus provider pointed at :class:`FakeServiceBusNamespace`, an
+    in-memory stand-in that keeps Service Bus's peek-lock, delivery count, dead-letter, TTL and
+    scheduling semantics. Control state and history are in memory unless given."""
+    from .control import MemoryControlStore
+    from .fakes.servicebus import (
+        FakeServiceBusAdministrationClient,
+        FakeServiceBusClient,
+        FakeServiceBusNamespace,
+    )
+    from .providers.servicebus import ServiceBusProvider
+    from .tracking import MemoryTracker
+
+    ns = namespace or FakeServiceBusNamespace()
+    provider = ServiceBusProvider(
+        client=FakeServiceBusClient(ns),
+        admin=FakeServiceBusAdministrationClient(ns),
+        control=kwargs.pop("control", None) or MemoryControlStore(),
+        tracker=kwargs.pop("tracker", None) or MemoryTracker(),
+        **kwargs.pop("provider_options", {}),
+    )
+    return Runtime(app, provider, **kwargs)
+
+
+__all__ = ["HandlerFailed", "in_memory_servicebus", "in_process", "run_until_idle"]

@@ -36,6 +36,10 @@ class QueueSummary(_Model):
     counts: dict[str, int] = Field(description="unarchived messages by status")
     total: int
     health: Health
+    transport_counts: dict[str, int] | None = Field(
+        default=None,
+        description="what the broker itself reports (Service Bus: active, scheduled, dead_lettered)",
+    )
 
 
 class Summary(_Model):

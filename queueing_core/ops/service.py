@@ -138,6 +138,8 @@ class OpsService:
     async def summary(self) -> Summary:
         counts = await self.runtime.tracker.counts()
         state = await self.runtime.control.state()
+        native = getattr(self.runtime.provider, "native_counts", None)
+        transport: dict[str, dict[str, int]] = await native() if native is not None else {}
         by_queue: dict[str, dict[str, int]] = defaultdict(dict)
         for (queue, status), n in counts.items():
             by_queue[queue][status] = n
@@ -165,6 +167,7 @@ class OpsService:
                     counts=c,
                     total=sum(c.values()),
                     health=self.health_of(sub, c, circuit),
+                    transport_counts=transport.get(sub.queue),
                 )
             )
         return Summary(

@@ -8,7 +8,7 @@ async def harness(request, tmp_path):
     make = HARNESSES[request.param]
     if request.param == "sqlite":
         h = make(str(tmp_path))
-    elif request.param == "storage_queue":
+    elif request.param in ("storage_queue", "servicebus"):
         h = make(request.getfixturevalue("azurite"))
     else:
         h = make()

@@ -221,9 +221,93 @@ def storage_queue(azurite) -> Harness:
     return Harness("storage_queue", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
 
 
+# -- Azure Service Bus (the in-memory stand-in; history and control state in Tables over Azurite) -----
+def servicebus(azurite) -> Harness:
+    from azure.servicebus import ServiceBusMessage
+
+    from queueing_core.fakes.servicebus import (
+        FakeServiceBusAdministrationClient,
+        FakeServiceBusClient,
+        FakeServiceBusNamespace,
+    )
+    from queueing_core.providers.servicebus import ServiceBusProvider
+    from queueing_core.providers.tables import tables_from_connection
+
+    namespace = FakeServiceBusNamespace()
+    tables = {"control_table": f"ctl{uuid.uuid4().hex[:10]}", "tracker_table": f"hist{uuid.uuid4().hex[:10]}"}
+    made: list[ServiceBusProvider] = []
+
+    async def make() -> Provider:
+        control, tracker = tables_from_connection(azurite.connection_string, **tables)
+        prov = ServiceBusProvider(
+            client=FakeServiceBusClient(namespace),
+            admin=FakeServiceBusAdministrationClient(namespace),
+            control=control,
+            tracker=tracker,
+            receive_wait=0.2,
+        )
+        made.append(prov)
+        return prov
+
+    async def inject(rt: Runtime, queue: str, raw: bytes) -> None:
+        prov = rt.provider
+        async with prov.client.get_queue_sender(prov.physical(queue)) as sender:
+            await sender.send_messages(ServiceBusMessage(raw))
+
+    async def cleanup() -> None:
+        for prov in made:
+            await prov.close()
+
+    # one receiver at a time receives in order, but retries are re-sent copies: no strict order promise
+    return Harness("servicebus", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
+
+
+def servicebus_live() -> Harness:
+    """A real namespace or the official emulator, when QUEUEING_TEST_SERVICEBUS_CONNECTION is set."""
+    import os
+
+    import pytest
+
+    conn = os.environ.get("QUEUEING_TEST_SERVICEBUS_CONNECTION")
+    if not conn:
+        pytest.skip(
+            "set QUEUEING_TEST_SERVICEBUS_CONNECTION (a namespace connection string or the emulator's "
+            "UseDevelopmentEmulator=true string) to run the contract suite on real Service Bus"
+        )
+    from queueing_core.control import MemoryControlStore
+    from queueing_core.providers.servicebus import ServiceBusConnection, ServiceBusProvider
+    from queueing_core.tracking import MemoryTracker
+
+    made: list[ServiceBusProvider] = []
+
+    async def make() -> Provider:
+        prov = ServiceBusProvider.from_connection(
+            ServiceBusConnection(conn),
+            control=MemoryControlStore(),
+            tracker=MemoryTracker(),
+            receive_wait=0.5,
+        )
+        made.append(prov)
+        return prov
+
+    async def inject(rt: Runtime, queue: str, raw: bytes) -> None:
+        from azure.servicebus import ServiceBusMessage
+
+        async with rt.provider.client.get_queue_sender(rt.provider.physical(queue)) as sender:
+            await sender.send_messages(ServiceBusMessage(raw))
+
+    async def cleanup() -> None:
+        for prov in made:
+            await prov.close()
+
+    return Harness("servicebus_live", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
+
+
 HARNESSES: dict[str, Callable[..., Harness]] = {
     "inprocess": inprocess,
     "sqlite": sqlite,
     "postgres": postgres,
     "storage_queue": storage_queue,
+    "servicebus": servicebus,
+    "servicebus_live": servicebus_live,
 }

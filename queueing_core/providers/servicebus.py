@@ -1,0 +1,472 @@
+"""Azure Service Bus provider (SPEC C3) on ``azure-servicebus`` (async).
+
+- A queue per type (names sanitized to Service Bus rules), auto-created when allowed with the type's
+  settings: max delivery count, lock duration (at most 5 minutes; longer leases are renewed), TTL and
+  dead-lettering on expiration.
+- Peek-lock receive; a success completes.
+- **Retries are a scheduled copy, not an abandon.** Abandon makes the message available again at
+  once (no backoff) and spends the entity's delivery count. The kit sends a copy scheduled for
+  now + backoff, carrying the attempts used in its envelope, then completes the original. The
+  entity's max delivery count stays the safety net for the case nothing can settle: a process that
+  crashes holding the lock (each lock expiry counts one delivery).
+- A pause, waiting for a handler or a release at shutdown do the same with a copy that keeps the
+  attempt count, so they never burn delivery attempts.
+- Dead letters use the native sub-queue with ``MaxDeliveryAttemptsExceeded``, ``Expired``,
+  ``MalformedEnvelope``, ``NonRetryable`` or ``InvalidBody`` as the reason.
+- ``delivery_count`` in the Python SDK counts earlier deliveries (0 on the first), so a delivery's
+  attempt is ``envelope.attempt + delivery_count + 1``.
+
+Pause/circuit state and history live in Azure Tables (``QueueingStorage``), shared by every instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from azure.core.exceptions import AzureError, ResourceExistsError, ResourceNotFoundError
+from azure.servicebus import ServiceBusMessage, ServiceBusReceiveMode, ServiceBusSubQueue
+from azure.servicebus.exceptions import (
+    MessageAlreadySettled,
+    MessageLockLostError,
+    MessageSizeExceededError,
+    ServiceBusConnectionError,
+    ServiceBusError,
+)
+
+from ..clock import utcnow
+from ..control.base import ControlStore
+from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from ..envelope import Envelope
+from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
+from ..naming import QueueNaming, Transport
+from ..tracking import MessageQuery, MessageRecord, Tracker
+from ..transport import Capabilities, Delivery, Settlement
+
+if TYPE_CHECKING:
+    from ..app import QueueingApp, Subscription
+
+log = logging.getLogger("queueing.servicebus")
+
+CONNECTION = "QueueingServiceBus"
+MAX_LOCK = timedelta(minutes=5)  # the service's limit on a queue's lock duration
+#: Standard tier: 256 KB per message including headers; leave room for the system properties
+MAX_ENVELOPE_BYTES = 250 * 1024
+TYPE_PROPERTY = "queueing-type"
+
+
+@dataclass(frozen=True)
+class ServiceBusConnection:
+    connection_string: str | None = None
+    fully_qualified_namespace: str | None = None
+    client_id: str | None = None
+
+    @classmethod
+    def from_environment(
+        cls, name: str = CONNECTION, env: dict[str, str] | None = None
+    ) -> ServiceBusConnection:
+        """``<name>`` (a connection string, or the emulator's ``UseDevelopmentEmulator=true`` one) or
+        ``<name>__fullyQualifiedNamespace`` for a managed identity, as the Functions host reads them."""
+        e = os.environ if env is None else env
+        conn = e.get(name)
+        fqns = e.get(f"{name}__fullyQualifiedNamespace")
+        if not conn and not fqns:
+            raise ConfigurationError(
+                name,
+                "not set",
+                f"{name}=<connection string> or {name}__fullyQualifiedNamespace=<ns>.servicebus.windows.net",
+            )
+        return cls(conn or None, None if conn else fqns, e.get(f"{name}__clientId"))
+
+    def clients(self) -> tuple[Any, Any, Any]:
+        """(ServiceBusClient, ServiceBusAdministrationClient, credential to close or None)."""
+        from azure.servicebus.aio import ServiceBusClient
+        from azure.servicebus.aio.management import ServiceBusAdministrationClient
+
+        if self.connection_string:
+            client = ServiceBusClient.from_connection_string(self.connection_string)
+            try:
+                admin = ServiceBusAdministrationClient.from_connection_string(self.connection_string)
+            except ValueError:  # the emulator's string: no administration endpoint
+                admin = None
+            return client, admin, None
+        from azure.identity.aio import DefaultAzureCredential
+
+        assert self.fully_qualified_namespace is not None
+        credential = DefaultAzureCredential(managed_identity_client_id=self.client_id)
+        return (
+            ServiceBusClient(self.fully_qualified_namespace, credential),
+            ServiceBusAdministrationClient(self.fully_qualified_namespace, credential),
+            credential,
+        )
+
+
+@contextlib.contextmanager
+def _boundary(action: str) -> Any:
+    try:
+        yield
+    except MessageSizeExceededError as exc:
+        raise ProviderError(f"{action}: message too large for Service Bus ({exc})") from None
+    except (ServiceBusConnectionError, OSError) as exc:
+        raise ProviderUnavailable(f"Service Bus unreachable during {action}: {exc}") from None
+    except (ServiceBusError, AzureError) as exc:
+        raise ProviderError(f"{action} failed: {exc}") from None
+
+
+@dataclass
+class _Handle:
+    receiver: Any
+    message: Any
+
+
+def _text(message: Any) -> str:
+    body = message.body
+    if isinstance(body, bytes | bytearray):
+        return bytes(body).decode("utf-8", errors="replace")
+    if isinstance(body, str):
+        return body
+    try:
+        return b"".join(body).decode("utf-8", errors="replace")
+    except TypeError:
+        return str(message)
+
+
+class ServiceBusProvider:
+    transport = Transport.SERVICE_BUS
+
+    def __init__(
+        self,
+        *,
+        client: Any,
+        admin: Any | None,
+        control: ControlStore,
+        tracker: Tracker,
+        naming: QueueNaming | None = None,
+        auto_create: bool = True,
+        ttl_grace: timedelta = timedelta(hours=1),
+        receive_wait: float = 1.0,
+        max_message_bytes: int = MAX_ENVELOPE_BYTES,
+        closers: Sequence[Any] = (),
+    ) -> None:
+        self.client = client
+        self.admin = admin
+        self.naming = naming
+        self.auto_create = auto_create and admin is not None
+        self.ttl_grace = ttl_grace
+        self.receive_wait = receive_wait
+        self.capabilities = Capabilities(
+            max_delay=None,
+            lock_renewal=True,
+            native_dead_letter=True,
+            max_message_bytes=max_message_bytes,
+        )
+        self._control = control
+        self._tracker = tracker
+        self._closers = list(closers)
+        self._senders: dict[str, Any] = {}
+        self._receivers: dict[str, Any] = {}
+        self._app: QueueingApp | None = None
+
+    @classmethod
+    def from_connection(
+        cls, connection: ServiceBusConnection, *, control: ControlStore, tracker: Tracker, **kwargs: Any
+    ) -> ServiceBusProvider:
+        client, admin, credential = connection.clients()
+        closers = [c for c in (admin, credential) if c is not None]
+        return cls(client=client, admin=admin, control=control, tracker=tracker, closers=closers, **kwargs)
+
+    # -- wiring ------------------------------------------------------------------------------------
+    def control_store(self) -> ControlStore:
+        return self._control
+
+    def tracker(self) -> Tracker:
+        return self._tracker
+
+    def physical(self, queue: str) -> str:
+        naming = self.naming or (self._app.naming if self._app else QueueNaming())
+        return naming.physical(queue, Transport.SERVICE_BUS)
+
+    def _sender(self, queue: str) -> Any:
+        name = self.physical(queue)
+        s = self._senders.get(name)
+        if s is None:
+            s = self._senders[name] = self.client.get_queue_sender(name)
+        return s
+
+    def _receiver(self, queue: str) -> Any:
+        name = self.physical(queue)
+        r = self._receivers.get(name)
+        if r is None:
+            r = self._receivers[name] = self.client.get_queue_receiver(
+                name, receive_mode=ServiceBusReceiveMode.PEEK_LOCK, prefetch_count=0
+            )
+        return r
+
+    async def open(self, app: QueueingApp) -> None:
+        self._app = app
+        if not self.auto_create or self.admin is None:
+            return
+        for sub in app.subscriptions():
+            o = sub.options
+            settings: dict[str, Any] = {
+                "max_delivery_count": o.max_attempts,
+                "lock_duration": min(o.lease_duration, MAX_LOCK),
+                "dead_lettering_on_message_expiration": True,
+            }
+            if o.expiration is not None:
+                settings["default_message_time_to_live"] = o.expiration + self.ttl_grace
+            with _boundary(f"creating queue {sub.queue}"), contextlib.suppress(ResourceExistsError):
+                await self.admin.create_queue(self.physical(sub.queue), **settings)
+
+    async def close(self) -> None:
+        for handler in [*self._senders.values(), *self._receivers.values()]:
+            with contextlib.suppress(Exception):
+                await handler.close()
+        self._senders.clear()
+        self._receivers.clear()
+        await self.client.close()
+        for c in self._closers:
+            with contextlib.suppress(Exception):
+                await c.close()
+        for store in (self._control, self._tracker):
+            close = getattr(store, "aclose", None)
+            if close is not None:
+                await close()
+
+    # -- producing ---------------------------------------------------------------------------------
+    def _message(self, env: Envelope, now: datetime, *, copy: bool = False) -> ServiceBusMessage:
+        ttl = None
+        if env.expires_at is not None:
+            ttl = max(timedelta(seconds=1), env.expires_at - now + self.ttl_grace)
+        msg = ServiceBusMessage(
+            env.encode_text(),
+            content_type="application/json",
+            # the original carries the message id (duplicate detection can drop a producer's retry);
+            # a copy made for a retry or a deferral must not look like a duplicate of it
+            message_id=f"{env.message_id}.{uuid.uuid4().hex[:8]}" if copy else str(env.message_id),
+            correlation_id=env.correlation_id,
+            subject=env.type,
+            application_properties={TYPE_PROPERTY: env.type},
+            time_to_live=ttl,
+        )
+        if env.not_before is not None and env.not_before > now:
+            msg.scheduled_enqueue_time_utc = env.not_before
+        return msg
+
+    async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
+        # the service acknowledges each send once the message is stored: ``wait`` holds either way
+        now = utcnow()
+        by_queue: dict[str, list[Envelope]] = {}
+        for env in envelopes:
+            by_queue.setdefault(env.queue, []).append(env)
+        for queue, envs in by_queue.items():
+            sender = self._sender(queue)
+            with _boundary(f"sending to {queue}"):
+                batch = await sender.create_message_batch()
+                for env in envs:
+                    msg = self._message(env, now)
+                    try:
+                        batch.add_message(msg)
+                    except ValueError:  # the batch is full: send it and start another
+                        await sender.send_messages(batch)
+                        batch = await sender.create_message_batch()
+                        batch.add_message(msg)
+                await sender.send_messages(batch)
+
+    async def _send_copy(self, queue: str, env: Envelope, at: datetime | None) -> None:
+        now = utcnow()
+        msg = self._message(env, now, copy=True)
+        if at is not None and at > now:
+            msg.scheduled_enqueue_time_utc = at
+        with _boundary(f"re-sending to {queue}"):
+            await self._sender(queue).send_messages(msg)
+
+    # -- consuming ---------------------------------------------------------------------------------
+    async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
+        receiver = self._receiver(sub.queue)
+        with _boundary(f"receiving from {sub.queue}"):
+            # waits up to receive_wait for the first message: the receive itself is the long poll
+            messages = await receiver.receive_messages(
+                max_message_count=max_messages, max_wait_time=self.receive_wait
+            )
+        return [
+            Delivery.of(
+                _text(m),
+                queue=sub.queue,
+                delivery_count=(m.delivery_count or 0) + 1,
+                handle=_Handle(receiver, m),
+                lease_until=m.locked_until_utc,
+            )
+            for m in messages
+        ]
+
+    async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
+        return None  # receive already waited (up to receive_wait) for work to arrive
+
+    async def _settle_one(self, s: Settlement) -> None:
+        d, decision = s.delivery, s.decision
+        h: _Handle = d.handle
+        r, m = h.receiver, h.message
+        try:
+            if isinstance(decision, Complete):
+                await r.complete_message(m)
+            elif isinstance(decision, Expire):
+                await r.dead_letter_message(
+                    m,
+                    reason=DeadLetterReason.EXPIRED.pascal,
+                    error_description=f"expired at {decision.expired_at.isoformat()}",
+                )
+            elif isinstance(decision, DeadLetter):
+                await r.dead_letter_message(
+                    m, reason=decision.reason.pascal, error_description=decision.description[:4096]
+                )
+            else:
+                assert d.envelope is not None, "malformed messages are always dead-lettered"
+                if isinstance(decision, RetryAfter):
+                    at: datetime | None = utcnow() + decision.delay
+                elif isinstance(decision, Defer):
+                    at = decision.until
+                else:
+                    assert isinstance(decision, Release)
+                    at = None
+                # send the copy first: if completing fails afterwards, a duplicate beats a loss
+                await self._send_copy(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), at)
+                await r.complete_message(m)
+        except (MessageLockLostError, MessageAlreadySettled) as exc:
+            # another consumer owns it now (the lock expired): it will be processed again there
+            env = d.envelope
+            log.warning(
+                "lock lost on %s before settling (%s); not settled twice",
+                d.queue,
+                type(exc).__name__,
+                extra={
+                    "message_id": str(env.message_id) if env else None,
+                    "correlation_id": env.correlation_id if env else None,
+                },
+            )
+
+    async def settle(self, settlements: Sequence[Settlement]) -> None:
+        results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for exc in failures:
+            log.warning("settling a Service Bus message failed: %s", exc)  # its lock lapses: redelivered
+        if failures and len(failures) == len(settlements):
+            raise failures[0]
+
+    async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        lost: list[Delivery] = []
+
+        async def one(d: Delivery) -> None:
+            h: _Handle = d.handle
+            try:
+                d.lease_until = await h.receiver.renew_message_lock(h.message)
+            except (MessageLockLostError, MessageAlreadySettled, ServiceBusError):
+                lost.append(d)
+
+        await asyncio.gather(*(one(d) for d in deliveries))
+        return lost
+
+    # -- ops ---------------------------------------------------------------------------------------
+    async def native_counts(self) -> dict[str, dict[str, int]]:
+        """Active, scheduled and dead-lettered counts per queue, from the service itself."""
+        if self.admin is None or self._app is None:
+            return {}
+        out: dict[str, dict[str, int]] = {}
+        for sub in self._app.subscriptions():
+            with _boundary("reading queue properties"), contextlib.suppress(ResourceNotFoundError):
+                p = await self.admin.get_queue_runtime_properties(self.physical(sub.queue))
+                out[sub.queue] = {
+                    "active": p.active_message_count,
+                    "scheduled": p.scheduled_message_count,
+                    "dead_lettered": p.dead_letter_message_count,
+                }
+        return out
+
+    async def _dead_letters(self, queue: str, act: Any, limit: int = 5000) -> int:
+        """Receive the dead-letter sub-queue; ``act(receiver, message, text)`` returns True when it
+        settled the message; the rest are abandoned back (their count does not matter there)."""
+        receiver = self.client.get_queue_receiver(
+            self.physical(queue), sub_queue=ServiceBusSubQueue.DEAD_LETTER
+        )
+        hits = 0
+        async with receiver:
+            seen = 0
+            while seen < limit:
+                with _boundary(f"reading dead letters of {queue}"):
+                    batch = await receiver.receive_messages(max_message_count=100, max_wait_time=1)
+                if not batch:
+                    break
+                seen += len(batch)
+                for m in batch:
+                    if await act(receiver, m, _text(m)):
+                        hits += 1
+                    else:
+                        await receiver.abandon_message(m)
+        return hits
+
+    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+        if record.status in ("Failed", "Sleeping"):
+            raise InvalidOperation(
+                f"message {record.message_id} is scheduled on Service Bus for {record.not_before}: a scheduled "
+                "message cannot be brought forward (it runs then)"
+            )
+        wanted = str(record.message_id)
+        if record.status in ("DeadLettered", "Expired"):
+
+            async def take(receiver: Any, m: Any, text: str) -> bool:
+                if wanted not in text:
+                    return False
+                await receiver.complete_message(m)  # removed from the dead-letter queue
+                return True
+
+            await self._dead_letters(record.queue, take)
+        await self._send_copy(record.queue, envelope, None)
+        return True
+
+    async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
+        raise InvalidOperation(
+            "a Service Bus lock belongs to the receiver that holds it: only that receiver "
+            "can release it; it returns by itself when the lock duration ends"
+        )
+
+    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
+        return True  # a flag in the history; the message itself has left the queue
+
+    async def ops_purge(
+        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
+    ) -> tuple[int, int]:
+        """Dead letters (and expired ones) are removed from the dead-letter queue; a purge of a whole
+        queue also drains its active messages. Scheduled messages are left to run."""
+        whole = query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}
+        if whole:
+            assert query.queue is not None
+            async with self.client.get_queue_receiver(
+                self.physical(query.queue), receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE
+            ) as r:
+                while await r.receive_messages(max_message_count=100, max_wait_time=1):
+                    pass
+
+            async def drop(receiver: Any, m: Any, text: str) -> bool:
+                await receiver.complete_message(m)
+                return True
+
+            await self._dead_letters(query.queue, drop)
+            return len(records or ()), 0
+        dead = {str(r.message_id) for r in records or () if r.status in ("DeadLettered", "Expired")}
+        for queue in {r.queue for r in records or () if str(r.message_id) in dead}:
+
+            async def matching(receiver: Any, m: Any, text: str) -> bool:
+                if not any(i in text for i in dead):
+                    return False
+                await receiver.complete_message(m)
+                return True
+
+            await self._dead_letters(queue, matching)
+        return len(records or ()), 0
