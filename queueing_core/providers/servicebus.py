@@ -414,8 +414,8 @@ class ServiceBusProvider:
     async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
         if record.status in ("Failed", "Sleeping"):
             raise InvalidOperation(
-                f"message {record.message_id} is scheduled on Service Bus for {record.not_before}: a scheduled "
-                "message cannot be brought forward (it runs then)"
+                f"message {record.message_id} is scheduled on Service Bus for {record.not_before}: "
+                "a scheduled message cannot be brought forward (it runs then)"
             )
         wanted = str(record.message_id)
         if record.status in ("DeadLettered", "Expired"):
