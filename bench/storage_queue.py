@@ -26,7 +26,8 @@ from azure.core.exceptions import ResourceExistsError
 from azure.storage.queue.aio import QueueClient
 
 from queueing_core import QueueingApp, QueueMessage, QueueNaming, queue
-from queueing_core.providers.storage_queue import StorageConnection, StorageQueueProvider
+from queueing_core.connections import StorageConnection
+from queueing_core.providers.storage_queue import StorageQueueProvider
 from queueing_core.runtime import Runtime
 from queueing_core.worker import Worker
 

@@ -67,11 +67,11 @@ class Subscription:
 
 
 def _origin(func: Callable[..., Any]) -> str:
-    try:
-        line = inspect.getsourcelines(func)[1]
-        where = f"{inspect.getsourcefile(func)}:{line}"
-    except (OSError, TypeError):
-        where = getattr(func, "__module__", "?")
+    """``module.qualname (file:line)`` from the code object: no source file is read (cold start)."""
+    code = getattr(inspect.unwrap(func), "__code__", None)
+    where = getattr(func, "__module__", "?")
+    if code is not None:
+        where = f"{code.co_filename}:{code.co_firstlineno}"
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))} ({where})"
 
 

@@ -42,7 +42,8 @@ def make_provider(settings: QueueingSettings) -> Provider:
             maintenance_interval=settings.maintenance_interval,
         )
     if name == "storage_queue":
-        from .providers.storage_queue import StorageConnection, StorageQueueProvider
+        from .connections import StorageConnection
+        from .providers.storage_queue import StorageQueueProvider
 
         return StorageQueueProvider(
             StorageConnection.from_environment(),
@@ -52,8 +53,8 @@ def make_provider(settings: QueueingSettings) -> Provider:
             ttl_grace=settings.ttl_grace,
         )
     if name == "servicebus":
-        from .providers.servicebus import ServiceBusConnection, ServiceBusProvider
-        from .providers.storage_queue import StorageConnection
+        from .connections import ServiceBusConnection, StorageConnection
+        from .providers.servicebus import ServiceBusProvider
         from .providers.tables import tables_from_connection
 
         connection = ServiceBusConnection.from_environment()  # a missing setting fails before Tables

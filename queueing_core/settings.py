@@ -42,6 +42,14 @@ class QueueingSettings(BaseSettings):
     #: storage TTL = the message's expiry + this, so the kit records "Expired" before the service drops it
     ttl_grace: timedelta = timedelta(hours=1)
     api_key: SecretStr | None = None
+    #: how long a paused or held message waits before it is looked at again (Functions: each look is
+    #: an execution, so a longer wait is cheaper there)
+    pause_recheck_seconds: float = Field(default=5.0, gt=0, le=3600)
+    # Azure Functions: NCRONTAB schedules (six fields) and the SQL processor's time budget per run
+    functions_processor_schedule: str = Field(default="*/15 * * * * *", pattern=r"^(\S+\s+){5}\S+$")
+    functions_processor_budget: float = Field(default=50.0, gt=0, le=3600)
+    functions_sweeper_schedule: str = Field(default="*/30 * * * * *", pattern=r"^(\S+\s+){5}\S+$")
+    functions_retention_schedule: str = Field(default="0 5 * * * *", pattern=r"^(\S+\s+){5}\S+$")
     api_max_body_bytes: int = Field(default=256 * 1024, ge=1024, le=64 * 1024 * 1024)
 
 

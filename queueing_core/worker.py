@@ -17,6 +17,7 @@ import contextlib
 import logging
 import random
 import signal
+import time
 from collections.abc import Awaitable, Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -181,6 +182,8 @@ class Worker:
         self._owns_runtime = False
         self._stop_waiter: asyncio.Future[Any] | None = None
         self.started = asyncio.Event()
+        #: monotonic time of the last message received or finished (for hosts that stop when idle)
+        self.last_activity = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def subscriptions(self) -> list[Subscription]:
@@ -315,6 +318,8 @@ class Worker:
                 )
                 await self._until_stopping(asyncio.sleep(delay), None)
                 continue
+            if batch:
+                self.last_activity = time.monotonic()
             for delivery in batch:
                 state.in_flight += 1
                 self._in_flight[id(delivery)] = delivery
@@ -337,6 +342,7 @@ class Worker:
         finally:
             state.in_flight -= 1
             state.slot_freed.set()
+            self.last_activity = time.monotonic()
             self._in_flight.pop(id(delivery), None)
         self.settler.add(settlement)
 
@@ -387,3 +393,18 @@ class Worker:
     @property
     def in_flight(self) -> int:
         return len(self._tasks)
+
+    async def drain(self, budget: float, *, idle_after: float = 2.0) -> None:
+        """Process until nothing has happened for ``idle_after`` seconds or ``budget`` runs out, then
+        shut down (what a scheduled host such as a Functions timer does)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        await self.start()
+        try:
+            while loop.time() < deadline:
+                await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
+                if self.in_flight == 0 and time.monotonic() - self.last_activity > idle_after:
+                    break
+            self.shutdown_timeout = max(0.0, min(self.shutdown_timeout, deadline - loop.time()))
+        finally:
+            await self.shutdown()

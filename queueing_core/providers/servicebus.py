@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,10 +41,11 @@ from azure.servicebus.exceptions import (
 )
 
 from ..clock import utcnow
+from ..connections import ServiceBusConnection
 from ..control.base import ControlStore
 from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
 from ..envelope import Envelope
-from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
+from ..errors import InvalidOperation, ProviderError, ProviderUnavailable
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, Tracker
 from ..transport import Capabilities, Delivery, Settlement
@@ -55,57 +55,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("queueing.servicebus")
 
-CONNECTION = "QueueingServiceBus"
 MAX_LOCK = timedelta(minutes=5)  # the service's limit on a queue's lock duration
 #: Standard tier: 256 KB per message including headers; leave room for the system properties
 MAX_ENVELOPE_BYTES = 250 * 1024
 TYPE_PROPERTY = "queueing-type"
-
-
-@dataclass(frozen=True)
-class ServiceBusConnection:
-    connection_string: str | None = None
-    fully_qualified_namespace: str | None = None
-    client_id: str | None = None
-
-    @classmethod
-    def from_environment(
-        cls, name: str = CONNECTION, env: dict[str, str] | None = None
-    ) -> ServiceBusConnection:
-        """``<name>`` (a connection string, or the emulator's ``UseDevelopmentEmulator=true`` one) or
-        ``<name>__fullyQualifiedNamespace`` for a managed identity, as the Functions host reads them."""
-        e = os.environ if env is None else env
-        conn = e.get(name)
-        fqns = e.get(f"{name}__fullyQualifiedNamespace")
-        if not conn and not fqns:
-            raise ConfigurationError(
-                name,
-                "not set",
-                f"{name}=<connection string> or {name}__fullyQualifiedNamespace=<ns>.servicebus.windows.net",
-            )
-        return cls(conn or None, None if conn else fqns, e.get(f"{name}__clientId"))
-
-    def clients(self) -> tuple[Any, Any, Any]:
-        """(ServiceBusClient, ServiceBusAdministrationClient, credential to close or None)."""
-        from azure.servicebus.aio import ServiceBusClient
-        from azure.servicebus.aio.management import ServiceBusAdministrationClient
-
-        if self.connection_string:
-            client = ServiceBusClient.from_connection_string(self.connection_string)
-            try:
-                admin = ServiceBusAdministrationClient.from_connection_string(self.connection_string)
-            except ValueError:  # the emulator's string: no administration endpoint
-                admin = None
-            return client, admin, None
-        from azure.identity.aio import DefaultAzureCredential
-
-        assert self.fully_qualified_namespace is not None
-        credential = DefaultAzureCredential(managed_identity_client_id=self.client_id)
-        return (
-            ServiceBusClient(self.fully_qualified_namespace, credential),
-            ServiceBusAdministrationClient(self.fully_qualified_namespace, credential),
-            credential,
-        )
 
 
 @contextlib.contextmanager
@@ -280,7 +233,8 @@ class ServiceBusProvider:
                         batch.add_message(msg)
                 await sender.send_messages(batch)
 
-    async def _send_copy(self, queue: str, env: Envelope, at: datetime | None) -> None:
+    async def send_copy(self, queue: str, env: Envelope, at: datetime | None) -> None:
+        """A copy of ``env`` (not taken for a duplicate of the original), scheduled for ``at``."""
         now = utcnow()
         msg = self._message(env, now, copy=True)
         if at is not None and at > now:
@@ -337,7 +291,7 @@ class ServiceBusProvider:
                     assert isinstance(decision, Release)
                     at = None
                 # send the copy first: if completing fails afterwards, a duplicate beats a loss
-                await self._send_copy(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), at)
+                await self.send_copy(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), at)
                 await r.complete_message(m)
         except (MessageLockLostError, MessageAlreadySettled) as exc:
             # another consumer owns it now (the lock expired): it will be processed again there
@@ -427,7 +381,7 @@ class ServiceBusProvider:
                 return True
 
             await self._dead_letters(record.queue, take)
-        await self._send_copy(record.queue, envelope, None)
+        await self.send_copy(record.queue, envelope, None)
         return True
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:

@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -41,6 +40,7 @@ from azure.core.exceptions import (
 from azure.storage.queue.aio import QueueClient, QueueServiceClient
 
 from ..clock import utcnow
+from ..connections import STORAGE, StorageConnection
 from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
 from ..envelope import Envelope
 from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
@@ -60,59 +60,6 @@ MAX_ENVELOPE_BYTES = 48 * 1024
 REASON = "x-queueing-dead-letter-reason"
 DESCRIPTION = "x-queueing-dead-letter-description"
 DEAD_AT = "x-queueing-dead-lettered-at"
-CONNECTION = "QueueingStorage"
-
-
-@dataclass(frozen=True)
-class StorageConnection:
-    """Where the account is: a connection string, or service URIs used with an Entra identity."""
-
-    connection_string: str | None = None
-    queue_service_uri: str | None = None
-    table_service_uri: str | None = None
-    client_id: str | None = None
-
-    @classmethod
-    def from_environment(cls, name: str = CONNECTION, env: dict[str, str] | None = None) -> StorageConnection:
-        """Read ``<name>`` (connection string) or ``<name>__queueServiceUri`` / ``__tableServiceUri`` /
-        ``__serviceUri`` / ``__accountName`` (identity), the names the Functions host uses too."""
-        e = os.environ if env is None else env
-        conn = e.get(name)
-        account = e.get(f"{name}__accountName")
-        queue_uri = e.get(f"{name}__queueServiceUri") or e.get(f"{name}__serviceUri")
-        table_uri = e.get(f"{name}__tableServiceUri")
-        if account and not queue_uri:
-            queue_uri = f"https://{account}.queue.core.windows.net"
-        if account and not table_uri:
-            table_uri = f"https://{account}.table.core.windows.net"
-        if not conn and not queue_uri:
-            raise ConfigurationError(
-                name,
-                "not set",
-                f"{name}=<connection string> or {name}__queueServiceUri=https://<account>"
-                ".queue.core.windows.net (+ __tableServiceUri) for a managed identity",
-            )
-        if conn == "UseDevelopmentStorage=true":
-            conn = _AZURITE
-        return cls(
-            conn or None,
-            queue_uri if not conn else None,
-            table_uri if not conn else None,
-            e.get(f"{name}__clientId"),
-        )
-
-    def credential(self) -> Any:
-        from azure.identity.aio import DefaultAzureCredential  # only for identity-based connections
-
-        return DefaultAzureCredential(managed_identity_client_id=self.client_id)
-
-
-_AZURITE = (
-    "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
-    "AccountKey=Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==;"
-    "BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1;QueueEndpoint=http://127.0.0.1:10001/devstoreaccount1;"
-    "TableEndpoint=http://127.0.0.1:10002/devstoreaccount1;"
-)
 
 
 def whole_seconds(delay: timedelta) -> int:
@@ -192,7 +139,7 @@ class StorageQueueProvider:
         else:
             if not connection.table_service_uri:
                 raise ConfigurationError(
-                    f"{CONNECTION}__tableServiceUri", "not set", "https://<account>.table.core.windows.net"
+                    f"{STORAGE}__tableServiceUri", "not set", "https://<account>.table.core.windows.net"
                 )
             assert connection.queue_service_uri is not None
             self._service = QueueServiceClient(connection.queue_service_uri, credential=self._credential)
@@ -268,7 +215,7 @@ class StorageQueueProvider:
             return -1  # never expires
         return max(1, math.ceil((env.expires_at - now + self.ttl_grace).total_seconds()))
 
-    async def _put(self, queue: str, env: Envelope, visible_in: timedelta, now: datetime) -> None:
+    async def put(self, queue: str, env: Envelope, visible_in: timedelta, now: datetime) -> None:
         """Send one envelope, hidden for ``visible_in`` (callers hold the concurrency limit)."""
         c = await self._ensure(self.physical(queue))
         hide = min(max(visible_in, timedelta(0)), MAX_VISIBILITY)
@@ -290,7 +237,7 @@ class StorageQueueProvider:
         await asyncio.gather(
             *(
                 self._limited(
-                    self._put(e.queue, e, (e.not_before - now) if e.not_before else timedelta(0), now)
+                    self.put(e.queue, e, (e.not_before - now) if e.not_before else timedelta(0), now)
                 )
                 for e in envelopes
             )
@@ -354,7 +301,7 @@ class StorageQueueProvider:
             elif isinstance(decision, RetryAfter):
                 await self._hide(h, decision.delay)  # the next dequeue counts the attempt
             elif isinstance(decision, DeadLetter):
-                await self._dead_letter(d, decision, now)
+                await self.dead_letter(d, decision, now)
                 await self._delete(h)
             else:
                 assert isinstance(decision, Defer | Release)
@@ -363,10 +310,11 @@ class StorageQueueProvider:
                 due = decision.until if isinstance(decision, Defer) else now
                 copy = d.envelope.with_attempt(d.attempts_used(decision))
                 # a fresh copy starts at dequeue_count 0: the deferral costs no attempt
-                await self._put(d.queue, copy, due - now, now)
+                await self.put(d.queue, copy, due - now, now)
                 await self._delete(h)
 
-    async def _dead_letter(self, d: Delivery, decision: DeadLetter, now: datetime) -> None:
+    async def dead_letter(self, d: Delivery, decision: DeadLetter, now: datetime) -> None:
+        """Put ``d`` in ``<queue>-poison`` with the reason (the original is settled by the caller)."""
         poison = await self._ensure(self.poison_name(d.queue))
         if d.envelope is not None:
             env = d.envelope.model_copy(
@@ -464,7 +412,7 @@ class StorageQueueProvider:
 
         if record.status == "DeadLettered":
             await self._scan_poison(record.queue, lambda text: wanted in text, delete)
-        await self._put(record.queue, envelope, timedelta(0), now)
+        await self.put(record.queue, envelope, timedelta(0), now)
         self._wake(record.queue)
         return True
 

@@ -197,7 +197,8 @@ def postgres() -> Harness:
 
 # -- Azure Storage Queues (Azurite) ----------------------------------------------------------------
 def storage_queue(azurite) -> Harness:
-    from queueing_core.providers.storage_queue import StorageConnection, StorageQueueProvider, encode_body
+    from queueing_core.connections import StorageConnection
+    from queueing_core.providers.storage_queue import StorageQueueProvider, encode_body
 
     # fresh tables per test: a shared control table would leak pauses between tests
     tables = {"control_table": f"ctl{uuid.uuid4().hex[:10]}", "tracker_table": f"hist{uuid.uuid4().hex[:10]}"}
@@ -274,8 +275,9 @@ def servicebus_live() -> Harness:
             "set QUEUEING_TEST_SERVICEBUS_CONNECTION (a namespace connection string or the emulator's "
             "UseDevelopmentEmulator=true string) to run the contract suite on real Service Bus"
         )
+    from queueing_core.connections import ServiceBusConnection
     from queueing_core.control import MemoryControlStore
-    from queueing_core.providers.servicebus import ServiceBusConnection, ServiceBusProvider
+    from queueing_core.providers.servicebus import ServiceBusProvider
     from queueing_core.tracking import MemoryTracker
 
     made: list[ServiceBusProvider] = []

@@ -20,11 +20,11 @@ from queueing_core import (
     RetryPolicy,
     queue,
 )
+from queueing_core.connections import ServiceBusConnection
 from queueing_core.errors import ConfigurationError
 from queueing_core.fakes.servicebus import FakeClock, FakeServiceBusNamespace
 from queueing_core.ops import OpsService
 from queueing_core.ops.api import PREFIX, create_app
-from queueing_core.providers.servicebus import ServiceBusConnection
 from queueing_core.testing import in_memory_servicebus
 from queueing_core.tracking import MessageQuery
 from tests.contract.harness import all_have, running, wait_until
@@ -230,12 +230,8 @@ def test_connection_settings_are_read_like_the_functions_host_does():
             "QueueingServiceBus__clientId": "abc",
         }
     )
-    assert (
-        identity.connection_string is None
-    )
-    assert (
-        identity.fully_qualified_namespace == "ns.servicebus.windows.net"
-    )
+    assert identity.connection_string is None
+    assert identity.fully_qualified_namespace == "ns.servicebus.windows.net"
     emulator = ServiceBusConnection.from_environment(
         env={
             "QueueingServiceBus": "Endpoint=sb://localhost;SharedAccessKeyName=x;SharedAccessKey=y;"

@@ -1,0 +1,174 @@
+"""The Azure Functions adapter: an app's registry turned into queue triggers, timers and the ops API.
+
+``build_app()`` reads the ``QUEUEING_*`` app settings and the app (``QUEUEING_APP``) and registers:
+
+- one queue trigger per registered type on the configured transport (``queue_trigger`` on
+  ``QueueingStorage``, or ``service_bus_queue_trigger`` on ``QueueingServiceBus``);
+- SQL: a processor timer (claims and processes within a time budget) and a lease sweeper;
+- a retention timer (SQL archive/delete, or pruning of the Tables history);
+- one HTTP function serving the ops API under ``/api/_system/queueing`` (auth level FUNCTION, and
+  the API key as well).
+
+Importing this module opens no connection and loads no transport SDK; a missing or invalid setting
+fails indexing with one line that names it.
+"""
+
+import logging
+import re
+from typing import Any
+
+import azure.functions as func
+
+from queueing_core.app import QueueingApp, Subscription
+from queueing_core.connections import ServiceBusConnection, StorageConnection
+from queueing_core.errors import ConfigurationError
+from queueing_core.loader import load_app
+from queueing_core.naming import Transport
+from queueing_core.settings import QueueingSettings, load_settings
+
+from .host import FunctionsHost
+
+log = logging.getLogger("queueing.functions")
+
+STORAGE_CONNECTION = "QueueingStorage"
+SERVICEBUS_CONNECTION = "QueueingServiceBus"
+
+
+def function_name(prefix: str, queue: str) -> str:
+    """Function names: letters, digits and underscores, starting with a letter, at most 128."""
+    return f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', queue)}"[:128]
+
+
+class LazyAsgi:
+    """The ops API, built on the first request: FastAPI is not imported at cold start."""
+
+    def __init__(self, host: FunctionsHost) -> None:
+        self.host = host
+        self._app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self._app is None:
+            from queueing_core.ops.api import create_app
+            from queueing_core.ops.service import OpsService
+
+            async def ops() -> OpsService:
+                return OpsService(await self.host.runtime())
+
+            key = self.host.settings.api_key
+            self._app = create_app(
+                ops,
+                api_key=key.get_secret_value() if key else None,
+                max_body_bytes=self.host.settings.api_max_body_bytes,
+            )
+        await self._app(scope, receive, send)
+
+
+def _check_connections(transport: str, env: dict[str, str]) -> None:
+    """A trigger without its connection setting would fail later in the host; say so at indexing."""
+    if transport == Transport.SERVICE_BUS:
+        ServiceBusConnection.from_environment(SERVICEBUS_CONNECTION, env)
+    if transport in (Transport.SERVICE_BUS, Transport.STORAGE_QUEUE):
+        StorageConnection.from_environment(STORAGE_CONNECTION, env)  # queues and/or the Tables
+
+
+def build_app(
+    settings: QueueingSettings | None = None,
+    queueing_app: QueueingApp | None = None,
+    *,
+    host: FunctionsHost | None = None,
+    env: dict[str, str] | None = None,
+) -> func.AsgiFunctionApp:
+    """The Functions app for ``queueing_app`` (default: ``QUEUEING_APP``) on the configured transport."""
+    import os
+
+    cfg = settings or load_settings()
+    qapp = queueing_app or load_app(cfg.app, setting="QUEUEING_APP")
+    transport = Transport(cfg.provider)
+    if transport is Transport.INPROCESS:
+        raise ConfigurationError(
+            "QUEUEING_PROVIDER", "'inprocess' cannot serve Azure Functions", "servicebus, storage_queue, sql"
+        )
+    if transport in (Transport.RABBITMQ, Transport.SQS):
+        raise ConfigurationError(
+            "QUEUEING_PROVIDER",
+            f"{transport.value!r} has no Functions trigger here",
+            "servicebus, storage_queue, sql",
+        )
+    _check_connections(transport, dict(os.environ) if env is None else env)
+    if cfg.queue_prefix or cfg.queue_suffix:
+        from queueing_core.naming import QueueNaming
+
+        qapp.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
+    if transport is Transport.SQL and cfg.database_url.startswith("sqlite"):
+        log.warning(
+            "QUEUEING_DATABASE_URL is SQLite: on Azure Functions every instance has its own file; "
+            "use PostgreSQL to share the queues"
+        )
+    the_host = host or FunctionsHost(qapp, cfg)
+    app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=func.AuthLevel.FUNCTION)
+    for sub in qapp.subscriptions():
+        if transport is Transport.STORAGE_QUEUE:
+            _storage_trigger(app, the_host, sub, sub.physical_queue(qapp.naming, transport))
+        elif transport is Transport.SERVICE_BUS:
+            _servicebus_trigger(app, the_host, sub, sub.physical_queue(qapp.naming, transport))
+    _timers(app, the_host, cfg, transport)
+    return app
+
+
+def _storage_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscription, queue: str) -> None:
+    async def on_message(msg: func.QueueMessage) -> None:
+        await host.on_storage_message(sub, msg)
+
+    name = function_name("queue", sub.queue)
+    on_message.__name__ = name
+    app.function_name(name)(
+        app.queue_trigger(arg_name="msg", queue_name=queue, connection=STORAGE_CONNECTION)(on_message)
+    )
+
+
+def _servicebus_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscription, queue: str) -> None:
+    # the SDK-type binding: the worker reads these annotations to hand over the message and its actions
+    import azurefunctions.extensions.bindings.servicebus as servicebus
+
+    async def on_message(msg: Any, message_actions: Any) -> None:
+        await host.on_servicebus_message(sub, msg, message_actions)
+
+    on_message.__annotations__ = {
+        "msg": servicebus.ServiceBusReceivedMessage,
+        "message_actions": servicebus.ServiceBusMessageActions,
+        "return": None,
+    }
+    name = function_name("servicebus", sub.queue)
+    on_message.__name__ = name
+    trigger = app.service_bus_queue_trigger(
+        arg_name="msg", queue_name=queue, connection=SERVICEBUS_CONNECTION, auto_complete_messages=False
+    )
+    app.function_name(name)(trigger(on_message))
+
+
+def _timers(app: func.FunctionApp, host: FunctionsHost, cfg: QueueingSettings, transport: Transport) -> None:
+    def timer(name: str, schedule: str, work: Any) -> None:
+        async def tick(timer: func.TimerRequest) -> None:
+            if timer.past_due:
+                log.info("%s is running late (past due)", name)
+            done = await work()
+            if done:
+                log.info(
+                    "%s: %s", name, ", ".join(f"{k}={v}" for k, v in done.items() if v) or "nothing to do"
+                )
+
+        tick.__name__ = name
+        app.function_name(name)(
+            app.timer_trigger(schedule=schedule, arg_name="timer", run_on_startup=False, use_monitor=True)(
+                tick
+            )
+        )
+
+    if transport is Transport.SQL:
+
+        async def process() -> None:
+            await host.process_sql(cfg.functions_processor_budget)
+
+        timer("queueing_sql_processor", cfg.functions_processor_schedule, process)
+        timer("queueing_lease_sweeper", cfg.functions_sweeper_schedule, host.sweep_leases)
+    timer("queueing_retention", cfg.functions_retention_schedule, host.retention)

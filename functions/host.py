@@ -1,0 +1,178 @@
+"""What each Azure Function does: feed one message (or one timer tick) to the same runtime and
+decision pipeline as the worker, then settle the decision in the way its trigger allows.
+
+Settlement inside Functions:
+
+Storage Queues trigger (the host deletes the message when the function returns, and on an exception
+retries it until ``maxDequeueCount``, then moves it to ``<queue>-poison``):
+
+=============  ==========================================================================
+Complete       return: the host deletes it
+RetryAfter     send a copy hidden for the backoff (attempts used in its envelope); return
+Defer/Release  the same, without counting an attempt (pause, waiting for a handler, early)
+DeadLetter     put it in ``<queue>-poison`` with the reason and last error; return
+Expire         return (deleted), recorded as Expired
+=============  ==========================================================================
+
+So a poison message never crash-loops and a pause never burns the dequeue count. Only a failure of
+the kit itself (the store unreachable) raises, and then the host's own retry and poison apply.
+
+Service Bus trigger, with SDK-type bindings and ``auto_complete_messages=False`` (the default
+auto-complete mode can only complete or abandon, so it could not dead-letter an expired or refused
+message *with a reason*, and abandoning for a retry spends the delivery count with no backoff):
+
+=============  ==========================================================================
+Complete       ``message_actions.complete``
+RetryAfter     a copy scheduled for now + backoff (attempts in its envelope), then complete
+Defer/Release  the same, without counting an attempt
+DeadLetter     ``message_actions.deadletter(reason=MaxDeliveryAttemptsExceeded|NonRetryable|...)``
+Expire         ``message_actions.deadletter(reason=Expired)``
+=============  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from queueing_core.app import QueueingApp, Subscription
+from queueing_core.bootstrap import make_provider
+from queueing_core.clock import utcnow
+from queueing_core.decisions import DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from queueing_core.runtime import Runtime
+from queueing_core.settings import QueueingSettings
+from queueing_core.transport import Delivery, Settlement
+
+if TYPE_CHECKING:
+    import azure.functions as func
+
+log = logging.getLogger("queueing.functions")
+
+
+class FunctionsHost:
+    """One per Functions worker process: the runtime is built and opened on the first invocation (never
+    at import), then shared by every function of the process."""
+
+    def __init__(
+        self, app: QueueingApp, settings: QueueingSettings, *, runtime: Runtime | None = None
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self._runtime = runtime
+        self._opening: asyncio.Lock | None = None
+
+    async def runtime(self) -> Runtime:
+        if self._runtime is None or not self._runtime.is_open:
+            if self._opening is None:
+                self._opening = asyncio.Lock()
+            async with self._opening:
+                if self._runtime is None:
+                    self._runtime = Runtime(
+                        self.app,
+                        make_provider(self.settings),
+                        pause_recheck=timedelta(seconds=self.settings.pause_recheck_seconds),
+                        waiting_recheck=timedelta(seconds=max(30.0, self.settings.pause_recheck_seconds)),
+                    )
+                await self._runtime.open()
+        return self._runtime
+
+    # -- queue triggers ----------------------------------------------------------------------------
+    async def on_storage_message(self, sub: Subscription, msg: func.QueueMessage) -> Settlement:
+        rt = await self.runtime()
+        delivery = Delivery.of(msg.get_body(), queue=sub.queue, delivery_count=msg.dequeue_count or 1)
+        settlement = await rt.process(delivery)
+        await settle_storage(rt.provider, settlement)
+        await rt.record([settlement])
+        return settlement
+
+    async def on_servicebus_message(self, sub: Subscription, msg: Any, actions: Any) -> Settlement:
+        from queueing_core.providers.servicebus import _text
+
+        rt = await self.runtime()
+        delivery = Delivery.of(_text(msg), queue=sub.queue, delivery_count=(msg.delivery_count or 0) + 1)
+        settlement = await rt.process(delivery)
+        await settle_servicebus(rt.provider, settlement, msg, actions)
+        await rt.record([settlement])
+        return settlement
+
+    # -- timers ------------------------------------------------------------------------------------
+    async def process_sql(self, budget: float) -> None:
+        """Claim and process batches until idle or until ``budget`` seconds have passed."""
+        from queueing_core.worker import Worker
+
+        rt = await self.runtime()
+        worker = Worker(rt, shutdown_timeout=min(10.0, budget / 5), poll_min=0.05, poll_max=1.0)
+        await worker.drain(budget)
+
+    async def sweep_leases(self) -> dict[str, int]:
+        """Expired leases back to retry (or Abandoned), overdue waiting messages to Expired."""
+        from queueing_core.providers.sql.maintenance import expire_waiting, sweep_leases
+        from queueing_core.providers.sql.provider import SqlProvider
+
+        rt = await self.runtime()
+        provider = rt.provider
+        assert isinstance(provider, SqlProvider)
+        now = utcnow()
+        done = await sweep_leases(provider, self.app, now)
+        done["expired"] = await expire_waiting(provider, self.app, now)
+        return done
+
+    async def retention(self) -> dict[str, int]:
+        """SQL: archive and delete by the retention policy; cloud transports: prune old history."""
+        rt = await self.runtime()
+        provider = rt.provider
+        if provider.transport.value == "sql":
+            from queueing_core.providers.sql.maintenance import retain
+            from queueing_core.providers.sql.provider import SqlProvider
+
+            assert isinstance(provider, SqlProvider)
+            return await retain(provider, self.app, utcnow())
+        maintain = getattr(provider, "maintain", None)
+        return await maintain(self.app) if maintain is not None else {}
+
+
+async def settle_storage(provider: Any, s: Settlement) -> None:
+    """Only what returning cannot say: copies for later, poison for dead letters (see the table above)."""
+    d, decision = s.delivery, s.decision
+    now = utcnow()
+    if isinstance(decision, DeadLetter):
+        await provider.dead_letter(d, decision, now)
+    elif isinstance(decision, RetryAfter | Defer | Release):
+        assert d.envelope is not None, "malformed messages are always dead-lettered"
+        due = _due(decision, now)
+        await provider.put(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), due - now, now)
+
+
+async def settle_servicebus(provider: Any, s: Settlement, msg: Any, actions: Any) -> None:
+    d, decision = s.delivery, s.decision
+    if isinstance(decision, Expire):
+        actions.deadletter(
+            msg,
+            deadletter_reason=DeadLetterReason.EXPIRED.pascal,
+            deadletter_error_description=f"expired at {decision.expired_at.isoformat()}",
+        )
+    elif isinstance(decision, DeadLetter):
+        actions.deadletter(
+            msg,
+            deadletter_reason=decision.reason.pascal,
+            deadletter_error_description=decision.description[:4096],
+        )
+    elif isinstance(decision, RetryAfter | Defer | Release):
+        assert d.envelope is not None, "malformed messages are always dead-lettered"
+        # the copy first: if completing fails after it, a duplicate beats a loss
+        await provider.send_copy(
+            d.queue, d.envelope.with_attempt(d.attempts_used(decision)), _due(decision, utcnow())
+        )
+        actions.complete(msg)
+    else:
+        actions.complete(msg)
+
+
+def _due(decision: RetryAfter | Defer | Release, now: datetime) -> datetime:
+    if isinstance(decision, RetryAfter):
+        return now + decision.delay
+    if isinstance(decision, Defer):
+        return decision.until
+    return now

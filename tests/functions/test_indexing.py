@@ -1,0 +1,150 @@
+"""Indexing: what `func azure functionapp publish` would index, checked here rather than after a
+publish (a host that fails to index reports "0 functions found")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from functions import build_app
+from queueing_core.errors import ConfigurationError
+from queueing_core.settings import QueueingSettings
+
+from .conftest import bindings, functions_of
+
+EXAMPLE_QUEUES = {"capture-payment", "generate-invoice", "order-placed"}
+STORAGE_ENV = {"QueueingStorage": "UseDevelopmentStorage=true"}
+SB_ENV = {**STORAGE_ENV, "QueueingServiceBus__fullyQualifiedNamespace": "kit.servicebus.windows.net"}
+
+
+def test_storage_queue_app_has_one_trigger_per_type_a_timer_and_the_ops_function():
+    app = build_app(QueueingSettings(provider="storage_queue"), env=STORAGE_ENV)
+    fns = functions_of(app)
+    assert set(fns) == {
+        "http_app_func",
+        "queue_capture_payment",
+        "queue_generate_invoice",
+        "queue_order_placed",
+        "queueing_retention",
+    }
+    queues = set()
+    for name, fn in fns.items():
+        [b, *_] = bindings(fn)
+        if name.startswith("queue_"):
+            assert b["type"] == "queueTrigger"
+            assert b["connection"] == "QueueingStorage"
+            assert b["name"] == "msg"
+            queues.add(b["queueName"])
+    assert queues == EXAMPLE_QUEUES
+    http = bindings(fns["http_app_func"])[0]
+    assert http["authLevel"] == "FUNCTION"
+    assert http["route"] == "/{*route}"
+    retention = bindings(fns["queueing_retention"])[0]
+    assert retention["type"] == "timerTrigger"
+    assert len(retention["schedule"].split()) == 6
+
+
+def test_servicebus_app_uses_sdk_type_bindings_without_auto_complete():
+    app = build_app(QueueingSettings(provider="servicebus", queue_prefix="prod-"), env=SB_ENV)
+    fns = functions_of(app)
+    sb = {n: bindings(f)[0] for n, f in fns.items() if n.startswith("servicebus_")}
+    assert {b["queueName"] for b in sb.values()} == {f"prod-{q}" for q in EXAMPLE_QUEUES}
+    for b in sb.values():
+        assert b["type"] == "serviceBusTrigger"
+        assert b["connection"] == "QueueingServiceBus"
+        assert b["autoCompleteMessages"] is False
+    fn = fns["servicebus_order_placed"].get_user_function()
+    assert {p.__name__ for p in fn.__annotations__.values() if p is not None} == {
+        "ServiceBusReceivedMessage",
+        "ServiceBusMessageActions",
+    }
+
+
+def test_sql_app_has_processor_sweeper_and_retention_timers():
+    cfg = QueueingSettings(
+        provider="sql", database_url="postgresql://h/db", functions_processor_schedule="0 */2 * * * *"
+    )
+    fns = functions_of(build_app(cfg, env={}))
+    timers = {n: bindings(f)[0]["schedule"] for n, f in fns.items() if n.startswith("queueing_")}
+    assert timers == {
+        "queueing_sql_processor": "0 */2 * * * *",
+        "queueing_lease_sweeper": "*/30 * * * * *",
+        "queueing_retention": "0 5 * * * *",
+    }
+    assert not [n for n in fns if n.startswith(("queue_", "servicebus_"))]  # SQL needs no queue triggers
+
+
+@pytest.mark.parametrize(
+    ("settings", "env", "names"),
+    [
+        (QueueingSettings(provider="storage_queue"), {}, "QueueingStorage: not set"),
+        (QueueingSettings(provider="servicebus"), STORAGE_ENV, "QueueingServiceBus: not set"),
+        (QueueingSettings(provider="inprocess"), {}, "QUEUEING_PROVIDER: 'inprocess' cannot serve"),
+    ],
+)
+def test_missing_or_wrong_settings_fail_indexing_with_one_line_naming_them(settings, env, names):
+    with pytest.raises(ConfigurationError) as info:
+        build_app(settings, env=env)
+    assert str(info.value).startswith(names)
+    assert "\n" not in str(info.value)
+
+
+def run_import(env: dict[str, str], code: str = "import function_app") -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("QUEUEING_", "Queueing"))}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=os.getcwd(),
+    )
+
+
+def test_a_misspelled_setting_fails_the_import_with_one_line():
+    done = run_import({"QUEUEING_PROVIDER": "stroage_queue"})
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "QUEUEING_PROVIDER: 'stroage_queue' is not accepted" in last
+    assert "'storage_queue'" in last
+
+
+COLD = """
+import builtins, socket, sys
+opened = []
+real_open = builtins.open
+def spy(file, *a, **k):
+    opened.append(str(file))
+    return real_open(file, *a, **k)
+builtins.open = spy
+def refuse(*a, **k):
+    raise AssertionError(f"network at import: {a}")
+socket.socket.connect = refuse
+socket.create_connection = refuse
+import function_app
+heavy = ("azure.servicebus", "azure.storage", "azure.data", "azure.identity", "sqlalchemy", "psycopg",
+         "aiosqlite", "fastapi", "starlette", "uvicorn", "aiohttp", "azurefunctions.extensions")
+print(sorted({next(h for h in heavy if m.startswith(h)) for m in sys.modules if m.startswith(heavy)}))
+print(opened)
+print(len(function_app.app.get_functions()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "allowed", "functions"),
+    [
+        ({"QUEUEING_PROVIDER": "storage_queue", **STORAGE_ENV}, set(), 5),
+        ({"QUEUEING_PROVIDER": "sql", "QUEUEING_DATABASE_URL": "postgresql://h/db"}, set(), 4),
+        ({"QUEUEING_PROVIDER": "servicebus", **SB_ENV}, {"azure.servicebus", "azurefunctions.extensions"}, 5),
+    ],
+)
+def test_import_loads_only_what_the_configuration_needs_and_touches_nothing(env, allowed, functions):
+    done = run_import(env, COLD)
+    assert done.returncode == 0, done.stderr
+    loaded, opened, count = done.stdout.strip().splitlines()
+    assert set(eval(loaded)) <= allowed, loaded
+    assert eval(opened) == []
+    assert int(count) == functions

@@ -1,0 +1,241 @@
+"""Every queue-triggered function called as the host calls it, with azure.functions objects:
+Storage Queues over Azurite, Service Bus over the in-memory Service Bus. Success, retry,
+dead-letter, expiry, pause, a malformed body and an unknown type, settled as documented."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from datetime import timedelta
+
+import azure.functions.queue as azq
+import pytest
+from azure.servicebus import ServiceBusMessage, ServiceBusSubQueue
+from azure.storage.queue.aio import QueueClient
+
+from functions import build_app
+from functions.host import FunctionsHost
+from queueing_core import NonRetryableError, QueueingApp, QueueMessage, Retry, queue
+from queueing_core.fakes.servicebus import FakeServiceBusNamespace
+from queueing_core.providers.storage_queue import decode_body
+from queueing_core.settings import QueueingSettings
+from queueing_core.testing import in_memory_servicebus
+
+from .conftest import RecordingActions, functions_of, user
+
+
+@queue("fn-jobs", max_attempts=3)
+class Job(QueueMessage):
+    mode: str = "ok"  # ok | retry | fatal
+
+
+def job_app() -> tuple[QueueingApp, list[tuple[str, int]]]:
+    app = QueueingApp("fn")
+    seen: list[tuple[str, int]] = []
+
+    @app.handler()
+    async def handle(msg: Job, ctx) -> None:
+        seen.append((msg.mode, ctx.attempt))
+        if msg.mode == "retry":
+            raise Retry(after=timedelta(seconds=30), reason="try later")
+        if msg.mode == "fatal":
+            raise NonRetryableError("will never work")
+
+    return app, seen
+
+
+# -- Storage Queues ---------------------------------------------------------------------------------
+@pytest.fixture
+async def storage(azurite, monkeypatch):
+    tag = uuid.uuid4().hex[:8]
+    monkeypatch.setenv("QueueingStorage", azurite.connection_string)
+    cfg = QueueingSettings(
+        provider="storage_queue",
+        queue_prefix=f"f{tag}-",
+        control_table=f"ctl{tag}",
+        tracker_table=f"hist{tag}",
+        pause_recheck_seconds=5,
+    )
+    app, seen = job_app()
+    host = FunctionsHost(app, cfg)
+    fn = user(functions_of(build_app(cfg, app, host=host))["queue_fn_jobs"])
+    rt = await host.runtime()
+    name = rt.provider.physical("fn-jobs")
+    client = QueueClient.from_connection_string(azurite.connection_string, name)
+    poison = QueueClient.from_connection_string(azurite.connection_string, f"{name}-poison")
+    yield app, rt, fn, client, poison, seen
+    await client.close()
+    await poison.close()
+    await rt.close()
+
+
+async def deliver(client: QueueClient, fn, raw_text: str | None = None) -> tuple[object, object]:
+    """The host's part: receive, base64-decode, call the function, delete after a normal return."""
+    if raw_text is not None:
+        await client.send_message(raw_text)
+    [m] = [m async for m in client.receive_messages(max_messages=1, visibility_timeout=30)]
+    try:
+        body = base64.b64decode(m.content, validate=True)
+    except ValueError:
+        body = m.content.encode()
+    msg = azq.QueueMessage(
+        id=m.id,
+        body=body,
+        dequeue_count=m.dequeue_count,
+        pop_receipt=m.pop_receipt,
+        insertion_time=m.inserted_on,
+    )
+    await fn(msg)
+    await client.delete_message(m.id, m.pop_receipt)
+    return m, msg
+
+
+async def peek_all(client: QueueClient) -> list[dict]:
+    props = await client.get_queue_properties()
+    out = []
+    if props.approximate_message_count:
+        out = [json.loads(decode_body(m.content)) for m in await client.peek_messages(max_messages=32)]
+    return out
+
+
+async def test_storage_success_retry_deadletter_and_malformed(storage):
+    app, rt, fn, client, poison, seen = storage
+    ok = await app.enqueue(Job())
+    await deliver(client, fn)
+    assert (await rt.tracker.get(ok.message_id)).status == "Succeeded"
+
+    retry = await app.enqueue(Job(mode="retry"))
+    await deliver(client, fn)
+    rec = await rt.tracker.get(retry.message_id)
+    assert rec.status == "Failed"
+    assert rec.attempt == 1
+    props = await client.get_queue_properties()
+    assert props.approximate_message_count == 1  # the copy, hidden for the backoff
+    assert [m async for m in client.receive_messages(max_messages=1)] == []  # not visible yet
+
+    fatal = await app.enqueue(Job(mode="fatal"))
+    # the retry copy is hidden, so the next visible message is the fatal one
+    await deliver(client, fn)
+    [dead] = await peek_all(poison)
+    assert dead["message_id"] == str(fatal.message_id)
+    assert dead["headers"]["x-queueing-dead-letter-reason"] == "non-retryable"
+    await deliver(client, fn, raw_text=base64.b64encode(b"not an envelope").decode())
+    wrapped = [d for d in await peek_all(poison) if "dead_letter" in d]
+    assert wrapped[0]["raw"] == "not an envelope"
+    assert wrapped[0]["dead_letter"]["reason"] == "malformed-envelope"
+    assert seen == [("ok", 1), ("retry", 1), ("fatal", 1)]
+
+
+async def test_storage_expired_paused_and_unknown_type(storage):
+    app, rt, fn, client, poison, seen = storage
+    expired = await app.enqueue(Job(), ttl=timedelta(milliseconds=200))
+    import asyncio
+
+    await asyncio.sleep(0.3)
+    await deliver(client, fn)
+    assert (await rt.tracker.get(expired.message_id)).status == "Expired"
+
+    await rt.control.set_paused("queue", "fn-jobs", True)
+    paused = await app.enqueue(Job())
+    await deliver(client, fn)
+    rec = await rt.tracker.get(paused.message_id)
+    assert rec.status == "Paused"
+    assert rec.attempt == 0  # a pause uses no attempt
+    await rt.control.set_paused("queue", "fn-jobs", False)
+
+    env = rt.producer.envelope_for(Job()).model_copy(update={"type": "RenamedJob"})
+    await deliver(client, fn, raw_text=base64.b64encode(env.encode()).decode())
+    rec = await rt.tracker.get(env.message_id)
+    assert rec.status == "WaitingForHandler"
+    assert rec.attempt == 0
+    assert seen == []  # nothing reached the handler
+    assert await peek_all(poison) == []
+
+
+# -- Service Bus ------------------------------------------------------------------------------------
+@pytest.fixture
+async def servicebus():
+    ns = FakeServiceBusNamespace()
+    app, seen = job_app()
+    rt = in_memory_servicebus(app, ns)
+    cfg = QueueingSettings(provider="servicebus")
+    host = FunctionsHost(app, cfg, runtime=rt)
+    env = {
+        "QueueingServiceBus": "Endpoint=sb://fake/;SharedAccessKeyName=k;SharedAccessKey=v",
+        "QueueingStorage": "UseDevelopmentStorage=true",
+    }
+    fn = user(functions_of(build_app(cfg, app, host=host, env=env))["servicebus_fn_jobs"])
+    await rt.open()
+    receiver = rt.provider.client.get_queue_receiver("fn-jobs")
+    yield app, rt, fn, receiver, seen
+    await receiver.close()
+    await rt.close()
+
+
+async def sb_deliver(receiver, fn) -> RecordingActions:
+    [m] = await receiver.receive_messages(max_message_count=1, max_wait_time=1)
+    actions = RecordingActions()
+    await fn(m, actions)
+    await actions.apply(receiver)  # the host carries out the settlement over gRPC
+    return actions
+
+
+async def dead_letters(rt):
+    async with rt.provider.client.get_queue_receiver(
+        "fn-jobs", sub_queue=ServiceBusSubQueue.DEAD_LETTER
+    ) as r:
+        return await r.peek_messages(max_message_count=20)
+
+
+async def test_servicebus_settlement_through_message_actions(servicebus):
+    app, rt, fn, receiver, seen = servicebus
+    ok = await app.enqueue(Job())
+    actions = await sb_deliver(receiver, fn)
+    assert [a for a, _, _ in actions.done] == ["complete"]
+    assert (await rt.tracker.get(ok.message_id)).status == "Succeeded"
+
+    retry = await app.enqueue(Job(mode="retry"))
+    actions = await sb_deliver(receiver, fn)
+    assert [a for a, _, _ in actions.done] == ["complete"]  # original completed, copy scheduled
+    props = await rt.provider.admin.get_queue_runtime_properties("fn-jobs")
+    assert props.scheduled_message_count == 1
+    assert (await rt.tracker.get(retry.message_id)).attempt == 1
+
+    await app.enqueue(Job(mode="fatal"))
+    actions = await sb_deliver(receiver, fn)
+    [(action, _, kw)] = actions.done
+    assert action == "deadletter"
+    assert kw["reason"] == "NonRetryable"
+    assert "will never work" in kw["error_description"]
+
+    expired = await app.enqueue(Job(), ttl=timedelta(milliseconds=100))
+    import asyncio
+
+    await asyncio.sleep(0.2)
+    actions = await sb_deliver(receiver, fn)
+    assert actions.done[0][2]["reason"] == "Expired"
+    assert (await rt.tracker.get(expired.message_id)).status == "Expired"
+
+    async with rt.provider.client.get_queue_sender("fn-jobs") as sender:
+        await sender.send_messages(ServiceBusMessage("{broken json"))
+    actions = await sb_deliver(receiver, fn)
+    assert actions.done[0][2]["reason"] == "MalformedEnvelope"
+
+    reasons = sorted(m.dead_letter_reason for m in await dead_letters(rt))
+    assert reasons == ["Expired", "MalformedEnvelope", "NonRetryable"]
+    assert seen == [("ok", 1), ("retry", 1), ("fatal", 1)]
+
+
+async def test_servicebus_pause_does_not_burn_the_delivery_count(servicebus):
+    app, rt, fn, receiver, seen = servicebus
+    await rt.control.set_paused("type", "Job", True)
+    r = await app.enqueue(Job())
+    actions = await sb_deliver(receiver, fn)
+    assert [a for a, _, _ in actions.done] == ["complete"]  # not "abandon": the count stays untouched
+    rec = await rt.tracker.get(r.message_id)
+    assert rec.status == "Paused"
+    assert rec.attempt == 0
+    props = await rt.provider.admin.get_queue_runtime_properties("fn-jobs")
+    assert props.scheduled_message_count == 1  # the held copy
+    assert seen == []

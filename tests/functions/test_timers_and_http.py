@@ -1,0 +1,126 @@
+"""The timer functions (SQL processor, lease sweeper, retention) on SQLite, and the HTTP ops
+function called with func.HttpRequest, with and without keys."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import azure.functions as func
+import sqlalchemy as sa
+from azure.functions.timer import TimerRequest
+
+from functions import build_app
+from functions.host import FunctionsHost
+from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core.settings import QueueingSettings
+
+from .conftest import Context, functions_of, user
+
+
+@queue("timed", lease_duration=timedelta(seconds=1), max_attempts=3)
+class Timed(QueueMessage):
+    n: int
+
+
+def sql_app(tmp_path, **settings):
+    app = QueueingApp("fn-sql")
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: Timed) -> None:
+        seen.append(msg.n)
+
+    cfg = QueueingSettings(
+        provider="sql", database_url=f"sqlite:///{tmp_path}/fn.db", functions_processor_budget=10, **settings
+    )
+    host = FunctionsHost(app, cfg)
+    return app, host, functions_of(build_app(cfg, app, host=host, env={})), seen
+
+
+async def test_the_sql_processor_timer_drains_the_queue_within_its_budget(tmp_path):
+    app, host, fns, seen = sql_app(tmp_path)
+    rt = await host.runtime()
+    await app.enqueue_many([Timed(n=i) for i in range(50)])
+    import time
+
+    t0 = time.monotonic()
+    await user(fns["queueing_sql_processor"])(TimerRequest(past_due=False))
+    assert sorted(seen) == list(range(50))
+    assert time.monotonic() - t0 < 10  # it stopped once idle, well before the budget
+    counts = await rt.tracker.counts()
+    assert counts == {("timed", "Succeeded"): 50}
+    await rt.close()
+
+
+async def test_the_sweeper_and_retention_timers(tmp_path):
+    from queueing_core.providers.sql import RetentionPolicy
+
+    app, host, fns, _seen = sql_app(tmp_path)
+    rt = await host.runtime()
+    prov = rt.provider
+    prov.retention = RetentionPolicy(archive_after=timedelta(0), delete_archived_after=None)
+    r = await app.enqueue(Timed(n=1))
+    [_d] = await prov.receive(app.subscription("Timed"), 1)  # a worker took it, then vanished
+    m = prov.tables.messages
+    async with prov.engine.begin() as conn:
+        await conn.execute(sa.update(m).values(locked_until=prov.clock() - timedelta(seconds=5)))
+    await user(fns["queueing_lease_sweeper"])(TimerRequest(past_due=True))
+    rec = await rt.tracker.get(r.message_id)
+    assert rec.status == "Failed"
+    assert rec.attempt == 1
+    assert rec.last_error.startswith("lease expired")
+    await user(fns["queueing_sql_processor"])(TimerRequest())
+    assert (await rt.tracker.get(r.message_id)).status == "Succeeded"
+    await user(fns["queueing_retention"])(TimerRequest())
+    assert (await rt.tracker.get(r.message_id)).archived is True
+    await rt.close()
+
+
+def request(
+    method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b""
+) -> func.HttpRequest:
+    return func.HttpRequest(
+        method, f"http://localhost{path}", headers=headers or {}, params={}, route_params={}, body=body
+    )
+
+
+async def test_the_http_function_serves_the_ops_api_behind_the_key(tmp_path):
+    _app, host, fns, _seen = sql_app(tmp_path, api_key="fn-key")
+    http = user(fns["http_app_func"])
+    base = "/api/_system/queueing"
+    ctx = Context()
+    for path in (f"{base}/stats", f"{base}/subscriptions", f"{base}/messages", f"{base}/health"):
+        unauthorized = await http(request("GET", path), ctx)
+        assert unauthorized.status_code == 401, path
+        assert unauthorized.headers["content-type"] == "application/problem+json"
+        wrong = await http(request("GET", path, {"X-API-Key": "nope"}), ctx)
+        assert wrong.status_code == 401
+        ok = await http(request("GET", path, {"X-API-Key": "fn-key"}), ctx)
+        assert ok.status_code == 200, (path, ok.get_body())
+    created = await http(
+        request(
+            "POST",
+            f"{base}/queues/timed/messages",
+            {"Authorization": "Bearer fn-key", "Content-Type": "application/json"},
+            json.dumps({"n": 7}).encode(),
+        ),
+        ctx,
+    )
+    assert created.status_code == 201
+    [enqueued] = json.loads(created.get_body())["enqueued"]
+    detail = await http(
+        request("GET", f"{base}/messages/{enqueued['message_id']}", {"X-API-Key": "fn-key"}), ctx
+    )
+    assert json.loads(detail.get_body())["status"] == "Pending"
+    missing = await http(request("GET", f"{base}/nothing-here", {"X-API-Key": "fn-key"}), ctx)
+    assert missing.status_code == 404
+    await (await host.runtime()).close()
+
+
+async def test_without_a_configured_key_the_http_function_refuses_everything(tmp_path):
+    _app, _host, fns, _seen = sql_app(tmp_path)  # no QUEUEING_API_KEY: no anonymous access in Functions
+    http = user(fns["http_app_func"])
+    r = await http(request("GET", "/api/_system/queueing/stats", {"X-API-Key": "anything"}), Context())
+    assert r.status_code == 401
+    assert "QUEUEING_API_KEY" in json.loads(r.get_body())["detail"]
