@@ -18,21 +18,21 @@ param serviceBusQueues = [
     name: 'capture-payment'
     maxDeliveryCount: 4
     lockDuration: 'PT30S'
-    defaultMessageTimeToLive: 'PT4H'
+    defaultMessageTimeToLive: 'PT5H'
     requiresDuplicateDetection: false
   }
   {
     name: 'generate-invoice'
     maxDeliveryCount: 5
     lockDuration: 'PT1M'
-    defaultMessageTimeToLive: 'PT4H'
+    defaultMessageTimeToLive: 'PT5H'
     requiresDuplicateDetection: false
   }
   {
     name: 'order-placed'
     maxDeliveryCount: 5
     lockDuration: 'PT30S'
-    defaultMessageTimeToLive: 'PT4H'
+    defaultMessageTimeToLive: 'PT5H'
     requiresDuplicateDetection: false
   }
 ]

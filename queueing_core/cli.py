@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 from uuid import UUID
 
@@ -441,6 +442,47 @@ def migrate(app: AppOption = None) -> None:
 
     _run(go())
     out.print(f"schema at version {LATEST} on {_where(cfg)}", highlight=False)
+
+
+infra = typer.Typer(help="Keep infra/ in step with the code.", no_args_is_help=True)
+cli.add_typer(infra, name="infra")
+
+
+@infra.command("params")
+def infra_params(
+    app: AppOption = None,
+    file: Annotated[Path, typer.Option(help="The .bicepparam file holding the generated block")] = Path(
+        "infra/main.bicepparam"
+    ),
+    check: Annotated[
+        bool, typer.Option("--check", help="Only report drift (exit 1), change nothing")
+    ] = False,
+) -> None:
+    """Write the queues of the app (names, delivery count, lock, TTL) into the Bicep parameters."""
+    from .infra import current, render, update
+
+    cfg = settings()
+    the_app = app_from(app, cfg)
+    if cfg.queue_prefix or cfg.queue_suffix:
+        from .naming import QueueNaming
+
+        the_app.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
+    if not file.exists():
+        fail(f"{file} does not exist", 2)
+    try:
+        block = render(the_app, cfg.ttl_grace)
+        if check:
+            if current(file) != block:
+                fail(f"{file} is out of date: run `queueing infra params`", 1)
+            out.print(f"{file} matches the code", highlight=False)
+            return
+        changed = update(file, block)
+    except ConfigurationError as exc:
+        fail(str(exc), 2)
+    out.print(
+        f"{'updated' if changed else 'unchanged'}: {file} ({len(the_app.subscriptions())} queues)",
+        highlight=False,
+    )
 
 
 def main() -> None:

@@ -118,7 +118,8 @@ def test_sample_values_for_the_example_app(params) -> None:
     assert by_name["generate-invoice"]["lockDuration"] == "PT1M"
     assert by_name["order-placed"]["maxDeliveryCount"] == 5
     assert by_name["order-placed"]["lockDuration"] == by_name["capture-payment"]["lockDuration"] == "PT30S"
-    assert {q["defaultMessageTimeToLive"] for q in by_name.values()} == {"PT4H"}
+    # the example's 4 h expiration plus the 1 h grace the provider gives the service's own TTL
+    assert {q["defaultMessageTimeToLive"] for q in by_name.values()} == {"PT5H"}
     assert sorted(params.generated["storageQueues"]) == sorted(by_name)
 
 

@@ -1,0 +1,132 @@
+"""Queue parameters for the Bicep in ``infra/``, generated from an app's registry (SPEC E5).
+
+The names go through the same sanitizer the Functions triggers use, so the queues the Bicep creates
+are the queues the triggers bind: code and infrastructure cannot drift.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from .app import QueueingApp
+from .errors import ConfigurationError
+from .naming import InvalidQueueName, Transport, validate
+
+BEGIN = "// BEGIN GENERATED QUEUES (queueing infra params)"
+END = "// END GENERATED QUEUES"
+MAX_LOCK = timedelta(minutes=5)
+#: Service Bus's "never expires" (TimeSpan.MaxValue), what a queue gets when the type never expires
+NEVER = "P10675199DT2H48M5.4775807S"
+
+
+def iso_duration(value: timedelta) -> str:
+    """ISO 8601, as ARM accepts it: P1DT2H3M4.5S (zero parts left out)."""
+    total = value.total_seconds()
+    if total <= 0:
+        raise ValueError("a duration must be positive")
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, seconds = divmod(rest, 60)
+    out = "P" + (f"{int(days)}D" if days else "")
+    time = (f"{int(hours)}H" if hours else "") + (f"{int(minutes)}M" if minutes else "")
+    if seconds:
+        time += f"{seconds:g}S" if seconds % 1 else f"{int(seconds)}S"
+    return out + ("T" + time if time else "")
+
+
+@dataclass(frozen=True)
+class ServiceBusQueue:
+    name: str
+    max_delivery_count: int
+    lock_duration: str
+    default_ttl: str
+    duplicate_detection: bool
+
+
+def queues_for(
+    app: QueueingApp, ttl_grace: timedelta = timedelta(hours=1)
+) -> tuple[list[ServiceBusQueue], list[str]]:
+    """The Service Bus queues (with their settings) and Storage queue names of ``app``; raises
+    :class:`ConfigurationError` naming the rule a name or setting would break."""
+    sb: list[ServiceBusQueue] = []
+    storage: list[str] = []
+    seen: dict[tuple[Transport, str], str] = {}
+    for sub in app.subscriptions():
+        o = sub.options
+        sb_name = sub.physical_queue(app.naming, Transport.SERVICE_BUS)
+        st_name = sub.physical_queue(app.naming, Transport.STORAGE_QUEUE)
+        for transport, name in (
+            (Transport.SERVICE_BUS, sb_name),
+            (Transport.STORAGE_QUEUE, st_name),
+            (Transport.STORAGE_QUEUE, f"{st_name}-poison"),
+        ):
+            try:
+                validate(name, transport)
+            except InvalidQueueName as exc:
+                raise ConfigurationError(f"queue {sub.queue!r}", exc.rule, transport.value) from None
+            key = (transport, name.lower() if transport is Transport.SERVICE_BUS else name)
+            if key in seen and seen[key] != sub.queue:
+                raise ConfigurationError(
+                    f"queue {sub.queue!r}",
+                    f"{name!r} is also the name of queue {seen[key]!r} on {transport.value}",
+                )
+            seen[key] = sub.queue
+        if not 1 <= o.max_attempts <= 2000:
+            raise ConfigurationError(
+                f"queue {sub.queue!r}",
+                f"max_attempts {o.max_attempts}: Service Bus allows a max delivery count of 1-2000",
+            )
+        sb.append(
+            ServiceBusQueue(
+                name=sb_name,
+                max_delivery_count=o.max_attempts,
+                lock_duration=iso_duration(min(o.lease_duration, MAX_LOCK)),
+                default_ttl=iso_duration(o.expiration + ttl_grace) if o.expiration is not None else NEVER,
+                duplicate_detection=o.idempotent,
+            )
+        )
+        storage.append(st_name)
+    return sb, storage
+
+
+def render(app: QueueingApp, ttl_grace: timedelta = timedelta(hours=1)) -> str:
+    """The generated block, markers included."""
+    sb, storage = queues_for(app, ttl_grace)
+    lines = [BEGIN, "param serviceBusQueues = ["]
+    for q in sb:
+        lines += [
+            "  {",
+            f"    name: '{q.name}'",
+            f"    maxDeliveryCount: {q.max_delivery_count}",
+            f"    lockDuration: '{q.lock_duration}'",
+            f"    defaultMessageTimeToLive: '{q.default_ttl}'",
+            f"    requiresDuplicateDetection: {'true' if q.duplicate_detection else 'false'}",
+            "  }",
+        ]
+    lines += ["]", "param storageQueues = ["]
+    lines += [f"  '{name}'" for name in storage]
+    lines += ["]", END]
+    return "\n".join(lines) + "\n"
+
+
+_BLOCK = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
+
+
+def update(path: Path, block: str) -> bool:
+    """Replace the generated block in ``path``; returns whether the file changed."""
+    text = path.read_text(encoding="utf-8")
+    if len(_BLOCK.findall(text)) != 1:
+        raise ConfigurationError(str(path), f"needs exactly one '{BEGIN}' ... '{END}' block")
+    new = _BLOCK.sub(lambda _: block, text)
+    if new == text:
+        return False
+    path.write_text(new, encoding="utf-8")
+    return True
+
+
+def current(path: Path) -> str:
+    match = _BLOCK.search(path.read_text(encoding="utf-8"))
+    return match.group(0) if match else ""
