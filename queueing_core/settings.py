@@ -41,6 +41,12 @@ class QueueingSettings(BaseSettings):
     tracker_retention_days: float = Field(default=14, gt=0, le=3650)
     #: storage TTL = the message's expiry + this, so the kit records "Expired" before the service drops it
     ttl_grace: timedelta = timedelta(hours=1)
+    # RabbitMQ and SQS (their delays beyond what the broker holds go to the delayed-message store, a
+    # table in QUEUEING_DATABASE_URL's database)
+    rabbitmq_url: SecretStr = SecretStr("amqp://guest:guest@127.0.0.1:5672/")
+    sqs_endpoint_url: str | None = None
+    sqs_region: str = "us-east-1"
+    delayed_store_retries: int = Field(default=3, ge=0, le=100)
     api_key: SecretStr | None = None
     #: how long a paused or held message waits before it is looked at again (Functions: each look is
     #: an execution, so a longer wait is cheaper there)

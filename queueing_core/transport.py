@@ -6,7 +6,7 @@ Providers implement :class:`Provider`; the pipeline and the hosts use only this 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -127,3 +127,11 @@ class Maintains(Protocol):
     maintenance_interval: float
 
     async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class HasBackgroundTasks(Protocol):
+    """A provider with long-running companions (the delayed-message dispatcher): the worker runs
+    each coroutine function as a task for its lifetime and cancels it at shutdown."""
+
+    def background_tasks(self) -> list[Callable[[], Coroutine[Any, Any, None]]]: ...

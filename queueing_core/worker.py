@@ -28,7 +28,7 @@ from .clock import utcnow
 from .control import ControlState, circuit
 from .decisions import Release
 from .runtime import Runtime, default_worker_id
-from .transport import Delivery, Maintains, Settlement
+from .transport import Delivery, HasBackgroundTasks, Maintains, Settlement
 
 log = logging.getLogger("queueing.worker")
 
@@ -179,6 +179,7 @@ class Worker:
         self._subs: dict[str, _SubState] = {}
         self._renewer: asyncio.Task[None] | None = None
         self._maintainer: asyncio.Task[None] | None = None
+        self._background: list[asyncio.Task[None]] = []
         self._owns_runtime = False
         self._stop_waiter: asyncio.Future[Any] | None = None
         self.started = asyncio.Event()
@@ -203,6 +204,9 @@ class Worker:
             self._consumers.append(asyncio.create_task(self._consume(sub), name=f"consume:{sub.queue}"))
         if self.runtime.provider.capabilities.lock_renewal:
             self._renewer = asyncio.create_task(self._renew_loop(), name="queueing-renew")
+        if isinstance(self.runtime.provider, HasBackgroundTasks):
+            for job in self.runtime.provider.background_tasks():
+                self._background.append(asyncio.create_task(job(), name=f"queueing-{job.__name__}"))
         if isinstance(self.runtime.provider, Maintains):
             self._maintainer = asyncio.create_task(
                 self._maintain_loop(self.runtime.provider), name="queueing-maintain"
@@ -265,7 +269,7 @@ class Worker:
                     t.cancel()
                 await asyncio.wait(pending, timeout=10)
         await self.settler.close()
-        for task in (self._renewer, self._maintainer):
+        for task in (self._renewer, self._maintainer, *self._background):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

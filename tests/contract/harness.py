@@ -305,6 +305,21 @@ def servicebus_live() -> Harness:
     return Harness("servicebus_live", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
 
 
+def _discovered() -> dict[str, Callable[..., Harness]]:
+    """More providers join the suite by adding ``tests/contract/harness_<name>.py`` with a
+    ``make_harness()`` function (it may take the ``azurite`` fixture or nothing)."""
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    found: dict[str, Callable[..., Harness]] = {}
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if info.name.startswith("harness_"):
+            module = importlib.import_module(f"{__package__}.{info.name}")
+            found[info.name.removeprefix("harness_")] = module.make_harness
+    return found
+
+
 HARNESSES: dict[str, Callable[..., Harness]] = {
     "inprocess": inprocess,
     "sqlite": sqlite,
@@ -313,3 +328,4 @@ HARNESSES: dict[str, Callable[..., Harness]] = {
     "servicebus": servicebus,
     "servicebus_live": servicebus_live,
 }
+HARNESSES.update(_discovered())
