@@ -163,6 +163,68 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("shard", sa.SmallInteger(), primary_key=True),
         sa.Column("n", sa.BigInteger(), nullable=False),
     )
+    # v3: side stores for transports that keep neither history nor long delays themselves (RabbitMQ,
+    # SQS). Not used by the SQL provider, whose messages table is its own history.
+    sa.Table(
+        "queueing_history",
+        md,
+        sa.Column(
+            "id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True
+        ),
+        sa.Column("message_id", sa.Uuid(), nullable=False, unique=True),
+        sa.Column("tracking_id", sa.Uuid(), nullable=False),
+        sa.Column("queue", sa.String(200), nullable=False),
+        sa.Column("type", sa.String(256), nullable=False),
+        sa.Column("status", sa.String(64), nullable=False),
+        sa.Column("attempt", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("correlation_id", sa.String(256)),
+        sa.Column("created_at", Timestamp, nullable=False),
+        sa.Column("updated_at", Timestamp, nullable=False),
+        sa.Column("not_before", Timestamp),
+        sa.Column("expires_at", Timestamp),
+        sa.Column("locked_by", sa.String(128)),
+        sa.Column("locked_until", Timestamp),
+        sa.Column("last_error", sa.Text()),
+        sa.Column("reason", sa.String(128)),
+        sa.Column("description", sa.Text()),
+        # JSON as text: history is read whole, never queried inside, and text keeps SQL NULL ("not
+        # known") apart from JSON null on both databases (what the merge of partial records relies on)
+        sa.Column("headers", sa.Text(), nullable=False),
+        sa.Column("body", sa.Text()),
+        sa.Column("raw", sa.Text()),
+        sa.Column("result", sa.Text()),
+        sa.Column("archived", sa.Boolean(), nullable=False, server_default=sa.false()),
+        sa.Column("archived_at", Timestamp),
+        # listings, newest first (keyset on created_at, id), by status and by queue + status
+        sa.Index("ix_queueing_history_created", "created_at", "id"),
+        sa.Index("ix_queueing_history_status", "status", "created_at", "id"),
+        sa.Index("ix_queueing_history_queue_status", "queue", "status", "created_at", "id"),
+        # counts per (queue, status) of unarchived records: an index-only scan
+        sa.Index(
+            "ix_queueing_history_counts",
+            "queue",
+            "status",
+            postgresql_where=sa.text("NOT archived"),
+            sqlite_where=sa.text("NOT archived"),
+        ),
+        # retention: finished records by last update
+        sa.Index("ix_queueing_history_updated", "updated_at"),
+    )
+    sa.Table(
+        "queueing_delayed",
+        md,
+        sa.Column("id", sa.Uuid(), primary_key=True),
+        sa.Column("message_id", sa.Uuid(), nullable=False, index=True),
+        # which transport forwards it (one database may serve several), and its physical queue there
+        sa.Column("transport", sa.String(32), nullable=False),
+        sa.Column("destination", sa.String(260), nullable=False),
+        sa.Column("due_at", Timestamp, nullable=False),
+        sa.Column("envelope", sa.Text(), nullable=False),
+        sa.Column("failures", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("last_error", sa.Text()),
+        sa.Column("created_at", Timestamp, nullable=False),
+        sa.Index("ix_queueing_delayed_due", "transport", "due_at"),
+    )
     sa.Table(
         "queueing_schema",
         md,
@@ -181,6 +243,8 @@ class Tables:
     circuits: sa.Table
     schema_versions: sa.Table
     counts: sa.Table
+    history: sa.Table
+    delayed: sa.Table
 
     @classmethod
     def build(cls, schema: str | None = None) -> Tables:
@@ -201,6 +265,8 @@ class Tables:
             t[key("queueing_circuits")],
             t[key("queueing_schema")],
             t[key("queueing_counts")],
+            t[key("queueing_history")],
+            t[key("queueing_delayed")],
         )
 
 
@@ -269,10 +335,16 @@ def _v2(conn: sa.Connection, tables: Tables) -> None:
         ON CONFLICT (queue, status, archived, shard) DO UPDATE SET n = {c}.n + EXCLUDED.n""")
 
 
+def _v3(conn: sa.Connection, tables: Tables) -> None:
+    """Message history and the delayed-message store for RabbitMQ and SQS (SPEC C7, D3)."""
+    tables.metadata.create_all(conn, tables=[tables.history, tables.delayed])
+
+
 #: (version, description, migration). Append only: a released migration never changes.
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "messages, pauses, circuits", _v1),
     (2, "message counts kept by triggers (PostgreSQL)", _v2),
+    (3, "history and delayed messages for RabbitMQ and SQS", _v3),
 ]
 LATEST = MIGRATIONS[-1][0]
 

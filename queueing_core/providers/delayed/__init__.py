@@ -1,0 +1,14 @@
+"""The delayed-message store (SPEC C7, seed 004) for transports whose native delay is too short."""
+
+from .breaker import CircuitBreaker
+from .dispatcher import FORWARD_FAILED, DelayedDispatcher, DelayedTarget
+from .store import DelayedMessage, SqlDelayedStore
+
+__all__ = [
+    "FORWARD_FAILED",
+    "CircuitBreaker",
+    "DelayedDispatcher",
+    "DelayedMessage",
+    "DelayedTarget",
+    "SqlDelayedStore",
+]

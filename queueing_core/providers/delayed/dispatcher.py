@@ -1,0 +1,197 @@
+"""Forwards due delayed messages to their transport (seed 004's polling and dispatching).
+
+Loop: fetch what is due -> forward each to its destination queue -> remove it. When nothing is due
+it sleeps until :meth:`SqlDelayedStore.next_due` (at most ``max_idle``), or until a ``store`` wakes
+it (in process at once; from other processes by PostgreSQL ``NOTIFY``).
+
+A failed forward:
+
+- the transport is unreachable (:class:`ProviderUnavailable`): not the message's fault, so it is not
+  counted; the message is due again after the dispatch breaker's back-off.
+- any other error counts a failure on the message; after ``retries`` failures (seed 004's
+  ``NumberOfRetries``) it goes to the transport's dead-letter queue with the reason
+  ``delayed-forward-failed`` and the last error.
+
+Three circuit breakers (``store`` in the store, ``fetch`` and ``dispatch`` here) open after failures
+that continue for longer than their time-to-trigger: they log once at CRITICAL and back off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from datetime import timedelta
+from typing import Protocol, runtime_checkable
+
+from ...clock import Clock, utcnow
+from ...errors import ProviderUnavailable
+from .breaker import CircuitBreaker, first_line
+from .store import DelayedMessage, SqlDelayedStore
+
+log = logging.getLogger("queueing.delayed")
+
+#: the dead-letter reason of a message whose forwards kept failing
+FORWARD_FAILED = "delayed-forward-failed"
+
+
+@runtime_checkable
+class DelayedTarget(Protocol):
+    """The transport side: what a provider does with a due message."""
+
+    async def forward_delayed(self, item: DelayedMessage) -> None:
+        """Send ``item.envelope`` to ``item.destination``; return once the transport accepted it."""
+
+    async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
+        """Put ``item`` in the dead-letter queue of ``item.destination`` with ``FORWARD_FAILED``."""
+
+
+class DelayedDispatcher:
+    def __init__(
+        self,
+        store: SqlDelayedStore,
+        target: DelayedTarget,
+        *,
+        retries: int = 3,
+        retry_delay: timedelta = timedelta(seconds=1),
+        batch: int = 50,
+        max_idle: float | None = None,
+        time_to_trigger_fetch: timedelta = timedelta(seconds=30),
+        time_to_trigger_dispatch: timedelta = timedelta(seconds=30),
+        open_backoff: float = 10.0,
+        listen: bool = True,
+        clock: Clock = utcnow,
+    ) -> None:
+        self.store = store
+        self.target = target
+        self.retries = retries
+        self.retry_delay = retry_delay
+        self.batch = batch
+        # PostgreSQL wakes dispatchers across processes; SQLite has no NOTIFY, so poll more often
+        self.max_idle = max_idle if max_idle is not None else (30.0 if store.is_postgres else 5.0)
+        self.listen = listen
+        self.clock = clock
+        self.fetch_breaker = CircuitBreaker(
+            "delayed store (fetch)", time_to_trigger_fetch, open_backoff=open_backoff
+        )
+        self.dispatch_breaker = CircuitBreaker(
+            "delayed store (dispatch)", time_to_trigger_dispatch, open_backoff=open_backoff
+        )
+        self._wakeup = asyncio.Event()
+        #: messages forwarded / moved to the dead-letter queue since start (for tests and metrics)
+        self.forwarded = 0
+        self.dead_lettered = 0
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    # -- one batch ---------------------------------------------------------------------------------
+    async def dispatch_once(self) -> int:
+        """Fetch up to ``batch`` due messages and forward them; returns how many were taken."""
+        items = await self.store.fetch_due(self.clock(), limit=self.batch)
+        if not items:
+            return 0
+        results = await asyncio.gather(*(self._forward(i) for i in items), return_exceptions=True)
+        done = [i.id for i, ok in zip(items, results, strict=True) if ok is True]
+        for r in results:
+            if isinstance(r, BaseException):
+                log.error("handling a delayed message failed: %s", first_line(r))
+        if done:
+            removed = await self.store.remove_many(done)
+            if removed != len(done):
+                # its lease lapsed and another dispatcher took it too: a duplicate, not a loss
+                log.warning("%d forwarded delayed message(s) were already gone", len(done) - removed)
+        return len(items)
+
+    async def _forward(self, item: DelayedMessage) -> bool:
+        """True when the message left the store's care (forwarded or dead-lettered)."""
+        try:
+            await self.target.forward_delayed(item)
+        except Exception as exc:
+            backoff = self.dispatch_breaker.failure(exc)
+            if isinstance(exc, ProviderUnavailable):
+                await self.store.release(item.id, self.clock() + timedelta(seconds=backoff))
+                return False
+            return await self._failed(item, exc)
+        self.dispatch_breaker.success()
+        self.forwarded += 1
+        return True
+
+    async def _failed(self, item: DelayedMessage, exc: Exception) -> bool:
+        error = first_line(exc)
+        if item.failures >= self.retries:
+            description = f"{item.failures + 1} forward(s) to {item.destination} failed; last: {error}"
+            try:
+                await self.target.dead_letter_delayed(item, description)
+            except Exception as dl_exc:
+                log.error("could not dead-letter delayed message %s: %s", item.message_id, first_line(dl_exc))
+            else:
+                self.dead_lettered += 1
+                log.error("delayed message %s dead-lettered: %s", item.message_id, description)
+                return True
+        delay = self.retry_delay * 2 ** min(item.failures, 6)
+        await self.store.increment_failure(item.id, error=error, retry_at=self.clock() + delay)
+        log.warning(
+            "forwarding delayed message %s to %s failed (%d/%d): %s",
+            item.message_id,
+            item.destination,
+            item.failures + 1,
+            self.retries + 1,
+            error,
+        )
+        return False
+
+    # -- hosts -------------------------------------------------------------------------------------
+    async def dispatch_due(self, budget_seconds: float) -> int:
+        """Forward what is due until nothing is, or ``budget_seconds`` pass (a Functions timer)."""
+        deadline = time.monotonic() + budget_seconds
+        total = 0
+        while time.monotonic() < deadline:
+            n = await self.dispatch_once()
+            total += n
+            if n < self.batch:
+                break
+        return total
+
+    async def run(self) -> None:
+        """Forward due messages until cancelled (the worker runs this as a background task)."""
+        listener = None
+        self.store.add_waker(self.wake)
+        if self.listen and self.store.is_postgres:
+            from ..sql.listener import PgListener
+
+            listener = PgListener(self.store.sql.url, self.store.channel)
+            listener.on_notify = lambda transport: (
+                self.wake() if transport == self.store.transport.value else None
+            )
+            await listener.start()
+        try:
+            while True:
+                await self._step()
+        finally:
+            self.store.remove_waker(self.wake)
+            if listener is not None:
+                await listener.stop()
+
+    async def _step(self) -> None:
+        self._wakeup.clear()  # before looking: a store from now on cuts the sleep short
+        try:
+            n = await self.dispatch_once()
+            if n >= self.batch:
+                self.fetch_breaker.success()
+                return  # more may be due
+            nxt = await self.store.next_due()
+            self.fetch_breaker.success()
+        except Exception as exc:
+            await asyncio.sleep(self.fetch_breaker.failure(exc))
+            return
+        timeout = self.max_idle
+        if nxt is not None:
+            timeout = min(timeout, max(0.0, (nxt - self.clock()).total_seconds()))
+        if n == 0:
+            # due but not fetched: another dispatcher holds it this instant; do not spin on it
+            timeout = max(timeout, 0.05)
+        if timeout > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout)

@@ -1,0 +1,280 @@
+"""The delayed-message store (SPEC C7, seed 004) on the kit's SQL database (``queueing_delayed``).
+
+Messages due later than a transport can hold (RabbitMQ: any delay; SQS: beyond 15 minutes) wait
+here as rows and a :class:`~.dispatcher.DelayedDispatcher` forwards them when due.
+
+**Fetching under a lock.** :meth:`fetch_due` selects due rows ``FOR UPDATE SKIP LOCKED`` (PostgreSQL;
+on SQLite the transaction is ``BEGIN IMMEDIATE``, the single writer) and, in the same transaction,
+moves their due time forward by ``lease``. The row lock makes two concurrent fetches disjoint; the
+moved due time keeps the row out of every other fetch after the commit, for as long as the forward
+takes, without holding a transaction (and a pooled connection, and on SQLite the write lock) open
+across a broker round trip. A dispatcher that dies between fetch and :meth:`remove` only delays the
+message by ``lease``; then another dispatcher forwards it (at least once, as seed 004 describes for
+non-transactional modes).
+
+Each :meth:`store` wakes the dispatchers of this process at once and, on PostgreSQL, those of other
+processes through ``NOTIFY`` on the store's own channel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from ...clock import Clock, as_utc, opt_utc, utcnow
+from ...envelope import Envelope
+from ...errors import ProviderError, ProviderUnavailable
+from ...naming import Transport
+from ..sql.provider import SqlProvider
+from .breaker import CircuitBreaker, first_line
+
+log = logging.getLogger("queueing.delayed")
+
+_DB_DOWN = (OSError, ConnectionError, sa.exc.OperationalError, sa.exc.InterfaceError)
+
+
+@contextlib.contextmanager
+def db_boundary(action: str) -> Iterator[None]:
+    """Driver errors become the kit's: unreachable -> ProviderUnavailable, the rest -> ProviderError."""
+    try:
+        yield
+    except ProviderError:
+        raise
+    except _DB_DOWN as exc:
+        raise ProviderUnavailable(f"delayed store unreachable during {action}: {first_line(exc)}") from None
+    except sa.exc.SQLAlchemyError as exc:
+        raise ProviderError(f"delayed store: {action} failed: {first_line(exc)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class DelayedMessage:
+    id: uuid.UUID
+    message_id: uuid.UUID
+    destination: str  # the physical queue on the transport
+    due_at: datetime
+    envelope: str  # the envelope's JSON text, forwarded as it is
+    failures: int
+    created_at: datetime
+    last_error: str | None = None
+
+
+def channel_for(schema: str | None) -> str:
+    return f"queueing_delayed_{schema or 'public'}"
+
+
+class SqlDelayedStore:
+    def __init__(
+        self,
+        sql: SqlProvider,
+        transport: Transport,
+        *,
+        clock: Clock = utcnow,
+        lease: timedelta = timedelta(seconds=60),
+        store_breaker: CircuitBreaker | None = None,
+    ) -> None:
+        self.sql = sql
+        self.transport = transport
+        self.clock = clock
+        self.lease = lease
+        self.store_breaker = store_breaker or CircuitBreaker("delayed store (store)")
+        self.channel = channel_for(sql.tables.metadata.schema)
+        self._wakers: set[Callable[[], None]] = set()
+
+    @property
+    def _t(self) -> sa.Table:
+        return self.sql.tables.delayed
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.sql.backend == "postgresql"
+
+    # -- wake-ups ----------------------------------------------------------------------------------
+    def add_waker(self, wake: Callable[[], None]) -> None:
+        self._wakers.add(wake)
+
+    def remove_waker(self, wake: Callable[[], None]) -> None:
+        self._wakers.discard(wake)
+
+    def _wake(self) -> None:
+        for wake in list(self._wakers):
+            wake()
+
+    async def close(self) -> None:
+        self._wakers.clear()
+
+    # -- the seed's operations ---------------------------------------------------------------------
+    async def store(self, envelope: Envelope, destination: str, due: datetime) -> uuid.UUID:
+        """Keep ``envelope`` until ``due``, then it goes to ``destination`` (a physical queue)."""
+        return (await self.store_many([(envelope, destination, due)]))[0]
+
+    async def store_many(self, items: Sequence[tuple[Envelope, str, datetime]]) -> list[uuid.UUID]:
+        wait = self.store_breaker.blocked()
+        if wait > 0:
+            # fail fast while the breaker is open: the caller keeps its message and retries later
+            raise ProviderUnavailable(
+                f"the delayed store is failing (circuit breaker open); next try in {wait:.1f}s"
+            )
+        now = self.clock()
+        ids = [uuid.uuid4() for _ in items]
+        rows = [
+            {
+                "id": id,
+                "message_id": env.message_id,
+                "transport": self.transport.value,
+                "destination": destination,
+                "due_at": as_utc(due),
+                "envelope": env.encode_text(),
+                "failures": 0,
+                "created_at": now,
+            }
+            for id, (env, destination, due) in zip(ids, items, strict=True)
+        ]
+        if not rows:
+            return []
+        try:
+            with db_boundary(f"storing {len(rows)} delayed message(s)"):
+                await self.sql.ensure_open()
+                async with self.sql.engine.begin() as conn:
+                    await conn.execute(self._t.insert(), rows)
+                    if self.is_postgres:  # delivered at commit, to every listening dispatcher
+                        await conn.execute(sa.select(sa.func.pg_notify(self.channel, self.transport.value)))
+        except ProviderError as exc:
+            self.store_breaker.failure(exc)
+            raise
+        self.store_breaker.success()
+        self._wake()
+        return ids
+
+    async def fetch_next_due(self, now: datetime | None = None) -> DelayedMessage | None:
+        """The oldest due message, taken so that no other dispatcher gets it (see the module doc)."""
+        found = await self.fetch_due(now, limit=1)
+        return found[0] if found else None
+
+    async def fetch_due(self, now: datetime | None = None, *, limit: int = 50) -> list[DelayedMessage]:
+        t = self._t
+        at = as_utc(now or self.clock())
+        stmt = (
+            sa.select(t)
+            .where(t.c.transport == self.transport.value, t.c.due_at <= at)
+            .order_by(t.c.due_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        with db_boundary("fetching due delayed messages"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.begin() as conn:
+                rows = (await conn.execute(stmt)).all()
+                if rows:
+                    await conn.execute(
+                        sa.update(t).where(t.c.id.in_([r.id for r in rows])).values(due_at=at + self.lease)
+                    )
+        return [_message(r) for r in rows]
+
+    async def remove(self, id: uuid.UUID) -> bool:
+        """True when the row was removed; False when it was already gone."""
+        return await self.remove_many([id]) == 1
+
+    async def remove_many(self, ids: Sequence[uuid.UUID]) -> int:
+        if not ids:
+            return 0
+        with db_boundary("removing delayed messages"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.begin() as conn:
+                res = await conn.execute(sa.delete(self._t).where(self._t.c.id.in_(list(ids))))
+        return res.rowcount or 0
+
+    async def increment_failure(
+        self, id: uuid.UUID, *, error: str | None = None, retry_at: datetime | None = None
+    ) -> bool:
+        """Count a failed forward (and make it due again at ``retry_at``); False if it is gone."""
+        t = self._t
+        values: dict[str, Any] = {"failures": t.c.failures + 1}
+        if error is not None:
+            values["last_error"] = error[:4000]
+        if retry_at is not None:
+            values["due_at"] = as_utc(retry_at)
+        with db_boundary("counting a failed forward"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.begin() as conn:
+                res = await conn.execute(sa.update(t).where(t.c.id == id).values(**values))
+        return res.rowcount == 1
+
+    async def release(self, id: uuid.UUID, due: datetime) -> bool:
+        """Make a fetched message due again at ``due`` without counting a failure."""
+        t = self._t
+        with db_boundary("releasing a delayed message"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.begin() as conn:
+                res = await conn.execute(sa.update(t).where(t.c.id == id).values(due_at=as_utc(due)))
+        return res.rowcount == 1
+
+    async def next_due(self) -> datetime | None:
+        """When the next message falls due (it may be now or past), or None when the store is empty."""
+        t = self._t
+        stmt = sa.select(sa.func.min(t.c.due_at)).where(t.c.transport == self.transport.value)
+        with db_boundary("reading the next due time"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.connect() as conn:
+                value = (await conn.execute(stmt)).scalar()
+        return opt_utc(value)
+
+    # -- for the ops actions -----------------------------------------------------------------------
+    async def take_message(self, message_id: uuid.UUID) -> list[DelayedMessage]:
+        """Remove and return every stored copy of a message (an operator brings it forward)."""
+        t = self._t
+        stmt = (
+            sa.delete(t)
+            .where(t.c.message_id == message_id, t.c.transport == self.transport.value)
+            .returning(*t.c)
+        )
+        with db_boundary("taking a delayed message"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.begin() as conn:
+                rows = (await conn.execute(stmt)).all()
+        return [_message(r) for r in rows]
+
+    async def purge(self, destination: str, message_ids: Sequence[uuid.UUID] | None = None) -> int:
+        """Delete what waits for ``destination`` (only ``message_ids`` when given)."""
+        t = self._t
+        cond = [t.c.transport == self.transport.value, t.c.destination == destination]
+        if message_ids is not None:
+            cond.append(t.c.message_id.in_(list(message_ids)))
+        with db_boundary("purging delayed messages"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.begin() as conn:
+                res = await conn.execute(sa.delete(t).where(*cond))
+        return res.rowcount or 0
+
+    async def counts(self) -> dict[str, int]:
+        """Messages waiting per destination."""
+        t = self._t
+        stmt = (
+            sa.select(t.c.destination, sa.func.count())
+            .where(t.c.transport == self.transport.value)
+            .group_by(t.c.destination)
+        )
+        with db_boundary("counting delayed messages"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.connect() as conn:
+                rows = (await conn.execute(stmt)).all()
+        return {str(r[0]): int(r[1]) for r in rows}
+
+
+def _message(r: Any) -> DelayedMessage:
+    return DelayedMessage(
+        id=r.id,
+        message_id=r.message_id,
+        destination=r.destination,
+        due_at=as_utc(r.due_at),
+        envelope=r.envelope,
+        failures=r.failures,
+        created_at=as_utc(r.created_at),
+        last_error=r.last_error,
+    )

@@ -1,0 +1,817 @@
+"""RabbitMQ provider (SPEC C5) on ``aio-pika``.
+
+- The default exchange and a durable queue per type (sanitized to RabbitMQ's rules), declared on
+  publish and on subscribe, so work can be enqueued before any consumer exists. Each queue has a
+  real dead-letter queue ``<queue>.dead-letter`` (beyond the seed, which drops): the queue's
+  ``x-dead-letter-exchange`` routes what the broker itself drops (an AMQP ``expiration`` that ran
+  out) there, and the kit publishes its own dead letters there.
+- **Dead letters are published, then the original acked** (not ``nack(requeue=False)``): a nack can
+  carry no reason, while a published copy carries the reason and description in its headers (and, for
+  an envelope, in the envelope's headers as on the other transports) and keeps bytes that are not an
+  envelope exactly as they came. The copy is confirmed before the ack, so a dead letter is never lost.
+- **Receive: a consumer per queue feeding an in-process buffer** (``basic.consume`` with a prefetch
+  of ``max_concurrency x prefetch``), not ``basic.get``: the broker pushes while handlers run, so the
+  worker's ``receive`` finds messages waiting instead of paying a round trip per message, and
+  ``wait_for_work`` wakes the moment a message arrives. A consumer that nobody asks for work for
+  ``idle_timeout`` (a stopped or paused worker) is cancelled and its buffered messages are handed back
+  (as copies: a requeue would mark them redelivered), so an idle process does not hoard work.
+- Manual ack. RabbitMQ has no native delay (``max_delay = 0``): retries with backoff, deferrals
+  (pause, waiting for a handler, sleeping) and delayed enqueues go through the delayed-message store
+  and are republished when due. A copy carries the attempts used in its envelope (and ``x-attempt``),
+  so a pause or a wait never burns attempts; a redelivery (the consumer died holding the message)
+  counts one attempt.
+- Copies, dead letters and forwarded delayed messages use publisher confirms before the original is
+  acked; ``enqueue_and_wait`` uses them too; a plain ``enqueue`` does not wait for the broker.
+- The AMQP ``expiration`` is the envelope's expiry plus ``ttl_grace``, so the kit records "Expired"
+  first (and puts the message in the dead-letter queue with the reason ``expired``).
+- ``connect_robust`` reconnects after a broker restart; consumers are restored. Settling a message
+  received on a connection that has since died is skipped (the broker requeued it): nothing acked
+  is lost, and what was not acked is delivered again.
+
+Pause/circuit state, history and the delayed store live in the SQL database of ``SideStores``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
+from aio_pika.exceptions import (
+    AMQPConnectionError,
+    AMQPError,
+    ChannelInvalidStateError,
+    DeliveryError,
+)
+from yarl import URL
+
+from ..clock import Clock, utcnow
+from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from ..envelope import Envelope
+from ..errors import (
+    ConfigurationError,
+    InvalidOperation,
+    MalformedEnvelope,
+    ProviderError,
+    ProviderUnavailable,
+)
+from ..messages import MessageStatus
+from ..naming import InvalidQueueName, QueueNaming, Transport, validate
+from ..tracking import MessageQuery, MessageRecord, record_from_envelope
+from ..transport import Capabilities, Delivery, Settlement
+from .delayed import FORWARD_FAILED, DelayedDispatcher, DelayedMessage
+from .delayed.breaker import first_line
+from .sql.history import SideStores, SqlHistoryTracker, malformed_id
+
+if TYPE_CHECKING:
+    from ..app import QueueingApp, Subscription
+    from ..control.base import ControlStore
+    from ..settings import QueueingSettings
+
+log = logging.getLogger("queueing.rabbitmq")
+
+DEAD_LETTER_SUFFIX = ".dead-letter"
+ATTEMPT = "x-attempt"
+TYPE = "x-queueing-type"
+REASON = "x-queueing-dead-letter-reason"
+DESCRIPTION = "x-queueing-dead-letter-description"
+DEAD_AT = "x-queueing-dead-lettered-at"
+#: the longest wait between two reconnect attempts (the wait doubles from ``reconnect_interval``)
+MAX_RECONNECT_INTERVAL = 30.0
+#: the broker's default ``max_message_size`` (RabbitMQ 3.10+)
+MAX_MESSAGE_BYTES = 128 * 1024 * 1024
+
+
+@contextlib.contextmanager
+def _boundary(action: str) -> Iterator[None]:
+    """aio-pika errors become the kit's: the broker unreachable -> ProviderUnavailable, else ProviderError."""
+    try:
+        yield
+    except ProviderError:
+        raise
+    except DeliveryError as exc:  # nacked or returned (unroutable): the broker refused this message
+        raise ProviderError(f"RabbitMQ refused the message during {action}: {first_line(exc)}") from None
+    except (AMQPConnectionError, ChannelInvalidStateError, ConnectionError, OSError, TimeoutError) as exc:
+        raise ProviderUnavailable(f"RabbitMQ unreachable during {action}: {first_line(exc)}") from None
+    except AMQPError as exc:
+        raise ProviderError(f"{action} failed: {first_line(exc)}") from None
+
+
+def redact(url: str) -> str:
+    u = URL(url)
+    return str(u.with_password("******")) if u.password else str(u)
+
+
+def _stale(message: AbstractIncomingMessage) -> bool:
+    """Received on a channel that has since closed: the broker has put the message back already."""
+    try:
+        message.channel  # noqa: B018 - the property raises when the channel is closed
+    except ChannelInvalidStateError:
+        return True
+    return False
+
+
+class _QuietReconnects(logging.Filter):
+    """Demote aio-pika's and aiormq's own lines about a lost connection and each reconnect attempt
+    (several per attempt, some with tracebacks) to DEBUG: the provider logs one line per attempt."""
+
+    LOGGERS = ("aiormq.connection", "aio_pika.robust_connection", "aio_pika.tools")
+    NOISE = (
+        "Connection attempt to",
+        "error when creating transport",
+        "Unexpected connection close",
+        "Cancelling cause reader exited",
+        "RobustChannel._on_close",
+        "closed. Reconnecting after",
+    )
+    _installed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.CRITICAL and any(n in record.getMessage() for n in self.NOISE):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = record.exc_text = None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._installed:
+            cls._installed = True
+            quiet = cls()
+            for name in cls.LOGGERS:
+                logging.getLogger(name).addFilter(quiet)
+
+
+@dataclass
+class _Handle:
+    message: AbstractIncomingMessage
+    physical: str
+
+
+@dataclass
+class _Consumer:
+    physical: str
+    channel: AbstractChannel
+    queue: AbstractQueue
+    tag: str | None = None
+    buffer: deque[AbstractIncomingMessage] = field(default_factory=deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    in_flight: int = 0
+    #: loop time of the last receive/wait_for_work (the worker still wants this queue's work)
+    wanted_at: float = 0.0
+
+
+class RabbitMQProvider:
+    transport = Transport.RABBITMQ
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        stores: SideStores,
+        naming: QueueNaming | None = None,
+        auto_declare: bool = True,
+        ttl_grace: timedelta = timedelta(hours=1),
+        prefetch: int = 1,
+        publish_timeout: float = 10.0,
+        reconnect_interval: float = 2.0,
+        connect_retries: int = 8,
+        idle_timeout: float = 10.0,
+        delayed_retries: int = 3,
+        dispatcher_options: dict[str, Any] | None = None,
+        clock: Clock = utcnow,
+    ) -> None:
+        self.url = url
+        self.stores = stores
+        self.naming = naming
+        self.auto_declare = auto_declare
+        self.ttl_grace = ttl_grace
+        self.prefetch = max(1, prefetch)
+        self.publish_timeout = publish_timeout
+        self.reconnect_interval = reconnect_interval
+        self.connect_retries = connect_retries
+        self.idle_timeout = idle_timeout
+        self.clock = clock
+        self.capabilities = Capabilities(
+            max_delay=timedelta(0),
+            lock_renewal=False,
+            native_dead_letter=True,
+            push_wakeups=True,
+            max_message_bytes=MAX_MESSAGE_BYTES,
+        )
+        self.delayed = stores.delayed_store(Transport.RABBITMQ)
+        self.dispatcher = DelayedDispatcher(
+            self.delayed, self, retries=delayed_retries, clock=clock, **(dispatcher_options or {})
+        )
+        self._conn: AbstractRobustConnection | None = None
+        self._publisher: AbstractChannel | None = None  # fire-and-forget (plain enqueue)
+        self._confirmed: AbstractChannel | None = None  # publisher confirms (wait, copies, dead letters)
+        self._admin: AbstractChannel | None = None  # declarations: a refused one closes only this channel
+        self._declared: set[str] = set()
+        self._declare_lock = asyncio.Lock()
+        self._consumers: dict[str, _Consumer] = {}
+        self._consumer_lock = asyncio.Lock()
+        self._janitor: asyncio.Task[None] | None = None
+        self._app: QueueingApp | None = None
+        self._closing = False
+        #: -1 while connected; else the reconnect attempts that failed in this outage
+        self._failed_reconnects = -1
+        _QuietReconnects.install()
+
+    @classmethod
+    def from_settings(cls, settings: QueueingSettings, **kwargs: Any) -> RabbitMQProvider:
+        kwargs.setdefault("ttl_grace", settings.ttl_grace)
+        kwargs.setdefault("prefetch", settings.prefetch)
+        kwargs.setdefault("connect_retries", settings.connect_retries)
+        kwargs.setdefault("delayed_retries", settings.delayed_store_retries)
+        return cls(
+            settings.rabbitmq_url.get_secret_value(), stores=SideStores.from_settings(settings), **kwargs
+        )
+
+    # -- wiring ------------------------------------------------------------------------------------
+    def control_store(self) -> ControlStore:
+        return self.stores.control
+
+    def tracker(self) -> SqlHistoryTracker:
+        return self.stores.history
+
+    def physical(self, queue: str) -> str:
+        naming = self.naming or (self._app.naming if self._app else QueueNaming())
+        return naming.physical(queue, Transport.RABBITMQ)
+
+    @staticmethod
+    def dead_letter_name(physical: str) -> str:
+        name = f"{physical}{DEAD_LETTER_SUFFIX}"
+        try:
+            validate(name, Transport.RABBITMQ)
+        except InvalidQueueName as exc:
+            raise ConfigurationError(
+                "queue name", f"{exc} (the queue name leaves no room for '{DEAD_LETTER_SUFFIX}')"
+            ) from None
+        return name
+
+    @staticmethod
+    def queue_arguments(physical: str) -> dict[str, Any]:
+        return {
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": RabbitMQProvider.dead_letter_name(physical),
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def open(self, app: QueueingApp) -> None:
+        self._app = app
+        self._closing = False
+        await self.stores.open()
+        if self._conn is None:
+            await self._connect()
+        for sub in app.subscriptions():
+            await self._declare(self.physical(sub.queue))
+        if self._janitor is None:
+            self._janitor = asyncio.create_task(self._hand_back_idle(), name="queueing-rabbitmq-idle")
+
+    async def _connect(self) -> None:
+        delay = 0.5
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                conn = await aio_pika.connect_robust(
+                    self.url, reconnect_interval=str(self.reconnect_interval), timeout=10
+                )
+                break
+            except (AMQPError, ConnectionError, OSError, TimeoutError) as exc:
+                if attempt > self.connect_retries:
+                    raise ProviderUnavailable(
+                        f"RabbitMQ at {redact(self.url)} is unreachable after {attempt} tries: "
+                        f"{first_line(exc)}"
+                    ) from None
+                log.warning(
+                    "RabbitMQ at %s is unreachable (%s); retry %d/%d in %.1fs",
+                    redact(self.url),
+                    first_line(exc),
+                    attempt,
+                    self.connect_retries,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        conn.close_callbacks.add(self._on_lost)
+        conn.reconnect_callbacks.add(self._on_restored)
+        self._conn = conn
+        with _boundary("opening channels"):
+            self._publisher = await conn.channel(publisher_confirms=False)
+            self._confirmed = await conn.channel(publisher_confirms=True, on_return_raises=True)
+            self._admin = await conn.channel(publisher_confirms=False)
+
+    def _on_lost(self, connection: Any, exc: BaseException | None = None) -> None:
+        """Called by aio-pika when the connection closes and after each failed reconnect attempt:
+        one line per attempt (aio-pika's and aiormq's own lines are demoted, see ``_QuietReconnects``),
+        and the wait before the next attempt doubles up to ``MAX_RECONNECT_INTERVAL``."""
+        if self._closing:
+            return
+        why = first_line(exc) if exc else "closed"
+        if self._failed_reconnects < 0:
+            self._failed_reconnects = 0
+            log.warning(
+                "lost the connection to RabbitMQ at %s (%s); reconnecting in %.1fs",
+                redact(self.url),
+                why,
+                self.reconnect_interval,
+            )
+            return
+        self._failed_reconnects += 1
+        wait = min(MAX_RECONNECT_INTERVAL, self.reconnect_interval * 2**self._failed_reconnects)
+        connection.reconnect_interval = wait  # read by aio-pika before it sleeps for the next attempt
+        log.warning(
+            "RabbitMQ at %s still unreachable (%s); reconnect attempt %d failed, next in %.1fs",
+            redact(self.url),
+            why,
+            self._failed_reconnects,
+            wait,
+        )
+
+    def _on_restored(self, connection: Any) -> None:
+        log.warning(
+            "reconnected to RabbitMQ at %s after %d failed attempt(s); consumers restored",
+            redact(self.url),
+            max(0, self._failed_reconnects),
+        )
+        self._failed_reconnects = -1
+        connection.reconnect_interval = self.reconnect_interval
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._janitor is not None:
+            self._janitor.cancel()
+            await asyncio.gather(self._janitor, return_exceptions=True)
+            self._janitor = None
+        for c in list(self._consumers.values()):
+            with contextlib.suppress(Exception):
+                await self._stop_consumer(c)
+        self._consumers.clear()
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+        self._conn = self._publisher = self._confirmed = self._admin = None
+        self._declared.clear()
+        await self.stores.close()
+
+    def _connected(self) -> AbstractRobustConnection:
+        conn = self._conn
+        if conn is None:
+            raise ProviderUnavailable("not connected to RabbitMQ: open the runtime first")
+        if not conn.connected.is_set():
+            raise ProviderUnavailable(f"RabbitMQ at {redact(self.url)} is unreachable; reconnecting")
+        return conn
+
+    async def _declare(self, physical: str) -> None:
+        """Declare the queue and its dead-letter queue once per connection (idempotent on the broker)."""
+        if not self.auto_declare or physical in self._declared:
+            return
+        self._connected()
+        async with self._declare_lock:
+            if physical in self._declared:
+                return
+            assert self._admin is not None
+            with _boundary(f"declaring queue {physical}"):
+                await self._admin.declare_queue(self.dead_letter_name(physical), durable=True)
+                await self._admin.declare_queue(
+                    physical, durable=True, arguments=self.queue_arguments(physical)
+                )
+            self._declared.add(physical)
+
+    # -- publishing --------------------------------------------------------------------------------
+    def _message(
+        self, env: Envelope, now: datetime, headers: dict[str, Any] | None = None
+    ) -> aio_pika.Message:
+        expiration = None
+        if env.expires_at is not None:
+            expiration = max(timedelta(seconds=1), env.expires_at - now + self.ttl_grace)
+        return aio_pika.Message(
+            env.encode(),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=str(env.message_id),
+            correlation_id=env.correlation_id,
+            type=env.type,
+            timestamp=now,
+            expiration=expiration,
+            headers={ATTEMPT: env.attempt, TYPE: env.type, **(headers or {})},
+        )
+
+    async def _publish(
+        self, physical: str, message: aio_pika.Message, *, confirm: bool, dead: bool = False
+    ) -> None:
+        """Publish to ``physical`` (its dead-letter queue with ``dead``), declaring both first."""
+        self._connected()
+        await self._declare(physical)
+        channel = self._confirmed if confirm else self._publisher
+        assert channel is not None
+        target = self.dead_letter_name(physical) if dead else physical
+        try:
+            with _boundary(f"publishing to {target}"):
+                async with asyncio.timeout(self.publish_timeout):
+                    # mandatory: an unroutable message (its queue deleted) is returned, not dropped
+                    await channel.default_exchange.publish(message, routing_key=target, mandatory=confirm)
+        except ProviderError:
+            self._declared.discard(physical)  # declare again next time, in case it was deleted
+            raise
+
+    async def send_at(self, physical: str, env: Envelope, due: datetime | None) -> None:
+        """Publish now (confirmed), or keep in the delayed store until ``due``."""
+        now = self.clock()
+        if due is not None and due > now:
+            await self.delayed.store(env, physical, due)
+        else:
+            await self._publish(physical, self._message(env, now), confirm=True)
+
+    async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
+        now = self.clock()
+        later: list[tuple[Envelope, str, datetime]] = []
+        ready: list[Envelope] = []
+        for e in envelopes:
+            if e.not_before is not None and e.not_before > now:
+                later.append((e, self.physical(e.queue), e.not_before))
+            else:
+                ready.append(e)
+        if later:
+            # the queues exist before the dispatcher forwards to them, wherever it runs
+            for physical in {p for _, p, _ in later}:
+                await self._declare(physical)
+            await self.delayed.store_many(later)
+        await asyncio.gather(
+            *(self._publish(self.physical(e.queue), self._message(e, now), confirm=wait) for e in ready)
+        )
+
+    async def forward_delayed(self, item: DelayedMessage) -> None:
+        """Publish a due message from the delayed store (confirmed: it is removed from the store next)."""
+        now = self.clock()
+        try:
+            message = self._message(Envelope.decode(item.envelope), now)
+        except MalformedEnvelope:
+            message = aio_pika.Message(item.envelope.encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+        await self._publish(item.destination, message, confirm=True)
+
+    async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
+        now = self.clock()
+        env = Envelope.decode(item.envelope)
+        await self._dead_letter_envelope(item.destination, env, FORWARD_FAILED, description, now)
+        await self.stores.history.upsert(
+            [
+                record_from_envelope(
+                    env,
+                    MessageStatus.DEAD_LETTERED.value,
+                    now,
+                    reason=FORWARD_FAILED,
+                    description=description,
+                )
+            ]
+        )
+
+    async def _dead_letter_envelope(
+        self, physical: str, env: Envelope, reason: str, description: str, now: datetime
+    ) -> None:
+        marks = {REASON: reason, DEAD_AT: now.isoformat(), DESCRIPTION: description[:4000]}
+        # no expiry in the dead-letter queue: a dead letter waits for an operator, not for a TTL
+        copy = env.model_copy(update={"headers": {**env.headers, **marks}, "expires_at": None})
+        await self._publish(physical, self._message(copy, now, marks), confirm=True, dead=True)
+
+    async def _dead_letter(
+        self, d: Delivery, physical: str, attempts: int, reason: str, description: str
+    ) -> None:
+        now = self.clock()
+        if d.envelope is not None:
+            env = d.envelope.with_attempt(attempts)
+            await self._dead_letter_envelope(physical, env, reason, description, now)
+            return
+        # not an envelope: keep the bytes as they came, say why in the headers
+        raw = d.raw if isinstance(d.raw, bytes) else d.raw.encode()
+        message = aio_pika.Message(
+            raw,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=str(malformed_id(d.text())),
+            timestamp=now,
+            headers={REASON: reason, DEAD_AT: now.isoformat(), DESCRIPTION: description[:4000]},
+        )
+        await self._publish(physical, message, confirm=True, dead=True)
+
+    # -- consuming ---------------------------------------------------------------------------------
+    async def _consumer(self, sub: Subscription) -> _Consumer:
+        physical = self.physical(sub.queue)
+        c = self._consumers.get(physical)
+        if c is not None and c.tag is not None:
+            c.wanted_at = asyncio.get_running_loop().time()
+            return c
+        async with self._consumer_lock:
+            c = self._consumers.get(physical)
+            if c is None or c.tag is None:
+                conn = self._connected()
+                await self._declare(physical)
+                with _boundary(f"subscribing to {physical}"):
+                    if c is None:
+                        channel = await conn.channel(publisher_confirms=False)
+                        # the broker hands out at most this many unacked messages: the worker's slots
+                        await channel.set_qos(prefetch_count=sub.options.max_concurrency * self.prefetch)
+                        queue = await channel.declare_queue(
+                            physical, durable=True, arguments=self.queue_arguments(physical)
+                        )
+                        c = self._consumers[physical] = _Consumer(physical, channel, queue)
+                    consumer = c
+
+                    async def on_message(message: AbstractIncomingMessage) -> None:
+                        consumer.buffer.append(message)
+                        consumer.ready.set()
+
+                    c.tag = await c.queue.consume(on_message, no_ack=False)
+            c.wanted_at = asyncio.get_running_loop().time()
+            return c
+
+    async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
+        c = await self._consumer(sub)
+        out: list[Delivery] = []
+        while c.buffer and len(out) < max_messages:
+            m = c.buffer.popleft()
+            if _stale(m):
+                continue  # from before a reconnect: the broker requeued it and will deliver it again
+            c.in_flight += 1
+            out.append(
+                Delivery.of(
+                    m.body,
+                    queue=sub.queue,
+                    # classic queues count no deliveries: a redelivery means a consumer died holding it
+                    delivery_count=2 if m.redelivered else 1,
+                    handle=_Handle(m, c.physical),
+                )
+            )
+        if not c.buffer:
+            c.ready.clear()
+        return out
+
+    async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
+        c = await self._consumer(sub)
+        if not c.buffer:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(c.ready.wait(), timeout)
+        c.wanted_at = asyncio.get_running_loop().time()
+
+    async def _hand_back_idle(self) -> None:
+        """Cancel consumers nobody asks for work (a stopped or paused worker) and hand their buffered
+        messages back to the queue, so other consumers get them."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(max(0.05, self.idle_timeout / 4))
+            for c in list(self._consumers.values()):
+                idle = c.in_flight == 0 and loop.time() - c.wanted_at > self.idle_timeout
+                if idle and (c.tag is not None or c.buffer):
+                    try:
+                        await self._stop_consumer(c)
+                    except Exception as exc:
+                        log.warning("could not stop the idle consumer of %s: %s", c.physical, first_line(exc))
+
+    async def _stop_consumer(self, c: _Consumer) -> None:
+        async with self._consumer_lock:
+            if c.tag is not None:
+                tag, c.tag = c.tag, None
+                with _boundary(f"cancelling the consumer of {c.physical}"):
+                    await c.queue.cancel(tag)
+            held = list(c.buffer)
+            c.buffer.clear()
+            c.ready.clear()
+        for m in held:
+            await self._hand_back(m, c.physical)
+
+    async def _hand_back(self, m: AbstractIncomingMessage, physical: str) -> None:
+        """Return a message that never reached a handler without marking it redelivered."""
+        if _stale(m):
+            return
+        try:
+            env = Envelope.decode(m.body)
+        except MalformedEnvelope:
+            env = None
+        try:
+            if env is None:
+                raise ProviderError("not an envelope")
+            await self._publish(physical, self._message(env, self.clock()), confirm=True)
+            await m.ack()
+        except (ProviderError, AMQPError, ChannelInvalidStateError):
+            with contextlib.suppress(AMQPError, ChannelInvalidStateError):
+                await m.nack(requeue=True)
+
+    # -- settling ----------------------------------------------------------------------------------
+    async def _settle_one(self, s: Settlement) -> None:
+        d, decision = s.delivery, s.decision
+        h: _Handle = d.handle
+        c = self._consumers.get(h.physical)
+        try:
+            if _stale(h.message):
+                env = d.envelope
+                log.warning(
+                    "the connection that received a message from %s closed before it was settled; "
+                    "the broker delivers it again",
+                    d.queue,
+                    extra={
+                        "message_id": str(env.message_id) if env else None,
+                        "correlation_id": env.correlation_id if env else None,
+                    },
+                )
+                return
+            now = self.clock()
+            if isinstance(decision, Complete):
+                pass
+            elif isinstance(decision, Expire):
+                await self._dead_letter(
+                    d,
+                    h.physical,
+                    d.attempts_used(decision),
+                    DeadLetterReason.EXPIRED.value,
+                    f"expired at {decision.expired_at.isoformat()}",
+                )
+            elif isinstance(decision, DeadLetter):
+                await self._dead_letter(
+                    d, h.physical, d.attempts_used(decision), decision.reason.value, decision.description
+                )
+            else:
+                assert d.envelope is not None, "malformed messages are always dead-lettered"
+                if isinstance(decision, RetryAfter):
+                    due: datetime | None = now + decision.delay
+                elif isinstance(decision, Defer):
+                    due = decision.until
+                else:
+                    assert isinstance(decision, Release)
+                    due = None
+                # the copy first: if the ack fails afterwards, a duplicate beats a loss
+                await self.send_at(h.physical, d.envelope.with_attempt(d.attempts_used(decision)), due)
+            with _boundary("acknowledging a message"):
+                await h.message.ack()
+        finally:
+            if c is not None:
+                c.in_flight = max(0, c.in_flight - 1)
+
+    async def settle(self, settlements: Sequence[Settlement]) -> None:
+        results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for exc in failures:
+            # unacked, so the broker delivers it again (at the latest when this connection closes)
+            log.warning("settling a RabbitMQ message failed: %s", first_line(exc))
+        if failures and len(failures) == len(settlements):
+            raise failures[0]
+
+    async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        return []  # no lease: a message stays with its consumer until acked or the channel closes
+
+    # -- the delayed dispatcher ----------------------------------------------------------------------
+    def background_tasks(self) -> list[Any]:
+        return [self.delayed_dispatcher]
+
+    async def delayed_dispatcher(self) -> None:
+        await self.dispatcher.run()
+
+    async def dispatch_due(self, budget_seconds: float) -> int:
+        """Forward the due delayed messages within ``budget_seconds`` (for a Functions timer)."""
+        return await self.dispatcher.dispatch_due(budget_seconds)
+
+    # -- upkeep ------------------------------------------------------------------------------------
+    maintenance_interval = 300.0
+
+    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
+        return {"history_pruned": await self.stores.history.prune(self.clock())}
+
+    # -- ops ---------------------------------------------------------------------------------------
+    async def depth(self, physical: str, *, dead: bool = False) -> int:
+        """Ready messages in a queue or its dead-letter queue (not those held by consumers)."""
+        conn = self._connected()
+        name = self.dead_letter_name(physical) if dead else physical
+        # a passive declare of a missing queue closes its channel: use one of its own
+        channel = await conn.channel(publisher_confirms=False)
+        try:
+            with _boundary(f"reading the depth of {name}"):
+                q = await channel.declare_queue(name, passive=True)
+            return int(q.declaration_result.message_count or 0)
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
+    async def native_counts(self) -> dict[str, dict[str, int]]:
+        """Ready messages, dead letters and delayed messages per queue, from the broker and the store."""
+        if self._app is None:
+            return {}
+        delayed = await self.delayed.counts()
+        out: dict[str, dict[str, int]] = {}
+        for sub in self._app.subscriptions():
+            physical = self.physical(sub.queue)
+            try:
+                out[sub.queue] = {
+                    "ready": await self.depth(physical),
+                    "dead_lettered": await self.depth(physical, dead=True),
+                    "delayed": delayed.get(physical, 0),
+                }
+            except ProviderError as exc:  # not declared (auto_declare off): no counts, not an error
+                log.debug("no broker counts for %s: %s", physical, exc)
+        return out
+
+    async def _take_dead_letters(self, physical: str, wanted: set[str], limit: int = 5000) -> int:
+        """Remove the dead letters whose message id is in ``wanted``; the rest go back in order."""
+        conn = self._connected()
+        channel = await conn.channel(publisher_confirms=False)
+        taken = 0
+        try:
+            with _boundary(f"reading dead letters of {physical}"):
+                queue = await channel.declare_queue(self.dead_letter_name(physical), durable=True)
+                for _ in range(limit):
+                    m = await queue.get(no_ack=False, fail=False, timeout=self.publish_timeout)
+                    if m is None:
+                        break
+                    if (m.message_id or "") in wanted:
+                        await m.ack()
+                        taken += 1
+                        if taken >= len(wanted):
+                            break
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()  # the messages not taken return to the queue
+        return taken
+
+    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+        physical = self.physical(record.queue)
+        if record.status in (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value):
+            if not await self.delayed.take_message(record.message_id):
+                raise InvalidOperation(
+                    f"message {record.message_id} has already left the delayed store for its queue; "
+                    "it runs shortly"
+                )
+        elif record.status in (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value):
+            await self._take_dead_letters(physical, {str(record.message_id)})
+        # the history says Pending before the message can run, so its outcome is never overwritten
+        await self.stores.history.reopen(
+            record.model_copy(
+                update={
+                    "status": MessageStatus.PENDING.value,
+                    "attempt": 0,
+                    "reason": None,
+                    "description": None,
+                    "last_error": None,
+                    "not_before": None,
+                    "expires_at": envelope.expires_at,
+                    "updated_at": now,
+                }
+            )
+        )
+        await self.send_at(physical, envelope, None)
+        return True
+
+    async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
+        raise InvalidOperation(
+            "a RabbitMQ delivery belongs to the consumer channel that holds it: only that consumer "
+            "can release it; it returns to the queue by itself if that consumer goes away"
+        )
+
+    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
+        return True  # a flag in the history; the message itself has left the queue
+
+    async def ops_purge(
+        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
+    ) -> tuple[int, int]:
+        """Dead letters leave the dead-letter queue, delayed ones the delayed store; a purge of a whole
+        queue empties the queue, its dead-letter queue and its delayed messages. Messages ready in a
+        queue cannot be picked out one by one (AMQP has no delete by id)."""
+        whole = query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}
+        if whole:
+            assert query.queue is not None
+            assert self._admin is not None
+            physical = self.physical(query.queue)
+            await self._declare(physical)
+            with _boundary(f"purging {physical}"):
+                for name, args in (
+                    (physical, self.queue_arguments(physical)),
+                    (self.dead_letter_name(physical), None),
+                ):
+                    q = await self._admin.declare_queue(name, durable=True, arguments=args)
+                    await q.purge()
+            await self.delayed.purge(physical)
+            return len(records or ()), 0
+        dead_states = (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value)
+        later_states = (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value)
+        by_queue: dict[str, list[MessageRecord]] = {}
+        for r in records or ():
+            by_queue.setdefault(r.queue, []).append(r)
+        for queue, recs in by_queue.items():
+            physical = self.physical(queue)
+            dead = {str(r.message_id) for r in recs if r.status in dead_states}
+            if dead:
+                await self._take_dead_letters(physical, dead)
+            later = [r.message_id for r in recs if r.status in later_states]
+            if later:
+                await self.delayed.purge(physical, later)
+        return len(records or ()), 0

@@ -1,0 +1,250 @@
+"""Message history in SQL for transports that keep none themselves (RabbitMQ, SQS; SPEC D3).
+
+:class:`SideStores` opens one :class:`SqlProvider` on ``QUEUEING_DATABASE_URL`` only to host the engine
+and the migrations; it hands out the shared pause/circuit store (the SQL provider's own tables) and
+:class:`SqlHistoryTracker`, one row per message life in ``queueing_history`` (migration v3).
+
+Merge rules of :meth:`SqlHistoryTracker.upsert` (one atomic statement per record, so hosts writing the
+same message concurrently cannot interleave a read and a write):
+
+- a record without ``body``/``raw`` keeps the stored ones (later events do not carry the body again);
+- an *enqueue record* (not started: no reason, no error, not terminal) never replaces a terminal one.
+  The producer writes its record after the broker accepted the message, and with a push consumer the
+  worker can handle the message and record "Succeeded" first; the late "Pending" must not win.
+  An operator's retry of a finished message goes through :meth:`SqlHistoryTracker.reopen` first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+from uuid import NAMESPACE_OID, UUID, uuid5
+
+import sqlalchemy as sa
+from pydantic_core import to_json
+
+from ...clock import Clock, as_utc, utcnow
+from ...messages import MessageStatus
+from ...tracking.base import MessageRecord
+from .control import SqlControlStore
+from .provider import SqlProvider
+from .tracker import SqlTracker
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
+
+    from ...naming import Transport
+    from ...settings import QueueingSettings
+    from ..delayed.store import SqlDelayedStore
+
+log = logging.getLogger("queueing.sql")
+
+TERMINAL = tuple(sorted(s.value for s in MessageStatus.terminal()))
+#: rows deleted per statement by :meth:`SqlHistoryTracker.prune` (short transactions, no long locks)
+PRUNE_CHUNK = 5000
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else to_json(value).decode()
+
+
+def malformed_id(raw_text: str) -> UUID:
+    """The id the history gives a message that is not an envelope (``runtime.history_record``), so a
+    transport can mark its dead-letter copy with it and the ops actions find that copy."""
+    return uuid5(NAMESPACE_OID, raw_text)
+
+
+def is_enqueue_record(rec: MessageRecord) -> bool:
+    """A record that says only "it was sent": nothing has happened to the message yet."""
+    return (
+        rec.status not in TERMINAL
+        and rec.status != MessageStatus.FAILED.value
+        and rec.reason is None
+        and rec.last_error is None
+        and rec.result is None
+        and rec.locked_by is None
+    )
+
+
+def _fold(records: Sequence[MessageRecord]) -> list[MessageRecord]:
+    """One record per message (a statement may not touch a row twice): the later wins, body/raw kept."""
+    folded: dict[UUID, MessageRecord] = {}
+    for rec in records:
+        old = folded.get(rec.message_id)
+        if old is not None and (rec.body is None or rec.raw is None):
+            rec = rec.model_copy(
+                update={
+                    "body": old.body if rec.body is None else rec.body,
+                    "raw": old.raw if rec.raw is None else rec.raw,
+                }
+            )
+        folded[rec.message_id] = rec
+    # one lock order for every writer: concurrent batches on PostgreSQL cannot deadlock
+    return [folded[k] for k in sorted(folded)]
+
+
+class SqlHistoryTracker(SqlTracker):
+    """The Tracker protocol over ``queueing_history``; listing, paging and filters are the SQL
+    provider's (same columns, same keyset cursor, newest first)."""
+
+    def __init__(self, provider: SqlProvider, *, retention: timedelta = timedelta(days=14)) -> None:
+        super().__init__(provider)
+        if retention <= timedelta(0):
+            raise ValueError("retention must be positive")
+        self.retention = retention
+
+    @property
+    def _m(self) -> sa.Table:
+        return self.provider.tables.history
+
+    def _row(self, r: MessageRecord) -> dict[str, Any]:
+        return {
+            "message_id": r.message_id,
+            "tracking_id": r.tracking_id,
+            "queue": r.queue,
+            "type": r.type,
+            "status": r.status,
+            "attempt": r.attempt,
+            "correlation_id": r.correlation_id,
+            "created_at": as_utc(r.created_at),
+            "updated_at": as_utc(r.updated_at),
+            "not_before": r.not_before and as_utc(r.not_before),
+            "expires_at": r.expires_at and as_utc(r.expires_at),
+            "locked_by": r.locked_by,
+            "locked_until": r.locked_until and as_utc(r.locked_until),
+            "last_error": r.last_error,
+            "reason": r.reason,
+            "description": r.description,
+            "headers": _json(r.headers) or "{}",
+            "body": _json(r.body),
+            "raw": r.raw,
+            "result": _json(r.result),
+            "archived": r.archived,
+            "archived_at": r.archived_at and as_utc(r.archived_at),
+        }
+
+    def _upsert_statement(self, *, guard_terminal: bool) -> Any:
+        t = self._m
+        dialect_insert: Any
+        if self.provider.backend == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        stmt = dialect_insert(t)
+        ex = stmt.excluded
+        changes: dict[str, Any] = {
+            c.name: ex[c.name] for c in t.c if c.name not in ("id", "message_id", "body", "raw")
+        }
+        changes["body"] = sa.func.coalesce(ex["body"], t.c.body)
+        changes["raw"] = sa.func.coalesce(ex["raw"], t.c.raw)
+        # the statuses as SQL literals (constants of the kit): an executemany cannot expand a bound list
+        terminal: list[sa.ColumnElement[str]] = [sa.literal_column(f"'{s}'") for s in TERMINAL]
+        where = t.c.status.not_in(terminal) if guard_terminal else None
+        return stmt.on_conflict_do_update(index_elements=[t.c.message_id], set_=changes, where=where)
+
+    async def upsert(self, records: Sequence[MessageRecord]) -> None:
+        if not records:
+            return
+        plain: list[dict[str, Any]] = []
+        fresh: list[dict[str, Any]] = []
+        for r in _fold(records):
+            (fresh if is_enqueue_record(r) else plain).append(self._row(r))
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            if plain:
+                await conn.execute(self._upsert_statement(guard_terminal=False), plain)
+            if fresh:
+                await conn.execute(self._upsert_statement(guard_terminal=True), fresh)
+
+    async def reopen(self, record: MessageRecord) -> None:
+        """Write ``record`` whatever the stored status (an operator's retry of a finished message)."""
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            await conn.execute(self._upsert_statement(guard_terminal=False), [self._row(record)])
+
+    async def counts(self) -> dict[tuple[str, str], int]:
+        """Unarchived records per (queue, status), from the partial counting index."""
+        m = self._m
+        stmt = sa.select(m.c.queue, m.c.status, sa.func.count()).where(~m.c.archived)
+        await self.provider.ensure_open()
+        async with self.provider.engine.connect() as conn:
+            rows = (await conn.execute(stmt.group_by(m.c.queue, m.c.status))).all()
+        return {(str(r[0]), str(r[1])): int(r[2]) for r in rows}
+
+    async def prune(self, now: datetime) -> int:
+        """Delete finished records last updated before ``now - retention``; returns how many."""
+        m = self._m
+        cutoff = as_utc(now) - self.retention
+        doomed = (
+            sa.select(m.c.id)
+            .where(m.c.status.in_(TERMINAL), m.c.updated_at < cutoff)
+            .limit(PRUNE_CHUNK)
+            .scalar_subquery()
+        )
+        total = 0
+        await self.provider.ensure_open()
+        while True:
+            async with self.provider.engine.begin() as conn:
+                res = await conn.execute(sa.delete(m).where(m.c.id.in_(doomed)))
+            n = res.rowcount or 0
+            total += n
+            if n < PRUNE_CHUNK:
+                return total
+
+
+class SideStores:
+    """The SQL database a RabbitMQ or SQS deployment shares across hosts: pause/circuit state, message
+    history and the delayed-message store, on one engine (migrated to the latest schema on open)."""
+
+    def __init__(
+        self,
+        url: str | URL,
+        *,
+        schema: str | None = None,
+        retention: timedelta = timedelta(days=14),
+        auto_migrate: bool = True,
+        connect_retries: int = 8,
+        clock: Clock = utcnow,
+    ) -> None:
+        # LISTEN is off: the SQL provider's queue wake-ups mean nothing here (the delayed store
+        # listens on its own channel)
+        self.sql = SqlProvider(
+            url,
+            schema=schema,
+            listen=False,
+            auto_migrate=auto_migrate,
+            connect_retries=connect_retries,
+            clock=clock,
+        )
+        self.clock = clock
+        self.control: SqlControlStore = self.sql.control_store()
+        self.history = SqlHistoryTracker(self.sql, retention=retention)
+        self._delayed: dict[str, SqlDelayedStore] = {}
+
+    @classmethod
+    def from_settings(cls, settings: QueueingSettings) -> SideStores:
+        return cls(
+            settings.database_url,
+            schema=settings.database_schema,
+            retention=timedelta(days=settings.tracker_retention_days),
+            auto_migrate=settings.auto_migrate,
+            connect_retries=settings.connect_retries,
+        )
+
+    def delayed_store(self, transport: Transport) -> SqlDelayedStore:
+        from ..delayed.store import SqlDelayedStore
+
+        store = self._delayed.get(transport.value)
+        if store is None:
+            store = self._delayed[transport.value] = SqlDelayedStore(self.sql, transport, clock=self.clock)
+        return store
+
+    async def open(self) -> None:
+        await self.sql.ensure_open()
+
+    async def close(self) -> None:
+        for store in self._delayed.values():
+            await store.close()
+        await self.sql.close()

@@ -1,0 +1,746 @@
+"""Amazon SQS provider (SPEC C6) on ``boto3``; every boto3 call runs in the provider's own thread pool,
+never on the event loop (boto3 clients are thread-safe; the pool bounds the concurrent requests).
+
+- A standard queue per type (sanitized: 80 characters of letters, digits, ``-`` and ``_``) and its
+  dead-letter queue ``<queue>-dlq``, created on open with a redrive policy (``maxReceiveCount`` = the
+  type's max attempts), the lease as ``VisibilityTimeout`` and a ``MessageRetentionPeriod`` of the
+  type's expiration plus ``ttl_grace`` (14 days, SQS's maximum, without one).
+- The lease is the visibility timeout; long handlers extend it (``ChangeMessageVisibilityBatch``).
+  ``ApproximateReceiveCount`` counts deliveries on top of the envelope's attempts.
+- Retries, pauses, waits and releases send a copy carrying the attempts used (``DelaySeconds`` up to
+  15 minutes; the delayed-message store beyond) and delete the original, so the receive count of a
+  copy starts again: the redrive policy only catches a copy that keeps coming back without being
+  settled (a consumer that crashes with it), which is what it is there for.
+- Dead letters (and expired messages) are sent to the DLQ with the reason in message attributes and
+  in the envelope's headers, then deleted; bytes that are not an envelope are kept as they came.
+- ``enqueue_many`` uses ``SendMessageBatch`` (10 entries and 256 KiB per call); SQS acknowledges a
+  send once it is stored, so ``wait`` holds either way.
+
+Pause/circuit state, history and the delayed store live in the SQL database of ``SideStores``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from ..clock import Clock, utcnow
+from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from ..envelope import Envelope
+from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
+from ..messages import MessageStatus
+from ..naming import InvalidQueueName, QueueNaming, Transport, validate
+from ..options import QueueOptions
+from ..tracking import MessageQuery, MessageRecord, record_from_envelope
+from ..transport import Capabilities, Delivery, Settlement
+from .delayed import FORWARD_FAILED, DelayedDispatcher, DelayedMessage
+from .delayed.breaker import first_line
+from .sql.history import SideStores, SqlHistoryTracker, malformed_id
+
+if TYPE_CHECKING:
+    from ..app import QueueingApp, Subscription
+    from ..control.base import ControlStore
+    from ..settings import QueueingSettings
+
+log = logging.getLogger("queueing.sqs")
+
+T = TypeVar("T")
+
+MAX_NATIVE_DELAY = timedelta(minutes=15)  # DelaySeconds is at most 900
+MAX_VISIBILITY = timedelta(hours=12)
+MAX_RETENTION = 14 * 24 * 3600
+MIN_RETENTION = 60
+#: SQS accepts 256 KiB per message and per batch, message attributes included
+MAX_BATCH_BYTES = 256 * 1024
+MAX_ENVELOPE_BYTES = 250 * 1024
+DLQ_SUFFIX = "-dlq"
+MESSAGE_ID = "queueing-message-id"
+TYPE = "queueing-type"
+ATTEMPT = "x-attempt"
+REASON = "x-queueing-dead-letter-reason"
+DESCRIPTION = "x-queueing-dead-letter-description"
+DEAD_AT = "x-queueing-dead-lettered-at"
+#: error codes that mean "try again later", not "this request is wrong"
+_TRANSIENT = {
+    "ThrottlingException",
+    "Throttling",
+    "RequestThrottled",
+    "ServiceUnavailable",
+    "InternalError",
+    "InternalFailure",
+    "RequestTimeout",
+    "KMS.ThrottlingException",
+}
+
+
+@contextlib.contextmanager
+def _boundary(action: str) -> Iterator[None]:
+    """botocore errors become the kit's: unreachable/throttled -> ProviderUnavailable, else ProviderError."""
+    try:
+        yield
+    except ProviderError:
+        raise
+    except (BotoConnectionError, HTTPClientError, OSError) as exc:
+        raise ProviderUnavailable(f"SQS unreachable during {action}: {first_line(exc)}") from None
+    except ClientError as exc:
+        err = exc.response.get("Error", {})
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        code = str(err.get("Code", ""))
+        text = f"{action} failed: {code} {err.get('Message', '')}".strip()
+        if code in _TRANSIENT or status >= 500:
+            raise ProviderUnavailable(f"SQS busy: {text}") from None
+        raise ProviderError(text) from None
+    except BotoCoreError as exc:  # configuration: no credentials, no region, a bad endpoint
+        raise ProviderError(f"{action} failed: {first_line(exc)}") from None
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def whole_seconds(delay: timedelta, cap: timedelta) -> int:
+    """SQS counts in whole seconds: round up (never early), cap at ``cap``."""
+    return math.ceil(min(max(delay, timedelta(0)), cap).total_seconds())
+
+
+def _attr(value: str | int) -> dict[str, str]:
+    if isinstance(value, int):
+        return {"DataType": "Number", "StringValue": str(value)}
+    return {"DataType": "String", "StringValue": value or "-"}  # SQS rejects empty strings
+
+
+@dataclass
+class _Handle:
+    url: str
+    receipt: str
+    physical: str
+
+
+class SqsProvider:
+    transport = Transport.SQS
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        stores: SideStores,
+        naming: QueueNaming | None = None,
+        auto_create: bool = True,
+        ttl_grace: timedelta = timedelta(hours=1),
+        receive_wait: int = 1,
+        max_native_delay: timedelta = MAX_NATIVE_DELAY,
+        threads: int = 16,
+        delayed_retries: int = 3,
+        dispatcher_options: dict[str, Any] | None = None,
+        clock: Clock = utcnow,
+    ) -> None:
+        if not timedelta(0) <= max_native_delay <= MAX_NATIVE_DELAY:
+            raise ConfigurationError("max_native_delay", "out of range", "0 to 15 minutes")
+        self.client = client
+        self.stores = stores
+        self.naming = naming
+        self.auto_create = auto_create
+        self.ttl_grace = ttl_grace
+        self.receive_wait = max(0, min(20, int(receive_wait)))
+        self.clock = clock
+        self.capabilities = Capabilities(
+            max_delay=max_native_delay,
+            lock_renewal=True,
+            native_dead_letter=True,
+            max_message_bytes=MAX_ENVELOPE_BYTES,
+        )
+        self.delayed = stores.delayed_store(Transport.SQS)
+        self.dispatcher = DelayedDispatcher(
+            self.delayed, self, retries=delayed_retries, clock=clock, **(dispatcher_options or {})
+        )
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._urls: dict[str, str] = {}
+        self._url_lock = asyncio.Lock()
+        self._app: QueueingApp | None = None
+
+    @classmethod
+    def from_settings(cls, settings: QueueingSettings, **kwargs: Any) -> SqsProvider:
+        """Credentials come from the standard AWS chain (environment, profile, instance role)."""
+        import boto3
+        from botocore.config import Config
+
+        threads = int(kwargs.pop("threads", 16))
+        client = boto3.client(
+            "sqs",
+            endpoint_url=settings.sqs_endpoint_url,
+            region_name=settings.sqs_region,
+            config=Config(max_pool_connections=threads, retries={"mode": "standard"}),
+        )
+        kwargs.setdefault("ttl_grace", settings.ttl_grace)
+        kwargs.setdefault("delayed_retries", settings.delayed_store_retries)
+        return cls(client, stores=SideStores.from_settings(settings), threads=threads, **kwargs)
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., T], **kwargs: Any) -> T:
+        """Run one boto3 call in the pool: boto3 blocks, the event loop must not."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="queueing-sqs")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, **kwargs))
+
+    async def _call(self, action: str, fn: Callable[..., T], **kwargs: Any) -> T:
+        with _boundary(action):
+            return await self._run(fn, **kwargs)
+
+    def control_store(self) -> ControlStore:
+        return self.stores.control
+
+    def tracker(self) -> SqlHistoryTracker:
+        return self.stores.history
+
+    def physical(self, queue: str) -> str:
+        naming = self.naming or (self._app.naming if self._app else QueueNaming())
+        return naming.physical(queue, Transport.SQS)
+
+    @staticmethod
+    def dead_letter_name(physical: str) -> str:
+        name = f"{physical}{DLQ_SUFFIX}"
+        try:
+            validate(name, Transport.SQS)
+        except InvalidQueueName as exc:
+            raise ConfigurationError(
+                "queue name", f"{exc} (the queue name leaves no room for '{DLQ_SUFFIX}')"
+            ) from None
+        return name
+
+    def _settings(self, queue: str) -> tuple[dict[str, str], int]:
+        """The queue attributes a logical queue's type asks for, and its max attempts."""
+        sub = self._app.by_queue().get(queue) if self._app is not None else None
+        o = sub.options if sub is not None else QueueOptions()
+        retention = MAX_RETENTION
+        if o.expiration is not None:
+            retention = int((o.expiration + self.ttl_grace).total_seconds())
+        attributes = {
+            "VisibilityTimeout": str(whole_seconds(o.lease_duration, MAX_VISIBILITY)),
+            "MessageRetentionPeriod": str(max(MIN_RETENTION, min(MAX_RETENTION, retention))),
+        }
+        return attributes, o.max_attempts
+
+    async def _create(self, name: str, attributes: dict[str, str]) -> str:
+        try:
+            resp = await self._run(self.client.create_queue, QueueName=name, Attributes=attributes)
+        except ClientError as exc:
+            if _code(exc) not in ("QueueAlreadyExists", "QueueNameExists"):
+                with _boundary(f"creating queue {name}"):
+                    raise
+        except Exception:
+            with _boundary(f"creating queue {name}"):
+                raise
+        else:
+            return str(resp["QueueUrl"])
+        # it exists with other settings: bring them to what the type asks for now
+        found = await self._call(f"finding queue {name}", self.client.get_queue_url, QueueName=name)
+        url = str(found["QueueUrl"])
+        await self._call(
+            f"updating queue {name}", self.client.set_queue_attributes, QueueUrl=url, Attributes=attributes
+        )
+        return url
+
+    async def _url(self, queue: str, *, dead: bool = False) -> str:
+        """The URL of a logical queue (or its DLQ); created with its settings on first use."""
+        physical = self.physical(queue)
+        name = self.dead_letter_name(physical) if dead else physical
+        url = self._urls.get(name)
+        if url is not None:
+            return url
+        async with self._url_lock:
+            url = self._urls.get(name)
+            if url is not None:
+                return url
+            if not self.auto_create:
+                resp = await self._call(f"finding queue {name}", self.client.get_queue_url, QueueName=name)
+                self._urls[name] = url = str(resp["QueueUrl"])
+                return url
+            dlq_name = self.dead_letter_name(physical)
+            dlq_url = await self._create(dlq_name, {"MessageRetentionPeriod": str(MAX_RETENTION)})
+            self._urls[dlq_name] = dlq_url
+            attrs, max_attempts = self._settings(queue)
+            arn = await self._call(
+                f"reading {dlq_name}",
+                self.client.get_queue_attributes,
+                QueueUrl=dlq_url,
+                AttributeNames=["QueueArn"],
+            )
+            attrs["RedrivePolicy"] = json.dumps(
+                {"deadLetterTargetArn": arn["Attributes"]["QueueArn"], "maxReceiveCount": str(max_attempts)}
+            )
+            self._urls[physical] = await self._create(physical, attrs)
+            return self._urls[name]
+
+    async def _url_of_physical(self, physical: str) -> str:
+        """The URL of a physical queue name (delayed messages are stored by physical name)."""
+        url = self._urls.get(physical)
+        if url is None:
+            resp = await self._call(
+                f"finding queue {physical}", self.client.get_queue_url, QueueName=physical
+            )
+            url = self._urls[physical] = str(resp["QueueUrl"])
+        return url
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def open(self, app: QueueingApp) -> None:
+        self._app = app
+        await self.stores.open()
+        for sub in app.subscriptions():
+            await self._url(sub.queue)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._urls.clear()
+        await self.stores.close()
+
+    # -- producing ---------------------------------------------------------------------------------
+    def _entry(self, env: Envelope, delay: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {
+            "MessageBody": env.encode_text(),
+            "DelaySeconds": delay,
+            "MessageAttributes": {
+                MESSAGE_ID: _attr(str(env.message_id)),
+                TYPE: _attr(env.type),
+                ATTEMPT: _attr(env.attempt),
+                **(extra or {}),
+            },
+        }
+
+    async def _send_entries(self, url: str, entries: list[dict[str, Any]]) -> None:
+        """SendMessageBatch in chunks of 10 entries and at most 256 KiB, sent concurrently."""
+        chunks: list[list[dict[str, Any]]] = []
+        size = 0
+        for e in entries:
+            n = len(e["MessageBody"].encode()) + sum(
+                len(k) + len(v["StringValue"]) for k, v in e["MessageAttributes"].items()
+            )
+            if not chunks or len(chunks[-1]) == 10 or size + n > MAX_BATCH_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(e)
+            size += n
+        await asyncio.gather(*(self._send_batch(url, c) for c in chunks))
+
+    async def _send_batch(self, url: str, chunk: list[dict[str, Any]]) -> None:
+        batch = [{"Id": str(i), **e} for i, e in enumerate(chunk)]
+        resp = await self._call(
+            "sending messages", self.client.send_message_batch, QueueUrl=url, Entries=batch
+        )
+        failed = resp.get("Failed") or []
+        if failed:
+            first = failed[0]
+            kind = ProviderError if first.get("SenderFault") else ProviderUnavailable
+            why = f"{first.get('Code')} {first.get('Message', '')}".strip()
+            raise kind(f"SQS refused {len(failed)} of {len(batch)} message(s): {why}")
+
+    async def send_at(self, queue: str, env: Envelope, due: datetime | None) -> None:
+        """Send now, delayed natively (up to ``max_delay``), or through the delayed store."""
+        now = self.clock()
+        delay = (due - now) if due is not None else timedelta(0)
+        assert self.capabilities.max_delay is not None
+        url = await self._url(queue)
+        if delay > self.capabilities.max_delay:
+            await self.delayed.store(env, self.physical(queue), now + delay)
+            return
+        await self._send_entries(url, [self._entry(env, whole_seconds(delay, MAX_NATIVE_DELAY))])
+
+    async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
+        now = self.clock()
+        assert self.capabilities.max_delay is not None
+        later: list[tuple[Envelope, str, datetime]] = []
+        by_queue: dict[str, list[dict[str, Any]]] = {}
+        for env in envelopes:
+            delay = (env.not_before - now) if env.not_before is not None else timedelta(0)
+            if delay > self.capabilities.max_delay:
+                later.append((env, self.physical(env.queue), now + delay))
+            else:
+                by_queue.setdefault(env.queue, []).append(
+                    self._entry(env, whole_seconds(delay, MAX_NATIVE_DELAY))
+                )
+        if later:
+            # the queues exist before the dispatcher forwards to them, wherever it runs
+            for queue in {env.queue for env, _, _ in later}:
+                await self._url(queue)
+            await self.delayed.store_many(later)
+        for queue, entries in by_queue.items():
+            await self._send_entries(await self._url(queue), entries)
+
+    async def forward_delayed(self, item: DelayedMessage) -> None:
+        """Send a due message from the delayed store to its queue."""
+        url = await self._url_of_physical(item.destination)
+        env = Envelope.decode(item.envelope)
+        await self._send_entries(url, [self._entry(env, 0)])
+
+    async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
+        now = self.clock()
+        env = Envelope.decode(item.envelope)
+        dlq = await self._url_of_physical(self.dead_letter_name(item.destination))
+        await self._send_entries(dlq, [self._dead_entry(env, FORWARD_FAILED, description, now)])
+        await self.stores.history.upsert(
+            [
+                record_from_envelope(
+                    env,
+                    MessageStatus.DEAD_LETTERED.value,
+                    now,
+                    reason=FORWARD_FAILED,
+                    description=description,
+                )
+            ]
+        )
+
+    def _dead_entry(self, env: Envelope, reason: str, description: str, now: datetime) -> dict[str, Any]:
+        marks = {REASON: reason, DEAD_AT: now.isoformat(), DESCRIPTION: description[:4000]}
+        copy = env.model_copy(update={"headers": {**env.headers, **marks}})
+        return self._entry(copy, 0, {REASON: _attr(reason), DESCRIPTION: _attr(description[:1000])})
+
+    # -- consuming ---------------------------------------------------------------------------------
+    async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
+        url = await self._url(sub.queue)
+        lease = min(sub.options.lease_duration, MAX_VISIBILITY)
+        physical = self.physical(sub.queue)
+        out: list[Delivery] = []
+        wait = self.receive_wait
+        while len(out) < max_messages:
+            resp = await self._call(
+                f"receiving from {physical}",
+                self.client.receive_message,
+                QueueUrl=url,
+                MaxNumberOfMessages=min(10, max_messages - len(out)),
+                WaitTimeSeconds=wait,  # the first call is a short long-poll; the rest take what is there
+                VisibilityTimeout=whole_seconds(lease, MAX_VISIBILITY),
+                MessageSystemAttributeNames=["ApproximateReceiveCount"],
+                MessageAttributeNames=["All"],
+            )
+            messages = resp.get("Messages") or []
+            now = self.clock()
+            for m in messages:
+                out.append(
+                    Delivery.of(
+                        m["Body"],
+                        queue=sub.queue,
+                        delivery_count=int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1)),
+                        handle=_Handle(url, m["ReceiptHandle"], physical),
+                        lease_until=now + lease,
+                    )
+                )
+            if len(messages) < 10:
+                break
+            wait = 0
+        return out
+
+    async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
+        return None  # receive already long-polled (up to receive_wait) for work to arrive
+
+    async def _prepare(self, s: Settlement) -> None:
+        """Everything a settlement needs before its original is deleted (copies, dead letters)."""
+        d, decision = s.delivery, s.decision
+        now = self.clock()
+        if isinstance(decision, Complete):
+            return
+        if isinstance(decision, Expire | DeadLetter):
+            if isinstance(decision, Expire):
+                reason = DeadLetterReason.EXPIRED.value
+                description = f"expired at {decision.expired_at.isoformat()}"
+            else:
+                reason, description = decision.reason.value, decision.description
+            dlq = await self._url(d.queue, dead=True)
+            if d.envelope is not None:
+                env = d.envelope.with_attempt(d.attempts_used(decision))
+                entry = self._dead_entry(env, reason, description, now)
+            else:  # not an envelope: the text as it came, the reason in attributes
+                entry = {
+                    "MessageBody": d.text(),
+                    "MessageAttributes": {
+                        MESSAGE_ID: _attr(str(malformed_id(d.text()))),
+                        REASON: _attr(reason),
+                        DESCRIPTION: _attr(description[:1000]),
+                    },
+                }
+            await self._send_entries(dlq, [entry])
+            return
+        assert d.envelope is not None, "malformed messages are always dead-lettered"
+        if isinstance(decision, RetryAfter):
+            due: datetime | None = now + decision.delay
+        elif isinstance(decision, Defer):
+            due = decision.until
+        else:
+            assert isinstance(decision, Release)
+            due = None
+        # the copy first: if the delete fails afterwards, a duplicate beats a loss
+        await self.send_at(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), due)
+
+    async def _delete(self, handles: list[_Handle]) -> int:
+        """DeleteMessageBatch per queue, 10 at a time; returns how many deletes SQS refused."""
+        refused = 0
+        by_url: dict[str, list[_Handle]] = {}
+        for h in handles:
+            by_url.setdefault(h.url, []).append(h)
+        for url, hs in by_url.items():
+            for i in range(0, len(hs), 10):
+                entries = [{"Id": str(j), "ReceiptHandle": h.receipt} for j, h in enumerate(hs[i : i + 10])]
+                resp = await self._call(
+                    "deleting messages", self.client.delete_message_batch, QueueUrl=url, Entries=entries
+                )
+                refused += len(resp.get("Failed") or [])
+        return refused
+
+    async def settle(self, settlements: Sequence[Settlement]) -> None:
+        results = await asyncio.gather(*(self._prepare(s) for s in settlements), return_exceptions=True)
+        ready = [s.delivery.handle for s, r in zip(settlements, results, strict=True) if r is None]
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for exc in failures:
+            # not deleted: it comes back when its visibility timeout ends (at least once, not lost)
+            log.warning("settling an SQS message failed: %s", first_line(exc))
+        if ready:
+            refused = await self._delete(ready)
+            if refused:
+                # the receipt expired (the lease lapsed and another consumer received it)
+                log.warning(
+                    "%d SQS message(s) not deleted: their lease had passed to another receive", refused
+                )
+        if failures and len(failures) == len(settlements):
+            raise failures[0]
+
+    async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        lost: list[Delivery] = []
+        by_url: dict[str, list[Delivery]] = {}
+        for d in deliveries:
+            by_url.setdefault(d.handle.url, []).append(d)
+        for url, ds in by_url.items():
+            for i in range(0, len(ds), 10):
+                part = ds[i : i + 10]
+                leases = {}
+                entries = []
+                for j, d in enumerate(part):
+                    sub = self._app.subscription(d.type_name) if self._app and d.type_name else None
+                    lease = min(sub.options.lease_duration if sub else timedelta(seconds=30), MAX_VISIBILITY)
+                    leases[str(j)] = lease
+                    entries.append(
+                        {
+                            "Id": str(j),
+                            "ReceiptHandle": d.handle.receipt,
+                            "VisibilityTimeout": whole_seconds(lease, MAX_VISIBILITY),
+                        }
+                    )
+                try:
+                    resp = await self._call(
+                        "renewing leases",
+                        self.client.change_message_visibility_batch,
+                        QueueUrl=url,
+                        Entries=entries,
+                    )
+                except ProviderError:
+                    lost += part
+                    continue
+                failed = {f["Id"] for f in resp.get("Failed") or []}
+                now = self.clock()
+                for j, d in enumerate(part):
+                    if str(j) in failed:
+                        lost.append(d)
+                    else:
+                        d.lease_until = now + leases[str(j)]
+        return lost
+
+    # -- the delayed dispatcher ----------------------------------------------------------------------
+    def background_tasks(self) -> list[Any]:
+        return [self.delayed_dispatcher]
+
+    async def delayed_dispatcher(self) -> None:
+        await self.dispatcher.run()
+
+    async def dispatch_due(self, budget_seconds: float) -> int:
+        """Forward the due delayed messages within ``budget_seconds`` (for a Functions timer)."""
+        return await self.dispatcher.dispatch_due(budget_seconds)
+
+    # -- upkeep ------------------------------------------------------------------------------------
+    maintenance_interval = 300.0
+
+    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
+        return {"history_pruned": await self.stores.history.prune(self.clock())}
+
+    # -- ops ---------------------------------------------------------------------------------------
+    async def depth(self, queue: str, *, dead: bool = False) -> dict[str, int]:
+        url = await self._url(queue, dead=dead)
+        resp = await self._call(
+            "reading queue attributes",
+            self.client.get_queue_attributes,
+            QueueUrl=url,
+            AttributeNames=[
+                "ApproximateNumberOfMessages",
+                "ApproximateNumberOfMessagesNotVisible",
+                "ApproximateNumberOfMessagesDelayed",
+            ],
+        )
+        a = resp.get("Attributes", {})
+        return {
+            "ready": int(a.get("ApproximateNumberOfMessages", 0)),
+            "in_flight": int(a.get("ApproximateNumberOfMessagesNotVisible", 0)),
+            "delayed": int(a.get("ApproximateNumberOfMessagesDelayed", 0)),
+        }
+
+    async def native_counts(self) -> dict[str, dict[str, int]]:
+        """Approximate counts from SQS (ready, in flight, delayed there, dead letters) and the store."""
+        if self._app is None:
+            return {}
+        stored = await self.delayed.counts()
+        out: dict[str, dict[str, int]] = {}
+        for sub in self._app.subscriptions():
+            main = await self.depth(sub.queue)
+            dead = await self.depth(sub.queue, dead=True)
+            out[sub.queue] = {
+                **main,
+                "delayed_store": stored.get(self.physical(sub.queue), 0),
+                "dead_lettered": dead["ready"] + dead["in_flight"],
+            }
+        return out
+
+    async def _take_dead_letters(self, queue: str, wanted: set[str], limit: int = 5000) -> int:
+        """Delete the dead letters whose message id is in ``wanted``; the others are made visible again."""
+        url = await self._url(queue, dead=True)
+        held: list[str] = []
+        taken = 0
+        seen = 0
+        try:
+            while seen < limit and taken < len(wanted):
+                resp = await self._call(
+                    "reading dead letters",
+                    self.client.receive_message,
+                    QueueUrl=url,
+                    MaxNumberOfMessages=10,
+                    WaitTimeSeconds=1,  # a long poll asks every server: a short one may miss messages
+                    VisibilityTimeout=60,
+                    MessageAttributeNames=["All"],
+                )
+                messages = resp.get("Messages") or []
+                if not messages:
+                    break
+                seen += len(messages)
+                for m in messages:
+                    mid = m.get("MessageAttributes", {}).get(MESSAGE_ID, {}).get("StringValue", "")
+                    if mid in wanted:
+                        await self._call(
+                            "deleting a dead letter",
+                            self.client.delete_message,
+                            QueueUrl=url,
+                            ReceiptHandle=m["ReceiptHandle"],
+                        )
+                        taken += 1
+                    else:
+                        held.append(m["ReceiptHandle"])
+        finally:
+            for i in range(0, len(held), 10):
+                entries = [
+                    {"Id": str(j), "ReceiptHandle": r, "VisibilityTimeout": 0}
+                    for j, r in enumerate(held[i : i + 10])
+                ]
+                with contextlib.suppress(ProviderError):
+                    await self._call(
+                        "returning dead letters",
+                        self.client.change_message_visibility_batch,
+                        QueueUrl=url,
+                        Entries=entries,
+                    )
+        return taken
+
+    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+        if record.status in (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value):
+            if not await self.delayed.take_message(record.message_id):
+                raise InvalidOperation(
+                    f"message {record.message_id} is scheduled in SQS for {record.not_before}: "
+                    "a delayed SQS message cannot be brought forward (it runs then)"
+                )
+        elif record.status in (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value):
+            await self._take_dead_letters(record.queue, {str(record.message_id)})
+        # the history says Pending before the message can run, so its outcome is never overwritten
+        await self.stores.history.reopen(
+            record.model_copy(
+                update={
+                    "status": MessageStatus.PENDING.value,
+                    "attempt": 0,
+                    "reason": None,
+                    "description": None,
+                    "last_error": None,
+                    "not_before": None,
+                    "expires_at": envelope.expires_at,
+                    "updated_at": now,
+                }
+            )
+        )
+        await self.send_at(record.queue, envelope, None)
+        return True
+
+    async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
+        raise InvalidOperation(
+            "an SQS receipt belongs to the receive that holds it: only that consumer can release it; "
+            "the message returns by itself when its visibility timeout ends"
+        )
+
+    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
+        return True  # a flag in the history; the message itself has left the queue
+
+    async def _purge_queue(self, url: str) -> None:
+        try:
+            await self._run(self.client.purge_queue, QueueUrl=url)
+            return
+        except ClientError as exc:
+            if "PurgeQueueInProgress" not in _code(exc):
+                with _boundary("purging a queue"):
+                    raise
+        except Exception:
+            with _boundary("purging a queue"):
+                raise
+        # SQS allows one purge a minute per queue: delete what is there by hand
+        while True:
+            resp = await self._call(
+                "draining a queue",
+                self.client.receive_message,
+                QueueUrl=url,
+                MaxNumberOfMessages=10,
+                WaitTimeSeconds=1,
+            )
+            messages = resp.get("Messages") or []
+            if not messages:
+                return
+            await self._delete([_Handle(url, m["ReceiptHandle"], "") for m in messages])
+
+    async def ops_purge(
+        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
+    ) -> tuple[int, int]:
+        """Dead letters leave the DLQ, delayed ones the delayed store; a purge of a whole queue empties
+        the queue, its DLQ and its delayed messages. A message waiting in a live queue cannot be picked
+        out (receiving it would take it from a consumer)."""
+        whole = query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}
+        if whole:
+            assert query.queue is not None
+            await self._purge_queue(await self._url(query.queue))
+            await self._purge_queue(await self._url(query.queue, dead=True))
+            await self.delayed.purge(self.physical(query.queue))
+            return len(records or ()), 0
+        dead_states = (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value)
+        later_states = (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value)
+        by_queue: dict[str, list[MessageRecord]] = {}
+        for r in records or ():
+            by_queue.setdefault(r.queue, []).append(r)
+        for queue, recs in by_queue.items():
+            dead = {str(r.message_id) for r in recs if r.status in dead_states}
+            if dead:
+                await self._take_dead_letters(queue, dead)
+            later = [r.message_id for r in recs if r.status in later_states]
+            if later:
+                await self.delayed.purge(self.physical(queue), later)
+        return len(records or ()), 0

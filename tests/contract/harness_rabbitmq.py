@@ -1,0 +1,56 @@
+"""The contract suite on RabbitMQ (the broker on 127.0.0.1:5672), with the side stores (history,
+pause/circuit state, delayed messages) in a fresh PostgreSQL schema per test."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+from queueing_core.runtime import Runtime
+from queueing_core.transport import Provider
+
+from .harness import Harness
+
+
+def make_harness() -> Harness:
+    from queueing_core.providers.rabbitmq import RabbitMQProvider
+    from queueing_core.providers.sql.history import SideStores
+    from tests.services import POSTGRES_URL, RABBITMQ_URL, require
+
+    require("RabbitMQ", "127.0.0.1", 5672)
+    require("PostgreSQL", "127.0.0.1", 5432)
+    schema = f"qr_{uuid.uuid4().hex[:10]}"
+    made: list[RabbitMQProvider] = []
+
+    async def make() -> Provider:
+        prov = RabbitMQProvider(
+            RABBITMQ_URL,
+            stores=SideStores(POSTGRES_URL, schema=schema),
+            idle_timeout=0.5,
+            reconnect_interval=0.5,
+            dispatcher_options={"retry_delay": timedelta(milliseconds=100)},
+        )
+        made.append(prov)
+        return prov
+
+    async def inject(rt: Runtime, queue: str, raw: bytes) -> None:
+        import aio_pika
+
+        prov = rt.provider
+        assert isinstance(prov, RabbitMQProvider)
+        await prov._publish(prov.physical(queue), aio_pika.Message(raw), confirm=True)
+
+    async def cleanup() -> None:
+        import sqlalchemy as sa
+
+        from queueing_core.providers.sql import create_engine
+
+        for prov in made:
+            await prov.close()
+        engine = create_engine(POSTGRES_URL)
+        async with engine.begin() as conn:
+            await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        await engine.dispose()
+
+    # retries are republished copies: no order promise
+    return Harness("rabbitmq", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)

@@ -1,0 +1,354 @@
+"""The delayed-message store and its dispatcher (SPEC C7, seed 004) on SQLite and PostgreSQL: the
+store's operations, fetching under a lock, wake-ups, forwarding when due, failure counting into the
+dead-letter queue, and the store/fetch/dispatch circuit breakers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+
+from queueing_core.clock import utcnow
+from queueing_core.envelope import Envelope
+from queueing_core.errors import ProviderError, ProviderUnavailable
+from queueing_core.naming import Transport
+from queueing_core.providers.delayed import (
+    FORWARD_FAILED,
+    CircuitBreaker,
+    DelayedDispatcher,
+    DelayedMessage,
+)
+from queueing_core.providers.sql import create_engine
+from queueing_core.providers.sql.history import SideStores
+from tests.contract.harness import wait_until
+from tests.services import POSTGRES_URL, require
+
+
+@dataclass
+class Db:
+    url: str
+    schema: str | None
+    made: list[SideStores] = field(default_factory=list)
+
+    def stores(self, **kw) -> SideStores:
+        s = SideStores(self.url, schema=self.schema, **kw)
+        self.made.append(s)
+        return s
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def db(request, tmp_path):
+    if request.param == "sqlite":
+        d = Db(f"sqlite:///{tmp_path}/delayed.db", None)
+        yield d
+        for s in d.made:
+            await s.close()
+        return
+    require("PostgreSQL", "127.0.0.1", 5432)
+    d = Db(POSTGRES_URL, f"qd_{uuid.uuid4().hex[:10]}")
+    yield d
+    for s in d.made:
+        await s.close()
+    engine = create_engine(POSTGRES_URL)
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{d.schema}" CASCADE'))
+    await engine.dispose()
+
+
+def envelope(**kw) -> Envelope:
+    return Envelope(
+        type="Job",
+        queue="jobs",
+        message_id=uuid.uuid4(),
+        tracking_id=uuid.uuid4(),
+        created_at=utcnow(),
+        body={"n": kw.pop("n", 0)},
+        **kw,
+    )
+
+
+@dataclass
+class Target:
+    """The transport side, recording what the dispatcher sends; ``fail`` decides per call."""
+
+    fail: object = None  # None, an exception, or a callable returning one (or None)
+    forwarded: list[tuple[DelayedMessage, datetime]] = field(default_factory=list)
+    dead: list[tuple[DelayedMessage, str]] = field(default_factory=list)
+    calls: int = 0
+
+    async def forward_delayed(self, item: DelayedMessage) -> None:
+        self.calls += 1
+        exc = self.fail() if callable(self.fail) else self.fail
+        if exc is not None:
+            raise exc
+        self.forwarded.append((item, utcnow()))
+
+    async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
+        self.dead.append((item, description))
+
+
+@contextlib.asynccontextmanager
+async def dispatching(dispatcher: DelayedDispatcher):
+    task = asyncio.create_task(dispatcher.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+# -- the store ---------------------------------------------------------------------------------------
+
+
+async def test_store_fetch_remove_and_next_due(db):
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    assert await store.next_due() is None
+    now = utcnow()
+    soon, later = envelope(n=1), envelope(n=2)
+    first = await store.store(soon, "t-jobs", now - timedelta(seconds=1))
+    await store.store(later, "t-jobs", now + timedelta(hours=1))
+    assert abs((await store.next_due()) - (now - timedelta(seconds=1))) < timedelta(milliseconds=1)
+
+    item = await store.fetch_next_due(now)
+    assert item is not None
+    assert item.id == first
+    assert item.destination == "t-jobs"
+    assert Envelope.decode(item.envelope) == soon
+    assert item.failures == 0
+    # taken: no other fetch gets it while it is being forwarded
+    assert await store.fetch_next_due(now) is None
+
+    assert await store.remove(first) is True
+    assert await store.remove(first) is False  # already gone
+    assert abs((await store.next_due()) - (now + timedelta(hours=1))) < timedelta(milliseconds=1)
+    assert await store.counts() == {"t-jobs": 1}
+
+
+async def test_transports_sharing_a_database_see_only_their_own_messages(db):
+    stores = db.stores()
+    rabbit, sqs = stores.delayed_store(Transport.RABBITMQ), stores.delayed_store(Transport.SQS)
+    await sqs.store(envelope(), "q", utcnow() - timedelta(seconds=1))
+    assert await rabbit.fetch_next_due() is None
+    assert await rabbit.next_due() is None
+    assert await sqs.fetch_next_due() is not None
+
+
+async def test_failures_are_counted_and_the_message_comes_back_when_asked(db):
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    now = utcnow()
+    mid = await store.store(envelope(), "q", now - timedelta(seconds=1))
+    item = await store.fetch_next_due(now)
+    assert item is not None
+    assert await store.increment_failure(item.id, error="boom", retry_at=now) is True
+    again = await store.fetch_next_due(now)
+    assert again is not None
+    assert again.id == mid
+    assert again.failures == 1
+    assert again.last_error == "boom"
+    assert await store.remove(mid) is True
+    assert await store.increment_failure(mid) is False  # gone: nothing to count
+
+
+async def test_two_fetchers_never_get_the_same_message(db):
+    a = db.stores().delayed_store(Transport.RABBITMQ)
+    b = db.stores().delayed_store(Transport.RABBITMQ)  # another engine: another host, say
+    now = utcnow()
+    ids = {await a.store(envelope(n=i), "q", now - timedelta(seconds=1)) for i in range(30)}
+    taken: list[uuid.UUID] = []
+    while True:
+        # twenty fetches in flight at once, from both "hosts"
+        got = await asyncio.gather(*(s.fetch_next_due(utcnow()) for s in [a, b] * 10))
+        found = [g.id for g in got if g is not None]
+        if not found:
+            break
+        taken += found
+    assert len(taken) == len(set(taken)), "a message was handed to two fetchers"
+    assert set(taken) == ids
+
+
+# -- the dispatcher -------------------------------------------------------------------------------------
+
+
+async def test_a_store_wakes_the_dispatcher_without_waiting_for_its_poll(db):
+    stores = db.stores()
+    store = stores.delayed_store(Transport.RABBITMQ)
+    target = Target()
+    dispatcher = DelayedDispatcher(store, target, max_idle=60)
+    async with dispatching(dispatcher):
+        await asyncio.sleep(0.3)  # asleep on an empty store, for up to a minute
+        started = time.monotonic()
+        await store.store(envelope(), "q", utcnow())
+        await wait_until(lambda: target.forwarded, timeout=5, what="the forward")
+    assert time.monotonic() - started < 2
+    assert await store.next_due() is None  # removed after the forward
+
+
+async def test_a_store_from_another_process_wakes_the_dispatcher_through_notify(db):
+    if db.schema is None:
+        pytest.skip("SQLite has no NOTIFY: other processes are found by polling")
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    other = db.stores().delayed_store(Transport.RABBITMQ)  # no in-process link to the dispatcher
+    target = Target()
+    dispatcher = DelayedDispatcher(store, target, max_idle=60)
+    async with dispatching(dispatcher):
+        await asyncio.sleep(0.5)  # LISTEN is up and the dispatcher asleep
+        started = time.monotonic()
+        await other.store(envelope(), "q", utcnow())
+        await wait_until(lambda: target.forwarded, timeout=5, what="the forward")
+    assert time.monotonic() - started < 2
+
+
+async def test_messages_are_forwarded_when_due_not_before(db):
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    target = Target()
+    dispatcher = DelayedDispatcher(store, target, max_idle=60)
+    due = utcnow() + timedelta(milliseconds=700)
+    async with dispatching(dispatcher):
+        await store.store(envelope(n=1), "q", due)
+        await store.store(envelope(n=2), "q", due + timedelta(milliseconds=300))
+        await wait_until(lambda: len(target.forwarded) == 2, timeout=5, what="two forwards")
+    for item, at in target.forwarded:
+        assert at >= item.due_at
+    assert [Envelope.decode(i.envelope).body["n"] for i, _ in target.forwarded] == [1, 2]
+    assert dispatcher.forwarded == 2
+
+
+async def test_repeated_forward_failures_move_the_message_to_the_error_queue(db):
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    target = Target(fail=ProviderError("the destination refused it: message too large"))
+    dispatcher = DelayedDispatcher(store, target, retries=3, retry_delay=timedelta(milliseconds=10))
+    env = envelope()
+    async with dispatching(dispatcher):
+        await store.store(env, "q", utcnow())
+        await wait_until(lambda: target.dead, timeout=10, what="the dead letter")
+    [(item, description)] = target.dead
+    assert Envelope.decode(item.envelope).message_id == env.message_id
+    assert target.calls == 4  # the first forward and three retries (seed 004's NumberOfRetries)
+    assert description.startswith("4 forward(s) to q failed")
+    assert "message too large" in description
+    assert await store.next_due() is None  # it left the store
+    assert dispatcher.dead_lettered == 1
+    assert FORWARD_FAILED == "delayed-forward-failed"
+
+
+async def test_an_unreachable_destination_does_not_use_up_the_messages_retries(db):
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    outage = {"left": 5}
+
+    def fail() -> Exception | None:
+        if outage["left"]:
+            outage["left"] -= 1
+            return ProviderUnavailable("broker down")
+        return None
+
+    target = Target(fail=fail)
+    dispatcher = DelayedDispatcher(store, target, retries=0, open_backoff=0.05)
+    async with dispatching(dispatcher):
+        await store.store(envelope(), "q", utcnow())
+        await wait_until(lambda: target.forwarded, timeout=10, what="the forward after the outage")
+    assert target.dead == []  # retries=0, yet the outage was not the message's fault
+    assert target.calls == 6
+    assert target.forwarded[0][0].failures == 0
+
+
+async def test_dispatch_breaker_opens_after_continuous_failures_and_closes_on_recovery(db, caplog):
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    down_until = time.monotonic() + 1.0
+    target = Target(
+        fail=lambda: ProviderUnavailable("broker down") if time.monotonic() < down_until else None
+    )
+    dispatcher = DelayedDispatcher(
+        store, target, time_to_trigger_dispatch=timedelta(milliseconds=300), open_backoff=0.2
+    )
+    breaker = dispatcher.dispatch_breaker
+    states: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="queueing.delayed"):
+        async with dispatching(dispatcher):
+            await store.store(envelope(), "q", utcnow())
+            await wait_until(lambda: breaker.state == "open", timeout=5, what="the breaker to open")
+            states.append(breaker.state)
+            calls_when_open = target.calls
+            await asyncio.sleep(0.3)
+            # backing off: at most a couple of tries in 0.3 s, not a hammering loop
+            assert target.calls - calls_when_open <= 3
+            await wait_until(lambda: target.forwarded, timeout=5, what="the forward after recovery")
+    assert breaker.state == "closed"
+    assert breaker.triggered == 1
+    critical = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert len(critical) == 1
+    assert "delayed store (dispatch) circuit breaker triggered" in critical[0].getMessage()
+    assert any("circuit breaker closed" in r.getMessage() for r in caplog.records)
+
+
+async def test_store_and_fetch_breakers_open_on_an_unreachable_database_and_fail_fast(caplog):
+    dead = SideStores("postgresql://postgres@127.0.0.1:1/test", connect_retries=0)
+    store = dead.delayed_store(Transport.SQS)
+    store.store_breaker.time_to_trigger = 0.2
+    store.store_breaker.open_backoff = 30
+    with caplog.at_level(logging.WARNING, logger="queueing.delayed"):
+        deadline = time.monotonic() + 5
+        while store.store_breaker.state != "open" and time.monotonic() < deadline:
+            with pytest.raises(ProviderUnavailable):
+                await store.store(envelope(), "q", utcnow() + timedelta(hours=1))
+            await asyncio.sleep(0.05)
+        assert store.store_breaker.state == "open"
+        started = time.monotonic()
+        with pytest.raises(ProviderUnavailable, match="circuit breaker open"):
+            await store.store(envelope(), "q", utcnow() + timedelta(hours=1))
+        assert time.monotonic() - started < 0.05  # failed fast: the database was not tried
+
+        dispatcher = DelayedDispatcher(
+            store, Target(), time_to_trigger_fetch=timedelta(milliseconds=200), open_backoff=0.1, listen=False
+        )
+        async with dispatching(dispatcher):
+            await wait_until(
+                lambda: dispatcher.fetch_breaker.state == "open", timeout=10, what="fetch breaker"
+            )
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert any("delayed store (store) circuit breaker triggered" in m for m in messages)
+    assert any("delayed store (fetch) circuit breaker triggered" in m for m in messages)
+    await dead.close()
+
+
+async def test_dispatch_due_forwards_what_is_due_within_a_budget(db):
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    target = Target()
+    dispatcher = DelayedDispatcher(store, target, batch=2)
+    now = utcnow()
+    for i in range(5):
+        await store.store(envelope(n=i), "q", now - timedelta(seconds=1))
+    await store.store(envelope(n=99), "q", now + timedelta(hours=1))
+    assert await dispatcher.dispatch_due(5.0) == 5
+    assert sorted(Envelope.decode(i.envelope).body["n"] for i, _ in target.forwarded) == [0, 1, 2, 3, 4]
+    assert await store.counts() == {"q": 1}
+
+
+def test_circuit_breaker_semantics_follow_seed_004():
+    now = [0.0]
+    b = CircuitBreaker("x", timedelta(seconds=30), open_backoff=10, clock=lambda: now[0])
+    assert b.failure(RuntimeError("a")) < 1  # failing, not yet triggered: a short back-off
+    assert b.state == "failing"
+    now[0] = 29.0
+    b.failure(RuntimeError("b"))
+    assert b.state == "failing"  # not for longer than the time to trigger yet
+    now[0] = 31.0
+    assert b.failure(RuntimeError("c")) == 10
+    assert b.state == "open"
+    assert b.blocked() == pytest.approx(10)
+    b.success()
+    assert (b.state, b.failures, b.blocked()) == ("closed", 0, 0.0)
+    # a success in between starts the clock again
+    b.failure(RuntimeError("d"))
+    now[0] = 50.0
+    b.success()
+    b.failure(RuntimeError("e"))
+    now[0] = 75.0
+    b.failure(RuntimeError("f"))
+    assert b.state == "failing"

@@ -1,0 +1,377 @@
+"""The RabbitMQ provider on the real broker beyond the contract suite (SPEC C5, C7, D3): the dead-letter
+queue and its reasons, publisher confirms, attempts a pause does not burn, bad bytes, idle consumers
+handing work back, delays through the store, ops over HTTP, and a broker restart mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import uuid
+from datetime import timedelta
+
+import aio_pika
+import httpx
+import pytest
+
+from queueing_core import (
+    MessageStatus,
+    NonRetryableError,
+    QueueingApp,
+    QueueMessage,
+    QueueNaming,
+    RetryPolicy,
+    queue,
+)
+from queueing_core.errors import ProviderError, ProviderUnavailable
+from queueing_core.ops import OpsService
+from queueing_core.ops.api import PREFIX, create_app
+from queueing_core.providers.rabbitmq import ATTEMPT, DESCRIPTION, REASON, RabbitMQProvider
+from queueing_core.providers.sql.history import SideStores, malformed_id
+from queueing_core.runtime import Runtime
+from queueing_core.settings import QueueingSettings
+from queueing_core.tracking import MessageQuery
+from tests.contract.harness import all_have, running, wait_until
+from tests.services import RABBITMQ_URL, require
+
+KEY = "test-key-not-a-secret"
+
+
+@pytest.fixture(autouse=True)
+def _broker():
+    require("RabbitMQ", "127.0.0.1", 5672)
+
+
+@queue("Billing.Invoice", max_attempts=3, retry=RetryPolicy(base=timedelta(milliseconds=50), jitter=0))
+class Invoice(QueueMessage):
+    n: int
+    mode: str = "ok"  # ok | fatal | slow
+
+
+#: the downstream's state: tests "fix" it to show a retried dead letter succeeding
+downstream = {"declines": True, "slow": 0.05}
+
+
+def make(tmp_path, *, concurrency: int = 4, stores: SideStores | None = None, **provider_kw):
+    prefix = f"t{uuid.uuid4().hex[:8]}-"
+    app = QueueingApp("rmq", naming=QueueNaming(prefix=prefix))
+    calls: list[tuple[int, int]] = []
+    downstream["declines"] = True
+
+    @app.handler(max_concurrency=concurrency)
+    async def handle(msg: Invoice, ctx) -> None:
+        calls.append((msg.n, ctx.attempt))
+        if msg.mode == "fatal" and downstream["declines"]:
+            raise NonRetryableError(f"invoice {msg.n} declined")
+        if msg.mode == "slow":
+            await asyncio.sleep(downstream["slow"])
+
+    opts = {"idle_timeout": 0.5, "reconnect_interval": 0.5, **provider_kw}
+    stores = stores or SideStores(f"sqlite:///{tmp_path}/{prefix}side.db")
+    provider = RabbitMQProvider(RABBITMQ_URL, stores=stores, **opts)
+    rt = Runtime(app, provider, pause_recheck=timedelta(milliseconds=200), control_ttl=0.05)
+    return app, rt, calls
+
+
+def physical(rt: Runtime) -> str:
+    return rt.provider.physical("Billing.Invoice")
+
+
+async def take_all(name: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    """Every message in a queue, taken off it (a raw AMQP client, not the kit)."""
+    out = []
+    async with await aio_pika.connect(RABBITMQ_URL) as conn:
+        channel = await conn.channel()
+        q = await channel.declare_queue(name, passive=True)
+        while (m := await q.get(no_ack=True, fail=False)) is not None:
+            out.append(m)
+    return out
+
+
+async def test_the_dead_letter_exchange_routes_broker_expired_messages_to_the_dead_letter_queue(tmp_path):
+    _app, rt, _ = make(tmp_path)
+    await rt.open()
+    async with await aio_pika.connect(RABBITMQ_URL) as conn:
+        channel = await conn.channel()
+        await channel.default_exchange.publish(
+            aio_pika.Message(b"short-lived", expiration=0.001), routing_key=physical(rt)
+        )
+    await wait_until(lambda: _depth(rt, dead=True, n=1), what="the broker's dead letter")
+    [m] = await take_all(f"{physical(rt)}.dead-letter")
+    assert m.body == b"short-lived"
+    assert m.headers["x-death"][0]["reason"] == "expired"
+    await rt.close()
+
+
+async def _depth(rt: Runtime, *, dead: bool = False, n: int) -> bool:
+    return await rt.provider.depth(physical(rt), dead=dead) == n
+
+
+async def test_dead_letters_are_published_to_the_dead_letter_queue_with_the_reason(tmp_path):
+    app, rt, calls = make(tmp_path)
+    r = await app.enqueue(Invoice(n=7, mode="fatal"))
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED), what="dl")
+    [m] = await take_all(f"{physical(rt)}.dead-letter")
+    assert m.message_id == str(r.message_id)
+    assert m.headers[REASON] == "non-retryable"
+    assert "invoice 7 declined" in m.headers[DESCRIPTION]
+    doc = json.loads(m.body)
+    assert doc["message_id"] == str(r.message_id)
+    assert doc["attempt"] == 1
+    assert doc["headers"][REASON] == "non-retryable"
+    assert await rt.provider.depth(physical(rt)) == 0  # the original was acked
+    assert calls == [(7, 1)]
+    await rt.close()
+
+
+async def test_bytes_that_are_not_an_envelope_go_to_the_dead_letter_queue_as_they_came(tmp_path):
+    app, rt, calls = make(tmp_path)
+    await rt.open()
+    raw = b"\x00\xffnot an envelope"
+    async with await aio_pika.connect(RABBITMQ_URL) as conn:
+        channel = await conn.channel()
+        await channel.default_exchange.publish(aio_pika.Message(raw), routing_key=physical(rt))
+    good = await app.enqueue(Invoice(n=1))
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [good.message_id], MessageStatus.SUCCEEDED), what="good one")
+        await wait_until(lambda: _depth(rt, dead=True, n=1), what="the malformed dead letter")
+    [m] = await take_all(f"{physical(rt)}.dead-letter")
+    assert m.body == raw  # byte for byte
+    assert m.headers[REASON] == "malformed-envelope"
+    text = raw.decode("utf-8", errors="replace")
+    assert m.message_id == str(malformed_id(text))  # what the history calls it: ops can find it
+    rec = await rt.tracker.get(malformed_id(text))
+    assert rec is not None
+    assert rec.status == MessageStatus.DEAD_LETTERED
+    assert "not an envelope" in (rec.raw or "")
+    assert calls == [(1, 1)]
+    await rt.close()
+
+
+async def test_enqueue_and_wait_returns_only_once_the_broker_confirmed(tmp_path):
+    app, rt, _ = make(tmp_path)
+    await app.enqueue_and_wait(Invoice(n=1))
+    # confirmed means queued: visible to another channel at once
+    assert await rt.provider.depth(physical(rt)) == 1
+    await rt.close()
+
+    # a queue that refuses every message: the broker nacks; only the confirmed enqueue can tell
+    app2, rt2, _ = make(tmp_path, auto_declare=False)
+    async with await aio_pika.connect(RABBITMQ_URL) as conn:
+        channel = await conn.channel()
+        await channel.declare_queue(
+            physical(rt2), auto_delete=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+        with pytest.raises(ProviderError, match="refused"):
+            await app2.enqueue_and_wait(Invoice(n=2))
+        await app2.enqueue(Invoice(n=3))  # fire-and-forget: the refusal goes unnoticed
+        with pytest.raises(ProviderError, match="refused"):
+            await app2.enqueue_many([Invoice(n=4)], wait=True)
+    await rt2.close()
+
+
+async def test_a_pause_sends_the_message_back_without_using_an_attempt(tmp_path):
+    app, rt, calls = make(tmp_path)
+    sub = app.subscription("Invoice")
+    r = await app.enqueue(Invoice(n=5))
+    await rt.control.set_paused("type", "Invoice", True)
+    # a message already received when the pause is seen (the worker's own check came first)
+    deliveries = []
+    while not deliveries:
+        await rt.provider.wait_for_work(sub, 1.0)
+        deliveries = await rt.provider.receive(sub, 1)
+    settlement = await rt.process_and_settle(deliveries[0])
+    assert settlement.decision.status == MessageStatus.PAUSED
+    [copy] = await rt.provider.delayed.fetch_due(settlement.decision.until, limit=5)
+    assert json.loads(copy.envelope)["attempt"] == 0  # the copy carries no used attempt
+    await rt.provider.delayed.release(copy.id, settlement.decision.until)
+    assert (await rt.tracker.get(r.message_id)).attempt == 0
+    await rt.control.set_paused("type", "Invoice", False)
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="after resume")
+    assert calls == [(5, 1)]
+    assert (await rt.tracker.get(r.message_id)).attempt == 1
+    await rt.close()
+
+
+async def test_an_idle_consumer_hands_its_buffered_messages_back(tmp_path):
+    app, rt_a, _ = make(tmp_path)
+    receipts = await app.enqueue_many([Invoice(n=i) for i in range(3)], wait=True)
+    sub = app.subscription("Invoice")
+    await rt_a.provider.receive(sub, 0)  # a consumer starts; the broker pushes into its buffer
+    await wait_until(lambda: len(rt_a.provider._consumers[physical(rt_a)].buffer) == 3, what="prefetch")
+    # another host takes the work once the first stops asking for it (idle_timeout: 0.5 s)
+    app_b, rt_b, calls_b = make(tmp_path, stores=SideStores(rt_a.provider.stores.sql.url))
+    app_b.naming = app.naming
+    async with running(rt_b):
+        await wait_until(
+            lambda: all_have(rt_a, [r.message_id for r in receipts], MessageStatus.SUCCEEDED),
+            what="handed back",
+        )
+    assert sorted(calls_b) == [(0, 1), (1, 1), (2, 1)]  # no attempt used by the detour
+    assert not rt_a.provider._consumers[physical(rt_a)].buffer
+    await rt_b.close()
+    await rt_a.close()
+
+
+async def test_a_delay_waits_in_the_delayed_store_then_arrives(tmp_path):
+    app, rt, calls = make(tmp_path)
+    r = await app.enqueue(Invoice(n=9), delay=timedelta(milliseconds=600))
+    assert await rt.provider.delayed.counts() == {physical(rt): 1}
+    assert await rt.provider.depth(physical(rt)) == 0  # RabbitMQ holds no delays: not in the queue yet
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="delayed one")
+    rec = await rt.tracker.get(r.message_id)
+    assert rec.updated_at - r.not_before >= timedelta(0)
+    assert await rt.provider.delayed.counts() == {}
+    assert calls == [(9, 1)]
+    await rt.close()
+
+
+async def test_ops_retry_from_the_dead_letter_queue_and_purge_over_http(tmp_path):
+    app, rt, _calls = make(tmp_path)
+    await rt.open()
+    api = create_app(OpsService(rt), api_key=KEY)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://t" + PREFIX, headers={"X-API-Key": KEY}
+    ) as client:
+        bad = await app.enqueue(Invoice(n=1, mode="fatal"))
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, [bad.message_id], MessageStatus.DEAD_LETTERED), what="dl")
+        [q] = (await client.get("/stats")).json()["queues"]
+        assert q["transport_counts"] == {"ready": 0, "dead_lettered": 1, "delayed": 0}
+        assert q["counts"] == {"DeadLettered": 1}
+
+        downstream["declines"] = False
+        assert (await client.post(f"/messages/{bad.message_id}/retry")).status_code == 200
+        assert await rt.provider.depth(physical(rt), dead=True) == 0  # taken out of the DLQ
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, [bad.message_id], MessageStatus.SUCCEEDED), what="retried")
+        assert (await rt.tracker.get(bad.message_id)).attempt == 1  # fresh attempts
+
+        downstream["declines"] = True
+        bad2 = await app.enqueue(Invoice(n=2, mode="fatal"))
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, [bad2.message_id], MessageStatus.DEAD_LETTERED), what="dl2")
+        assert (await client.post(f"/messages/{bad2.message_id}/lease/release")).status_code == 409
+        purged = (await client.request("DELETE", "/messages", params={"status": "DeadLettered"})).json()
+        assert purged["deleted"] == 1
+        assert await rt.provider.depth(physical(rt), dead=True) == 0
+        assert (await client.get(f"/messages/{bad2.message_id}")).status_code == 404
+        assert (await client.get(f"/messages/{bad.message_id}")).status_code == 200  # not a dead letter
+
+        # a whole queue: the queue itself is emptied, and what waits in the delayed store
+        await app.enqueue_many([Invoice(n=i) for i in range(3)], wait=True)
+        await app.enqueue(Invoice(n=99), delay=timedelta(hours=1))
+        # (the stopped worker's consumer may hold them a moment before it hands them back)
+        await wait_until(lambda: _depth(rt, n=3), what="three ready messages")
+        purged = (await client.request("DELETE", "/messages", params={"queue": "Billing.Invoice"})).json()
+        assert purged["deleted"] == 5  # three queued, one delayed, the succeeded one
+        assert await rt.provider.depth(physical(rt)) == 0
+        assert await rt.provider.delayed.counts() == {}
+        assert (await rt.tracker.query(MessageQuery(queue="Billing.Invoice"))).items == []
+    await rt.close()
+
+
+async def test_a_broker_that_is_down_at_start_is_retried_with_one_line_per_try(tmp_path, caplog):
+    stores = SideStores(f"sqlite:///{tmp_path}/down.db")
+    provider = RabbitMQProvider("amqp://guest:guest@127.0.0.1:1/", stores=stores, connect_retries=2)
+    with caplog.at_level(logging.WARNING, logger="queueing.rabbitmq"), pytest.raises(ProviderUnavailable):
+        await provider.open(QueueingApp("down"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "queueing.rabbitmq"]
+    assert len(lines) == 2
+    assert "unreachable" in lines[0]
+    assert "retry 1/2" in lines[0]
+    assert "guest:guest" not in " ".join(lines)  # the password is not logged
+    assert all(r.exc_info is None for r in caplog.records)
+    await provider.close()
+
+
+async def test_from_settings(tmp_path):
+    settings = QueueingSettings(
+        provider="rabbitmq",
+        rabbitmq_url=RABBITMQ_URL,
+        database_url=f"sqlite:///{tmp_path}/settings.db",
+        delayed_store_retries=5,
+        prefetch=2,
+    )
+    provider = RabbitMQProvider.from_settings(settings)
+    assert provider.dispatcher.retries == 5
+    assert provider.prefetch == 2
+    app, _rt, _ = make(tmp_path)
+    rt = Runtime(app, provider)
+    r = await app.enqueue_and_wait(Invoice(n=1))
+    assert await provider.depth(physical(rt)) == 1
+    assert (await rt.tracker.get(r.message_id)).status == MessageStatus.PENDING
+    await rt.close()
+
+
+def _rabbitmqctl(*args: str) -> None:
+    subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.slow
+async def test_a_broker_restart_mid_run_loses_nothing(tmp_path, caplog):
+    if shutil.which("rabbitmqctl") is None or os.geteuid() != 0:
+        pytest.skip("needs rabbitmqctl as root to stop and start the broker")
+    app, rt, calls = make(tmp_path, concurrency=2)
+    downstream["slow"] = 0.1
+    receipts = await app.enqueue_many([Invoice(n=i, mode="slow") for i in range(40)], wait=True)
+    ids = [r.message_id for r in receipts]
+
+    async def done() -> int:
+        page = await rt.tracker.query(MessageQuery(status=(MessageStatus.SUCCEEDED.value,)), limit=100)
+        return len(page.items)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="queueing.rabbitmq"):
+            async with running(rt):
+                await wait_until(lambda: _at_least(done, 4), what="some work done")
+                await asyncio.to_thread(_rabbitmqctl, "stop_app")
+                assert await done() < len(ids)  # stopped mid-run
+                await asyncio.sleep(1.0)
+                await asyncio.to_thread(_rabbitmqctl, "start_app")
+                await wait_until(lambda: all_have(rt, ids, MessageStatus.SUCCEEDED), timeout=60, what="all")
+    finally:
+        await asyncio.to_thread(_rabbitmqctl, "start_app")  # idempotent: never leave the broker down
+        downstream["slow"] = 0.05
+    assert {n for n, _ in calls} == set(range(40))
+    messages = [r.getMessage() for r in caplog.records if r.name == "queueing.rabbitmq"]
+    assert sum("lost the connection to RabbitMQ" in m for m in messages) == 1
+    assert any("reconnect attempt 1 failed" in m for m in messages)  # one line per failed attempt
+    assert any("reconnected to RabbitMQ" in m for m in messages)
+    # aio-pika's and aiormq's own lines (several per attempt, with tracebacks) are demoted
+    assert not [r for r in caplog.records if r.name.startswith(("aiormq", "aio_pika")) and r.levelno >= 30]
+    assert await rt.provider.depth(physical(rt)) == 0
+    await rt.close()
+
+
+async def _at_least(count, n: int) -> bool:
+    return await count() >= n
+
+
+def test_copies_carry_the_attempt_header():
+    """The envelope's attempts travel in ``x-attempt`` too, for other consumers of the queue."""
+    from queueing_core.clock import utcnow
+    from queueing_core.envelope import Envelope
+
+    provider = RabbitMQProvider(RABBITMQ_URL, stores=SideStores("sqlite:///:memory:"))
+    env = Envelope(
+        type="Invoice",
+        queue="Billing.Invoice",
+        message_id=uuid.uuid4(),
+        tracking_id=uuid.uuid4(),
+        attempt=2,
+        created_at=utcnow(),
+        expires_at=utcnow() + timedelta(minutes=5),
+        body={"n": 1},
+    )
+    m = provider._message(env, utcnow())
+    assert m.headers[ATTEMPT] == 2
+    assert m.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
+    # the AMQP expiration outlives the envelope's expiry by the grace, so the kit sees it expire first
+    assert 3600 + 290 < int(m.properties.expiration) / 1000 < 3600 + 301  # milliseconds on the wire

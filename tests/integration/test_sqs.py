@@ -1,0 +1,354 @@
+"""The SQS provider on moto's server beyond the contract suite (SPEC C6, C7, D3): queue settings and
+the redrive policy, delays natively and through the delayed store, batches, dead letters and their
+reasons, receive counts, lease renewal, boto3 kept off the event loop, and ops over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import boto3
+import httpx
+import pytest
+from botocore.config import Config
+
+from queueing_core import (
+    MessageStatus,
+    NonRetryableError,
+    QueueingApp,
+    QueueMessage,
+    QueueNaming,
+    RetryPolicy,
+    queue,
+)
+from queueing_core.clock import utcnow
+from queueing_core.errors import ProviderUnavailable
+from queueing_core.ops import OpsService
+from queueing_core.ops.api import PREFIX, create_app
+from queueing_core.providers.delayed import FORWARD_FAILED
+from queueing_core.providers.sql.history import SideStores, malformed_id
+from queueing_core.providers.sqs import DESCRIPTION, MESSAGE_ID, REASON, SqsProvider
+from queueing_core.runtime import Runtime
+from queueing_core.settings import QueueingSettings
+from tests.contract.harness import all_have, running, wait_until
+from tests.contract.harness_sqs import moto_endpoint, sqs_client
+
+KEY = "test-key-not-a-secret"
+
+
+@queue(
+    "Billing.Invoice",
+    max_attempts=3,
+    lease_duration=timedelta(seconds=20),
+    expiration=timedelta(hours=2),
+    retry=RetryPolicy(base=timedelta(milliseconds=50), jitter=0),
+)
+class Invoice(QueueMessage):
+    n: int
+    mode: str = "ok"  # ok | fatal | slow
+
+
+@queue("Billing.Quick", max_attempts=3, lease_duration=timedelta(seconds=1))
+class QuickLease(Invoice):
+    """The same work with a one-second lease (visibility timeout)."""
+
+
+downstream = {"declines": True}
+
+
+class Recording:
+    """The real boto3 client, noting each call and the thread it ran on."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, threading.current_thread().name))
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def make(tmp_path, *, clock=utcnow, quick: bool = False, **provider_kw):
+    prefix = f"t{uuid.uuid4().hex[:8]}-"
+    app = QueueingApp("sqs", naming=QueueNaming(prefix=prefix))
+    calls: list[tuple[int, int]] = []
+    downstream["declines"] = True
+
+    async def handle(msg: Invoice, ctx) -> None:
+        calls.append((msg.n, ctx.attempt))
+        if msg.mode == "fatal" and downstream["declines"]:
+            raise NonRetryableError(f"invoice {msg.n} declined")
+        if msg.mode == "slow":
+            await asyncio.sleep(2.5)
+
+    app.handler(QuickLease if quick else Invoice, max_concurrency=4)(handle)
+
+    provider_kw.setdefault("receive_wait", 0)
+    provider = SqsProvider(
+        Recording(sqs_client()),
+        stores=SideStores(f"sqlite:///{tmp_path}/{prefix}side.db", clock=clock),
+        clock=clock,
+        **provider_kw,
+    )
+    rt = Runtime(app, provider, clock=clock, pause_recheck=timedelta(milliseconds=200), control_ttl=0.05)
+    return app, rt, calls
+
+
+def physical(rt: Runtime, q: str = "Billing.Invoice") -> str:
+    return rt.provider.physical(q)
+
+
+def url(rt: Runtime, *, dead: bool = False, q: str = "Billing.Invoice") -> str:
+    name = physical(rt, q)
+    return rt.provider._urls[rt.provider.dead_letter_name(name) if dead else name]
+
+
+async def depth(rt: Runtime, *, dead: bool = False, q: str = "Billing.Invoice") -> dict[str, int]:
+    return await rt.provider.depth(q, dead=dead)
+
+
+def peek(rt: Runtime, *, dead: bool = False, q: str = "Billing.Invoice") -> list[dict[str, Any]]:
+    resp = sqs_client().receive_message(
+        QueueUrl=url(rt, dead=dead, q=q),
+        MaxNumberOfMessages=10,
+        VisibilityTimeout=0,
+        MessageAttributeNames=["All"],
+    )
+    return resp.get("Messages") or []
+
+
+async def test_queues_are_created_with_redrive_visibility_and_retention(tmp_path):
+    _app, rt, _ = make(tmp_path)
+    await rt.open()
+    assert physical(rt).endswith("Billing-Invoice")  # '.' is not allowed in SQS names
+    attrs = sqs_client().get_queue_attributes(QueueUrl=url(rt), AttributeNames=["All"])["Attributes"]
+    assert attrs["VisibilityTimeout"] == "20"  # the lease
+    assert attrs["MessageRetentionPeriod"] == str(3 * 3600)  # expiration (2 h) + ttl_grace (1 h)
+    redrive = json.loads(attrs["RedrivePolicy"])
+    assert int(redrive["maxReceiveCount"]) == 3  # max attempts: the crash safety net
+    assert redrive["deadLetterTargetArn"].endswith(f":{physical(rt)}-dlq")
+    await rt.close()
+
+
+async def test_a_twenty_minute_delay_waits_in_the_delayed_store_then_arrives(tmp_path):
+    shift = {"by": timedelta(0)}
+
+    def clock():
+        return utcnow() + shift["by"]
+
+    app, rt, calls = make(tmp_path, clock=clock)
+    r = await app.enqueue(Invoice(n=20), delay=timedelta(minutes=20))
+    assert await rt.provider.delayed.counts() == {physical(rt): 1}
+    assert await depth(rt) == {"ready": 0, "in_flight": 0, "delayed": 0}  # beyond DelaySeconds: not in SQS
+    async with running(rt):
+        assert await rt.provider.dispatcher.dispatch_once() == 0  # not due yet
+        shift["by"] = timedelta(minutes=20, seconds=1)  # twenty minutes later
+        rt.provider.dispatcher.wake()
+        await wait_until(
+            lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="the delayed one"
+        )
+    assert calls == [(20, 1)]
+    assert await rt.provider.delayed.counts() == {}
+    await rt.close()
+
+
+async def test_short_delays_use_delay_seconds_and_longer_ones_the_store(tmp_path):
+    app, rt, calls = make(tmp_path, max_native_delay=timedelta(seconds=2))
+    native = await app.enqueue(Invoice(n=1), delay=timedelta(seconds=1))
+    stored = await app.enqueue(Invoice(n=2), delay=timedelta(seconds=3))
+    assert (await depth(rt))["delayed"] == 1  # SQS holds the short one
+    assert await rt.provider.delayed.counts() == {physical(rt): 1}  # the store the longer one
+    start = utcnow()
+    async with running(rt):
+        await wait_until(
+            lambda: all_have(rt, [native.message_id, stored.message_id], MessageStatus.SUCCEEDED),
+            what="both delayed messages",
+        )
+    assert sorted(calls) == [(1, 1), (2, 1)]
+    rec = await rt.tracker.get(stored.message_id)
+    assert rec.updated_at - start >= timedelta(seconds=2.5)
+    await rt.close()
+
+
+async def test_enqueue_many_sends_batches_of_ten_and_calls_stay_off_the_event_loop(tmp_path):
+    app, rt, _calls = make(tmp_path)
+    await rt.open()
+    client: Recording = rt.provider.client
+    client.calls.clear()
+    receipts = await app.enqueue_many([Invoice(n=i) for i in range(25)])
+    assert [name for name, _ in client.calls] == ["send_message_batch"] * 3
+    assert (await depth(rt))["ready"] == 25
+    async with running(rt):
+        await wait_until(
+            lambda: all_have(rt, [r.message_id for r in receipts], MessageStatus.SUCCEEDED), what="25"
+        )
+    loop_thread = threading.current_thread().name
+    threads = {t for _, t in client.calls}
+    assert loop_thread not in threads
+    assert all(t.startswith("queueing-sqs") for t in threads)
+    assert "delete_message_batch" in {name for name, _ in client.calls}  # settles in batches too
+    await rt.close()
+
+
+async def test_dead_letters_carry_the_reason_and_bad_bytes_are_kept_as_they_came(tmp_path):
+    app, rt, calls = make(tmp_path)
+    await rt.open()
+    raw = "{not an envelope"
+    sqs_client().send_message(QueueUrl=url(rt), MessageBody=raw)
+    bad = await app.enqueue(Invoice(n=3, mode="fatal"))
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [bad.message_id], MessageStatus.DEAD_LETTERED), what="dl")
+        await wait_until(lambda: len(peek(rt, dead=True)) == 2, what="two dead letters")
+    letters = {m["MessageAttributes"][MESSAGE_ID]["StringValue"]: m for m in peek(rt, dead=True)}
+    envelope = letters[str(bad.message_id)]
+    assert envelope["MessageAttributes"][REASON]["StringValue"] == "non-retryable"
+    assert "invoice 3 declined" in envelope["MessageAttributes"][DESCRIPTION]["StringValue"]
+    assert json.loads(envelope["Body"])["headers"][REASON] == "non-retryable"
+    odd = letters[str(malformed_id(raw))]
+    assert odd["Body"] == raw
+    assert odd["MessageAttributes"][REASON]["StringValue"] == "malformed-envelope"
+    assert (await depth(rt))["ready"] == 0  # the originals were deleted
+    assert calls == [(3, 1)]
+    await rt.close()
+
+
+async def test_the_receive_count_is_the_attempt_and_redrive_catches_a_crashing_consumer(tmp_path):
+    app, rt, _ = make(tmp_path, quick=True)
+    sub = app.subscription("QuickLease")
+    r = await app.enqueue(QuickLease(n=4))
+
+    async def receive_one():
+        got: list = []
+
+        async def some() -> bool:
+            got.extend(await rt.provider.receive(sub, 1))
+            return bool(got)
+
+        await wait_until(some, timeout=5, what="a delivery")
+        return got[0]
+
+    # a consumer that dies holding the message: it comes back when the visibility timeout (1 s) ends
+    assert (await receive_one()).attempt == 1
+    assert (await receive_one()).attempt == 2
+    assert (await receive_one()).attempt == 3
+    # beyond maxReceiveCount (the type's 3 attempts) SQS moves it to the DLQ by itself
+    await asyncio.sleep(1.1)
+    assert await rt.provider.receive(sub, 1) == []
+    dead = peek(rt, dead=True, q="Billing.Quick")
+    assert [json.loads(m["Body"])["message_id"] for m in dead] == [str(r.message_id)]
+    await rt.close()
+
+
+async def test_a_handler_longer_than_the_lease_keeps_its_message(tmp_path):
+    app, rt, calls = make(tmp_path, quick=True)
+    r = await app.enqueue(QuickLease(n=5, mode="slow"))  # 2.5 s with a 1 s visibility timeout
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="slow one")
+    assert calls == [(5, 1)]  # renewed: never visible again, never received twice
+    assert "change_message_visibility_batch" in {name for name, _ in rt.provider.client.calls}
+    await rt.close()
+
+
+async def test_a_forward_that_keeps_failing_lands_in_the_dlq_with_the_reason(tmp_path):
+    _app, rt, _ = make(tmp_path, delayed_retries=0)
+    await rt.open()
+    envelope = rt.producer.envelope_for(Invoice(n=6))
+    await rt.provider.delayed.store(envelope, physical(rt), utcnow())
+    sqs_client().delete_queue(QueueUrl=url(rt))  # the destination is gone
+    assert await rt.provider.dispatcher.dispatch_once() == 1
+    [letter] = peek(rt, dead=True)
+    assert letter["MessageAttributes"][REASON]["StringValue"] == FORWARD_FAILED
+    assert "NonExistentQueue" in letter["MessageAttributes"][DESCRIPTION]["StringValue"]
+    rec = await rt.tracker.get(envelope.message_id)
+    assert rec.status == MessageStatus.DEAD_LETTERED
+    assert rec.reason == FORWARD_FAILED
+    assert await rt.provider.delayed.counts() == {}
+    await rt.close()
+
+
+async def test_ops_retry_from_the_dlq_and_purge_over_http(tmp_path):
+    app, rt, _ = make(tmp_path)
+    await rt.open()
+    api = create_app(OpsService(rt), api_key=KEY)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://t" + PREFIX, headers={"X-API-Key": KEY}
+    ) as client:
+        bad = await app.enqueue(Invoice(n=1, mode="fatal"))
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, [bad.message_id], MessageStatus.DEAD_LETTERED), what="dl")
+        [q] = (await client.get("/stats")).json()["queues"]
+        assert q["transport_counts"]["dead_lettered"] == 1
+        assert q["counts"] == {"DeadLettered": 1}
+
+        downstream["declines"] = False
+        assert (await client.post(f"/messages/{bad.message_id}/retry")).status_code == 200
+        assert peek(rt, dead=True) == []  # taken out of the DLQ
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, [bad.message_id], MessageStatus.SUCCEEDED), what="retried")
+        assert (await rt.tracker.get(bad.message_id)).attempt == 1
+
+        downstream["declines"] = True
+        bad2 = await app.enqueue(Invoice(n=2, mode="fatal"))
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, [bad2.message_id], MessageStatus.DEAD_LETTERED), what="dl2")
+        assert (await client.post(f"/messages/{bad2.message_id}/lease/release")).status_code == 409
+        purged = (await client.request("DELETE", "/messages", params={"status": "DeadLettered"})).json()
+        assert purged["deleted"] == 1
+        assert peek(rt, dead=True) == []
+        assert (await client.get(f"/messages/{bad2.message_id}")).status_code == 404
+
+        await app.enqueue_many([Invoice(n=i) for i in range(3)])
+        await app.enqueue(Invoice(n=99), delay=timedelta(hours=1))
+        purged = (await client.request("DELETE", "/messages", params={"queue": "Billing.Invoice"})).json()
+        assert purged["deleted"] == 5
+        assert (await depth(rt))["ready"] == 0
+        assert await rt.provider.delayed.counts() == {}
+    await rt.close()
+
+
+async def test_from_settings_uses_the_standard_credential_chain(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    settings = QueueingSettings(
+        provider="sqs",
+        sqs_endpoint_url=moto_endpoint(),
+        sqs_region="eu-west-1",
+        database_url=f"sqlite:///{tmp_path}/settings.db",
+        delayed_store_retries=4,
+    )
+    provider = SqsProvider.from_settings(settings)
+    assert provider.dispatcher.retries == 4
+    assert provider.client.meta.region_name == "eu-west-1"
+    app, _rt, _ = make(tmp_path)
+    rt = Runtime(app, provider)
+    await app.enqueue_and_wait(Invoice(n=1))
+    assert (await provider.depth("Billing.Invoice"))["ready"] == 1
+    await rt.close()
+
+
+async def test_an_unreachable_endpoint_is_provider_unavailable(tmp_path):
+    client = boto3.client(
+        "sqs",
+        endpoint_url="http://127.0.0.1:1",
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=Config(retries={"max_attempts": 1}, connect_timeout=1),
+    )
+    provider = SqsProvider(client, stores=SideStores(f"sqlite:///{tmp_path}/down.db"))
+    app = QueueingApp("down")
+    app.message(Invoice)
+    with pytest.raises(ProviderUnavailable, match="SQS unreachable"):
+        await provider.open(app)  # creates the type's queues
+    await provider.close()
