@@ -6,6 +6,8 @@
   ``QueueingStorage``, or ``service_bus_queue_trigger`` on ``QueueingServiceBus``);
 - SQL: a processor timer (claims and processes within a time budget) and a lease sweeper;
 - a retention timer (SQL archive/delete, or pruning of the Tables history);
+- Storage Queues with ``QUEUEING_STORAGE_DELAYED_STORE``: the delayed dispatcher timer (forwards
+  messages delayed beyond 7 days from the SQL delayed store when they are due);
 - one HTTP function serving the ops API under ``/api/_system/queueing`` (auth level FUNCTION, and
   the API key as well).
 
@@ -172,3 +174,9 @@ def _timers(app: func.FunctionApp, host: FunctionsHost, cfg: QueueingSettings, t
         timer("queueing_sql_processor", cfg.functions_processor_schedule, process)
         timer("queueing_lease_sweeper", cfg.functions_sweeper_schedule, host.sweep_leases)
     timer("queueing_retention", cfg.functions_retention_schedule, host.retention)
+    if transport is Transport.STORAGE_QUEUE and cfg.storage_delayed_store:
+
+        async def dispatch() -> dict[str, int]:
+            return await host.dispatch_delayed(cfg.functions_processor_budget)
+
+        timer("queueing_delayed_dispatcher", cfg.functions_delayed_schedule, dispatch)

@@ -119,6 +119,12 @@ class FunctionsHost:
         done["expired"] = await expire_waiting(provider, self.app, now)
         return done
 
+    async def dispatch_delayed(self, budget: float) -> dict[str, int]:
+        """Forward what is due in the delayed store, within ``budget`` seconds."""
+        rt = await self.runtime()
+        dispatch = getattr(rt.provider, "dispatch_due", None)
+        return {"forwarded": await dispatch(budget)} if dispatch is not None else {}
+
     async def retention(self) -> dict[str, int]:
         """SQL: archive and delete by the retention policy; cloud transports: prune old history."""
         rt = await self.runtime()

@@ -45,12 +45,19 @@ def make_provider(settings: QueueingSettings) -> Provider:
         from .connections import StorageConnection
         from .providers.storage_queue import StorageQueueProvider
 
+        delayed_stores = None
+        if settings.storage_delayed_store:
+            from .providers.sql.history import SideStores
+
+            delayed_stores = SideStores.from_settings(settings)
         return StorageQueueProvider(
             StorageConnection.from_environment(),
             control_table=settings.control_table,
             tracker_table=settings.tracker_table,
             tracker_retention=timedelta(days=settings.tracker_retention_days),
             ttl_grace=settings.ttl_grace,
+            delayed_stores=delayed_stores,
+            delayed_retries=settings.delayed_store_retries,
         )
     if name == "servicebus":
         from .connections import ServiceBusConnection, StorageConnection
@@ -69,10 +76,18 @@ def make_provider(settings: QueueingSettings) -> Provider:
         return ServiceBusProvider.from_connection(
             connection, control=control, tracker=tracker, ttl_grace=settings.ttl_grace
         )
+    if name == "rabbitmq":
+        from .providers.rabbitmq import RabbitMQProvider
+
+        return RabbitMQProvider.from_settings(settings)
+    if name == "sqs":
+        from .providers.sqs import SqsProvider
+
+        return SqsProvider.from_settings(settings)
     raise ConfigurationError(
         "QUEUEING_PROVIDER",
-        f"{name!r} is not available in this build yet",
-        "inprocess, sql, storage_queue, servicebus",
+        f"{name!r} is not a provider",
+        "inprocess, sql, storage_queue, servicebus, rabbitmq, sqs",
     )
 
 

@@ -24,6 +24,16 @@ from .errors import MalformedEnvelope, UnsupportedEnvelopeVersion
 
 ENVELOPE_VERSION = 1
 
+#: headers on a dead-lettered copy (Storage Queues, RabbitMQ, SQS; Service Bus has native fields)
+REASON = "x-queueing-dead-letter-reason"
+DESCRIPTION = "x-queueing-dead-letter-description"
+DEAD_AT = "x-queueing-dead-lettered-at"
+
+
+def dead_letter_marks(reason: str, description: str, now: datetime) -> dict[str, str]:
+    """Why and when a message was dead-lettered, as headers (the description cut to 4,000 chars)."""
+    return {REASON: reason, DEAD_AT: now.isoformat(), DESCRIPTION: description[:4000]}
+
 
 class Envelope(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -14,7 +14,10 @@ ProviderName = Literal["inprocess", "sql", "storage_queue", "servicebus", "rabbi
 
 
 class QueueingSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="QUEUEING_", extra="ignore", frozen=True)
+    # an empty app setting means "not set" (Functions portals and sample files keep empty values)
+    model_config = SettingsConfigDict(
+        env_prefix="QUEUEING_", extra="ignore", frozen=True, env_ignore_empty=True
+    )
 
     provider: ProviderName = "sql"
     app: str = Field(default="examples.orders:app", description="MODULE:ATTR of the QueueingApp to load")
@@ -47,6 +50,9 @@ class QueueingSettings(BaseSettings):
     sqs_endpoint_url: str | None = None
     sqs_region: str = "us-east-1"
     delayed_store_retries: int = Field(default=3, ge=0, le=100)
+    #: Storage Queues: keep delays beyond 7 days in the SQL delayed store (QUEUEING_DATABASE_URL)
+    #: instead of re-hiding the message every 7 days
+    storage_delayed_store: bool = False
     api_key: SecretStr | None = None
     #: how long a paused or held message waits before it is looked at again (Functions: each look is
     #: an execution, so a longer wait is cheaper there)
@@ -56,6 +62,7 @@ class QueueingSettings(BaseSettings):
     functions_processor_budget: float = Field(default=50.0, gt=0, le=3600)
     functions_sweeper_schedule: str = Field(default="*/30 * * * * *", pattern=r"^(\S+\s+){5}\S+$")
     functions_retention_schedule: str = Field(default="0 5 * * * *", pattern=r"^(\S+\s+){5}\S+$")
+    functions_delayed_schedule: str = Field(default="*/30 * * * * *", pattern=r"^(\S+\s+){5}\S+$")
     api_max_body_bytes: int = Field(default=256 * 1024, ge=1024, le=64 * 1024 * 1024)
 
 

@@ -59,20 +59,20 @@ from yarl import URL
 
 from ..clock import Clock, utcnow
 from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
-from ..envelope import Envelope
+from ..envelope import Envelope, dead_letter_marks
 from ..errors import (
-    ConfigurationError,
     InvalidOperation,
     MalformedEnvelope,
     ProviderError,
     ProviderUnavailable,
 )
 from ..messages import MessageStatus
-from ..naming import InvalidQueueName, QueueNaming, Transport, validate
+from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, record_from_envelope
 from ..transport import Capabilities, Delivery, Settlement
 from .delayed import FORWARD_FAILED, DelayedDispatcher, DelayedMessage
 from .delayed.breaker import first_line
+from .names import PhysicalNames, companion_name
 from .sql.history import SideStores, SqlHistoryTracker, malformed_id
 
 if TYPE_CHECKING:
@@ -85,9 +85,6 @@ log = logging.getLogger("queueing.rabbitmq")
 DEAD_LETTER_SUFFIX = ".dead-letter"
 ATTEMPT = "x-attempt"
 TYPE = "x-queueing-type"
-REASON = "x-queueing-dead-letter-reason"
-DESCRIPTION = "x-queueing-dead-letter-description"
-DEAD_AT = "x-queueing-dead-lettered-at"
 #: the longest wait between two reconnect attempts (the wait doubles from ``reconnect_interval``)
 MAX_RECONNECT_INTERVAL = 30.0
 #: the broker's default ``max_message_size`` (RabbitMQ 3.10+)
@@ -173,7 +170,7 @@ class _Consumer:
     wanted_at: float = 0.0
 
 
-class RabbitMQProvider:
+class RabbitMQProvider(PhysicalNames):
     transport = Transport.RABBITMQ
 
     def __init__(
@@ -247,20 +244,9 @@ class RabbitMQProvider:
     def tracker(self) -> SqlHistoryTracker:
         return self.stores.history
 
-    def physical(self, queue: str) -> str:
-        naming = self.naming or (self._app.naming if self._app else QueueNaming())
-        return naming.physical(queue, Transport.RABBITMQ)
-
     @staticmethod
     def dead_letter_name(physical: str) -> str:
-        name = f"{physical}{DEAD_LETTER_SUFFIX}"
-        try:
-            validate(name, Transport.RABBITMQ)
-        except InvalidQueueName as exc:
-            raise ConfigurationError(
-                "queue name", f"{exc} (the queue name leaves no room for '{DEAD_LETTER_SUFFIX}')"
-            ) from None
-        return name
+        return companion_name(physical, DEAD_LETTER_SUFFIX, Transport.RABBITMQ)
 
     @staticmethod
     def queue_arguments(physical: str) -> dict[str, Any]:
@@ -483,7 +469,7 @@ class RabbitMQProvider:
     async def _dead_letter_envelope(
         self, physical: str, env: Envelope, reason: str, description: str, now: datetime
     ) -> None:
-        marks = {REASON: reason, DEAD_AT: now.isoformat(), DESCRIPTION: description[:4000]}
+        marks = dead_letter_marks(reason, description, now)
         # no expiry in the dead-letter queue: a dead letter waits for an operator, not for a TTL
         copy = env.model_copy(update={"headers": {**env.headers, **marks}, "expires_at": None})
         await self._publish(physical, self._message(copy, now, marks), confirm=True, dead=True)
@@ -503,7 +489,7 @@ class RabbitMQProvider:
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=str(malformed_id(d.text())),
             timestamp=now,
-            headers={REASON: reason, DEAD_AT: now.isoformat(), DESCRIPTION: description[:4000]},
+            headers={**dead_letter_marks(reason, description, now)},
         )
         await self._publish(physical, message, confirm=True, dead=True)
 

@@ -49,6 +49,7 @@ from ..errors import InvalidOperation, ProviderError, ProviderUnavailable
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, Tracker
 from ..transport import Capabilities, Delivery, Settlement
+from .names import PhysicalNames
 
 if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
@@ -91,7 +92,7 @@ def _text(message: Any) -> str:
         return str(message)
 
 
-class ServiceBusProvider:
+class ServiceBusProvider(PhysicalNames):
     transport = Transport.SERVICE_BUS
 
     def __init__(
@@ -141,10 +142,6 @@ class ServiceBusProvider:
 
     def tracker(self) -> Tracker:
         return self._tracker
-
-    def physical(self, queue: str) -> str:
-        naming = self.naming or (self._app.naming if self._app else QueueNaming())
-        return naming.physical(queue, Transport.SERVICE_BUS)
 
     def _sender(self, queue: str) -> Any:
         name = self.physical(queue)

@@ -38,15 +38,16 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..clock import Clock, utcnow
 from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
-from ..envelope import Envelope
+from ..envelope import DESCRIPTION, REASON, Envelope, dead_letter_marks
 from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
 from ..messages import MessageStatus
-from ..naming import InvalidQueueName, QueueNaming, Transport, validate
+from ..naming import QueueNaming, Transport
 from ..options import QueueOptions
 from ..tracking import MessageQuery, MessageRecord, record_from_envelope
 from ..transport import Capabilities, Delivery, Settlement
 from .delayed import FORWARD_FAILED, DelayedDispatcher, DelayedMessage
 from .delayed.breaker import first_line
+from .names import PhysicalNames, companion_name
 from .sql.history import SideStores, SqlHistoryTracker, malformed_id
 
 if TYPE_CHECKING:
@@ -69,9 +70,6 @@ DLQ_SUFFIX = "-dlq"
 MESSAGE_ID = "queueing-message-id"
 TYPE = "queueing-type"
 ATTEMPT = "x-attempt"
-REASON = "x-queueing-dead-letter-reason"
-DESCRIPTION = "x-queueing-dead-letter-description"
-DEAD_AT = "x-queueing-dead-lettered-at"
 #: error codes that mean "try again later", not "this request is wrong"
 _TRANSIENT = {
     "ThrottlingException",
@@ -128,7 +126,7 @@ class _Handle:
     physical: str
 
 
-class SqsProvider:
+class SqsProvider(PhysicalNames):
     transport = Transport.SQS
 
     def __init__(
@@ -205,20 +203,9 @@ class SqsProvider:
     def tracker(self) -> SqlHistoryTracker:
         return self.stores.history
 
-    def physical(self, queue: str) -> str:
-        naming = self.naming or (self._app.naming if self._app else QueueNaming())
-        return naming.physical(queue, Transport.SQS)
-
     @staticmethod
     def dead_letter_name(physical: str) -> str:
-        name = f"{physical}{DLQ_SUFFIX}"
-        try:
-            validate(name, Transport.SQS)
-        except InvalidQueueName as exc:
-            raise ConfigurationError(
-                "queue name", f"{exc} (the queue name leaves no room for '{DLQ_SUFFIX}')"
-            ) from None
-        return name
+        return companion_name(physical, DLQ_SUFFIX, Transport.SQS)
 
     def _settings(self, queue: str) -> tuple[dict[str, str], int]:
         """The queue attributes a logical queue's type asks for, and its max attempts."""
@@ -404,7 +391,7 @@ class SqsProvider:
         )
 
     def _dead_entry(self, env: Envelope, reason: str, description: str, now: datetime) -> dict[str, Any]:
-        marks = {REASON: reason, DEAD_AT: now.isoformat(), DESCRIPTION: description[:4000]}
+        marks = dead_letter_marks(reason, description, now)
         copy = env.model_copy(update={"headers": {**env.headers, **marks}})
         return self._entry(copy, 0, {REASON: _attr(reason), DESCRIPTION: _attr(description[:1000])})
 

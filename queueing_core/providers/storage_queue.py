@@ -11,7 +11,9 @@
 - Bodies are base64 text, what the Functions queue trigger reads by default; the kit decodes each
   message itself, so one bad body is a poison message, not a failed receive. Plain JSON is read too.
 - The storage TTL is the envelope's expiry plus ``ttl_grace``, so the kit records "Expired" before
-  the service drops the message; delays beyond the 7-day visibility limit are re-hidden on arrival.
+  the service drops the message. Delays beyond the 7-day visibility limit wait in the SQL delayed
+  store when one is configured (``QUEUEING_STORAGE_DELAYED_STORE``), else are re-hidden for up to
+  7 more days on each arrival, without using an attempt.
 
 Pause/circuit state and message history live in Azure Tables (shared by every host and instance).
 """
@@ -42,24 +44,27 @@ from azure.storage.queue.aio import QueueClient, QueueServiceClient
 from ..clock import utcnow
 from ..connections import STORAGE, StorageConnection
 from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
-from ..envelope import Envelope
+from ..envelope import Envelope, dead_letter_marks
 from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
-from ..naming import InvalidQueueName, QueueNaming, Transport, validate
+from ..messages import MessageStatus
+from ..naming import QueueNaming, Transport
+from ..tracking import record_from_envelope
 from ..transport import Capabilities, Delivery, Settlement
+from .names import PhysicalNames, companion_name
 from .tables import TablesControlStore, TablesTracker, tables_from_connection
 
 if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
     from ..tracking import MessageQuery, MessageRecord
+    from .delayed import DelayedDispatcher, DelayedMessage, SqlDelayedStore
+    from .sql.history import SideStores
 
 log = logging.getLogger("queueing.storage_queue")
 
+POISON_SUFFIX = "-poison"
 MAX_VISIBILITY = timedelta(days=7)  # the service's limit on a visibility timeout
 #: 64 KiB of base64 text carries 48 KiB of envelope
 MAX_ENVELOPE_BYTES = 48 * 1024
-REASON = "x-queueing-dead-letter-reason"
-DESCRIPTION = "x-queueing-dead-letter-description"
-DEAD_AT = "x-queueing-dead-lettered-at"
 
 
 def whole_seconds(delay: timedelta) -> int:
@@ -102,7 +107,7 @@ def _boundary(action: str) -> Iterator[None]:
         raise ProviderError(f"{action} failed: {exc}") from None
 
 
-class StorageQueueProvider:
+class StorageQueueProvider(PhysicalNames):
     transport = Transport.STORAGE_QUEUE
 
     def __init__(
@@ -116,6 +121,8 @@ class StorageQueueProvider:
         tracker_table: str = "queueinghistory",
         tracker_retention: timedelta = timedelta(days=14),
         concurrency: int = 16,
+        delayed_stores: SideStores | None = None,
+        delayed_retries: int = 3,
     ) -> None:
         self.connection = connection
         self.naming = naming
@@ -127,6 +134,16 @@ class StorageQueueProvider:
             native_dead_letter=True,
             max_message_bytes=MAX_ENVELOPE_BYTES,
         )
+        # delays beyond the 7-day visibility limit: rows in the SQL delayed store when one is given,
+        # else re-hidden for another 7 days on each arrival (no database needed)
+        self.stores = delayed_stores
+        self.delayed: SqlDelayedStore | None = None
+        self.dispatcher: DelayedDispatcher | None = None
+        if delayed_stores is not None:
+            from .delayed import DelayedDispatcher
+
+            self.delayed = delayed_stores.delayed_store(Transport.STORAGE_QUEUE)
+            self.dispatcher = DelayedDispatcher(self.delayed, self, retries=delayed_retries)
         self._credential = connection.credential() if connection.connection_string is None else None
         if connection.connection_string is not None:
             self._service = QueueServiceClient.from_connection_string(connection.connection_string)
@@ -165,19 +182,8 @@ class StorageQueueProvider:
     def tracker(self) -> TablesTracker:
         return self._tracker
 
-    def physical(self, queue: str) -> str:
-        naming = self.naming or (self._app.naming if self._app else QueueNaming())
-        return naming.physical(queue, Transport.STORAGE_QUEUE)
-
     def poison_name(self, queue: str) -> str:
-        name = f"{self.physical(queue)}-poison"
-        try:
-            validate(name, Transport.STORAGE_QUEUE)
-        except InvalidQueueName as exc:
-            raise ConfigurationError(
-                "queue name", f"{exc} (the queue name leaves no room for '-poison')"
-            ) from None
-        return name
+        return companion_name(self.physical(queue), POISON_SUFFIX, Transport.STORAGE_QUEUE)
 
     def client(self, physical: str) -> QueueClient:
         c = self._clients.get(physical)
@@ -195,6 +201,8 @@ class StorageQueueProvider:
 
     async def open(self, app: QueueingApp) -> None:
         self._app = app
+        if self.stores is not None:
+            await self.stores.open()
         for sub in app.subscriptions():
             await self._ensure(self.physical(sub.queue))
             await self._ensure(self.poison_name(sub.queue))
@@ -206,6 +214,8 @@ class StorageQueueProvider:
         await self._service.close()
         await self._control.aclose()
         await self._tracker.aclose()
+        if self.stores is not None:
+            await self.stores.close()
         if self._credential is not None:
             await self._credential.close()
 
@@ -217,12 +227,21 @@ class StorageQueueProvider:
 
     async def put(self, queue: str, env: Envelope, visible_in: timedelta, now: datetime) -> None:
         """Send one envelope, hidden for ``visible_in`` (callers hold the concurrency limit)."""
-        c = await self._ensure(self.physical(queue))
+        physical = self.physical(queue)
+        c = await self._ensure(physical)  # also before a store: the dispatcher forwards to it
+        if self.delayed is not None and visible_in > MAX_VISIBILITY:
+            await self.delayed.store(env, physical, now + visible_in)
+            return
+        await self._put_physical(c, env, visible_in, now)
+
+    async def _put_physical(
+        self, c: QueueClient, env: Envelope, visible_in: timedelta, now: datetime
+    ) -> None:
         hide = min(max(visible_in, timedelta(0)), MAX_VISIBILITY)
         ttl = self._ttl(env, now)
         if ttl != -1:
             ttl = max(ttl, whole_seconds(hide) + 1)  # a message must outlive its own delay
-        with _boundary(f"sending to {queue}"):
+        with _boundary(f"sending to {c.queue_name}"):
             await c.send_message(
                 encode_body(env.encode_text()), visibility_timeout=whole_seconds(hide), time_to_live=ttl
             )
@@ -322,9 +341,7 @@ class StorageQueueProvider:
                     "attempt": d.attempts_used(decision),
                     "headers": {
                         **d.envelope.headers,
-                        REASON: decision.reason.value,
-                        DEAD_AT: now.isoformat(),
-                        DESCRIPTION: decision.description[:4000],
+                        **dead_letter_marks(decision.reason.value, decision.description, now),
                     },
                 }
             )
@@ -445,6 +462,42 @@ class StorageQueueProvider:
 
             await self._scan_poison(queue, lambda text: any(i in text for i in dead), delete)
         return len(records or ()), 0
+
+    # -- the delayed store (only with one configured) ----------------------------------------------
+    def background_tasks(self) -> list[Callable[[], Awaitable[None]]]:
+        return [self.dispatcher.run] if self.dispatcher is not None else []
+
+    async def dispatch_due(self, budget_seconds: float) -> int:
+        """Forward the due delayed messages within ``budget_seconds`` (the Functions timer)."""
+        return await self.dispatcher.dispatch_due(budget_seconds) if self.dispatcher is not None else 0
+
+    async def forward_delayed(self, item: DelayedMessage) -> None:
+        now = utcnow()
+        env = Envelope.decode(item.envelope)
+        await self._put_physical(await self._ensure(item.destination), env, timedelta(0), now)
+
+    async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
+        from .delayed import FORWARD_FAILED
+
+        now = utcnow()
+        env = Envelope.decode(item.envelope)
+        marked = env.model_copy(
+            update={"headers": {**env.headers, **dead_letter_marks(FORWARD_FAILED, description, now)}}
+        )
+        poison = await self._ensure(f"{item.destination}{POISON_SUFFIX}")
+        with _boundary(f"dead-lettering to {poison.queue_name}"):
+            await poison.send_message(encode_body(marked.encode_text()), time_to_live=-1)
+        await self._tracker.upsert(
+            [
+                record_from_envelope(
+                    env,
+                    MessageStatus.DEAD_LETTERED.value,
+                    now,
+                    reason=FORWARD_FAILED,
+                    description=description,
+                )
+            ]
+        )
 
     # -- upkeep ------------------------------------------------------------------------------------
     maintenance_interval = 300.0

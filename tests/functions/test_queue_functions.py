@@ -5,6 +5,7 @@ dead-letter, expiry, pause, a malformed body and an unknown type, settled as doc
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import uuid
 from datetime import timedelta
@@ -22,7 +23,7 @@ from queueing_core.providers.storage_queue import decode_body
 from queueing_core.settings import QueueingSettings
 from queueing_core.testing import in_memory_servicebus
 
-from .conftest import RecordingActions, functions_of, user
+from .conftest import RecordingActions, bindings, functions_of, user
 
 
 @queue("fn-jobs", max_attempts=3)
@@ -46,8 +47,8 @@ def job_app() -> tuple[QueueingApp, list[tuple[str, int]]]:
 
 
 # -- Storage Queues ---------------------------------------------------------------------------------
-@pytest.fixture
-async def storage(azurite, monkeypatch):
+@contextlib.asynccontextmanager
+async def storage_host(azurite, monkeypatch, **settings):
     tag = uuid.uuid4().hex[:8]
     monkeypatch.setenv("QueueingStorage", azurite.connection_string)
     cfg = QueueingSettings(
@@ -56,18 +57,28 @@ async def storage(azurite, monkeypatch):
         control_table=f"ctl{tag}",
         tracker_table=f"hist{tag}",
         pause_recheck_seconds=5,
+        **settings,
     )
     app, seen = job_app()
     host = FunctionsHost(app, cfg)
-    fn = user(functions_of(build_app(cfg, app, host=host))["queue_fn_jobs"])
+    fns = functions_of(build_app(cfg, app, host=host))
+    fn = user(fns["queue_fn_jobs"])
     rt = await host.runtime()
     name = rt.provider.physical("fn-jobs")
     client = QueueClient.from_connection_string(azurite.connection_string, name)
     poison = QueueClient.from_connection_string(azurite.connection_string, f"{name}-poison")
-    yield app, rt, fn, client, poison, seen
-    await client.close()
-    await poison.close()
-    await rt.close()
+    try:
+        yield app, rt, fn, client, poison, seen, fns
+    finally:
+        await client.close()
+        await poison.close()
+        await rt.close()
+
+
+@pytest.fixture
+async def storage(azurite, monkeypatch):
+    async with storage_host(azurite, monkeypatch) as (app, rt, fn, client, poison, seen, _fns):
+        yield app, rt, fn, client, poison, seen
 
 
 async def deliver(client: QueueClient, fn, raw_text: str | None = None) -> tuple[object, object]:
@@ -151,6 +162,57 @@ async def test_storage_expired_paused_and_unknown_type(storage):
     assert rec.attempt == 0
     assert seen == []  # nothing reached the handler
     assert await peek_all(poison) == []
+
+
+async def test_storage_delays_beyond_seven_days_wait_in_the_delayed_store_and_a_timer_forwards_them(
+    azurite, monkeypatch, tmp_path
+):
+    import sqlalchemy as sa
+    from azure.functions.timer import TimerRequest
+
+    from queueing_core.clock import utcnow
+
+    settings = {"storage_delayed_store": True, "database_url": f"sqlite:///{tmp_path}/delayed.db"}
+    async with storage_host(azurite, monkeypatch, **settings) as (app, rt, fn, client, poison, seen, fns):
+        timer = fns["queueing_delayed_dispatcher"]
+        [binding] = bindings(timer)
+        assert binding["type"] == "timerTrigger"
+        assert binding["schedule"] == "*/30 * * * * *"
+        store = rt.provider.delayed
+        physical = rt.provider.physical("fn-jobs")
+
+        later = await app.enqueue(Job(), delay=timedelta(days=10))
+        assert await store.counts() == {physical: 1}
+        assert (await client.get_queue_properties()).approximate_message_count == 0
+
+        # nothing is due yet: the timer forwards nothing
+        await user(timer)(TimerRequest(past_due=False))
+        assert await store.counts() == {physical: 1}
+
+        # ten days pass for the store's row (the envelope still says "not before day 10")
+        async with store.sql.engine.begin() as conn:
+            await conn.execute(
+                sa.update(store.sql.tables.delayed).values(due_at=utcnow() - timedelta(seconds=1))
+            )
+        await user(timer)(TimerRequest(past_due=False))
+        assert await store.counts() == {}
+        [forwarded] = await peek_all(client)
+        assert forwarded["message_id"] == str(later.message_id)
+
+        # the trigger sees it early: back to the store with no attempt used, the handler never ran
+        await deliver(client, fn)
+        assert await store.counts() == {physical: 1}
+        rec = await rt.tracker.get(later.message_id)
+        assert rec.attempt == 0
+        assert seen == []
+        assert await peek_all(poison) == []
+
+
+def test_without_the_delayed_store_setting_there_is_no_dispatcher_timer():
+    cfg = QueueingSettings(provider="storage_queue")
+    fns = functions_of(build_app(cfg, job_app()[0], env={"QueueingStorage": "UseDevelopmentStorage=true"}))
+    assert "queueing_delayed_dispatcher" not in fns
+    assert "queue_fn_jobs" in fns
 
 
 # -- Service Bus ------------------------------------------------------------------------------------

@@ -26,10 +26,11 @@ from queueing_core import (
     RetryPolicy,
     queue,
 )
+from queueing_core.envelope import DESCRIPTION, REASON
 from queueing_core.errors import ProviderError, ProviderUnavailable
 from queueing_core.ops import OpsService
 from queueing_core.ops.api import PREFIX, create_app
-from queueing_core.providers.rabbitmq import ATTEMPT, DESCRIPTION, REASON, RabbitMQProvider
+from queueing_core.providers.rabbitmq import ATTEMPT, RabbitMQProvider
 from queueing_core.providers.sql.history import SideStores, malformed_id
 from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings

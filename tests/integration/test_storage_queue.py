@@ -16,12 +16,11 @@ from azure.storage.queue import TextBase64DecodePolicy, TextBase64EncodePolicy
 from azure.storage.queue.aio import QueueClient
 
 from queueing_core import MessageStatus, NonRetryableError, QueueingApp, QueueMessage, queue
+from queueing_core.envelope import DESCRIPTION, REASON
 from queueing_core.errors import ConfigurationError
 from queueing_core.ops import OpsService
 from queueing_core.ops.api import PREFIX, create_app
 from queueing_core.providers.storage_queue import (
-    DESCRIPTION,
-    REASON,
     StorageConnection,
     StorageQueueProvider,
     decode_body,
@@ -163,6 +162,43 @@ async def test_an_early_delivery_is_rehidden_without_using_an_attempt(azurite, n
     rec = await rt.tracker.get(envelope.message_id)
     assert rec.status == "Succeeded"
     assert rec.attempt == 1
+    await rt.close()
+
+
+async def test_with_a_delayed_store_long_delays_wait_in_sql_and_the_worker_dispatches_them(
+    azurite, names, tmp_path
+):
+    from queueing_core.clock import utcnow
+    from queueing_core.providers.sql.history import SideStores
+
+    app, seen = make_app(names["prefix"])
+    p = StorageQueueProvider(
+        StorageConnection(azurite.connection_string),
+        control_table=names["control_table"],
+        tracker_table=names["tracker_table"],
+        delayed_stores=SideStores(f"sqlite:///{tmp_path}/delayed.db"),
+    )
+    assert provider(azurite, names).background_tasks() == []  # no store, no dispatcher
+    rt = Runtime(app, p)
+    await rt.open()
+    physical = p.physical("Billing.Invoice_Ready")
+    assert p.delayed is not None
+    # beyond the 7-day limit: a row in the store, nothing in the queue
+    far = await app.enqueue(InvoiceReady(invoice="far"), delay=timedelta(days=8))
+    assert await p.delayed.counts() == {physical: 1}
+    assert await p.depth("Billing.Invoice_Ready") == 0
+    # within it: the queue's own visibility timeout
+    await app.enqueue(InvoiceReady(invoice="near"), delay=timedelta(days=6))
+    assert await p.depth("Billing.Invoice_Ready") == 1
+    assert await p.delayed.counts() == {physical: 1}
+    # a row already due is forwarded by the worker's dispatcher and handled
+    due = rt.producer.envelope_for(InvoiceReady(invoice="due"))
+    await p.delayed.store(due, physical, utcnow())
+    async with running(rt):
+        await wait_until(lambda: seen == ["due"], timeout=15, what="the dispatcher forwarding")
+    assert await p.delayed.counts() == {physical: 1}  # "far" still waits
+    assert (await rt.tracker.get(due.message_id)).status == "Succeeded"
+    assert (await rt.tracker.get(far.message_id)).status != "Succeeded"
     await rt.close()
 
 
