@@ -344,10 +344,12 @@ def _ops_call(app: str | None, action: Callable[[OpsService], Awaitable[T]]) -> 
         fail(str(exc), 1)
 
 
-def _pause_target(queue_name: str | None, type_name: str | None) -> tuple[str, str]:
+def _set_paused(queue_name: str | None, type_name: str | None, app: str | None, paused: bool) -> None:
     if (queue_name is None) == (type_name is None):
         fail("name a queue (QUEUE) or a type (--type TYPE)", 2)
-    return ("queue", queue_name) if queue_name is not None else ("type", type_name or "")
+    kind, name = ("queue", queue_name) if queue_name is not None else ("type", type_name or "")
+    _ops_call(app, lambda ops: ops.set_paused(kind, name, paused))
+    out.print(f"{'paused' if paused else 'resumed'} {kind} {name}", highlight=False)
 
 
 @cli.command()
@@ -357,9 +359,7 @@ def pause(
     app: AppOption = None,
 ) -> None:
     """Pause a queue or a type on every host: its messages stay and wait, attempts are not used."""
-    kind, name = _pause_target(queue_name, type_name)
-    _ops_call(app, lambda ops: ops.set_paused(kind, name, True))
-    out.print(f"paused {kind} {name}", highlight=False)
+    _set_paused(queue_name, type_name, app, True)
 
 
 @cli.command()
@@ -369,9 +369,7 @@ def resume(
     app: AppOption = None,
 ) -> None:
     """Resume a paused queue or type."""
-    kind, name = _pause_target(queue_name, type_name)
-    _ops_call(app, lambda ops: ops.set_paused(kind, name, False))
-    out.print(f"resumed {kind} {name}", highlight=False)
+    _set_paused(queue_name, type_name, app, False)
 
 
 @cli.command()

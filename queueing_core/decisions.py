@@ -93,3 +93,19 @@ def counts_attempt(decision: Decision) -> bool:
     if isinstance(decision, Defer):
         return decision.counts_attempt
     return not isinstance(decision, Release)
+
+
+def due_at(decision: RetryAfter | Defer | Release, now: datetime) -> datetime | None:
+    """When a message settled by sending a copy runs again (None: at once)."""
+    if isinstance(decision, RetryAfter):
+        return now + decision.delay
+    if isinstance(decision, Defer):
+        return decision.until
+    return None
+
+
+def dead_letter_of(decision: Expire | DeadLetter) -> tuple[DeadLetterReason, str]:
+    """The reason and description a dead-lettering decision carries (expiry is one as well)."""
+    if isinstance(decision, Expire):
+        return DeadLetterReason.EXPIRED, f"expired at {decision.expired_at.isoformat()}"
+    return decision.reason, decision.description

@@ -658,8 +658,23 @@ def _check_size(message: ServiceBusMessage, limit: int) -> None:
         ) from None
 
 
-class FakeServiceBusSender:
-    """Mirrors ``azure.servicebus.aio.ServiceBusSender`` for one queue."""
+class _Closing:
+    """``async with`` closes it on the way out, as the SDK's clients, senders and receivers do."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        pass
+
+
+class _Link(_Closing):
+    """What a sender and a receiver share: one queue, an async context, and no use after close."""
 
     def __init__(self, namespace: FakeServiceBusNamespace, queue_name: str) -> None:
         self._namespace = namespace
@@ -672,17 +687,17 @@ class FakeServiceBusSender:
         self._namespace._queue(self.entity_name)  # opening the link fails on a missing entity
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
     async def close(self) -> None:
+        # like the service, messages a receiver still holds stay locked until their lock expires
         self._closed = True
 
     def _check_live(self) -> None:
         if self._closed:
             raise ValueError(_SHUTDOWN)
+
+
+class FakeServiceBusSender(_Link):
+    """Mirrors ``azure.servicebus.aio.ServiceBusSender`` for one queue."""
 
     async def send_messages(
         self,
@@ -776,7 +791,7 @@ def _is_dead_letter(sub_queue: ServiceBusSubQueue | str | None) -> bool:
     raise NotImplementedError("the fake has no transfer dead-letter queue (it never forwards)")
 
 
-class FakeServiceBusReceiver:
+class FakeServiceBusReceiver(_Link):
     """Mirrors ``azure.servicebus.aio.ServiceBusReceiver`` for a queue or its dead-letter sub-queue."""
 
     def __init__(
@@ -791,9 +806,7 @@ class FakeServiceBusReceiver:
     ) -> None:
         if max_wait_time is not None and max_wait_time <= 0:
             raise ValueError("The max_wait_time must be greater than 0.")
-        self._namespace = namespace
-        self.entity_name = queue_name
-        self.fully_qualified_namespace = namespace.fully_qualified_namespace
+        super().__init__(namespace, queue_name)
         self._dead_letter = _is_dead_letter(sub_queue)
         self._receive_mode = (
             receive_mode
@@ -802,7 +815,6 @@ class FakeServiceBusReceiver:
         )
         self._max_wait_time = max_wait_time
         self._prefetch_count = prefetch_count  # only the bound for max_message_count=None; no buffering
-        self._closed = False
         self._last_sequence_number: int | None = None  # the SDK's peek cursor
 
     @property
@@ -812,24 +824,6 @@ class FakeServiceBusReceiver:
     @property
     def entity_path(self) -> str:
         return f"{self.entity_name}/$DeadLetterQueue" if self._dead_letter else self.entity_name
-
-    async def __aenter__(self) -> Self:
-        self._check_live()
-        self._namespace._queue(self.entity_name)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        # like the service, messages still locked stay locked until their lock expires
-        self._closed = True
-
-    def _check_live(self) -> None:
-        if self._closed:
-            raise ValueError(_SHUTDOWN)
 
     # receiving
 
@@ -1024,21 +1018,13 @@ def _peeked_state(entry: _Entry) -> ServiceBusMessageState:
     return ServiceBusMessageState.ACTIVE
 
 
-class FakeServiceBusClient:
+class FakeServiceBusClient(_Closing):
     """Mirrors ``azure.servicebus.aio.ServiceBusClient``, on a :class:`FakeServiceBusNamespace`."""
 
     def __init__(self, namespace: FakeServiceBusNamespace) -> None:
         self.namespace = namespace
         self.fully_qualified_namespace = namespace.fully_qualified_namespace
         self._handlers: list[FakeServiceBusSender | FakeServiceBusReceiver] = []
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Close every sender and receiver this client made, as the SDK does."""
@@ -1104,7 +1090,7 @@ async def _iterate(items: list[_T]) -> AsyncIterator[_T]:
         yield item
 
 
-class FakeServiceBusAdministrationClient:
+class FakeServiceBusAdministrationClient(_Closing):
     """Mirrors ``azure.servicebus.aio.management.ServiceBusAdministrationClient`` for queues.
 
     Properties come back as real ``QueueProperties``; durations must be ``timedelta`` (the SDK also
@@ -1113,17 +1099,6 @@ class FakeServiceBusAdministrationClient:
 
     def __init__(self, namespace: FakeServiceBusNamespace) -> None:
         self.namespace = namespace
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        pass
 
     def _existing(self, queue_name: str) -> _Queue:
         queue = self.namespace._find(queue_name)

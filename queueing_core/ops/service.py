@@ -24,7 +24,7 @@ from ..messages import MessageStatus
 from ..options import Health
 from ..producer import EnqueueOptions
 from ..runtime import Runtime
-from ..tracking import MessageQuery, MessageRecord
+from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen
 from .models import (
     ActionResult,
     CircuitInfo,
@@ -68,7 +68,12 @@ class OpsActions(Protocol):
     """State changes a provider carries out for the ops service. Each returns False when the message
     was no longer in the state the service checked (someone else acted first)."""
 
-    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool: ...
+    async def ops_retry(
+        self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
+    ) -> bool:
+        """Run the message again from ``envelope``; call ``reopen`` after the last refusal and before
+        the message can run (it records Pending in a separate history)."""
+        ...
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool: ...
 
@@ -295,19 +300,25 @@ class OpsService:
             headers=r.headers,
             body=r.body,
         )
-        if not await self.actions.ops_retry(r, envelope, now):
-            raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
-        await self._track(
-            r,
-            status=S.PENDING.value,
-            attempt=0,
-            reason=None,
-            description=None,
-            not_before=None,
-            expires_at=envelope.expires_at,
-            locked_by=None,
-            locked_until=None,
+        pending = r.model_copy(
+            update={
+                "status": S.PENDING.value,
+                "attempt": 0,
+                "reason": None,
+                "description": None,
+                "not_before": None,
+                "expires_at": envelope.expires_at,
+                "locked_by": None,
+                "locked_until": None,
+                "updated_at": now,
+            }
         )
+
+        async def reopen() -> None:
+            await self.runtime.tracker.reopen(pending)
+
+        if not await self.actions.ops_retry(r, envelope, now, nothing_to_reopen if self._durable else reopen):
+            raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
         return ActionResult(
             message_id=r.message_id,
             status=S.PENDING,

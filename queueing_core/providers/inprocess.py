@@ -21,14 +21,15 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..clock import utcnow
-from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
+from ..decisions import Complete, DeadLetter, Expire, Release, due_at
 from ..envelope import Envelope
 from ..naming import Transport
+from ..tracking.base import nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement
 
 if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
-    from ..tracking import MessageQuery, MessageRecord
+    from ..tracking import MessageQuery, MessageRecord, Reopen
 
 _seq = itertools.count()
 
@@ -153,13 +154,7 @@ class InProcessProvider:
             if d.envelope is None:  # malformed is always dead-lettered above; nothing to re-send
                 continue
             used = d.attempts_used(decision)
-            if isinstance(decision, RetryAfter):
-                due = now + decision.delay
-            elif isinstance(decision, Defer):
-                due = decision.until
-            else:
-                assert isinstance(decision, Release)
-                due = now
+            due = due_at(decision, now) or now
             env = d.envelope.with_attempt(used)
             item = _Item(due, d.handle.seq if isinstance(d.handle, _Item) else next(_seq), env.encode())
             if q.ordered:
@@ -198,8 +193,11 @@ class InProcessProvider:
             self.dead_letters[name] = left
         return dropped
 
-    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+    async def ops_retry(
+        self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
+    ) -> bool:
         self._forget({record.message_id})
+        await reopen()
         await self.send([envelope])
         return True
 

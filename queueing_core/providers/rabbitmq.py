@@ -58,7 +58,7 @@ from aio_pika.exceptions import (
 from yarl import URL
 
 from ..clock import Clock, utcnow
-from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
 from ..envelope import Envelope, dead_letter_marks
 from ..errors import (
     InvalidOperation,
@@ -66,18 +66,17 @@ from ..errors import (
     ProviderError,
     ProviderUnavailable,
 )
-from ..messages import MessageStatus
 from ..naming import QueueNaming, Transport
-from ..tracking import MessageQuery, MessageRecord, record_from_envelope
+from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, Settlement
-from .delayed import FORWARD_FAILED, DelayedDispatcher, DelayedMessage
+from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
 from .delayed.breaker import first_line
-from .names import PhysicalNames, companion_name
-from .sql.history import SideStores, SqlHistoryTracker, malformed_id
+from .names import companion_name
+from .side_stores import SideStoreOps
+from .sql.history import SideStores, malformed_id
 
 if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
-    from ..control.base import ControlStore
     from ..settings import QueueingSettings
 
 log = logging.getLogger("queueing.rabbitmq")
@@ -170,7 +169,7 @@ class _Consumer:
     wanted_at: float = 0.0
 
 
-class RabbitMQProvider(PhysicalNames):
+class RabbitMQProvider(SideStoreOps):
     transport = Transport.RABBITMQ
 
     def __init__(
@@ -191,7 +190,7 @@ class RabbitMQProvider(PhysicalNames):
         clock: Clock = utcnow,
     ) -> None:
         self.url = url
-        self.stores = stores
+        self._use_stores(stores, delayed_retries, clock, dispatcher_options)
         self.naming = naming
         self.auto_declare = auto_declare
         self.ttl_grace = ttl_grace
@@ -200,17 +199,12 @@ class RabbitMQProvider(PhysicalNames):
         self.reconnect_interval = reconnect_interval
         self.connect_retries = connect_retries
         self.idle_timeout = idle_timeout
-        self.clock = clock
         self.capabilities = Capabilities(
             max_delay=timedelta(0),
             lock_renewal=False,
             native_dead_letter=True,
             push_wakeups=True,
             max_message_bytes=MAX_MESSAGE_BYTES,
-        )
-        self.delayed = stores.delayed_store(Transport.RABBITMQ)
-        self.dispatcher = DelayedDispatcher(
-            self.delayed, self, retries=delayed_retries, clock=clock, **(dispatcher_options or {})
         )
         self._conn: AbstractRobustConnection | None = None
         self._publisher: AbstractChannel | None = None  # fire-and-forget (plain enqueue)
@@ -238,12 +232,6 @@ class RabbitMQProvider(PhysicalNames):
         )
 
     # -- wiring ------------------------------------------------------------------------------------
-    def control_store(self) -> ControlStore:
-        return self.stores.control
-
-    def tracker(self) -> SqlHistoryTracker:
-        return self.stores.history
-
     @staticmethod
     def dead_letter_name(physical: str) -> str:
         return companion_name(physical, DEAD_LETTER_SUFFIX, Transport.RABBITMQ)
@@ -454,17 +442,7 @@ class RabbitMQProvider(PhysicalNames):
         now = self.clock()
         env = Envelope.decode(item.envelope)
         await self._dead_letter_envelope(item.destination, env, FORWARD_FAILED, description, now)
-        await self.stores.history.upsert(
-            [
-                record_from_envelope(
-                    env,
-                    MessageStatus.DEAD_LETTERED.value,
-                    now,
-                    reason=FORWARD_FAILED,
-                    description=description,
-                )
-            ]
-        )
+        await self.stores.history.upsert([forward_failed_record(env, description, now)])
 
     async def _dead_letter_envelope(
         self, physical: str, env: Envelope, reason: str, description: str, now: datetime
@@ -616,29 +594,14 @@ class RabbitMQProvider(PhysicalNames):
             now = self.clock()
             if isinstance(decision, Complete):
                 pass
-            elif isinstance(decision, Expire):
-                await self._dead_letter(
-                    d,
-                    h.physical,
-                    d.attempts_used(decision),
-                    DeadLetterReason.EXPIRED.value,
-                    f"expired at {decision.expired_at.isoformat()}",
-                )
-            elif isinstance(decision, DeadLetter):
-                await self._dead_letter(
-                    d, h.physical, d.attempts_used(decision), decision.reason.value, decision.description
-                )
+            elif isinstance(decision, Expire | DeadLetter):
+                reason, description = dead_letter_of(decision)
+                await self._dead_letter(d, h.physical, d.attempts_used(decision), reason.value, description)
             else:
                 assert d.envelope is not None, "malformed messages are always dead-lettered"
-                if isinstance(decision, RetryAfter):
-                    due: datetime | None = now + decision.delay
-                elif isinstance(decision, Defer):
-                    due = decision.until
-                else:
-                    assert isinstance(decision, Release)
-                    due = None
                 # the copy first: if the ack fails afterwards, a duplicate beats a loss
-                await self.send_at(h.physical, d.envelope.with_attempt(d.attempts_used(decision)), due)
+                copy = d.envelope.with_attempt(d.attempts_used(decision))
+                await self.send_at(h.physical, copy, due_at(decision, now))
             with _boundary("acknowledging a message"):
                 await h.message.ack()
         finally:
@@ -656,23 +619,6 @@ class RabbitMQProvider(PhysicalNames):
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         return []  # no lease: a message stays with its consumer until acked or the channel closes
-
-    # -- the delayed dispatcher ----------------------------------------------------------------------
-    def background_tasks(self) -> list[Any]:
-        return [self.delayed_dispatcher]
-
-    async def delayed_dispatcher(self) -> None:
-        await self.dispatcher.run()
-
-    async def dispatch_due(self, budget_seconds: float) -> int:
-        """Forward the due delayed messages within ``budget_seconds`` (for a Functions timer)."""
-        return await self.dispatcher.dispatch_due(budget_seconds)
-
-    # -- upkeep ------------------------------------------------------------------------------------
-    maintenance_interval = 300.0
-
-    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
-        return {"history_pruned": await self.stores.history.prune(self.clock())}
 
     # -- ops ---------------------------------------------------------------------------------------
     async def depth(self, physical: str, *, dead: bool = False) -> int:
@@ -707,16 +653,17 @@ class RabbitMQProvider(PhysicalNames):
                 log.debug("no broker counts for %s: %s", physical, exc)
         return out
 
-    async def _take_dead_letters(self, physical: str, wanted: set[str], limit: int = 5000) -> int:
+    async def _take_dead_letters(self, queue: str, wanted: set[str], limit: int = 5000) -> int:
         """Remove the dead letters whose message id is in ``wanted``; the rest go back in order."""
+        physical = self.physical(queue)
         conn = self._connected()
         channel = await conn.channel(publisher_confirms=False)
         taken = 0
         try:
             with _boundary(f"reading dead letters of {physical}"):
-                queue = await channel.declare_queue(self.dead_letter_name(physical), durable=True)
+                dlq = await channel.declare_queue(self.dead_letter_name(physical), durable=True)
                 for _ in range(limit):
-                    m = await queue.get(no_ack=False, fail=False, timeout=self.publish_timeout)
+                    m = await dlq.get(no_ack=False, fail=False, timeout=self.publish_timeout)
                     if m is None:
                         break
                     if (m.message_id or "") in wanted:
@@ -729,33 +676,8 @@ class RabbitMQProvider(PhysicalNames):
                 await channel.close()  # the messages not taken return to the queue
         return taken
 
-    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
-        physical = self.physical(record.queue)
-        if record.status in (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value):
-            if not await self.delayed.take_message(record.message_id):
-                raise InvalidOperation(
-                    f"message {record.message_id} has already left the delayed store for its queue; "
-                    "it runs shortly"
-                )
-        elif record.status in (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value):
-            await self._take_dead_letters(physical, {str(record.message_id)})
-        # the history says Pending before the message can run, so its outcome is never overwritten
-        await self.stores.history.reopen(
-            record.model_copy(
-                update={
-                    "status": MessageStatus.PENDING.value,
-                    "attempt": 0,
-                    "reason": None,
-                    "description": None,
-                    "last_error": None,
-                    "not_before": None,
-                    "expires_at": envelope.expires_at,
-                    "updated_at": now,
-                }
-            )
-        )
-        await self.send_at(physical, envelope, None)
-        return True
+    async def _send_now(self, queue: str, envelope: Envelope) -> None:
+        await self.send_at(self.physical(queue), envelope, None)
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
         raise InvalidOperation(
@@ -763,41 +685,14 @@ class RabbitMQProvider(PhysicalNames):
             "can release it; it returns to the queue by itself if that consumer goes away"
         )
 
-    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
-        return True  # a flag in the history; the message itself has left the queue
-
-    async def ops_purge(
-        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
-    ) -> tuple[int, int]:
-        """Dead letters leave the dead-letter queue, delayed ones the delayed store; a purge of a whole
-        queue empties the queue, its dead-letter queue and its delayed messages. Messages ready in a
-        queue cannot be picked out one by one (AMQP has no delete by id)."""
-        whole = query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}
-        if whole:
-            assert query.queue is not None
-            assert self._admin is not None
-            physical = self.physical(query.queue)
-            await self._declare(physical)
-            with _boundary(f"purging {physical}"):
-                for name, args in (
-                    (physical, self.queue_arguments(physical)),
-                    (self.dead_letter_name(physical), None),
-                ):
-                    q = await self._admin.declare_queue(name, durable=True, arguments=args)
-                    await q.purge()
-            await self.delayed.purge(physical)
-            return len(records or ()), 0
-        dead_states = (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value)
-        later_states = (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value)
-        by_queue: dict[str, list[MessageRecord]] = {}
-        for r in records or ():
-            by_queue.setdefault(r.queue, []).append(r)
-        for queue, recs in by_queue.items():
-            physical = self.physical(queue)
-            dead = {str(r.message_id) for r in recs if r.status in dead_states}
-            if dead:
-                await self._take_dead_letters(physical, dead)
-            later = [r.message_id for r in recs if r.status in later_states]
-            if later:
-                await self.delayed.purge(physical, later)
-        return len(records or ()), 0
+    async def _purge_whole(self, queue: str) -> None:
+        assert self._admin is not None
+        physical = self.physical(queue)
+        await self._declare(physical)
+        with _boundary(f"purging {physical}"):
+            for name, args in (
+                (physical, self.queue_arguments(physical)),
+                (self.dead_letter_name(physical), None),
+            ):
+                q = await self._admin.declare_queue(name, durable=True, arguments=args)
+                await q.purge()

@@ -43,11 +43,11 @@ from azure.servicebus.exceptions import (
 from ..clock import utcnow
 from ..connections import ServiceBusConnection
 from ..control.base import ControlStore
-from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
 from ..envelope import Envelope
 from ..errors import InvalidOperation, ProviderError, ProviderUnavailable
 from ..naming import QueueNaming, Transport
-from ..tracking import MessageQuery, MessageRecord, Tracker
+from ..tracking import MessageQuery, MessageRecord, Reopen, Tracker, nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement
 from .names import PhysicalNames
 
@@ -268,27 +268,14 @@ class ServiceBusProvider(PhysicalNames):
         try:
             if isinstance(decision, Complete):
                 await r.complete_message(m)
-            elif isinstance(decision, Expire):
-                await r.dead_letter_message(
-                    m,
-                    reason=DeadLetterReason.EXPIRED.pascal,
-                    error_description=f"expired at {decision.expired_at.isoformat()}",
-                )
-            elif isinstance(decision, DeadLetter):
-                await r.dead_letter_message(
-                    m, reason=decision.reason.pascal, error_description=decision.description[:4096]
-                )
+            elif isinstance(decision, Expire | DeadLetter):
+                reason, description = dead_letter_of(decision)
+                await r.dead_letter_message(m, reason=reason.pascal, error_description=description[:4096])
             else:
                 assert d.envelope is not None, "malformed messages are always dead-lettered"
-                if isinstance(decision, RetryAfter):
-                    at: datetime | None = utcnow() + decision.delay
-                elif isinstance(decision, Defer):
-                    at = decision.until
-                else:
-                    assert isinstance(decision, Release)
-                    at = None
                 # send the copy first: if completing fails afterwards, a duplicate beats a loss
-                await self.send_copy(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), at)
+                copy = d.envelope.with_attempt(d.attempts_used(decision))
+                await self.send_copy(d.queue, copy, due_at(decision, utcnow()))
                 await r.complete_message(m)
         except (MessageLockLostError, MessageAlreadySettled) as exc:
             # another consumer owns it now (the lock expired): it will be processed again there
@@ -362,7 +349,9 @@ class ServiceBusProvider(PhysicalNames):
                         await receiver.abandon_message(m)
         return hits
 
-    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+    async def ops_retry(
+        self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
+    ) -> bool:
         if record.status in ("Failed", "Sleeping"):
             raise InvalidOperation(
                 f"message {record.message_id} is scheduled on Service Bus for {record.not_before}: "
@@ -378,6 +367,7 @@ class ServiceBusProvider(PhysicalNames):
                 return True
 
             await self._dead_letters(record.queue, take)
+        await reopen()
         await self.send_copy(record.queue, envelope, None)
         return True
 

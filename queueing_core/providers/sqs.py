@@ -37,22 +37,21 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..clock import Clock, utcnow
-from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
 from ..envelope import DESCRIPTION, REASON, Envelope, dead_letter_marks
 from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
-from ..messages import MessageStatus
 from ..naming import QueueNaming, Transport
 from ..options import QueueOptions
-from ..tracking import MessageQuery, MessageRecord, record_from_envelope
+from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, Settlement
-from .delayed import FORWARD_FAILED, DelayedDispatcher, DelayedMessage
+from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
 from .delayed.breaker import first_line
-from .names import PhysicalNames, companion_name
-from .sql.history import SideStores, SqlHistoryTracker, malformed_id
+from .names import companion_name
+from .side_stores import SideStoreOps
+from .sql.history import SideStores, malformed_id
 
 if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
-    from ..control.base import ControlStore
     from ..settings import QueueingSettings
 
 log = logging.getLogger("queueing.sqs")
@@ -126,8 +125,9 @@ class _Handle:
     physical: str
 
 
-class SqsProvider(PhysicalNames):
+class SqsProvider(SideStoreOps):
     transport = Transport.SQS
+    left_store_text = "it waits in SQS's own delay, which cannot be shortened (it runs when due)"
 
     def __init__(
         self,
@@ -147,21 +147,16 @@ class SqsProvider(PhysicalNames):
         if not timedelta(0) <= max_native_delay <= MAX_NATIVE_DELAY:
             raise ConfigurationError("max_native_delay", "out of range", "0 to 15 minutes")
         self.client = client
-        self.stores = stores
+        self._use_stores(stores, delayed_retries, clock, dispatcher_options)
         self.naming = naming
         self.auto_create = auto_create
         self.ttl_grace = ttl_grace
         self.receive_wait = max(0, min(20, int(receive_wait)))
-        self.clock = clock
         self.capabilities = Capabilities(
             max_delay=max_native_delay,
             lock_renewal=True,
             native_dead_letter=True,
             max_message_bytes=MAX_ENVELOPE_BYTES,
-        )
-        self.delayed = stores.delayed_store(Transport.SQS)
-        self.dispatcher = DelayedDispatcher(
-            self.delayed, self, retries=delayed_retries, clock=clock, **(dispatcher_options or {})
         )
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
@@ -196,12 +191,6 @@ class SqsProvider(PhysicalNames):
     async def _call(self, action: str, fn: Callable[..., T], **kwargs: Any) -> T:
         with _boundary(action):
             return await self._run(fn, **kwargs)
-
-    def control_store(self) -> ControlStore:
-        return self.stores.control
-
-    def tracker(self) -> SqlHistoryTracker:
-        return self.stores.history
 
     @staticmethod
     def dead_letter_name(physical: str) -> str:
@@ -378,17 +367,7 @@ class SqsProvider(PhysicalNames):
         env = Envelope.decode(item.envelope)
         dlq = await self._url_of_physical(self.dead_letter_name(item.destination))
         await self._send_entries(dlq, [self._dead_entry(env, FORWARD_FAILED, description, now)])
-        await self.stores.history.upsert(
-            [
-                record_from_envelope(
-                    env,
-                    MessageStatus.DEAD_LETTERED.value,
-                    now,
-                    reason=FORWARD_FAILED,
-                    description=description,
-                )
-            ]
-        )
+        await self.stores.history.upsert([forward_failed_record(env, description, now)])
 
     def _dead_entry(self, env: Envelope, reason: str, description: str, now: datetime) -> dict[str, Any]:
         marks = dead_letter_marks(reason, description, now)
@@ -440,11 +419,8 @@ class SqsProvider(PhysicalNames):
         if isinstance(decision, Complete):
             return
         if isinstance(decision, Expire | DeadLetter):
-            if isinstance(decision, Expire):
-                reason = DeadLetterReason.EXPIRED.value
-                description = f"expired at {decision.expired_at.isoformat()}"
-            else:
-                reason, description = decision.reason.value, decision.description
+            dead_reason, description = dead_letter_of(decision)
+            reason = dead_reason.value
             dlq = await self._url(d.queue, dead=True)
             if d.envelope is not None:
                 env = d.envelope.with_attempt(d.attempts_used(decision))
@@ -461,15 +437,8 @@ class SqsProvider(PhysicalNames):
             await self._send_entries(dlq, [entry])
             return
         assert d.envelope is not None, "malformed messages are always dead-lettered"
-        if isinstance(decision, RetryAfter):
-            due: datetime | None = now + decision.delay
-        elif isinstance(decision, Defer):
-            due = decision.until
-        else:
-            assert isinstance(decision, Release)
-            due = None
         # the copy first: if the delete fails afterwards, a duplicate beats a loss
-        await self.send_at(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), due)
+        await self.send_at(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), due_at(decision, now))
 
     async def _delete(self, handles: list[_Handle]) -> int:
         """DeleteMessageBatch per queue, 10 at a time; returns how many deletes SQS refused."""
@@ -542,23 +511,6 @@ class SqsProvider(PhysicalNames):
                     else:
                         d.lease_until = now + leases[str(j)]
         return lost
-
-    # -- the delayed dispatcher ----------------------------------------------------------------------
-    def background_tasks(self) -> list[Any]:
-        return [self.delayed_dispatcher]
-
-    async def delayed_dispatcher(self) -> None:
-        await self.dispatcher.run()
-
-    async def dispatch_due(self, budget_seconds: float) -> int:
-        """Forward the due delayed messages within ``budget_seconds`` (for a Functions timer)."""
-        return await self.dispatcher.dispatch_due(budget_seconds)
-
-    # -- upkeep ------------------------------------------------------------------------------------
-    maintenance_interval = 300.0
-
-    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
-        return {"history_pruned": await self.stores.history.prune(self.clock())}
 
     # -- ops ---------------------------------------------------------------------------------------
     async def depth(self, queue: str, *, dead: bool = False) -> dict[str, int]:
@@ -644,41 +596,14 @@ class SqsProvider(PhysicalNames):
                     )
         return taken
 
-    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
-        if record.status in (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value):
-            if not await self.delayed.take_message(record.message_id):
-                raise InvalidOperation(
-                    f"message {record.message_id} is scheduled in SQS for {record.not_before}: "
-                    "a delayed SQS message cannot be brought forward (it runs then)"
-                )
-        elif record.status in (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value):
-            await self._take_dead_letters(record.queue, {str(record.message_id)})
-        # the history says Pending before the message can run, so its outcome is never overwritten
-        await self.stores.history.reopen(
-            record.model_copy(
-                update={
-                    "status": MessageStatus.PENDING.value,
-                    "attempt": 0,
-                    "reason": None,
-                    "description": None,
-                    "last_error": None,
-                    "not_before": None,
-                    "expires_at": envelope.expires_at,
-                    "updated_at": now,
-                }
-            )
-        )
-        await self.send_at(record.queue, envelope, None)
-        return True
+    async def _send_now(self, queue: str, envelope: Envelope) -> None:
+        await self.send_at(queue, envelope, None)
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
         raise InvalidOperation(
             "an SQS receipt belongs to the receive that holds it: only that consumer can release it; "
             "the message returns by itself when its visibility timeout ends"
         )
-
-    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
-        return True  # a flag in the history; the message itself has left the queue
 
     async def _purge_queue(self, url: str) -> None:
         try:
@@ -705,29 +630,6 @@ class SqsProvider(PhysicalNames):
                 return
             await self._delete([_Handle(url, m["ReceiptHandle"], "") for m in messages])
 
-    async def ops_purge(
-        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
-    ) -> tuple[int, int]:
-        """Dead letters leave the DLQ, delayed ones the delayed store; a purge of a whole queue empties
-        the queue, its DLQ and its delayed messages. A message waiting in a live queue cannot be picked
-        out (receiving it would take it from a consumer)."""
-        whole = query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}
-        if whole:
-            assert query.queue is not None
-            await self._purge_queue(await self._url(query.queue))
-            await self._purge_queue(await self._url(query.queue, dead=True))
-            await self.delayed.purge(self.physical(query.queue))
-            return len(records or ()), 0
-        dead_states = (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value)
-        later_states = (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value)
-        by_queue: dict[str, list[MessageRecord]] = {}
-        for r in records or ():
-            by_queue.setdefault(r.queue, []).append(r)
-        for queue, recs in by_queue.items():
-            dead = {str(r.message_id) for r in recs if r.status in dead_states}
-            if dead:
-                await self._take_dead_letters(queue, dead)
-            later = [r.message_id for r in recs if r.status in later_states]
-            if later:
-                await self.delayed.purge(self.physical(queue), later)
-        return len(records or ()), 0
+    async def _purge_whole(self, queue: str) -> None:
+        await self._purge_queue(await self._url(queue))
+        await self._purge_queue(await self._url(queue, dead=True))

@@ -46,16 +46,15 @@ from ..connections import STORAGE, StorageConnection
 from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
 from ..envelope import Envelope, dead_letter_marks
 from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
-from ..messages import MessageStatus
 from ..naming import QueueNaming, Transport
-from ..tracking import record_from_envelope
+from ..tracking.base import nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement
 from .names import PhysicalNames, companion_name
 from .tables import TablesControlStore, TablesTracker, tables_from_connection
 
 if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
-    from ..tracking import MessageQuery, MessageRecord
+    from ..tracking import MessageQuery, MessageRecord, Reopen
     from .delayed import DelayedDispatcher, DelayedMessage, SqlDelayedStore
     from .sql.history import SideStores
 
@@ -416,7 +415,9 @@ class StorageQueueProvider(PhysicalNames):
                 await poison.update_message(msg.id, msg.pop_receipt, visibility_timeout=0)
         return hits
 
-    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
+    async def ops_retry(
+        self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
+    ) -> bool:
         if record.status in ("Failed", "Sleeping"):
             raise InvalidOperation(
                 f"message {record.message_id} is hidden in its queue until {record.not_before}: "
@@ -429,6 +430,7 @@ class StorageQueueProvider(PhysicalNames):
 
         if record.status == "DeadLettered":
             await self._scan_poison(record.queue, lambda text: wanted in text, delete)
+        await reopen()
         await self.put(record.queue, envelope, timedelta(0), now)
         self._wake(record.queue)
         return True
@@ -477,7 +479,7 @@ class StorageQueueProvider(PhysicalNames):
         await self._put_physical(await self._ensure(item.destination), env, timedelta(0), now)
 
     async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
-        from .delayed import FORWARD_FAILED
+        from .delayed import FORWARD_FAILED, forward_failed_record
 
         now = utcnow()
         env = Envelope.decode(item.envelope)
@@ -487,17 +489,7 @@ class StorageQueueProvider(PhysicalNames):
         poison = await self._ensure(f"{item.destination}{POISON_SUFFIX}")
         with _boundary(f"dead-lettering to {poison.queue_name}"):
             await poison.send_message(encode_body(marked.encode_text()), time_to_live=-1)
-        await self._tracker.upsert(
-            [
-                record_from_envelope(
-                    env,
-                    MessageStatus.DEAD_LETTERED.value,
-                    now,
-                    reason=FORWARD_FAILED,
-                    description=description,
-                )
-            ]
-        )
+        await self._tracker.upsert([forward_failed_record(env, description, now)])
 
     # -- upkeep ------------------------------------------------------------------------------------
     maintenance_interval = 300.0

@@ -137,7 +137,23 @@ async def _cas_backoff(attempt: int) -> None:
     await asyncio.sleep(random.uniform(0, min(0.25, 0.005 * 2**attempt)))  # noqa: S311 - not crypto
 
 
-class TablesControlStore:
+class _OnTable:
+    """An async context over one ``_Table``: leaving it (or ``aclose``) closes the table's client."""
+
+    _table: _Table
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        with _boundary("close"):
+            await self._table.close()
+
+
+class TablesControlStore(_OnTable):
     """Pause flags and per-type circuits in one table, updated with ETag-guarded read-modify-write.
 
     Entities: ``("pause", "queue:<name>")`` / ``("pause", "type:<name>")`` exist while paused;
@@ -153,16 +169,6 @@ class TablesControlStore:
         # Coroutines of one instance take turns per type, so only other instances compete on the ETag
         # (a failing dependency makes every concurrent handler record a failure at the same moment).
         self._locks: dict[str, asyncio.Lock] = {}
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        with _boundary("close"):
-            await self._table.close()
 
     async def state(self) -> ControlState:
         queues: set[str] = set()
@@ -638,7 +644,7 @@ def _batches(entities: Sequence[dict[str, Any]]) -> Iterator[list[dict[str, Any]
 _WRITTEN_MEMORY = 100_000
 
 
-class TablesTracker:
+class TablesTracker(_OnTable):
     """Message history, one entity per message, bounded by :meth:`prune`.
 
     Layout:
@@ -669,16 +675,6 @@ class TablesTracker:
         self._table = _Table(table_client, create_table, close_also)
         #: messages this instance has written with their body and index entity (bounded, LRU)
         self._written: OrderedDict[UUID, None] = OrderedDict()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        with _boundary("close"):
-            await self._table.close()
 
     async def upsert(self, records: Sequence[MessageRecord]) -> None:
         # Fold repeats of one message in this call (a transaction may not touch an entity twice),
@@ -718,6 +714,9 @@ class TablesTracker:
                 self._written.move_to_end(r.message_id)
         while len(self._written) > _WRITTEN_MEMORY:
             self._written.popitem(last=False)
+
+    async def reopen(self, record: MessageRecord) -> None:
+        await self.upsert([record])  # MERGE: nothing here refuses to overwrite
 
     @staticmethod
     async def _write(client: TableClient, batch: list[dict[str, Any]], mode: UpdateMode) -> None:

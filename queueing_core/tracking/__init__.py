@@ -1,6 +1,23 @@
 """Message history (SPEC D3): what happened to each message, for the ops API."""
 
-from .base import MessageQuery, MessageRecord, Page, Tracker, record_from_envelope
+from .base import (
+    MessageQuery,
+    MessageRecord,
+    Page,
+    Reopen,
+    Tracker,
+    nothing_to_reopen,
+    record_from_envelope,
+)
 from .memory import MemoryTracker
 
-__all__ = ["MemoryTracker", "MessageQuery", "MessageRecord", "Page", "Tracker", "record_from_envelope"]
+__all__ = [
+    "MemoryTracker",
+    "MessageQuery",
+    "MessageRecord",
+    "Page",
+    "Reopen",
+    "Tracker",
+    "nothing_to_reopen",
+    "record_from_envelope",
+]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
@@ -89,6 +89,20 @@ class Tracker(Protocol):
         ...
 
     async def delete(self, query: MessageQuery) -> int: ...
+
+    async def reopen(self, record: MessageRecord) -> None:
+        """Write ``record`` whatever the stored status says (an operator's retry of a finished
+        message); a plain upsert may refuse to overwrite a finished message."""
+        ...
+
+
+#: Writes an operator's retry into the history. A provider's ``ops_retry`` calls it after its last
+#: refusal and before the message can run, so the outcome of the new run is never overwritten.
+Reopen = Callable[[], Awaitable[None]]
+
+
+async def nothing_to_reopen() -> None:
+    """The ``Reopen`` of providers whose own statement records the retry (the SQL provider)."""
 
 
 def record_from_envelope(envelope: Envelope, status: str, now: datetime, **fields: Any) -> MessageRecord:

@@ -29,6 +29,9 @@ class MemoryTracker:
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
+    async def reopen(self, record: MessageRecord) -> None:
+        await self.upsert([record])  # nothing here refuses to overwrite
+
     async def get(self, message_id: UUID) -> MessageRecord | None:
         return self._items.get(message_id)
 

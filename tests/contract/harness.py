@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import httpx
+
 from queueing_core import QueueingApp, QueueNaming
+from queueing_core.ops import OpsService
+from queueing_core.ops.api import PREFIX, create_app
 from queueing_core.runtime import Runtime
 from queueing_core.tracking import MessageQuery, MessageRecord
 from queueing_core.transport import Provider
@@ -64,6 +68,19 @@ async def running(runtime: Runtime, **kw: Any) -> AsyncIterator[Worker]:
         yield worker
     finally:
         await worker.shutdown()
+
+
+OPS_KEY = "test-key-not-a-secret"
+
+
+@contextlib.asynccontextmanager
+async def ops_client(runtime: Runtime, key: str = OPS_KEY) -> AsyncIterator[httpx.AsyncClient]:
+    """The ops API over ASGI with its key: what an operator's HTTP calls reach."""
+    api = create_app(OpsService(runtime), api_key=key)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://t" + PREFIX, headers={"X-API-Key": key}
+    ) as client:
+        yield client
 
 
 async def wait_until(

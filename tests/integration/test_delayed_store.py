@@ -238,6 +238,26 @@ async def test_repeated_forward_failures_move_the_message_to_the_error_queue(db)
     assert FORWARD_FAILED == "delayed-forward-failed"
 
 
+async def test_a_stop_during_a_forward_finishes_the_batch_so_nothing_is_sent_twice(db):
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    sent = asyncio.Event()
+
+    class SlowAck(Target):
+        async def forward_delayed(self, item: DelayedMessage) -> None:
+            await super().forward_delayed(item)
+            sent.set()
+            await asyncio.sleep(0.2)  # the broker has it; its confirm is still on the way
+
+    target = SlowAck()
+    dispatcher = DelayedDispatcher(store, target, max_idle=60)
+    async with dispatching(dispatcher):
+        await store.store(envelope(), "q", utcnow())
+        await asyncio.wait_for(sent.wait(), timeout=5)
+    # the stop waited for the confirm and the removal: a restart will not forward it again
+    assert len(target.forwarded) == 1
+    assert await store.next_due() is None
+
+
 async def test_an_unreachable_destination_does_not_use_up_the_messages_retries(db):
     store = db.stores().delayed_store(Transport.RABBITMQ)
     outage = {"left": 5}

@@ -14,7 +14,6 @@ import uuid
 from datetime import timedelta
 
 import aio_pika
-import httpx
 import pytest
 
 from queueing_core import (
@@ -23,22 +22,19 @@ from queueing_core import (
     QueueingApp,
     QueueMessage,
     QueueNaming,
+    Retry,
     RetryPolicy,
     queue,
 )
 from queueing_core.envelope import DESCRIPTION, REASON
 from queueing_core.errors import ProviderError, ProviderUnavailable
-from queueing_core.ops import OpsService
-from queueing_core.ops.api import PREFIX, create_app
 from queueing_core.providers.rabbitmq import ATTEMPT, RabbitMQProvider
 from queueing_core.providers.sql.history import SideStores, malformed_id
 from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings
 from queueing_core.tracking import MessageQuery
-from tests.contract.harness import all_have, running, wait_until
+from tests.contract.harness import all_have, ops_client, running, wait_until
 from tests.services import RABBITMQ_URL, require
-
-KEY = "test-key-not-a-secret"
 
 
 @pytest.fixture(autouse=True)
@@ -49,11 +45,11 @@ def _broker():
 @queue("Billing.Invoice", max_attempts=3, retry=RetryPolicy(base=timedelta(milliseconds=50), jitter=0))
 class Invoice(QueueMessage):
     n: int
-    mode: str = "ok"  # ok | fatal | slow
+    mode: str = "ok"  # ok | fatal | slow | later (asks for a retry in an hour while downstream says so)
 
 
 #: the downstream's state: tests "fix" it to show a retried dead letter succeeding
-downstream = {"declines": True, "slow": 0.05}
+downstream = {"declines": True, "slow": 0.05, "later": True}
 
 
 def make(tmp_path, *, concurrency: int = 4, stores: SideStores | None = None, **provider_kw):
@@ -61,6 +57,7 @@ def make(tmp_path, *, concurrency: int = 4, stores: SideStores | None = None, **
     app = QueueingApp("rmq", naming=QueueNaming(prefix=prefix))
     calls: list[tuple[int, int]] = []
     downstream["declines"] = True
+    downstream["later"] = True
 
     @app.handler(max_concurrency=concurrency)
     async def handle(msg: Invoice, ctx) -> None:
@@ -69,6 +66,8 @@ def make(tmp_path, *, concurrency: int = 4, stores: SideStores | None = None, **
             raise NonRetryableError(f"invoice {msg.n} declined")
         if msg.mode == "slow":
             await asyncio.sleep(downstream["slow"])
+        if msg.mode == "later" and downstream["later"]:
+            raise Retry(after=timedelta(hours=1))
 
     opts = {"idle_timeout": 0.5, "reconnect_interval": 0.5, **provider_kw}
     stores = stores or SideStores(f"sqlite:///{tmp_path}/{prefix}side.db")
@@ -236,10 +235,7 @@ async def test_a_delay_waits_in_the_delayed_store_then_arrives(tmp_path):
 async def test_ops_retry_from_the_dead_letter_queue_and_purge_over_http(tmp_path):
     app, rt, _calls = make(tmp_path)
     await rt.open()
-    api = create_app(OpsService(rt), api_key=KEY)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=api), base_url="http://t" + PREFIX, headers={"X-API-Key": KEY}
-    ) as client:
+    async with ops_client(rt) as client:
         bad = await app.enqueue(Invoice(n=1, mode="fatal"))
         async with running(rt):
             await wait_until(lambda: all_have(rt, [bad.message_id], MessageStatus.DEAD_LETTERED), what="dl")
@@ -275,6 +271,31 @@ async def test_ops_retry_from_the_dead_letter_queue_and_purge_over_http(tmp_path
         assert await rt.provider.depth(physical(rt)) == 0
         assert await rt.provider.delayed.counts() == {}
         assert (await rt.tracker.query(MessageQuery(queue="Billing.Invoice"))).items == []
+    await rt.close()
+
+
+async def test_ops_retry_runs_a_message_waiting_in_the_delayed_store_now(tmp_path):
+    app, rt, calls = make(tmp_path)
+    await rt.open()
+    async with ops_client(rt) as client:
+        first, second = await app.enqueue_many([Invoice(n=7, mode="later"), Invoice(n=8, mode="later")])
+        ids = [first.message_id, second.message_id]
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, ids, MessageStatus.FAILED), what="backoff")
+        assert await rt.provider.delayed.counts() == {physical(rt): 2}  # an hour away, in the store
+
+        downstream["later"] = False
+        assert (await client.post(f"/messages/{first.message_id}/retry")).status_code == 200
+        assert await rt.provider.delayed.counts() == {physical(rt): 1}  # taken from the store, published
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, ids[:1], MessageStatus.SUCCEEDED), what="run now")
+        assert sorted(calls) == [(7, 1), (7, 1), (8, 1)]  # an operator's retry starts attempts afresh
+
+        # the dispatcher has just taken the other one (it runs shortly): nothing left to bring forward
+        assert await rt.provider.delayed.take_message(second.message_id)
+        resp = await client.post(f"/messages/{second.message_id}/retry")
+        assert resp.status_code == 409
+        assert "cannot be brought forward" in resp.json()["detail"]
     await rt.close()
 
 

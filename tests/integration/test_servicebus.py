@@ -7,7 +7,6 @@ import asyncio
 import logging
 from datetime import timedelta
 
-import httpx
 import pytest
 from azure.servicebus import ServiceBusMessage, ServiceBusSubQueue
 
@@ -23,11 +22,9 @@ from queueing_core import (
 from queueing_core.connections import ServiceBusConnection
 from queueing_core.errors import ConfigurationError
 from queueing_core.fakes.servicebus import FakeClock, FakeServiceBusNamespace
-from queueing_core.ops import OpsService
-from queueing_core.ops.api import PREFIX, create_app
 from queueing_core.testing import in_memory_servicebus
 from queueing_core.tracking import MessageQuery
-from tests.contract.harness import all_have, running, wait_until
+from tests.contract.harness import all_have, ops_client, running, wait_until
 
 
 @queue(
@@ -190,10 +187,7 @@ async def test_an_oversize_message_is_refused_before_any_send():
 
 async def test_ops_native_counts_and_the_dead_letter_queue():
     app, rt, ns, calls = make()
-    api = create_app(OpsService(rt), api_key="k")
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=api), base_url="http://t" + PREFIX, headers={"X-API-Key": "k"}
-    ) as client:
+    async with ops_client(rt) as client:
         dead = await app.enqueue(Capture(amount=5, mode="fatal"))
         await app.enqueue(Capture(amount=6), delay=timedelta(hours=1))
         async with running(rt):

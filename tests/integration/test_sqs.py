@@ -12,7 +12,6 @@ from datetime import timedelta
 from typing import Any
 
 import boto3
-import httpx
 import pytest
 from botocore.config import Config
 
@@ -22,22 +21,19 @@ from queueing_core import (
     QueueingApp,
     QueueMessage,
     QueueNaming,
+    Retry,
     RetryPolicy,
     queue,
 )
 from queueing_core.clock import utcnow
 from queueing_core.errors import ProviderUnavailable
-from queueing_core.ops import OpsService
-from queueing_core.ops.api import PREFIX, create_app
 from queueing_core.providers.delayed import FORWARD_FAILED
 from queueing_core.providers.sql.history import SideStores, malformed_id
 from queueing_core.providers.sqs import DESCRIPTION, MESSAGE_ID, REASON, SqsProvider
 from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings
-from tests.contract.harness import all_have, running, wait_until
+from tests.contract.harness import all_have, ops_client, running, wait_until
 from tests.contract.harness_sqs import moto_endpoint, sqs_client
-
-KEY = "test-key-not-a-secret"
 
 
 @queue(
@@ -49,7 +45,7 @@ KEY = "test-key-not-a-secret"
 )
 class Invoice(QueueMessage):
     n: int
-    mode: str = "ok"  # ok | fatal | slow
+    mode: str = "ok"  # ok | fatal | slow | later (asks for a retry after downstream["later"], if set)
 
 
 @queue("Billing.Quick", max_attempts=3, lease_duration=timedelta(seconds=1))
@@ -57,7 +53,7 @@ class QuickLease(Invoice):
     """The same work with a one-second lease (visibility timeout)."""
 
 
-downstream = {"declines": True}
+downstream: dict[str, Any] = {"declines": True, "later": None}
 
 
 class Recording:
@@ -84,6 +80,7 @@ def make(tmp_path, *, clock=utcnow, quick: bool = False, **provider_kw):
     app = QueueingApp("sqs", naming=QueueNaming(prefix=prefix))
     calls: list[tuple[int, int]] = []
     downstream["declines"] = True
+    downstream["later"] = None
 
     async def handle(msg: Invoice, ctx) -> None:
         calls.append((msg.n, ctx.attempt))
@@ -91,6 +88,8 @@ def make(tmp_path, *, clock=utcnow, quick: bool = False, **provider_kw):
             raise NonRetryableError(f"invoice {msg.n} declined")
         if msg.mode == "slow":
             await asyncio.sleep(2.5)
+        if msg.mode == "later" and downstream["later"] is not None:
+            raise Retry(after=downstream["later"])
 
     app.handler(QuickLease if quick else Invoice, max_concurrency=4)(handle)
 
@@ -280,10 +279,7 @@ async def test_a_forward_that_keeps_failing_lands_in_the_dlq_with_the_reason(tmp
 async def test_ops_retry_from_the_dlq_and_purge_over_http(tmp_path):
     app, rt, _ = make(tmp_path)
     await rt.open()
-    api = create_app(OpsService(rt), api_key=KEY)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=api), base_url="http://t" + PREFIX, headers={"X-API-Key": KEY}
-    ) as client:
+    async with ops_client(rt) as client:
         bad = await app.enqueue(Invoice(n=1, mode="fatal"))
         async with running(rt):
             await wait_until(lambda: all_have(rt, [bad.message_id], MessageStatus.DEAD_LETTERED), what="dl")
@@ -314,6 +310,34 @@ async def test_ops_retry_from_the_dlq_and_purge_over_http(tmp_path):
         assert purged["deleted"] == 5
         assert (await depth(rt))["ready"] == 0
         assert await rt.provider.delayed.counts() == {}
+    await rt.close()
+
+
+async def test_ops_retry_brings_a_stored_delay_forward_but_not_an_sqs_delay(tmp_path):
+    app, rt, calls = make(tmp_path)
+    await rt.open()
+    async with ops_client(rt) as client:
+        downstream["later"] = timedelta(hours=1)  # beyond SQS's 15 minutes: the delayed store
+        stored = await app.enqueue(Invoice(n=1, mode="later"))
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, [stored.message_id], MessageStatus.FAILED), what="stored")
+        downstream["later"] = timedelta(minutes=5)  # within them: SQS's own DelaySeconds
+        native = await app.enqueue(Invoice(n=2, mode="later"))
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, [native.message_id], MessageStatus.FAILED), what="native")
+        assert await rt.provider.delayed.counts() == {physical(rt): 1}
+        assert (await depth(rt))["delayed"] == 1
+
+        downstream["later"] = None
+        assert (await client.post(f"/messages/{stored.message_id}/retry")).status_code == 200
+        assert await rt.provider.delayed.counts() == {}
+        resp = await client.post(f"/messages/{native.message_id}/retry")
+        assert resp.status_code == 409
+        assert "SQS's own delay" in resp.json()["detail"]
+        async with running(rt):
+            await wait_until(lambda: all_have(rt, [stored.message_id], MessageStatus.SUCCEEDED), what="now")
+        assert (await rt.tracker.get(native.message_id)).status == MessageStatus.FAILED  # still waiting
+        assert calls == [(1, 1), (2, 1), (1, 1)]
     await rt.close()
 
 

@@ -10,7 +10,6 @@ import logging
 import uuid
 from datetime import timedelta
 
-import httpx
 import pytest
 from azure.storage.queue import TextBase64DecodePolicy, TextBase64EncodePolicy
 from azure.storage.queue.aio import QueueClient
@@ -18,17 +17,13 @@ from azure.storage.queue.aio import QueueClient
 from queueing_core import MessageStatus, NonRetryableError, QueueingApp, QueueMessage, queue
 from queueing_core.envelope import DESCRIPTION, REASON
 from queueing_core.errors import ConfigurationError
-from queueing_core.ops import OpsService
-from queueing_core.ops.api import PREFIX, create_app
 from queueing_core.providers.storage_queue import (
     StorageConnection,
     StorageQueueProvider,
     decode_body,
 )
 from queueing_core.runtime import Runtime
-from tests.contract.harness import all_have, running, wait_until
-
-KEY = "k"
+from tests.contract.harness import all_have, ops_client, running, wait_until
 
 
 @queue("Billing.Invoice_Ready", max_attempts=2)
@@ -208,10 +203,7 @@ async def test_pause_is_shared_by_every_instance_and_ops_work_through_the_tracke
     rt2 = Runtime(app, provider(azurite, names), control_ttl=0.1)  # another host / Functions instance
     await rt1.open()
     await rt2.open()
-    api = create_app(OpsService(rt1), api_key=KEY)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=api), base_url="http://t" + PREFIX, headers={"X-API-Key": KEY}
-    ) as client:
+    async with ops_client(rt1) as client:
         assert (await client.post("/queues/Billing.Invoice_Ready/pause")).json()["paused"] is True
         good = await app.enqueue(InvoiceReady(invoice="held"))
         bad = await app.enqueue(InvoiceReady(invoice="void", fail=True))

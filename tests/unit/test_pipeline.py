@@ -22,6 +22,7 @@ from queueing_core import (
     queue,
 )
 from queueing_core.control import MemoryControlStore
+from queueing_core.decisions import dead_letter_of, due_at
 from queueing_core.pipeline import Pipeline
 from queueing_core.producer import Producer
 from queueing_core.transport import Capabilities, Delivery
@@ -358,3 +359,16 @@ async def test_a_deliberate_refusal_does_not_trip_the_breaker():
     d = await pipe.process(delivery(prod, Refusal()))
     assert isinstance(d, DeadLetter)
     assert (await control.state()).circuit("Refusal").state == "closed"
+
+
+def test_what_a_transport_needs_to_settle_a_decision_by_sending_a_copy():
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    later = now + timedelta(hours=2)
+    assert due_at(RetryAfter(timedelta(seconds=30), "boom"), now) == now + timedelta(seconds=30)
+    assert due_at(Defer(later, MessageStatus.PAUSED, "paused"), now) == later
+    assert due_at(Release("shutdown"), now) is None
+    assert dead_letter_of(Expire(now)) == (DeadLetterReason.EXPIRED, f"expired at {now.isoformat()}")
+    assert dead_letter_of(DeadLetter(DeadLetterReason.NON_RETRYABLE, "declined")) == (
+        DeadLetterReason.NON_RETRYABLE,
+        "declined",
+    )

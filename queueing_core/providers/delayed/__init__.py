@@ -1,7 +1,7 @@
 """The delayed-message store (SPEC C7, seed 004) for transports whose native delay is too short."""
 
 from .breaker import CircuitBreaker
-from .dispatcher import FORWARD_FAILED, DelayedDispatcher, DelayedTarget
+from .dispatcher import FORWARD_FAILED, DelayedDispatcher, DelayedTarget, forward_failed_record
 from .store import DelayedMessage, SqlDelayedStore
 
 __all__ = [
@@ -11,4 +11,5 @@ __all__ = [
     "DelayedMessage",
     "DelayedTarget",
     "SqlDelayedStore",
+    "forward_failed_record",
 ]

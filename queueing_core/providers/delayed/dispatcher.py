@@ -22,11 +22,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
 from ...clock import Clock, utcnow
+from ...envelope import Envelope
 from ...errors import ProviderUnavailable
+from ...messages import MessageStatus
+from ...tracking import MessageRecord, record_from_envelope
 from .breaker import CircuitBreaker, first_line
 from .store import DelayedMessage, SqlDelayedStore
 
@@ -34,6 +37,13 @@ log = logging.getLogger("queueing.delayed")
 
 #: the dead-letter reason of a message whose forwards kept failing
 FORWARD_FAILED = "delayed-forward-failed"
+
+
+def forward_failed_record(env: Envelope, description: str, now: datetime) -> MessageRecord:
+    """The history of a delayed message the dispatcher gave up on (the transport records it)."""
+    return record_from_envelope(
+        env, MessageStatus.DEAD_LETTERED.value, now, reason=FORWARD_FAILED, description=description
+    )
 
 
 @runtime_checkable
@@ -62,6 +72,7 @@ class DelayedDispatcher:
         open_backoff: float = 10.0,
         listen: bool = True,
         clock: Clock = utcnow,
+        stop_grace: float = 10.0,
     ) -> None:
         self.store = store
         self.target = target
@@ -72,6 +83,7 @@ class DelayedDispatcher:
         self.max_idle = max_idle if max_idle is not None else (30.0 if store.is_postgres else 5.0)
         self.listen = listen
         self.clock = clock
+        self.stop_grace = stop_grace  # how long a stop waits for the batch in hand
         self.fetch_breaker = CircuitBreaker(
             "delayed store (fetch)", time_to_trigger_fetch, open_backoff=open_backoff
         )
@@ -92,6 +104,17 @@ class DelayedDispatcher:
         items = await self.store.fetch_due(self.clock(), limit=self.batch)
         if not items:
             return 0
+        batch = asyncio.ensure_future(self._settle(items))
+        try:
+            await asyncio.shield(batch)
+        except asyncio.CancelledError:
+            # stopping between a forward and its removal would leave the message to be sent twice
+            await asyncio.wait([batch], timeout=self.stop_grace)
+            raise
+        return len(items)
+
+    async def _settle(self, items: list[DelayedMessage]) -> None:
+        """Forward (or dead-letter) each item, then remove those that left the store's care."""
         results = await asyncio.gather(*(self._forward(i) for i in items), return_exceptions=True)
         done = [i.id for i, ok in zip(items, results, strict=True) if ok is True]
         for r in results:
@@ -102,7 +125,6 @@ class DelayedDispatcher:
             if removed != len(done):
                 # its lease lapsed and another dispatcher took it too: a duplicate, not a loss
                 log.warning("%d forwarded delayed message(s) were already gone", len(done) - removed)
-        return len(items)
 
     async def _forward(self, item: DelayedMessage) -> bool:
         """True when the message left the store's care (forwarded or dead-lettered)."""

@@ -32,7 +32,7 @@ from ...errors import ConfigurationError, NotConfigured, ProviderUnavailable
 from ...messages import MessageStatus
 from ...naming import Transport
 from ...runtime import default_worker_id, jsonable
-from ...tracking import MessageQuery, MessageRecord
+from ...tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen
 from ...transport import Capabilities, Delivery, Settlement
 from . import ops as sql_ops
 from .control import SqlControlStore
@@ -439,8 +439,10 @@ class SqlProvider:
         return lost
 
     # -- ops actions (the ops service decides; these carry out, guarded by the state it saw) ---------
-    async def ops_retry(self, record: MessageRecord, envelope: Envelope, now: datetime) -> bool:
-        await self.ensure_open()
+    async def ops_retry(
+        self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
+    ) -> bool:
+        await self.ensure_open()  # the retry statement reopens the row: nothing else to record
         return await sql_ops.retry(self, record, envelope, now)
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:

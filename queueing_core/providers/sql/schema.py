@@ -11,6 +11,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
@@ -45,11 +46,15 @@ def claimable() -> sa.TextClause:
     return sa.text(CLAIMABLE_SQL)
 
 
-def build_metadata(schema: str | None = None) -> sa.MetaData:
-    md = sa.MetaData(schema=schema)
-    sa.Table(
-        "queueing_messages",
-        md,
+def partial_index(name: str, *columns: str, where: str | sa.TextClause) -> sa.Index:
+    """An index over the rows ``where`` matches, with the same predicate on PostgreSQL and SQLite."""
+    clause = sa.text(where) if isinstance(where, str) else where
+    return sa.Index(name, *columns, postgresql_where=clause, sqlite_where=clause)
+
+
+def message_columns() -> list[sa.Column[Any]]:
+    """The leading columns of one message's row: in the SQL provider's messages and in the history."""
+    return [
         sa.Column(
             "id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True
         ),
@@ -63,6 +68,15 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("created_at", Timestamp, nullable=False),
         sa.Column("updated_at", Timestamp, nullable=False),
         sa.Column("not_before", Timestamp),
+    ]
+
+
+def build_metadata(schema: str | None = None) -> sa.MetaData:
+    md = sa.MetaData(schema=schema)
+    sa.Table(
+        "queueing_messages",
+        md,
+        *message_columns(),
         # when the message may next be claimed: not_before, a retry time, a deferral, or creation
         sa.Column("available_at", Timestamp, nullable=False),
         sa.Column("expires_at", Timestamp),
@@ -79,62 +93,33 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("archived", sa.Boolean(), nullable=False, server_default=sa.false()),
         sa.Column("archived_at", Timestamp),
         # the claim: queue + due time, only over claimable, unarchived rows (a small partial index)
-        sa.Index(
-            "ix_queueing_messages_claim",
-            "queue",
-            "available_at",
-            "id",
-            postgresql_where=claimable(),
-            sqlite_where=claimable(),
-        ),
+        partial_index("ix_queueing_messages_claim", "queue", "available_at", "id", where=claimable()),
         # the lease sweeper: only leased rows
-        sa.Index(
-            "ix_queueing_messages_leased",
-            "locked_until",
-            postgresql_where=sa.text("status = 'Leased'"),
-            sqlite_where=sa.text("status = 'Leased'"),
-        ),
+        partial_index("ix_queueing_messages_leased", "locked_until", where="status = 'Leased'"),
         # Ops listings, newest first. Every status change is a non-HOT update that re-inserts the row
         # into each index whose predicate it matches, so the listing indexes leave out Succeeded (the
         # bulk of the table): settling a success touches few indexes, and a page of Succeeded rows is
         # found quickly through ix_..._created anyway.
-        sa.Index(
-            "ix_queueing_messages_status",
-            "status",
-            "created_at",
-            "id",
-            postgresql_where=sa.text("status <> 'Succeeded'"),
-            sqlite_where=sa.text("status <> 'Succeeded'"),
+        partial_index(
+            "ix_queueing_messages_status", "status", "created_at", "id", where="status <> 'Succeeded'"
         ),
-        sa.Index(
+        partial_index(
             "ix_queueing_messages_queue_status",
             "queue",
             "status",
             "created_at",
             "id",
-            postgresql_where=sa.text("status <> 'Succeeded'"),
-            sqlite_where=sa.text("status <> 'Succeeded'"),
+            where="status <> 'Succeeded'",
         ),
         sa.Index("ix_queueing_messages_created", "created_at", "id"),
-        sa.Index(
-            "ix_queueing_messages_correlation",
-            "correlation_id",
-            postgresql_where=sa.text("correlation_id IS NOT NULL"),
-            sqlite_where=sa.text("correlation_id IS NOT NULL"),
+        partial_index(
+            "ix_queueing_messages_correlation", "correlation_id", where="correlation_id IS NOT NULL"
         ),
         # retention: settled, not yet archived / archived
-        sa.Index(
-            "ix_queueing_messages_settled",
-            "settled_at",
-            postgresql_where=sa.text("settled_at IS NOT NULL AND NOT archived"),
-            sqlite_where=sa.text("settled_at IS NOT NULL AND NOT archived"),
+        partial_index(
+            "ix_queueing_messages_settled", "settled_at", where="settled_at IS NOT NULL AND NOT archived"
         ),
-        sa.Index(
-            "ix_queueing_messages_archived",
-            "archived_at",
-            postgresql_where=sa.text("archived"),
-            sqlite_where=sa.text("archived"),
-        ),
+        partial_index("ix_queueing_messages_archived", "archived_at", where="archived"),
     )
     sa.Table(
         "queueing_pauses",
@@ -168,19 +153,7 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
     sa.Table(
         "queueing_history",
         md,
-        sa.Column(
-            "id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True
-        ),
-        sa.Column("message_id", sa.Uuid(), nullable=False, unique=True),
-        sa.Column("tracking_id", sa.Uuid(), nullable=False),
-        sa.Column("queue", sa.String(200), nullable=False),
-        sa.Column("type", sa.String(256), nullable=False),
-        sa.Column("status", sa.String(64), nullable=False),
-        sa.Column("attempt", sa.Integer(), nullable=False, server_default="0"),
-        sa.Column("correlation_id", sa.String(256)),
-        sa.Column("created_at", Timestamp, nullable=False),
-        sa.Column("updated_at", Timestamp, nullable=False),
-        sa.Column("not_before", Timestamp),
+        *message_columns(),
         sa.Column("expires_at", Timestamp),
         sa.Column("locked_by", sa.String(128)),
         sa.Column("locked_until", Timestamp),
@@ -200,13 +173,7 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Index("ix_queueing_history_status", "status", "created_at", "id"),
         sa.Index("ix_queueing_history_queue_status", "queue", "status", "created_at", "id"),
         # counts per (queue, status) of unarchived records: an index-only scan
-        sa.Index(
-            "ix_queueing_history_counts",
-            "queue",
-            "status",
-            postgresql_where=sa.text("NOT archived"),
-            sqlite_where=sa.text("NOT archived"),
-        ),
+        partial_index("ix_queueing_history_counts", "queue", "status", where="NOT archived"),
         # retention: finished records by last update
         sa.Index("ix_queueing_history_updated", "updated_at"),
     )

@@ -114,6 +114,9 @@ class SqlTracker:
     async def upsert(self, records: Sequence[MessageRecord]) -> None:
         """Nothing to do: the provider's own statements write each row's history as they settle it."""
 
+    async def reopen(self, record: MessageRecord) -> None:
+        """Nothing to do: the provider's retry statement reopens the row itself."""
+
     async def get(self, message_id: UUID) -> MessageRecord | None:
         await self.provider.ensure_open()
         async with self.provider.engine.connect() as conn:

@@ -1,0 +1,130 @@
+"""What the brokers without their own history share (RabbitMQ, SQS): pause/circuit state, message
+history and the delayed-message store in the SQL database of ``SideStores``, the dispatcher that
+forwards due messages, and the ops actions that work through those stores.
+
+A provider mixes this in, calls ``_use_stores`` when it is built, and supplies the transport steps:
+``_take_dead_letters`` (remove chosen dead letters), ``_send_now`` (publish an envelope at once) and
+``_purge_whole`` (empty a queue and its dead-letter queue), each given the logical queue name, and
+the dispatcher's two (``forward_delayed``, ``dead_letter_delayed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidOperation
+from ..messages import MessageStatus
+from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen
+from .names import PhysicalNames
+
+if TYPE_CHECKING:
+    from ..app import QueueingApp
+    from ..clock import Clock
+    from ..control.base import ControlStore
+    from ..envelope import Envelope
+    from .delayed import DelayedDispatcher, DelayedMessage, SqlDelayedStore
+    from .sql.history import SideStores, SqlHistoryTracker
+
+DEAD_STATES = (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value)
+#: states whose message waits in the delayed store (or in the broker's own delay)
+LATER_STATES = (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value)
+
+
+class SideStoreOps(PhysicalNames):
+    stores: SideStores
+    delayed: SqlDelayedStore
+    dispatcher: DelayedDispatcher
+    clock: Clock
+    #: what a retry says about a delayed message that has already left the delayed store
+    left_store_text = "it has already left the delayed store for its queue and runs shortly"
+    #: history pruning needs no hurry
+    maintenance_interval = 300.0
+
+    def _use_stores(
+        self, stores: SideStores, retries: int, clock: Clock, dispatcher_options: dict[str, Any] | None
+    ) -> None:
+        from .delayed import DelayedDispatcher
+
+        self.stores = stores
+        self.clock = clock
+        self.delayed = stores.delayed_store(self.transport)
+        self.dispatcher = DelayedDispatcher(
+            self.delayed, self, retries=retries, clock=clock, **(dispatcher_options or {})
+        )
+
+    # -- the transport steps -------------------------------------------------------------------------
+    async def _take_dead_letters(self, queue: str, wanted: set[str]) -> int:
+        raise NotImplementedError
+
+    async def _send_now(self, queue: str, envelope: Envelope) -> None:
+        raise NotImplementedError
+
+    async def _purge_whole(self, queue: str) -> None:
+        raise NotImplementedError
+
+    async def forward_delayed(self, item: DelayedMessage) -> None:
+        """Send a due message from the delayed store to its queue (the dispatcher calls this)."""
+        raise NotImplementedError
+
+    async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
+        """Dead-letter a delayed message the dispatcher could not forward."""
+        raise NotImplementedError
+
+    # -- wiring --------------------------------------------------------------------------------------
+    def control_store(self) -> ControlStore:
+        return self.stores.control
+
+    def tracker(self) -> SqlHistoryTracker:
+        return self.stores.history
+
+    def background_tasks(self) -> list[Any]:
+        return [self.dispatcher.run]
+
+    async def dispatch_due(self, budget_seconds: float) -> int:
+        """Forward the due delayed messages within ``budget_seconds`` (for a Functions timer)."""
+        return await self.dispatcher.dispatch_due(budget_seconds)
+
+    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
+        return {"history_pruned": await self.stores.history.prune(self.clock())}
+
+    # -- ops -----------------------------------------------------------------------------------------
+    async def ops_retry(
+        self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
+    ) -> bool:
+        if record.status in LATER_STATES:
+            if not await self.delayed.take_message(record.message_id):
+                raise InvalidOperation(
+                    f"message {record.message_id} cannot be brought forward: {self.left_store_text}"
+                )
+        elif record.status in DEAD_STATES:
+            await self._take_dead_letters(record.queue, {str(record.message_id)})
+        await reopen()
+        await self._send_now(record.queue, envelope)
+        return True
+
+    async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
+        return True  # a flag in the history; the message itself has left the queue
+
+    async def ops_purge(
+        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
+    ) -> tuple[int, int]:
+        """Dead letters leave the dead-letter queue, delayed ones the delayed store; a purge of a whole
+        queue empties the queue, its dead-letter queue and its delayed messages. A message waiting in a
+        live queue cannot be picked out one by one (neither AMQP nor SQS deletes by id)."""
+        if query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}:
+            await self._purge_whole(query.queue)
+            await self.delayed.purge(self.physical(query.queue))
+            return len(records or ()), 0
+        by_queue: dict[str, list[MessageRecord]] = {}
+        for r in records or ():
+            by_queue.setdefault(r.queue, []).append(r)
+        for queue, recs in by_queue.items():
+            dead = {str(r.message_id) for r in recs if r.status in DEAD_STATES}
+            if dead:
+                await self._take_dead_letters(queue, dead)
+            later = [r.message_id for r in recs if r.status in LATER_STATES]
+            if later:
+                await self.delayed.purge(self.physical(queue), later)
+        return len(records or ()), 0
