@@ -410,7 +410,10 @@ class SqsProvider(SideStoreOps):
         return out
 
     async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
-        return None  # receive already long-polled (up to receive_wait) for work to arrive
+        if not self.receive_wait:
+            # short polling: only the worker's idle back-off spaces the requests (SQS bills each one)
+            await asyncio.sleep(timeout)
+        # otherwise receive already long-polled (up to receive_wait) for work to arrive
 
     async def _prepare(self, s: Settlement) -> None:
         """Everything a settlement needs before its original is deleted (copies, dead letters)."""

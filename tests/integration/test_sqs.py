@@ -180,6 +180,20 @@ async def test_short_delays_use_delay_seconds_and_longer_ones_the_store(tmp_path
     await rt.close()
 
 
+async def test_short_polling_backs_off_when_idle_instead_of_spinning(tmp_path):
+    _app, rt, _calls = make(tmp_path)  # receive_wait=0: SQS answers at once, even when empty
+    await rt.open()
+    client: Recording = rt.provider.client
+    async with running(rt, poll_min=0.05, poll_max=0.2):
+        await asyncio.sleep(0.3)  # started and idle
+        client.calls.clear()
+        await asyncio.sleep(1.0)
+    receives = sum(1 for name, _ in client.calls if name == "receive_message")
+    # one request per back-off step (0.2 s at most once idle): about 5, not hundreds
+    assert 3 <= receives <= 12, receives
+    await rt.close()
+
+
 async def test_enqueue_many_sends_batches_of_ten_and_calls_stay_off_the_event_loop(tmp_path):
     app, rt, _calls = make(tmp_path)
     await rt.open()
