@@ -45,7 +45,7 @@ from ..control.base import CircuitName, CircuitState, ControlState, PauseKind
 from ..errors import ConfigurationError, ProviderError, ProviderUnavailable
 from ..messages import MessageStatus
 from ..options import CircuitBreakerOptions
-from ..tracking.base import MessageQuery, MessageRecord, Page
+from ..tracking.base import MessageQuery, MessageRecord, Page, is_enqueue_record
 
 if TYPE_CHECKING:
     from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
@@ -677,6 +677,9 @@ class TablesTracker(_OnTable):
         self._written: OrderedDict[UUID, None] = OrderedDict()
 
     async def upsert(self, records: Sequence[MessageRecord]) -> None:
+        await self._upsert(records, keep_outcomes=True)
+
+    async def _upsert(self, records: Sequence[MessageRecord], *, keep_outcomes: bool) -> None:
         # Fold repeats of one message in this call (a transaction may not touch an entity twice),
         # with the same rule as a later call: a missing body/raw keeps the earlier one.
         folded: dict[UUID, MessageRecord] = {}
@@ -702,9 +705,16 @@ class TablesTracker(_OnTable):
             for e, r in zip(entities, folded.values(), strict=True)
             if r.message_id not in self._written
         ]
+        # A producer writes its record after the send, so a fast worker's outcome may already be
+        # stored: a first record that only says "sent" is inserted, never merged over it.
+        first = {r.message_id for r in folded.values() if keep_outcomes and is_enqueue_record(r)}
+        new = [e for e, r in zip(entities, folded.values(), strict=True) if r.message_id in first]
+        seen = [e for e, r in zip(entities, folded.values(), strict=True) if r.message_id not in first]
         with _boundary("upsert history"):
             client = await self._table.ready()
-            for batch in _batches(entities):
+            for batch in _batches(new):
+                await self._insert_new(client, batch)
+            for batch in _batches(seen):
                 await self._write(client, batch, UpdateMode.MERGE)
             for batch in _batches(index):
                 await self._write(client, batch, UpdateMode.REPLACE)
@@ -716,7 +726,22 @@ class TablesTracker(_OnTable):
             self._written.popitem(last=False)
 
     async def reopen(self, record: MessageRecord) -> None:
-        await self.upsert([record])  # MERGE: nothing here refuses to overwrite
+        await self._upsert([record], keep_outcomes=False)
+
+    @staticmethod
+    async def _insert_new(client: TableClient, batch: list[dict[str, Any]]) -> None:
+        """Create each entity that does not exist yet; leave the ones that do as they are."""
+        if len(batch) > 1:
+            try:
+                await client.submit_transaction([("create", e) for e in batch])
+                return
+            except (TableTransactionError, ResourceExistsError) as exc:
+                if getattr(exc, "error_code", None) != "EntityAlreadyExists":
+                    raise
+            # rare (a worker beat the producer): one by one, skipping what is there
+        for e in batch:
+            with suppress(ResourceExistsError):
+                await client.create_entity(e)
 
     @staticmethod
     async def _write(client: TableClient, batch: list[dict[str, Any]], mode: UpdateMode) -> None:

@@ -10,6 +10,7 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..envelope import Envelope
+from ..messages import MessageStatus
 
 T = TypeVar("T")
 
@@ -103,6 +104,23 @@ Reopen = Callable[[], Awaitable[None]]
 
 async def nothing_to_reopen() -> None:
     """The ``Reopen`` of providers whose own statement records the retry (the SQL provider)."""
+
+
+#: statuses only processing writes: a producer's record, written after its send, never replaces them
+OUTCOMES: frozenset[str] = frozenset(
+    {*(s.value for s in MessageStatus.terminal()), MessageStatus.FAILED.value}
+)
+
+
+def is_enqueue_record(rec: MessageRecord) -> bool:
+    """A record that says only "it was sent": nothing has happened to the message yet."""
+    return (
+        rec.status not in OUTCOMES
+        and rec.reason is None
+        and rec.last_error is None
+        and rec.result is None
+        and rec.locked_by is None
+    )
 
 
 def record_from_envelope(envelope: Envelope, status: str, now: datetime, **fields: Any) -> MessageRecord:

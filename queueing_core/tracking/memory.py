@@ -6,7 +6,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from uuid import UUID
 
-from .base import MessageQuery, MessageRecord, Page
+from .base import OUTCOMES, MessageQuery, MessageRecord, Page, is_enqueue_record
 
 
 class MemoryTracker:
@@ -17,8 +17,14 @@ class MemoryTracker:
         self._items: OrderedDict[UUID, MessageRecord] = OrderedDict()
 
     async def upsert(self, records: Sequence[MessageRecord]) -> None:
+        self._write(records, keep_outcomes=True)
+
+    def _write(self, records: Sequence[MessageRecord], *, keep_outcomes: bool) -> None:
         for rec in records:
-            old = self._items.pop(rec.message_id, None)
+            old = self._items.get(rec.message_id)
+            if keep_outcomes and old is not None and old.status in OUTCOMES and is_enqueue_record(rec):
+                continue  # the producer's record came after a fast worker's outcome
+            self._items.pop(rec.message_id, None)
             if old is not None:
                 # later events may not carry the body again; keep what we knew
                 if rec.body is None:
@@ -30,7 +36,7 @@ class MemoryTracker:
             self._items.popitem(last=False)
 
     async def reopen(self, record: MessageRecord) -> None:
-        await self.upsert([record])  # nothing here refuses to overwrite
+        self._write([record], keep_outcomes=False)
 
     async def get(self, message_id: UUID) -> MessageRecord | None:
         return self._items.get(message_id)

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 import pytest
 import sqlalchemy as sa
 
+from queueing_core import MessageStatus
 from queueing_core.clock import utcnow
 from queueing_core.envelope import Envelope
 from queueing_core.errors import ProviderError, ProviderUnavailable
@@ -27,6 +28,7 @@ from queueing_core.providers.delayed import (
 )
 from queueing_core.providers.sql import create_engine
 from queueing_core.providers.sql.history import SideStores
+from queueing_core.tracking.base import record_from_envelope
 from tests.contract.harness import wait_until
 from tests.services import POSTGRES_URL, require
 
@@ -348,6 +350,27 @@ async def test_dispatch_due_forwards_what_is_due_within_a_budget(db):
     assert await dispatcher.dispatch_due(5.0) == 5
     assert sorted(Envelope.decode(i.envelope).body["n"] for i, _ in target.forwarded) == [0, 1, 2, 3, 4]
     assert await store.counts() == {"q": 1}
+
+
+async def test_a_late_enqueue_record_does_not_replace_what_a_fast_worker_wrote(db):
+    history = db.stores().history
+    now = utcnow()
+    outcomes = {
+        MessageStatus.SUCCEEDED: {},
+        MessageStatus.DEAD_LETTERED: {"reason": "NonRetryable"},
+        MessageStatus.FAILED: {"last_error": "ValueError: later"},  # waiting for its retry
+    }
+    envs = {status: envelope() for status in outcomes}
+    for status, fields in outcomes.items():
+        await history.upsert([record_from_envelope(envs[status], status, now, **fields)])
+    fresh = envelope()
+    # the producer's records, written after the send: one per message, in one call
+    await history.upsert(
+        [record_from_envelope(e, MessageStatus.PENDING, now) for e in [*envs.values(), fresh]]
+    )
+    for status, env in envs.items():
+        assert (await history.get(env.message_id)).status == status
+    assert (await history.get(fresh.message_id)).status == MessageStatus.PENDING
 
 
 def test_circuit_breaker_semantics_follow_seed_004():

@@ -250,6 +250,26 @@ async def test_upsert_folds_repeats_within_one_call(tracker):
     assert (got.status, got.body) == ("Leased", {"x": 1})
 
 
+async def test_a_late_enqueue_record_keeps_a_fast_workers_outcome(tracker):
+    # the producer writes its record after the send; a worker may have finished the message first
+    done = rec(3, status="Succeeded", attempt=1, result=[1], body={"n": 3})
+    failed = rec(4, status="Failed", attempt=1, last_error="ValueError: later", body={"n": 4})
+    for r in (done, failed):
+        await tracker.upsert([r])
+    sent = [
+        r.model_copy(update={"status": "Pending", "attempt": 0, "result": None, "last_error": None})
+        for r in (done, failed)
+    ]
+    fresh = rec(5, body={"n": 5})
+    await tracker.upsert([*sent, fresh])  # one call: a transaction in which two already exist
+    assert (await tracker.get(done.message_id)).status == "Succeeded"
+    assert (await tracker.get(failed.message_id)).status == "Failed"
+    assert (await tracker.get(fresh.message_id)).body == {"n": 5}
+    # an operator's retry does replace an outcome
+    await tracker.reopen(sent[0])
+    assert (await tracker.get(done.message_id)).status == "Pending"
+
+
 async def test_every_field_round_trips(tracker):
     r = rec(
         2,

@@ -38,6 +38,10 @@ class RecordedTracker(MemoryTracker):
         self.events.extend(f"history {r.status}" for r in records)
         await super().upsert(records)
 
+    async def reopen(self, record: MessageRecord) -> None:
+        self.events.append(f"history {record.status}")
+        await super().reopen(record)
+
 
 async def test_the_retry_is_recorded_before_the_message_is_sent_and_not_after():
     app = QueueingApp("refunds")

@@ -27,7 +27,7 @@ from pydantic_core import to_json
 
 from ...clock import Clock, as_utc, utcnow
 from ...messages import MessageStatus
-from ...tracking.base import MessageRecord
+from ...tracking.base import OUTCOMES, MessageRecord, is_enqueue_record
 from .control import SqlControlStore
 from .provider import SqlProvider
 from .tracker import SqlTracker
@@ -54,18 +54,6 @@ def malformed_id(raw_text: str) -> UUID:
     """The id the history gives a message that is not an envelope (``runtime.history_record``), so a
     transport can mark its dead-letter copy with it and the ops actions find that copy."""
     return uuid5(NAMESPACE_OID, raw_text)
-
-
-def is_enqueue_record(rec: MessageRecord) -> bool:
-    """A record that says only "it was sent": nothing has happened to the message yet."""
-    return (
-        rec.status not in TERMINAL
-        and rec.status != MessageStatus.FAILED.value
-        and rec.reason is None
-        and rec.last_error is None
-        and rec.result is None
-        and rec.locked_by is None
-    )
 
 
 def _fold(records: Sequence[MessageRecord]) -> list[MessageRecord]:
@@ -125,7 +113,7 @@ class SqlHistoryTracker(SqlTracker):
             "archived_at": r.archived_at and as_utc(r.archived_at),
         }
 
-    def _upsert_statement(self, *, guard_terminal: bool) -> Any:
+    def _upsert_statement(self, *, keep_outcomes: bool) -> Any:
         t = self._m
         dialect_insert: Any
         if self.provider.backend == "postgresql":
@@ -140,8 +128,10 @@ class SqlHistoryTracker(SqlTracker):
         changes["body"] = sa.func.coalesce(ex["body"], t.c.body)
         changes["raw"] = sa.func.coalesce(ex["raw"], t.c.raw)
         # the statuses as SQL literals (constants of the kit): an executemany cannot expand a bound list
-        terminal: list[sa.ColumnElement[str]] = [sa.literal_column(f"'{s}'") for s in TERMINAL]
-        where = t.c.status.not_in(terminal) if guard_terminal else None
+        # A producer writes its record after the send, so a fast worker may have written first: an
+        # enqueue record never replaces an outcome (finished, or failed and waiting for its retry).
+        kept: list[sa.ColumnElement[str]] = [sa.literal_column(f"'{s}'") for s in sorted(OUTCOMES)]
+        where = t.c.status.not_in(kept) if keep_outcomes else None
         return stmt.on_conflict_do_update(index_elements=[t.c.message_id], set_=changes, where=where)
 
     async def upsert(self, records: Sequence[MessageRecord]) -> None:
@@ -154,15 +144,15 @@ class SqlHistoryTracker(SqlTracker):
         await self.provider.ensure_open()
         async with self.provider.engine.begin() as conn:
             if plain:
-                await conn.execute(self._upsert_statement(guard_terminal=False), plain)
+                await conn.execute(self._upsert_statement(keep_outcomes=False), plain)
             if fresh:
-                await conn.execute(self._upsert_statement(guard_terminal=True), fresh)
+                await conn.execute(self._upsert_statement(keep_outcomes=True), fresh)
 
     async def reopen(self, record: MessageRecord) -> None:
         """Write ``record`` whatever the stored status (an operator's retry of a finished message)."""
         await self.provider.ensure_open()
         async with self.provider.engine.begin() as conn:
-            await conn.execute(self._upsert_statement(guard_terminal=False), [self._row(record)])
+            await conn.execute(self._upsert_statement(keep_outcomes=False), [self._row(record)])
 
     async def counts(self) -> dict[tuple[str, str], int]:
         """Unarchived records per (queue, status), from the partial counting index."""
