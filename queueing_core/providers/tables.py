@@ -45,7 +45,7 @@ from ..control.base import CircuitName, CircuitState, ControlState, PauseKind
 from ..errors import ConfigurationError, ProviderError, ProviderUnavailable
 from ..messages import MessageStatus
 from ..options import CircuitBreakerOptions
-from ..tracking.base import MessageQuery, MessageRecord, Page, is_enqueue_record
+from ..tracking.base import OUTCOMES, MessageQuery, MessageRecord, Page, is_enqueue_record
 
 if TYPE_CHECKING:
     from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
@@ -728,9 +728,8 @@ class TablesTracker(_OnTable):
     async def reopen(self, record: MessageRecord) -> None:
         await self._upsert([record], keep_outcomes=False)
 
-    @staticmethod
-    async def _insert_new(client: TableClient, batch: list[dict[str, Any]]) -> None:
-        """Create each entity that does not exist yet; leave the ones that do as they are."""
+    async def _insert_new(self, client: TableClient, batch: list[dict[str, Any]]) -> None:
+        """Create each entity; where one exists, merge into it unless it holds an outcome."""
         if len(batch) > 1:
             try:
                 await client.submit_transaction([("create", e) for e in batch])
@@ -738,10 +737,32 @@ class TablesTracker(_OnTable):
             except (TableTransactionError, ResourceExistsError) as exc:
                 if getattr(exc, "error_code", None) != "EntityAlreadyExists":
                     raise
-            # rare (a worker beat the producer): one by one, skipping what is there
+            # rare (a worker beat the producer, or a lease was released): one by one
         for e in batch:
-            with suppress(ResourceExistsError):
+            try:
                 await client.create_entity(e)
+            except ResourceExistsError:
+                await self._merge_unless_outcome(client, e)
+
+    @staticmethod
+    async def _merge_unless_outcome(client: TableClient, e: dict[str, Any]) -> None:
+        for _ in range(5):
+            try:
+                stored = await client.get_entity(e["PartitionKey"], e["RowKey"])
+            except ResourceNotFoundError:
+                return  # deleted meanwhile (a purge): nothing to record against
+            if stored.get("Status") in OUTCOMES:
+                return
+            try:
+                await client.update_entity(
+                    e,
+                    mode=UpdateMode.MERGE,
+                    etag=stored.metadata["etag"],
+                    match_condition=MatchConditions.IfNotModified,
+                )
+                return
+            except ResourceModifiedError:
+                continue  # changed since the read: look again
 
     @staticmethod
     async def _write(client: TableClient, batch: list[dict[str, Any]], mode: UpdateMode) -> None:

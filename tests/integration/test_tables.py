@@ -265,6 +265,11 @@ async def test_a_late_enqueue_record_keeps_a_fast_workers_outcome(tracker):
     assert (await tracker.get(done.message_id)).status == "Succeeded"
     assert (await tracker.get(failed.message_id)).status == "Failed"
     assert (await tracker.get(fresh.message_id)).body == {"n": 5}
+    # a record that is no outcome is still updated: a released lease turns back into Pending
+    leased = rec(6, status="Leased", locked_by="w1", body={"n": 6})
+    await tracker.upsert([leased])
+    await tracker.upsert([leased.model_copy(update={"status": "Pending", "locked_by": None, "body": None})])
+    assert (await tracker.get(leased.message_id)).status == "Pending"
     # an operator's retry does replace an outcome
     await tracker.reopen(sent[0])
     assert (await tracker.get(done.message_id)).status == "Pending"
