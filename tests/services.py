@@ -27,3 +27,15 @@ def require(name: str, host: str, port: int) -> None:
     if os.environ.get("QUEUEING_REQUIRE_SERVICES") == "1":
         pytest.fail(message)
     pytest.skip(message)
+
+
+async def drop_schema(schema: str) -> None:
+    """Remove a test's PostgreSQL schema and everything in it."""
+    import sqlalchemy as sa
+
+    from queueing_core.providers.sql import create_engine
+
+    engine = create_engine(POSTGRES_URL)
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    await engine.dispose()

@@ -186,7 +186,7 @@ def sqlite(tmp_dir: str) -> Harness:
 
 def postgres() -> Harness:
     from queueing_core.providers.sql import SqlProvider
-    from tests.services import POSTGRES_URL, require
+    from tests.services import POSTGRES_URL, drop_schema, require
 
     require("PostgreSQL", "127.0.0.1", 5432)
     schema = f"qt_{uuid.uuid4().hex[:10]}"
@@ -198,16 +198,9 @@ def postgres() -> Harness:
         return prov
 
     async def cleanup() -> None:
-        import sqlalchemy as sa
-
-        from queueing_core.providers.sql import create_engine
-
         for prov in made:
             await prov.close()
-        engine = create_engine(POSTGRES_URL)
-        async with engine.begin() as conn:
-            await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        await engine.dispose()
+        await drop_schema(schema)
 
     return Harness("postgres", make_provider=make, inject_raw=_sql_inject("postgresql"), cleanup=cleanup)
 

@@ -15,7 +15,7 @@ from .harness import Harness
 def make_harness() -> Harness:
     from queueing_core.providers.rabbitmq import RabbitMQProvider
     from queueing_core.providers.sql.history import SideStores
-    from tests.services import POSTGRES_URL, RABBITMQ_URL, require
+    from tests.services import POSTGRES_URL, RABBITMQ_URL, drop_schema, require
 
     require("RabbitMQ", "127.0.0.1", 5672)
     require("PostgreSQL", "127.0.0.1", 5432)
@@ -41,16 +41,9 @@ def make_harness() -> Harness:
         await prov._publish(prov.physical(queue), aio_pika.Message(raw), confirm=True)
 
     async def cleanup() -> None:
-        import sqlalchemy as sa
-
-        from queueing_core.providers.sql import create_engine
-
         for prov in made:
             await prov.close()
-        engine = create_engine(POSTGRES_URL)
-        async with engine.begin() as conn:
-            await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        await engine.dispose()
+        await drop_schema(schema)
 
     # retries are republished copies: no order promise
     return Harness("rabbitmq", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)

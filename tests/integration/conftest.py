@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 import sqlalchemy as sa
 
-from queueing_core.providers.sql import SqlProvider, create_engine
+from queueing_core.providers.sql import SqlProvider
 from queueing_core.providers.sql.engine import sync_url
-from tests.services import POSTGRES_URL, require
+from tests.services import POSTGRES_URL, drop_schema, require
 
 
 @dataclass
@@ -47,10 +47,7 @@ async def sql_db(request, tmp_path):
     yield db
     for p in db.providers:
         await p.close()
-    engine = create_engine(POSTGRES_URL)
-    async with engine.begin() as conn:
-        await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-    await engine.dispose()
+    await drop_schema(schema)
 
 
 @pytest.fixture
@@ -61,7 +58,4 @@ async def pg_db():
     yield db
     for p in db.providers:
         await p.close()
-    engine = create_engine(POSTGRES_URL)
-    async with engine.begin() as conn:
-        await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-    await engine.dispose()
+    await drop_schema(schema)

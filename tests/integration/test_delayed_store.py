@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import pytest
-import sqlalchemy as sa
 
 from queueing_core import MessageStatus
 from queueing_core.clock import utcnow
@@ -26,11 +25,10 @@ from queueing_core.providers.delayed import (
     DelayedDispatcher,
     DelayedMessage,
 )
-from queueing_core.providers.sql import create_engine
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.tracking.base import record_from_envelope
 from tests.contract.harness import wait_until
-from tests.services import POSTGRES_URL, require
+from tests.services import POSTGRES_URL, drop_schema, require
 
 
 @dataclass
@@ -58,10 +56,7 @@ async def db(request, tmp_path):
     yield d
     for s in d.made:
         await s.close()
-    engine = create_engine(POSTGRES_URL)
-    async with engine.begin() as conn:
-        await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{d.schema}" CASCADE'))
-    await engine.dispose()
+    await drop_schema(d.schema)
 
 
 def envelope(**kw) -> Envelope:
