@@ -15,7 +15,11 @@ if ! up 5432; then
 fi
 if ! up 5672; then
   echo "starting RabbitMQ"
-  rabbitmq-server -detached || true
+  if timeout 20 rabbitmqctl ping >/dev/null 2>&1; then
+    timeout 120 rabbitmqctl start_app || true  # the node runs but its app was stopped (a killed test)
+  else
+    rabbitmq-server -detached || true
+  fi
 fi
 if ! up 3306; then
   echo "starting MariaDB"
