@@ -1,15 +1,11 @@
 import asyncio
-import re
 import shutil
 import subprocess
 
 pytest_plugins = ["tests.azurite"]
 
-#: the names tests give their queues (a fresh ``t<8 hex>-`` prefix each): durable on the shared broker
-TEST_QUEUE = re.compile(r"t[0-9a-f]{8}-")
 
-
-def _leftover_rabbitmq_queues() -> list[str]:
+def _leftover_rabbitmq_queues(prefixes: set[str]) -> list[str]:
     if shutil.which("rabbitmqctl") is None:
         return []
     try:
@@ -22,7 +18,7 @@ def _leftover_rabbitmq_queues() -> list[str]:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [n for n in out.split() if TEST_QUEUE.match(n)]
+    return [n for n in out.split() if n[:10] in prefixes]
 
 
 async def _delete_queues(names: list[str]) -> None:
@@ -38,12 +34,13 @@ async def _delete_queues(names: list[str]) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Delete the test queues left on RabbitMQ: left to pile up (1,600 after a day of runs), they
-    make the broker's start-up recovery outrun its file handles and the restart test hang."""
-    from tests.services import reachable
+    """Delete the queues this session left on RabbitMQ: left to pile up (1,600 after a day of runs),
+    they make the broker's start-up recovery outrun its file handles and the restart test hang. Only
+    names under the prefixes this session handed out: other sessions may share the broker."""
+    from tests.services import SESSION_PREFIXES, reachable
 
-    if not reachable("127.0.0.1", 5672):
+    if not SESSION_PREFIXES or not reachable("127.0.0.1", 5672):
         return
-    names = _leftover_rabbitmq_queues()
+    names = _leftover_rabbitmq_queues(SESSION_PREFIXES)
     if names:
         asyncio.run(_delete_queues(names))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 
 import pytest
 
@@ -39,3 +40,15 @@ async def drop_schema(schema: str) -> None:
     async with engine.begin() as conn:
         await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
     await engine.dispose()
+
+
+#: the queue-name prefixes this test session handed out: only these are cleaned up at its end, so
+#: sessions running side by side on one broker never delete each other's queues
+SESSION_PREFIXES: set[str] = set()
+
+
+def fresh_prefix() -> str:
+    """A fresh ``t<8 hex>-`` prefix for a test's queue names, remembered for the session's clean-up."""
+    prefix = f"t{uuid.uuid4().hex[:8]}-"
+    SESSION_PREFIXES.add(prefix)
+    return prefix

@@ -22,6 +22,7 @@ from queueing_core.runtime import Runtime
 from queueing_core.tracking import MessageQuery, MessageRecord
 from queueing_core.transport import Provider
 from queueing_core.worker import Worker
+from tests.services import fresh_prefix
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Harness:
 
     def app(self) -> QueueingApp:
         # a unique prefix isolates each test on shared brokers and databases
-        return QueueingApp("contract", naming=QueueNaming(prefix=f"t{uuid.uuid4().hex[:8]}-"))
+        return QueueingApp("contract", naming=QueueNaming(prefix=fresh_prefix()))
 
     async def runtime(self, app: QueueingApp, provider: Provider | None = None, **kw: Any) -> Runtime:
         provider = provider or await self.make_provider()

@@ -34,7 +34,7 @@ from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings
 from queueing_core.tracking import MessageQuery
 from tests.contract.harness import all_have, ops_client, running, wait_until
-from tests.services import RABBITMQ_URL, require
+from tests.services import RABBITMQ_URL, fresh_prefix, require
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +53,7 @@ downstream = {"declines": True, "slow": 0.05, "later": True}
 
 
 def make(tmp_path, *, concurrency: int = 4, stores: SideStores | None = None, **provider_kw):
-    prefix = f"t{uuid.uuid4().hex[:8]}-"
+    prefix = fresh_prefix()
     app = QueueingApp("rmq", naming=QueueNaming(prefix=prefix))
     calls: list[tuple[int, int]] = []
     downstream["declines"] = True
@@ -337,6 +337,7 @@ def _rabbitmqctl(*args: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.disruptive
 async def test_a_broker_restart_mid_run_loses_nothing(tmp_path, caplog):
     if shutil.which("rabbitmqctl") is None or os.geteuid() != 0:
         pytest.skip("needs rabbitmqctl as root to stop and start the broker")

@@ -153,6 +153,7 @@ def _pg_ctl(action: str) -> None:
     )
 
 
+@pytest.mark.disruptive
 @pytest.mark.skipif(
     not os.path.isdir("/etc/postgresql") or os.geteuid() != 0,
     reason="needs a local PostgreSQL cluster this user may restart",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +33,7 @@ from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings
 from tests.contract.harness import all_have, ops_client, running, wait_until
 from tests.contract.harness_sqs import moto_endpoint, sqs_client
+from tests.services import fresh_prefix
 
 
 @queue(
@@ -76,7 +76,7 @@ class Recording:
 
 
 def make(tmp_path, *, clock=utcnow, quick: bool = False, **provider_kw):
-    prefix = f"t{uuid.uuid4().hex[:8]}-"
+    prefix = fresh_prefix()
     app = QueueingApp("sqs", naming=QueueNaming(prefix=prefix))
     calls: list[tuple[int, int]] = []
     downstream["declines"] = True
