@@ -2,18 +2,31 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# `make serve` gets an environment of its own with only what it runs (`.[serve]`: SQLite + the ops API)
+SERVE_VENV ?= .venv-serve
+PORT   ?= 8080
+SUM    := $(shell cksum pyproject.toml | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(SUM)
+SERVE_STAMP := $(SERVE_VENV)/.installed-$(SUM)
 NODE   := node_modules/.installed-$(shell cksum package-lock.json | cut -d' ' -f1)
 CHECKOV := .checkov-venv/bin/checkov
+NEED_PYTHON := $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11+ is needed"; exit 1; }
 
-.PHONY: serve test lint install local-storage checkov
+.PHONY: serve test lint install local-storage checkov docs
 
+# everything: the kit editable with `.[dev]` (every transport, the test and docs tools)
 $(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11+ is needed"; exit 1; }
+	@$(NEED_PYTHON)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $@
+
+$(SERVE_STAMP): pyproject.toml
+	@$(NEED_PYTHON)
+	test -x $(SERVE_VENV)/bin/python || $(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[serve]'
+	rm -f $(SERVE_VENV)/.installed-* && touch $@
 
 # Azurite, the local Azure Storage emulator the Storage Queues and Tables tests run against
 $(NODE): package.json package-lock.json
@@ -26,21 +39,26 @@ $(CHECKOV):
 
 install: $(STAMP) $(NODE)
 
-serve: $(STAMP)
-	$(BIN)/queueing serve
+# the example app and the ops API on SQLite (./queueing.db): `make serve PORT=9000` for another port
+serve: $(SERVE_STAMP)
+	$(SERVE_VENV)/bin/queueing serve --port $(PORT)
 
-# the example app on Storage Queues over a local Azurite, end to end (SPEC E6)
+# the example app on Storage Queues over a local Azurite, end to end (same PORT setting)
 local-storage: $(STAMP) $(NODE)
-	scripts/local-storage.sh
+	scripts/local-storage.sh --port $(PORT)
 
 checkov: $(CHECKOV)
 	scripts/checkov.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check queueing_core functions examples tests bench infra/checks
+	$(BIN)/ruff check queueing_core functions tests bench infra/checks scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# the documentation site, into site/; --strict turns every warning (a broken link included) into a failure
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet
+
 # pytest exits 5 when a selection collects nothing (e.g. `make test PYTEST_ARGS="-k nothing"`): not a failure
-test: lint $(NODE) $(CHECKOV)
+test: lint docs $(NODE) $(CHECKOV)
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc

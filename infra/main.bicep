@@ -61,7 +61,7 @@ param trackerRetentionDays int = 14
 param queueingProvider string = 'servicebus'
 
 @description('The kit app to host, MODULE:ATTR (QUEUEING_APP).')
-param queueingApp string = 'examples.orders:app'
+param queueingApp string = 'queueing_core.examples.orders:app'
 
 @description('Prefix composed into queue names (QUEUEING_QUEUE_PREFIX); the queue lists above must already include it.')
 param queuePrefix string = ''

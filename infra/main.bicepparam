@@ -1,4 +1,4 @@
-// Sample parameters for the example app (examples/orders.py). Deploy with:
+// Sample parameters for the example app (queueing_core/examples/orders.py). Deploy with:
 //   az deployment group create --resource-group <rg> --template-file infra/main.bicep \
 //     --parameters infra/main.bicepparam --parameters apiKey=<secret>
 // apiKey is deliberately absent: pass it on the command line or from a pipeline secret.
@@ -6,7 +6,7 @@ using 'main.bicep'
 
 param namePrefix = 'queueing'
 param queueingProvider = 'servicebus'
-param queueingApp = 'examples.orders:app'
+param queueingApp = 'queueing_core.examples.orders:app'
 param logRetentionDays = 30
 param deployPostgres = false
 

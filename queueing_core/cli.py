@@ -37,6 +37,7 @@ from .messages import QueueMessage
 from .naming import Transport
 from .runtime import Runtime
 from .settings import QueueingSettings, load_settings
+from .wording import counted
 from .worker import Worker
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ cli = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # plain help: rich's help table labels every option with a Python type (``<bool>``, ``<str>``)
+    rich_markup_mode=None,
 )
 # wide enough for the tables when output goes to a file or a pipe (rich assumes 80 columns then)
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -57,7 +60,11 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 AppOption = Annotated[
     str | None,
-    typer.Option("--app", help="MODULE:ATTR of your QueueingApp (default: QUEUEING_APP or the example app)"),
+    typer.Option(
+        "--app",
+        metavar="MODULE:ATTR",
+        help="MODULE:ATTR of your QueueingApp (default: QUEUEING_APP or the example app)",
+    ),
 ]
 
 
@@ -112,14 +119,19 @@ def check(
     app: AppOption = None,
     transport: Annotated[
         Transport | None,
-        typer.Option(help="Show physical queue names for this transport (default: QUEUEING_PROVIDER)"),
+        typer.Option(
+            metavar="TRANSPORT",
+            help="Show physical queue names for this transport: "
+            + ", ".join(t.value for t in Transport)
+            + " (default: QUEUEING_PROVIDER)",
+        ),
     ] = None,
 ) -> None:
     """Load an app and report its queues, handlers and options; exit 1 on an invalid registration."""
     cfg = settings()
     the_app = app_from(app, cfg)
     target = transport or Transport(cfg.provider)
-    table = Table(title=f"{the_app.name}: {len(the_app.subscriptions())} queue(s) on {target.value}")
+    table = Table(title=f"{the_app.name}: {counted(len(the_app.subscriptions()), 'queue')} on {target.value}")
     for col in (
         "type",
         "queue",
@@ -205,8 +217,8 @@ def _runtime(app: str | None) -> tuple[QueueingSettings, QueueingApp, Runtime]:
 @cli.command()
 def serve(
     app: AppOption = None,
-    host: Annotated[str, typer.Option(help="Interface for the ops API")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port for the ops API")] = 8080,
+    host: Annotated[str, typer.Option(metavar="HOST", help="Interface for the ops API")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="PORT", help="Port for the ops API")] = 8080,
     api: Annotated[bool, typer.Option("--api/--no-api", help="Serve the ops API beside the worker")] = True,
 ) -> None:
     """Run a worker for every queue of the app (and the ops API) until SIGTERM/SIGINT."""
@@ -222,7 +234,8 @@ def serve(
     where = _where(cfg)
     queues = len(the_app.subscriptions())
     out.print(
-        f"queueing {__version__}: app [bold]{the_app.name}[/] ({queues} queues) on {where}", highlight=False
+        f"queueing {__version__}: app [bold]{the_app.name}[/] ({counted(queues, 'queue')}) on {where}",
+        highlight=False,
     )
     _run(_serve(worker, cfg, host if api else None, port))
 
@@ -235,16 +248,21 @@ async def _serve(worker: Worker, cfg: QueueingSettings, host: str | None, port: 
 
 @cli.command()
 def enqueue(
-    type_name: Annotated[str, typer.Argument(help="Message type name (see `queueing check`)")],
-    json_body: Annotated[str | None, typer.Option("--json", help="The message as JSON")] = None,
+    type_name: Annotated[str, typer.Argument(metavar="TYPE", hidden=True)],
+    json_body: Annotated[
+        str | None, typer.Option("--json", metavar="JSON", help="The message as JSON")
+    ] = None,
     example: Annotated[bool, typer.Option(help="Use the queue's example message")] = False,
     count: Annotated[
-        int, typer.Option(min=1, max=10_000_000, help="How many copies (each a new message)")
+        int, typer.Option(min=1, max=10_000_000, metavar="N", help="How many copies (each a new message)")
     ] = 1,
-    delay: Annotated[float | None, typer.Option(min=0, help="Seconds before the messages are due")] = None,
+    delay: Annotated[
+        float | None, typer.Option(min=0, metavar="SECONDS", help="Seconds before the messages are due")
+    ] = None,
     app: AppOption = None,
 ) -> None:
-    """Enqueue messages of a registered type (a progress bar shows for large counts)."""
+    """Enqueue messages of TYPE, a registered message type (see `queueing check`); a progress bar
+    shows for large counts."""
     _, the_app, runtime = _runtime(app)
     sub = the_app.subscription(type_name)
     if sub is None:
@@ -296,7 +314,7 @@ async def _enqueue(
             f"enqueued {mtype.type_name()} {receipts[0].message_id} ({receipts[0].status})", highlight=False
         )
     else:
-        out.print(f"enqueued {count} {mtype.type_name()} message(s)", highlight=False)
+        out.print(f"enqueued {counted(count, mtype.type_name() + ' message')}", highlight=False)
 
 
 @cli.command()
@@ -354,41 +372,51 @@ def _set_paused(queue_name: str | None, type_name: str | None, app: str | None, 
 
 @cli.command()
 def pause(
-    queue_name: Annotated[str | None, typer.Argument(metavar="QUEUE", help="Queue to pause")] = None,
-    type_name: Annotated[str | None, typer.Option("--type", help="Pause a message type instead")] = None,
+    queue_name: Annotated[str | None, typer.Argument(metavar="QUEUE", hidden=True)] = None,
+    type_name: Annotated[
+        str | None, typer.Option("--type", metavar="TYPE", help="Pause a message type instead")
+    ] = None,
     app: AppOption = None,
 ) -> None:
-    """Pause a queue or a type on every host: its messages stay and wait, attempts are not used."""
+    """Pause QUEUE, or a type with --type, on every host: its messages stay and wait, attempts are
+    not used."""
     _set_paused(queue_name, type_name, app, True)
 
 
 @cli.command()
 def resume(
-    queue_name: Annotated[str | None, typer.Argument(metavar="QUEUE", help="Queue to resume")] = None,
-    type_name: Annotated[str | None, typer.Option("--type", help="Resume a message type instead")] = None,
+    queue_name: Annotated[str | None, typer.Argument(metavar="QUEUE", hidden=True)] = None,
+    type_name: Annotated[
+        str | None, typer.Option("--type", metavar="TYPE", help="Resume a message type instead")
+    ] = None,
     app: AppOption = None,
 ) -> None:
-    """Resume a paused queue or type."""
+    """Resume QUEUE, or a type with --type."""
     _set_paused(queue_name, type_name, app, False)
 
 
 @cli.command()
 def retry(
-    message_id: Annotated[UUID, typer.Argument(help="The message id")],
+    message_id: Annotated[UUID, typer.Argument(metavar="MESSAGE_ID", hidden=True)],
     app: AppOption = None,
 ) -> None:
-    """Process a dead-lettered, failed, expired or abandoned message again, with fresh attempts."""
+    """Process the dead-lettered, failed, expired or abandoned message MESSAGE_ID again, with fresh
+    attempts."""
     result = _ops_call(app, lambda ops: ops.retry(message_id))
     out.print(f"{result.message_id}: {result.detail}", highlight=False)
 
 
 @cli.command()
 def purge(
-    queue_name: Annotated[str | None, typer.Option("--queue", help="Only this queue")] = None,
-    type_name: Annotated[str | None, typer.Option("--type", help="Only this type")] = None,
-    status: Annotated[list[str] | None, typer.Option(help="Only these statuses (repeat)")] = None,
+    queue_name: Annotated[
+        str | None, typer.Option("--queue", metavar="QUEUE", help="Only this queue")
+    ] = None,
+    type_name: Annotated[str | None, typer.Option("--type", metavar="TYPE", help="Only this type")] = None,
+    status: Annotated[
+        list[str] | None, typer.Option(metavar="STATUS", help="Only these statuses (repeat)")
+    ] = None,
     older_than: Annotated[
-        float | None, typer.Option(min=0, help="Only messages created this many hours ago")
+        float | None, typer.Option(min=0, metavar="HOURS", help="Only messages created this many hours ago")
     ] = None,
     purge_all: Annotated[bool, typer.Option("--all", help="Needed to purge without any filter")] = False,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation")] = False,
@@ -414,7 +442,8 @@ def purge(
         raise typer.Exit(1)
     result = _ops_call(app, lambda ops: ops.purge(query))
     out.print(
-        f"deleted {result.deleted} message(s); left {result.skipped_leased} held by workers", highlight=False
+        f"deleted {counted(result.deleted, 'message')}; left {result.skipped_leased} held by workers",
+        highlight=False,
     )
 
 
@@ -449,9 +478,9 @@ cli.add_typer(infra, name="infra")
 @infra.command("params")
 def infra_params(
     app: AppOption = None,
-    file: Annotated[Path, typer.Option(help="The .bicepparam file holding the generated block")] = Path(
-        "infra/main.bicepparam"
-    ),
+    file: Annotated[
+        Path, typer.Option(metavar="FILE", help="The .bicepparam file holding the generated block")
+    ] = Path("infra/main.bicepparam"),
     check: Annotated[
         bool, typer.Option("--check", help="Only report drift (exit 1), change nothing")
     ] = False,
@@ -478,7 +507,7 @@ def infra_params(
     except ConfigurationError as exc:
         fail(str(exc), 2)
     out.print(
-        f"{'updated' if changed else 'unchanged'}: {file} ({len(the_app.subscriptions())} queues)",
+        f"{'updated' if changed else 'unchanged'}: {file} ({counted(len(the_app.subscriptions()), 'queue')})",
         highlight=False,
     )
 

@@ -18,7 +18,9 @@ def load_app(spec: str, *, setting: str = "--app") -> QueueingApp:
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigurationError(setting, f"{spec!r} is not MODULE:ATTR", "e.g. examples.orders:app")
+        raise ConfigurationError(
+            setting, f"{spec!r} is not MODULE:ATTR", "e.g. queueing_core.examples.orders:app"
+        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # apps usually live in the project the command runs from
     try:

@@ -20,7 +20,9 @@ class QueueingSettings(BaseSettings):
     )
 
     provider: ProviderName = "sql"
-    app: str = Field(default="examples.orders:app", description="MODULE:ATTR of the QueueingApp to load")
+    app: str = Field(
+        default="queueing_core.examples.orders:app", description="MODULE:ATTR of the QueueingApp to load"
+    )
     database_url: str = "sqlite:///./queueing.db"
     database_schema: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
     auto_migrate: bool = True

@@ -135,3 +135,11 @@ class HasBackgroundTasks(Protocol):
     each coroutine function as a task for its lifetime and cancels it at shutdown."""
 
     def background_tasks(self) -> list[Callable[[], Coroutine[Any, Any, None]]]: ...
+
+
+@runtime_checkable
+class OwnsLeases(Protocol):
+    """A provider that claims under an owner id of its own (the SQL provider's ``locked_by``): a worker
+    on it takes that id, so the worker id in the logs is the lease owner in the database."""
+
+    worker_id: str

@@ -28,7 +28,7 @@ from .clock import utcnow
 from .control import ControlState, circuit
 from .decisions import Release
 from .runtime import Runtime, default_worker_id
-from .transport import Delivery, HasBackgroundTasks, Maintains, Settlement
+from .transport import Delivery, HasBackgroundTasks, Maintains, OwnsLeases, Settlement
 
 log = logging.getLogger("queueing.worker")
 
@@ -40,6 +40,20 @@ def _held(state: ControlState, sub: Subscription) -> bool:
     if sub.options.circuit_breaker is None:
         return False
     return circuit.admission(state.circuit(sub.type_name), utcnow()) is circuit.Admission.HOLD
+
+
+def lease_owner(runtime: Runtime, worker_id: str | None) -> str:
+    """The id the worker logs under: the provider's lease owner where it claims under one, so a log
+    line and the ``locked_by`` column name the same worker; otherwise ``worker_id`` or a fresh id."""
+    provider = runtime.provider
+    if isinstance(provider, OwnsLeases):
+        if worker_id is not None and worker_id != provider.worker_id:
+            raise ValueError(
+                f"worker_id {worker_id!r} differs from the provider's lease owner {provider.worker_id!r}: "
+                "give the id to the provider (QUEUEING_WORKER_ID) and leave the worker's unset"
+            )
+        return provider.worker_id
+    return worker_id or default_worker_id()
 
 
 class PollBackoff:
@@ -160,7 +174,7 @@ class Worker:
         settle_linger: float = 0.002,
     ) -> None:
         self.runtime = runtime
-        self.worker_id = worker_id or default_worker_id()
+        self.worker_id = lease_owner(runtime, worker_id)
         self.queues = set(queues) if queues else None
         self.shutdown_timeout = shutdown_timeout
         self.poll_min = poll_min

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start the local services the test suite talks to, if they are not answering already.
+# Start the local services the test suite talks to (PostgreSQL and RabbitMQ), if they are not
+# answering already. Azurite and moto's SQS server are started by the tests themselves.
 set -uo pipefail
 
 up() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -21,8 +22,4 @@ if ! up 5672; then
     rabbitmq-server -detached || true
   fi
 fi
-if ! up 3306; then
-  echo "starting MariaDB"
-  start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd || true
-fi
-wait_for PostgreSQL 5432 60 && wait_for RabbitMQ 5672 90 && wait_for MariaDB 3306 60
+wait_for PostgreSQL 5432 60 && wait_for RabbitMQ 5672 90

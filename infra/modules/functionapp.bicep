@@ -56,7 +56,7 @@ param instanceMemoryMB int = 2048
 param queueingProvider string = 'servicebus'
 
 @description('The kit app to host, MODULE:ATTR: QUEUEING_APP.')
-param queueingApp string = 'examples.orders:app'
+param queueingApp string = 'queueing_core.examples.orders:app'
 
 @description('Control-state table name: QUEUEING_CONTROL_TABLE.')
 param controlTableName string = 'queueingcontrol'

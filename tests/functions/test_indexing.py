@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import examples.orders
+import queueing_core.examples.orders
 from functions import build_app
 from queueing_core import QueueingApp
 from queueing_core.errors import ConfigurationError
@@ -52,7 +52,7 @@ def test_storage_queue_app_has_one_trigger_per_type_a_timer_and_the_ops_function
 def test_servicebus_app_uses_sdk_type_bindings_without_auto_complete():
     # its own app: the prefix is applied to the app's naming, and the example module's app is shared
     own = QueueingApp("prefixed")
-    own.include(examples.orders.app)
+    own.include(queueing_core.examples.orders.app)
     app = build_app(QueueingSettings(provider="servicebus", queue_prefix="prod-"), own, env=SB_ENV)
     fns = functions_of(app)
     sb = {n: bindings(f)[0] for n, f in fns.items() if n.startswith("servicebus_")}

@@ -38,7 +38,7 @@ def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 
 def test_the_committed_parameters_match_the_code():
-    done = cli("--app", "examples.orders:app", "--check")
+    done = cli("--app", "queueing_core.examples.orders:app", "--check")
     assert done.returncode == 0, done.stderr
 
 
@@ -47,8 +47,8 @@ def test_params_rewrites_only_the_generated_block(tmp_path):
     shutil.copy(PARAMS, copy)
     text = copy.read_text().replace("maxDeliveryCount: 4", "maxDeliveryCount: 9")  # someone edited it by hand
     copy.write_text(text)
-    assert cli("--app", "examples.orders:app", "--file", str(copy), "--check").returncode == 1
-    done = cli("--app", "examples.orders:app", "--file", str(copy))
+    assert cli("--app", "queueing_core.examples.orders:app", "--file", str(copy), "--check").returncode == 1
+    done = cli("--app", "queueing_core.examples.orders:app", "--file", str(copy))
     assert done.returncode == 0
     assert "updated" in done.stdout
     assert copy.read_text() == PARAMS.read_text()

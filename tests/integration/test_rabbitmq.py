@@ -220,7 +220,12 @@ async def test_an_idle_consumer_hands_its_buffered_messages_back(tmp_path):
 
 async def test_a_delay_waits_in_the_delayed_store_then_arrives(tmp_path):
     app, rt, calls = make(tmp_path)
+    # open first: a lazy open inside enqueue (broker connection, store migration) can outlast the
+    # delay on a loaded machine, and the message would then be due before it was ever stored
+    await rt.open()
+    sent_at = rt.provider.clock()
     r = await app.enqueue(Invoice(n=9), delay=timedelta(milliseconds=600))
+    assert r.not_before - sent_at >= timedelta(milliseconds=600)
     assert await rt.provider.delayed.counts() == {physical(rt): 1}
     assert await rt.provider.depth(physical(rt)) == 0  # RabbitMQ holds no delays: not in the queue yet
     async with running(rt):

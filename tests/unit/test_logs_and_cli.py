@@ -60,11 +60,11 @@ def test_version_and_check_lists_the_example_queues():
     v = run_cli("--version")
     assert v.returncode == 0
     assert v.stdout.startswith("queueing-kit ")
-    c = run_cli("check", "--app", "examples.orders:app")
+    c = run_cli("check", "--app", "queueing_core.examples.orders:app")
     assert c.returncode == 0, c.stderr
     for name in ("order-placed", "generate-invoice", "capture-payment", "send_confirmation", "5 fails/30s"):
         assert name in c.stdout
-    s = run_cli("check", "--app", "examples.orders:app", "--transport", "storage_queue")
+    s = run_cli("check", "--app", "queueing_core.examples.orders:app", "--transport", "storage_queue")
     assert "storage_queue name" in s.stdout
 
 

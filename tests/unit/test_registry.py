@@ -112,8 +112,8 @@ def test_importing_an_app_opens_no_connection(tmp_path):
         socket.socket.connect = refuse
         socket.create_connection = refuse
         socket.getaddrinfo = refuse
-        import examples.orders
-        print(len(examples.orders.app.subscriptions()))
+        import queueing_core.examples.orders
+        print(len(queueing_core.examples.orders.app.subscriptions()))
         """
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=".", check=False)

@@ -31,7 +31,7 @@ from queueing_core import (
     queue,
 )
 
-log = logging.getLogger("examples.orders")
+log = logging.getLogger("queueing_core.examples.orders")
 
 
 class ExampleKnobs:

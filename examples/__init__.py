@@ -1,1 +1,0 @@
-"""Example apps used by the README, the demo, the Functions app and the tests."""
