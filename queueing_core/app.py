@@ -1,4 +1,4 @@
-"""The app registry (SPEC A3): message types, their one handler each, middleware and hooks.
+"""The app registry: message types, their one handler each, middleware and hooks.
 
 Importing a module that registers handlers opens no connection: the registry only records. A
 :class:`Router` lets several modules register on their own and be included into one app, like a

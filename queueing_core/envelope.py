@@ -1,4 +1,4 @@
-"""The versioned wire envelope (SPEC A1) and its strict decoding.
+"""The versioned wire envelope and its strict decoding.
 
 Every transport carries the same JSON document::
 

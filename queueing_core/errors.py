@@ -105,7 +105,7 @@ class NonRetryableError(Exception):
 
 
 class ProcessAgainAt(Exception):
-    """Internal carrier for a handler that returned a time to be processed again (seed 001)."""
+    """Internal carrier for a handler that returned a time to be processed again."""
 
     def __init__(self, when: datetime) -> None:
         super().__init__(f"process again at {when.isoformat()}")

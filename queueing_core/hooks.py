@@ -1,4 +1,4 @@
-"""Observing hooks (SPEC A5): began, succeeded, failed, dead-lettered, expired, deferred, enqueued.
+"""Observing hooks: began, succeeded, failed, dead-lettered, expired, deferred, enqueued.
 
 Hooks observe; they cannot change an outcome. A hook that raises is logged and ignored, so metrics
 or logging code can never fail a message.

@@ -1,4 +1,4 @@
-"""Queue parameters for the Bicep in ``infra/``, generated from an app's registry (SPEC E5).
+"""Queue parameters for the Bicep in ``infra/``, generated from an app's registry.
 
 The names go through the same sanitizer the Functions triggers use, so the queues the Bicep creates
 are the queues the triggers bind: code and infrastructure cannot drift.

@@ -1,4 +1,4 @@
-"""Structured logging: one line per outcome carrying message id and correlation id (SPEC D5)."""
+"""Structured logging: one line per outcome carrying message id and correlation id."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Message contracts (SPEC A1) and the ``@queue`` class decorator (SPEC A2).
+"""Message contracts and the ``@queue`` class decorator.
 
 A message is a pydantic model deriving from :class:`QueueMessage`. The base fields (id, creation time,
 correlation id, properties) travel in the envelope, not in the body, so there is one source of truth.
@@ -19,7 +19,7 @@ from .options import QueueOptions
 
 
 class MessageStatus(StrEnum):
-    """The statuses the kit itself sets (SPEC B2). Operators may set custom statuses as well."""
+    """The statuses the kit itself sets. Operators may set custom statuses as well."""
 
     PENDING = "Pending"
     LEASED = "Leased"

@@ -1,4 +1,4 @@
-"""Handle and enqueue middleware (SPEC A5): an onion of ``call_next``.
+"""Handle and enqueue middleware: an onion of ``call_next``.
 
 Handle middleware: ``async def mw(ctx: HandlerContext, call_next) -> Any`` wraps the handler; it may
 act before and after, transform the result, or raise. Enqueue middleware:

@@ -1,4 +1,4 @@
-"""Per-type queue options (SPEC A2), the retry policy and the circuit-breaker settings.
+"""Per-type queue options, the retry policy and the circuit-breaker settings.
 
 Options are declared partially (``@queue(max_attempts=3)``) and resolved against the app's defaults,
 so a deployment can change a default for every type while one type keeps its own value.
@@ -58,7 +58,7 @@ class CircuitBreakerOptions(BaseModel):
 
 LeaseExpiry = Literal["retry", "abandon"]
 
-#: FastEndpoints' default: work not done within four hours is stale (SPEC B12).
+#: FastEndpoints' default: work not done within four hours is stale.
 DEFAULT_EXPIRATION = timedelta(hours=4)
 
 

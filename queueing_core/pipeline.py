@@ -3,13 +3,13 @@
 Order of the checks (each is a decision the transports only settle):
 
 1. malformed envelope           -> DeadLetter(malformed-envelope), raw kept by the settler
-2. expired (B4)                 -> Expire, never handed to a handler
+2. expired                      -> Expire, never handed to a handler
 3. not yet due (early delivery) -> Defer(Sleeping)
-4. queue or type paused (B6)    -> Defer(Paused), no attempt counted
-5. circuit open (B7)            -> Defer(Paused) until the cooldown ends; then one probe goes
-6. no handler / unknown type (B3) -> Defer(WaitingForHandler), no attempt counted
+4. queue or type paused         -> Defer(Paused), no attempt counted
+5. circuit open                 -> Defer(Paused) until the cooldown ends; then one probe goes
+6. no handler / unknown type   -> Defer(WaitingForHandler), no attempt counted
 7. body invalid for the model   -> DeadLetter(invalid-body)
-8. run the handler through the middleware, under the type's concurrency and time limits (B8):
+8. run the handler through the middleware, under the type's concurrency and time limits:
    success -> Complete (or Defer(Sleeping) if it returned a time to run again);
    ``Retry(after=)`` / exception / time limit -> RetryAfter(backoff) until max attempts, then
    DeadLetter(max-attempts-exceeded); ``NonRetryableError`` -> DeadLetter(non-retryable);

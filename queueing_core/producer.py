@@ -1,4 +1,4 @@
-"""The producer API (SPEC A4): enqueue, enqueue_many, enqueue_and_wait."""
+"""The producer API: enqueue, enqueue_many, enqueue_and_wait."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""The long-running host (seed 000's QueueingService): one consumer loop per subscribed queue.
+"""The long-running host: one consumer loop per subscribed queue.
 
 - Receives only what it can run: ``max_concurrency x prefetch`` per type, never more.
-- Polls adaptively (seed 002): straight again while batches come back full, a short pause after a
+- Polls adaptively: straight again while batches come back full, a short pause after a
   partial batch, doubling up to ``poll_max`` while idle; a provider with push wake-ups (NOTIFY,
   in-memory) cuts the sleep short when work arrives.
 - Settles in small batches (one round-trip for many completions) and renews leases while handlers run.
-- Shuts down gracefully (B13): on SIGTERM/SIGINT it stops receiving, lets in-flight work finish until
+- Shuts down gracefully: on SIGTERM/SIGINT it stops receiving, lets in-flight work finish until
   ``shutdown_timeout``, then cancels what is left and releases those leases so another worker can take
   them at once. A second signal skips the wait.
 """
@@ -202,7 +202,7 @@ class Worker:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def subscriptions(self) -> list[Subscription]:
-        # types without a handler are consumed too: their messages become WaitingForHandler (B3)
+        # types without a handler are consumed too: their messages become WaitingForHandler
         subs = self.runtime.app.subscriptions()
         if self.queues is not None:
             subs = [s for s in subs if s.queue in self.queues or s.type_name in self.queues]
@@ -310,7 +310,7 @@ class Worker:
         state = self._subs[sub.type_name]
         backoff = PollBackoff(self.poll_min, self.poll_max)
         while not self._stopping.is_set():
-            # re-read: a handler registered after start-up takes over its waiting backlog (B3)
+            # re-read: a handler registered after start-up takes over its waiting backlog
             sub = self.runtime.pipeline.subscription(sub.type_name) or sub
             capacity = sub.options.max_concurrency * self.prefetch if sub.handler else 1
             free = capacity - state.in_flight

@@ -1,4 +1,4 @@
-"""Pause and circuit-breaker state (SPEC B6, B7): protocol, pure transitions, in-memory store."""
+"""Pause and circuit-breaker state: protocol, pure transitions, in-memory store."""
 
 from .base import CachedControlStore, CircuitState, ControlState, ControlStore
 from .memory import MemoryControlStore

@@ -1,4 +1,4 @@
-"""Operations: the ops service contract (D1) and its HTTP API (D2)."""
+"""Operations: the ops service contract and its HTTP API."""
 
 from .service import OpsActions, OpsService
 

@@ -1,4 +1,4 @@
-"""The HTTP operations API (SPEC D2, D4) under ``/api/_system/queueing``.
+"""The HTTP operations API under ``/api/_system/queueing``.
 
 Every route, the OpenAPI document included, requires the API key (``Authorization: Bearer <key>``
 or ``X-API-Key: <key>``, compared in constant time). Errors are RFC 9457 problem details

@@ -1,4 +1,4 @@
-"""Typed shapes of the operations service and its HTTP API (SPEC D1, D2)."""
+"""Typed shapes of the operations service and its HTTP API."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The operations service (SPEC D1): one contract for every provider.
+"""The operations service: one contract for every provider.
 
 Reads go through the runtime's tracker (the SQL table itself, or a durable tracker for the cloud
 transports), pause and circuit actions through its control store, and the few state-changing

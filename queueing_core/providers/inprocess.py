@@ -1,8 +1,8 @@
-"""In-process provider (SPEC C1): a queue per type inside this process, for tests and single instances.
+"""In-process provider: a queue per type inside this process, for tests and single instances.
 
-Unlike seed 000's in-process broker, failures are retried with the same pipeline as every other
-transport, and dead letters are kept (``provider.dead_letters``) instead of dropped. Nothing survives
-a restart; use the SQL provider for durability.
+Failures are retried with the same pipeline as every other transport, and dead letters are kept
+(``provider.dead_letters``) instead of dropped. Nothing survives a restart; use the SQL provider for
+durability.
 
 Ordered queues (``@queue(ordered=True)``) process one message at a time, and a message that is
 retried or deferred stays at the head: later messages wait for it.

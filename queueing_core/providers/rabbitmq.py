@@ -1,4 +1,4 @@
-"""RabbitMQ provider (SPEC C5) on ``aio-pika``.
+"""RabbitMQ provider on ``aio-pika``.
 
 - The default exchange and a durable queue per type (sanitized to RabbitMQ's rules), declared on
   publish and on subscribe, so work can be enqueued before any consumer exists. Each queue has a

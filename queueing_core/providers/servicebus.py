@@ -1,4 +1,4 @@
-"""Azure Service Bus provider (SPEC C3) on ``azure-servicebus`` (async).
+"""Azure Service Bus provider on ``azure-servicebus`` (async).
 
 - A queue per type (names sanitized to Service Bus rules), auto-created when allowed with the type's
   settings: max delivery count, lock duration (at most 5 minutes; longer leases are renewed), TTL and

@@ -1,4 +1,4 @@
-"""Amazon SQS provider (SPEC C6) on ``boto3``; every boto3 call runs in the provider's own thread pool,
+"""Amazon SQS provider on ``boto3``; every boto3 call runs in the provider's own thread pool,
 never on the event loop (boto3 clients are thread-safe; the pool bounds the concurrent requests).
 
 - A standard queue per type (sanitized: 80 characters of letters, digits, ``-`` and ``_``) and its

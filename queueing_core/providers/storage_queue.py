@@ -1,4 +1,4 @@
-"""Azure Storage Queues provider (SPEC C4) on ``azure-storage-queue`` (async).
+"""Azure Storage Queues provider on ``azure-storage-queue`` (async).
 
 - A queue per type (sanitized: lowercase, 3-63) and its ``<queue>-poison`` queue, created on open.
 - The lease is the visibility timeout; ``dequeue_count`` counts attempts on top of the envelope's.

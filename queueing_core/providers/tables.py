@@ -1,4 +1,4 @@
-"""Azure Tables control store (SPEC B6, B7) and durable tracker (SPEC D3).
+"""Azure Tables control store and durable tracker.
 
 Every Functions instance of an app shares one storage account, so pause flags, circuit state and
 message history kept here are seen by all of them. Azure SDK errors are translated into the kit's

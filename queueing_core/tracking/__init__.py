@@ -1,4 +1,4 @@
-"""Message history (SPEC D3): what happened to each message, for the ops API."""
+"""Message history: what happened to each message, for the ops API."""
 
 from .base import (
     MessageQuery,

@@ -1,4 +1,4 @@
-"""The contract every provider keeps (SPEC B1-B8, B13): same behaviours, same assertions.
+"""The contract every provider keeps: same behaviours, same assertions.
 
 Each test builds its own app (with a unique queue prefix) and provider, drives a real Worker, and
 asserts on what the history says: statuses, attempts, order.

@@ -1,4 +1,4 @@
-"""The Bicep in infra/ parses and says what SPEC E4 asks, read from pycep's parse tree (no CLI).
+"""The Bicep in infra/ parses and says what the deployment needs, read from pycep's parse tree (no CLI).
 
 These tests are the compiler we do not have: every file parses, modules receive only parameters they
 declare (and every required one), module outputs referenced by main.bicep exist, and the security

@@ -1,4 +1,4 @@
-"""Code and infrastructure agree (SPEC E5): `queueing infra params` generates the queue block from
+"""Code and infrastructure agree: `queueing infra params` generates the queue block from
 the registry, and every queue a Functions trigger binds and every connection it reads is in the Bicep."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The delayed-message store and its dispatcher (SPEC C7, seed 004) on SQLite and PostgreSQL: the
+"""The delayed-message store and its dispatcher on SQLite and PostgreSQL: the
 store's operations, fetching under a lock, wake-ups, forwarding when due, failure counting into the
 dead-letter queue, and the store/fetch/dispatch circuit breakers."""
 
@@ -227,7 +227,7 @@ async def test_repeated_forward_failures_move_the_message_to_the_error_queue(db)
         await wait_until(lambda: target.dead, timeout=10, what="the dead letter")
     [(item, description)] = target.dead
     assert Envelope.decode(item.envelope).message_id == env.message_id
-    assert target.calls == 4  # the first forward and three retries (seed 004's NumberOfRetries)
+    assert target.calls == 4  # the first forward and three retries
     assert description.startswith("4 forward(s) to q failed")
     assert "message too large" in description
     assert await store.next_due() is None  # it left the store

@@ -1,5 +1,5 @@
 """The operations HTTP API on SQLite and PostgreSQL: every route, the states actions refuse, auth,
-bad input, and pause/resume steering a running worker (SPEC D1, D2, D4)."""
+bad input, and pause/resume steering a running worker."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ async def test_every_route_needs_the_key(api):
     ]
     spec = (await client.get("/openapi.json")).json()
     documented = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
-    assert len(documented) == 18  # the 17 routes of seed 000 + enqueue, all documented
+    assert len(documented) == 18  # the 17 operations routes + enqueue, all documented
     bare = httpx.AsyncClient(transport=client._transport, base_url=str(client.base_url))  # no credentials
     for method, path in routes:
         for headers in (

@@ -1,4 +1,4 @@
-"""The RabbitMQ provider on the real broker beyond the contract suite (SPEC C5, C7, D3): the dead-letter
+"""The RabbitMQ provider on the real broker beyond the contract suite: the dead-letter
 queue and its reasons, publisher confirms, attempts a pause does not burn, bad bytes, idle consumers
 handing work back, delays through the store, ops over HTTP, and a broker restart mid-run."""
 

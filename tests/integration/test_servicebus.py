@@ -1,4 +1,4 @@
-"""The Service Bus provider on the in-memory Service Bus (SPEC C3, issue 6): entity settings,
+"""The Service Bus provider on the in-memory Service Bus: entity settings,
 dead-letter reasons, attempts that pauses do not burn, locks, size limits, ops on the native DLQ."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Competing consumers, crashes and a database restart with real worker processes (SPEC B1, C2)."""
+"""Competing consumers, crashes and a database restart with real worker processes."""
 
 from __future__ import annotations
 

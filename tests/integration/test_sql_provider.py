@@ -1,4 +1,4 @@
-"""The SQL provider's own promises beyond the contract suite (SPEC C2, A4 outbox), on SQLite and
+"""The SQL provider's own promises beyond the contract suite (the outbox too), on SQLite and
 PostgreSQL: outbox, idempotent enqueue, leases and their owner, the sweeper, retention, start-up."""
 
 from __future__ import annotations

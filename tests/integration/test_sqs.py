@@ -1,4 +1,4 @@
-"""The SQS provider on moto's server beyond the contract suite (SPEC C6, C7, D3): queue settings and
+"""The SQS provider on moto's server beyond the contract suite: queue settings and
 the redrive policy, delays natively and through the delayed store, batches, dead letters and their
 reasons, receive counts, lease renewal, boto3 kept off the event loop, and ops over HTTP."""
 

@@ -1,4 +1,4 @@
-"""The Storage Queues provider on Azurite beyond the contract suite (SPEC C4, D3, issue 5):
+"""The Storage Queues provider on Azurite beyond the contract suite:
 wire compatibility, bad input, ops through the Tables tracker, shared state, outages."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Azure Tables control store and tracker against a real Azurite (SPEC B6, B7, D3).
+"""Azure Tables control store and tracker against a real Azurite.
 
 Behaviour both durable and memory implementations share runs against both (``impl`` parameter), so
 they keep one contract; Tables-only behaviour (prune, size limits, escaping, errors) runs on Azurite.

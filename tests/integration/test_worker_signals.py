@@ -1,4 +1,4 @@
-"""Graceful shutdown of a real worker process on SIGTERM (B13)."""
+"""Graceful shutdown of a real worker process on SIGTERM."""
 
 import os
 import signal

@@ -1,4 +1,4 @@
-"""The producer API (A4): envelopes, timing options, batching, durability flag, size limit."""
+"""The producer API: envelopes, timing options, batching, durability flag, size limit."""
 
 from datetime import UTC, datetime, timedelta
 

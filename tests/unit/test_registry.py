@@ -1,4 +1,4 @@
-"""The app registry (A3): one handler per type, accumulation across modules, no I/O at import."""
+"""The app registry: one handler per type, accumulation across modules, no I/O at import."""
 
 import subprocess
 import sys

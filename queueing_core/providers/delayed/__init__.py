@@ -1,4 +1,4 @@
-"""The delayed-message store (SPEC C7, seed 004) for transports whose native delay is too short."""
+"""The delayed-message store for transports whose native delay is too short."""
 
 from .breaker import CircuitBreaker
 from .dispatcher import FORWARD_FAILED, DelayedDispatcher, DelayedTarget, forward_failed_record

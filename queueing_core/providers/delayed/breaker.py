@@ -1,4 +1,4 @@
-"""The delayed store's circuit breakers (seed 004: store, fetch and dispatch).
+"""The delayed store's circuit breakers (store, fetch and dispatch).
 
 Failures that *continue* - no success in between - for longer than ``time_to_trigger`` trigger the
 breaker: it logs once at CRITICAL and from then on the caller backs off ``open_backoff`` seconds

@@ -1,4 +1,4 @@
-"""Forwards due delayed messages to their transport (seed 004's polling and dispatching).
+"""Forwards due delayed messages to their transport.
 
 Loop: fetch what is due -> forward each to its destination queue -> remove it. When nothing is due
 it sleeps until :meth:`SqlDelayedStore.next_due` (at most ``max_idle``), or until a ``store`` wakes
@@ -8,9 +8,8 @@ A failed forward:
 
 - the transport is unreachable (:class:`ProviderUnavailable`): not the message's fault, so it is not
   counted; the message is due again after the dispatch breaker's back-off.
-- any other error counts a failure on the message; after ``retries`` failures (seed 004's
-  ``NumberOfRetries``) it goes to the transport's dead-letter queue with the reason
-  ``delayed-forward-failed`` and the last error.
+- any other error counts a failure on the message; after ``retries`` failures it goes to the
+  transport's dead-letter queue with the reason ``delayed-forward-failed`` and the last error.
 
 Three circuit breakers (``store`` in the store, ``fetch`` and ``dispatch`` here) open after failures
 that continue for longer than their time-to-trigger: they log once at CRITICAL and back off.

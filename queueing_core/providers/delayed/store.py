@@ -1,4 +1,4 @@
-"""The delayed-message store (SPEC C7, seed 004) on the kit's SQL database (``queueing_delayed``).
+"""The delayed-message store on the kit's SQL database (``queueing_delayed``).
 
 Messages due later than a transport can hold (RabbitMQ: any delay; SQS: beyond 15 minutes) wait
 here as rows and a :class:`~.dispatcher.DelayedDispatcher` forwards them when due.
@@ -9,8 +9,8 @@ moves their due time forward by ``lease``. The row lock makes two concurrent fet
 moved due time keeps the row out of every other fetch after the commit, for as long as the forward
 takes, without holding a transaction (and a pooled connection, and on SQLite the write lock) open
 across a broker round trip. A dispatcher that dies between fetch and :meth:`remove` only delays the
-message by ``lease``; then another dispatcher forwards it (at least once, as seed 004 describes for
-non-transactional modes).
+message by ``lease``; then another dispatcher forwards it (at least once: a forward is never
+undone, so a crash after it and before :meth:`remove` sends it twice).
 
 Each :meth:`store` wakes the dispatchers of this process at once and, on PostgreSQL, those of other
 processes through ``NOTIFY`` on the store's own channel.

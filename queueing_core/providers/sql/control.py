@@ -1,4 +1,4 @@
-"""Pause and circuit state in the same database, so every host shares it (SPEC B6, B7)."""
+"""Pause and circuit state in the same database, so every host shares it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Message history in SQL for transports that keep none themselves (RabbitMQ, SQS; SPEC D3).
+"""Message history in SQL for transports that keep none themselves (RabbitMQ, SQS).
 
 :class:`SideStores` opens one :class:`SqlProvider` on ``QUEUEING_DATABASE_URL`` only to host the engine
 and the migrations; it hands out the shared pause/circuit store (the SQL provider's own tables) and

@@ -21,7 +21,7 @@ LEASED = MessageStatus.LEASED.value
 
 async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -> dict[str, int]:
     """Leases that lapsed (a worker died or hung): count the attempt, then retry, dead-letter at
-    max attempts, or mark Abandoned where the queue asks a person to look (seed 001)."""
+    max attempts, or mark Abandoned where the queue asks a person to look."""
     m = provider.tables.messages
     out = {"leases_retried": 0, "leases_abandoned": 0}
     woke: set[str] = set()

@@ -1,4 +1,4 @@
-"""Enqueue inside the caller's own database transaction (SPEC A4, the transactional outbox).
+"""Enqueue inside the caller's own database transaction (the transactional outbox).
 
 The message row is written on the caller's connection or session, so it exists exactly when the
 caller's business write commits; on PostgreSQL the worker wake-up (``pg_notify``) is sent at that

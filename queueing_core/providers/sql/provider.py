@@ -1,4 +1,4 @@
-"""The SQL provider (SPEC C2): durable rows, atomic batch claims, leases, wake-ups, retention.
+"""The SQL provider: durable rows, atomic batch claims, leases, wake-ups, retention.
 
 - Claim: one ``UPDATE ... FROM (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED) RETURNING`` per batch
   (PostgreSQL skips rows other workers are claiming; SQLite's single writer makes it atomic). Paused

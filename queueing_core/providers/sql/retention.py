@@ -1,4 +1,4 @@
-"""Retention (seed 000's AutoArchiveAfter/AutoArchiveStatuses, plus deletion of old archives)."""
+"""Retention: archive terminal messages after a while, then delete old archives."""
 
 from __future__ import annotations
 

@@ -303,7 +303,7 @@ def _v2(conn: sa.Connection, tables: Tables) -> None:
 
 
 def _v3(conn: sa.Connection, tables: Tables) -> None:
-    """Message history and the delayed-message store for RabbitMQ and SQS (SPEC C7, D3)."""
+    """Message history and the delayed-message store for RabbitMQ and SQS."""
     tables.metadata.create_all(conn, tables=[tables.history, tables.delayed])
 
 

@@ -1,4 +1,4 @@
-"""The messages table as message history: the SQL provider's durable tracker (SPEC D3)."""
+"""The messages table as message history: the SQL provider's durable tracker."""
 
 from __future__ import annotations
 
