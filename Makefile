@@ -57,7 +57,7 @@ lint: $(STAMP)
 
 # the documentation site, into site/; --strict turns every warning (a broken link included) into a failure
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # pytest exits 5 when a selection collects nothing (e.g. `make test PYTEST_ARGS="-k nothing"`): not a failure
 test: lint docs $(NODE) $(CHECKOV)

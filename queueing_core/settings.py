@@ -19,53 +19,178 @@ class QueueingSettings(BaseSettings):
         env_prefix="QUEUEING_", extra="ignore", frozen=True, env_ignore_empty=True
     )
 
-    provider: ProviderName = "sql"
-    app: str = Field(
-        default="queueing_core.examples.orders:app", description="MODULE:ATTR of the QueueingApp to load"
+    # Every field has a description: the configuration reference in the docs is generated from them.
+    provider: ProviderName = Field(
+        default="sql", description="The transport: where messages wait and how they are delivered."
     )
-    database_url: str = "sqlite:///./queueing.db"
-    database_schema: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-    auto_migrate: bool = True
-    connect_retries: int = Field(default=8, ge=0, le=1000)
-    maintenance_interval: float = Field(default=5.0, gt=0)
-    archive_after: timedelta | None = timedelta(days=7)
-    archive_statuses: list[str] = ["Succeeded", "DeadLettered", "Expired", "Cancelled"]
-    delete_archived_after: timedelta | None = timedelta(days=30)
-    queue_prefix: str = ""
-    queue_suffix: str = ""
-    worker_id: str | None = None
-    shutdown_timeout: float = Field(default=30.0, ge=0)
-    poll_min: float = Field(default=0.05, gt=0)
-    poll_max: float = Field(default=2.0, gt=0)
-    prefetch: int = Field(default=1, ge=1, le=1000)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["text", "json"] = "text"
+    app: str = Field(
+        default="queueing_core.examples.orders:app",
+        description="`MODULE:ATTR` of your `QueueingApp` (the default is the example app shipped with "
+        "the kit).",
+    )
+    database_url: str = Field(
+        default="sqlite:///./queueing.db",
+        description="The SQL database: the queue itself for `sql`; history, pause/circuit state and "
+        "the delayed-message store for `rabbitmq` and `sqs` (and Storage Queues with the delayed "
+        "store). `sqlite:///path` or `postgresql://user@host/db`.",
+    )
+    database_schema: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$",
+        description="A PostgreSQL schema for the kit's tables, to keep environments apart in one database.",
+    )
+    auto_migrate: bool = Field(
+        default=True,
+        description="Create or upgrade the SQL schema at start-up; when false, run `queueing migrate` "
+        "once per release.",
+    )
+    connect_retries: int = Field(
+        default=8, ge=0, le=1000, description="Attempts to reach the database at start-up, with backoff."
+    )
+    maintenance_interval: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds between SQL sweeps (lapsed leases, overdue expiry, retention) in each host.",
+    )
+    archive_after: timedelta | None = Field(
+        default=timedelta(days=7),
+        description="SQL: archive messages this long after they reached a status in "
+        "`QUEUEING_ARCHIVE_STATUSES`; unset to keep them unarchived.",
+    )
+    archive_statuses: list[str] = Field(
+        default=["Succeeded", "DeadLettered", "Expired", "Cancelled"],
+        description="SQL: the statuses that are archived after `QUEUEING_ARCHIVE_AFTER`.",
+    )
+    delete_archived_after: timedelta | None = Field(
+        default=timedelta(days=30),
+        description="SQL: delete archived messages this long after archiving; unset to keep them.",
+    )
+    queue_prefix: str = Field(
+        default="", description="Added before every queue name (then each transport's naming rules apply)."
+    )
+    queue_suffix: str = Field(default="", description="Added after every queue name.")
+    worker_id: str | None = Field(
+        default=None,
+        description="This host's id in logs and SQL leases (`locked_by`); by default "
+        "`<hostname>:<pid>:<random>`.",
+    )
+    shutdown_timeout: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds a stopping worker lets running handlers finish before it cancels them and "
+        "gives their messages back.",
+    )
+    poll_min: float = Field(
+        default=0.05, gt=0, description="Seconds a worker waits before polling again after a partial batch."
+    )
+    poll_max: float = Field(
+        default=2.0,
+        gt=0,
+        description="The longest wait between polls of an idle queue (the wait doubles up to it; a "
+        "wake-up cuts it short).",
+    )
+    prefetch: int = Field(
+        default=1,
+        ge=1,
+        le=1000,
+        description="Messages a worker holds per handler slot (`max_concurrency` x this are leased at once).",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="The log level of the kit's loggers."
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="`json` prints one JSON object per line (for log collectors)."
+    )
     # the cloud transports keep pause/circuit state and history in Azure Tables
-    control_table: str = Field(default="queueingcontrol", pattern=r"^[A-Za-z][A-Za-z0-9]{2,62}$")
-    tracker_table: str = Field(default="queueinghistory", pattern=r"^[A-Za-z][A-Za-z0-9]{2,62}$")
-    tracker_retention_days: float = Field(default=14, gt=0, le=3650)
-    #: storage TTL = the message's expiry + this, so the kit records "Expired" before the service drops it
-    ttl_grace: timedelta = timedelta(hours=1)
-    # RabbitMQ and SQS (their delays beyond what the broker holds go to the delayed-message store, a
-    # table in QUEUEING_DATABASE_URL's database)
-    rabbitmq_url: SecretStr = SecretStr("amqp://guest:guest@127.0.0.1:5672/")
-    sqs_endpoint_url: str | None = None
-    sqs_region: str = "us-east-1"
-    delayed_store_retries: int = Field(default=3, ge=0, le=100)
-    #: Storage Queues: keep delays beyond 7 days in the SQL delayed store (QUEUEING_DATABASE_URL)
-    #: instead of re-hiding the message every 7 days
-    storage_delayed_store: bool = False
-    api_key: SecretStr | None = None
-    #: how long a paused or held message waits before it is looked at again (Functions: each look is
-    #: an execution, so a longer wait is cheaper there)
-    pause_recheck_seconds: float = Field(default=5.0, gt=0, le=3600)
+    control_table: str = Field(
+        default="queueingcontrol",
+        pattern=r"^[A-Za-z][A-Za-z0-9]{2,62}$",
+        description="Storage Queues and Service Bus: the Azure Table holding pause and circuit state.",
+    )
+    tracker_table: str = Field(
+        default="queueinghistory",
+        pattern=r"^[A-Za-z][A-Za-z0-9]{2,62}$",
+        description="Storage Queues and Service Bus: the Azure Table holding message history.",
+    )
+    tracker_retention_days: float = Field(
+        default=14,
+        gt=0,
+        le=3650,
+        description="Days of message history kept where history lives apart from the queue (Azure "
+        "Tables, or SQL for RabbitMQ and SQS).",
+    )
+    ttl_grace: timedelta = Field(
+        default=timedelta(hours=1),
+        description="The transport's own time-to-live is the message's expiry plus this, so the kit "
+        "records `Expired` before the service drops the message.",
+    )
+    rabbitmq_url: SecretStr = Field(
+        default=SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
+        description="RabbitMQ: the AMQP URL (it holds a password: never logged).",
+    )
+    sqs_endpoint_url: str | None = Field(
+        default=None,
+        description="SQS: a different endpoint (a local server); AWS's own when unset.",
+    )
+    sqs_region: str = Field(default="us-east-1", description="SQS: the AWS region.")
+    delayed_store_retries: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description="Delayed-message store: failed forwards of one message before it is dead-lettered "
+        "with `delayed-forward-failed`.",
+    )
+    storage_delayed_store: bool = Field(
+        default=False,
+        description="Storage Queues: keep delays beyond 7 days in the SQL delayed store "
+        "(`QUEUEING_DATABASE_URL`) instead of re-hiding the message every 7 days.",
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="The ops API key (`Authorization: Bearer <key>` or `X-API-Key`). Unset: "
+        "`queueing serve` listens on loopback only and Functions refuse every request.",
+    )
+    pause_recheck_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="How long a paused or held message waits before it is looked at again (in "
+        "Functions each look is an execution, so a longer wait is cheaper there).",
+    )
     # Azure Functions: NCRONTAB schedules (six fields) and the SQL processor's time budget per run
-    functions_processor_schedule: str = Field(default="*/15 * * * * *", pattern=r"^(\S+\s+){5}\S+$")
-    functions_processor_budget: float = Field(default=50.0, gt=0, le=3600)
-    functions_sweeper_schedule: str = Field(default="*/30 * * * * *", pattern=r"^(\S+\s+){5}\S+$")
-    functions_retention_schedule: str = Field(default="0 5 * * * *", pattern=r"^(\S+\s+){5}\S+$")
-    functions_delayed_schedule: str = Field(default="*/30 * * * * *", pattern=r"^(\S+\s+){5}\S+$")
-    api_max_body_bytes: int = Field(default=256 * 1024, ge=1024, le=64 * 1024 * 1024)
+    functions_processor_schedule: str = Field(
+        default="*/15 * * * * *",
+        pattern=r"^(\S+\s+){5}\S+$",
+        description="Functions, SQL: when `queueing_sql_processor` runs (NCRONTAB, six fields).",
+    )
+    functions_processor_budget: float = Field(
+        default=50.0,
+        gt=0,
+        le=3600,
+        description="Functions, SQL: seconds one `queueing_sql_processor` run may process before it stops.",
+    )
+    functions_sweeper_schedule: str = Field(
+        default="*/30 * * * * *",
+        pattern=r"^(\S+\s+){5}\S+$",
+        description="Functions, SQL: when `queueing_lease_sweeper` runs.",
+    )
+    functions_retention_schedule: str = Field(
+        default="0 5 * * * *",
+        pattern=r"^(\S+\s+){5}\S+$",
+        description="Functions: when `queueing_retention` archives and deletes (SQL) or prunes the "
+        "Tables history.",
+    )
+    functions_delayed_schedule: str = Field(
+        default="*/30 * * * * *",
+        pattern=r"^(\S+\s+){5}\S+$",
+        description="Functions: when `queueing_delayed_dispatcher` forwards due delayed messages.",
+    )
+    api_max_body_bytes: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="The ops API refuses larger request bodies with 413.",
+    )
 
 
 def describe_error(exc: ValidationError, model: type[BaseSettings] = QueueingSettings) -> ConfigurationError:

@@ -234,6 +234,15 @@ class Worker:
         )
         self.started.set()
 
+    async def __aenter__(self) -> Worker:
+        """``async with Worker(runtime):`` processes in the background of your own code; leaving the
+        block shuts down gracefully (what :meth:`run` does on a signal)."""
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
     def request_stop(self) -> None:
         if self._stop_requested.is_set():
             log.warning("second stop request: not waiting for in-flight handlers")
