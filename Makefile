@@ -22,10 +22,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
-$(SERVE_STAMP): pyproject.toml
+# installed as a user installs it (not editable): any change to the kit's sources installs it again
+$(SERVE_STAMP): pyproject.toml $(shell find queueing_core -name '*.py')
 	@$(NEED_PYTHON)
 	test -x $(SERVE_VENV)/bin/python || $(PYTHON) -m venv $(SERVE_VENV)
-	$(SERVE_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[serve]'
+	$(SERVE_VENV)/bin/python -m pip install -q --disable-pip-version-check '.[serve]'
 	rm -f $(SERVE_VENV)/.installed-* && touch $@
 
 # Azurite, the local Azure Storage emulator the Storage Queues and Tables tests run against
