@@ -54,8 +54,8 @@ class QueueingSettings(BaseSettings):
     )
     archive_after: timedelta | None = Field(
         default=timedelta(days=7),
-        description="SQL: archive messages this long after they reached a status in "
-        "`QUEUEING_ARCHIVE_STATUSES`; unset to keep them unarchived.",
+        description="SQL: archive messages this long after they settled in one of "
+        "`QUEUEING_ARCHIVE_STATUSES` (`None` in code: never).",
     )
     archive_statuses: list[str] = Field(
         default=["Succeeded", "DeadLettered", "Expired", "Cancelled"],
@@ -63,7 +63,7 @@ class QueueingSettings(BaseSettings):
     )
     delete_archived_after: timedelta | None = Field(
         default=timedelta(days=30),
-        description="SQL: delete archived messages this long after archiving; unset to keep them.",
+        description="SQL: delete archived messages this long after archiving (`None` in code: keep them).",
     )
     queue_prefix: str = Field(
         default="", description="Added before every queue name (then each transport's naming rules apply)."

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 import typing
 from datetime import timedelta
 from typing import Any
@@ -54,8 +55,9 @@ def _accepted(field: FieldInfo) -> str:
     """What the setting accepts, from its type and constraints (never hand-written)."""
     notes: list[str] = []
     annotation = field.annotation
-    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    inner = args[0]
+    inner = annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # `X | None`: describe X
+        inner = next(a for a in typing.get_args(annotation) if a is not type(None))
     if typing.get_origin(inner) is typing.Literal:
         notes.append(", ".join(f"`{v}`" for v in typing.get_args(inner)))
     elif inner is timedelta:
@@ -74,7 +76,7 @@ def _accepted(field: FieldInfo) -> str:
         for attr, word in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
             bound = getattr(meta, attr, None)
             if bound is not None:
-                notes.append(f"{word} {bound:g}" if isinstance(bound, int | float) else f"{word} {bound}")
+                notes.append(f"{word} {bound:,}" if isinstance(bound, int) else f"{word} {bound:g}")
         pattern = getattr(meta, "pattern", None)
         if pattern:
             notes.append(f"matching `{pattern}`")

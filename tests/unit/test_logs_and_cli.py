@@ -122,3 +122,39 @@ def test_check_refuses_two_queues_that_collide_after_sanitizing(tmp_path):
     r = run_cli("check", "--app", "clash:app", "--transport", "storage_queue", cwd=tmp_path)
     assert r.returncode == 1
     assert "both map to 'orders'" in r.stderr
+
+
+def test_help_shows_no_python_type_labels():
+    commands = [[], ["serve"], ["check"], ["enqueue"], ["stats"], ["pause"], ["resume"], ["retry"]]
+    commands += [["purge"], ["migrate"], ["infra", "params"]]
+    for command in commands:
+        done = run_cli(*command, "--help")
+        assert done.returncode == 0, done.stderr
+        for label in ("<bool>", "<str>", "<int>", "<float", "<UUID>", "<list", "<Path>"):
+            assert label not in done.stdout, f"queueing {' '.join(command)} --help shows {label}"
+    serve = run_cli("serve", "--help").stdout
+    assert "--port PORT" in serve
+    assert "--app MODULE:ATTR" in serve
+
+
+def test_counts_in_messages_agree_with_their_number(tmp_path):
+    (tmp_path / "one.py").write_text(
+        textwrap.dedent(
+            """
+        from queueing_core import QueueingApp, QueueMessage
+        class Ping(QueueMessage):
+            pass
+        app = QueueingApp("one")
+        app.message(Ping)
+        """
+        )
+    )
+    one = run_cli("check", "--app", "one:app", cwd=tmp_path)
+    assert "one: 1 queue on sql" in one.stdout
+    three = run_cli("check", "--app", "queueing_core.examples.orders:app", cwd=tmp_path)
+    assert "orders: 3 queues on sql" in three.stdout
+    env = {"QUEUEING_DATABASE_URL": f"sqlite:///{tmp_path}/q.db"}
+    sent = run_cli(
+        "enqueue", "Ping", "--json", "{}", "--count", "2", "--app", "one:app", env=env, cwd=tmp_path
+    )
+    assert "enqueued 2 Ping messages" in sent.stdout, sent.stderr
