@@ -85,6 +85,8 @@ def test_pip_install_then_queueing_serve_from_another_folder_then_make_serve(tmp
         env=env,
     )
     assert located.startswith(str(venv)), located  # the installed package, not the source tree
+    licence = 'import importlib.metadata as m; print(m.metadata("queueing-kit")["License-Expression"])'
+    assert run(venv / "bin" / "python", "-c", licence, cwd=elsewhere, env=env).strip() == "MIT"  # SPDX
 
     # the default QUEUEING_APP is the packaged example: no --app, no checkout on the path
     port = free_port()
