@@ -119,14 +119,16 @@ class Server:
 
     def __init__(self, cwd: Path) -> None:
         self.port = free_port()
-        self.proc = subprocess.Popen(
-            [str(BIN / "queueing"), "serve", "--port", str(self.port)],
-            cwd=cwd,
-            env=clean_env(EXAMPLE_INVOICE_SECONDS="0.01"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        # its log goes to a file: a pipe nobody reads fills up and stalls the server mid-run
+        self.log = cwd / f"serve-{self.port}.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [str(BIN / "queueing"), "serve", "--port", str(self.port)],
+                cwd=cwd,
+                env=clean_env(EXAMPLE_INVOICE_SECONDS="0.01"),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 60
         url = f"http://127.0.0.1:{self.port}/api/_system/queueing/health"
         while True:
@@ -136,9 +138,7 @@ class Server:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise AssertionError(
-                        f"queueing serve did not answer: {self.proc.stdout.read()}"
-                    ) from None
+                    raise AssertionError(f"queueing serve did not answer: {self.log.read_text()}") from None
                 time.sleep(0.1)
 
     def stop(self) -> None:

@@ -32,24 +32,38 @@ def get(url: str) -> dict:
         return json.load(response)
 
 
-def wait_for(port: int, proc: subprocess.Popen, seconds: float = 120) -> dict:
+def wait_for(port: int, proc: subprocess.Popen, log: Path, seconds: float = 120) -> dict:
     deadline = time.monotonic() + seconds
     while True:
         try:
             return get(API.format(port=port) + "/health")
         except OSError:
             if proc.poll() is not None:
-                raise AssertionError(f"exited with {proc.returncode}: {proc.stdout.read()}") from None
+                raise AssertionError(f"exited with {proc.returncode}: {log.read_text()}") from None
             if time.monotonic() > deadline:
                 raise AssertionError("the ops API did not answer") from None
             time.sleep(0.2)
 
 
-def stop(proc: subprocess.Popen) -> str:
+def start(cmd: list, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """In a session of its own (stop() signals make and the server it started together); the log goes
+    to a file, as a pipe nobody reads would fill up and stall the server."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [str(c) for c in cmd],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop(proc: subprocess.Popen, log: Path) -> str:
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # make and the server it started
-    out, _ = proc.communicate(timeout=60)
-    return out
+        os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+    return log.read_text()
 
 
 def run(*cmd: str | Path, cwd: Path, env: dict[str, str], timeout: float = 600) -> str:
@@ -90,17 +104,10 @@ def test_pip_install_then_queueing_serve_from_another_folder_then_make_serve(tmp
 
     # the default QUEUEING_APP is the packaged example: no --app, no checkout on the path
     port = free_port()
-    serve = subprocess.Popen(
-        [venv / "bin" / "queueing", "serve", "--port", str(port)],
-        cwd=elsewhere,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    serve_log = tmp_path / "serve.log"
+    serve = start([venv / "bin" / "queueing", "serve", "--port", port], elsewhere, env, serve_log)
     try:
-        wait_for(port, serve)
+        wait_for(port, serve, serve_log)
         run(
             venv / "bin" / "queueing",
             "enqueue",
@@ -120,24 +127,18 @@ def test_pip_install_then_queueing_serve_from_another_folder_then_make_serve(tmp
             time.sleep(0.2)
         assert done == 6, queues
     finally:
-        log = stop(serve)
+        log = stop(serve, serve_log)
     assert "app orders (3 queues) on sqlite:///./queueing.db" in log
     assert (elsewhere / "queueing.db").exists()
 
     # the README's first command, with its port setting, in the same environment
     port = free_port()
-    make = subprocess.Popen(
-        ["make", "serve", f"PORT={port}", f"SERVE_VENV={venv}"],
-        cwd=ROOT,
-        env={**env, "QUEUEING_DATABASE_URL": f"sqlite:///{tmp_path}/make-serve.db"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    make_log = tmp_path / "make-serve.log"
+    make_env = {**env, "QUEUEING_DATABASE_URL": f"sqlite:///{tmp_path}/make-serve.db"}
+    make = start(["make", "serve", f"PORT={port}", f"SERVE_VENV={venv}"], ROOT, make_env, make_log)
     try:
-        health = wait_for(port, make)
+        health = wait_for(port, make, make_log)
     finally:
-        log = stop(make)
+        log = stop(make, make_log)
     assert set(health["queues"]) == {"order-placed", "generate-invoice", "capture-payment"}
     assert f"--port {port}" in log
