@@ -19,6 +19,7 @@ git clone -q "$REPO" "$WORK/clone"
 cd "$WORK/clone"
 if [ "$COLD" = 1 ]; then export PIP_CACHE_DIR="$WORK/pip-cache"; fi
 
+load_before=$(cut -d' ' -f1 /proc/loadavg)
 start=$(date +%s.%N)
 set -m  # its own process group, so the clean-up stops make, pip and the server together
 make serve PORT="$PORT" >"$WORK/serve.log" 2>&1 &
@@ -29,6 +30,8 @@ until curl -fs "http://127.0.0.1:$PORT/api/_system/queueing/health" >/dev/null; 
   sleep 0.2
 done
 end=$(date +%s.%N)
-printf 'make serve answered /health after %.1f s (%s pip cache); .venv-serve: %s, %s packages\n' \
+# the machine is shared: the 1-minute load average before and after says how busy it was
+printf 'make serve answered /health after %.1f s (%s pip cache; load %s -> %s); .venv-serve: %s, %s packages\n' \
   "$(echo "$end - $start" | bc)" "$([ "$COLD" = 1 ] && echo "an empty" || echo "the warm")" \
+  "$load_before" "$(cut -d' ' -f1 /proc/loadavg)" \
   "$(du -sh .venv-serve | cut -f1)" "$(.venv-serve/bin/python -m pip list --format=freeze 2>/dev/null | wc -l)"
