@@ -63,3 +63,12 @@ def test_the_api_reference_lists_every_route_of_the_served_document(openapi):
         assert f"### `{method.upper()} {path}`" in page
     for schema in openapi["components"]["schemas"]:
         assert f"### {schema}\n" in page
+
+
+def test_the_readme_links_point_at_files_that_exist():
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 20  # the front page links into the documentation
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
