@@ -12,7 +12,7 @@ NODE   := node_modules/.installed-$(shell cksum package-lock.json | cut -d' ' -f
 CHECKOV := .checkov-venv/bin/checkov
 NEED_PYTHON := $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11+ is needed"; exit 1; }
 
-.PHONY: serve test lint install local-storage checkov docs
+.PHONY: serve serve-env test lint install local-storage checkov docs
 
 # everything: the kit editable with `.[dev]` (every transport, the test and docs tools)
 $(STAMP): pyproject.toml
@@ -41,8 +41,11 @@ $(CHECKOV):
 install: $(STAMP) $(NODE)
 
 # the example app and the ops API on SQLite (./queueing.db): `make serve PORT=9000` for another port
-serve: $(SERVE_STAMP)
+serve: serve-env
 	$(SERVE_VENV)/bin/queueing serve --port $(PORT)
+
+# only the environment `make serve` runs in
+serve-env: $(SERVE_STAMP)
 
 # the example app on Storage Queues over a local Azurite, end to end (same PORT setting)
 local-storage: $(STAMP) $(NODE)

@@ -21,7 +21,12 @@ if [ "$COLD" = 1 ]; then export PIP_CACHE_DIR="$WORK/pip-cache"; fi
 
 load_before=$(cut -d' ' -f1 /proc/loadavg)
 start=$(date +%s.%N)
-set -m  # its own process group, so the clean-up stops make, pip and the server together
+# `make serve` is `make serve-env` (the install) then the server: timing the install on its own also
+# gives its CPU seconds, which other work on a shared machine does not change
+TIMEFORMAT='%R %U %S'
+install=$( { time make serve-env >"$WORK/install.log" 2>&1; } 2>&1 ) || { cat "$WORK/install.log" >&2; exit 1; }
+read -r _ install_user install_sys <<<"$install"
+set -m  # its own process group, so the clean-up stops make and the server together
 make serve PORT="$PORT" >"$WORK/serve.log" 2>&1 &
 pid=$!
 set +m
@@ -31,7 +36,7 @@ until curl -fs "http://127.0.0.1:$PORT/api/_system/queueing/health" >/dev/null; 
 done
 end=$(date +%s.%N)
 # the machine is shared: the 1-minute load average before and after says how busy it was
-printf 'make serve answered /health after %.1f s (%s pip cache; load %s -> %s); .venv-serve: %s, %s packages\n' \
+printf 'make serve answered /health after %.1f s (%s pip cache; load %s -> %s); install CPU %.1f s; .venv-serve: %s, %s packages\n' \
   "$(echo "$end - $start" | bc)" "$([ "$COLD" = 1 ] && echo "an empty" || echo "the warm")" \
-  "$load_before" "$(cut -d' ' -f1 /proc/loadavg)" \
+  "$load_before" "$(cut -d' ' -f1 /proc/loadavg)" "$(echo "$install_user + $install_sys" | bc)" \
   "$(du -sh .venv-serve | cut -f1)" "$(.venv-serve/bin/python -m pip list --format=freeze 2>/dev/null | wc -l)"
