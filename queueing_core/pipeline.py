@@ -19,6 +19,7 @@ Order of the checks (each is a decision the transports only settle):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import traceback
@@ -125,7 +126,16 @@ class Pipeline:
         return chain
 
     # -- the decision ------------------------------------------------------------------------------
-    async def process(self, delivery: Delivery, *, stopping: asyncio.Event | None = None) -> Decision:
+    async def process(
+        self,
+        delivery: Delivery,
+        *,
+        stopping: asyncio.Event | None = None,
+        closing: asyncio.Event | None = None,
+    ) -> Decision:
+        """Decide what becomes of ``delivery``. ``stopping`` is what the handler sees as
+        ``ctx.cancelled``; once ``closing`` is set (the host is shutting down) no handler starts:
+        a message still waiting for a concurrency slot is handed back untouched."""
         now = self.clock()
         if delivery.malformed is not None or delivery.envelope is None:
             reason = delivery.malformed.reason if delivery.malformed else "no envelope"
@@ -184,7 +194,7 @@ class Pipeline:
                 delivery, DeadLetter(DeadLetterReason.INVALID_BODY, _validation_text(exc))
             )
 
-        decision = await self._run(delivery, sub, env, message, stopping)
+        decision = await self._run(delivery, sub, env, message, stopping, closing)
         if cb is not None and not isinstance(decision, Release):
             await self._track_circuit(sub, decision, state.circuit(sub.type_name), probing, cb)
         return decision
@@ -199,6 +209,7 @@ class Pipeline:
         env: Envelope,
         message: QueueMessage,
         stopping: asyncio.Event | None,
+        closing: asyncio.Event | None,
     ) -> Decision:
         ctx = HandlerContext(
             envelope=env,
@@ -212,13 +223,18 @@ class Pipeline:
             ),
             producer=self.producer,
         )
-        hooks = self.app.hooks
-        if hooks.wants(Event.BEGAN):
-            await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
-        limit = sub.options.time_limit
-        started = perf_counter()
-        error: BaseException | None = None
-        async with self.limiter(sub):
+        limiter = self.limiter(sub)
+        if not await _take_slot(limiter, closing):
+            decision: Decision = Release("host shutting down before the handler started")
+            await self._emit(delivery, decision, None, None)
+            return decision
+        try:
+            hooks = self.app.hooks
+            if hooks.wants(Event.BEGAN):
+                await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
+            limit = sub.options.time_limit
+            started = perf_counter()
+            error: BaseException | None = None
             try:
                 async with asyncio.timeout(limit.total_seconds() if limit else None) as scope:
                     result = await self._chain(sub)(ctx)
@@ -228,7 +244,7 @@ class Pipeline:
                     raise
                 # The host is shutting down and gave up waiting: hand the message back untouched.
                 task.uncancel()
-                decision: Decision = Release("host shutting down")
+                decision = Release("host shutting down")
             except Retry as exc:
                 error = exc
                 decision = self._failure(sub, delivery.attempt, f"Retry: {exc.reason}", exc.after)
@@ -255,6 +271,8 @@ class Pipeline:
                     )
                 else:
                     decision = Complete(result)
+        finally:
+            limiter.release()
         duration = timedelta(seconds=perf_counter() - started)
         await self._emit(delivery, decision, error, duration)
         return decision
@@ -300,6 +318,32 @@ class Pipeline:
                     event, delivery.envelope, delivery.queue, delivery.attempt, decision, error, duration
                 )
             )
+
+
+async def _take_slot(limiter: asyncio.Semaphore, closing: asyncio.Event | None) -> bool:
+    """Wait for a concurrency slot; False (and no slot held) if ``closing`` is set first."""
+    if closing is not None and closing.is_set():
+        return False
+    if closing is None or not limiter.locked():
+        await limiter.acquire()  # free (or nothing to race): taken without waiting on two things
+        return True
+    acquiring = asyncio.ensure_future(limiter.acquire())
+    closed = asyncio.ensure_future(closing.wait())
+    unwinding = True
+    try:
+        await asyncio.wait({acquiring, closed}, return_when=asyncio.FIRST_COMPLETED)
+        unwinding = False
+    finally:
+        closed.cancel()
+        if not acquiring.done():
+            acquiring.cancel()  # the semaphore passes a slot granted meanwhile on to the next waiter
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+        got = acquiring.done() and not acquiring.cancelled()
+        if got and (unwinding or closing.is_set()):
+            limiter.release()  # closing won the race (or we were cancelled): start nothing
+            got = False
+    return got
 
 
 _EVENT_OF: dict[type, Event] = {

@@ -51,6 +51,10 @@ class Delivery:
     handle: Any = None  # whatever the provider needs to settle (a row id, a lock token, a receipt)
     received_at: datetime = field(default_factory=utcnow)
     lease_until: datetime | None = None
+    #: set by ``settle`` when the transport refused this delivery's settlement because its lease had
+    #: passed to another run (released, swept, expired): its outcome was not applied and must not be
+    #: recorded as if it had been
+    refused: bool = False
 
     @classmethod
     def of(
