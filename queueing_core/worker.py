@@ -37,9 +37,13 @@ def _held(state: ControlState, sub: Subscription) -> bool:
     """Paused, or a circuit that admits nothing now: receiving would only hand the work back."""
     if state.is_paused(sub.queue, sub.type_name):
         return True
+    return _admission(state, sub) is circuit.Admission.HOLD
+
+
+def _admission(state: ControlState, sub: Subscription) -> circuit.Admission:
     if sub.options.circuit_breaker is None:
-        return False
-    return circuit.admission(state.circuit(sub.type_name), utcnow()) is circuit.Admission.HOLD
+        return circuit.Admission.RUN
+    return circuit.admission(state.circuit(sub.type_name), utcnow())
 
 
 class PollBackoff:
@@ -322,10 +326,20 @@ class Worker:
                 await self._until_stopping(state.slot_freed.wait(), None)
                 continue
             try:
-                if not provider.capabilities.filters_paused and _held(await control.state(), sub):
-                    await self._until_stopping(asyncio.sleep(self.pause_poll), None)
-                    continue
                 want = min(free, self.batch_size)
+                if sub.options.circuit_breaker is not None or not provider.capabilities.filters_paused:
+                    now_state = await control.state()
+                    if not provider.capabilities.filters_paused and _held(now_state, sub):
+                        await self._until_stopping(asyncio.sleep(self.pause_poll), None)
+                        continue
+                    if _admission(now_state, sub) is circuit.Admission.PROBE:
+                        # the cooldown is over and one message may probe: take that one alone, and
+                        # none while an earlier one (perhaps the probe) is still running
+                        if state.in_flight:
+                            state.slot_freed.clear()
+                            await self._until_stopping(state.slot_freed.wait(), self.pause_poll)
+                            continue
+                        want = 1
                 batch = await provider.receive(sub, want)
             except Exception as exc:
                 delay = backoff.failure()

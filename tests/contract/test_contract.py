@@ -257,6 +257,37 @@ async def test_circuit_reset_lets_work_through_before_the_cooldown(harness):
     assert (await record(rt, bad.message_id)).attempt >= 1
 
 
+async def test_circuit_counts_only_consecutive_failures(harness):
+    """Four failures, a success, four failures: a breaker that opens at five stays closed, because
+    the success resets the count (on every control store: memory, SQL, Azure Tables)."""
+
+    @queue(
+        "flaky",
+        max_attempts=1,  # each failure is final: one message, one recorded outcome
+        retry=FAST_RETRY,
+        circuit_breaker=CircuitBreakerOptions(failure_threshold=5, cooldown=timedelta(hours=1)),
+    )
+    class Flaky(QueueMessage):
+        ok: bool
+
+    app = harness.app()
+
+    @app.handler(max_concurrency=1)
+    async def call(msg: Flaky):
+        if not msg.ok:
+            raise ConnectionError("downstream hiccup")
+
+    rt = await harness.runtime(app)
+    async with running(rt):
+        for ok in [False] * 4 + [True] + [False] * 4:
+            r = await app.enqueue(Flaky(ok=ok))  # one at a time: the order is the point
+            want = MessageStatus.SUCCEEDED if ok else MessageStatus.DEAD_LETTERED
+            await wait_until(lambda r=r, want=want: all_have(rt, [r.message_id], want), what=str(want))
+    rt.control.invalidate()
+    state = (await rt.control.state()).circuit("Flaky")
+    assert (state.state, state.consecutive_failures) == ("closed", 4)
+
+
 async def test_max_concurrency_per_type(harness):
     app = harness.app()
     running_now, peak = 0, 0

@@ -39,7 +39,7 @@ from ...transport import Capabilities, Delivery, Settlement
 from . import ops as sql_ops
 from .control import SqlControlStore
 from .engine import create_engine, normalize_url, redact
-from .listener import PgListener
+from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
 from .schema import LATEST, Tables, current_version, migrate
@@ -88,7 +88,7 @@ def _many(deliveries: Sequence[Delivery], **values: Any) -> dict[str, Any]:
 
 
 def channel_for(schema: str | None) -> str:
-    return f"queueing_{schema or 'public'}"
+    return channel_name("queueing", schema)
 
 
 class SqlProvider:
