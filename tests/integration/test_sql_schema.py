@@ -19,7 +19,6 @@ from queueing_core.naming import Transport
 from queueing_core.providers.delayed.store import channel_for as delayed_channel
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.providers.sql.history import SideStores
-from queueing_core.providers.sql.listener import MAX_IDENTIFIER, channel_name
 from queueing_core.providers.sql.provider import channel_for
 from queueing_core.runtime import Runtime
 from tests.services import POSTGRES_URL, drop_schema, require
@@ -67,6 +66,8 @@ def test_three_hosts_migrating_a_new_schema_at_once_all_succeed():
 
 
 def test_channel_names_fit_postgres_and_stay_apart():
+    from queueing_core.providers.sql.listener import MAX_IDENTIFIER, channel_name
+
     assert channel_for(None) == "queueing_public"
     assert channel_for("tenant_a") == "queueing_tenant_a"  # short names as before: hosts agree
     long_a, long_b = "a" * 50 + "_first_one", "a" * 50 + "_other_one"
