@@ -580,6 +580,7 @@ class RabbitMQProvider(SideStoreOps):
         c = self._consumers.get(h.physical)
         try:
             if _stale(h.message):
+                d.refused = True
                 env = d.envelope
                 log.warning(
                     "the connection that received a message from %s closed before it was settled; "

@@ -22,6 +22,9 @@ from queueing_core import (
     RetryPolicy,
     queue,
 )
+from queueing_core.decisions import Complete, DeadLetter, RetryAfter
+from queueing_core.transport import Settlement
+from queueing_core.worker import Settler
 
 from .harness import all_have, find, record, running, statuses, wait_until
 
@@ -286,6 +289,68 @@ async def test_circuit_counts_only_consecutive_failures(harness):
     rt.control.invalidate()
     state = (await rt.control.state()).circuit("Flaky")
     assert (state.state, state.consecutive_failures) == ("closed", 4)
+
+
+@queue("leased", lease_duration=timedelta(seconds=1), max_attempts=5, retry=FAST_RETRY)
+class Leased(QueueMessage):
+    key: str
+
+
+async def _claim(rt, sub, message_id):
+    """Receive until this message comes (the same provider, so the same process and worker id)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        for d in await rt.provider.receive(sub, 10):
+            assert d.envelope is not None
+            assert d.envelope.message_id == message_id
+            return d
+        await rt.provider.wait_for_work(sub, 0.2)
+    raise AssertionError(f"message {message_id} was not delivered")
+
+
+async def _settle(rt, settlement):
+    """Settle and record as a worker does, through its settler."""
+    settler = Settler(rt)
+    settler.start()
+    settler.add(settlement)
+    await settler.close()
+
+
+STALE_VERDICTS = {
+    "dead-letter": DeadLetter(DeadLetterReason.NON_RETRYABLE, "the stale run's verdict"),
+    # a retry is a copy on most transports: the fence must hold before the copy is written
+    "retry": RetryAfter(timedelta(milliseconds=10), "the stale run failed"),
+}
+
+
+@pytest.mark.parametrize(
+    ("order", "verdict"),
+    [("stale-first", "dead-letter"), ("live-first", "dead-letter"), ("stale-first", "retry")],
+)
+async def test_a_run_that_lost_its_lease_cannot_settle_over_the_live_run(harness, order, verdict):
+    """The lease is lost (released by an operator, timed out, or its channel closed), the same
+    process receives the message again, and the first run then settles: its outcome is refused,
+    before or after the live run's success, which is what the transport and the history hold."""
+    if harness.lose_lease is None:
+        pytest.skip(f"no leases on {harness.name}: {harness.no_lease_reason}")
+    app = harness.app()
+    app.handler(Leased)(lambda msg: None)
+    rt = await harness.runtime(app)
+    sub = app.subscription("Leased")
+    r = await app.enqueue(Leased(key="fenced"))
+    stale = await _claim(rt, sub, r.message_id)
+    await harness.lose_lease(rt, stale)
+    live = await _claim(rt, sub, r.message_id)
+    verdicts = [(stale, STALE_VERDICTS[verdict]), (live, Complete({"by": "the live run"}))]
+    for d, decision in verdicts if order == "stale-first" else verdicts[::-1]:
+        await _settle(rt, Settlement(d, decision))
+    rec = await record(rt, r.message_id)
+    assert (rec.status, rec.reason, rec.last_error) == (MessageStatus.SUCCEEDED, None, None)
+    assert await harness.dead_letters(rt, sub.queue) == 0  # no dead-letter copy either
+    await asyncio.sleep(sub.options.lease_duration.total_seconds() + 0.5)
+    assert await rt.provider.receive(sub, 10) == []  # and no copy comes back to run again
+    assert (stale.refused, live.refused) == (True, False)  # what the worker's log line says
+    await rt.close()
 
 
 async def test_max_concurrency_per_type(harness):

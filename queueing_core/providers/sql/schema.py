@@ -195,6 +195,17 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("created_at", Timestamp, nullable=False),
         sa.Index("ix_queueing_delayed_due", "transport", "due_at"),
     )
+    # v4: the lease of each message a transport holds that cannot fence a settlement by itself (SQS:
+    # a stale receipt handle may still delete). Written at receive, checked and removed at settlement.
+    sa.Table(
+        "queueing_leases",
+        md,
+        sa.Column("transport", sa.String(32), primary_key=True),
+        sa.Column("message_key", sa.String(128), primary_key=True),  # the transport's own message id
+        sa.Column("token", sa.Uuid(), nullable=False),
+        sa.Column("until", Timestamp, nullable=False),
+        sa.Index("ix_queueing_leases_until", "until"),
+    )
     sa.Table(
         "queueing_schema",
         md,
@@ -215,6 +226,7 @@ class Tables:
     counts: sa.Table
     history: sa.Table
     delayed: sa.Table
+    leases: sa.Table
 
     @classmethod
     def build(cls, schema: str | None = None) -> Tables:
@@ -237,6 +249,7 @@ class Tables:
             t[key("queueing_counts")],
             t[key("queueing_history")],
             t[key("queueing_delayed")],
+            t[key("queueing_leases")],
         )
 
 
@@ -311,8 +324,10 @@ def _v3(conn: sa.Connection, tables: Tables) -> None:
 
 
 def _v4(conn: sa.Connection, tables: Tables) -> None:
-    """The per-claim lease token. Existing rows start at 0; a row leased by a worker of an older
+    """The per-claim lease token on messages, and the lease table for transports that cannot fence
+    settlements themselves. Existing rows start at token 0; a row leased by a worker of an older
     version is still settled by that worker's own guard (its id), or swept when its lease lapses."""
+    tables.metadata.create_all(conn, tables=[tables.leases])
     m = tables.messages
     have = {c["name"] for c in sa.inspect(conn).get_columns(m.name, schema=m.schema)}
     if "lease_token" not in have:  # a database created at this version has it from v1 already
@@ -325,7 +340,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "messages, pauses, circuits", _v1),
     (2, "message counts kept by triggers (PostgreSQL)", _v2),
     (3, "history and delayed messages for RabbitMQ and SQS", _v3),
-    (4, "a lease token per claim on messages", _v4),
+    (4, "a lease token per claim: on messages, and a lease table for SQS", _v4),
 ]
 LATEST = MIGRATIONS[-1][0]
 
