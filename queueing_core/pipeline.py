@@ -23,7 +23,7 @@ import contextlib
 import logging
 import random
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta
 from time import perf_counter
 from typing import Any
@@ -223,18 +223,16 @@ class Pipeline:
             ),
             producer=self.producer,
         )
+        hooks = self.app.hooks
+        if hooks.wants(Event.BEGAN):
+            await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
         limiter = self.limiter(sub)
         if not await _take_slot(limiter, closing):
-            decision: Decision = Release("host shutting down before the handler started")
-            await self._emit(delivery, decision, None, None)
-            return decision
-        try:
-            hooks = self.app.hooks
-            if hooks.wants(Event.BEGAN):
-                await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
-            limit = sub.options.time_limit
-            started = perf_counter()
-            error: BaseException | None = None
+            return await self._emit_final(delivery, Release("host shutting down before the handler started"))
+        limit = sub.options.time_limit
+        started = perf_counter()
+        error: BaseException | None = None
+        async with _holding(limiter):
             try:
                 async with asyncio.timeout(limit.total_seconds() if limit else None) as scope:
                     result = await self._chain(sub)(ctx)
@@ -244,7 +242,7 @@ class Pipeline:
                     raise
                 # The host is shutting down and gave up waiting: hand the message back untouched.
                 task.uncancel()
-                decision = Release("host shutting down")
+                decision: Decision = Release("host shutting down")
             except Retry as exc:
                 error = exc
                 decision = self._failure(sub, delivery.attempt, f"Retry: {exc.reason}", exc.after)
@@ -271,8 +269,6 @@ class Pipeline:
                     )
                 else:
                     decision = Complete(result)
-        finally:
-            limiter.release()
         duration = timedelta(seconds=perf_counter() - started)
         await self._emit(delivery, decision, error, duration)
         return decision
@@ -344,6 +340,15 @@ async def _take_slot(limiter: asyncio.Semaphore, closing: asyncio.Event | None) 
             limiter.release()  # closing won the race (or we were cancelled): start nothing
             got = False
     return got
+
+
+@contextlib.asynccontextmanager
+async def _holding(limiter: asyncio.Semaphore) -> AsyncIterator[None]:
+    """Give back, on the way out, a slot taken by :func:`_take_slot`."""
+    try:
+        yield
+    finally:
+        limiter.release()
 
 
 _EVENT_OF: dict[type, Event] = {

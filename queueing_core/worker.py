@@ -133,24 +133,24 @@ class Settler:
                 await self._flush(chunk)
 
     async def _flush(self, chunk: list[Settlement]) -> None:
-        try:
-            for attempt in range(1, 6):
-                try:
-                    await self.runtime.provider.settle(chunk)
-                    break
-                except Exception as exc:
-                    if attempt == 5:
-                        # The leases will lapse and the messages come back: at-least-once, nothing lost.
-                        log.error(
-                            "could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc
-                        )
-                        return
-                    log.warning("settling %d message(s) failed (%s); retrying", len(chunk), exc)
-                    await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-        finally:
-            if self.on_settled is not None:
-                self.on_settled(chunk)
+        for attempt in range(1, 6):
+            try:
+                await self.runtime.provider.settle(chunk)
+                break
+            except Exception as exc:
+                if attempt == 5:
+                    # The leases will lapse and the messages come back: at-least-once, nothing lost.
+                    log.error("could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc)
+                    self._settled(chunk)
+                    return
+                log.warning("settling %d message(s) failed (%s); retrying", len(chunk), exc)
+                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+        self._settled(chunk)
         self._history.put_nowait(chunk)
+
+    def _settled(self, chunk: list[Settlement]) -> None:
+        if self.on_settled is not None:
+            self.on_settled(chunk)
 
     async def close(self) -> None:
         self._closing = True
