@@ -6,6 +6,7 @@ Providers implement :class:`Provider`; the pipeline and the hosts use only this 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -16,6 +17,8 @@ from .decisions import Decision, counts_attempt
 from .envelope import Envelope
 from .errors import MalformedEnvelope
 from .naming import Transport
+
+_log = logging.getLogger("queueing.settle")
 
 if TYPE_CHECKING:
     from .app import QueueingApp, Subscription
@@ -88,6 +91,21 @@ class Delivery:
     def text(self) -> str:
         raw = self.raw
         return raw if isinstance(raw, str) else raw.decode("utf-8", errors="replace")
+
+    def refuse(self, why: str) -> None:
+        """The transport refused this delivery's settlement: its lease had passed to another run
+        (``why`` says how the transport knows). Nothing was applied; the run holding it now decides."""
+        self.refused = True
+        env = self.envelope
+        _log.warning(
+            "lease lost on %s before settling (%s): this run's outcome is not applied",
+            self.queue,
+            why,
+            extra={
+                "message_id": str(env.message_id) if env else None,
+                "correlation_id": env.correlation_id if env else None,
+            },
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -281,17 +281,7 @@ class ServiceBusProvider(PhysicalNames):
                 await r.complete_message(m)
         except (MessageLockLostError, MessageAlreadySettled) as exc:
             # another consumer owns it now (the lock expired): it will be processed again there
-            d.refused = True
-            env = d.envelope
-            log.warning(
-                "lock lost on %s before settling (%s); not settled twice",
-                d.queue,
-                type(exc).__name__,
-                extra={
-                    "message_id": str(env.message_id) if env else None,
-                    "correlation_id": env.correlation_id if env else None,
-                },
-            )
+            d.refuse(type(exc).__name__)
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)

@@ -473,13 +473,8 @@ class SqsProvider(SideStoreOps):
         ours = await self.leases.release([s.delivery.handle.lease for s in settlements])
         for s in settlements:
             if s.delivery.handle.lease.key not in ours:
-                s.delivery.refused = True
+                s.delivery.refuse("a later receive holds it (its lease token was replaced)")
         mine = [s for s in settlements if not s.delivery.refused]
-        if len(mine) < len(settlements):
-            log.warning(
-                "%d SQS outcome(s) not applied: their lease had passed to another receive",
-                len(settlements) - len(mine),
-            )
         results = await asyncio.gather(*(self._prepare(s) for s in mine), return_exceptions=True)
         ready = [s.delivery.handle for s, r in zip(mine, results, strict=True) if r is None]
         failures = [r for r in results if isinstance(r, BaseException)]

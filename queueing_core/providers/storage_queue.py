@@ -116,11 +116,11 @@ def _receipt_held() -> Iterator[None]:
     try:
         yield
     except ResourceNotFoundError:
-        raise _ReceiptLost("the message is gone") from None
+        raise _ReceiptLost("the message is gone from the queue") from None
     except HttpResponseError as exc:
         # the storage SDK adds the service's x-ms-error-code to its errors as ``error_code``
         if exc.status_code == 400 and getattr(exc, "error_code", None) == "PopReceiptMismatch":
-            raise _ReceiptLost("the pop receipt no longer matches") from None
+            raise _ReceiptLost("another receive holds it: the pop receipt no longer matches") from None
         raise
 
 
@@ -361,18 +361,8 @@ class StorageQueueProvider(PhysicalNames):
                         # a fresh copy starts at dequeue_count 0: the deferral costs no attempt
                         await self.put(d.queue, copy, due - now, now)
                     await self._delete(h)
-            except _ReceiptLost:
-                d.refused = True
-                env = d.envelope
-                log.warning(
-                    "lease lost on %s before settling (another receive holds the message, or it is gone); "
-                    "not settled",
-                    d.queue,
-                    extra={
-                        "message_id": str(env.message_id) if env else None,
-                        "correlation_id": env.correlation_id if env else None,
-                    },
-                )
+            except _ReceiptLost as exc:
+                d.refuse(str(exc))
 
     async def dead_letter(self, d: Delivery, decision: DeadLetter, now: datetime) -> None:
         """Put ``d`` in ``<queue>-poison`` with the reason (the original is settled by the caller)."""

@@ -231,23 +231,44 @@ async def _circuit(rt, type_name, name):
     return (await rt.control.state()).circuit(type_name).state == name
 
 
-async def test_circuit_reset_lets_work_through_before_the_cooldown(harness):
-    @queue(
-        "gateway2",
-        max_attempts=1,  # the failing message is dead-lettered: after the reset only the good one is left
-        retry=FAST_RETRY,
-        circuit_breaker=CircuitBreakerOptions(failure_threshold=1, cooldown=timedelta(hours=1)),
-    )
-    class Charge2(QueueMessage):
-        ok: bool
+class _Gateway(QueueMessage):
+    ok: bool
 
+
+def _breaker(threshold: int) -> dict:
+    # each failure is final (one message, one outcome); the breaker opens at ``threshold`` for an hour
+    return dict(
+        max_attempts=1,
+        retry=FAST_RETRY,
+        circuit_breaker=CircuitBreakerOptions(failure_threshold=threshold, cooldown=timedelta(hours=1)),
+    )
+
+
+@queue("gateway2", **_breaker(1))
+class Charge2(_Gateway):
+    pass
+
+
+@queue("flaky", **_breaker(5))
+class Flaky(_Gateway):
+    pass
+
+
+def _gateway_app(harness, message: type[_Gateway]):
+    """An app whose handler fails with a transient error unless the message says ``ok``."""
     app = harness.app()
 
-    @app.handler(max_concurrency=1)
-    async def charge(msg: Charge2):
+    @app.handler(message, max_concurrency=1)
+    async def call(msg: _Gateway) -> None:
         if not msg.ok:
             raise ConnectionError("down")
 
+    return app
+
+
+async def test_circuit_reset_lets_work_through_before_the_cooldown(harness):
+    # the failing message is dead-lettered: after the reset only the good one is left
+    app = _gateway_app(harness, Charge2)
     rt = await harness.runtime(app)
     bad = await app.enqueue(Charge2(ok=False))
     async with running(rt):
@@ -263,23 +284,7 @@ async def test_circuit_reset_lets_work_through_before_the_cooldown(harness):
 async def test_circuit_counts_only_consecutive_failures(harness):
     """Four failures, a success, four failures: a breaker that opens at five stays closed, because
     the success resets the count (on every control store: memory, SQL, Azure Tables)."""
-
-    @queue(
-        "flaky",
-        max_attempts=1,  # each failure is final: one message, one recorded outcome
-        retry=FAST_RETRY,
-        circuit_breaker=CircuitBreakerOptions(failure_threshold=5, cooldown=timedelta(hours=1)),
-    )
-    class Flaky(QueueMessage):
-        ok: bool
-
-    app = harness.app()
-
-    @app.handler(max_concurrency=1)
-    async def call(msg: Flaky):
-        if not msg.ok:
-            raise ConnectionError("downstream hiccup")
-
+    app = _gateway_app(harness, Flaky)
     rt = await harness.runtime(app)
     async with running(rt):
         for ok in [False] * 4 + [True] + [False] * 4:

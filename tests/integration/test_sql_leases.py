@@ -25,9 +25,30 @@ class Fenced(QueueMessage):
     n: int = 0
 
 
+async def _one_worker(sql_db) -> tuple[QueueingApp, SqlProvider, Runtime]:
+    """An app handling Fenced on one provider: one process, one worker id."""
+    app = QueueingApp("fencing")
+    app.handler(Fenced)(lambda msg: None)
+    prov = sql_db.provider(worker_id="the-only-worker")
+    rt = Runtime(app, prov)
+    await rt.open()
+    return app, prov, rt
+
+
 async def _one(prov: SqlProvider, app: QueueingApp, type_name: str = "Fenced"):
     [d] = await prov.receive(app.subscription(type_name), 10)
     return d
+
+
+async def _leased_by_a_dead_worker(prov: SqlProvider, message_id, worker: str) -> None:
+    """The row as a worker that died holding it leaves it: Leased, its lease run out."""
+    m = prov.tables.messages
+    async with prov.engine.begin() as conn:
+        await conn.execute(
+            sa.update(m)
+            .where(m.c.message_id == message_id)
+            .values(status="Leased", locked_by=worker, locked_until=prov.clock() - timedelta(seconds=1))
+        )
 
 
 async def _row(prov: SqlProvider, message_id):
@@ -39,11 +60,7 @@ async def _row(prov: SqlProvider, message_id):
 async def test_a_released_run_cannot_settle_once_the_same_process_claimed_again(sql_db):
     """An operator releases the lease, the same process (same worker id) claims the row again: the
     first run's settlement, renewal and release are refused; the live run's outcome stands."""
-    app = QueueingApp("fencing")
-    app.handler(Fenced)(lambda msg: None)
-    prov = sql_db.provider(worker_id="the-only-worker")
-    rt = Runtime(app, prov)
-    await rt.open()
+    app, prov, rt = await _one_worker(sql_db)
     r = await app.enqueue(Fenced())
     stale = await _one(prov, app)
     await OpsService(rt).release_lease(r.message_id)
@@ -69,11 +86,7 @@ async def test_a_released_run_cannot_settle_once_the_same_process_claimed_again(
 
 async def test_in_a_batch_only_the_stale_settlement_is_refused(sql_db):
     """Settlements of one kind go together; the one whose lease passed on is refused, the rest apply."""
-    app = QueueingApp("fencing")
-    app.handler(Fenced)(lambda msg: None)
-    prov = sql_db.provider(worker_id="the-only-worker")
-    rt = Runtime(app, prov)
-    await rt.open()
+    app, prov, rt = await _one_worker(sql_db)
     receipts = await app.enqueue_many([Fenced(n=i) for i in range(3)])
     first = await prov.receive(app.subscription("Fenced"), 10)
     victim = receipts[1].message_id
@@ -91,11 +104,7 @@ async def test_in_a_batch_only_the_stale_settlement_is_refused(sql_db):
 async def test_a_swept_run_cannot_settle_once_the_same_process_claimed_again(sql_db):
     """The lease lapses (a long pause), the sweeper counts the attempt, the same process claims the
     row again: the first run's late success is refused and the live run's failure is what counts."""
-    app = QueueingApp("fencing")
-    app.handler(Fenced)(lambda msg: None)
-    prov = sql_db.provider(worker_id="the-only-worker")
-    rt = Runtime(app, prov)
-    await rt.open()
+    app, prov, rt = await _one_worker(sql_db)
     r = await app.enqueue(Fenced())
     stale = await _one(prov, app)
     m = prov.tables.messages
@@ -123,13 +132,7 @@ async def test_rows_of_an_older_schema_migrate_and_are_fenced(sql_db, monkeypatc
     await old.open(app)
     rt_old = Runtime(app, old)
     leased, pending = await app.enqueue_many([Fenced(n=1), Fenced(n=2)])
-    m = old.tables.messages
-    async with old.engine.begin() as conn:
-        await conn.execute(
-            sa.update(m)
-            .where(m.c.message_id == leased.message_id)
-            .values(status="Leased", locked_by="old-worker", locked_until=old.clock() - timedelta(seconds=1))
-        )
+    await _leased_by_a_dead_worker(old, leased.message_id, "old-worker")
     await rt_old.close()
     monkeypatch.undo()
 
@@ -211,13 +214,7 @@ async def test_the_sweeper_and_expiry_cover_queues_no_longer_registered(sql_db):
     await rt.open()
     held, waiting = await before.enqueue_many([Retired(), Retired()])
     await before.enqueue(Retired(), ttl=timedelta(milliseconds=1))
-    m = prov.tables.messages
-    async with prov.engine.begin() as conn:
-        await conn.execute(
-            sa.update(m)
-            .where(m.c.message_id == held.message_id)
-            .values(status="Leased", locked_by="gone", locked_until=prov.clock() - timedelta(seconds=1))
-        )
+    await _leased_by_a_dead_worker(prov, held.message_id, "gone")
     after = QueueingApp("removal")
     after.handler(Fenced)(lambda msg: None)  # Retired is no longer registered
     done = await prov.maintain(after)
