@@ -151,7 +151,8 @@ class Statements:
             .values(status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, **settled)
             .returning(m.c.id)
         )
-        # one row each; the provider runs them one by one, so it knows which it was refused
+        # one row each: the provider sends a kind's rows as one batch, and row by row only when the
+        # batch shows that some were refused, to learn which
         self.settle: dict[str, sa.Update] = {
             "complete": sa.update(m)
             .where(owned)
