@@ -132,6 +132,10 @@ def _servicebus_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscri
     # the SDK-type binding: the worker reads these annotations to hand over the message and its actions
     import azurefunctions.extensions.bindings.servicebus as servicebus
 
+    from .servicebus_delivery import capture_delivery_counts
+
+    capture_delivery_counts()  # the delivery count the extension's decoder drops (see that module)
+
     async def on_message(msg: Any, message_actions: Any) -> None:
         await host.on_servicebus_message(sub, msg, message_actions)
 

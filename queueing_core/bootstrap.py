@@ -69,12 +69,17 @@ def make_provider(settings: QueueingSettings) -> Provider:
         control, tracker = tables_from_connection(
             storage.connection_string,
             table_service_uri=storage.table_service_uri,
+            client_id=storage.client_id,
             control_table=settings.control_table,
             tracker_table=settings.tracker_table,
             retention=timedelta(days=settings.tracker_retention_days),
         )
         return ServiceBusProvider.from_connection(
-            connection, control=control, tracker=tracker, ttl_grace=settings.ttl_grace
+            connection,
+            control=control,
+            tracker=tracker,
+            ttl_grace=settings.ttl_grace,
+            auto_create=settings.servicebus_create_queues,
         )
     if name == "rabbitmq":
         from .providers.rabbitmq import RabbitMQProvider

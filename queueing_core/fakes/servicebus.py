@@ -27,7 +27,14 @@ checks ``isinstance`` against the SDK class will refuse it.
 
 Kept from the broker: peek-lock with lock expiry and renewal, abandon, defer, dead-lettering (explicit,
 max delivery count, expiry), effective TTL, scheduled messages and cancellation, receive-and-delete,
-the 256 KB Standard-tier size limit, duplicate detection, runtime counts. Not modelled: sessions,
+the 256 KB Standard-tier size limit, duplicate detection, runtime counts, and **rights**: a client made
+with ``rights=`` (or ``rights_of_roles(...)`` for Entra role assignments) is refused what those rights
+do not allow, with the exception the SDK raises for the service's refusal. Without ``Manage`` (only
+*Azure Service Bus Data Owner* grants it to an identity) every administration call answers HTTP 401,
+which the SDK raises as ``azure.core.exceptions.ClientAuthenticationError`` (built here by azure-core's
+own ``map_error``, as the SDK's generated client does); without ``Send`` or ``Listen`` the AMQP link is
+refused with ``amqp:unauthorized-access``, which the SDK raises as ``ServiceBusAuthorizationError``
+(built here by the SDK's own error mapping). Not modelled: sessions,
 topics, transactions, auto-forwarding, partitioning, prefetch buffering, ``AutoLockRenewer``, AMQP
 value and sequence bodies.
 
@@ -53,7 +60,13 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from azure.core.exceptions import HttpResponseError, ResourceExistsError, ResourceNotFoundError
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceNotFoundError,
+    map_error,
+)
 from azure.servicebus import (
     ServiceBusMessage,
     ServiceBusMessageBatch,
@@ -69,6 +82,7 @@ from azure.servicebus.exceptions import (
     MessageNotFoundError,
     MessageSizeExceededError,
     MessagingEntityNotFoundError,
+    ServiceBusAuthorizationError,
     ServiceBusError,
 )
 from azure.servicebus.management import QueueProperties
@@ -76,8 +90,13 @@ from azure.servicebus.management import QueueProperties
 from ..clock import Clock, as_utc, utcnow
 
 __all__ = [
+    "ALL_RIGHTS",
     "DEFAULT_RECEIVE_WAIT_SECONDS",
+    "LISTEN",
+    "MANAGE",
     "MAX_DELIVERY_COUNT_EXCEEDED",
+    "ROLE_RIGHTS",
+    "SEND",
     "STANDARD_MAX_MESSAGE_BYTES",
     "TIMESPAN_MAX",
     "TTL_EXPIRED",
@@ -90,6 +109,7 @@ __all__ = [
     "FakeServiceBusNamespace",
     "FakeServiceBusReceiver",
     "FakeServiceBusSender",
+    "rights_of_roles",
 ]
 
 #: largest message (and batch) a Standard-tier entity accepts
@@ -107,6 +127,76 @@ _DESCRIPTION_KEY = "DeadLetterErrorDescription"
 _SHUTDOWN = "The handler has already been shutdown. Please use ServiceBusClient to create a new instance."
 
 _T = TypeVar("_T")
+
+# --- rights -------------------------------------------------------------------------------------
+
+#: the claims a SAS policy carries, and what an Entra role maps to on the service
+MANAGE, SEND, LISTEN = "Manage", "Send", "Listen"
+ALL_RIGHTS: frozenset[str] = frozenset({MANAGE, SEND, LISTEN})
+#: Azure's built-in Service Bus data roles, by role definition id (the same in every tenant)
+ROLE_RIGHTS: Mapping[str, frozenset[str]] = {
+    "090c5cfd-751d-490a-894a-3ce6f1109419": ALL_RIGHTS,  # Azure Service Bus Data Owner
+    "69a216fc-b8fb-44d8-bc22-1f3c2cd27a39": frozenset({SEND}),  # Azure Service Bus Data Sender
+    "4f6d3b9b-027b-4f4c-9142-0e5a2a2247e0": frozenset({LISTEN}),  # Azure Service Bus Data Receiver
+}
+
+
+def rights_of_roles(role_definition_ids: Iterable[str]) -> frozenset[str]:
+    """The rights an identity holds on a namespace through these role assignments (others grant none)."""
+    held: set[str] = set()
+    for role in role_definition_ids:
+        held |= ROLE_RIGHTS.get(role.lower(), frozenset())
+    return frozenset(held)
+
+
+class _Response:
+    """The little of an HTTP response azure-core's ``HttpResponseError`` reads."""
+
+    def __init__(self, status_code: int, reason: str, body: str) -> None:
+        self.status_code = status_code
+        self.reason = reason
+        self._body = body
+
+    def text(self, encoding: str | None = None) -> str:
+        return self._body
+
+
+def _refuse_management(namespace: FakeServiceBusNamespace, entity: str | None, *, write: bool) -> None:
+    """What the service answers an administration call without Manage: 401 with its XML error body,
+    turned into an exception by azure-core's ``map_error`` exactly as the SDK's generated client does."""
+    claim = "Manage,EntityWrite" if write else "Manage,EntityRead"
+    tracker = f"{namespace.fully_qualified_namespace}:" + (
+        f"Queue:{entity}" if entity else "$Resources/queues"
+    )
+    body = (
+        f"<Error><Code>401</Code><Detail>{claim} claims required for this operation. "
+        f"TrackingId:{uuid.uuid4()}_G1, SystemTracker:{tracker}, "
+        f"Timestamp:{namespace.now():%Y-%m-%dT%H:%M:%S}</Detail></Error>"
+    )
+    map_error(401, _Response(401, "Unauthorized", body), {401: ClientAuthenticationError})  # type: ignore[arg-type]
+
+
+def _refuse_link(namespace: FakeServiceBusNamespace, entity: str, claim: str) -> ServiceBusError:
+    """What the service answers a link without the claim, through the SDK's own AMQP error mapping."""
+    description = (
+        f"Unauthorized access. '{claim}' claim(s) are required to perform this operation. "
+        f"Resource: 'sb://{namespace.fully_qualified_namespace}/{entity.lower()}'. "
+        f"TrackingId:{uuid.uuid4()}_G1, SystemTracker:gateway, Timestamp:{namespace.now():%Y-%m-%dT%H:%M:%S}"
+    )
+    try:
+        import logging
+
+        from azure.servicebus._pyamqp.error import AMQPException, ErrorCondition
+        from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
+    except ImportError:  # a later SDK moved its transport: the same exception type, built by hand
+        return ServiceBusAuthorizationError(
+            message=f"{description} Error condition: amqp:unauthorized-access."
+        )
+    error: ServiceBusError = PyamqpTransport.create_servicebus_exception(
+        logging.getLogger("azure.servicebus"),
+        AMQPException(condition=ErrorCondition.UnauthorizedAccess, description=description),
+    )
+    return error
 
 
 class FakeClock:
@@ -676,10 +766,16 @@ class _Closing:
 class _Link(_Closing):
     """What a sender and a receiver share: one queue, an async context, and no use after close."""
 
-    def __init__(self, namespace: FakeServiceBusNamespace, queue_name: str) -> None:
+    #: the claim the service checks when this kind of link attaches
+    claim = ""
+
+    def __init__(
+        self, namespace: FakeServiceBusNamespace, queue_name: str, rights: frozenset[str] = ALL_RIGHTS
+    ) -> None:
         self._namespace = namespace
         self.entity_name = queue_name
         self.fully_qualified_namespace = namespace.fully_qualified_namespace
+        self._rights = rights
         self._closed = False
 
     async def __aenter__(self) -> Self:
@@ -694,10 +790,14 @@ class _Link(_Closing):
     def _check_live(self) -> None:
         if self._closed:
             raise ValueError(_SHUTDOWN)
+        if self.claim not in self._rights:
+            raise _refuse_link(self._namespace, self.entity_name, self.claim)
 
 
 class FakeServiceBusSender(_Link):
     """Mirrors ``azure.servicebus.aio.ServiceBusSender`` for one queue."""
+
+    claim = SEND
 
     async def send_messages(
         self,
@@ -794,11 +894,14 @@ def _is_dead_letter(sub_queue: ServiceBusSubQueue | str | None) -> bool:
 class FakeServiceBusReceiver(_Link):
     """Mirrors ``azure.servicebus.aio.ServiceBusReceiver`` for a queue or its dead-letter sub-queue."""
 
+    claim = LISTEN
+
     def __init__(
         self,
         namespace: FakeServiceBusNamespace,
         queue_name: str,
         *,
+        rights: frozenset[str] = ALL_RIGHTS,
         sub_queue: ServiceBusSubQueue | str | None = None,
         receive_mode: ServiceBusReceiveMode | str = ServiceBusReceiveMode.PEEK_LOCK,
         max_wait_time: float | None = None,
@@ -806,7 +909,7 @@ class FakeServiceBusReceiver(_Link):
     ) -> None:
         if max_wait_time is not None and max_wait_time <= 0:
             raise ValueError("The max_wait_time must be greater than 0.")
-        super().__init__(namespace, queue_name)
+        super().__init__(namespace, queue_name, rights)
         self._dead_letter = _is_dead_letter(sub_queue)
         self._receive_mode = (
             receive_mode
@@ -1019,10 +1122,15 @@ def _peeked_state(entry: _Entry) -> ServiceBusMessageState:
 
 
 class FakeServiceBusClient(_Closing):
-    """Mirrors ``azure.servicebus.aio.ServiceBusClient``, on a :class:`FakeServiceBusNamespace`."""
+    """Mirrors ``azure.servicebus.aio.ServiceBusClient``, on a :class:`FakeServiceBusNamespace`.
 
-    def __init__(self, namespace: FakeServiceBusNamespace) -> None:
+    ``rights`` are the claims its credential carries (default: all, like the namespace's
+    RootManageSharedAccessKey); senders need ``Send``, receivers ``Listen``.
+    """
+
+    def __init__(self, namespace: FakeServiceBusNamespace, *, rights: Iterable[str] = ALL_RIGHTS) -> None:
         self.namespace = namespace
+        self.rights = frozenset(rights)
         self.fully_qualified_namespace = namespace.fully_qualified_namespace
         self._handlers: list[FakeServiceBusSender | FakeServiceBusReceiver] = []
 
@@ -1035,7 +1143,7 @@ class FakeServiceBusClient(_Closing):
     def get_queue_sender(
         self, queue_name: str, *, client_identifier: str | None = None, socket_timeout: float | None = None
     ) -> FakeServiceBusSender:
-        sender = FakeServiceBusSender(self.namespace, queue_name)
+        sender = FakeServiceBusSender(self.namespace, queue_name, self.rights)
         self._handlers.append(sender)
         return sender
 
@@ -1056,6 +1164,7 @@ class FakeServiceBusClient(_Closing):
         receiver = FakeServiceBusReceiver(
             self.namespace,
             queue_name,
+            rights=self.rights,
             sub_queue=sub_queue,
             receive_mode=receive_mode,
             max_wait_time=max_wait_time,
@@ -1094,13 +1203,20 @@ class FakeServiceBusAdministrationClient(_Closing):
     """Mirrors ``azure.servicebus.aio.management.ServiceBusAdministrationClient`` for queues.
 
     Properties come back as real ``QueueProperties``; durations must be ``timedelta`` (the SDK also
-    takes ISO-8601 strings).
+    takes ISO-8601 strings). Every call needs the ``Manage`` right (the service's rule, reads included);
+    without it the call fails as the service's 401 does.
     """
 
-    def __init__(self, namespace: FakeServiceBusNamespace) -> None:
+    def __init__(self, namespace: FakeServiceBusNamespace, *, rights: Iterable[str] = ALL_RIGHTS) -> None:
         self.namespace = namespace
+        self.rights = frozenset(rights)
+
+    def _authorize(self, entity: str | None, *, write: bool = False) -> None:
+        if MANAGE not in self.rights:
+            _refuse_management(self.namespace, entity, write=write)
 
     def _existing(self, queue_name: str) -> _Queue:
+        self._authorize(queue_name)
         queue = self.namespace._find(queue_name)
         if queue is None:
             raise ResourceNotFoundError(f"Queue '{queue_name}' does not exist in this namespace.")
@@ -1129,6 +1245,7 @@ class FakeServiceBusAdministrationClient(_Closing):
         max_message_size_in_kilobytes: int | None = None,
     ) -> QueueProperties:
         """Create a queue; ``None`` means the service default (max delivery 10, lock 60 s, no TTL limit)."""
+        self._authorize(queue_name, write=True)
         _reject_unmodelled(requires_session, forward_to, forward_dead_lettered_messages_to)
         if self.namespace._find(queue_name) is not None:
             raise ResourceExistsError(f"Queue '{queue_name}' already exists.")
@@ -1162,9 +1279,11 @@ class FakeServiceBusAdministrationClient(_Closing):
         return self.namespace._queue(queue_name).runtime_properties()
 
     def list_queues(self) -> AsyncIterator[QueueProperties]:
+        self._authorize(None)
         return _iterate([q.settings.to_properties(q.name) for q in self.namespace._queues.values()])
 
     def list_queues_runtime_properties(self) -> AsyncIterator[FakeQueueRuntimeProperties]:
+        self._authorize(None)
         names = self.namespace.queue_names
         return _iterate([self.namespace._queue(name).runtime_properties() for name in names])
 
@@ -1183,12 +1302,14 @@ class FakeServiceBusAdministrationClient(_Closing):
                 queue.get("forward_dead_lettered_messages_to"),
             )
         _reject_unmodelled(*unmodelled)
+        self._authorize(name, write=True)
         existing = self._existing(name)
         existing.settings = existing.settings.updated(values)
         existing.updated_at = self.namespace.now()
         self.namespace.wake_waiters()
 
     async def delete_queue(self, queue_name: str) -> None:
+        self._authorize(queue_name, write=True)
         self._existing(queue_name)
         del self.namespace._queues[queue_name.lower()]
         self.namespace.wake_waiters()

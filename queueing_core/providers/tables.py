@@ -888,6 +888,7 @@ def tables_from_connection(
     *,
     table_service_uri: str | None = None,
     credential: Credential | None = None,
+    client_id: str | None = None,
     control_table: str = "queueingcontrol",
     tracker_table: str = "queueinghistory",
     retention: timedelta = timedelta(days=14),
@@ -895,7 +896,8 @@ def tables_from_connection(
     """The control store and tracker on one account; the tables are created on first use.
 
     Give a connection string, or a table service URI (``https://<acct>.table.core.windows.net``)
-    with a credential; without one, ``DefaultAzureCredential`` (managed identity in Azure).
+    with a credential; without one, ``DefaultAzureCredential`` (managed identity in Azure: the
+    user-assigned one with ``client_id``, from ``QueueingStorage__clientId``).
     """
     for setting, name in (
         ("QUEUEING_CONTROL_TABLE", control_table),
@@ -920,10 +922,9 @@ def tables_from_connection(
             raise ConfigurationError("QueueingStorage", f"invalid connection string: {exc}") from None
     elif table_service_uri:
         if credential is None:
-            # Imported here: identity is only needed for URI-based connections and is slow to load.
-            from azure.identity.aio import DefaultAzureCredential
+            from ..connections import identity_credential
 
-            owned = DefaultAzureCredential()
+            owned = identity_credential(client_id)
             credential = owned
             closers.append(owned.close)  # closing twice (both stores) is harmless
         try:
