@@ -3,6 +3,7 @@ shape and decoded by the binding extension's own decoder, never by hand (see ser
 
 from __future__ import annotations
 
+import threading
 import uuid
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
@@ -20,7 +21,14 @@ from queueing_core.settings import QueueingSettings
 from queueing_core.testing import in_memory_servicebus
 
 from .conftest import functions_of, user
-from .servicebus_host import CAPTURED_CONTENT, amqp_bytes, as_delivered, decode_as_worker, host_delivers
+from .servicebus_host import (
+    CAPTURED_CONTENT,
+    HostActions,
+    amqp_bytes,
+    as_delivered,
+    decode_as_worker,
+    host_delivers,
+)
 
 MAX_ATTEMPTS = 4
 ENV = {
@@ -183,3 +191,23 @@ async def test_the_decoded_message_is_the_sdks_own_with_the_brokers_lock_token(f
     assert msg.lock_token == received.lock_token
     assert msg.message_id == str(sent.message_id)
     assert delivery_number(msg) == 1
+
+
+async def test_settlement_calls_run_off_the_event_loop(flaky_host):
+    """``ServiceBusMessageActions`` blocks on gRPC: on the loop it would stall every other invocation."""
+    h = flaky_host
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+
+    class BlockingActions(HostActions):
+        def _record(self, action, message, **kw):
+            threads.append(threading.get_ident())
+            super()._record(action, message, **kw)
+
+    await h.app.enqueue(Flaky())
+    [received] = await h.receiver.receive_messages(max_message_count=1, max_wait_time=1)
+    actions = BlockingActions()
+    await h.fn(as_delivered(received), actions)
+    assert [a for a, _, _ in actions.done] == ["complete"]
+    assert threads
+    assert loop_thread not in threads
