@@ -40,6 +40,8 @@ def make_provider(settings: QueueingSettings) -> Provider:
             retention=retention,
             connect_retries=settings.connect_retries,
             maintenance_interval=settings.maintenance_interval,
+            database_auth=settings.database_auth,
+            client_id=settings.database_client_id,
         )
     if name == "storage_queue":
         from .connections import StorageConnection
