@@ -12,7 +12,8 @@
   the API key as well).
 
 Importing this module opens no connection and loads no transport SDK; a missing or invalid setting
-fails indexing with one line that names it.
+fails indexing with one line that names it, and so does shared state in a SQLite file (a file of its
+own on every instance).
 """
 
 import logging
@@ -73,6 +74,32 @@ def _check_connections(transport: str, env: dict[str, str]) -> None:
         StorageConnection.from_environment(STORAGE_CONNECTION, env)  # queues and/or the Tables
 
 
+def _check_shared_state(cfg: QueueingSettings, transport: Transport) -> None:
+    """State every instance must share may not live in a SQLite file: on Azure Functions each instance
+    has a file of its own, so messages, pauses and delays would scatter between instances."""
+    if transport is Transport.SQL:
+        what = "the SQL transport's queues"
+    elif transport is Transport.STORAGE_QUEUE and cfg.storage_delayed_store:
+        what = "the delayed-message store (QUEUEING_STORAGE_DELAYED_STORE=true)"
+    else:
+        return
+    if not cfg.database_url.lower().startswith("sqlite"):
+        return
+    given = "database_url" in cfg.model_fields_set
+    state = "is SQLite" if given else "is not set (the default is a SQLite file)"
+    problem = f"{state}: {what} would be a separate file on every Functions instance"
+    if cfg.functions_local_sqlite:  # one host on a developer's machine: a file is shared enough
+        log.warning(
+            "QUEUEING_DATABASE_URL %s; allowed by QUEUEING_FUNCTIONS_LOCAL_SQLITE for one local host", problem
+        )
+        return
+    raise ConfigurationError(
+        "QUEUEING_DATABASE_URL",
+        problem,
+        "a PostgreSQL URL; QUEUEING_FUNCTIONS_LOCAL_SQLITE=true allows SQLite for a single local host",
+    )
+
+
 def build_app(
     settings: QueueingSettings | None = None,
     queueing_app: QueueingApp | None = None,
@@ -101,11 +128,7 @@ def build_app(
         from queueing_core.naming import QueueNaming
 
         qapp.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
-    if transport is Transport.SQL and cfg.database_url.startswith("sqlite"):
-        log.warning(
-            "QUEUEING_DATABASE_URL is SQLite: on Azure Functions every instance has its own file; "
-            "use PostgreSQL to share the queues"
-        )
+    _check_shared_state(cfg, transport)
     the_host = host or FunctionsHost(qapp, cfg)
     app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=func.AuthLevel.FUNCTION)
     for sub in qapp.subscriptions():

@@ -173,7 +173,11 @@ async def test_storage_delays_beyond_seven_days_wait_in_the_delayed_store_and_a_
 
     from queueing_core.clock import utcnow
 
-    settings = {"storage_delayed_store": True, "database_url": f"sqlite:///{tmp_path}/delayed.db"}
+    settings = {
+        "storage_delayed_store": True,
+        "database_url": f"sqlite:///{tmp_path}/delayed.db",
+        "functions_local_sqlite": True,  # one host in this test
+    }
     async with storage_host(azurite, monkeypatch, **settings) as (app, rt, fn, client, poison, seen, fns):
         timer = fns["queueing_delayed_dispatcher"]
         [binding] = bindings(timer)

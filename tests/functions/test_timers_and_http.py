@@ -32,7 +32,11 @@ def sql_app(tmp_path, **settings):
         seen.append(msg.n)
 
     cfg = QueueingSettings(
-        provider="sql", database_url=f"sqlite:///{tmp_path}/fn.db", functions_processor_budget=10, **settings
+        provider="sql",
+        database_url=f"sqlite:///{tmp_path}/fn.db",
+        functions_local_sqlite=True,  # one host in this test
+        functions_processor_budget=10,
+        **settings,
     )
     host = FunctionsHost(app, cfg)
     return app, host, functions_of(build_app(cfg, app, host=host, env={})), seen
