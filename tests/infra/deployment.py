@@ -236,7 +236,9 @@ class _Scope:
             return not args["item_to_test"]
         if kind == "concat":
             parts = [args[k] for k in sorted(args, key=lambda k: int(k.split("_")[1]))]
-            return sum(parts, []) if all(isinstance(x, list) for x in parts) else "".join(map(str, parts))
+            if all(isinstance(x, list) for x in parts):
+                return [item for part in parts for item in part]
+            return "".join(map(str, parts))
         if kind == "take":
             return args["original_value"][: args["number_to_take"]]
         if kind == "replace":
@@ -378,7 +380,7 @@ class Deployment:
         found = []
         for ref in self._modules.values():
             scope = ref.scope
-            for symbol, res in scope.doc.get("resources", {}).items():
+            for res in scope.doc.get("resources", {}).values():
                 if res["type"] != "Microsoft.Authorization/roleAssignments" or not self._deployed(scope, res):
                     continue
                 cfg = body(res)
