@@ -58,7 +58,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 from azure.core.exceptions import (
     ClientAuthenticationError,
@@ -126,7 +126,6 @@ _REASON_KEY = "DeadLetterReason"
 _DESCRIPTION_KEY = "DeadLetterErrorDescription"
 _SHUTDOWN = "The handler has already been shutdown. Please use ServiceBusClient to create a new instance."
 
-_T = TypeVar("_T")
 
 # --- rights -------------------------------------------------------------------------------------
 
@@ -141,12 +140,49 @@ ROLE_RIGHTS: Mapping[str, frozenset[str]] = {
 }
 
 
+#: the scope a Service Bus client asks its Entra credential for
+SERVICE_BUS_SCOPE = "https://servicebus.azure.net/.default"
+
+
 def rights_of_roles(role_definition_ids: Iterable[str]) -> frozenset[str]:
     """The rights an identity holds on a namespace through these role assignments (others grant none)."""
     held: set[str] = set()
     for role in role_definition_ids:
         held |= ROLE_RIGHTS.get(role.lower(), frozenset())
     return frozenset(held)
+
+
+def _object_id(token: str) -> str | None:
+    """The ``oid`` claim of a JWT access token (what the service reads once it has validated it)."""
+    import base64
+    import json
+
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (IndexError, ValueError):
+        return None
+    oid = claims.get("oid") if isinstance(claims, dict) else None
+    return oid if isinstance(oid, str) else None
+
+
+class _Caller:
+    """Who a client is: the claims of a SAS policy, or an Entra credential whose token's identity holds
+    roles on the namespace (``FakeServiceBusNamespace.role_assignments``), asked again on every call."""
+
+    def __init__(
+        self, namespace: FakeServiceBusNamespace, rights: Iterable[str], credential: Any | None
+    ) -> None:
+        self.namespace = namespace
+        self.fixed = frozenset(rights)
+        self.credential = credential
+
+    async def rights(self) -> frozenset[str]:
+        if self.credential is None:
+            return self.fixed
+        token = await self.credential.get_token(SERVICE_BUS_SCOPE)
+        oid = _object_id(token.token)
+        return rights_of_roles(self.namespace.role_assignments.get(oid, ())) if oid else frozenset()
 
 
 class _Response:
@@ -545,8 +581,14 @@ class FakeServiceBusNamespace:
         clock: Clock | None = None,
         fully_qualified_namespace: str = "fake.servicebus.windows.net",
         max_message_size_in_bytes: int = STANDARD_MAX_MESSAGE_BYTES,
+        role_assignments: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         self.clock: Clock = clock if clock is not None else utcnow
+        #: Azure RBAC on the namespace: principal (object) id -> role definition ids, for clients that
+        #: sign in with an Entra credential
+        self.role_assignments: dict[str, list[str]] = {
+            principal: list(roles) for principal, roles in (role_assignments or {}).items()
+        }
         self.fully_qualified_namespace = fully_qualified_namespace
         self.max_message_size_in_bytes = max_message_size_in_bytes
         self._queues: dict[str, _Queue] = {}  # by lower-cased name: entity names are case-insensitive
@@ -770,16 +812,16 @@ class _Link(_Closing):
     claim = ""
 
     def __init__(
-        self, namespace: FakeServiceBusNamespace, queue_name: str, rights: frozenset[str] = ALL_RIGHTS
+        self, namespace: FakeServiceBusNamespace, queue_name: str, caller: _Caller | None = None
     ) -> None:
         self._namespace = namespace
         self.entity_name = queue_name
         self.fully_qualified_namespace = namespace.fully_qualified_namespace
-        self._rights = rights
+        self._caller = caller or _Caller(namespace, ALL_RIGHTS, None)
         self._closed = False
 
     async def __aenter__(self) -> Self:
-        self._check_live()
+        await self._authorize()
         self._namespace._queue(self.entity_name)  # opening the link fails on a missing entity
         return self
 
@@ -790,7 +832,11 @@ class _Link(_Closing):
     def _check_live(self) -> None:
         if self._closed:
             raise ValueError(_SHUTDOWN)
-        if self.claim not in self._rights:
+
+    async def _authorize(self) -> None:
+        """The handler is open and the caller holds the claim this kind of link needs."""
+        self._check_live()
+        if self.claim not in await self._caller.rights():
             raise _refuse_link(self._namespace, self.entity_name, self.claim)
 
 
@@ -806,7 +852,7 @@ class FakeServiceBusSender(_Link):
         timeout: float | None = None,
     ) -> None:
         """Send one message, a list (sent as one batch, so it must fit in one), or a batch."""
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         queue = self._namespace._queue(self.entity_name)
         limit = self._namespace.max_message_size_in_bytes
@@ -834,7 +880,7 @@ class FakeServiceBusSender(_Link):
         self._namespace.wake_waiters()
 
     async def create_message_batch(self, max_size_in_bytes: int | None = None) -> FakeMessageBatch:
-        self._check_live()
+        await self._authorize()
         limit = self._namespace.max_message_size_in_bytes
         if max_size_in_bytes and max_size_in_bytes > limit:
             raise ValueError(
@@ -851,7 +897,7 @@ class FakeServiceBusSender(_Link):
         timeout: float | None = None,
     ) -> list[int]:
         """Enqueue at ``schedule_time_utc`` (naive = UTC); return the sequence numbers, for cancelling."""
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         queue = self._namespace._queue(self.entity_name)
         items = [messages] if isinstance(messages, _Sendable) else list(messages)
@@ -870,7 +916,7 @@ class FakeServiceBusSender(_Link):
     async def cancel_scheduled_messages(
         self, sequence_numbers: int | list[int], *, timeout: float | None = None
     ) -> None:
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         numbers = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         queue = self._namespace._queue(self.entity_name)
@@ -901,7 +947,7 @@ class FakeServiceBusReceiver(_Link):
         namespace: FakeServiceBusNamespace,
         queue_name: str,
         *,
-        rights: frozenset[str] = ALL_RIGHTS,
+        caller: _Caller | None = None,
         sub_queue: ServiceBusSubQueue | str | None = None,
         receive_mode: ServiceBusReceiveMode | str = ServiceBusReceiveMode.PEEK_LOCK,
         max_wait_time: float | None = None,
@@ -909,7 +955,7 @@ class FakeServiceBusReceiver(_Link):
     ) -> None:
         if max_wait_time is not None and max_wait_time <= 0:
             raise ValueError("The max_wait_time must be greater than 0.")
-        super().__init__(namespace, queue_name, rights)
+        super().__init__(namespace, queue_name, caller)
         self._dead_letter = _is_dead_letter(sub_queue)
         self._receive_mode = (
             receive_mode
@@ -934,7 +980,7 @@ class FakeServiceBusReceiver(_Link):
         self, max_message_count: int | None = 1, max_wait_time: float | None = None
     ) -> list[FakeReceivedMessage]:
         """Up to ``max_message_count`` messages available now, waiting up to ``max_wait_time`` s for one."""
-        self._check_live()
+        await self._authorize()
         if max_wait_time is not None and max_wait_time <= 0:
             raise ValueError("The max_wait_time must be greater than 0.")
         if max_message_count is not None and max_message_count <= 0:
@@ -951,7 +997,7 @@ class FakeServiceBusReceiver(_Link):
 
     async def __anext__(self) -> FakeReceivedMessage:
         """One message at a time; ends after the receiver's ``max_wait_time`` with none (never if unset)."""
-        self._check_live()
+        await self._authorize()
         wait = math.inf if self._max_wait_time is None else self._max_wait_time
         messages = await self._receive(1, wait)
         if not messages:
@@ -998,7 +1044,7 @@ class FakeServiceBusReceiver(_Link):
         self, sequence_numbers: int | list[int], *, timeout: float | None = None
     ) -> list[FakeReceivedMessage]:
         """Deferred messages by sequence number (locked, or removed in receive-and-delete mode)."""
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         numbers = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         queue = self._namespace._queue(self.entity_name)
@@ -1030,7 +1076,7 @@ class FakeServiceBusReceiver(_Link):
         Like the SDK, ``sequence_number=0`` continues after the last message this receiver received or
         peeked, so repeated peeks page through the queue.
         """
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         if int(max_message_count) < 0:
             raise ValueError("max_message_count must be 1 or greater.")
@@ -1075,12 +1121,14 @@ class FakeServiceBusReceiver(_Link):
         return queue, entry
 
     async def complete_message(self, message: FakeReceivedMessage) -> None:
+        await self._authorize()
         queue, entry = self._locked_entry(message, "complete")
         del queue.sub(self._dead_letter)[entry.sequence_number]
         message._settled = True
 
     async def abandon_message(self, message: FakeReceivedMessage) -> None:
         """Unlock now for immediate redelivery, counting a delivery (dead-letters at the queue's limit)."""
+        await self._authorize()
         queue, entry = self._locked_entry(message, "abandon")
         queue.release(entry)
         message._settled = True
@@ -1088,6 +1136,7 @@ class FakeServiceBusReceiver(_Link):
 
     async def defer_message(self, message: FakeReceivedMessage) -> None:
         """Set aside: only :meth:`receive_deferred_messages` with its sequence number can get it again."""
+        await self._authorize()
         _, entry = self._locked_entry(message, "defer")
         entry.lock_token = entry.locked_until = None
         entry.deferred = True
@@ -1096,6 +1145,7 @@ class FakeServiceBusReceiver(_Link):
     async def dead_letter_message(
         self, message: FakeReceivedMessage, reason: str | None = None, error_description: str | None = None
     ) -> None:
+        await self._authorize()
         queue, entry = self._locked_entry(message, "dead-letter")
         if entry.in_dead_letter:
             raise ServiceBusError("A message in a dead-letter queue cannot be dead-lettered again.")
@@ -1108,6 +1158,7 @@ class FakeServiceBusReceiver(_Link):
     ) -> datetime:
         """Extend the lock by the queue's lock duration from now; return the new ``locked_until_utc``."""
         _check_timeout(timeout)
+        await self._authorize()
         queue, entry = self._locked_entry(message, "renew")
         entry.locked_until = message._locked_until = self._namespace.now() + queue.settings.lock_duration
         return entry.locked_until
@@ -1124,13 +1175,21 @@ def _peeked_state(entry: _Entry) -> ServiceBusMessageState:
 class FakeServiceBusClient(_Closing):
     """Mirrors ``azure.servicebus.aio.ServiceBusClient``, on a :class:`FakeServiceBusNamespace`.
 
-    ``rights`` are the claims its credential carries (default: all, like the namespace's
-    RootManageSharedAccessKey); senders need ``Send``, receivers ``Listen``.
+    ``rights`` are the claims of its SAS policy (default: all, like the namespace's
+    RootManageSharedAccessKey); with ``credential`` (an async Entra token credential, as the real client
+    takes) the rights are instead those of the token's identity in ``namespace.role_assignments``.
+    Senders need ``Send``, receivers ``Listen``.
     """
 
-    def __init__(self, namespace: FakeServiceBusNamespace, *, rights: Iterable[str] = ALL_RIGHTS) -> None:
+    def __init__(
+        self,
+        namespace: FakeServiceBusNamespace,
+        *,
+        rights: Iterable[str] = ALL_RIGHTS,
+        credential: Any | None = None,
+    ) -> None:
         self.namespace = namespace
-        self.rights = frozenset(rights)
+        self._caller = _Caller(namespace, rights, credential)
         self.fully_qualified_namespace = namespace.fully_qualified_namespace
         self._handlers: list[FakeServiceBusSender | FakeServiceBusReceiver] = []
 
@@ -1143,7 +1202,7 @@ class FakeServiceBusClient(_Closing):
     def get_queue_sender(
         self, queue_name: str, *, client_identifier: str | None = None, socket_timeout: float | None = None
     ) -> FakeServiceBusSender:
-        sender = FakeServiceBusSender(self.namespace, queue_name, self.rights)
+        sender = FakeServiceBusSender(self.namespace, queue_name, self._caller)
         self._handlers.append(sender)
         return sender
 
@@ -1164,7 +1223,7 @@ class FakeServiceBusClient(_Closing):
         receiver = FakeServiceBusReceiver(
             self.namespace,
             queue_name,
-            rights=self.rights,
+            caller=self._caller,
             sub_queue=sub_queue,
             receive_mode=receive_mode,
             max_wait_time=max_wait_time,
@@ -1194,11 +1253,6 @@ class FakeQueueRuntimeProperties:
     accessed_at_utc: datetime
 
 
-async def _iterate(items: list[_T]) -> AsyncIterator[_T]:
-    for item in items:
-        yield item
-
-
 class FakeServiceBusAdministrationClient(_Closing):
     """Mirrors ``azure.servicebus.aio.management.ServiceBusAdministrationClient`` for queues.
 
@@ -1207,16 +1261,21 @@ class FakeServiceBusAdministrationClient(_Closing):
     without it the call fails as the service's 401 does.
     """
 
-    def __init__(self, namespace: FakeServiceBusNamespace, *, rights: Iterable[str] = ALL_RIGHTS) -> None:
+    def __init__(
+        self,
+        namespace: FakeServiceBusNamespace,
+        *,
+        rights: Iterable[str] = ALL_RIGHTS,
+        credential: Any | None = None,
+    ) -> None:
         self.namespace = namespace
-        self.rights = frozenset(rights)
+        self._caller = _Caller(namespace, rights, credential)
 
-    def _authorize(self, entity: str | None, *, write: bool = False) -> None:
-        if MANAGE not in self.rights:
+    async def _authorize(self, entity: str | None, *, write: bool = False) -> None:
+        if MANAGE not in await self._caller.rights():
             _refuse_management(self.namespace, entity, write=write)
 
     def _existing(self, queue_name: str) -> _Queue:
-        self._authorize(queue_name)
         queue = self.namespace._find(queue_name)
         if queue is None:
             raise ResourceNotFoundError(f"Queue '{queue_name}' does not exist in this namespace.")
@@ -1245,7 +1304,7 @@ class FakeServiceBusAdministrationClient(_Closing):
         max_message_size_in_kilobytes: int | None = None,
     ) -> QueueProperties:
         """Create a queue; ``None`` means the service default (max delivery 10, lock 60 s, no TTL limit)."""
-        self._authorize(queue_name, write=True)
+        await self._authorize(queue_name, write=True)
         _reject_unmodelled(requires_session, forward_to, forward_dead_lettered_messages_to)
         if self.namespace._find(queue_name) is not None:
             raise ResourceExistsError(f"Queue '{queue_name}' already exists.")
@@ -1271,21 +1330,24 @@ class FakeServiceBusAdministrationClient(_Closing):
         return settings.to_properties(queue_name)
 
     async def get_queue(self, queue_name: str) -> QueueProperties:
+        await self._authorize(queue_name)
         queue = self._existing(queue_name)
         return queue.settings.to_properties(queue.name)
 
     async def get_queue_runtime_properties(self, queue_name: str) -> FakeQueueRuntimeProperties:
+        await self._authorize(queue_name)
         self._existing(queue_name)
         return self.namespace._queue(queue_name).runtime_properties()
 
-    def list_queues(self) -> AsyncIterator[QueueProperties]:
-        self._authorize(None)
-        return _iterate([q.settings.to_properties(q.name) for q in self.namespace._queues.values()])
+    async def list_queues(self) -> AsyncIterator[QueueProperties]:
+        await self._authorize(None)
+        for q in list(self.namespace._queues.values()):
+            yield q.settings.to_properties(q.name)
 
-    def list_queues_runtime_properties(self) -> AsyncIterator[FakeQueueRuntimeProperties]:
-        self._authorize(None)
-        names = self.namespace.queue_names
-        return _iterate([self.namespace._queue(name).runtime_properties() for name in names])
+    async def list_queues_runtime_properties(self) -> AsyncIterator[FakeQueueRuntimeProperties]:
+        await self._authorize(None)
+        for name in self.namespace.queue_names:
+            yield self.namespace._queue(name).runtime_properties()
 
     async def update_queue(self, queue: QueueProperties | Mapping[str, Any]) -> None:
         """Apply a ``QueueProperties`` (from :meth:`get_queue`, edited) or a mapping with ``name``."""
@@ -1302,14 +1364,14 @@ class FakeServiceBusAdministrationClient(_Closing):
                 queue.get("forward_dead_lettered_messages_to"),
             )
         _reject_unmodelled(*unmodelled)
-        self._authorize(name, write=True)
+        await self._authorize(name, write=True)
         existing = self._existing(name)
         existing.settings = existing.settings.updated(values)
         existing.updated_at = self.namespace.now()
         self.namespace.wake_waiters()
 
     async def delete_queue(self, queue_name: str) -> None:
-        self._authorize(queue_name, write=True)
+        await self._authorize(queue_name, write=True)
         self._existing(queue_name)
         del self.namespace._queues[queue_name.lower()]
         self.namespace.wake_waiters()
