@@ -37,6 +37,7 @@ Expire         ``message_actions.deadletter(reason=Expired)``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -79,8 +80,21 @@ class FunctionsHost:
                         pause_recheck=timedelta(seconds=self.settings.pause_recheck_seconds),
                         waiting_recheck=timedelta(seconds=max(30.0, self.settings.pause_recheck_seconds)),
                     )
-                await self._runtime.open()
+                try:
+                    await self._runtime.open()
+                except BaseException:
+                    # release what the half-open provider made (clients, credential sessions); the next
+                    # invocation builds a fresh runtime rather than reusing closed clients
+                    failed, self._runtime = self._runtime, None
+                    with contextlib.suppress(Exception):
+                        await failed.provider.close()
+                    raise
         return self._runtime
+
+    async def close(self) -> None:
+        """Close the runtime (a worker process never needs to; tests and tools do)."""
+        if self._runtime is not None:
+            await self._runtime.close()
 
     # -- queue triggers ----------------------------------------------------------------------------
     async def on_storage_message(self, sub: Subscription, msg: func.QueueMessage) -> Settlement:

@@ -217,8 +217,8 @@ async def run_servicebus(prov: Provisioned, monkeypatch, azurite_oauth, certs) -
     ):
         with sdk_trusts(certs):
             host, fns = the_host()
-            rt = await host.runtime()  # opens with exactly the provisioned rights
             try:
+                rt = await host.runtime()  # opens with exactly the provisioned rights
                 sent = await host.app.enqueue(an_order())
                 physical = rt.provider.physical("order-placed")
                 # the Functions host receives as the same identity (the trigger's connection)
@@ -242,7 +242,7 @@ async def run_servicebus(prov: Provisioned, monkeypatch, azurite_oauth, certs) -
                     "api_key": host.settings.api_key.get_secret_value() if host.settings.api_key else None,
                 }
             finally:
-                await rt.close()
+                await host.close()
 
 
 async def test_servicebus_runs_with_exactly_the_provisioned_rights(
@@ -327,8 +327,8 @@ async def run_storage(prov: Provisioned, monkeypatch, azurite_oauth, certs) -> d
     ):
         with sdk_trusts(certs):
             host, fns = the_host()
-            rt = await host.runtime()
             try:
+                rt = await host.runtime()
                 sent = await host.app.enqueue(an_order())
                 # the Functions host's queue listener, as the same identity (the trigger's connection)
                 credential = identity_credential(os.environ["QueueingStorage__clientId"])  # noqa: SIM112
@@ -353,7 +353,7 @@ async def run_storage(prov: Provisioned, monkeypatch, azurite_oauth, certs) -> d
                     "identities": identities,
                 }
             finally:
-                await rt.close()
+                await host.close()
 
 
 async def test_storage_queues_run_with_exactly_the_provisioned_rights(
@@ -491,8 +491,8 @@ async def run_sql(
         ) as identities:
             identities.on_issue.append(token_is_the_password)
             host, fns = the_host()
-            rt = await host.runtime()  # signs in with a token, migrates in the role's own schema
             try:
+                rt = await host.runtime()  # signs in with a token, migrates in the role's own schema
                 sent = await host.app.enqueue(an_order())
                 await user(fns["queueing_sql_processor"])(TimerRequest(past_due=False))
                 record = await rt.tracker.get(sent.message_id)
@@ -503,7 +503,7 @@ async def run_sql(
                     "counts": counts,
                 }
             finally:
-                await rt.close()
+                await host.close()
 
 
 def test_the_app_role_sql_grants_least_privilege(scram_postgres):
