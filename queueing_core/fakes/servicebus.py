@@ -1172,7 +1172,21 @@ def _peeked_state(entry: _Entry) -> ServiceBusMessageState:
     return ServiceBusMessageState.ACTIVE
 
 
-class FakeServiceBusClient(_Closing):
+class _SignedIn(_Closing):
+    """A client of the namespace, signed in with a SAS policy's ``rights`` or an Entra ``credential``."""
+
+    def __init__(
+        self,
+        namespace: FakeServiceBusNamespace,
+        *,
+        rights: Iterable[str] = ALL_RIGHTS,
+        credential: Any | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self._caller = _Caller(namespace, rights, credential)
+
+
+class FakeServiceBusClient(_SignedIn):
     """Mirrors ``azure.servicebus.aio.ServiceBusClient``, on a :class:`FakeServiceBusNamespace`.
 
     ``rights`` are the claims of its SAS policy (default: all, like the namespace's
@@ -1188,8 +1202,7 @@ class FakeServiceBusClient(_Closing):
         rights: Iterable[str] = ALL_RIGHTS,
         credential: Any | None = None,
     ) -> None:
-        self.namespace = namespace
-        self._caller = _Caller(namespace, rights, credential)
+        super().__init__(namespace, rights=rights, credential=credential)
         self.fully_qualified_namespace = namespace.fully_qualified_namespace
         self._handlers: list[FakeServiceBusSender | FakeServiceBusReceiver] = []
 
@@ -1253,23 +1266,13 @@ class FakeQueueRuntimeProperties:
     accessed_at_utc: datetime
 
 
-class FakeServiceBusAdministrationClient(_Closing):
+class FakeServiceBusAdministrationClient(_SignedIn):
     """Mirrors ``azure.servicebus.aio.management.ServiceBusAdministrationClient`` for queues.
 
     Properties come back as real ``QueueProperties``; durations must be ``timedelta`` (the SDK also
     takes ISO-8601 strings). Every call needs the ``Manage`` right (the service's rule, reads included);
     without it the call fails as the service's 401 does.
     """
-
-    def __init__(
-        self,
-        namespace: FakeServiceBusNamespace,
-        *,
-        rights: Iterable[str] = ALL_RIGHTS,
-        credential: Any | None = None,
-    ) -> None:
-        self.namespace = namespace
-        self._caller = _Caller(namespace, rights, credential)
 
     async def _authorize(self, entity: str | None, *, write: bool = False) -> None:
         if MANAGE not in await self._caller.rights():

@@ -208,9 +208,17 @@ def _sdk_clients_on(monkeypatch: pytest.MonkeyPatch, ns: FakeServiceBusNamespace
     monkeypatch.setattr(azure.servicebus.aio.management, "ServiceBusAdministrationClient", admin)
 
 
-async def run_servicebus(prov: Provisioned, monkeypatch, azurite_oauth, certs) -> dict[str, Any]:
-    ns = _namespace(prov)
-    _sdk_clients_on(monkeypatch, ns)
+@dataclass
+class CloudWorker:
+    host: FunctionsHost
+    fns: dict[str, Any]
+    gates: StorageWorld
+    identities: IdentityEndpoint
+
+
+@contextlib.asynccontextmanager
+async def cloud_worker(prov: Provisioned, monkeypatch, azurite_oauth, certs) -> AsyncIterator[CloudWorker]:
+    """The storage account and the worker's environment as deployed, the Functions app built in it."""
     async with (
         storage_account(prov, azurite_oauth, certs) as gates,
         worker_environment(monkeypatch, prov, **_storage_endpoints(prov, gates)) as identities,
@@ -218,31 +226,36 @@ async def run_servicebus(prov: Provisioned, monkeypatch, azurite_oauth, certs) -
         with sdk_trusts(certs):
             host, fns = the_host()
             try:
-                rt = await host.runtime()  # opens with exactly the provisioned rights
-                sent = await host.app.enqueue(an_order())
-                physical = rt.provider.physical("order-placed")
-                # the Functions host receives as the same identity (the trigger's connection)
-                from queueing_core.connections import identity_credential
-
-                credential = identity_credential(os.environ["QueueingServiceBus__clientId"])  # noqa: SIM112
-                listener = FakeServiceBusClient(ns, credential=credential)
-                async with listener.get_queue_receiver(physical) as receiver:
-                    actions = await host_delivers(receiver, user(fns["servicebus_order_placed"]))
-                await credential.close()
-                record = await rt.tracker.get(sent.message_id)
-                from queueing_core.ops.service import OpsService
-
-                summary = await OpsService(rt).summary()
-                return {
-                    "actions": [a for a, _, _ in actions.done],
-                    "status": record.status if record else None,
-                    "gates": gates,
-                    "identities": identities,
-                    "summary": summary,
-                    "api_key": host.settings.api_key.get_secret_value() if host.settings.api_key else None,
-                }
+                yield CloudWorker(host, fns, gates, identities)
             finally:
                 await host.close()
+
+
+async def run_servicebus(prov: Provisioned, monkeypatch, azurite_oauth, certs) -> dict[str, Any]:
+    ns = _namespace(prov)
+    _sdk_clients_on(monkeypatch, ns)
+    from queueing_core.connections import identity_credential
+    from queueing_core.ops.service import OpsService
+
+    async with cloud_worker(prov, monkeypatch, azurite_oauth, certs) as w:
+        rt = await w.host.runtime()  # opens with exactly the provisioned rights
+        sent = await w.host.app.enqueue(an_order())
+        # the Functions host receives as the same identity (the trigger's connection)
+        credential = identity_credential(os.environ["QueueingServiceBus__clientId"])  # noqa: SIM112
+        listener = FakeServiceBusClient(ns, credential=credential)
+        async with listener.get_queue_receiver(rt.provider.physical("order-placed")) as receiver:
+            actions = await host_delivers(receiver, user(w.fns["servicebus_order_placed"]))
+        await credential.close()
+        record = await rt.tracker.get(sent.message_id)
+        api_key = w.host.settings.api_key
+        return {
+            "actions": [a for a, _, _ in actions.done],
+            "status": record.status if record else None,
+            "gates": w.gates,
+            "identities": w.identities,
+            "summary": await OpsService(rt).summary(),
+            "api_key": api_key.get_secret_value() if api_key else None,
+        }
 
 
 async def test_servicebus_runs_with_exactly_the_provisioned_rights(
@@ -289,17 +302,6 @@ SERVICEBUS_DRIFTS: dict[str, tuple[Callable[[Provisioned], None], type[BaseExcep
 }
 
 
-@pytest.mark.parametrize("drift", list(SERVICEBUS_DRIFTS))
-async def test_servicebus_fails_when_the_bicep_or_the_bootstrap_drifts(
-    drift, monkeypatch, azurite_oauth, test_certificates
-):
-    change, error, says = SERVICEBUS_DRIFTS[drift]
-    prov = Provisioned.deploy(queueingProvider="servicebus")
-    change(prov)
-    with pytest.raises(error, match=re.escape(says)):
-        await run_servicebus(prov, monkeypatch, azurite_oauth, test_certificates)
-
-
 async def test_creating_queues_without_manage_is_one_line_naming_the_role_not_a_crash_loop(
     monkeypatch, azurite_oauth, test_certificates, caplog
 ):
@@ -321,39 +323,27 @@ async def run_storage(prov: Provisioned, monkeypatch, azurite_oauth, certs) -> d
 
     from queueing_core.connections import identity_credential
 
-    async with (
-        storage_account(prov, azurite_oauth, certs) as gates,
-        worker_environment(monkeypatch, prov, **_storage_endpoints(prov, gates)) as identities,
-    ):
-        with sdk_trusts(certs):
-            host, fns = the_host()
-            try:
-                rt = await host.runtime()
-                sent = await host.app.enqueue(an_order())
-                # the Functions host's queue listener, as the same identity (the trigger's connection)
-                credential = identity_credential(os.environ["QueueingStorage__clientId"])  # noqa: SIM112
-                physical = rt.provider.physical("order-placed")
-                async with QueueClient(gates.queue.endpoint, physical, credential=credential) as client:
-                    [m] = [m async for m in client.receive_messages(max_messages=1, visibility_timeout=30)]
-                    await user(fns["queue_order_placed"])(
-                        azq.QueueMessage(
-                            id=m.id,
-                            body=base64.b64decode(m.content),
-                            dequeue_count=m.dequeue_count,
-                            pop_receipt=m.pop_receipt,
-                            insertion_time=m.inserted_on,
-                        )
-                    )
-                    await client.delete_message(m.id, m.pop_receipt)  # the host, on a normal return
-                await credential.close()
-                record = await rt.tracker.get(sent.message_id)
-                return {
-                    "status": record.status if record else None,
-                    "gates": gates,
-                    "identities": identities,
-                }
-            finally:
-                await host.close()
+    async with cloud_worker(prov, monkeypatch, azurite_oauth, certs) as w:
+        rt = await w.host.runtime()
+        sent = await w.host.app.enqueue(an_order())
+        # the Functions host's queue listener, as the same identity (the trigger's connection)
+        credential = identity_credential(os.environ["QueueingStorage__clientId"])  # noqa: SIM112
+        physical = rt.provider.physical("order-placed")
+        async with QueueClient(w.gates.queue.endpoint, physical, credential=credential) as client:
+            [m] = [m async for m in client.receive_messages(max_messages=1, visibility_timeout=30)]
+            await user(w.fns["queue_order_placed"])(
+                azq.QueueMessage(
+                    id=m.id,
+                    body=base64.b64decode(m.content),
+                    dequeue_count=m.dequeue_count,
+                    pop_receipt=m.pop_receipt,
+                    insertion_time=m.inserted_on,
+                )
+            )
+            await client.delete_message(m.id, m.pop_receipt)  # the host, on a normal return
+        await credential.close()
+        record = await rt.tracker.get(sent.message_id)
+        return {"status": record.status if record else None, "gates": w.gates, "identities": w.identities}
 
 
 async def test_storage_queues_run_with_exactly_the_provisioned_rights(
@@ -393,15 +383,22 @@ STORAGE_DRIFTS: dict[str, tuple[Callable[[Provisioned], None], type[BaseExceptio
 }
 
 
-@pytest.mark.parametrize("drift", list(STORAGE_DRIFTS))
-async def test_storage_queues_fail_when_the_bicep_or_the_bootstrap_drifts(
-    drift, monkeypatch, azurite_oauth, test_certificates
+CLOUD_DRIFTS = {
+    **{("servicebus", name): drift for name, drift in SERVICEBUS_DRIFTS.items()},
+    **{("storage_queue", name): drift for name, drift in STORAGE_DRIFTS.items()},
+}
+
+
+@pytest.mark.parametrize(("transport", "drift"), list(CLOUD_DRIFTS), ids=lambda v: str(v))
+async def test_cloud_transports_fail_when_the_bicep_or_the_bootstrap_drifts(
+    transport, drift, monkeypatch, azurite_oauth, test_certificates
 ):
-    change, error, says = STORAGE_DRIFTS[drift]
-    prov = Provisioned.deploy(queueingProvider="storage_queue")
+    change, error, says = CLOUD_DRIFTS[(transport, drift)]
+    prov = Provisioned.deploy(queueingProvider=transport)
     change(prov)
+    run = run_servicebus if transport == "servicebus" else run_storage
     with pytest.raises(error, match=re.escape(says)):
-        await run_storage(prov, monkeypatch, azurite_oauth, test_certificates)
+        await run(prov, monkeypatch, azurite_oauth, test_certificates)
 
 
 # -- SQL (PostgreSQL) -----------------------------------------------------------------------------------

@@ -174,17 +174,24 @@ async def identity_endpoint(monkeypatch):
     await endpoint.stop()
 
 
-async def test_default_azure_credential_signs_in_as_the_user_assigned_identity(
-    scram_postgres, identity_endpoint
-):
-    endpoint, uami = identity_endpoint
-    name = uami.name
+def _token_is_the_password(scram_postgres, endpoint: IdentityEndpoint, name: str) -> str:
+    """A role named after the identity whose password becomes each token the endpoint issues (what
+    the Entra-enabled server accepts); returns the schema it owns."""
     schema = _role(scram_postgres, name, "not-a-token-yet")
 
     async def token_is_the_password(issued: Issued) -> None:
         await asyncio.to_thread(_set_password, scram_postgres, name, issued.token)
 
     endpoint.on_issue.append(token_is_the_password)
+    return schema
+
+
+async def test_default_azure_credential_signs_in_as_the_user_assigned_identity(
+    scram_postgres, identity_endpoint
+):
+    endpoint, uami = identity_endpoint
+    name = uami.name
+    schema = _token_is_the_password(scram_postgres, endpoint, name)
     provider = SqlProvider(
         scram_postgres.url(name), schema=schema, database_auth="entra", client_id=uami.client_id
     )
@@ -218,12 +225,7 @@ async def test_a_token_is_renewed_before_it_expires(scram_postgres, identity_end
     endpoint, uami = identity_endpoint
     endpoint.lifetime = 303  # inside the five-minute window three seconds after it is issued
     name = uami.name
-    schema = _role(scram_postgres, name, "not-a-token-yet")
-
-    async def token_is_the_password(issued: Issued) -> None:
-        await asyncio.to_thread(_set_password, scram_postgres, name, issued.token)
-
-    endpoint.on_issue.append(token_is_the_password)
+    schema = _token_is_the_password(scram_postgres, endpoint, name)
     provider = SqlProvider(
         scram_postgres.url(name), schema=schema, database_auth="entra", client_id=uami.client_id, listen=False
     )
