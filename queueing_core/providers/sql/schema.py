@@ -339,13 +339,13 @@ async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], obje
     applied: list[int] = []
     async with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
+            # one migrator at a time across every host (schema creation included); released at commit
+            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('queueing-kit-migrate'))"))
             schema = tables.metadata.schema
             # only when missing: CREATE SCHEMA needs CREATE on the database even with IF NOT EXISTS,
             # and a least-privilege role (one that owns just its schema, infra/postgres) lacks it
             if schema and not await _schema_exists(conn, schema):
                 await conn.execute(sa.text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
-            # one migrator at a time across every host; released at commit
-            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('queueing-kit-migrate'))"))
 
         def run(sync: sa.Connection) -> None:
             tables.schema_versions.create(sync, checkfirst=True)
