@@ -42,6 +42,21 @@ def function_name(prefix: str, queue: str) -> str:
     return f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', queue)}"[:128]
 
 
+def usable_api_key(settings: QueueingSettings) -> str | None:
+    """The ops API key, unless the platform left a Key Vault reference unresolved: it then passes the
+    reference text itself, which anyone who can guess the vault's name could send. Without a key the
+    ops API refuses every request."""
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    if key is not None and key.startswith("@Microsoft.KeyVault("):
+        log.error(
+            "QUEUEING_API_KEY is an unresolved Key Vault reference: the platform could not read the secret "
+            "(the app's identity needs Key Vault Secrets User on the vault, and the site's "
+            "keyVaultReferenceIdentity must name it); the ops API refuses every request until it resolves"
+        )
+        return None
+    return key
+
+
 class LazyAsgi:
     """The ops API, built on the first request: FastAPI is not imported at cold start."""
 
@@ -57,10 +72,9 @@ class LazyAsgi:
             async def ops() -> OpsService:
                 return OpsService(await self.host.runtime())
 
-            key = self.host.settings.api_key
             self._app = create_app(
                 ops,
-                api_key=key.get_secret_value() if key else None,
+                api_key=usable_api_key(self.host.settings),
                 max_body_bytes=self.host.settings.api_max_body_bytes,
             )
         await self._app(scope, receive, send)

@@ -79,7 +79,9 @@ class Provisioned:
         return self.deployment.resource_properties(module, resource_type)[name]
 
 
-def resolve_key_vault_references(deployment: Deployment, settings: dict[str, str]) -> dict[str, str]:
+def resolve_key_vault_references(
+    deployment: Deployment, settings: dict[str, str], *, without: frozenset[str] = frozenset()
+) -> dict[str, str]:
     """What the platform hands the worker: each ``@Microsoft.KeyVault(SecretUri=...)`` setting replaced
     by the secret's value, read as ``keyVaultReferenceIdentity``; a reference it may not read stays
     unresolved (the platform then passes the reference text itself, as Azure does)."""
@@ -99,7 +101,7 @@ def resolve_key_vault_references(deployment: Deployment, settings: dict[str, str
             and a.scope.type == "Microsoft.KeyVault/vaults"
             and a.scope.name == vault
         }
-        if granted & SECRET_READERS:
+        if (granted - without) & SECRET_READERS:
             out[name] = _secret_value(deployment, vault, secret)
     return out
 

@@ -55,6 +55,7 @@ from tests.storage_gate import StorageGate
 from tests.tls import sdk_trusts
 
 SERVICE_BUS_SENDER = "69a216fc-b8fb-44d8-bc22-1f3c2cd27a39"
+KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
 STORAGE_TABLE_CONTRIBUTOR = "0a9a7e1f-b9d0-4cc4-a60d-0319b160aaa3"
 STORAGE = "Microsoft.Storage/storageAccounts"
 NAMESPACE = "Microsoft.ServiceBus/namespaces"
@@ -381,6 +382,24 @@ STORAGE_DRIFTS: dict[str, tuple[Callable[[Provisioned], None], type[BaseExceptio
         "KeyBasedAuthenticationNotPermitted",
     ),
 }
+
+
+def test_the_api_key_reaches_the_app_only_through_the_identitys_key_vault_role():
+    from functions import usable_api_key
+    from queueing_core.settings import QueueingSettings
+    from tests.infra.provisioned import resolve_key_vault_references
+
+    prov = Provisioned.deploy()
+    assert prov.deployment.app_settings["QUEUEING_API_KEY"].startswith(
+        "@Microsoft.KeyVault(SecretUri=https://"
+    )
+    assert prov.settings["QUEUEING_API_KEY"] == API_KEY  # resolved: the identity holds Secrets User
+    unresolved = resolve_key_vault_references(
+        prov.deployment, prov.deployment.app_settings, without=frozenset({KEY_VAULT_SECRETS_USER})
+    )["QUEUEING_API_KEY"]
+    assert unresolved == prov.deployment.app_settings["QUEUEING_API_KEY"]
+    assert usable_api_key(QueueingSettings(api_key=unresolved)) is None  # the reference text opens nothing
+    assert usable_api_key(QueueingSettings(api_key=API_KEY)) == API_KEY
 
 
 CLOUD_DRIFTS = {
