@@ -39,6 +39,15 @@ class QueueingSettings(BaseSettings):
         pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$",
         description="A PostgreSQL schema for the kit's tables, to keep environments apart in one database.",
     )
+    database_auth: Literal["auto", "entra", "password"] = Field(
+        default="auto",
+        description="PostgreSQL sign-in: `auto` uses a Microsoft Entra token when the URL has no password "
+        "and the host is an Azure Database for PostgreSQL server; `entra` always, `password` never.",
+    )
+    database_client_id: str | None = Field(
+        default=None,
+        description="Client id of the user-assigned managed identity that signs in to PostgreSQL (Entra).",
+    )
     auto_migrate: bool = Field(
         default=True,
         description="Create or upgrade the SQL schema at start-up; when false, run `queueing migrate` "
@@ -145,6 +154,11 @@ class QueueingSettings(BaseSettings):
         description="Storage Queues: keep delays beyond 7 days in the SQL delayed store "
         "(`QUEUEING_DATABASE_URL`) instead of re-hiding the message every 7 days.",
     )
+    servicebus_create_queues: bool = Field(
+        default=True,
+        description="Service Bus: create missing queues at start (needs the Manage right: Azure Service "
+        "Bus Data Owner). On for local development; the Bicep provisions the queues and turns it off.",
+    )
     api_key: SecretStr | None = Field(
         default=None,
         description="The ops API key (`Authorization: Bearer <key>` or `X-API-Key`). Unset: "
@@ -184,6 +198,11 @@ class QueueingSettings(BaseSettings):
         default="*/30 * * * * *",
         pattern=r"^(\S+\s+){5}\S+$",
         description="Functions: when `queueing_delayed_dispatcher` forwards due delayed messages.",
+    )
+    functions_local_sqlite: bool = Field(
+        default=False,
+        description="Functions: allow shared state (SQL queues, the delayed store) in a SQLite file. Only "
+        "for a single local host (`func start`): on Azure every instance has a file of its own.",
     )
     api_max_body_bytes: int = Field(
         default=256 * 1024,
