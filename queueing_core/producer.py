@@ -12,7 +12,7 @@ from typing_extensions import Unpack
 
 from .clock import Clock, as_utc, utcnow
 from .envelope import Envelope
-from .errors import MessageTooLarge
+from .errors import InvalidArgument, MessageTooLarge
 from .hooks import Event, Observation
 from .messages import MessageStatus, QueueMessage
 from .middleware import compose_enqueue
@@ -51,21 +51,31 @@ def _when(
     now: datetime, relative: timedelta | float | None, absolute: datetime | None, what: tuple[str, str]
 ) -> datetime | None:
     if relative is not None and absolute is not None:
-        raise ValueError(f"pass either {what[0]}= or {what[1]}=, not both")
+        raise InvalidArgument(what[0], f"pass either {what[0]}= or {what[1]}=, not both")
     if absolute is not None:
         return as_utc(absolute)
     if relative is None:
         return None
-    delta = timedelta(seconds=relative) if isinstance(relative, int | float) else relative
+    if isinstance(relative, timedelta):
+        delta = relative
+    else:
+        try:
+            delta = timedelta(seconds=relative)
+        except (OverflowError, ValueError):  # NaN, infinity, beyond 999,999,999 days
+            raise InvalidArgument(what[0], f"{relative!r} is not a usable number of seconds") from None
     if delta < timedelta(0):
-        raise ValueError(f"{what[0]} must not be negative")
-    return now + delta
+        raise InvalidArgument(what[0], "must not be negative")
+    try:
+        return now + delta
+    except OverflowError:
+        raise InvalidArgument(what[0], "puts the time past the year 9999") from None
 
 
 def build_envelope(
     app: QueueingApp, message: QueueMessage, now: datetime, **options: Unpack[EnqueueOptions]
 ) -> Envelope:
-    """The envelope ``enqueue`` would send (pure; raises ``ValueError`` for contradictory timing)."""
+    """The envelope ``enqueue`` would send (pure; raises :class:`InvalidArgument`, a ``ValueError``, for
+    timing that contradicts itself)."""
     mtype = type(message)
     if mtype.type_name() not in app.message_types:
         app.message(mtype)  # producing a type registers it, so the ops API knows its queue
@@ -75,9 +85,21 @@ def build_envelope(
     if expiry is None and qopts.expiration is not None:
         expiry = message.created_at + qopts.expiration
     if expiry is not None and expiry <= now:
-        raise ValueError(f"message would expire at {expiry.isoformat()}, which is not in the future")
+        raise InvalidArgument(
+            "expires_at", f"the message would expire at {expiry.isoformat()}, which is not in the future"
+        )
     if due is not None and due <= now:
         due = None
+    # Processing expires a message at its expiry, so one due then or later could never run. Refused
+    # here, where every way of enqueueing passes (code, the CLI, the ops API, the outbox), before any
+    # write: it is always the caller's mistake, and a silent accept only shows up hours later.
+    if due is not None and expiry is not None and due >= expiry:
+        raise InvalidArgument(
+            "not_before",
+            f"the message would be due at {due.isoformat()} (not_before), at or after it expires at "
+            f"{expiry.isoformat()} (expires_at), so it could never run; shorten the delay or give it "
+            "a later expiry (ttl= or expires_at=)",
+        )
     return Envelope(
         type=mtype.type_name(),
         queue=mtype.queue_options().name or mtype.type_name(),

@@ -45,6 +45,7 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
     import uvicorn
 
     from .ops.api import create_app
+    from .ops.guard import LocalOnly
     from .ops.service import OpsService
 
     key = cfg.api_key.get_secret_value() if cfg.api_key else None
@@ -55,10 +56,12 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
             "set a key, or serve on 127.0.0.1",
         )
     sock = bind(host, port)
+    port = int(sock.getsockname()[1])  # the port bound, when 0 asked for any
     api = create_app(
         OpsService(worker.runtime),
         api_key=key,
-        allow_anonymous=key is None,
+        # without a key: requests from this machine only, and never from a page of another site
+        local=LocalOnly(host, port) if key is None else None,
         max_body_bytes=cfg.api_max_body_bytes,
     )
 
