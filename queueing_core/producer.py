@@ -95,7 +95,7 @@ def build_envelope(
     # write: it is always the caller's mistake, and a silent accept only shows up hours later.
     if due is not None and expiry is not None and due >= expiry:
         raise InvalidArgument(
-            "not_before",
+            "delay" if options.get("delay") is not None else "not_before",
             f"the message would be due at {due.isoformat()} (not_before), at or after it expires at "
             f"{expiry.isoformat()} (expires_at), so it could never run; shorten the delay or give it "
             "a later expiry (ttl= or expires_at=)",
