@@ -382,6 +382,7 @@ def create_app(
     app.include_router(router)
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schema.setdefault("components", {}).setdefault("schemas", {})["Problem"] = Problem.model_json_schema()
+    app.openapi_schema = schema  # app.openapi() is the document served
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():
             params = [p for p in operation.get("parameters", []) if p["in"] == "query"]
