@@ -6,7 +6,8 @@ Layers, outermost first: :class:`~.problems.ErrorBoundary` (anything unexpected:
 (``application/problem+json``); no answer echoes the request's body.
 """
 
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 from uuid import UUID
@@ -54,6 +55,7 @@ MAX_BATCH = 1000
 HOST_PARAMETERS = frozenset({"code"})
 #: text a filter may hold: no control characters (PostgreSQL refuses NUL in text; none belongs there)
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
+ISO_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(?:[Tt ].*)?")
 
 
 class BodyLimit:
@@ -123,8 +125,18 @@ Batch = Annotated[list[JsonObject], Field(min_length=1, max_length=MAX_BATCH)]
 Bodies = Annotated[Batch, BeforeValidator(_one_or_many, json_schema_input_type=JsonObject | Batch)]
 #: a flag is exactly `true` or `false`: `all=yes` must not purge everything
 Flag = Literal["true", "false"]
+
+
+def _iso_8601(value: Any) -> Any:
+    # pydantic would also read `0.5` or `1700000000` as seconds since 1970: a filter that decides what
+    # a purge deletes takes the documented form only
+    if isinstance(value, str) and not ISO_DATE.fullmatch(value):
+        raise PydanticCustomError("iso_8601", "Input should be an ISO 8601 date or date-time")
+    return value
+
+
 #: times in filters are compared with stored UTC times; without an offset a time is UTC
-UtcTime = Annotated[datetime, AfterValidator(to_utc)]
+UtcTime = Annotated[datetime, BeforeValidator(_iso_8601), AfterValidator(to_utc)]
 Printable = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=PRINTABLE)]
 
 
@@ -196,9 +208,11 @@ def create_app(
             raise StarletteHTTPException(415, "send the body as `Content-Type: application/json`")
 
     Ops = Annotated[OpsService, Depends(service)]
+    keyless = api_key is None and not credentials and local is not None
     router = APIRouter(
         prefix=prefix,
-        dependencies=[Depends(documented), Depends(no_stray_parameters)],
+        # the document declares the key only where one is asked for
+        dependencies=[*([] if keyless else [Depends(documented)]), Depends(no_stray_parameters)],
         responses=_problems(400, 401, 403, 422, 500, 503),
     )
     QueueName = Annotated[str, Path(pattern=QUEUE_NAME, description="a queue name (see subscriptions)")]
@@ -413,6 +427,9 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # 404/405 from routing (after the Guard), 415 from json_body, 400 for a body that fails to parse
+        headers = dict(exc.headers) if exc.headers else None
+        if exc.status_code == 405:  # Starlette names the methods of the first route matched only
+            headers = {"Allow": ", ".join(_allowed(declared, request.url.path))}
         return problem(
             exc.status_code,
             {404: "not-found", 405: "method-not-allowed", 415: "unsupported-media-type"}.get(
@@ -420,7 +437,7 @@ def create_app(
             ),
             str(exc.detail),
             instance=request.url.path,
-            headers=dict(exc.headers) if exc.headers else None,
+            headers=headers,
         )
 
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -428,6 +445,15 @@ def create_app(
     app.add_middleware(Guard, credentials=keys + credentials, local=None if api_key is not None else local)
     app.add_middleware(ErrorBoundary)
     return app
+
+
+def _allowed(declared: Iterable[tuple[str, str]], path: str) -> list[str]:
+    """Every method the document declares for this path (the ``Allow`` header of a 405)."""
+
+    def pattern(template: str) -> str:  # `{id}` matches one path segment; the rest literally
+        return "[^/]+".join(re.escape(part) for part in re.split(r"\{[^}]+\}", template))
+
+    return sorted({method for method, template in declared if re.fullmatch(pattern(template), path)})
 
 
 def _is_array(schema: dict[str, Any]) -> bool:

@@ -27,8 +27,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .problems import problem
 
-#: methods that change nothing here; every other method must pass the state-changing rule
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: methods the routes change state with; any other method changes nothing (it gets 405)
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: what `Sec-Fetch-Site` says for a request the page's own origin (or the user) made
 SAME_ORIGIN_FETCH = frozenset({"same-origin", "none"})
 WWW_AUTHENTICATE = {"WWW-Authenticate": 'Bearer realm="queueing"'}
@@ -107,7 +107,7 @@ class LocalOnly:
             return "a request from a page of another origin is refused (the API has no key)"
         if any(s.lower() not in SAME_ORIGIN_FETCH for s in headers.getlist("sec-fetch-site")):
             return "a request the browser made for another site is refused (the API has no key)"
-        if method not in SAFE_METHODS:
+        if method in STATE_CHANGING:
             types = headers.getlist("content-type")
             json_typed = bool(types) and all(is_json(t) for t in types)
             if not json_typed and "x-requested-with" not in headers:
