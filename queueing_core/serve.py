@@ -73,7 +73,10 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
     server = Server(uvicorn.Config(api, log_level="warning", lifespan="off", access_log=False))
     if key is None:
         log.warning(
-            "QUEUEING_API_KEY is not set: the ops API accepts unauthenticated requests, on %s only", host
+            "QUEUEING_API_KEY is not set: the ops API answers requests without a key sent to %s:%d "
+            "(or localhost) from this machine, and refuses those a web page of another site makes",
+            host,
+            port,
         )
     log.info("ops API on http://%s:%d/api/_system/queueing", host, port)
     api_task = asyncio.create_task(server.serve(sockets=[sock]))
