@@ -8,18 +8,14 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from datetime import timedelta
 from uuid import uuid4
 
 import httpx
 import pytest
-import uvicorn
 
 from queueing_core import QueueMessage, queue
 from queueing_core.errors import InvalidArgument, ProviderUnavailable
@@ -28,31 +24,11 @@ from queueing_core.ops.api import PREFIX, create_app
 from queueing_core.providers.inprocess import InProcessProvider
 from queueing_core.runtime import Runtime
 
+from .served import free_port, served
 from .test_ops_api import AUTH, KEY, Email, build_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBLEM = "application/problem+json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-async def api(sql_db):
-    app, _ = build_app()
-    rt = Runtime(app, sql_db.provider())
-    await rt.open()
-    client = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=create_app(OpsService(rt), api_key=KEY)),
-        base_url="http://test" + PREFIX,
-        headers=AUTH,
-    )
-    yield client, rt
-    await client.aclose()
-    await rt.close()
 
 
 def is_problem(r: httpx.Response, status: int) -> bool:
@@ -85,7 +61,7 @@ CRAFTED_CURSORS = [
 
 
 async def test_crafted_cursors_are_422_problems_never_500(api):
-    client, _rt = api
+    client, _rt, _ = api
     await client.post("/queues/emails/messages", json=[{"to": f"{i}@x.io", "subject": "s"} for i in range(3)])
     for cursor in CRAFTED_CURSORS:
         r = await client.get("/messages", params={"cursor": cursor})
@@ -119,35 +95,15 @@ class Broken(OpsService):
         raise self.failure
 
 
-@contextmanager
-def served(asgi_app):
-    """The app on a real uvicorn server (in a thread), with its default logging left to propagate."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(asgi_app, host="127.0.0.1", port=port, lifespan="off", log_config=None)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started:
-        assert time.monotonic() < deadline, "the API server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}{PREFIX}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 async def test_a_server_error_is_logged_once_and_tells_the_client_nothing(tmp_path, caplog):
     app, _ = build_app()
     rt = Runtime(app, InProcessProvider())
     with (
         caplog.at_level(logging.INFO),
-        served(create_app(Broken(rt), api_key=KEY)) as url,
+        served(create_app(Broken(rt), api_key=KEY), log_config=None) as base,
     ):
         async with httpx.AsyncClient(headers=AUTH) as client:
-            r = await client.get(f"{url}/stats")
+            r = await client.get(f"{base}{PREFIX}/stats")
     assert is_problem(r, 500)
     assert "hunter2" not in r.text
     assert "db.internal" not in r.text
@@ -158,7 +114,7 @@ async def test_a_server_error_is_logged_once_and_tells_the_client_nothing(tmp_pa
 
 # -- 2. repeated credential headers -----------------------------------------------------------------
 async def test_every_value_of_a_repeated_credential_header_is_checked(api):
-    client, _ = api
+    client, _, _ = api
     bare = httpx.AsyncClient(transport=client._transport, base_url=str(client.base_url))
     async with bare:
         for headers in (
@@ -183,7 +139,7 @@ async def test_every_value_of_a_repeated_credential_header_is_checked(api):
 
 # -- 3. authentication before anything answers ---------------------------------------------------------
 async def test_authentication_comes_before_routing_redirects_404_and_405(api):
-    client, rt = api
+    client, rt, _ = api
     bare = httpx.AsyncClient(transport=client._transport, base_url="http://test")
     async with bare:
         for method, path in [
@@ -298,7 +254,7 @@ def test_without_a_key_requests_from_other_sites_are_refused(keyless_server):
 
 # -- 5. content types, echoes, batch errors ---------------------------------------------------------
 async def test_wrong_content_types_get_415_and_errors_never_echo_the_body(api):
-    client, rt = api
+    client, rt, _ = api
     body = json.dumps({"to": "a@x.io", "subject": "s"})
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "application/xml", None):
         headers = {"Content-Type": content_type} if content_type else {}
@@ -316,7 +272,7 @@ async def test_wrong_content_types_get_415_and_errors_never_echo_the_body(api):
 
 
 async def test_a_batch_over_the_limit_or_with_one_bad_element_is_described(api):
-    client, rt = api
+    client, rt, _ = api
     one = {"to": "a@x.io", "subject": "s"}
     too_many = await client.post("/queues/emails/messages", json=[one] * 1001)
     assert is_problem(too_many, 422)
@@ -333,7 +289,7 @@ async def test_a_batch_over_the_limit_or_with_one_bad_element_is_described(api):
 
 # -- 6. destructive flags ------------------------------------------------------------------------------
 async def test_destructive_flags_accept_exactly_true(api):
-    client, rt = api
+    client, rt, _ = api
     await client.post("/queues/emails/messages", json=[{"to": f"{i}@x.io", "subject": "s"} for i in range(3)])
     for value in ("yes", "1", "on", "True", "TRUE", "t", "y", ""):
         r = await client.delete("/messages", params={"all": value})
@@ -356,7 +312,7 @@ class ShortLived(QueueMessage):
 
 
 async def test_an_enqueue_due_at_or_after_its_expiry_is_refused_naming_both(api):
-    client, rt = api
+    client, rt, _ = api
     rt.app.message(ShortLived)
     for delay in (86400, 4 * 3600):
         r = await client.post("/queues/short-lived/messages", params={"delay_seconds": delay}, json={"n": 1})
@@ -422,7 +378,7 @@ def test_a_blank_api_key_refuses_to_start_with_one_line(tmp_path):
 
 # -- 9. status filters --------------------------------------------------------------------------------
 async def test_unknown_status_filters_are_422_except_custom_ones_on_sql(api):
-    client, rt = api
+    client, rt, _ = api
     await client.post("/queues/emails/messages", json={"to": "a@x.io", "subject": "s"})
     listed = await client.get("/messages", params={"status": "Bogus"})
     assert listed.status_code == 200  # SQL: a custom status an operator may have set

@@ -9,16 +9,12 @@ request again without the key and with a wrong one); valid data accepted, invali
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import pytest
 import schemathesis
-import uvicorn
 from fastapi import FastAPI, Security
 from fastapi.security import APIKeyHeader
 from hypothesis import HealthCheck, Phase, given, settings
@@ -41,6 +37,7 @@ from queueing_core.ops.guard import LocalOnly
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.runtime import Runtime
 
+from .served import free_port, served
 from .test_ops_api import AUTH, KEY, Email, build_app
 
 pytestmark = pytest.mark.slow
@@ -52,26 +49,6 @@ CONFORMANCE = [
     response_headers_conformance,
     response_schema_conformance,
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def serve(app) -> tuple[str, uvicorn.Server, threading.Thread]:
-    port = int(app.state.port)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started:
-        assert time.monotonic() < deadline, "the API server did not start"
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread
 
 
 @pytest.fixture(scope="module", params=["key", "keyless"])
@@ -96,12 +73,9 @@ def server(request, tmp_path_factory):
         api_key=None if keyless else KEY,
         local=LocalOnly("127.0.0.1", port) if keyless else None,
     )
-    api.state.port = port
-    url, srv, thread = serve(api)
-    # without a key, a local tool marks its requests (a browser cannot send this header to another site)
-    yield url, {"X-Requested-With": "schemathesis"} if keyless else AUTH, not keyless
-    srv.should_exit = True
-    thread.join(10)
+    with served(api, port) as url:
+        # without a key a local tool marks its requests (a browser cannot send this to another site)
+        yield url, {"X-Requested-With": "schemathesis"} if keyless else AUTH, not keyless
 
 
 @pytest.fixture(scope="module")
@@ -214,9 +188,7 @@ def test_the_auth_check_catches_a_route_that_does_not_enforce_its_key():
     def open_route(_key: str | None = Security(APIKeyHeader(name="X-API-Key", auto_error=False))) -> dict:
         return {}
 
-    app.state.port = free_port()
-    url, srv, thread = serve(app)
-    try:
+    with served(app) as url:
         [op] = operations(url, {"X-API-Key": KEY})
 
         @given(case=op.as_strategy())
@@ -228,9 +200,6 @@ def test_the_auth_check_catches_a_route_that_does_not_enforce_its_key():
             check()
         failures = getattr(caught.value, "exceptions", [caught.value])
         assert any(isinstance(f, IgnoredAuth) for f in failures), failures
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 def test_the_document_is_complete(server):
