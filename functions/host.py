@@ -116,7 +116,7 @@ class FunctionsHost:
         assert isinstance(provider, SqlProvider)
         now = utcnow()
         done = await sweep_leases(provider, self.app, now)
-        done["expired"] = await expire_waiting(provider, self.app, now)
+        done["expired"] = await expire_waiting(provider, now)
         return done
 
     async def dispatch_delayed(self, budget: float) -> dict[str, int]:

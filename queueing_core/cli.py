@@ -421,13 +421,23 @@ def purge(
     )
 
 
+def _has_database(cfg: QueueingSettings) -> bool:
+    """Whether this deployment keeps anything in ``QUEUEING_DATABASE_URL``: the SQL provider's
+    messages, or the side stores of RabbitMQ and SQS (history, pauses, circuits, delayed messages),
+    or the Storage Queues delayed store when it is on."""
+    return cfg.provider in ("sql", "rabbitmq", "sqs") or (
+        cfg.provider == "storage_queue" and cfg.storage_delayed_store
+    )
+
+
 @cli.command()
 def migrate(app: AppOption = None) -> None:
-    """Create or upgrade the SQL schema (also done at start unless QUEUEING_AUTO_MIGRATE=false)."""
+    """Create or upgrade the database schema (also done at start unless QUEUEING_AUTO_MIGRATE=false)."""
     cfg = settings()
-    if cfg.provider != "sql":
-        fail(f"QUEUEING_PROVIDER is {cfg.provider!r}: only the sql provider has a schema", 2)
+    if not _has_database(cfg):
+        fail(f"QUEUEING_PROVIDER is {cfg.provider!r}: it keeps nothing in a database to migrate", 2)
     from .providers.sql import LATEST, SqlProvider
+    from .providers.sql.engine import redact
 
     provider = SqlProvider(
         cfg.database_url,
@@ -442,7 +452,7 @@ def migrate(app: AppOption = None) -> None:
         await provider.close()
 
     _run(go())
-    out.print(f"schema at version {LATEST} on {_where(cfg)}", highlight=False)
+    out.print(f"schema at version {LATEST} on {redact(cfg.database_url)}", highlight=False)
 
 
 infra = typer.Typer(help="Keep infra/ in step with the code.", no_args_is_help=True)

@@ -19,10 +19,11 @@ Order of the checks (each is a decision the transports only settle):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta
 from time import perf_counter
 from typing import Any
@@ -125,7 +126,16 @@ class Pipeline:
         return chain
 
     # -- the decision ------------------------------------------------------------------------------
-    async def process(self, delivery: Delivery, *, stopping: asyncio.Event | None = None) -> Decision:
+    async def process(
+        self,
+        delivery: Delivery,
+        *,
+        stopping: asyncio.Event | None = None,
+        closing: asyncio.Event | None = None,
+    ) -> Decision:
+        """Decide what becomes of ``delivery``. ``stopping`` is what the handler sees as
+        ``ctx.cancelled``; once ``closing`` is set (the host is shutting down) no handler starts:
+        a message still waiting for a concurrency slot is handed back untouched."""
         now = self.clock()
         if delivery.malformed is not None or delivery.envelope is None:
             reason = delivery.malformed.reason if delivery.malformed else "no envelope"
@@ -184,7 +194,7 @@ class Pipeline:
                 delivery, DeadLetter(DeadLetterReason.INVALID_BODY, _validation_text(exc))
             )
 
-        decision = await self._run(delivery, sub, env, message, stopping)
+        decision = await self._run(delivery, sub, env, message, stopping, closing)
         if cb is not None and not isinstance(decision, Release):
             await self._track_circuit(sub, decision, state.circuit(sub.type_name), probing, cb)
         return decision
@@ -199,6 +209,7 @@ class Pipeline:
         env: Envelope,
         message: QueueMessage,
         stopping: asyncio.Event | None,
+        closing: asyncio.Event | None,
     ) -> Decision:
         ctx = HandlerContext(
             envelope=env,
@@ -215,10 +226,13 @@ class Pipeline:
         hooks = self.app.hooks
         if hooks.wants(Event.BEGAN):
             await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
+        limiter = self.limiter(sub)
+        if not await _take_slot(limiter, closing):
+            return await self._emit_final(delivery, Release("host shutting down before the handler started"))
         limit = sub.options.time_limit
         started = perf_counter()
         error: BaseException | None = None
-        async with self.limiter(sub):
+        async with _holding(limiter):
             try:
                 async with asyncio.timeout(limit.total_seconds() if limit else None) as scope:
                     result = await self._chain(sub)(ctx)
@@ -300,6 +314,41 @@ class Pipeline:
                     event, delivery.envelope, delivery.queue, delivery.attempt, decision, error, duration
                 )
             )
+
+
+async def _take_slot(limiter: asyncio.Semaphore, closing: asyncio.Event | None) -> bool:
+    """Wait for a concurrency slot; False (and no slot held) if ``closing`` is set first."""
+    if closing is not None and closing.is_set():
+        return False
+    if closing is None or not limiter.locked():
+        await limiter.acquire()  # free (or nothing to race): taken without waiting on two things
+        return True
+    acquiring = asyncio.ensure_future(limiter.acquire())
+    closed = asyncio.ensure_future(closing.wait())
+    unwinding = True
+    try:
+        await asyncio.wait({acquiring, closed}, return_when=asyncio.FIRST_COMPLETED)
+        unwinding = False
+    finally:
+        closed.cancel()
+        if not acquiring.done():
+            acquiring.cancel()  # the semaphore passes a slot granted meanwhile on to the next waiter
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+        got = acquiring.done() and not acquiring.cancelled()
+        if got and (unwinding or closing.is_set()):
+            limiter.release()  # closing won the race (or we were cancelled): start nothing
+            got = False
+    return got
+
+
+@contextlib.asynccontextmanager
+async def _holding(limiter: asyncio.Semaphore) -> AsyncIterator[None]:
+    """Give back, on the way out, a slot taken by :func:`_take_slot`."""
+    try:
+        yield
+    finally:
+        limiter.release()
 
 
 _EVENT_OF: dict[type, Event] = {

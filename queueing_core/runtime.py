@@ -115,11 +115,14 @@ class Runtime:
         return settlement
 
     async def record(self, settlements: Sequence[Settlement]) -> None:
-        """Write history (for providers without their own) and one outcome line per message."""
-        if not self.provider.capabilities.durable_history:
+        """Write history (for providers without their own) and one outcome line per message. A
+        settlement the transport refused (its lease had passed to another run) is not history: the
+        run that holds the message now records the outcome."""
+        applied = [s for s in settlements if not s.delivery.refused]
+        if applied and not self.provider.capabilities.durable_history:
             now = self.clock()
             try:
-                await self.tracker.upsert([history_record(s, now) for s in settlements])
+                await self.tracker.upsert([history_record(s, now) for s in applied])
             except Exception:
                 outcome_log.exception("could not write message history; processing is unaffected")
         for s in settlements:
@@ -182,7 +185,9 @@ def log_outcome(s: Settlement) -> None:
     env = d.envelope
     level = logging.INFO
     detail = ""
-    if isinstance(decision, RetryAfter):
+    if d.refused:
+        level, detail = logging.WARNING, " not applied: the lease had passed to another run"
+    elif isinstance(decision, RetryAfter):
         level, detail = (
             logging.WARNING,
             f" retry in {decision.delay.total_seconds():.1f}s: {decision.error.splitlines()[0]}",

@@ -6,6 +6,7 @@ Providers implement :class:`Provider`; the pipeline and the hosts use only this 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -16,6 +17,8 @@ from .decisions import Decision, counts_attempt
 from .envelope import Envelope
 from .errors import MalformedEnvelope
 from .naming import Transport
+
+_log = logging.getLogger("queueing.settle")
 
 if TYPE_CHECKING:
     from .app import QueueingApp, Subscription
@@ -51,6 +54,10 @@ class Delivery:
     handle: Any = None  # whatever the provider needs to settle (a row id, a lock token, a receipt)
     received_at: datetime = field(default_factory=utcnow)
     lease_until: datetime | None = None
+    #: set by ``settle`` when the transport refused this delivery's settlement because its lease had
+    #: passed to another run (released, swept, expired): its outcome was not applied and must not be
+    #: recorded as if it had been
+    refused: bool = False
 
     @classmethod
     def of(
@@ -84,6 +91,21 @@ class Delivery:
     def text(self) -> str:
         raw = self.raw
         return raw if isinstance(raw, str) else raw.decode("utf-8", errors="replace")
+
+    def refuse(self, why: str) -> None:
+        """The transport refused this delivery's settlement: its lease had passed to another run
+        (``why`` says how the transport knows). Nothing was applied; the run holding it now decides."""
+        self.refused = True
+        env = self.envelope
+        _log.warning(
+            "lease lost on %s before settling (%s): this run's outcome is not applied",
+            self.queue,
+            why,
+            extra={
+                "message_id": str(env.message_id) if env else None,
+                "correlation_id": env.correlation_id if env else None,
+            },
+        )
 
 
 @dataclass(frozen=True, slots=True)

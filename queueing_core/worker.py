@@ -18,7 +18,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -37,9 +37,13 @@ def _held(state: ControlState, sub: Subscription) -> bool:
     """Paused, or a circuit that admits nothing now: receiving would only hand the work back."""
     if state.is_paused(sub.queue, sub.type_name):
         return True
+    return _admission(state, sub) is circuit.Admission.HOLD
+
+
+def _admission(state: ControlState, sub: Subscription) -> circuit.Admission:
     if sub.options.circuit_breaker is None:
-        return False
-    return circuit.admission(state.circuit(sub.type_name), utcnow()) is circuit.Admission.HOLD
+        return circuit.Admission.RUN
+    return circuit.admission(state.circuit(sub.type_name), utcnow())
 
 
 class PollBackoff:
@@ -71,12 +75,21 @@ class _SubState:
 
 
 class Settler:
-    """Collects settlements and hands them to the provider in batches."""
+    """Collects settlements and hands them to the provider in batches; ``on_settled`` hears of each
+    batch once the provider has committed it (or given up on it), which is when its leases may lapse."""
 
-    def __init__(self, runtime: Runtime, *, batch: int = 200, linger: float = 0.002) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        batch: int = 200,
+        linger: float = 0.002,
+        on_settled: Callable[[list[Settlement]], None] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.batch = batch
         self.linger = linger
+        self.on_settled = on_settled
         self._buf: list[Settlement] = []
         self._ready = asyncio.Event()
         self._closing = False
@@ -128,10 +141,16 @@ class Settler:
                 if attempt == 5:
                     # The leases will lapse and the messages come back: at-least-once, nothing lost.
                     log.error("could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc)
+                    self._settled(chunk)
                     return
                 log.warning("settling %d message(s) failed (%s); retrying", len(chunk), exc)
                 await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+        self._settled(chunk)
         self._history.put_nowait(chunk)
+
+    def _settled(self, chunk: list[Settlement]) -> None:
+        if self.on_settled is not None:
+            self.on_settled(chunk)
 
     async def close(self) -> None:
         self._closing = True
@@ -168,13 +187,14 @@ class Worker:
         self.pause_poll = pause_poll
         self.batch_size = batch_size
         self.prefetch = max(1, prefetch)
-        self.settler = Settler(runtime, batch=settle_batch, linger=settle_linger)
+        self.settler = Settler(runtime, batch=settle_batch, linger=settle_linger, on_settled=self._settled)
         self._stopping = asyncio.Event()
         self._stop_requested = asyncio.Event()
         self._hurry = asyncio.Event()  # a second signal: do not wait for in-flight work
         self._handler_stop = asyncio.Event()  # what handlers see as ``ctx.cancelled``
         self._consumers: list[asyncio.Task[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        #: deliveries whose lease is renewed: from receipt until their settlement is committed
         self._in_flight: dict[int, Delivery] = {}
         self._subs: dict[str, _SubState] = {}
         self._renewer: asyncio.Task[None] | None = None
@@ -306,10 +326,20 @@ class Worker:
                 await self._until_stopping(state.slot_freed.wait(), None)
                 continue
             try:
-                if not provider.capabilities.filters_paused and _held(await control.state(), sub):
-                    await self._until_stopping(asyncio.sleep(self.pause_poll), None)
-                    continue
                 want = min(free, self.batch_size)
+                if sub.options.circuit_breaker is not None or not provider.capabilities.filters_paused:
+                    now_state = await control.state()
+                    if not provider.capabilities.filters_paused and _held(now_state, sub):
+                        await self._until_stopping(asyncio.sleep(self.pause_poll), None)
+                        continue
+                    if _admission(now_state, sub) is circuit.Admission.PROBE:
+                        # the cooldown is over and one message may probe: take that one alone, and
+                        # none while an earlier one (perhaps the probe) is still running
+                        if state.in_flight:
+                            state.slot_freed.clear()
+                            await self._until_stopping(state.slot_freed.wait(), self.pause_poll)
+                            continue
+                        want = 1
                 batch = await provider.receive(sub, want)
             except Exception as exc:
                 delay = backoff.failure()
@@ -336,7 +366,9 @@ class Worker:
 
     async def _handle(self, sub: Subscription, state: _SubState, delivery: Delivery) -> None:
         try:
-            settlement = await self.runtime.process(delivery, stopping=self._handler_stop)
+            settlement = await self.runtime.process(
+                delivery, stopping=self._handler_stop, closing=self._stopping
+            )
         except asyncio.CancelledError:
             settlement = Settlement(delivery, Release("host shutting down"))
         except Exception as exc:
@@ -344,11 +376,16 @@ class Worker:
             log.exception("could not process a message from %s; releasing it", sub.queue)
             settlement = Settlement(delivery, Release(f"pipeline error: {type(exc).__name__}: {exc}"))
         finally:
+            # the slot is free for the next message; the lease is still renewed until the settlement
+            # is committed (a slow database must not let the sweeper retry a message that succeeded)
             state.in_flight -= 1
             state.slot_freed.set()
             self.last_activity = time.monotonic()
-            self._in_flight.pop(id(delivery), None)
         self.settler.add(settlement)
+
+    def _settled(self, chunk: list[Settlement]) -> None:
+        for s in chunk:
+            self._in_flight.pop(id(s.delivery), None)
 
     async def _renew_loop(self) -> None:
         leases = [s.options.lease_duration for s in self.subscriptions()] or [timedelta(seconds=30)]
@@ -370,6 +407,8 @@ class Worker:
                 log.warning("lease renewal failed (%s); will try again in %.1fs", exc, interval)
                 continue
             for d in lost:
+                if id(d) not in self._in_flight:
+                    continue  # settled while the renewal was on its way: nothing was lost
                 env = d.envelope
                 log.warning(
                     "lease lost for message %s on %s: another worker may process it",

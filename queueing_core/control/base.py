@@ -46,7 +46,11 @@ class ControlState:
 
 @runtime_checkable
 class ControlStore(Protocol):
-    async def state(self) -> ControlState: ...
+    async def state(self) -> ControlState:
+        """Pauses and every circuit that is not plainly closed: open, half-open, or closed with
+        failures counted. The pipeline resets a circuit's count only when it sees one here, so a store
+        that left out closed circuits with failures would count failures that are not consecutive."""
+        ...
 
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None: ...
 

@@ -580,16 +580,7 @@ class RabbitMQProvider(SideStoreOps):
         c = self._consumers.get(h.physical)
         try:
             if _stale(h.message):
-                env = d.envelope
-                log.warning(
-                    "the connection that received a message from %s closed before it was settled; "
-                    "the broker delivers it again",
-                    d.queue,
-                    extra={
-                        "message_id": str(env.message_id) if env else None,
-                        "correlation_id": env.correlation_id if env else None,
-                    },
-                )
+                d.refuse("the channel that received it closed; the broker delivers it again")
                 return
             now = self.clock()
             if isinstance(decision, Complete):

@@ -273,22 +273,15 @@ class ServiceBusProvider(PhysicalNames):
                 await r.dead_letter_message(m, reason=reason.pascal, error_description=description[:4096])
             else:
                 assert d.envelope is not None, "malformed messages are always dead-lettered"
-                # send the copy first: if completing fails afterwards, a duplicate beats a loss
+                # Send the copy first: if completing fails afterwards, a duplicate beats a loss. The
+                # lock is renewed before it, so a run whose lock has already lapsed sends no copy.
+                await r.renew_message_lock(m)
                 copy = d.envelope.with_attempt(d.attempts_used(decision))
                 await self.send_copy(d.queue, copy, due_at(decision, utcnow()))
                 await r.complete_message(m)
         except (MessageLockLostError, MessageAlreadySettled) as exc:
             # another consumer owns it now (the lock expired): it will be processed again there
-            env = d.envelope
-            log.warning(
-                "lock lost on %s before settling (%s); not settled twice",
-                d.queue,
-                type(exc).__name__,
-                extra={
-                    "message_id": str(env.message_id) if env else None,
-                    "correlation_id": env.correlation_id if env else None,
-                },
-            )
+            d.refuse(type(exc).__name__)
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)

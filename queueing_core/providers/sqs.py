@@ -49,6 +49,7 @@ from .delayed.breaker import first_line
 from .names import companion_name
 from .side_stores import SideStoreOps
 from .sql.history import SideStores, malformed_id
+from .sql.leases import LeaseToken, SqlLeaseStore
 
 if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
@@ -123,6 +124,10 @@ class _Handle:
     url: str
     receipt: str
     physical: str
+    #: this receive's token in the side store's lease table: SQS takes a stale receipt handle, so the
+    #: token is what keeps a run whose visibility ran out from settling the message (None: a message
+    #: taken only to be deleted, as when draining a queue)
+    lease: LeaseToken | None = None
 
 
 class SqsProvider(SideStoreOps):
@@ -148,6 +153,7 @@ class SqsProvider(SideStoreOps):
             raise ConfigurationError("max_native_delay", "out of range", "0 to 15 minutes")
         self.client = client
         self._use_stores(stores, delayed_retries, clock, dispatcher_options)
+        self.leases = SqlLeaseStore(stores.sql, self.transport.value)
         self.naming = naming
         self.auto_create = auto_create
         self.ttl_grace = ttl_grace
@@ -394,13 +400,16 @@ class SqsProvider(SideStoreOps):
             )
             messages = resp.get("Messages") or []
             now = self.clock()
-            for m in messages:
+            # the side store learns of this receive before any handler runs: from now on an earlier
+            # receive of the same message can no longer settle it
+            tokens = await self.leases.take([m["MessageId"] for m in messages], now + lease)
+            for m, token in zip(messages, tokens, strict=True):
                 out.append(
                     Delivery.of(
                         m["Body"],
                         queue=sub.queue,
                         delivery_count=int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1)),
-                        handle=_Handle(url, m["ReceiptHandle"], physical),
+                        handle=_Handle(url, m["ReceiptHandle"], physical, token),
                         lease_until=now + lease,
                     )
                 )
@@ -459,8 +468,15 @@ class SqsProvider(SideStoreOps):
         return refused
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
-        results = await asyncio.gather(*(self._prepare(s) for s in settlements), return_exceptions=True)
-        ready = [s.delivery.handle for s, r in zip(settlements, results, strict=True) if r is None]
+        # Only the receive that holds a message may settle it: its lease token goes first (before any
+        # copy is sent), and whoever's token was replaced by a newer receive is refused.
+        ours = await self.leases.release([s.delivery.handle.lease for s in settlements])
+        for s in settlements:
+            if s.delivery.handle.lease.key not in ours:
+                s.delivery.refuse("a later receive holds it (its lease token was replaced)")
+        mine = [s for s in settlements if not s.delivery.refused]
+        results = await asyncio.gather(*(self._prepare(s) for s in mine), return_exceptions=True)
+        ready = [s.delivery.handle for s, r in zip(mine, results, strict=True) if r is None]
         failures = [r for r in results if isinstance(r, BaseException)]
         for exc in failures:
             # not deleted: it comes back when its visibility timeout ends (at least once, not lost)
@@ -472,23 +488,36 @@ class SqsProvider(SideStoreOps):
                 log.warning(
                     "%d SQS message(s) not deleted: their lease had passed to another receive", refused
                 )
-        if failures and len(failures) == len(settlements):
+        if failures and len(failures) == len(mine):
             raise failures[0]
 
+    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
+        done = await super().maintain(app)
+        done["leases_pruned"] = await self.leases.prune(self.clock())
+        return done
+
+    def _lease_of(self, d: Delivery) -> timedelta:
+        sub = self._app.subscription(d.type_name) if self._app and d.type_name else None
+        return min(sub.options.lease_duration if sub else timedelta(seconds=30), MAX_VISIBILITY)
+
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
-        lost: list[Delivery] = []
+        if not deliveries:
+            return []
+        # a newer receive holds the others: extending their visibility would extend its lease
+        longest = max(self._lease_of(d) for d in deliveries)
+        ours = await self.leases.extend([d.handle.lease for d in deliveries], self.clock() + longest)
+        lost: list[Delivery] = [d for d in deliveries if d.handle.lease.key not in ours]
         by_url: dict[str, list[Delivery]] = {}
         for d in deliveries:
-            by_url.setdefault(d.handle.url, []).append(d)
+            if d.handle.lease.key in ours:
+                by_url.setdefault(d.handle.url, []).append(d)
         for url, ds in by_url.items():
             for i in range(0, len(ds), 10):
                 part = ds[i : i + 10]
                 leases = {}
                 entries = []
                 for j, d in enumerate(part):
-                    sub = self._app.subscription(d.type_name) if self._app and d.type_name else None
-                    lease = min(sub.options.lease_duration if sub else timedelta(seconds=30), MAX_VISIBILITY)
-                    leases[str(j)] = lease
+                    lease = leases[str(j)] = self._lease_of(d)
                     entries.append(
                         {
                             "Id": str(j),

@@ -106,6 +106,24 @@ def _boundary(action: str) -> Iterator[None]:
         raise ProviderError(f"{action} failed: {exc}") from None
 
 
+class _ReceiptLost(ProviderError):
+    """The pop receipt no longer holds the message: its visibility ran out and another receive took
+    it (the service answers 400 PopReceiptMismatch), or the message is gone (404)."""
+
+
+@contextlib.contextmanager
+def _receipt_held() -> Iterator[None]:
+    try:
+        yield
+    except ResourceNotFoundError:
+        raise _ReceiptLost("the message is gone from the queue") from None
+    except HttpResponseError as exc:
+        # the storage SDK adds the service's x-ms-error-code to its errors as ``error_code``
+        if exc.status_code == 400 and getattr(exc, "error_code", None) == "PopReceiptMismatch":
+            raise _ReceiptLost("another receive holds it: the pop receipt no longer matches") from None
+        raise
+
+
 class StorageQueueProvider(PhysicalNames):
     transport = Transport.STORAGE_QUEUE
 
@@ -302,34 +320,49 @@ class StorageQueueProvider(PhysicalNames):
         event.clear()
 
     async def _delete(self, h: _Handle) -> None:
-        with _boundary("deleting a message"), contextlib.suppress(ResourceNotFoundError):
+        with _boundary("deleting a message"), _receipt_held():
             await h.queue_client.delete_message(h.id, h.pop_receipt)
 
     async def _hide(self, h: _Handle, delay: timedelta) -> None:
-        with _boundary("re-hiding a message"):
-            await h.queue_client.update_message(h.id, h.pop_receipt, visibility_timeout=whole_seconds(delay))
+        """Hide the message for ``delay`` under our receipt (which the service then replaces)."""
+        with _boundary("re-hiding a message"), _receipt_held():
+            receipt = await h.queue_client.update_message(
+                h.id, h.pop_receipt, visibility_timeout=whole_seconds(delay)
+            )
+        h.pop_receipt = receipt.pop_receipt or h.pop_receipt
+
+    def _lease(self, d: Delivery) -> timedelta:
+        sub = self._app.subscription(d.type_name) if self._app and d.type_name else None
+        return min(sub.options.lease_duration if sub else timedelta(seconds=30), MAX_VISIBILITY)
 
     async def _settle_one(self, s: Settlement) -> None:
         d, decision = s.delivery, s.decision
         h: _Handle = d.handle
         now = utcnow()
         async with self._limit:
-            if isinstance(decision, Complete | Expire):
-                await self._delete(h)
-            elif isinstance(decision, RetryAfter):
-                await self._hide(h, decision.delay)  # the next dequeue counts the attempt
-            elif isinstance(decision, DeadLetter):
-                await self.dead_letter(d, decision, now)
-                await self._delete(h)
-            else:
-                assert isinstance(decision, Defer | Release)
-                if d.envelope is None:  # cannot happen: malformed bodies are dead-lettered
-                    return
-                due = decision.until if isinstance(decision, Defer) else now
-                copy = d.envelope.with_attempt(d.attempts_used(decision))
-                # a fresh copy starts at dequeue_count 0: the deferral costs no attempt
-                await self.put(d.queue, copy, due - now, now)
-                await self._delete(h)
+            try:
+                if isinstance(decision, Complete | Expire):
+                    await self._delete(h)
+                elif isinstance(decision, RetryAfter):
+                    await self._hide(h, decision.delay)  # the next dequeue counts the attempt
+                else:
+                    # A copy goes first (a dead letter, or a deferral's fresh copy) and the original is
+                    # deleted after. Renewing the lease first proves this receipt still holds the
+                    # message, so a run whose lease passed on writes no copy at all.
+                    await self._hide(h, self._lease(d))
+                    if isinstance(decision, DeadLetter):
+                        await self.dead_letter(d, decision, now)
+                    else:
+                        assert isinstance(decision, Defer | Release)
+                        if d.envelope is None:  # cannot happen: malformed bodies are dead-lettered
+                            return
+                        due = decision.until if isinstance(decision, Defer) else now
+                        copy = d.envelope.with_attempt(d.attempts_used(decision))
+                        # a fresh copy starts at dequeue_count 0: the deferral costs no attempt
+                        await self.put(d.queue, copy, due - now, now)
+                    await self._delete(h)
+            except _ReceiptLost as exc:
+                d.refuse(str(exc))
 
     async def dead_letter(self, d: Delivery, decision: DeadLetter, now: datetime) -> None:
         """Put ``d`` in ``<queue>-poison`` with the reason (the original is settled by the caller)."""
@@ -373,15 +406,10 @@ class StorageQueueProvider(PhysicalNames):
 
         async def one(d: Delivery) -> None:
             h: _Handle = d.handle
-            sub = self._app.subscription(d.type_name) if self._app and d.type_name else None
-            lease = min(sub.options.lease_duration if sub else timedelta(seconds=30), MAX_VISIBILITY)
+            lease = self._lease(d)
             try:
                 async with self._limit:
-                    with _boundary("renewing a lease"):
-                        receipt = await h.queue_client.update_message(
-                            h.id, h.pop_receipt, visibility_timeout=whole_seconds(lease)
-                        )
-                h.pop_receipt = receipt.pop_receipt or h.pop_receipt
+                    await self._hide(h, lease)
                 d.lease_until = utcnow() + lease
             except ProviderError:
                 lost.append(d)

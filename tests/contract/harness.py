@@ -20,7 +20,7 @@ from queueing_core.ops import OpsService
 from queueing_core.ops.api import PREFIX, create_app
 from queueing_core.runtime import Runtime
 from queueing_core.tracking import MessageQuery, MessageRecord
-from queueing_core.transport import Provider
+from queueing_core.transport import Delivery, Provider
 from queueing_core.worker import Worker
 from tests.services import fresh_prefix
 
@@ -36,6 +36,13 @@ class Harness:
     ordered: bool = True
     runtime_kwargs: Callable[[], dict[str, Any]] = field(default=lambda: {})
     cleanup: Callable[[], Awaitable[None]] | None = None
+    #: async (runtime, delivery) -> None: take the delivery's lease away as the transport does (an
+    #: operator's release, a lapsed visibility timeout or lock, a closed channel); None: no leases
+    lose_lease: Callable[[Runtime, Delivery], Awaitable[None]] | None = None
+    #: why the transport has no lease to lose (shown when the lease-fencing case is skipped)
+    no_lease_reason: str = ""
+    #: async (runtime, logical queue) -> dead letters the transport holds for that queue
+    dead_letters: Callable[[Runtime, str], Awaitable[int]] | None = None
 
     def app(self) -> QueueingApp:
         # a unique prefix isolates each test on shared brokers and databases
@@ -121,6 +128,30 @@ async def find(runtime: Runtime, **query: Any) -> list[MessageRecord]:
     return (await runtime.tracker.query(MessageQuery(**query), limit=500)).items
 
 
+async def lease_lapses(rt: Runtime, delivery: Delivery) -> None:
+    """Let the lease run out: the transport makes the message visible (or unlocks it) by itself."""
+    sub = rt.app.subscription(delivery.type_name or "")
+    assert sub is not None
+    await asyncio.sleep(sub.options.lease_duration.total_seconds() + 0.5)
+
+
+async def operator_release(rt: Runtime, delivery: Delivery) -> None:
+    """An operator gives the lease back over the ops service, as `POST .../release` does."""
+    assert delivery.envelope is not None
+    await OpsService(rt).release_lease(delivery.envelope.message_id)
+
+
+async def native_dead_letters(rt: Runtime, queue: str) -> int:
+    """Dead letters by the transport's own count (Service Bus, RabbitMQ, SQS)."""
+    counts = await rt.provider.native_counts()  # type: ignore[attr-defined]
+    return int(counts.get(queue, {}).get("dead_lettered", 0))
+
+
+async def history_dead_letters(rt: Runtime, queue: str) -> int:
+    """Dead letters of a transport whose history is the transport itself (SQL)."""
+    return len(await find(rt, queue=queue, status=("DeadLettered",)))
+
+
 # -- in-process ------------------------------------------------------------------------------------
 def inprocess() -> Harness:
     from queueing_core.providers.inprocess import InProcessProvider, _Item, _seq
@@ -135,7 +166,17 @@ def inprocess() -> Harness:
         assert isinstance(prov, InProcessProvider)
         prov._q(queue).put(_Item(utcnow(), next(_seq), raw), utcnow())
 
-    return Harness("inprocess", ordered=True, make_provider=make, inject_raw=inject)
+    async def dead_letters(rt: Runtime, queue: str) -> int:
+        return len(rt.provider.dead_letters.get(queue, []))  # type: ignore[attr-defined]
+
+    return Harness(
+        "inprocess",
+        ordered=True,
+        make_provider=make,
+        inject_raw=inject,
+        no_lease_reason="the in-process provider hands a message to one run and nothing can take it back",
+        dead_letters=dead_letters,
+    )
 
 
 # -- SQL ---------------------------------------------------------------------------------------------
@@ -182,7 +223,13 @@ def sqlite(tmp_dir: str) -> Harness:
     async def make() -> Provider:
         return SqlProvider(url, maintenance_interval=0.2)
 
-    return Harness("sqlite", make_provider=make, inject_raw=_sql_inject("sqlite"))
+    return Harness(
+        "sqlite",
+        make_provider=make,
+        inject_raw=_sql_inject("sqlite"),
+        lose_lease=operator_release,
+        dead_letters=history_dead_letters,
+    )
 
 
 def postgres() -> Harness:
@@ -203,7 +250,14 @@ def postgres() -> Harness:
             await prov.close()
         await drop_schema(schema)
 
-    return Harness("postgres", make_provider=make, inject_raw=_sql_inject("postgresql"), cleanup=cleanup)
+    return Harness(
+        "postgres",
+        make_provider=make,
+        inject_raw=_sql_inject("postgresql"),
+        cleanup=cleanup,
+        lose_lease=operator_release,
+        dead_letters=history_dead_letters,
+    )
 
 
 # -- Azure Storage Queues (Azurite) ----------------------------------------------------------------
@@ -229,8 +283,21 @@ def storage_queue(azurite) -> Harness:
         for prov in made:
             await prov.close()
 
+    async def dead_letters(rt: Runtime, queue: str) -> int:
+        prov = rt.provider
+        poison = await prov._ensure(prov.poison_name(queue))
+        return int((await poison.get_queue_properties()).approximate_message_count or 0)
+
     # Storage Queues do not promise order
-    return Harness("storage_queue", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
+    return Harness(
+        "storage_queue",
+        make_provider=make,
+        inject_raw=inject,
+        ordered=False,
+        cleanup=cleanup,
+        lose_lease=lease_lapses,
+        dead_letters=dead_letters,
+    )
 
 
 # -- Azure Service Bus (the in-memory stand-in; history and control state in Tables over Azurite) -----
@@ -271,7 +338,15 @@ def servicebus(azurite) -> Harness:
             await prov.close()
 
     # one receiver at a time receives in order, but retries are re-sent copies: no strict order promise
-    return Harness("servicebus", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
+    return Harness(
+        "servicebus",
+        make_provider=make,
+        inject_raw=inject,
+        ordered=False,
+        cleanup=cleanup,
+        lose_lease=lease_lapses,
+        dead_letters=native_dead_letters,
+    )
 
 
 def servicebus_live() -> Harness:
@@ -313,7 +388,15 @@ def servicebus_live() -> Harness:
         for prov in made:
             await prov.close()
 
-    return Harness("servicebus_live", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
+    return Harness(
+        "servicebus_live",
+        make_provider=make,
+        inject_raw=inject,
+        ordered=False,
+        cleanup=cleanup,
+        lose_lease=lease_lapses,
+        dead_letters=native_dead_letters,
+    )
 
 
 def _discovered() -> dict[str, Callable[..., Harness]]:

@@ -3,13 +3,14 @@ pause/circuit state, delayed messages) in a fresh PostgreSQL schema per test."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from datetime import timedelta
 
 from queueing_core.runtime import Runtime
-from queueing_core.transport import Provider
+from queueing_core.transport import Delivery, Provider
 
-from .harness import Harness
+from .harness import Harness, native_dead_letters
 
 
 def make_harness() -> Harness:
@@ -45,5 +46,24 @@ def make_harness() -> Harness:
             await prov.close()
         await drop_schema(schema)
 
+    async def channel_fails(rt: Runtime, delivery: Delivery) -> None:
+        """The consumer's channel dies, as on a network fault or a channel error: the broker puts
+        what it held back in the queue and the provider's robust channel consumes again. Here the
+        error is the broker's own answer to an ack of a delivery tag it never gave out."""
+        prov = rt.provider
+        assert isinstance(prov, RabbitMQProvider)
+        channel = prov._consumers[prov.physical(delivery.queue)].channel
+        raw = await channel.get_underlay_channel()
+        with contextlib.suppress(Exception):
+            await raw.basic_ack(delivery_tag=2**31)
+
     # retries are republished copies: no order promise
-    return Harness("rabbitmq", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
+    return Harness(
+        "rabbitmq",
+        make_provider=make,
+        inject_raw=inject,
+        ordered=False,
+        cleanup=cleanup,
+        lose_lease=channel_fails,
+        dead_letters=native_dead_letters,
+    )

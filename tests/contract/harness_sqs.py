@@ -14,7 +14,7 @@ from typing import Any
 from queueing_core.runtime import Runtime
 from queueing_core.transport import Provider
 
-from .harness import Harness
+from .harness import Harness, lease_lapses, native_dead_letters
 
 _server: dict[str, Any] = {}
 
@@ -77,4 +77,12 @@ def make_harness() -> Harness:
         shutil.rmtree(folder, ignore_errors=True)
 
     # a standard queue promises no order
-    return Harness("sqs", make_provider=make, inject_raw=inject, ordered=False, cleanup=cleanup)
+    return Harness(
+        "sqs",
+        make_provider=make,
+        inject_raw=inject,
+        ordered=False,
+        cleanup=cleanup,
+        lose_lease=lease_lapses,
+        dead_letters=native_dead_letters,
+    )

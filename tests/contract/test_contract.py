@@ -24,6 +24,9 @@ from queueing_core import (
     RetryPolicy,
     queue,
 )
+from queueing_core.decisions import Complete, DeadLetter, RetryAfter
+from queueing_core.transport import Settlement
+from queueing_core.worker import Settler
 
 from .harness import all_have, find, ops_client, record, running, statuses, wait_until
 
@@ -230,23 +233,44 @@ async def _circuit(rt, type_name, name):
     return (await rt.control.state()).circuit(type_name).state == name
 
 
-async def test_circuit_reset_lets_work_through_before_the_cooldown(harness):
-    @queue(
-        "gateway2",
-        max_attempts=1,  # the failing message is dead-lettered: after the reset only the good one is left
-        retry=FAST_RETRY,
-        circuit_breaker=CircuitBreakerOptions(failure_threshold=1, cooldown=timedelta(hours=1)),
-    )
-    class Charge2(QueueMessage):
-        ok: bool
+class _Gateway(QueueMessage):
+    ok: bool
 
+
+def _breaker(threshold: int) -> dict:
+    # each failure is final (one message, one outcome); the breaker opens at ``threshold`` for an hour
+    return dict(
+        max_attempts=1,
+        retry=FAST_RETRY,
+        circuit_breaker=CircuitBreakerOptions(failure_threshold=threshold, cooldown=timedelta(hours=1)),
+    )
+
+
+@queue("gateway2", **_breaker(1))
+class Charge2(_Gateway):
+    pass
+
+
+@queue("flaky", **_breaker(5))
+class Flaky(_Gateway):
+    pass
+
+
+def _gateway_app(harness, message: type[_Gateway]):
+    """An app whose handler fails with a transient error unless the message says ``ok``."""
     app = harness.app()
 
-    @app.handler(max_concurrency=1)
-    async def charge(msg: Charge2):
+    @app.handler(message, max_concurrency=1)
+    async def call(msg: _Gateway) -> None:
         if not msg.ok:
             raise ConnectionError("down")
 
+    return app
+
+
+async def test_circuit_reset_lets_work_through_before_the_cooldown(harness):
+    # the failing message is dead-lettered: after the reset only the good one is left
+    app = _gateway_app(harness, Charge2)
     rt = await harness.runtime(app)
     bad = await app.enqueue(Charge2(ok=False))
     async with running(rt):
@@ -257,6 +281,83 @@ async def test_circuit_reset_lets_work_through_before_the_cooldown(harness):
         await rt.control.reset_circuit("Charge2")
         await wait_until(lambda: all_have(rt, [good.message_id], MessageStatus.SUCCEEDED), what="after reset")
     assert (await record(rt, bad.message_id)).attempt >= 1
+
+
+async def test_circuit_counts_only_consecutive_failures(harness):
+    """Four failures, a success, four failures: a breaker that opens at five stays closed, because
+    the success resets the count (on every control store: memory, SQL, Azure Tables)."""
+    app = _gateway_app(harness, Flaky)
+    rt = await harness.runtime(app)
+    async with running(rt):
+        for ok in [False] * 4 + [True] + [False] * 4:
+            r = await app.enqueue(Flaky(ok=ok))  # one at a time: the order is the point
+            want = MessageStatus.SUCCEEDED if ok else MessageStatus.DEAD_LETTERED
+            await wait_until(lambda r=r, want=want: all_have(rt, [r.message_id], want), what=str(want))
+    rt.control.invalidate()
+    state = (await rt.control.state()).circuit("Flaky")
+    assert (state.state, state.consecutive_failures) == ("closed", 4)
+
+
+@queue("leased", lease_duration=timedelta(seconds=1), max_attempts=5, retry=FAST_RETRY)
+class Leased(QueueMessage):
+    key: str
+
+
+async def _claim(rt, sub, message_id):
+    """Receive until this message comes (the same provider, so the same process and worker id)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        for d in await rt.provider.receive(sub, 10):
+            assert d.envelope is not None
+            assert d.envelope.message_id == message_id
+            return d
+        await rt.provider.wait_for_work(sub, 0.2)
+    raise AssertionError(f"message {message_id} was not delivered")
+
+
+async def _settle(rt, settlement):
+    """Settle and record as a worker does, through its settler."""
+    settler = Settler(rt)
+    settler.start()
+    settler.add(settlement)
+    await settler.close()
+
+
+STALE_VERDICTS = {
+    "dead-letter": DeadLetter(DeadLetterReason.NON_RETRYABLE, "the stale run's verdict"),
+    # a retry is a copy on most transports: the fence must hold before the copy is written
+    "retry": RetryAfter(timedelta(milliseconds=10), "the stale run failed"),
+}
+
+
+@pytest.mark.parametrize(
+    ("order", "verdict"),
+    [("stale-first", "dead-letter"), ("live-first", "dead-letter"), ("stale-first", "retry")],
+)
+async def test_a_run_that_lost_its_lease_cannot_settle_over_the_live_run(harness, order, verdict):
+    """The lease is lost (released by an operator, timed out, or its channel closed), the same
+    process receives the message again, and the first run then settles: its outcome is refused,
+    before or after the live run's success, which is what the transport and the history hold."""
+    if harness.lose_lease is None:
+        pytest.skip(f"no leases on {harness.name}: {harness.no_lease_reason}")
+    app = harness.app()
+    app.handler(Leased)(lambda msg: None)
+    rt = await harness.runtime(app)
+    sub = app.subscription("Leased")
+    r = await app.enqueue(Leased(key="fenced"))
+    stale = await _claim(rt, sub, r.message_id)
+    await harness.lose_lease(rt, stale)
+    live = await _claim(rt, sub, r.message_id)
+    verdicts = [(stale, STALE_VERDICTS[verdict]), (live, Complete({"by": "the live run"}))]
+    for d, decision in verdicts if order == "stale-first" else verdicts[::-1]:
+        await _settle(rt, Settlement(d, decision))
+    rec = await record(rt, r.message_id)
+    assert (rec.status, rec.reason, rec.last_error) == (MessageStatus.SUCCEEDED, None, None)
+    assert await harness.dead_letters(rt, sub.queue) == 0  # no dead-letter copy either
+    await asyncio.sleep(sub.options.lease_duration.total_seconds() + 0.5)
+    assert await rt.provider.receive(sub, 10) == []  # and no copy comes back to run again
+    assert (stale.refused, live.refused) == (True, False)  # what the worker's log line says
+    await rt.close()
 
 
 async def test_max_concurrency_per_type(harness):

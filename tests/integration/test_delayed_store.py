@@ -277,6 +277,7 @@ async def test_an_unreachable_destination_does_not_use_up_the_messages_retries(d
 
 async def test_dispatch_breaker_opens_after_continuous_failures_and_closes_on_recovery(db, caplog):
     store = db.stores().delayed_store(Transport.RABBITMQ)
+    await store.sql.ensure_open()  # the schema first: the 1 s outage is the broker's, not set-up time
     down_until = time.monotonic() + 1.0
     target = Target(
         fail=lambda: ProviderUnavailable("broker down") if time.monotonic() < down_until else None

@@ -165,9 +165,10 @@ async def test_lock_loss_is_logged_and_not_settled_twice(caplog):
     [d] = await rt.provider.receive(app.subscription("Capture"), 1)
     clock.advance(timedelta(seconds=30))  # the 20 s lock expired while the handler ran
     [again] = await rt.provider.receive(app.subscription("Capture"), 1)  # another consumer takes it
-    with caplog.at_level(logging.WARNING, logger="queueing.servicebus"):
+    with caplog.at_level(logging.WARNING, logger="queueing.settle"):
         await rt.process_and_settle(d)
-    assert "lock lost" in caplog.text
+    assert "lease lost on" in caplog.text
+    assert d.refused
     await rt.process_and_settle(again)  # the new owner settles normally
     runtime = await rt.provider.admin.get_queue_runtime_properties("Payments/Capture")
     assert runtime.active_message_count == 0

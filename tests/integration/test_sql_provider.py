@@ -147,7 +147,7 @@ async def test_an_old_owner_never_overwrites_the_new_owners_outcome(sql_db, capl
     assert rec.status == "Succeeded"
     assert rec.attempt == 2
     assert rec.last_error.startswith("lease expired: worker worker-a")
-    assert "not recorded: their lease had passed to another worker" in caplog.text
+    assert "not recorded: their lease had passed to another run" in caplog.text
 
 
 @pytest.mark.parametrize(

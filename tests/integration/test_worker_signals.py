@@ -8,6 +8,10 @@ import textwrap
 import time
 
 import pytest
+import sqlalchemy as sa
+
+from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core.providers.sql import SqlProvider
 
 SCRIPT = textwrap.dedent(
     """
@@ -89,3 +93,80 @@ def test_second_signal_skips_the_wait():
     assert proc.returncode == 0, err
     assert out.split() == ["released"]
     assert time.monotonic() - t0 < 10
+
+
+PREFETCHING = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from datetime import timedelta
+    from queueing_core import QueueingApp, QueueMessage, queue
+    from queueing_core.logs import configure_logging
+    from queueing_core.providers.sql import SqlProvider
+    from queueing_core.runtime import Runtime
+    from queueing_core.worker import Worker
+
+    configure_logging("WARNING")
+
+    @queue("prefetched", max_concurrency=2, lease_duration=timedelta(seconds=30))
+    class Prefetched(QueueMessage):
+        n: int
+
+    app = QueueingApp()
+
+    @app.handler()
+    async def handle(msg: Prefetched):
+        print("started", msg.n, flush=True)
+        await asyncio.sleep(1.5)
+
+    async def main():
+        rt = Runtime(app, SqlProvider(sys.argv[1]))
+        await rt.open()
+        await app.enqueue_many([Prefetched(n=i) for i in range(8)])
+        # 2 at a time, 4 claimed per slot: 8 claimed at once, 6 of them waiting for a slot
+        worker = Worker(rt, prefetch=4, shutdown_timeout=30, poll_min=0.01, poll_max=0.05)
+        await worker.run()
+        print("stopped", flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+@queue("prefetched")
+class Prefetched(QueueMessage):
+    n: int
+
+
+async def test_sigterm_hands_back_claimed_messages_that_have_not_started(tmp_path):
+    """With QUEUEING_PREFETCH > 1 a worker holds more claimed messages than it runs. On SIGTERM the
+    running handlers finish, none of the waiting ones starts, and those are claimable again at once
+    with no attempt counted."""
+    url = f"sqlite:///{tmp_path}/prefetch.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PREFETCHING, url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+    )
+    started = [proc.stdout.readline().split(), proc.stdout.readline().split()]
+    assert [w[0] for w in started] == ["started", "started"], started
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, err
+    assert out.split() == ["stopped"], out  # no handler started after the signal
+    assert elapsed < 4, elapsed  # the two running handlers (1.5 s), not the six waiting ones
+
+    app = QueueingApp()
+    app.handler(Prefetched)(lambda msg: None)
+    prov = SqlProvider(url)
+    await prov.open(app)
+    m = prov.tables.messages
+    async with prov.engine.connect() as conn:
+        rows = (await conn.execute(sa.select(m.c.status, m.c.attempt))).all()
+    assert sorted(rows) == [("Pending", 0)] * 6 + [("Succeeded", 1)] * 2
+    again = await prov.receive(app.subscription("Prefetched"), 10)  # claimable now, first attempt
+    assert sorted(d.attempt for d in again) == [1] * 6
+    await prov.close()

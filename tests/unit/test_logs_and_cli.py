@@ -122,3 +122,29 @@ def test_check_refuses_two_queues_that_collide_after_sanitizing(tmp_path):
     r = run_cli("check", "--app", "clash:app", "--transport", "storage_queue", cwd=tmp_path)
     assert r.returncode == 1
     assert "both map to 'orders'" in r.stderr
+
+
+def test_migrate_sets_up_the_side_stores_of_rabbitmq_and_sqs(tmp_path):
+    """RabbitMQ and SQS keep history, pauses, circuits and delayed messages in QUEUEING_DATABASE_URL:
+    with QUEUEING_AUTO_MIGRATE=false the README has them run `queueing migrate`, which must work."""
+    import sqlite3
+
+    from queueing_core.providers.sql import LATEST
+
+    for provider in ("rabbitmq", "sqs"):
+        db = tmp_path / f"{provider}.db"
+        env = {"QUEUEING_PROVIDER": provider, "QUEUEING_DATABASE_URL": f"sqlite:///{db}"}
+        done = run_cli("migrate", env=env)
+        assert done.returncode == 0, done.stderr
+        assert f"schema at version {LATEST}" in done.stdout
+        with sqlite3.connect(db) as conn:
+            assert conn.execute("SELECT max(version) FROM queueing_schema").fetchone() == (LATEST,)
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert {"queueing_history", "queueing_delayed", "queueing_circuits", "queueing_pauses"} <= tables
+
+
+def test_migrate_says_plainly_when_there_is_no_database(tmp_path):
+    done = run_cli("migrate", env={"QUEUEING_PROVIDER": "inprocess"})
+    assert done.returncode == 2
+    assert "keeps nothing in a database" in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr

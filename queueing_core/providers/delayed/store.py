@@ -32,6 +32,7 @@ from ...clock import Clock, as_utc, opt_utc, utcnow
 from ...envelope import Envelope
 from ...errors import ProviderError, ProviderUnavailable
 from ...naming import Transport
+from ..sql.listener import channel_name
 from ..sql.provider import SqlProvider
 from .breaker import CircuitBreaker, first_line
 
@@ -66,7 +67,7 @@ class DelayedMessage:
 
 
 def channel_for(schema: str | None) -> str:
-    return f"queueing_delayed_{schema or 'public'}"
+    return channel_name("queueing_delayed", schema)
 
 
 class SqlDelayedStore:

@@ -44,7 +44,13 @@ class SqlControlStore:
         await self.provider.ensure_open()
         async with self.provider.engine.connect() as conn:
             pauses = (await conn.execute(sa.select(p.c.kind, p.c.name))).all()
-            circuits = (await conn.execute(sa.select(c).where(c.c.state != "closed"))).all()
+            # every circuit with something to say: open, half-open, or closed with failures counted
+            # (the pipeline records a success only where it sees failures to reset)
+            circuits = (
+                await conn.execute(
+                    sa.select(c).where(sa.or_(c.c.state != "closed", c.c.consecutive_failures > 0))
+                )
+            ).all()
         return ControlState(
             paused_queues=frozenset(n for k, n in pauses if k == "queue"),
             paused_types=frozenset(n for k, n in pauses if k == "type"),

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections.abc import Callable
 
 from sqlalchemy.engine import URL
 
 log = logging.getLogger("queueing.sql")
+
+#: PostgreSQL's longest identifier (NAMEDATALEN - 1), in bytes; NOTIFY refuses a longer channel
+MAX_IDENTIFIER = 63
+
+
+def channel_name(base: str, schema: str | None) -> str:
+    """The NOTIFY channel ``<base>_<schema>``. A name longer than PostgreSQL allows keeps its start and
+    ends in a hash of the whole name: the same on every host, and two long schemas that share their
+    first 40 characters still get their own channels. Short names are left as they always were."""
+    name = f"{base}_{schema or 'public'}"
+    if len(name.encode()) <= MAX_IDENTIFIER:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return f"{name[: MAX_IDENTIFIER - len(digest) - 1]}_{digest}"
 
 
 class PgListener:

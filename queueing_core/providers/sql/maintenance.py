@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 from ...decisions import DeadLetterReason
 from ...messages import MessageStatus
-from .schema import CLAIMABLE
+from .schema import claimable
 
 if TYPE_CHECKING:
     from ...app import QueueingApp
@@ -25,9 +25,13 @@ async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -
     m = provider.tables.messages
     out = {"leases_retried": 0, "leases_abandoned": 0}
     woke: set[str] = set()
+    registered = app.by_queue()
     async with provider.engine.begin() as conn:
-        for sub in app.subscriptions():
-            lapsed = sa.and_(m.c.queue == sub.queue, m.c.status == LEASED, m.c.locked_until < now)
+        for queue, opts in [*((q, s.options) for q, s in registered.items()), (None, app.defaults)]:
+            # None: every queue in the table that the app does not register (its rows would stay
+            # leased for good otherwise), under the app's default options
+            which = m.c.queue == queue if queue is not None else m.c.queue.not_in(sorted(registered))
+            lapsed = sa.and_(which, m.c.status == LEASED, m.c.locked_until < now)
             note = sa.func.coalesce(m.c.locked_by, "?")
             error = sa.literal("lease expired: worker ") + note + sa.literal(" stopped renewing it")
             common: dict[str, Any] = {
@@ -37,7 +41,7 @@ async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -
                 "updated_at": now,
                 "last_error": error,
             }
-            if sub.options.lease_expired == "abandon":
+            if opts.lease_expired == "abandon":
                 res = await conn.execute(
                     sa.update(m)
                     .where(lapsed)
@@ -45,7 +49,7 @@ async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -
                 )
                 out["leases_abandoned"] += res.rowcount or 0
                 continue
-            dead = m.c.attempt + 1 >= sub.options.max_attempts
+            dead = m.c.attempt + 1 >= opts.max_attempts
             res = await conn.execute(
                 sa.update(m)
                 .where(lapsed)
@@ -62,34 +66,28 @@ async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -
             )
             if res.rowcount:
                 out["leases_retried"] += res.rowcount
-                woke.add(sub.queue)
+                if queue is not None:
+                    woke.add(queue)
         await provider.notify_statements(conn, woke)
     return out
 
 
-async def expire_waiting(provider: SqlProvider, app: QueueingApp, now: datetime) -> int:
-    """Rows nobody will claim before they expire (no handler, paused, held) become Expired."""
+async def expire_waiting(provider: SqlProvider, now: datetime) -> int:
+    """Rows nobody will claim before they expire (no handler, paused, held) become Expired, in every
+    queue of the table (an expiry is the row's own, whatever registers its type)."""
     m = provider.tables.messages
-    total = 0
     async with provider.engine.begin() as conn:
-        for sub in app.subscriptions():
-            res = await conn.execute(
-                sa.update(m)
-                .where(
-                    m.c.queue == sub.queue,
-                    m.c.status.in_(CLAIMABLE),
-                    ~m.c.archived,
-                    m.c.expires_at < now,
-                )
-                .values(
-                    status=MessageStatus.EXPIRED.value,
-                    reason=DeadLetterReason.EXPIRED.value,
-                    settled_at=now,
-                    updated_at=now,
-                )
+        res = await conn.execute(
+            sa.update(m)
+            .where(claimable(), m.c.expires_at < now)
+            .values(
+                status=MessageStatus.EXPIRED.value,
+                reason=DeadLetterReason.EXPIRED.value,
+                settled_at=now,
+                updated_at=now,
             )
-            total += res.rowcount or 0
-    return total
+        )
+    return res.rowcount or 0
 
 
 async def _batched(provider: SqlProvider, build: Any) -> int:
@@ -159,6 +157,6 @@ async def run_maintenance(provider: SqlProvider, app: QueueingApp | None, now: d
     out: dict[str, int] = {}
     if app is not None:
         out.update(await sweep_leases(provider, app, now))
-        out["expired"] = await expire_waiting(provider, app, now)
+    out["expired"] = await expire_waiting(provider, now)
     out.update(await retain(provider, app, now))
     return out

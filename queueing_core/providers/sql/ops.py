@@ -43,11 +43,15 @@ async def retry(p: SqlProvider, record: MessageRecord, envelope: Envelope, now: 
 
 
 async def release(p: SqlProvider, record: MessageRecord, now: datetime) -> bool:
+    """Give back the lease the operator saw (its worker's). The run holding it may go on, but the
+    row's lease token moves on with the next claim, so whatever that run settles is refused."""
     m = p.tables.messages
     async with p.engine.begin() as conn:
         res = await conn.execute(
             sa.update(m)
-            .where(m.c.message_id == record.message_id, m.c.status == LEASED)
+            .where(
+                m.c.message_id == record.message_id, m.c.status == LEASED, m.c.locked_by == record.locked_by
+            )
             .values(
                 status=MessageStatus.PENDING.value,
                 locked_by=None,

@@ -2,9 +2,11 @@
 
 - Claim: one ``UPDATE ... FROM (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED) RETURNING`` per batch
   (PostgreSQL skips rows other workers are claiming; SQLite's single writer makes it atomic). Paused
-  queues/types are filtered in the claim itself, so pausing never hands out (or burns) an attempt.
-- Finalize: every settlement is an UPDATE guarded by ``locked_by = me AND status = 'Leased'``, so a
-  worker whose lease expired never overwrites the newer owner's outcome.
+  queues/types and types whose circuit holds work are filtered in the claim itself, so a pause or an
+  open circuit never hands out (or burns) an attempt, and a held backlog is not claimed over and over.
+- Finalize: every claim sets a new lease token on the row, and every settlement, renewal and release
+  is an UPDATE guarded by that token (and ``status = 'Leased'``), so a run whose lease expired or was
+  released never overwrites the outcome of the run that holds it now, even in the same process.
 - Wake-ups: ``pg_notify`` in the enqueuing transaction, one LISTEN connection per worker; the worker's
   adaptive polling is the fallback (and the only mechanism on SQLite across processes).
 - Maintenance (every few seconds, safe to run on every host at once): expired leases back to retry
@@ -37,9 +39,9 @@ from ...transport import Capabilities, Delivery, Settlement
 from . import ops as sql_ops
 from .control import SqlControlStore
 from .engine import create_engine, normalize_url, redact
-from .listener import PgListener
+from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
-from .rows import copy_rows, delivery_from_row, row_for, unnest_params
+from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
 from .schema import LATEST, Tables, current_version, migrate
 from .statements import Statements, bind
 from .tracker import SqlTracker
@@ -79,8 +81,14 @@ def notify_statement(channel: str, queue: str) -> sa.Select[Any]:
     return sa.select(sa.func.pg_notify(channel, queue))
 
 
+def _many(deliveries: Sequence[Delivery], **values: Any) -> dict[str, Any]:
+    """Parameters of a statement on many leased rows: their ids and their (id, token) fences."""
+    leases: list[Lease] = [d.handle for d in deliveries]
+    return bind(ids=[x.row for x in leases], leases=[tuple(x) for x in leases], **values)
+
+
 def channel_for(schema: str | None) -> str:
-    return f"queueing_{schema or 'public'}"
+    return channel_name("queueing", schema)
 
 
 class SqlProvider:
@@ -339,83 +347,109 @@ class SqlProvider:
     # -- settling ----------------------------------------------------------------------------------
     def _settle_params(
         self, settlements: Sequence[Settlement], now: datetime
-    ) -> tuple[list[int], dict[str, list[dict[str, Any]]], set[str]]:
-        fast: list[int] = []
-        shaped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    ) -> tuple[list[Delivery], dict[str, list[tuple[Delivery, dict[str, Any]]]], set[str]]:
+        fast: list[Delivery] = []
+        shaped: dict[str, list[tuple[Delivery, dict[str, Any]]]] = defaultdict(list)
         wake: set[str] = set()
         for s in settlements:
             d, decision = s.delivery, s.decision
-            base = {"id": d.handle, "now": now}
+            lease: Lease = d.handle
+            base = {"id": lease.row, "token": lease.token, "now": now}
             used = d.attempts_used(decision)
+            params: dict[str, Any]
             if isinstance(decision, Complete) and decision.result is None and not decision.cancelled:
-                fast.append(d.handle)
-            elif isinstance(decision, Complete):
-                shaped["complete"].append(
-                    {
-                        **base,
-                        "status": decision.status.value,
-                        "attempt": used,
-                        "result": jsonable(decision.result),
-                    }
-                )
+                fast.append(d)
+                continue
+            if isinstance(decision, Complete):
+                shape = "complete"
+                params = {
+                    **base,
+                    "status": decision.status.value,
+                    "attempt": used,
+                    "result": jsonable(decision.result),
+                }
             elif isinstance(decision, RetryAfter):
+                shape = "retry"
                 at = now + decision.delay
-                shaped["retry"].append(
-                    {**base, "attempt": used, "available_at": at, "last_error": decision.error}
-                )
+                params = {**base, "attempt": used, "available_at": at, "last_error": decision.error}
                 self._note_due(d.queue, at)
             elif isinstance(decision, DeadLetter):
+                shape = "dead"
                 raw = d.text() if decision.reason is DeadLetterReason.MALFORMED_ENVELOPE else None
-                shaped["dead"].append(
-                    {
-                        **base,
-                        "attempt": used,
-                        "reason": decision.reason.value,
-                        "description": decision.description,
-                        "raw": raw,
-                    }
-                )
+                params = {
+                    **base,
+                    "attempt": used,
+                    "reason": decision.reason.value,
+                    "description": decision.description,
+                    "raw": raw,
+                }
             elif isinstance(decision, Defer):
+                shape = "defer"
                 sleeping = decision.status is MessageStatus.SLEEPING
-                shaped["defer"].append(
-                    {
-                        **base,
-                        "status": decision.status.value,
-                        "attempt": used,
-                        "available_at": decision.until,
-                        "reason": decision.reason,
-                        "not_before": decision.until if sleeping else None,
-                    }
-                )
+                params = {
+                    **base,
+                    "status": decision.status.value,
+                    "attempt": used,
+                    "available_at": decision.until,
+                    "reason": decision.reason,
+                    "not_before": decision.until if sleeping else None,
+                }
                 self._note_due(d.queue, decision.until)
             elif isinstance(decision, Release):
-                shaped["release"].append({**base, "attempt": used})
+                shape = "release"
+                params = {**base, "attempt": used}
                 wake.add(d.queue)
             else:
                 assert isinstance(decision, Expire)
-                shaped["expire"].append(base)
-        return fast, {k: [bind(**p) for p in v] for k, v in shaped.items()}, wake
+                shape, params = "expire", base
+            shaped[shape].append((d, bind(**params)))
+        return fast, shaped, wake
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         if not settlements:
             return
         now = self.clock()
         fast, shaped, wake = self._settle_params(settlements, now)
-        lost = 0
-        # Autocommit: each statement is its own (durable) transaction. They are independent and
-        # guarded by the lease owner, so no enclosing transaction is needed, and the common batch (all
-        # successes) is a single round trip.
+        refused: list[Delivery] = []
+        if fast:
+            # the common batch (all successes): one autocommit round trip that says what it settled
+            async with self.auto.connect() as conn:
+                done = set(
+                    (await conn.execute(self.statements.complete_many, _many(fast, now=now))).scalars()
+                )
+            refused += [d for d in fast if d.handle.row not in done]
+        for shape, items in shaped.items():
+            refused += await self._settle_each(self.statements.settle[shape], items)
+        if wake and self.backend == "postgresql":
+            async with self.auto.connect() as conn:
+                await self.notify_statements(conn, wake)
+        for d in refused:
+            d.refused = True
+        if refused:
+            log.warning("%d outcome(s) not recorded: their lease had passed to another run", len(refused))
+
+    async def _settle_each(
+        self, stmt: sa.Update, items: list[tuple[Delivery, dict[str, Any]]]
+    ) -> list[Delivery]:
+        """One statement per row, each fenced by its lease token; returns the deliveries refused.
+
+        All rows go in one executemany transaction (one round trip with psycopg); only when the guards
+        refused some (rare: a lease passed to another run) is it undone and done row by row, to learn
+        which. Each statement is independent, so either way the outcome is the same.
+        """
+        if len(items) > 1:
+            async with self.engine.connect() as conn:
+                tx = await conn.begin()
+                if (await conn.execute(stmt, [p for _, p in items])).rowcount == len(items):
+                    await tx.commit()
+                    return []
+                await tx.rollback()
+        refused: list[Delivery] = []
         async with self.auto.connect() as conn:
-            if fast:
-                done = await conn.execute(self.statements.complete_many, bind(ids=fast, now=now))
-                lost += len(fast) - (done.rowcount or 0)
-            for shape, params in shaped.items():
-                res = await conn.execute(self.statements.settle[shape], params)
-                if res.rowcount is not None and res.rowcount >= 0:
-                    lost += len(params) - res.rowcount
-            await self.notify_statements(conn, wake)
-        if lost > 0:
-            log.warning("%d outcome(s) not recorded: their lease had passed to another worker", lost)
+            for d, params in items:
+                if (await conn.execute(stmt, params)).rowcount != 1:
+                    refused.append(d)
+        return refused
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         if not deliveries or self._app is None:
@@ -429,10 +463,10 @@ class SqlProvider:
             for queue, ds in by_queue.items():
                 sub = self._app.by_queue().get(queue)
                 until = now + (sub.options.lease_duration if sub else timedelta(seconds=30))
-                res = await conn.execute(self.statements.renew, bind(ids=[d.handle for d in ds], until=until))
+                res = await conn.execute(self.statements.renew, _many(ds, until=until))
                 kept = set(res.scalars())
                 for d in ds:
-                    if d.handle in kept:
+                    if d.handle.row in kept:
                         d.lease_until = until
                     else:
                         lost.append(d)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic_core import to_json
 
@@ -34,12 +34,21 @@ def row_for(envelope: Envelope, status: str, now: datetime) -> dict[str, Any]:
     }
 
 
+class Lease(NamedTuple):
+    """A SQL delivery's handle: its row and the lease token its claim set, which every settlement,
+    renewal and release of that delivery must name."""
+
+    row: int
+    token: int
+
+
 def delivery_from_row(row: Mapping[Any, Any]) -> Delivery:
     """Rebuild the envelope from a claimed row; a body that no longer parses becomes a malformed
     delivery (dead-lettered with its text kept) instead of an error that would fail the whole batch."""
     body_text: str | None = row["body_text"]
     raw = body_text if body_text is not None else (row["raw"] or "")
     attempt = int(row["attempt"]) + 1
+    lease, until = Lease(row["id"], row["lease_token"]), opt_utc(row["locked_until"])
     try:
         body = json.loads(body_text) if body_text is not None else None
         headers = json.loads(row["headers_text"]) if row["headers_text"] else {}
@@ -65,12 +74,8 @@ def delivery_from_row(row: Mapping[Any, Any]) -> Delivery:
         )
     except (ValueError, TypeError) as exc:
         bad = MalformedEnvelope(f"stored row {row['id']} does not decode: {exc}", raw)
-        return Delivery(
-            row["queue"], raw, None, bad, attempt, handle=row["id"], lease_until=opt_utc(row["locked_until"])
-        )
-    return Delivery(
-        row["queue"], raw, env, None, attempt, handle=row["id"], lease_until=opt_utc(row["locked_until"])
-    )
+        return Delivery(row["queue"], raw, None, bad, attempt, handle=lease, lease_until=until)
+    return Delivery(row["queue"], raw, env, None, attempt, handle=lease, lease_until=until)
 
 
 _ARRAY_COLUMNS = (

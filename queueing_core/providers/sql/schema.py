@@ -82,6 +82,9 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("expires_at", Timestamp),
         sa.Column("locked_by", sa.String(128)),
         sa.Column("locked_until", Timestamp),
+        # the claim fence: every claim adds one, and a settlement, renewal or release must name the
+        # value its claim set, so a run whose lease was released or swept cannot touch the row again
+        sa.Column("lease_token", sa.Integer(), nullable=False, server_default="0"),
         sa.Column("last_error", sa.Text()),
         sa.Column("reason", sa.String(128)),
         sa.Column("description", sa.Text()),
@@ -192,6 +195,17 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("created_at", Timestamp, nullable=False),
         sa.Index("ix_queueing_delayed_due", "transport", "due_at"),
     )
+    # v4: the lease of each message a transport holds that cannot fence a settlement by itself (SQS:
+    # a stale receipt handle may still delete). Written at receive, checked and removed at settlement.
+    sa.Table(
+        "queueing_leases",
+        md,
+        sa.Column("transport", sa.String(32), primary_key=True),
+        sa.Column("message_key", sa.String(128), primary_key=True),  # the transport's own message id
+        sa.Column("token", sa.Uuid(), nullable=False),
+        sa.Column("until", Timestamp, nullable=False),
+        sa.Index("ix_queueing_leases_until", "until"),
+    )
     sa.Table(
         "queueing_schema",
         md,
@@ -212,6 +226,7 @@ class Tables:
     counts: sa.Table
     history: sa.Table
     delayed: sa.Table
+    leases: sa.Table
 
     @classmethod
     def build(cls, schema: str | None = None) -> Tables:
@@ -234,6 +249,7 @@ class Tables:
             t[key("queueing_counts")],
             t[key("queueing_history")],
             t[key("queueing_delayed")],
+            t[key("queueing_leases")],
         )
 
 
@@ -307,11 +323,24 @@ def _v3(conn: sa.Connection, tables: Tables) -> None:
     tables.metadata.create_all(conn, tables=[tables.history, tables.delayed])
 
 
+def _v4(conn: sa.Connection, tables: Tables) -> None:
+    """The per-claim lease token on messages, and the lease table for transports that cannot fence
+    settlements themselves. Existing rows start at token 0; a row leased by a worker of an older
+    version is still settled by that worker's own guard (its id), or swept when its lease lapses."""
+    tables.metadata.create_all(conn, tables=[tables.leases])
+    m = tables.messages
+    have = {c["name"] for c in sa.inspect(conn).get_columns(m.name, schema=m.schema)}
+    if "lease_token" not in have:  # a database created at this version has it from v1 already
+        # identifiers only, from the table metadata (the schema name is validated by Tables.build)
+        conn.exec_driver_sql(f"ALTER TABLE {m.fullname} ADD COLUMN lease_token INTEGER NOT NULL DEFAULT 0")
+
+
 #: (version, description, migration). Append only: a released migration never changes.
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "messages, pauses, circuits", _v1),
     (2, "message counts kept by triggers (PostgreSQL)", _v2),
     (3, "history and delayed messages for RabbitMQ and SQS", _v3),
+    (4, "a lease token per claim: on messages, and a lease table for SQS", _v4),
 ]
 LATEST = MIGRATIONS[-1][0]
 
@@ -334,10 +363,12 @@ async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], obje
     applied: list[int] = []
     async with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
+            # one migrator at a time across every host; released at commit. The schema is created
+            # under the lock too: two CREATE SCHEMA IF NOT EXISTS at once can both find it missing,
+            # and the second then fails on the catalog's unique index.
+            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('queueing-kit-migrate'))"))
             if tables.metadata.schema:
                 await conn.execute(sa.text(f'CREATE SCHEMA IF NOT EXISTS "{tables.metadata.schema}"'))
-            # one migrator at a time across every host; released at commit
-            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('queueing-kit-migrate'))"))
 
         def run(sync: sa.Connection) -> None:
             tables.schema_versions.create(sync, checkfirst=True)

@@ -42,6 +42,7 @@ def claim_columns(m: sa.Table) -> list[sa.ColumnElement[Any]]:
         m.c.not_before,
         m.c.expires_at,
         m.c.locked_until,
+        m.c.lease_token,
         m.c.raw,
         sa.cast(m.c.body, text).label("body_text"),
         sa.cast(m.c.headers, text).label("headers_text"),
@@ -50,24 +51,38 @@ def claim_columns(m: sa.Table) -> list[sa.ColumnElement[Any]]:
 
 class Statements:
     def __init__(self, tables: Tables, worker_id: str) -> None:
-        m, p = tables.messages, tables.pauses
+        m, p, c = tables.messages, tables.pauses, tables.circuits
+        now = P("now")
         self.not_paused = ~sa.exists().where(
             sa.or_(
                 sa.and_(p.c.kind == "queue", p.c.name == m.c.queue),
                 sa.and_(p.c.kind == "type", p.c.name == m.c.type),
             )
         )
+        # circuit.admission's HOLD in SQL: open and cooling down, or half-open with its probe out.
+        # Once the cooldown ends the rows are claimable again and the pipeline lets one probe run.
+        self.not_held = ~sa.exists().where(
+            c.c.type == m.c.type,
+            sa.or_(
+                sa.and_(c.c.state == "open", sa.or_(c.c.open_until.is_(None), c.c.open_until > now)),
+                sa.and_(c.c.state == "half_open", sa.or_(c.c.probe_until.is_(None), c.c.probe_until > now)),
+            ),
+        )
+        # every claim takes a new lease token: the fence that every later statement on the row names
         take = {
             "status": LEASED,
             "locked_by": worker_id,
             "locked_until": P("lease_until"),
-            "updated_at": P("now"),
+            "lease_token": m.c.lease_token + 1,
+            "updated_at": now,
         }
 
         # the batch claim: on ix_queueing_messages_claim (its predicate repeated as literal text)
         due = (
             sa.select(m.c.id)
-            .where(m.c.queue == P("queue"), claimable(), m.c.available_at <= P("now"), self.not_paused)
+            .where(
+                m.c.queue == P("queue"), claimable(), m.c.available_at <= now, self.not_paused, self.not_held
+            )
             .order_by(m.c.available_at, m.c.id)
             .limit(P("limit", type_=sa.Integer()))
             .with_for_update(skip_locked=True)
@@ -80,9 +95,7 @@ class Statements:
             m.c.status == LEASED,
             sa.and_(
                 m.c.status.in_(CLAIMABLE),
-                sa.or_(
-                    m.c.available_at <= P("now"), m.c.attempt > 0, m.c.status != MessageStatus.SLEEPING.value
-                ),
+                sa.or_(m.c.available_at <= now, m.c.attempt > 0, m.c.status != MessageStatus.SLEEPING.value),
             ),
         )
         head = (
@@ -94,7 +107,13 @@ class Statements:
         )
         self.claim_head = (
             sa.update(m)
-            .where(m.c.id == head, m.c.status.in_(CLAIMABLE), m.c.available_at <= P("now"), self.not_paused)
+            .where(
+                m.c.id == head,
+                m.c.status.in_(CLAIMABLE),
+                m.c.available_at <= now,
+                self.not_paused,
+                self.not_held,
+            )
             .values(**take)
             .returning(*claim_columns(m))
         )
@@ -104,21 +123,36 @@ class Statements:
             .where(
                 m.c.queue == P("queue"),
                 m.c.status == MessageStatus.PENDING.value,
-                m.c.available_at <= P("now"),
+                m.c.available_at <= now,
                 ~m.c.archived,
             )
-            .values(status=MessageStatus.WAITING_FOR_HANDLER.value, updated_at=P("now"))
+            .values(status=MessageStatus.WAITING_FOR_HANDLER.value, updated_at=now)
         )
 
-        # settlement: every UPDATE is guarded by the lease owner, so an old owner never overwrites
-        owned = sa.and_(m.c.id == P("id"), m.c.locked_by == worker_id, m.c.status == LEASED)
-        released: dict[str, Any] = {"locked_by": None, "locked_until": None, "updated_at": P("now")}
-        settled = {**released, "settled_at": P("now")}
+        # Settlement, renewal and release are guarded by the claim's token (the worker id as well, so
+        # a row claimed by a worker of an older version, which leaves the token alone, stays fenced):
+        # a run whose lease was released or swept never writes over the run that holds it now, even
+        # in the same process. Many rows at once: ``id IN (...)`` finds them on the primary key and
+        # the (id, token) pairs fence them.
+        owned = sa.and_(
+            m.c.id == P("id"), m.c.lease_token == P("token"), m.c.locked_by == worker_id, m.c.status == LEASED
+        )
+        owned_many = sa.and_(
+            m.c.id.in_(P("ids", expanding=True)),
+            sa.tuple_(m.c.id, m.c.lease_token).in_(P("leases", expanding=True)),
+            m.c.locked_by == worker_id,
+            m.c.status == LEASED,
+        )
+        released: dict[str, Any] = {"locked_by": None, "locked_until": None, "updated_at": now}
+        settled = {**released, "settled_at": now}
         self.complete_many = (
             sa.update(m)
-            .where(m.c.id.in_(P("ids", expanding=True)), m.c.locked_by == worker_id, m.c.status == LEASED)
+            .where(owned_many)
             .values(status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, **settled)
+            .returning(m.c.id)
         )
+        # one row each: the provider sends a kind's rows as one batch, and row by row only when the
+        # batch shows that some were refused, to learn which
         self.settle: dict[str, sa.Update] = {
             "complete": sa.update(m)
             .where(owned)
@@ -156,20 +190,13 @@ class Statements:
             ),
             "release": sa.update(m)
             .where(owned)
-            .values(
-                status=MessageStatus.PENDING.value, attempt=P("attempt"), available_at=P("now"), **released
-            ),
+            .values(status=MessageStatus.PENDING.value, attempt=P("attempt"), available_at=now, **released),
             "expire": sa.update(m)
             .where(owned)
             .values(status=MessageStatus.EXPIRED.value, reason=DeadLetterReason.EXPIRED.value, **settled),
         }
 
-        self.renew = (
-            sa.update(m)
-            .where(m.c.id.in_(P("ids", expanding=True)), m.c.locked_by == worker_id, m.c.status == LEASED)
-            .values(locked_until=P("until"))
-            .returning(m.c.id)
-        )
+        self.renew = sa.update(m).where(owned_many).values(locked_until=P("until")).returning(m.c.id)
 
         # PostgreSQL enqueue: the whole batch as arrays in one statement, with its wake-ups
         self.insert_unnest = sa.text(f"""

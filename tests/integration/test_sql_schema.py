@@ -1,0 +1,124 @@
+"""Schema set-up on PostgreSQL: several hosts migrating a new schema at once, and schema names up to
+PostgreSQL's 63-character limit (wake-up channels included)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from datetime import timedelta
+
+from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core.clock import utcnow
+from queueing_core.envelope import Envelope
+from queueing_core.naming import Transport
+from queueing_core.providers.delayed.store import channel_for as delayed_channel
+from queueing_core.providers.sql import SqlProvider
+from queueing_core.providers.sql.history import SideStores
+from queueing_core.providers.sql.provider import channel_for
+from queueing_core.runtime import Runtime
+from tests.services import POSTGRES_URL, drop_schema, require
+
+MIGRATE_AT = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from queueing_core.providers.sql import SqlProvider
+
+    url, schema, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    provider = SqlProvider(url, schema=schema, listen=False, connect_retries=0)
+    time.sleep(max(0.0, start - time.time()))  # everything imported: start together
+
+    async def main():
+        await provider.open()
+        await provider.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_three_hosts_migrating_a_new_schema_at_once_all_succeed():
+    """Three processes start on a schema that does not exist yet, at the same moment, five times:
+    every one of them succeeds (the schema is created under the migration lock)."""
+    require("PostgreSQL", "127.0.0.1", 5432)
+    for _ in range(5):
+        schema = f"qm_{uuid.uuid4().hex[:10]}"
+        start = time.time() + 2.5
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", MIGRATE_AT, POSTGRES_URL, schema, str(start)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=os.getcwd(),
+            )
+            for _ in range(3)
+        ]
+        try:
+            results = [(p.wait(timeout=60), p.stderr.read()) for p in procs]
+        finally:
+            asyncio.run(drop_schema(schema))
+        assert [rc for rc, _ in results] == [0, 0, 0], [err[-2000:] for _, err in results]
+
+
+def test_channel_names_fit_postgres_and_stay_apart():
+    from queueing_core.providers.sql.listener import MAX_IDENTIFIER, channel_name
+
+    assert channel_for(None) == "queueing_public"
+    assert channel_for("tenant_a") == "queueing_tenant_a"  # short names as before: hosts agree
+    long_a, long_b = "a" * 50 + "_first_one", "a" * 50 + "_other_one"
+    names = {channel_for(long_a), channel_for(long_b), delayed_channel(long_a), delayed_channel(long_b)}
+    assert len(names) == 4
+    assert all(len(n.encode()) <= MAX_IDENTIFIER for n in names)
+    assert channel_name("queueing", long_a) == channel_for(long_a)  # stable: every host derives the same
+
+
+@queue("long-named")
+class Ping(QueueMessage):
+    n: int = 0
+
+
+async def test_a_63_character_schema_enqueues_and_wakes_a_waiting_worker():
+    """A schema name at PostgreSQL's limit: enqueue works (its NOTIFY channel fits) and a worker
+    waiting on LISTEN is woken by it; the delayed store's channel fits too."""
+    require("PostgreSQL", "127.0.0.1", 5432)
+    schema = "q" + uuid.uuid4().hex + uuid.uuid4().hex[:30]
+    assert len(schema) == 63
+    app = QueueingApp("long")
+    app.handler(Ping)(lambda msg: None)
+    consumer = SqlProvider(POSTGRES_URL, schema=schema)
+    producer = SqlProvider(POSTGRES_URL, schema=schema, listen=False)
+    stores = SideStores(POSTGRES_URL, schema=schema)
+    try:
+        await consumer.open(app)
+        rt = Runtime(app, producer)
+        await rt.open()
+        sub = app.subscription("Ping")
+        waiting = asyncio.create_task(consumer.wait_for_work(sub, 30))
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await app.enqueue(Ping())
+        await asyncio.wait_for(waiting, 10)
+        assert time.monotonic() - t0 < 5  # woken by NOTIFY, not by the 30 s timeout
+        assert len(await consumer.receive(sub, 10)) == 1
+        await stores.open()
+        now = utcnow()
+        env = Envelope(
+            type="Ping",
+            queue="long-named",
+            message_id=uuid.uuid4(),
+            tracking_id=uuid.uuid4(),
+            created_at=now,
+            body={"n": 0},
+        )
+        delayed = stores.delayed_store(Transport.RABBITMQ)
+        await delayed.store(env, "long-named", now + timedelta(minutes=1))  # its NOTIFY fits as well
+        await rt.close()
+    finally:
+        await consumer.close()
+        await stores.close()
+        await drop_schema(schema)
