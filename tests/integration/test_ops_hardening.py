@@ -29,6 +29,7 @@ from .test_ops_api import AUTH, KEY, Email, build_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBLEM = "application/problem+json"
+JSON = {"Content-Type": "application/json"}
 
 
 def is_problem(r: httpx.Response, status: int) -> bool:
@@ -285,6 +286,28 @@ async def test_a_batch_over_the_limit_or_with_one_bad_element_is_described(api):
     scalar = await client.post("/queues/emails/messages", json="hello")
     assert scalar.json()["detail"] == "body: Input should be a JSON object or a list of 1 to 1000 objects"
     assert await rt.tracker.counts() == {}
+
+
+async def test_text_no_store_can_hold_and_odd_base_fields_are_422_not_500(api):
+    """Found by the property tests on PostgreSQL: jsonb refuses U+0000, and a JSON body can carry lone
+    surrogates, times past the year 9999 and correlation ids no envelope accepts."""
+    client, rt, _ = api
+    for raw in (
+        '{"to": "a\\u0000b", "subject": "s"}',
+        '{"to": "\\ud800", "subject": "s"}',
+        '[{"to": "a", "subject": "s"}, {"to": "b", "subject": "\\udfff"}]',
+        '{"to": "a", "subject": "s", "correlation_id": "\\ud800"}',
+        '{"to": "a", "subject": "s", "correlation_id": "%s"}' % ("c" * 300),
+        '{"to": "a", "subject": "s", "created_at": "9999-12-31T23:00:00Z"}',
+        '{"to": "a", "subject": "s", "created_at": "0001-01-01T00:00:00+14:00"}',
+        '{"to": "a", "subject": "s", "properties": {"k": "\\u0000"}}',
+    ):
+        r = await client.post("/queues/emails/messages", content=raw, headers=JSON)
+        assert is_problem(r, 422), (raw, r.status_code, r.text)
+    assert await rt.tracker.counts() == {}
+    fine = '{"to": "a\\\\u0000 is text", "subject": "s"}'
+    r = await client.post("/queues/emails/messages", content=fine, headers=JSON)
+    assert r.status_code == 201, r.text
 
 
 # -- 6. destructive flags ------------------------------------------------------------------------------

@@ -350,6 +350,20 @@ BODIES = st.one_of(
     st.fixed_dictionaries({"to": TEXT, "subject": TEXT}).map(json.dumps),
     st.lists(st.fixed_dictionaries({"to": TEXT, "subject": TEXT}), min_size=1, max_size=3).map(json.dumps),
     st.sampled_from(['{"name": "r"}', "[]", "{}", "[" * 5000, '{"to": "a", "subject": 1}', "nul\x00l"]),
+    # text a store cannot hold: NUL (PostgreSQL), lone surrogates (not Unicode at all)
+    st.sampled_from(["\\u0000", "\\ud800", "\\udfff\\ud800", "a\\\\u0000"]).map(
+        lambda t: f'{{"to": "{t}", "subject": "s"}}'
+    ),
+    # the base fields every message has, with values a client should not be able to break things with
+    st.fixed_dictionaries(
+        {"to": st.just("a@x.io"), "subject": st.just("s")},
+        optional={
+            "message_id": st.one_of(st.uuids().map(str), TEXT),
+            "created_at": st.one_of(TIMES, ODD_TIMES, TEXT),
+            "correlation_id": st.one_of(TEXT, st.just("c" * 300), st.none()),
+            "properties": st.dictionaries(TEXT, st.one_of(TEXT, st.integers()), max_size=3),
+        },
+    ).map(json.dumps),
     JSON_VALUES.map(json.dumps),
     st.binary(max_size=64).map(lambda b: b.decode("latin-1")),
 )

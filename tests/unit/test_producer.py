@@ -1,5 +1,6 @@
 """The producer API (A4): envelopes, timing options, batching, durability flag, size limit."""
 
+import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -89,6 +90,27 @@ async def test_a_message_due_at_or_after_its_expiry_is_refused_before_any_send()
     for bad in (float("nan"), float("inf"), 1e20):
         with pytest.raises(InvalidArgument, match="delay"):
             p.envelope_for(msg, delay=bad, ttl=None)
+
+
+async def test_text_no_store_can_hold_is_refused_before_any_send():
+    _, prov, p = producer()
+    for bad in ("a\x00b", "\\\x00"):  # NUL: PostgreSQL keeps it neither in JSON nor in text
+        with pytest.raises(InvalidArgument, match="U\\+0000"):
+            await p.enqueue(Greet(name=bad))
+        with pytest.raises(InvalidArgument, match="U\\+0000"):
+            await p.enqueue(Greet(name="x"), correlation_id=bad)
+    surrogate = json.loads('"\\ud800"')  # what a JSON body can carry and no UTF-8 encoder takes
+    with pytest.raises(InvalidArgument, match="UTF-8"):
+        await p.enqueue(Greet(name=surrogate))
+    with pytest.raises(InvalidArgument, match="correlation_id"):
+        await p.enqueue(Greet(name="x"), correlation_id=surrogate)
+    with pytest.raises(InvalidArgument, match="correlation_id"):
+        await p.enqueue(Greet(name="x"), correlation_id="c" * 257)
+    with pytest.raises(InvalidArgument, match="created_at"):
+        await p.enqueue(Greet(name="x", created_at=datetime(9999, 12, 31, 23, tzinfo=UTC)))
+    assert prov.sends == []
+    await p.enqueue(Greet(name="\\u0000 is six characters here"))  # an escaped backslash: fine
+    assert len(prov.sends) == 1
 
 
 async def test_enqueue_many_is_one_send_and_and_wait_asks_for_durability():
