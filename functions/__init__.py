@@ -12,7 +12,8 @@
   the API key as well).
 
 Importing this module opens no connection and loads no transport SDK; a missing or invalid setting
-fails indexing with one line that names it.
+fails indexing with one line that names it, and so does shared state in a SQLite file (a file of its
+own on every instance).
 """
 
 import logging
@@ -41,6 +42,21 @@ def function_name(prefix: str, queue: str) -> str:
     return f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', queue)}"[:128]
 
 
+def usable_api_key(settings: QueueingSettings) -> str | None:
+    """The ops API key, unless the platform left a Key Vault reference unresolved: it then passes the
+    reference text itself, which anyone who can guess the vault's name could send. Without a key the
+    ops API refuses every request."""
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    if key is not None and key.startswith("@Microsoft.KeyVault("):
+        log.error(
+            "QUEUEING_API_KEY is an unresolved Key Vault reference: the platform could not read the secret "
+            "(the app's identity needs Key Vault Secrets User on the vault, and the site's "
+            "keyVaultReferenceIdentity must name it); the ops API refuses every request until it resolves"
+        )
+        return None
+    return key
+
+
 class LazyAsgi:
     """The ops API, built on the first request: FastAPI is not imported at cold start."""
 
@@ -56,10 +72,9 @@ class LazyAsgi:
             async def ops() -> OpsService:
                 return OpsService(await self.host.runtime())
 
-            key = self.host.settings.api_key
             self._app = create_app(
                 ops,
-                api_key=key.get_secret_value() if key else None,
+                api_key=usable_api_key(self.host.settings),
                 max_body_bytes=self.host.settings.api_max_body_bytes,
             )
         await self._app(scope, receive, send)
@@ -71,6 +86,32 @@ def _check_connections(transport: str, env: dict[str, str]) -> None:
         ServiceBusConnection.from_environment(SERVICEBUS_CONNECTION, env)
     if transport in (Transport.SERVICE_BUS, Transport.STORAGE_QUEUE):
         StorageConnection.from_environment(STORAGE_CONNECTION, env)  # queues and/or the Tables
+
+
+def _check_shared_state(cfg: QueueingSettings, transport: Transport) -> None:
+    """State every instance must share may not live in a SQLite file: on Azure Functions each instance
+    has a file of its own, so messages, pauses and delays would scatter between instances."""
+    if transport is Transport.SQL:
+        what = "the SQL transport's queues"
+    elif transport is Transport.STORAGE_QUEUE and cfg.storage_delayed_store:
+        what = "the delayed-message store (QUEUEING_STORAGE_DELAYED_STORE=true)"
+    else:
+        return
+    if not cfg.database_url.lower().startswith("sqlite"):
+        return
+    given = "database_url" in cfg.model_fields_set
+    state = "is SQLite" if given else "is not set (the default is a SQLite file)"
+    problem = f"{state}: {what} would be a separate file on every Functions instance"
+    if cfg.functions_local_sqlite:  # one host on a developer's machine: a file is shared enough
+        log.warning(
+            "QUEUEING_DATABASE_URL %s; allowed by QUEUEING_FUNCTIONS_LOCAL_SQLITE for one local host", problem
+        )
+        return
+    raise ConfigurationError(
+        "QUEUEING_DATABASE_URL",
+        problem,
+        "a PostgreSQL URL; QUEUEING_FUNCTIONS_LOCAL_SQLITE=true allows SQLite for a single local host",
+    )
 
 
 def build_app(
@@ -101,11 +142,7 @@ def build_app(
         from queueing_core.naming import QueueNaming
 
         qapp.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
-    if transport is Transport.SQL and cfg.database_url.startswith("sqlite"):
-        log.warning(
-            "QUEUEING_DATABASE_URL is SQLite: on Azure Functions every instance has its own file; "
-            "use PostgreSQL to share the queues"
-        )
+    _check_shared_state(cfg, transport)
     the_host = host or FunctionsHost(qapp, cfg)
     app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=func.AuthLevel.FUNCTION)
     for sub in qapp.subscriptions():
@@ -131,6 +168,10 @@ def _storage_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscripti
 def _servicebus_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscription, queue: str) -> None:
     # the SDK-type binding: the worker reads these annotations to hand over the message and its actions
     import azurefunctions.extensions.bindings.servicebus as servicebus
+
+    from .servicebus_delivery import capture_delivery_counts
+
+    capture_delivery_counts()  # the delivery count the extension's decoder drops (see that module)
 
     async def on_message(msg: Any, message_actions: Any) -> None:
         await host.on_servicebus_message(sub, msg, message_actions)

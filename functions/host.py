@@ -19,7 +19,11 @@ the kit itself (the store unreachable) raises, and then the host's own retry and
 
 Service Bus trigger, with SDK-type bindings and ``auto_complete_messages=False`` (the default
 auto-complete mode can only complete or abandon, so it could not dead-letter an expired or refused
-message *with a reason*, and abandoning for a retry spends the delivery count with no backoff):
+message *with a reason*, and abandoning for a retry spends the delivery count with no backoff). The
+attempt is the envelope's (copies carry the attempts used) plus the host's delivery number (see
+``servicebus_delivery``), so a crash, a timeout or a lost lock counts too. The settlement calls of
+``ServiceBusMessageActions`` are synchronous gRPC: they run in a thread, off the event loop that the
+other invocations of the process share.
 
 =============  ==========================================================================
 Complete       ``message_actions.complete``
@@ -33,6 +37,7 @@ Expire         ``message_actions.deadletter(reason=Expired)``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -75,8 +80,21 @@ class FunctionsHost:
                         pause_recheck=timedelta(seconds=self.settings.pause_recheck_seconds),
                         waiting_recheck=timedelta(seconds=max(30.0, self.settings.pause_recheck_seconds)),
                     )
-                await self._runtime.open()
+                try:
+                    await self._runtime.open()
+                except BaseException:
+                    # release what the half-open provider made (clients, credential sessions); the next
+                    # invocation builds a fresh runtime rather than reusing closed clients
+                    failed, self._runtime = self._runtime, None
+                    with contextlib.suppress(Exception):
+                        await failed.provider.close()
+                    raise
         return self._runtime
+
+    async def close(self) -> None:
+        """Close the runtime (a worker process never needs to; tests and tools do)."""
+        if self._runtime is not None:
+            await self._runtime.close()
 
     # -- queue triggers ----------------------------------------------------------------------------
     async def on_storage_message(self, sub: Subscription, msg: func.QueueMessage) -> Settlement:
@@ -90,8 +108,10 @@ class FunctionsHost:
     async def on_servicebus_message(self, sub: Subscription, msg: Any, actions: Any) -> Settlement:
         from queueing_core.providers.servicebus import _text
 
+        from .servicebus_delivery import delivery_number
+
         rt = await self.runtime()
-        delivery = Delivery.of(_text(msg), queue=sub.queue, delivery_count=(msg.delivery_count or 0) + 1)
+        delivery = Delivery.of(_text(msg), queue=sub.queue, delivery_count=delivery_number(msg))
         settlement = await rt.process(delivery)
         await settle_servicebus(rt.provider, settlement, msg, actions)
         await rt.record([settlement])
@@ -152,15 +172,19 @@ async def settle_storage(provider: Any, s: Settlement) -> None:
 
 
 async def settle_servicebus(provider: Any, s: Settlement, msg: Any, actions: Any) -> None:
+    # ServiceBusMessageActions blocks on a gRPC call to the host: in a thread, so the event loop (and
+    # every other invocation on it) keeps running meanwhile
     d, decision = s.delivery, s.decision
     if isinstance(decision, Expire):
-        actions.deadletter(
+        await asyncio.to_thread(
+            actions.deadletter,
             msg,
             deadletter_reason=DeadLetterReason.EXPIRED.pascal,
             deadletter_error_description=f"expired at {decision.expired_at.isoformat()}",
         )
     elif isinstance(decision, DeadLetter):
-        actions.deadletter(
+        await asyncio.to_thread(
+            actions.deadletter,
             msg,
             deadletter_reason=decision.reason.pascal,
             deadletter_error_description=decision.description[:4096],
@@ -171,9 +195,9 @@ async def settle_servicebus(provider: Any, s: Settlement, msg: Any, actions: Any
         await provider.send_copy(
             d.queue, d.envelope.with_attempt(d.attempts_used(decision)), _due(decision, utcnow())
         )
-        actions.complete(msg)
+        await asyncio.to_thread(actions.complete, msg)
     else:
-        actions.complete(msg)
+        await asyncio.to_thread(actions.complete, msg)
 
 
 def _due(decision: RetryAfter | Defer | Release, now: datetime) -> datetime:

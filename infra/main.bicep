@@ -1,6 +1,7 @@
 // Serverless queueing kit: Service Bus and Storage queues, the kit's tables, a Function App on
-// Flex Consumption with a managed identity and least-privilege roles, Application Insights, and
-// optionally a PostgreSQL flexible server for the `sql` provider.
+// Flex Consumption running as a user-assigned identity with least-privilege roles, the ops API key in
+// Key Vault, Application Insights with Entra ingestion, and optionally a PostgreSQL flexible server
+// for the `sql` provider. infra/README.md walks through a deployment to the end.
 //
 //   az deployment group create --resource-group <rg> --template-file infra/main.bicep \
 //     --parameters infra/main.bicepparam --parameters apiKey=<secret>
@@ -73,8 +74,8 @@ param queueSuffix string = ''
 @secure()
 param apiKey string
 
-@description('Upper bound on Flex Consumption instances.')
-@minValue(1)
+@description('Upper bound on Flex Consumption instances (Flex Consumption accepts 40 to 1000).')
+@minValue(40)
 @maxValue(1000)
 param maximumInstanceCount int = 100
 
@@ -95,8 +96,22 @@ param logRetentionDays int = 30
 
 // ---------------------------------------------------------------- optional PostgreSQL
 
-@description('Deploy a PostgreSQL flexible server for the sql provider and set QUEUEING_DATABASE_URL.')
+@description('Deploy a PostgreSQL flexible server for the sql provider and set QUEUEING_DATABASE_URL. Needed by queueingProvider=sql. Idle cost: the server bills around the clock, and the SQL timers keep a Flex instance busy (infra/README.md).')
 param deployPostgres bool = false
+
+@description('Object id of the Microsoft Entra user or group made PostgreSQL administrator (az ad signed-in-user show --query id -o tsv); it creates the app\'s role. Needed with deployPostgres.')
+param postgresAdminObjectId string = ''
+
+@description('Name of that administrator: a user principal name, or the group\'s display name.')
+param postgresAdminName string = ''
+
+@description('What the PostgreSQL administrator is.')
+@allowed([
+  'User'
+  'Group'
+  'ServicePrincipal'
+])
+param postgresAdminType string = 'User'
 
 @description('PostgreSQL compute SKU.')
 param postgresSkuName string = 'Standard_B1ms'
@@ -122,13 +137,46 @@ var names = {
   storage: take('st${replace(prefix, '-', '')}${token}', 24)
   plan: 'plan-${prefix}-${token}'
   functionApp: 'func-${prefix}-${token}'
+  identity: 'id-${prefix}-${token}'
+  keyVault: take('kv-${prefix}-${token}', 24)
   workspace: 'log-${prefix}-${token}'
   appInsights: 'appi-${prefix}-${token}'
   postgres: 'psql-${prefix}-${token}'
 }
 var postgresDatabaseName = 'queueing'
+var postgresSchemaName = 'queueing'
+
+// ---------------------------------------------------------------- combinations that cannot work
+
+// Refused before anything is deployed. Bicep's fail() would say it best, but checkov's parser cannot
+// read fail(): int() of a sentence fails the deployment with that sentence in its error instead.
+var sqlWithoutDatabase = (queueingProvider == 'sql') && !deployPostgres
+var postgresWithoutAdmin = deployPostgres && (empty(postgresAdminObjectId) || empty(postgresAdminName))
+var sqlGuard = sqlWithoutDatabase ? string(int('queueingProvider=sql needs a database: set deployPostgres=true (with postgresAdminObjectId and postgresAdminName)')) : ''
+var adminGuard = postgresWithoutAdmin ? string(int('deployPostgres=true needs postgresAdminObjectId and postgresAdminName: the Entra administrator who creates the app role')) : ''
+// evaluated where the deployment needs it: in the name of the Function App's module deployment
+var deploymentGuard = '${sqlGuard}${adminGuard}'
 
 // ---------------------------------------------------------------- resources
+
+module identity 'modules/identity.bicep' = {
+  name: 'identity'
+  params: {
+    location: location
+    tags: tags
+    identityName: names.identity
+  }
+}
+
+module keyVault 'modules/keyvault.bicep' = {
+  name: 'keyvault'
+  params: {
+    location: location
+    tags: tags
+    vaultName: names.keyVault
+    apiKey: apiKey
+  }
+}
 
 module monitoring 'modules/monitoring.bicep' = {
   name: 'monitoring'
@@ -179,12 +227,23 @@ module postgres 'modules/postgres.bicep' = if (deployPostgres) {
   }
 }
 
-// The app signs in to PostgreSQL as the Entra role named after itself, with an access token from
-// its managed identity as the password; the URL therefore carries no secret.
-var databaseUrl = deployPostgres ? 'postgresql+psycopg://${names.functionApp}@${postgres.outputs.fullyQualifiedDomainName}:5432/${postgresDatabaseName}?sslmode=require' : ''
+// The app signs in to PostgreSQL as the Entra role named after its identity, with an access token
+// from that identity as the password; the URL therefore carries no secret.
+var databaseUrl = deployPostgres ? 'postgresql+psycopg://${names.identity}@${postgres.outputs.fullyQualifiedDomainName}:5432/${postgresDatabaseName}?sslmode=require' : ''
+
+module roles 'modules/roles.bicep' = {
+  name: 'roles'
+  params: {
+    principalId: identity.outputs.principalId
+    serviceBusNamespaceName: serviceBus.outputs.namespaceName
+    storageAccountName: storage.outputs.accountName
+    appInsightsName: monitoring.outputs.appInsightsName
+    keyVaultName: keyVault.outputs.vaultName
+  }
+}
 
 module functionApp 'modules/functionapp.bicep' = {
-  name: 'functionapp'
+  name: 'functionapp${deploymentGuard}'
   params: {
     location: location
     tags: tags
@@ -197,6 +256,8 @@ module functionApp 'modules/functionapp.bicep' = {
     storageTableServiceUri: storage.outputs.tableServiceUri
     serviceBusFullyQualifiedNamespace: serviceBus.outputs.fullyQualifiedNamespace
     appInsightsName: monitoring.outputs.appInsightsName
+    identityId: identity.outputs.id
+    identityClientId: identity.outputs.clientId
     maximumInstanceCount: maximumInstanceCount
     instanceMemoryMB: instanceMemoryMB
     queueingProvider: queueingProvider
@@ -206,26 +267,23 @@ module functionApp 'modules/functionapp.bicep' = {
     trackerRetentionDays: trackerRetentionDays
     queuePrefix: queuePrefix
     queueSuffix: queueSuffix
-    apiKey: apiKey
+    apiKeySecretUri: keyVault.outputs.apiKeySecretUri
     databaseUrl: databaseUrl
+    databaseSchema: postgresSchemaName
   }
-}
-
-module roles 'modules/roles.bicep' = {
-  name: 'roles'
-  params: {
-    principalId: functionApp.outputs.principalId
-    serviceBusNamespaceName: serviceBus.outputs.namespaceName
-    storageAccountName: storage.outputs.accountName
-  }
+  // the identity's roles exist before the app: its first start and the first publish find them
+  dependsOn: [
+    roles
+  ]
 }
 
 module postgresAdmin 'modules/postgres-admin.bicep' = if (deployPostgres) {
   name: 'postgres-admin'
   params: {
     serverName: names.postgres
-    principalId: functionApp.outputs.principalId
-    principalName: functionApp.outputs.appName
+    principalId: postgresAdminObjectId
+    principalName: postgresAdminName
+    principalType: postgresAdminType
   }
   dependsOn: [
     postgres
@@ -235,8 +293,14 @@ module postgresAdmin 'modules/postgres-admin.bicep' = if (deployPostgres) {
 // ---------------------------------------------------------------- outputs
 
 output functionAppName string = functionApp.outputs.appName
+output identityName string = identity.outputs.name
+output identityClientId string = identity.outputs.clientId
+output keyVaultName string = keyVault.outputs.vaultName
 output serviceBusNamespaceName string = serviceBus.outputs.namespaceName
 output serviceBusFullyQualifiedNamespace string = serviceBus.outputs.fullyQualifiedNamespace
 output storageAccountName string = storage.outputs.accountName
 output apiBaseUrl string = 'https://${functionApp.outputs.defaultHostName}/api/_system/queueing'
 output postgresFullyQualifiedDomainName string = deployPostgres ? postgres.outputs.fullyQualifiedDomainName : ''
+// the role the administrator creates for the app (infra/postgres/app-role.sql) and the schema it owns
+output postgresAppRole string = deployPostgres ? identity.outputs.name : ''
+output postgresSchema string = deployPostgres ? postgresSchemaName : ''

@@ -40,6 +40,8 @@ def make_provider(settings: QueueingSettings) -> Provider:
             retention=retention,
             connect_retries=settings.connect_retries,
             maintenance_interval=settings.maintenance_interval,
+            database_auth=settings.database_auth,
+            client_id=settings.database_client_id,
         )
     if name == "storage_queue":
         from .connections import StorageConnection
@@ -69,12 +71,17 @@ def make_provider(settings: QueueingSettings) -> Provider:
         control, tracker = tables_from_connection(
             storage.connection_string,
             table_service_uri=storage.table_service_uri,
+            client_id=storage.client_id,
             control_table=settings.control_table,
             tracker_table=settings.tracker_table,
             retention=timedelta(days=settings.tracker_retention_days),
         )
         return ServiceBusProvider.from_connection(
-            connection, control=control, tracker=tracker, ttl_grace=settings.ttl_grace
+            connection,
+            control=control,
+            tracker=tracker,
+            ttl_grace=settings.ttl_grace,
+            auto_create=settings.servicebus_create_queues,
         )
     if name == "rabbitmq":
         from .providers.rabbitmq import RabbitMQProvider

@@ -16,6 +16,15 @@ STORAGE = "QueueingStorage"
 SERVICE_BUS = "QueueingServiceBus"
 
 
+def identity_credential(client_id: str | None = None) -> Any:
+    """The async Entra credential every identity-based connection uses: ``DefaultAzureCredential``,
+    which in Azure is the managed identity (the user-assigned one whose client id is given, else the
+    system-assigned one) and locally the developer's ``az login``."""
+    from azure.identity.aio import DefaultAzureCredential  # slow to import; only identity connections need it
+
+    return DefaultAzureCredential(managed_identity_client_id=client_id)
+
+
 @dataclass(frozen=True)
 class StorageConnection:
     """Where the account is: a connection string, or service URIs used with an Entra identity."""
@@ -55,9 +64,7 @@ class StorageConnection:
         )
 
     def credential(self) -> Any:
-        from azure.identity.aio import DefaultAzureCredential  # only for identity-based connections
-
-        return DefaultAzureCredential(managed_identity_client_id=self.client_id)
+        return identity_credential(self.client_id)
 
 
 _AZURITE = (
@@ -103,10 +110,8 @@ class ServiceBusConnection:
             except ValueError:  # the emulator's string: no administration endpoint
                 admin = None
             return client, admin, None
-        from azure.identity.aio import DefaultAzureCredential
-
         assert self.fully_qualified_namespace is not None
-        credential = DefaultAzureCredential(managed_identity_client_id=self.client_id)
+        credential = identity_credential(self.client_id)
         return (
             ServiceBusClient(self.fully_qualified_namespace, credential),
             ServiceBusAdministrationClient(self.fully_qualified_namespace, credential),

@@ -76,6 +76,16 @@ class ProviderUnavailable(ProviderError):
     """The transport cannot be reached now; callers retry with backoff."""
 
 
+class MissingPermission(ProviderError):
+    """The service refused an operation the credential's identity has no right to (HTTP 401/403,
+    AMQP unauthorized-access): ``right`` is what it lacks and ``role`` the built-in role that grants it."""
+
+    def __init__(self, message: str, *, right: str, role: str) -> None:
+        super().__init__(message)
+        self.right = right
+        self.role = role
+
+
 class LeaseLost(ProviderError):
     """The lease/lock on a message moved to another owner or expired; the result was not recorded."""
 

@@ -23,6 +23,11 @@ class QueueingSettings(BaseSettings):
     app: str = Field(default="examples.orders:app", description="MODULE:ATTR of the QueueingApp to load")
     database_url: str = "sqlite:///./queueing.db"
     database_schema: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    #: PostgreSQL sign-in: ``auto`` uses a Microsoft Entra token when the URL has no password and the
+    #: host is an Azure Database for PostgreSQL server; ``entra`` always, ``password`` never
+    database_auth: Literal["auto", "entra", "password"] = "auto"
+    #: client id of the user-assigned managed identity that signs in to PostgreSQL (Entra)
+    database_client_id: str | None = None
     auto_migrate: bool = True
     connect_retries: int = Field(default=8, ge=0, le=1000)
     maintenance_interval: float = Field(default=5.0, gt=0)
@@ -53,6 +58,9 @@ class QueueingSettings(BaseSettings):
     #: Storage Queues: keep delays beyond 7 days in the SQL delayed store (QUEUEING_DATABASE_URL)
     #: instead of re-hiding the message every 7 days
     storage_delayed_store: bool = False
+    #: Service Bus: create missing queues at start (needs the Manage right: Azure Service Bus Data Owner).
+    #: On for local development; the Bicep provisions the queues and turns it off.
+    servicebus_create_queues: bool = True
     api_key: SecretStr | None = None
     #: how long a paused or held message waits before it is looked at again (Functions: each look is
     #: an execution, so a longer wait is cheaper there)
@@ -63,6 +71,9 @@ class QueueingSettings(BaseSettings):
     functions_sweeper_schedule: str = Field(default="*/30 * * * * *", pattern=r"^(\S+\s+){5}\S+$")
     functions_retention_schedule: str = Field(default="0 5 * * * *", pattern=r"^(\S+\s+){5}\S+$")
     functions_delayed_schedule: str = Field(default="*/30 * * * * *", pattern=r"^(\S+\s+){5}\S+$")
+    #: Azure Functions: allow shared state (SQL queues, the delayed store) in a SQLite file. Only for a
+    #: single local host (``func start``): on Azure every instance has a file of its own.
+    functions_local_sqlite: bool = False
     api_max_body_bytes: int = Field(default=256 * 1024, ge=1024, le=64 * 1024 * 1024)
 
     @field_validator("api_key")

@@ -45,11 +45,11 @@ class AzuriteService:
         )
 
     @classmethod
-    def on_ports(cls, host: str, blob: int, queue: int, table: int) -> AzuriteService:
+    def on_ports(cls, host: str, blob: int, queue: int, table: int, scheme: str = "http") -> AzuriteService:
         return cls(
-            blob_endpoint=f"http://{host}:{blob}/{ACCOUNT}",
-            queue_endpoint=f"http://{host}:{queue}/{ACCOUNT}",
-            table_endpoint=f"http://{host}:{table}/{ACCOUNT}",
+            blob_endpoint=f"{scheme}://{host}:{blob}/{ACCOUNT}",
+            queue_endpoint=f"{scheme}://{host}:{queue}/{ACCOUNT}",
+            table_endpoint=f"{scheme}://{host}:{table}/{ACCOUNT}",
         )
 
 
@@ -76,7 +76,9 @@ def _accepting(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def _npm_azurite(location: Path) -> Iterator[AzuriteService]:
+def _npm_azurite(location: Path, tls: tuple[Path, Path] | None = None) -> Iterator[AzuriteService]:
+    """``tls=(cert, key)``: HTTPS, and OAuth bearer tokens accepted (Azurite checks their issuer,
+    audience and lifetime, not their signature) besides the account key."""
     blob, queue, table = _free_ports(3)
     log = location / "azurite.log"
     cmd = [
@@ -93,6 +95,8 @@ def _npm_azurite(location: Path) -> Iterator[AzuriteService]:
         "--queuePort", str(queue),
         "--tablePort", str(table),
     ]  # fmt: skip
+    if tls is not None:
+        cmd += ["--oauth", "basic", "--cert", str(tls[0]), "--key", str(tls[1])]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=location)
     try:
@@ -105,7 +109,7 @@ def _npm_azurite(location: Path) -> Iterator[AzuriteService]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"azurite did not listen within {READY_TIMEOUT}s: {log.read_text()}")
             time.sleep(0.05)
-        yield AzuriteService.on_ports(HOST, blob, queue, table)
+        yield AzuriteService.on_ports(HOST, blob, queue, table, "https" if tls else "http")
     finally:
         proc.terminate()
         try:
@@ -162,4 +166,16 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteService
             _unavailable(
                 f"Azurite is not installed ({AZURITE_BIN} missing; run `npm ci`) and Docker failed: {exc}"
             )
+        yield service
+
+
+@pytest.fixture(scope="session")
+def azurite_oauth(
+    tmp_path_factory: pytest.TempPathFactory, test_certificates: Any
+) -> Iterator[AzuriteService]:
+    """A second Azurite, over HTTPS with OAuth on, for tests that sign in with Entra tokens (npm only)."""
+    if not AZURITE_BIN.exists():
+        _unavailable(f"Azurite is not installed: {AZURITE_BIN} is missing; run `npm ci` in {ROOT}")
+    tls = (test_certificates.cert, test_certificates.key)
+    with _npm_azurite(tmp_path_factory.mktemp("azurite-oauth"), tls) as service:
         yield service

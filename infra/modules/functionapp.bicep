@@ -1,5 +1,7 @@
-// Function App on the Flex Consumption plan (Linux, Python 3.11) with a system-assigned identity.
-// Every connection is identity-based; the setting names are the ones in docs/azure-settings.md.
+// Function App on the Flex Consumption plan (Linux, Python 3.11) running as a user-assigned identity.
+// Every connection is identity-based and names that identity's client id (<Conn>__credential and
+// __clientId: without them the SDKs would look for a system-assigned identity the app does not have);
+// the setting names are the ones in docs/azure-settings.md.
 
 @description('Azure region for the resources.')
 param location string
@@ -34,8 +36,14 @@ param serviceBusFullyQualifiedNamespace string
 @description('Application Insights component (in this resource group) receiving telemetry.')
 param appInsightsName string
 
-@description('Upper bound on instances the plan scales out to.')
-@minValue(1)
+@description('Resource id of the app\'s user-assigned managed identity.')
+param identityId string
+
+@description('Client id of that identity: what every identity-based connection of the app signs in as.')
+param identityClientId string
+
+@description('Upper bound on instances the plan scales out to (Flex Consumption accepts 40 to 1000).')
+@minValue(40)
 @maxValue(1000)
 param maximumInstanceCount int = 100
 
@@ -74,12 +82,14 @@ param queuePrefix string = ''
 @description('Suffix composed into every queue name: QUEUEING_QUEUE_SUFFIX (must match the queue names provisioned).')
 param queueSuffix string = ''
 
-@description('Key for the ops API: QUEUEING_API_KEY.')
-@secure()
-param apiKey string
+@description('Key Vault secret URI (no version) of the ops API key, read through a Key Vault reference: QUEUEING_API_KEY.')
+param apiKeySecretUri string
 
-@description('SQLAlchemy URL for the sql provider: QUEUEING_DATABASE_URL; empty leaves the setting out.')
+@description('SQLAlchemy URL for the sql provider: QUEUEING_DATABASE_URL; empty leaves the database settings out.')
 param databaseUrl string = ''
+
+@description('PostgreSQL schema the kit keeps its tables in (owned by the app\'s role): QUEUEING_DATABASE_SCHEMA.')
+param databaseSchema string = 'queueing'
 
 resource appInsights 'Microsoft.Insights/components@2020-02-02' existing = {
   name: appInsightsName
@@ -107,8 +117,24 @@ var baseSettings = [
     value: storageAccountName
   }
   {
+    name: 'AzureWebJobsStorage__credential'
+    value: 'managedidentity'
+  }
+  {
+    name: 'AzureWebJobsStorage__clientId'
+    value: identityClientId
+  }
+  {
     name: 'QueueingServiceBus__fullyQualifiedNamespace'
     value: serviceBusFullyQualifiedNamespace
+  }
+  {
+    name: 'QueueingServiceBus__credential'
+    value: 'managedidentity'
+  }
+  {
+    name: 'QueueingServiceBus__clientId'
+    value: identityClientId
   }
   {
     name: 'QueueingStorage__queueServiceUri'
@@ -117,6 +143,14 @@ var baseSettings = [
   {
     name: 'QueueingStorage__tableServiceUri'
     value: storageTableServiceUri
+  }
+  {
+    name: 'QueueingStorage__credential'
+    value: 'managedidentity'
+  }
+  {
+    name: 'QueueingStorage__clientId'
+    value: identityClientId
   }
   {
     name: 'QUEUEING_PROVIDER'
@@ -146,20 +180,44 @@ var baseSettings = [
     name: 'QUEUEING_TRACKER_RETENTION_DAYS'
     value: string(trackerRetentionDays)
   }
+  // The queues are provisioned by this template; creating them would need the Manage right (Data Owner).
+  {
+    name: 'QUEUEING_SERVICEBUS_CREATE_QUEUES'
+    value: 'false'
+  }
   {
     name: 'APPLICATIONINSIGHTS_CONNECTION_STRING'
     value: appInsights.properties.ConnectionString
   }
+  // Entra ingestion: local auth is off on the component; the identity holds Monitoring Metrics Publisher.
+  {
+    name: 'APPLICATIONINSIGHTS_AUTHENTICATION_STRING'
+    value: 'ClientId=${identityClientId};Authorization=AAD'
+  }
+  // Resolved by the platform with the identity (keyVaultReferenceIdentity below, Key Vault Secrets User).
   {
     name: 'QUEUEING_API_KEY'
-    value: apiKey
+    value: '@Microsoft.KeyVault(SecretUri=${apiKeySecretUri})'
   }
 ]
 
+// The app signs in to PostgreSQL as the role named after its identity, with an Entra token as the password.
 var databaseSettings = empty(databaseUrl) ? [] : [
   {
     name: 'QUEUEING_DATABASE_URL'
     value: databaseUrl
+  }
+  {
+    name: 'QUEUEING_DATABASE_SCHEMA'
+    value: databaseSchema
+  }
+  {
+    name: 'QUEUEING_DATABASE_AUTH'
+    value: 'entra'
+  }
+  {
+    name: 'QUEUEING_DATABASE_CLIENT_ID'
+    value: identityClientId
   }
 ]
 
@@ -169,11 +227,15 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
   tags: tags
   kind: 'functionapp,linux'
   identity: {
-    type: 'SystemAssigned'
+    type: 'UserAssigned'
+    userAssignedIdentities: {
+      '${identityId}': {}
+    }
   }
   properties: {
     serverFarmId: plan.id
     httpsOnly: true
+    keyVaultReferenceIdentity: identityId // Key Vault references resolve as the user-assigned identity
     // checkov:skip=CKV_AZURE_222: the ops API is served over HTTPS from this app; without a VNet the public endpoint is how it is reached (API key required)
     // checkov:skip=CKV_AZURE_17: callers authenticate with the ops API key, not client certificates
     // checkov:skip=CKV_AZURE_212: Flex Consumption scales from zero by design; instance count is managed by the platform
@@ -191,7 +253,8 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
           type: 'blobContainer'
           value: '${storageBlobEndpoint}${deploymentContainerName}'
           authentication: {
-            type: 'SystemAssignedIdentity' // needs Storage Blob Data Owner on the account (roles.bicep)
+            type: 'UserAssignedIdentity' // needs Storage Blob Data Owner on the account (roles.bicep)
+            userAssignedIdentityResourceId: identityId
           }
         }
       }
@@ -208,5 +271,4 @@ resource app 'Microsoft.Web/sites@2024-04-01' = {
 }
 
 output appName string = app.name
-output principalId string = app.identity.principalId
 output defaultHostName string = app.properties.defaultHostName

@@ -41,6 +41,9 @@ resource appInsights 'Microsoft.Insights/components@2020-02-02' = {
     // Flex Consumption app can send telemetry without private networking.
     publicNetworkAccessForIngestion: 'Enabled'
     publicNetworkAccessForQuery: 'Enabled'
+    // Entra ingestion only: the instrumentation key alone is not enough to send telemetry. The app
+    // signs in with its identity (APPLICATIONINSIGHTS_AUTHENTICATION_STRING, Monitoring Metrics Publisher).
+    DisableLocalAuth: true
   }
 }
 

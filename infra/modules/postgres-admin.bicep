@@ -1,14 +1,24 @@
-// Makes the Function App's managed identity a Microsoft Entra administrator of the server, so it
-// can sign in as the PostgreSQL role named after the app with an Entra access token.
+// The server's Microsoft Entra administrator: the person or group who deploys (their object id is a
+// parameter), never the app. The administrator then creates the app's own least-privilege role once,
+// with infra/postgres/app-role.sql (see infra/README.md), which pgaadauth_create_principal maps to the
+// app's managed identity by name.
 
 @description('Existing PostgreSQL flexible server.')
 param serverName string
 
-@description('Object id of the Function App\'s managed identity.')
+@description('Object id of the Entra user, group or service principal to make administrator.')
 param principalId string
 
-@description('Name of that identity (the Function App name); it is also the PostgreSQL role name.')
+@description('Display name of that principal (a user principal name, or the group\'s name).')
 param principalName string
+
+@description('What the principal is.')
+@allowed([
+  'User'
+  'Group'
+  'ServicePrincipal'
+])
+param principalType string = 'User'
 
 resource server 'Microsoft.DBforPostgreSQL/flexibleServers@2024-08-01' existing = {
   name: serverName
@@ -19,7 +29,7 @@ resource admin 'Microsoft.DBforPostgreSQL/flexibleServers/administrators@2024-08
   name: principalId
   properties: {
     principalName: principalName
-    principalType: 'ServicePrincipal'
+    principalType: principalType
     tenantId: tenant().tenantId
   }
 }

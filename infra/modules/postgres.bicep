@@ -1,6 +1,7 @@
 // Optional PostgreSQL flexible server for the kit's `sql` provider. Microsoft Entra
-// authentication only: there is no admin password anywhere. The Function App's identity is made
-// an Entra administrator afterwards (postgres-admin.bicep), once that identity exists.
+// authentication only: there is no admin password anywhere. The deploying user or group becomes the
+// Entra administrator (postgres-admin.bicep); the app signs in as a role of its own, created by that
+// administrator with infra/postgres/app-role.sql.
 
 @description('Azure region for the resources.')
 param location string

@@ -27,7 +27,14 @@ checks ``isinstance`` against the SDK class will refuse it.
 
 Kept from the broker: peek-lock with lock expiry and renewal, abandon, defer, dead-lettering (explicit,
 max delivery count, expiry), effective TTL, scheduled messages and cancellation, receive-and-delete,
-the 256 KB Standard-tier size limit, duplicate detection, runtime counts. Not modelled: sessions,
+the 256 KB Standard-tier size limit, duplicate detection, runtime counts, and **rights**: a client made
+with ``rights=`` (or ``rights_of_roles(...)`` for Entra role assignments) is refused what those rights
+do not allow, with the exception the SDK raises for the service's refusal. Without ``Manage`` (only
+*Azure Service Bus Data Owner* grants it to an identity) every administration call answers HTTP 401,
+which the SDK raises as ``azure.core.exceptions.ClientAuthenticationError`` (built here by azure-core's
+own ``map_error``, as the SDK's generated client does); without ``Send`` or ``Listen`` the AMQP link is
+refused with ``amqp:unauthorized-access``, which the SDK raises as ``ServiceBusAuthorizationError``
+(built here by the SDK's own error mapping). Not modelled: sessions,
 topics, transactions, auto-forwarding, partitioning, prefetch buffering, ``AutoLockRenewer``, AMQP
 value and sequence bodies.
 
@@ -51,9 +58,15 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
-from azure.core.exceptions import HttpResponseError, ResourceExistsError, ResourceNotFoundError
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceNotFoundError,
+    map_error,
+)
 from azure.servicebus import (
     ServiceBusMessage,
     ServiceBusMessageBatch,
@@ -69,6 +82,7 @@ from azure.servicebus.exceptions import (
     MessageNotFoundError,
     MessageSizeExceededError,
     MessagingEntityNotFoundError,
+    ServiceBusAuthorizationError,
     ServiceBusError,
 )
 from azure.servicebus.management import QueueProperties
@@ -76,8 +90,13 @@ from azure.servicebus.management import QueueProperties
 from ..clock import Clock, as_utc, utcnow
 
 __all__ = [
+    "ALL_RIGHTS",
     "DEFAULT_RECEIVE_WAIT_SECONDS",
+    "LISTEN",
+    "MANAGE",
     "MAX_DELIVERY_COUNT_EXCEEDED",
+    "ROLE_RIGHTS",
+    "SEND",
     "STANDARD_MAX_MESSAGE_BYTES",
     "TIMESPAN_MAX",
     "TTL_EXPIRED",
@@ -90,6 +109,7 @@ __all__ = [
     "FakeServiceBusNamespace",
     "FakeServiceBusReceiver",
     "FakeServiceBusSender",
+    "rights_of_roles",
 ]
 
 #: largest message (and batch) a Standard-tier entity accepts
@@ -106,7 +126,113 @@ _REASON_KEY = "DeadLetterReason"
 _DESCRIPTION_KEY = "DeadLetterErrorDescription"
 _SHUTDOWN = "The handler has already been shutdown. Please use ServiceBusClient to create a new instance."
 
-_T = TypeVar("_T")
+
+# --- rights -------------------------------------------------------------------------------------
+
+#: the claims a SAS policy carries, and what an Entra role maps to on the service
+MANAGE, SEND, LISTEN = "Manage", "Send", "Listen"
+ALL_RIGHTS: frozenset[str] = frozenset({MANAGE, SEND, LISTEN})
+#: Azure's built-in Service Bus data roles, by role definition id (the same in every tenant)
+ROLE_RIGHTS: Mapping[str, frozenset[str]] = {
+    "090c5cfd-751d-490a-894a-3ce6f1109419": ALL_RIGHTS,  # Azure Service Bus Data Owner
+    "69a216fc-b8fb-44d8-bc22-1f3c2cd27a39": frozenset({SEND}),  # Azure Service Bus Data Sender
+    "4f6d3b9b-027b-4f4c-9142-0e5a2a2247e0": frozenset({LISTEN}),  # Azure Service Bus Data Receiver
+}
+
+
+#: the scope a Service Bus client asks its Entra credential for
+SERVICE_BUS_SCOPE = "https://servicebus.azure.net/.default"
+
+
+def rights_of_roles(role_definition_ids: Iterable[str]) -> frozenset[str]:
+    """The rights an identity holds on a namespace through these role assignments (others grant none)."""
+    held: set[str] = set()
+    for role in role_definition_ids:
+        held |= ROLE_RIGHTS.get(role.lower(), frozenset())
+    return frozenset(held)
+
+
+def _object_id(token: str) -> str | None:
+    """The ``oid`` claim of a JWT access token (what the service reads once it has validated it)."""
+    import base64
+    import json
+
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (IndexError, ValueError):
+        return None
+    oid = claims.get("oid") if isinstance(claims, dict) else None
+    return oid if isinstance(oid, str) else None
+
+
+class _Caller:
+    """Who a client is: the claims of a SAS policy, or an Entra credential whose token's identity holds
+    roles on the namespace (``FakeServiceBusNamespace.role_assignments``), asked again on every call."""
+
+    def __init__(
+        self, namespace: FakeServiceBusNamespace, rights: Iterable[str], credential: Any | None
+    ) -> None:
+        self.namespace = namespace
+        self.fixed = frozenset(rights)
+        self.credential = credential
+
+    async def rights(self) -> frozenset[str]:
+        if self.credential is None:
+            return self.fixed
+        token = await self.credential.get_token(SERVICE_BUS_SCOPE)
+        oid = _object_id(token.token)
+        return rights_of_roles(self.namespace.role_assignments.get(oid, ())) if oid else frozenset()
+
+
+class _Response:
+    """The little of an HTTP response azure-core's ``HttpResponseError`` reads."""
+
+    def __init__(self, status_code: int, reason: str, body: str) -> None:
+        self.status_code = status_code
+        self.reason = reason
+        self._body = body
+
+    def text(self, encoding: str | None = None) -> str:
+        return self._body
+
+
+def _refuse_management(namespace: FakeServiceBusNamespace, entity: str | None, *, write: bool) -> None:
+    """What the service answers an administration call without Manage: 401 with its XML error body,
+    turned into an exception by azure-core's ``map_error`` exactly as the SDK's generated client does."""
+    claim = "Manage,EntityWrite" if write else "Manage,EntityRead"
+    tracker = f"{namespace.fully_qualified_namespace}:" + (
+        f"Queue:{entity}" if entity else "$Resources/queues"
+    )
+    body = (
+        f"<Error><Code>401</Code><Detail>{claim} claims required for this operation. "
+        f"TrackingId:{uuid.uuid4()}_G1, SystemTracker:{tracker}, "
+        f"Timestamp:{namespace.now():%Y-%m-%dT%H:%M:%S}</Detail></Error>"
+    )
+    map_error(401, _Response(401, "Unauthorized", body), {401: ClientAuthenticationError})  # type: ignore[arg-type]
+
+
+def _refuse_link(namespace: FakeServiceBusNamespace, entity: str, claim: str) -> ServiceBusError:
+    """What the service answers a link without the claim, through the SDK's own AMQP error mapping."""
+    description = (
+        f"Unauthorized access. '{claim}' claim(s) are required to perform this operation. "
+        f"Resource: 'sb://{namespace.fully_qualified_namespace}/{entity.lower()}'. "
+        f"TrackingId:{uuid.uuid4()}_G1, SystemTracker:gateway, Timestamp:{namespace.now():%Y-%m-%dT%H:%M:%S}"
+    )
+    try:
+        import logging
+
+        from azure.servicebus._pyamqp.error import AMQPException, ErrorCondition
+        from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
+    except ImportError:  # a later SDK moved its transport: the same exception type, built by hand
+        return ServiceBusAuthorizationError(
+            message=f"{description} Error condition: amqp:unauthorized-access."
+        )
+    error: ServiceBusError = PyamqpTransport.create_servicebus_exception(
+        logging.getLogger("azure.servicebus"),
+        AMQPException(condition=ErrorCondition.UnauthorizedAccess, description=description),
+    )
+    return error
 
 
 class FakeClock:
@@ -455,8 +581,14 @@ class FakeServiceBusNamespace:
         clock: Clock | None = None,
         fully_qualified_namespace: str = "fake.servicebus.windows.net",
         max_message_size_in_bytes: int = STANDARD_MAX_MESSAGE_BYTES,
+        role_assignments: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         self.clock: Clock = clock if clock is not None else utcnow
+        #: Azure RBAC on the namespace: principal (object) id -> role definition ids, for clients that
+        #: sign in with an Entra credential
+        self.role_assignments: dict[str, list[str]] = {
+            principal: list(roles) for principal, roles in (role_assignments or {}).items()
+        }
         self.fully_qualified_namespace = fully_qualified_namespace
         self.max_message_size_in_bytes = max_message_size_in_bytes
         self._queues: dict[str, _Queue] = {}  # by lower-cased name: entity names are case-insensitive
@@ -676,14 +808,20 @@ class _Closing:
 class _Link(_Closing):
     """What a sender and a receiver share: one queue, an async context, and no use after close."""
 
-    def __init__(self, namespace: FakeServiceBusNamespace, queue_name: str) -> None:
+    #: the claim the service checks when this kind of link attaches
+    claim = ""
+
+    def __init__(
+        self, namespace: FakeServiceBusNamespace, queue_name: str, caller: _Caller | None = None
+    ) -> None:
         self._namespace = namespace
         self.entity_name = queue_name
         self.fully_qualified_namespace = namespace.fully_qualified_namespace
+        self._caller = caller or _Caller(namespace, ALL_RIGHTS, None)
         self._closed = False
 
     async def __aenter__(self) -> Self:
-        self._check_live()
+        await self._authorize()
         self._namespace._queue(self.entity_name)  # opening the link fails on a missing entity
         return self
 
@@ -695,9 +833,17 @@ class _Link(_Closing):
         if self._closed:
             raise ValueError(_SHUTDOWN)
 
+    async def _authorize(self) -> None:
+        """The handler is open and the caller holds the claim this kind of link needs."""
+        self._check_live()
+        if self.claim not in await self._caller.rights():
+            raise _refuse_link(self._namespace, self.entity_name, self.claim)
+
 
 class FakeServiceBusSender(_Link):
     """Mirrors ``azure.servicebus.aio.ServiceBusSender`` for one queue."""
+
+    claim = SEND
 
     async def send_messages(
         self,
@@ -706,7 +852,7 @@ class FakeServiceBusSender(_Link):
         timeout: float | None = None,
     ) -> None:
         """Send one message, a list (sent as one batch, so it must fit in one), or a batch."""
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         queue = self._namespace._queue(self.entity_name)
         limit = self._namespace.max_message_size_in_bytes
@@ -734,7 +880,7 @@ class FakeServiceBusSender(_Link):
         self._namespace.wake_waiters()
 
     async def create_message_batch(self, max_size_in_bytes: int | None = None) -> FakeMessageBatch:
-        self._check_live()
+        await self._authorize()
         limit = self._namespace.max_message_size_in_bytes
         if max_size_in_bytes and max_size_in_bytes > limit:
             raise ValueError(
@@ -751,7 +897,7 @@ class FakeServiceBusSender(_Link):
         timeout: float | None = None,
     ) -> list[int]:
         """Enqueue at ``schedule_time_utc`` (naive = UTC); return the sequence numbers, for cancelling."""
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         queue = self._namespace._queue(self.entity_name)
         items = [messages] if isinstance(messages, _Sendable) else list(messages)
@@ -770,7 +916,7 @@ class FakeServiceBusSender(_Link):
     async def cancel_scheduled_messages(
         self, sequence_numbers: int | list[int], *, timeout: float | None = None
     ) -> None:
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         numbers = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         queue = self._namespace._queue(self.entity_name)
@@ -794,11 +940,14 @@ def _is_dead_letter(sub_queue: ServiceBusSubQueue | str | None) -> bool:
 class FakeServiceBusReceiver(_Link):
     """Mirrors ``azure.servicebus.aio.ServiceBusReceiver`` for a queue or its dead-letter sub-queue."""
 
+    claim = LISTEN
+
     def __init__(
         self,
         namespace: FakeServiceBusNamespace,
         queue_name: str,
         *,
+        caller: _Caller | None = None,
         sub_queue: ServiceBusSubQueue | str | None = None,
         receive_mode: ServiceBusReceiveMode | str = ServiceBusReceiveMode.PEEK_LOCK,
         max_wait_time: float | None = None,
@@ -806,7 +955,7 @@ class FakeServiceBusReceiver(_Link):
     ) -> None:
         if max_wait_time is not None and max_wait_time <= 0:
             raise ValueError("The max_wait_time must be greater than 0.")
-        super().__init__(namespace, queue_name)
+        super().__init__(namespace, queue_name, caller)
         self._dead_letter = _is_dead_letter(sub_queue)
         self._receive_mode = (
             receive_mode
@@ -831,7 +980,7 @@ class FakeServiceBusReceiver(_Link):
         self, max_message_count: int | None = 1, max_wait_time: float | None = None
     ) -> list[FakeReceivedMessage]:
         """Up to ``max_message_count`` messages available now, waiting up to ``max_wait_time`` s for one."""
-        self._check_live()
+        await self._authorize()
         if max_wait_time is not None and max_wait_time <= 0:
             raise ValueError("The max_wait_time must be greater than 0.")
         if max_message_count is not None and max_message_count <= 0:
@@ -848,7 +997,7 @@ class FakeServiceBusReceiver(_Link):
 
     async def __anext__(self) -> FakeReceivedMessage:
         """One message at a time; ends after the receiver's ``max_wait_time`` with none (never if unset)."""
-        self._check_live()
+        await self._authorize()
         wait = math.inf if self._max_wait_time is None else self._max_wait_time
         messages = await self._receive(1, wait)
         if not messages:
@@ -895,7 +1044,7 @@ class FakeServiceBusReceiver(_Link):
         self, sequence_numbers: int | list[int], *, timeout: float | None = None
     ) -> list[FakeReceivedMessage]:
         """Deferred messages by sequence number (locked, or removed in receive-and-delete mode)."""
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         numbers = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         queue = self._namespace._queue(self.entity_name)
@@ -927,7 +1076,7 @@ class FakeServiceBusReceiver(_Link):
         Like the SDK, ``sequence_number=0`` continues after the last message this receiver received or
         peeked, so repeated peeks page through the queue.
         """
-        self._check_live()
+        await self._authorize()
         _check_timeout(timeout)
         if int(max_message_count) < 0:
             raise ValueError("max_message_count must be 1 or greater.")
@@ -972,12 +1121,14 @@ class FakeServiceBusReceiver(_Link):
         return queue, entry
 
     async def complete_message(self, message: FakeReceivedMessage) -> None:
+        await self._authorize()
         queue, entry = self._locked_entry(message, "complete")
         del queue.sub(self._dead_letter)[entry.sequence_number]
         message._settled = True
 
     async def abandon_message(self, message: FakeReceivedMessage) -> None:
         """Unlock now for immediate redelivery, counting a delivery (dead-letters at the queue's limit)."""
+        await self._authorize()
         queue, entry = self._locked_entry(message, "abandon")
         queue.release(entry)
         message._settled = True
@@ -985,6 +1136,7 @@ class FakeServiceBusReceiver(_Link):
 
     async def defer_message(self, message: FakeReceivedMessage) -> None:
         """Set aside: only :meth:`receive_deferred_messages` with its sequence number can get it again."""
+        await self._authorize()
         _, entry = self._locked_entry(message, "defer")
         entry.lock_token = entry.locked_until = None
         entry.deferred = True
@@ -993,6 +1145,7 @@ class FakeServiceBusReceiver(_Link):
     async def dead_letter_message(
         self, message: FakeReceivedMessage, reason: str | None = None, error_description: str | None = None
     ) -> None:
+        await self._authorize()
         queue, entry = self._locked_entry(message, "dead-letter")
         if entry.in_dead_letter:
             raise ServiceBusError("A message in a dead-letter queue cannot be dead-lettered again.")
@@ -1005,6 +1158,7 @@ class FakeServiceBusReceiver(_Link):
     ) -> datetime:
         """Extend the lock by the queue's lock duration from now; return the new ``locked_until_utc``."""
         _check_timeout(timeout)
+        await self._authorize()
         queue, entry = self._locked_entry(message, "renew")
         entry.locked_until = message._locked_until = self._namespace.now() + queue.settings.lock_duration
         return entry.locked_until
@@ -1018,11 +1172,37 @@ def _peeked_state(entry: _Entry) -> ServiceBusMessageState:
     return ServiceBusMessageState.ACTIVE
 
 
-class FakeServiceBusClient(_Closing):
-    """Mirrors ``azure.servicebus.aio.ServiceBusClient``, on a :class:`FakeServiceBusNamespace`."""
+class _SignedIn(_Closing):
+    """A client of the namespace, signed in with a SAS policy's ``rights`` or an Entra ``credential``."""
 
-    def __init__(self, namespace: FakeServiceBusNamespace) -> None:
+    def __init__(
+        self,
+        namespace: FakeServiceBusNamespace,
+        *,
+        rights: Iterable[str] = ALL_RIGHTS,
+        credential: Any | None = None,
+    ) -> None:
         self.namespace = namespace
+        self._caller = _Caller(namespace, rights, credential)
+
+
+class FakeServiceBusClient(_SignedIn):
+    """Mirrors ``azure.servicebus.aio.ServiceBusClient``, on a :class:`FakeServiceBusNamespace`.
+
+    ``rights`` are the claims of its SAS policy (default: all, like the namespace's
+    RootManageSharedAccessKey); with ``credential`` (an async Entra token credential, as the real client
+    takes) the rights are instead those of the token's identity in ``namespace.role_assignments``.
+    Senders need ``Send``, receivers ``Listen``.
+    """
+
+    def __init__(
+        self,
+        namespace: FakeServiceBusNamespace,
+        *,
+        rights: Iterable[str] = ALL_RIGHTS,
+        credential: Any | None = None,
+    ) -> None:
+        super().__init__(namespace, rights=rights, credential=credential)
         self.fully_qualified_namespace = namespace.fully_qualified_namespace
         self._handlers: list[FakeServiceBusSender | FakeServiceBusReceiver] = []
 
@@ -1035,7 +1215,7 @@ class FakeServiceBusClient(_Closing):
     def get_queue_sender(
         self, queue_name: str, *, client_identifier: str | None = None, socket_timeout: float | None = None
     ) -> FakeServiceBusSender:
-        sender = FakeServiceBusSender(self.namespace, queue_name)
+        sender = FakeServiceBusSender(self.namespace, queue_name, self._caller)
         self._handlers.append(sender)
         return sender
 
@@ -1056,6 +1236,7 @@ class FakeServiceBusClient(_Closing):
         receiver = FakeServiceBusReceiver(
             self.namespace,
             queue_name,
+            caller=self._caller,
             sub_queue=sub_queue,
             receive_mode=receive_mode,
             max_wait_time=max_wait_time,
@@ -1085,20 +1266,17 @@ class FakeQueueRuntimeProperties:
     accessed_at_utc: datetime
 
 
-async def _iterate(items: list[_T]) -> AsyncIterator[_T]:
-    for item in items:
-        yield item
-
-
-class FakeServiceBusAdministrationClient(_Closing):
+class FakeServiceBusAdministrationClient(_SignedIn):
     """Mirrors ``azure.servicebus.aio.management.ServiceBusAdministrationClient`` for queues.
 
     Properties come back as real ``QueueProperties``; durations must be ``timedelta`` (the SDK also
-    takes ISO-8601 strings).
+    takes ISO-8601 strings). Every call needs the ``Manage`` right (the service's rule, reads included);
+    without it the call fails as the service's 401 does.
     """
 
-    def __init__(self, namespace: FakeServiceBusNamespace) -> None:
-        self.namespace = namespace
+    async def _authorize(self, entity: str | None, *, write: bool = False) -> None:
+        if MANAGE not in await self._caller.rights():
+            _refuse_management(self.namespace, entity, write=write)
 
     def _existing(self, queue_name: str) -> _Queue:
         queue = self.namespace._find(queue_name)
@@ -1129,6 +1307,7 @@ class FakeServiceBusAdministrationClient(_Closing):
         max_message_size_in_kilobytes: int | None = None,
     ) -> QueueProperties:
         """Create a queue; ``None`` means the service default (max delivery 10, lock 60 s, no TTL limit)."""
+        await self._authorize(queue_name, write=True)
         _reject_unmodelled(requires_session, forward_to, forward_dead_lettered_messages_to)
         if self.namespace._find(queue_name) is not None:
             raise ResourceExistsError(f"Queue '{queue_name}' already exists.")
@@ -1154,19 +1333,24 @@ class FakeServiceBusAdministrationClient(_Closing):
         return settings.to_properties(queue_name)
 
     async def get_queue(self, queue_name: str) -> QueueProperties:
+        await self._authorize(queue_name)
         queue = self._existing(queue_name)
         return queue.settings.to_properties(queue.name)
 
     async def get_queue_runtime_properties(self, queue_name: str) -> FakeQueueRuntimeProperties:
+        await self._authorize(queue_name)
         self._existing(queue_name)
         return self.namespace._queue(queue_name).runtime_properties()
 
-    def list_queues(self) -> AsyncIterator[QueueProperties]:
-        return _iterate([q.settings.to_properties(q.name) for q in self.namespace._queues.values()])
+    async def list_queues(self) -> AsyncIterator[QueueProperties]:
+        await self._authorize(None)
+        for q in list(self.namespace._queues.values()):
+            yield q.settings.to_properties(q.name)
 
-    def list_queues_runtime_properties(self) -> AsyncIterator[FakeQueueRuntimeProperties]:
-        names = self.namespace.queue_names
-        return _iterate([self.namespace._queue(name).runtime_properties() for name in names])
+    async def list_queues_runtime_properties(self) -> AsyncIterator[FakeQueueRuntimeProperties]:
+        await self._authorize(None)
+        for name in self.namespace.queue_names:
+            yield self.namespace._queue(name).runtime_properties()
 
     async def update_queue(self, queue: QueueProperties | Mapping[str, Any]) -> None:
         """Apply a ``QueueProperties`` (from :meth:`get_queue`, edited) or a mapping with ``name``."""
@@ -1183,12 +1367,14 @@ class FakeServiceBusAdministrationClient(_Closing):
                 queue.get("forward_dead_lettered_messages_to"),
             )
         _reject_unmodelled(*unmodelled)
+        await self._authorize(name, write=True)
         existing = self._existing(name)
         existing.settings = existing.settings.updated(values)
         existing.updated_at = self.namespace.now()
         self.namespace.wake_waiters()
 
     async def delete_queue(self, queue_name: str) -> None:
+        await self._authorize(queue_name, write=True)
         self._existing(queue_name)
         del self.namespace._queues[queue_name.lower()]
         self.namespace.wake_waiters()

@@ -51,6 +51,10 @@ class Summary(_Model):
         default_factory=dict,
         description="counts for queues this app does not register (other apps, old names)",
     )
+    notes: list[str] = Field(
+        default_factory=list,
+        description="what limits these figures, e.g. transport counts taken by peeking for lack of rights",
+    )
 
 
 class SubscriptionInfo(_Model):

@@ -181,6 +181,7 @@ class OpsService:
             queues=queues,
             totals=dict(totals),
             other_queues=dict(by_queue),
+            notes=[n for n in (getattr(self.runtime.provider, "counts_note", None),) if n],
         )
 
     def subscriptions(self) -> list[SubscriptionInfo]:

@@ -1,8 +1,13 @@
 """Azure Service Bus provider (SPEC C3) on ``azure-servicebus`` (async).
 
-- A queue per type (names sanitized to Service Bus rules), auto-created when allowed with the type's
+- A queue per type (names sanitized to Service Bus rules), created at start when
+  ``QUEUEING_SERVICEBUS_CREATE_QUEUES`` allows (the default, for local development) with the type's
   settings: max delivery count, lock duration (at most 5 minutes; longer leases are renewed), TTL and
-  dead-lettering on expiration.
+  dead-lettering on expiration. Creating needs the Manage right (only *Azure Service Bus Data Owner*
+  grants it to an identity); the Bicep provisions the queues and turns creation off. A refusal (401)
+  is logged once as one line naming the role, and the runtime opens anyway.
+- ``GET stats`` reads the queues' runtime properties (Manage again); without that right it counts by
+  peeking (what *Data Receiver* allows) and says so in the response.
 - Peek-lock receive; a success completes.
 - **Retries are a scheduled copy, not an abandon.** Abandon makes the message available again at
   once (no backoff) and spends the entity's delivery count. The kit sends a copy scheduled for
@@ -30,12 +35,24 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from azure.core.exceptions import AzureError, ResourceExistsError, ResourceNotFoundError
-from azure.servicebus import ServiceBusMessage, ServiceBusReceiveMode, ServiceBusSubQueue
+from azure.core.exceptions import (
+    AzureError,
+    ClientAuthenticationError,
+    ResourceExistsError,
+    ResourceNotFoundError,
+)
+from azure.servicebus import (
+    ServiceBusMessage,
+    ServiceBusMessageState,
+    ServiceBusReceiveMode,
+    ServiceBusSubQueue,
+)
 from azure.servicebus.exceptions import (
     MessageAlreadySettled,
     MessageLockLostError,
     MessageSizeExceededError,
+    MessagingEntityNotFoundError,
+    ServiceBusAuthorizationError,
     ServiceBusConnectionError,
     ServiceBusError,
 )
@@ -45,7 +62,7 @@ from ..connections import ServiceBusConnection
 from ..control.base import ControlStore
 from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
 from ..envelope import Envelope
-from ..errors import InvalidOperation, ProviderError, ProviderUnavailable
+from ..errors import InvalidOperation, MissingPermission, ProviderError, ProviderUnavailable
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, Reopen, Tracker, nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement
@@ -60,12 +77,47 @@ MAX_LOCK = timedelta(minutes=5)  # the service's limit on a queue's lock duratio
 #: Standard tier: 256 KB per message including headers; leave room for the system properties
 MAX_ENVELOPE_BYTES = 250 * 1024
 TYPE_PROPERTY = "queueing-type"
+#: messages looked at per queue (and per dead-letter queue) when counting by peeking
+PEEK_COUNT_LIMIT = 5000
+CREATE_QUEUES_SETTING = "QUEUEING_SERVICEBUS_CREATE_QUEUES"
+OWNER_ROLE = "Azure Service Bus Data Owner"
+#: the right each AMQP refusal names, and the least role that grants it
+_ROLE_OF_CLAIM = {
+    "'Send'": ("Send", "Azure Service Bus Data Sender"),
+    "'Listen'": ("Listen", "Azure Service Bus Data Receiver"),
+    "'Manage'": ("Manage", OWNER_ROLE),
+}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @contextlib.contextmanager
 def _boundary(action: str) -> Any:
     try:
         yield
+    except ClientAuthenticationError as exc:
+        if getattr(exc, "status_code", None) != 401:  # no token at all (no identity, bad credential)
+            raise ProviderError(f"{action}: signing in to Service Bus failed: {_first_line(exc)}") from None
+        # only the administration API answers 401: it wants Manage, which only Data Owner grants
+        raise MissingPermission(
+            f"Service Bus refused {action} (401 Unauthorized): the identity has no Manage right, which "
+            f"only the '{OWNER_ROLE}' role grants",
+            right="Manage",
+            role=OWNER_ROLE,
+        ) from None
+    except ServiceBusAuthorizationError as exc:
+        right, role = next(
+            (found for claim, found in _ROLE_OF_CLAIM.items() if claim in str(exc)),
+            ("?", "a Service Bus data role"),
+        )
+        raise MissingPermission(
+            f"Service Bus refused {action}: the identity has no {right} right; grant it the '{role}' role",
+            right=right,
+            role=role,
+        ) from None
     except MessageSizeExceededError as exc:
         raise ProviderError(f"{action}: message too large for Service Bus ({exc})") from None
     except (ServiceBusConnectionError, OSError) as exc:
@@ -127,6 +179,10 @@ class ServiceBusProvider(PhysicalNames):
         self._senders: dict[str, Any] = {}
         self._receivers: dict[str, Any] = {}
         self._app: QueueingApp | None = None
+        #: None until a management call says; False once the service refused one (401)
+        self._can_manage: bool | None = None
+        #: why ``native_counts`` are what they are, when it matters (the ops API shows it)
+        self.counts_note: str | None = None
 
     @classmethod
     def from_connection(
@@ -163,17 +219,33 @@ class ServiceBusProvider(PhysicalNames):
         self._app = app
         if not self.auto_create or self.admin is None:
             return
-        for sub in app.subscriptions():
-            o = sub.options
-            settings: dict[str, Any] = {
-                "max_delivery_count": o.max_attempts,
-                "lock_duration": min(o.lease_duration, MAX_LOCK),
-                "dead_lettering_on_message_expiration": True,
-            }
-            if o.expiration is not None:
-                settings["default_message_time_to_live"] = o.expiration + self.ttl_grace
-            with _boundary(f"creating queue {sub.queue}"), contextlib.suppress(ResourceExistsError):
-                await self.admin.create_queue(self.physical(sub.queue), **settings)
+        try:
+            for sub in app.subscriptions():
+                await self._create_queue(sub)
+        except MissingPermission as exc:
+            # not fatal: the queues may well exist (provisioned); a missing one fails its first send or
+            # receive with "not found". Failing here would fail every trigger invocation instead.
+            self._can_manage = False
+            log.error(
+                "%s; queues are not created: provision them (infra/main.bicep does) and set %s=false, "
+                "or grant that role",
+                exc,
+                CREATE_QUEUES_SETTING,
+            )
+
+    async def _create_queue(self, sub: Subscription) -> None:
+        assert self.admin is not None
+        o = sub.options
+        settings: dict[str, Any] = {
+            "max_delivery_count": o.max_attempts,
+            "lock_duration": min(o.lease_duration, MAX_LOCK),
+            "dead_lettering_on_message_expiration": True,
+        }
+        if o.expiration is not None:
+            settings["default_message_time_to_live"] = o.expiration + self.ttl_grace
+        with _boundary(f"creating queue {sub.queue}"), contextlib.suppress(ResourceExistsError):
+            await self.admin.create_queue(self.physical(sub.queue), **settings)
+        self._can_manage = True
 
     async def close(self) -> None:
         for handler in [*self._senders.values(), *self._receivers.values()]:
@@ -306,11 +378,30 @@ class ServiceBusProvider(PhysicalNames):
 
     # -- ops ---------------------------------------------------------------------------------------
     async def native_counts(self) -> dict[str, dict[str, int]]:
-        """Active, scheduled and dead-lettered counts per queue, from the service itself."""
-        if self.admin is None or self._app is None:
+        """Active, scheduled and dead-lettered counts per queue: the queues' runtime properties when the
+        identity may read them (Manage), else counted by peeking (Listen), and ``counts_note`` says so."""
+        if self._app is None:
             return {}
+        if self.admin is not None and self._can_manage is not False:
+            try:
+                counts = await self._runtime_counts(self._app)
+            except MissingPermission as exc:
+                self._can_manage = False
+                log.warning("%s; GET stats counts by peeking from now on", exc)
+            else:
+                self.counts_note = None
+                return counts
+        self.counts_note = (
+            "Service Bus counts come from peeking: the app's identity may not read queue properties "
+            f"(that needs the Manage right, '{OWNER_ROLE}'), so each count is a lower bound and stops "
+            f"at {PEEK_COUNT_LIMIT}"
+        )
+        return await self._peeked_counts(self._app)
+
+    async def _runtime_counts(self, app: QueueingApp) -> dict[str, dict[str, int]]:
+        assert self.admin is not None
         out: dict[str, dict[str, int]] = {}
-        for sub in self._app.subscriptions():
+        for sub in app.subscriptions():
             with _boundary("reading queue properties"), contextlib.suppress(ResourceNotFoundError):
                 p = await self.admin.get_queue_runtime_properties(self.physical(sub.queue))
                 out[sub.queue] = {
@@ -319,6 +410,42 @@ class ServiceBusProvider(PhysicalNames):
                     "dead_lettered": p.dead_letter_message_count,
                 }
         return out
+
+    async def _peeked_counts(self, app: QueueingApp) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for sub in app.subscriptions():
+            active = await self._peek_all(sub.queue, None)
+            dead = await self._peek_all(sub.queue, ServiceBusSubQueue.DEAD_LETTER)
+            if active is None or dead is None:
+                continue  # the queue is not there: no counts for it (as with runtime properties)
+            scheduled = sum(1 for m in active if m.state == ServiceBusMessageState.SCHEDULED)
+            out[sub.queue] = {
+                "active": len(active) - scheduled,
+                "scheduled": scheduled,
+                "dead_lettered": len(dead),
+            }
+        return out
+
+    async def _peek_all(self, queue: str, sub_queue: ServiceBusSubQueue | None) -> list[Any] | None:
+        """Up to PEEK_COUNT_LIMIT messages in sequence order, none locked; None if there is no queue."""
+        receiver = self.client.get_queue_receiver(self.physical(queue), sub_queue=sub_queue)
+        found: list[Any] = []
+        with _boundary(f"peeking at {queue}"):
+            try:
+                async with receiver:
+                    next_sequence = 0  # 0: from the start
+                    while len(found) < PEEK_COUNT_LIMIT:
+                        batch = await receiver.peek_messages(
+                            max_message_count=min(250, PEEK_COUNT_LIMIT - len(found)),
+                            sequence_number=next_sequence,
+                        )
+                        if not batch:
+                            break
+                        found.extend(batch)
+                        next_sequence = batch[-1].sequence_number + 1
+            except MessagingEntityNotFoundError:
+                return None
+        return found
 
     async def _dead_letters(self, queue: str, act: Any, limit: int = 5000) -> int:
         """Receive the dead-letter sub-queue; ``act(receiver, message, text)`` returns True when it

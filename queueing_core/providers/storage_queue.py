@@ -50,6 +50,7 @@ from ..naming import QueueNaming, Transport
 from ..tracking.base import nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement
 from .names import PhysicalNames, companion_name
+from .storage_errors import refusal
 from .tables import TablesControlStore, TablesTracker, tables_from_connection
 
 if TYPE_CHECKING:
@@ -101,6 +102,9 @@ def _boundary(action: str) -> Iterator[None]:
     except HttpResponseError as exc:
         if exc.status_code in (408, 429, 500, 502, 503, 504):
             raise ProviderUnavailable(f"storage queue service busy during {action}: {exc.reason}") from None
+        refused = refusal(exc, "queue", action)
+        if refused is not None:
+            raise refused from None
         raise ProviderError(f"{action} failed: {exc.status_code} {exc.reason}") from None
     except AzureError as exc:
         raise ProviderError(f"{action} failed: {exc}") from None

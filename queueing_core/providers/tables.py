@@ -46,6 +46,7 @@ from ..errors import ConfigurationError, ProviderError, ProviderUnavailable
 from ..messages import MessageStatus
 from ..options import CircuitBreakerOptions
 from ..tracking.base import OUTCOMES, MessageQuery, MessageRecord, Page, invalid_cursor, is_enqueue_record
+from .storage_errors import refusal
 
 if TYPE_CHECKING:
     from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
@@ -81,6 +82,11 @@ def unescape_key(key: str) -> str:
 _TRANSIENT_STATUS: Final = frozenset({408, 429, 500, 502, 503, 504})
 
 
+def _first_line(text: str | None, fallback: str) -> str:
+    text = (text or "").strip()
+    return text.splitlines()[0] if text else fallback
+
+
 @contextmanager
 def _boundary(action: str) -> Iterator[None]:
     """Translate azure-core errors raised inside the block into the kit's provider errors."""
@@ -89,10 +95,27 @@ def _boundary(action: str) -> Iterator[None]:
     except (ServiceRequestError, ServiceResponseError) as exc:
         raise ProviderUnavailable(f"Azure Tables unreachable ({action}): {exc.message}") from exc
     except HttpResponseError as exc:
+        refused = refusal(exc, "table", f"Azure Tables {action}")
+        if refused is not None:
+            raise refused from exc
         kind = ProviderUnavailable if exc.status_code in _TRANSIENT_STATUS else ProviderError
-        raise kind(f"Azure Tables {action} failed ({exc.status_code}): {exc.message}") from exc
+        raise kind(
+            f"Azure Tables {action} failed ({exc.status_code}): "
+            f"{_first_line(exc.message, type(exc).__name__)}"
+        ) from exc
     except AzureError as exc:
-        raise ProviderError(f"Azure Tables {action} failed: {exc.message}") from exc
+        raise ProviderError(
+            f"Azure Tables {action} failed: {_first_line(exc.message, type(exc).__name__)}"
+        ) from exc
+    except AttributeError as exc:
+        # azure-data-tables 12.7 reprocesses some errors by reading .error_code, which a credential's
+        # ClientAuthenticationError lacks: the AttributeError hides the real cause, which is its context
+        cause = exc.__context__
+        if not isinstance(cause, AzureError):
+            raise
+        raise ProviderError(
+            f"Azure Tables {action} failed: {_first_line(cause.message, type(cause).__name__)}"
+        ) from cause
 
 
 def _plain_utc(value: datetime) -> datetime:
@@ -909,6 +932,7 @@ def tables_from_connection(
     *,
     table_service_uri: str | None = None,
     credential: Credential | None = None,
+    client_id: str | None = None,
     control_table: str = "queueingcontrol",
     tracker_table: str = "queueinghistory",
     retention: timedelta = timedelta(days=14),
@@ -916,7 +940,8 @@ def tables_from_connection(
     """The control store and tracker on one account; the tables are created on first use.
 
     Give a connection string, or a table service URI (``https://<acct>.table.core.windows.net``)
-    with a credential; without one, ``DefaultAzureCredential`` (managed identity in Azure).
+    with a credential; without one, ``DefaultAzureCredential`` (managed identity in Azure: the
+    user-assigned one with ``client_id``, from ``QueueingStorage__clientId``).
     """
     for setting, name in (
         ("QUEUEING_CONTROL_TABLE", control_table),
@@ -941,10 +966,9 @@ def tables_from_connection(
             raise ConfigurationError("QueueingStorage", f"invalid connection string: {exc}") from None
     elif table_service_uri:
         if credential is None:
-            # Imported here: identity is only needed for URI-based connections and is slow to load.
-            from azure.identity.aio import DefaultAzureCredential
+            from ..connections import identity_credential
 
-            owned = DefaultAzureCredential()
+            owned = identity_credential(client_id)
             credential = owned
             closers.append(owned.close)  # closing twice (both stores) is harmless
         try:

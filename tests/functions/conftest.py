@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 import azure.functions as func
@@ -51,40 +50,3 @@ class Context(func.Context):
     @property
     def retry_context(self) -> Any:
         return None
-
-
-@dataclass
-class RecordingActions:
-    """Stands in for ServiceBusMessageActions (which only works inside the Functions worker): records
-    the settlement, which the test then applies to the in-memory Service Bus as the host would."""
-
-    done: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
-
-    def complete(self, message: Any) -> None:
-        self.done.append(("complete", message, {}))
-
-    def abandon(self, message: Any) -> None:
-        self.done.append(("abandon", message, {}))
-
-    def deadletter(
-        self,
-        message: Any,
-        deadletter_reason: str | None = None,
-        deadletter_error_description: str | None = None,
-    ) -> None:
-        self.done.append(
-            (
-                "deadletter",
-                message,
-                {"reason": deadletter_reason, "error_description": deadletter_error_description},
-            )
-        )
-
-    async def apply(self, receiver: Any) -> None:
-        for action, message, kw in self.done:
-            if action == "complete":
-                await receiver.complete_message(message)
-            elif action == "abandon":
-                await receiver.abandon_message(message)
-            else:
-                await receiver.dead_letter_message(message, **kw)

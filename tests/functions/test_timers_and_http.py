@@ -4,6 +4,7 @@ function called with func.HttpRequest, with and without keys."""
 from __future__ import annotations
 
 import json
+import logging
 from datetime import timedelta
 
 import azure.functions as func
@@ -32,7 +33,11 @@ def sql_app(tmp_path, **settings):
         seen.append(msg.n)
 
     cfg = QueueingSettings(
-        provider="sql", database_url=f"sqlite:///{tmp_path}/fn.db", functions_processor_budget=10, **settings
+        provider="sql",
+        database_url=f"sqlite:///{tmp_path}/fn.db",
+        functions_local_sqlite=True,  # one host in this test
+        functions_processor_budget=10,
+        **settings,
     )
     host = FunctionsHost(app, cfg)
     return app, host, functions_of(build_app(cfg, app, host=host, env={})), seen
@@ -124,3 +129,16 @@ async def test_without_a_configured_key_the_http_function_refuses_everything(tmp
     r = await http(request("GET", "/api/_system/queueing/stats", {"X-API-Key": "anything"}), Context())
     assert r.status_code == 401
     assert "QUEUEING_API_KEY" in json.loads(r.get_body())["detail"]
+
+
+async def test_an_unresolved_key_vault_reference_is_no_key(tmp_path, caplog):
+    """When the platform cannot read the secret it passes the reference text as the setting's value:
+    that text must not open the ops API."""
+    reference = "@Microsoft.KeyVault(SecretUri=https://kv-queueing.vault.azure.net/secrets/queueing-api-key)"
+    _app, host, fns, _seen = sql_app(tmp_path, api_key=reference)
+    http = user(fns["http_app_func"])
+    with caplog.at_level(logging.ERROR, logger="queueing.functions"):
+        r = await http(request("GET", "/api/_system/queueing/stats", {"X-API-Key": reference}), Context())
+    assert r.status_code == 401
+    assert any("Key Vault Secrets User" in rec.getMessage() for rec in caplog.records)
+    await host.close()

@@ -40,6 +40,8 @@ SERVICE_BUS_OWNER = "090c5cfd-751d-490a-894a-3ce6f1109419"
 STORAGE_QUEUE_CONTRIBUTOR = "974c5e8b-45b9-4653-ba55-5f855dd0fb88"
 STORAGE_TABLE_CONTRIBUTOR = "0a9a7e1f-b9d0-4cc4-a60d-0319b160aaa3"
 STORAGE_BLOB_OWNER = "b7e6dc6d-f1e8-4753-8033-0f276bb0955b"
+MONITORING_METRICS_PUBLISHER = "3913510d-42f4-4e42-8a64-420c390055eb"
+KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
 
 API_VERSIONS = {
     "Microsoft.ServiceBus/namespaces": "2024-01-01",
@@ -51,14 +53,25 @@ API_VERSIONS = {
     "Microsoft.DBforPostgreSQL/flexibleServers": "2024-08-01",
     "Microsoft.OperationalInsights/workspaces": "2023-09-01",
     "Microsoft.Insights/components": "2020-02-02",
+    "Microsoft.ManagedIdentity/userAssignedIdentities": "2023-01-31",
+    "Microsoft.KeyVault/vaults": "2023-07-01",
+    "Microsoft.KeyVault/vaults/secrets": "2023-07-01",
 }
 
 # The app settings the code reads (docs/azure-settings.md), identity-based forms.
 REQUIRED_SETTINGS = {
     "AzureWebJobsStorage__accountName",
+    "AzureWebJobsStorage__credential",
+    "AzureWebJobsStorage__clientId",
     "QueueingServiceBus__fullyQualifiedNamespace",
+    "QueueingServiceBus__credential",
+    "QueueingServiceBus__clientId",
     "QueueingStorage__queueServiceUri",
     "QueueingStorage__tableServiceUri",
+    "QueueingStorage__credential",
+    "QueueingStorage__clientId",
+    "QUEUEING_SERVICEBUS_CREATE_QUEUES",
+    "APPLICATIONINSIGHTS_AUTHENTICATION_STRING",
     "QUEUEING_PROVIDER",
     "QUEUEING_APP",
     "QUEUEING_CONTROL_TABLE",
@@ -87,6 +100,8 @@ def test_infra_has_the_expected_files() -> None:
         "modules/monitoring.bicep",
         "modules/postgres.bicep",
         "modules/postgres-admin.bicep",
+        "modules/identity.bicep",
+        "modules/keyvault.bicep",
     } <= names
     assert (INFRA / "main.bicepparam").is_file()
 
@@ -280,24 +295,32 @@ def test_function_app_site() -> None:
     site = only(fa, "Microsoft.Web/sites")
     cfg = body(site)
     assert cfg["kind"] == "functionapp,linux"
-    assert cfg["identity"] == {"type": "SystemAssigned"}
+    # the user-assigned identity only: its roles exist before the app (identity.bicep, roles.bicep)
+    assert cfg["identity"] == {"type": "UserAssigned", "userAssignedIdentities": {"'${identityId}'": {}}}
     p = props(site)
     assert p["httpsOnly"] is True
+    assert p["keyVaultReferenceIdentity"] == "identityId"
     assert p["siteConfig"]["minTlsVersion"] == "1.2"
     assert p["siteConfig"]["ftpsState"] == "Disabled"
     fac = p["functionAppConfig"]
     assert fac["runtime"] == {"name": "python", "version": "3.11"}
     storage = fac["deployment"]["storage"]
     assert storage["type"] == "blobContainer"
-    assert storage["authentication"] == {"type": "SystemAssignedIdentity"}
+    assert storage["authentication"] == {
+        "type": "UserAssignedIdentity",
+        "userAssignedIdentityResourceId": "identityId",
+    }
     assert {"storageBlobEndpoint", "deploymentContainerName"} <= references(storage["value"])
     assert fac["scaleAndConcurrency"] == {
         "maximumInstanceCount": "maximumInstanceCount",
         "instanceMemoryMB": "instanceMemoryMB",
     }
     assert decorators(fa["parameters"]["instanceMemoryMB"])["allowed"] == [512, 2048, 4096]
-    limits = decorators(fa["parameters"]["maximumInstanceCount"])
-    assert (limits["min_value"], limits["max_value"]) == (1, 1000)
+    # Flex Consumption's documented range for the maximum instance count is 40-1000
+    for doc in (fa, main()):
+        limits = decorators(doc["parameters"]["maximumInstanceCount"])
+        assert (limits["min_value"], limits["max_value"]) == (40, 1000)
+        assert doc["parameters"]["maximumInstanceCount"]["default"] == 100
 
 
 def _app_settings() -> tuple[dict[str, object], dict[str, object]]:
@@ -324,12 +347,25 @@ def test_app_settings_use_the_names_the_code_reads() -> None:
     always, conditional_settings = _app_settings()
     assert set(always) >= REQUIRED_SETTINGS, sorted(REQUIRED_SETTINGS - set(always))
     assert "QUEUEING_DATABASE_URL" not in always
-    assert set(conditional_settings) == {"QUEUEING_DATABASE_URL"}
-    assert always["QUEUEING_API_KEY"] == "apiKey"
+    assert set(conditional_settings) == {
+        "QUEUEING_DATABASE_URL",
+        "QUEUEING_DATABASE_SCHEMA",
+        "QUEUEING_DATABASE_AUTH",
+        "QUEUEING_DATABASE_CLIENT_ID",
+    }
+    assert always["QUEUEING_API_KEY"] == "@Microsoft.KeyVault(SecretUri=${apiKeySecretUri})"
     assert always["QueueingServiceBus__fullyQualifiedNamespace"] == "serviceBusFullyQualifiedNamespace"
     assert always["QueueingStorage__queueServiceUri"] == "storageQueueServiceUri"
     assert always["QueueingStorage__tableServiceUri"] == "storageTableServiceUri"
     assert always["AzureWebJobsStorage__accountName"] == "storageAccountName"
+    for connection in ("AzureWebJobsStorage", "QueueingServiceBus", "QueueingStorage"):
+        assert always[f"{connection}__credential"] == "managedidentity"
+        assert always[f"{connection}__clientId"] == "identityClientId"
+    assert always["QUEUEING_SERVICEBUS_CREATE_QUEUES"] == "false"
+    assert (
+        always["APPLICATIONINSIGHTS_AUTHENTICATION_STRING"]
+        == "ClientId=${identityClientId};Authorization=AAD"
+    )
     assert always["APPLICATIONINSIGHTS_CONNECTION_STRING"] == {
         "operator": {
             "type": "property_accessor",
@@ -384,24 +420,37 @@ def test_app_setting_values_are_wired_from_main() -> None:
     )
     assert accessor(params["storageQueueServiceUri"]) == "storage.outputs.queueServiceUri"
     assert accessor(params["storageTableServiceUri"]) == "storage.outputs.tableServiceUri"
-    assert params["apiKey"] == "apiKey"
+    assert accessor(params["apiKeySecretUri"]) == "keyVault.outputs.apiKeySecretUri"
+    assert accessor(params["identityId"]) == "identity.outputs.id"
+    assert accessor(params["identityClientId"]) == "identity.outputs.clientId"
+    assert "apiKey" not in params  # the key reaches the app through Key Vault only
+    assert body(main()["modules"]["keyVault"])["params"]["apiKey"] == "apiKey"
     assert params["databaseUrl"] == "databaseUrl"
+    assert body(main()["modules"]["functionApp"])["dependsOn"] == ["roles"]
     provider = decorators(main()["parameters"]["queueingProvider"])
     assert provider["allowed"] == ["servicebus", "storage_queue", "sql"]
 
 
 def test_api_key_is_a_secure_parameter_without_default() -> None:
-    for doc in (main(), module_file("functionapp")):
+    for doc in (main(), module_file("keyvault")):
         spec = doc["parameters"]["apiKey"]
         assert "secure" in decorators(spec)
         assert spec["default"] is None
         assert spec["type"] == "string"
+    assert "apiKey" not in module_file("functionapp")["parameters"]
+    secret = only(module_file("keyvault"), "Microsoft.KeyVault/vaults/secrets")
+    assert props(secret)["value"] == "apiKey"
+    vault = only(module_file("keyvault"), "Microsoft.KeyVault/vaults")
+    assert props(vault)["enableRbacAuthorization"] is True
+    assert props(vault)["enablePurgeProtection"] is True
 
 
 def test_no_secret_has_a_literal_default() -> None:
     secretish = re.compile(r"(key|password|secret|token|connectionstring)", re.I)
     for path in bicep_files():
         for name, spec in parsed(path).get("parameters", {}).items():
+            if name.endswith(("Uri", "Name")):  # where a secret is, or what it is called: not the secret
+                continue
             if spec["type"] in ("string", "object") and secretish.search(name):
                 assert "secure" in decorators(spec), f"{path.name}: {name} should be @secure()"
                 assert spec.get("default") is None, f"{path.name}: {name} has a default"
@@ -447,12 +496,14 @@ def test_role_assignments_are_least_privilege_and_scoped() -> None:
         STORAGE_QUEUE_CONTRIBUTOR: "Microsoft.Storage/storageAccounts",
         STORAGE_TABLE_CONTRIBUTOR: "Microsoft.Storage/storageAccounts",
         STORAGE_BLOB_OWNER: "Microsoft.Storage/storageAccounts",
+        MONITORING_METRICS_PUBLISHER: "Microsoft.Insights/components",
+        KEY_VAULT_SECRETS_USER: "Microsoft.KeyVault/vaults",
     }
     assert SERVICE_BUS_OWNER not in assigned
     params = body(main()["modules"]["roles"])["params"]
-    assert accessor(params["principalId"]) == "functionApp.outputs.principalId"
-    assert "app.identity.principalId" in references(
-        module_file("functionapp")["outputs"]["principalId"]["value"]
+    assert accessor(params["principalId"]) == "identity.outputs.principalId"
+    assert "identity.properties.principalId" in references(
+        module_file("identity")["outputs"]["principalId"]["value"]
     )
 
 
@@ -491,8 +542,9 @@ def test_postgres_is_optional_and_off_by_default() -> None:
     assert url is not None
     assert url["condition"] == "deployPostgres"
     assert url["false_value"] == ""
+    # the app signs in as the role named after its identity
     assert re.fullmatch(
-        r"postgresql\+psycopg://\$\{names\.functionApp\}@\$\{postgres\.outputs\.fullyQualifiedDomainName\}"
+        r"postgresql\+psycopg://\$\{names\.identity\}@\$\{postgres\.outputs\.fullyQualifiedDomainName\}"
         r":5432/\$\{postgresDatabaseName\}\?sslmode=require",
         url["true_value"],
     ), url["true_value"]
@@ -517,16 +569,21 @@ def test_postgres_server_uses_entra_only() -> None:
     assert pg["parameters"]["databaseName"]["default"] == "queueing"
 
 
-def test_app_identity_is_the_postgres_entra_admin() -> None:
+def test_the_postgres_entra_admin_is_the_deployer_never_the_app() -> None:
     admin_doc = module_file("postgres-admin")
     admin = only(admin_doc, "Microsoft.DBforPostgreSQL/flexibleServers/administrators")
     assert admin["api_version"] == "2024-08-01"
     assert body(admin)["name"] == "principalId"
-    assert props(admin)["principalType"] == "ServicePrincipal"
+    assert props(admin)["principalType"] == "principalType"
     assert props(admin)["principalName"] == "principalName"
     params = body(main()["modules"]["postgresAdmin"])["params"]
-    assert accessor(params["principalId"]) == "functionApp.outputs.principalId"
-    assert accessor(params["principalName"]) == "functionApp.outputs.appName"
+    assert params == {
+        "serverName": params["serverName"],
+        "principalId": "postgresAdminObjectId",
+        "principalName": "postgresAdminName",
+        "principalType": "postgresAdminType",
+    }
+    assert not {r for v in params.values() for r in references(v)} & {"identity", "functionApp"}
 
 
 # ------------------------------------------------------------------ naming and outputs

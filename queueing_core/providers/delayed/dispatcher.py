@@ -181,9 +181,7 @@ class DelayedDispatcher:
         listener = None
         self.store.add_waker(self.wake)
         if self.listen and self.store.is_postgres:
-            from ..sql.listener import PgListener
-
-            listener = PgListener(self.store.sql.url, self.store.channel)
+            listener = self.store.sql.listener(self.store.channel)
             listener.on_notify = lambda transport: (
                 self.wake() if transport == self.store.transport.value else None
             )

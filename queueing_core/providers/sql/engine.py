@@ -1,7 +1,9 @@
-"""Engines for the SQL provider: URL normalization, SQLite tuning, and password-free URLs for logs."""
+"""Engines for the SQL provider: URL normalization, SQLite tuning, password-free URLs for logs, and
+a password asked for on every new connection (an Entra access token, see ``entra``)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -45,7 +47,16 @@ def redact(url: str | URL) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def create_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
+#: gives the password for the next connection (e.g. a current Entra access token)
+PasswordSource = Callable[[], Awaitable[str]]
+
+
+def libpq_conninfo(url: URL) -> str:
+    """The URL as psycopg/libpq take it: no SQLAlchemy driver suffix (and no password, unless it has one)."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def create_engine(url: str | URL, *, password: PasswordSource | None = None, **kwargs: Any) -> AsyncEngine:
     u = normalize_url(url)
     if u.get_backend_name() == "sqlite":
         # one connection per process: SQLite has one writer, and transactions queued on the pool wait
@@ -58,7 +69,22 @@ def create_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
     # sees the disconnect, invalidates the whole pool, and the worker's next attempt reconnects.
     opts: dict[str, Any] = {"pool_size": 5, "max_overflow": 10, "pool_recycle": 1800}
     opts.update(kwargs)
+    if password is not None:
+        opts["async_creator"] = _connector(u, password, opts.pop("connect_args", {}))
     return create_async_engine(u, **opts)
+
+
+def _connector(url: URL, password: PasswordSource, connect_args: dict[str, Any]) -> Any:
+    """Every new pool connection signs in with the password current at that moment (SQLAlchemy's
+    ``async_creator``: the URL's parameters are handed to psycopg here, with ``connect_args``)."""
+    conninfo = libpq_conninfo(url)
+
+    async def connect() -> Any:
+        import psycopg
+
+        return await psycopg.AsyncConnection.connect(conninfo, password=await password(), **connect_args)
+
+    return connect
 
 
 def _tune_sqlite(engine: AsyncEngine) -> None:

@@ -192,9 +192,10 @@ class SideStores:
         auto_migrate: bool = True,
         connect_retries: int = 8,
         clock: Clock = utcnow,
+        **sign_in: Any,
     ) -> None:
         # LISTEN is off: the SQL provider's queue wake-ups mean nothing here (the delayed store
-        # listens on its own channel)
+        # listens on its own channel). ``sign_in``: database_auth, client_id, credential.
         self.sql = SqlProvider(
             url,
             schema=schema,
@@ -202,6 +203,7 @@ class SideStores:
             auto_migrate=auto_migrate,
             connect_retries=connect_retries,
             clock=clock,
+            **sign_in,
         )
         self.clock = clock
         self.control: SqlControlStore = self.sql.control_store()
@@ -216,6 +218,8 @@ class SideStores:
             retention=timedelta(days=settings.tracker_retention_days),
             auto_migrate=settings.auto_migrate,
             connect_retries=settings.connect_retries,
+            database_auth=settings.database_auth,
+            client_id=settings.database_client_id,
         )
 
     def delayed_store(self, transport: Transport) -> SqlDelayedStore:

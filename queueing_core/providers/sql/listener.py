@@ -7,8 +7,11 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy.engine import URL
+
+from .engine import PasswordSource, libpq_conninfo
 
 log = logging.getLogger("queueing.sql")
 
@@ -28,9 +31,9 @@ def channel_name(base: str, schema: str | None) -> str:
 
 
 class PgListener:
-    def __init__(self, url: URL, channel: str) -> None:
-        # psycopg takes the libpq URI form; the SQLAlchemy driver suffix is not part of it
-        self._conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    def __init__(self, url: URL, channel: str, *, password: PasswordSource | None = None) -> None:
+        self._conninfo = libpq_conninfo(url)
+        self._password = password  # asked again on every reconnect: a token may have been renewed
         self.channel = channel
         self.on_notify: Callable[[str], None] = lambda _queue: None
         self.connected = asyncio.Event()
@@ -58,7 +61,9 @@ class PgListener:
         delay = 0.5
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True) as conn:
+                extra: dict[str, Any] = {} if self._password is None else {"password": await self._password()}
+                conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True, **extra)
+                async with conn:
                     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
                     self.connected.set()
                     delay = 0.5

@@ -39,6 +39,7 @@ from ...transport import Capabilities, Delivery, Settlement
 from . import ops as sql_ops
 from .control import SqlControlStore
 from .engine import create_engine, normalize_url, redact
+from .entra import DatabaseAuth, EntraPassword, uses_entra
 from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
@@ -108,9 +109,16 @@ class SqlProvider:
         maintenance_interval: float = 5.0,
         clock: Clock = utcnow,
         engine: AsyncEngine | None = None,
+        database_auth: DatabaseAuth = "auto",
+        client_id: str | None = None,
+        credential: Any = None,
     ) -> None:
         self.url = normalize_url(url)
         self.backend = self.url.get_backend_name()
+        #: an Entra token as the password of each new connection (Azure Database for PostgreSQL)
+        self._password = (
+            EntraPassword(credential, client_id=client_id) if uses_entra(self.url, database_auth) else None
+        )
         if schema is not None and self.backend != "postgresql":
             raise ConfigurationError("QUEUEING_DATABASE_SCHEMA", "schemas are a PostgreSQL feature")
         self.tables = Tables.build(schema)
@@ -134,9 +142,7 @@ class SqlProvider:
         self._engine = engine
         self._own_engine = engine is None
         self._app: QueueingApp | None = None
-        self._listener = (
-            PgListener(self.url, self.channel) if listen and self.backend == "postgresql" else None
-        )
+        self._listener = self.listener(self.channel) if listen and self.backend == "postgresql" else None
         self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._next_due: dict[str, datetime] = {}
         self.statements = Statements(self.tables, self.worker_id)
@@ -148,6 +154,10 @@ class SqlProvider:
         self._opened = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
+    def listener(self, channel: str) -> PgListener:
+        """A LISTEN connection to this database, signing in as the engines do."""
+        return PgListener(self.url, channel, password=self._password)
+
     @property
     def engine(self) -> AsyncEngine:
         if self._engine is None:
@@ -184,11 +194,12 @@ class SqlProvider:
             if self._opened:
                 return
             if self._engine is None:
-                self._engine = create_engine(self.url)
+                self._engine = create_engine(self.url, password=self._password)
             self._auto = self._engine.execution_options(isolation_level="AUTOCOMMIT")
             if self.backend == "postgresql":
                 self._relaxed = create_engine(
                     self.url,
+                    password=self._password,
                     pool_size=2,
                     max_overflow=4,
                     connect_args={"options": "-c synchronous_commit=off"},
@@ -244,6 +255,8 @@ class SqlProvider:
         if self._engine is not None and self._own_engine:
             await self._engine.dispose()
             self._engine = None
+        if self._password is not None:
+            await self._password.close()
         self._opened = False
 
     async def ensure_open(self) -> None:

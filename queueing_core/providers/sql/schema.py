@@ -358,6 +358,11 @@ async def current_version(conn: AsyncConnection, tables: Tables) -> int:
     return await conn.run_sync(read)
 
 
+async def _schema_exists(conn: Any, schema: str) -> bool:
+    found = await conn.execute(sa.text("SELECT 1 FROM pg_namespace WHERE nspname = :s"), {"s": schema})
+    return found.first() is not None
+
+
 async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], object]) -> list[int]:
     """Apply pending migrations; returns the versions applied (empty when up to date)."""
     applied: list[int] = []
@@ -367,8 +372,11 @@ async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], obje
             # under the lock too: two CREATE SCHEMA IF NOT EXISTS at once can both find it missing,
             # and the second then fails on the catalog's unique index.
             await conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('queueing-kit-migrate'))"))
-            if tables.metadata.schema:
-                await conn.execute(sa.text(f'CREATE SCHEMA IF NOT EXISTS "{tables.metadata.schema}"'))
+            schema = tables.metadata.schema
+            # only when missing: CREATE SCHEMA needs CREATE on the database even with IF NOT EXISTS,
+            # and a least-privilege role (one that owns just its schema, infra/postgres) lacks it
+            if schema and not await _schema_exists(conn, schema):
+                await conn.execute(sa.text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
 
         def run(sync: sa.Connection) -> None:
             tables.schema_versions.create(sync, checkfirst=True)
