@@ -19,6 +19,7 @@ from ..errors import (
     InvalidOperation,
     MessageNotFound,
     MessageTooLarge,
+    MissingPermission,
     ProviderUnavailable,
     QueueingError,
 )
@@ -82,6 +83,10 @@ def kit_problem(exc: QueueingError, instance: str) -> JSONResponse:
                 instance=instance,
                 errors=without_input(errors) if errors is not None else None,
             )
+    if isinstance(exc, MissingPermission):
+        # the deployment lacks a role: the answer names the role to grant (no secret in it), the log too
+        log.warning("ops API: the store refused for want of a right: %s", exc)
+        return problem(503, "missing-permission", str(exc), title="Store refused", instance=instance)
     if isinstance(exc, ProviderUnavailable):
         # the reason names hosts and endpoints: the log has it, the client needs only "try again"
         log.warning("ops API: the queue store is unavailable: %s", exc)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from queueing_core import QueueMessage, queue
-from queueing_core.errors import InvalidArgument, ProviderUnavailable
+from queueing_core.errors import InvalidArgument, MissingPermission, ProviderUnavailable
 from queueing_core.ops import OpsService
 from queueing_core.ops.api import PREFIX, create_app
 from queueing_core.providers.inprocess import InProcessProvider
@@ -372,6 +372,11 @@ async def test_internal_errors_are_500s_without_their_text_and_typed_errors_keep
         assert is_problem(r, 503)
         assert "10.1.2.3" not in r.text
         assert r.headers["retry-after"]
+        role = "Storage Table Data Contributor"
+        ops.failure = MissingPermission(f"grant it '{role}' on the account", right="table data", role=role)
+        r = await client.get("/stats")  # a deployment without a role: say which, as a problem
+        assert is_problem(r, 503)
+        assert role in r.json()["detail"]
         ops.failure = InvalidArgument("status", "'X' is not a status")
         r = await client.get("/stats")
         assert is_problem(r, 422)
