@@ -25,6 +25,7 @@ from .app import QueueingApp
 from .bootstrap import bootstrap
 from .errors import (
     ConfigurationError,
+    InvalidArgument,
     InvalidOperation,
     MessageNotFound,
     NotConfigured,
@@ -41,6 +42,7 @@ from .wording import counted
 from .worker import Worker
 
 if TYPE_CHECKING:
+    from .ops.models import PurgeResult
     from .ops.service import OpsService
 
 T = TypeVar("T")
@@ -190,7 +192,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a command's coroutine; the kit's errors become one clear line and an exit code."""
     try:
         return asyncio.run(coro)
-    except ConfigurationError as exc:
+    except (ConfigurationError, InvalidArgument) as exc:
         fail(str(exc), 2)
     except (ProviderUnavailable, NotConfigured) as exc:
         fail(str(exc), 1)
@@ -322,32 +324,28 @@ def stats(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
     app: AppOption = None,
 ) -> None:
-    """Messages per queue and status."""
-    _, _, runtime = _runtime(app)
-
-    async def read() -> dict[tuple[str, str], int]:
-        async with runtime:
-            return await runtime.tracker.counts()
-
-    counts = _run(read())
+    """Messages per queue and status: every registered queue (empty ones too), then any others."""
+    summary = _ops_call(app, lambda ops: ops.summary())
+    counts: dict[str, dict[str, int]] = {}
+    for q in summary.queues:  # two types may share a queue
+        counts.setdefault(q.queue, {}).update(q.counts)
+    counts.update(summary.other_queues)
     if json_out:
-        doc: dict[str, dict[str, int]] = {}
-        for (q, st), n in sorted(counts.items()):
-            doc.setdefault(q, {})[st] = n
-        out.print_json(data=doc)
+        out.print_json(data=counts)  # the counts of HTTP `GET stats`, by queue
         return
-    statuses = sorted({st for _, st in counts})
+    statuses = sorted({st for c in counts.values() for st in c})
     table = Table(title="messages by queue and status")
     table.add_column("queue")
     for st in statuses:
         table.add_column(st, justify="right")
-    for q in sorted({q for q, _ in counts}):
-        table.add_row(q, *(str(counts.get((q, st), 0)) for st in statuses))
+    for name, c in counts.items():
+        table.add_row(name, *(str(c.get(st, 0)) for st in statuses))
     out.print(table)
 
 
 def _ops_call(app: str | None, action: Callable[[OpsService], Awaitable[T]]) -> T:
-    """Run one ops action through the same service the HTTP API uses; refusals exit 1."""
+    """Run one ops action through the same service the HTTP API uses; refusals exit 1, arguments the
+    service refuses exit 2."""
     from .ops.service import OpsService
 
     _, _, runtime = _runtime(app)
@@ -416,7 +414,10 @@ def purge(
         list[str] | None, typer.Option(metavar="STATUS", help="Only these statuses (repeat)")
     ] = None,
     older_than: Annotated[
-        float | None, typer.Option(min=0, metavar="HOURS", help="Only messages created this many hours ago")
+        float | None,
+        typer.Option(
+            min=0, max=1_000_000, metavar="HOURS", help="Only messages created at least this many hours ago"
+        ),
     ] = None,
     purge_all: Annotated[bool, typer.Option("--all", help="Needed to purge without any filter")] = False,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation")] = False,
@@ -436,11 +437,15 @@ def purge(
     )
     if query == MessageQuery() and not purge_all:
         fail("give at least one filter, or --all", 2)
-    if not yes and not typer.confirm(
-        f"delete the messages matching {query.model_dump(exclude_none=True) or 'everything'}?"
-    ):
-        raise typer.Exit(1)
-    result = _ops_call(app, lambda ops: ops.purge(query))
+    what = f"the messages with {query.describe()}" if query != MessageQuery() else "every message"
+
+    async def confirmed_purge(ops: OpsService) -> PurgeResult:
+        await ops.check_filters(query, purging=True)  # a misspelt status fails before the question
+        if not yes and not typer.confirm(f"delete {what} (never those a worker holds)?"):
+            raise typer.Exit(1)
+        return await ops.purge(query)
+
+    result = _ops_call(app, confirmed_purge)
     out.print(
         f"deleted {counted(result.deleted, 'message')}; left {result.skipped_leased} held by workers",
         highlight=False,

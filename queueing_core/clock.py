@@ -17,5 +17,14 @@ def as_utc(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+def to_utc(value: datetime) -> datetime:
+    """:func:`as_utc` for input from outside (a query string, a filter): a time whose UTC form falls
+    outside the years 1-9999 is a ``ValueError`` (pydantic turns that into a validation error)."""
+    try:
+        return as_utc(value)
+    except OverflowError:
+        raise ValueError("the time is out of range once converted to UTC") from None
+
+
 def opt_utc(value: datetime | None) -> datetime | None:
     return None if value is None else as_utc(value)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from typing import Any, Literal
-from uuid import UUID
+from uuid import NAMESPACE_OID, UUID, uuid5
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -77,6 +77,42 @@ class Envelope(BaseModel):
 
     def with_attempt(self, attempt: int, **changes: Any) -> Envelope:
         return self.model_copy(update={"attempt": attempt, **changes})
+
+
+#: the type a history record shows for a message whose JSON names none
+UNKNOWN_TYPE = "(unknown)"
+
+
+def malformed_identity(raw_text: str) -> tuple[UUID, UUID, str]:
+    """Message id, tracking id and type for a message that is not a valid envelope: what its JSON
+    carries where that is usable (an operator then finds it under the id its sender used), otherwise
+    an id derived from the text (the same text always gets the same id) and ``(unknown)``."""
+    try:
+        doc = json.loads(raw_text)
+    except ValueError:
+        doc = None
+    fields: dict[str, Any] = doc if isinstance(doc, dict) else {}
+    message_id = _uuid_or_none(fields.get("message_id")) or uuid5(NAMESPACE_OID, raw_text)
+    tracking_id = _uuid_or_none(fields.get("tracking_id")) or message_id
+    type_name = fields.get("type")
+    if not (isinstance(type_name, str) and 0 < len(type_name) <= 256 and type_name.isprintable()):
+        type_name = UNKNOWN_TYPE
+    return message_id, tracking_id, type_name
+
+
+def malformed_id(raw_text: str) -> UUID:
+    """The id the history gives a message that is not an envelope; a transport marks its dead-letter
+    copy with it so the ops actions find that copy."""
+    return malformed_identity(raw_text)[0]
+
+
+def _uuid_or_none(value: object) -> UUID | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return UUID(value)
+    except ValueError:
+        return None
 
 
 def _version_of(raw: bytes | str) -> object | None:

@@ -98,6 +98,16 @@ class InvalidOperation(QueueingError):
     """An ops action refused in the message's current state (HTTP 409)."""
 
 
+class InvalidArgument(QueueingError, ValueError):
+    """A caller's argument the kit refuses (a cursor it did not issue, a delay past the expiry, an
+    unknown status); ``argument`` names it. The message is written for the caller (HTTP 422)."""
+
+    def __init__(self, argument: str, problem: str) -> None:
+        super().__init__(f"{argument}: {problem}")
+        self.argument = argument
+        self.problem = problem
+
+
 # --- outcomes a handler may raise -------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from uuid import UUID, uuid4
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .clock import as_utc, utcnow
+from .clock import to_utc, utcnow
 from .options import QueueOptions
 
 
@@ -72,7 +72,7 @@ class QueueMessage(BaseModel):
     @field_validator("created_at")
     @classmethod
     def _utc(cls, value: datetime) -> datetime:
-        return as_utc(value)
+        return to_utc(value)  # a time UTC cannot hold is a validation error, not an OverflowError
 
     @classmethod
     def type_name(cls) -> str:

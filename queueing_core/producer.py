@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypedDict
 from uuid import UUID, uuid4
 
+from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 from typing_extensions import Unpack
 
 from .clock import Clock, as_utc, utcnow
 from .envelope import Envelope
-from .errors import MessageTooLarge
+from .errors import InvalidArgument, MessageTooLarge
 from .hooks import Event, Observation
 from .messages import MessageStatus, QueueMessage
 from .middleware import compose_enqueue
@@ -51,21 +54,31 @@ def _when(
     now: datetime, relative: timedelta | float | None, absolute: datetime | None, what: tuple[str, str]
 ) -> datetime | None:
     if relative is not None and absolute is not None:
-        raise ValueError(f"pass either {what[0]}= or {what[1]}=, not both")
+        raise InvalidArgument(what[0], f"pass either {what[0]}= or {what[1]}=, not both")
     if absolute is not None:
         return as_utc(absolute)
     if relative is None:
         return None
-    delta = timedelta(seconds=relative) if isinstance(relative, int | float) else relative
+    if isinstance(relative, timedelta):
+        delta = relative
+    else:
+        try:
+            delta = timedelta(seconds=relative)
+        except (OverflowError, ValueError):  # NaN, infinity, beyond 999,999,999 days
+            raise InvalidArgument(what[0], f"{relative!r} is not a usable number of seconds") from None
     if delta < timedelta(0):
-        raise ValueError(f"{what[0]} must not be negative")
-    return now + delta
+        raise InvalidArgument(what[0], "must not be negative")
+    try:
+        return now + delta
+    except OverflowError:
+        raise InvalidArgument(what[0], "puts the time past the year 9999") from None
 
 
 def build_envelope(
     app: QueueingApp, message: QueueMessage, now: datetime, **options: Unpack[EnqueueOptions]
 ) -> Envelope:
-    """The envelope ``enqueue`` would send (pure; raises ``ValueError`` for contradictory timing)."""
+    """The envelope ``enqueue`` would send (pure; raises :class:`InvalidArgument`, a ``ValueError``, for
+    timing that contradicts itself)."""
     mtype = type(message)
     if mtype.type_name() not in app.message_types:
         app.message(mtype)  # producing a type registers it, so the ops API knows its queue
@@ -73,11 +86,40 @@ def build_envelope(
     due = _when(now, options.get("delay"), options.get("not_before"), ("delay", "not_before"))
     expiry = _when(now, options.get("ttl"), options.get("expires_at"), ("ttl", "expires_at"))
     if expiry is None and qopts.expiration is not None:
-        expiry = message.created_at + qopts.expiration
+        try:
+            expiry = message.created_at + qopts.expiration
+        except OverflowError:
+            raise InvalidArgument("created_at", "is too late to add the queue's expiration to") from None
     if expiry is not None and expiry <= now:
-        raise ValueError(f"message would expire at {expiry.isoformat()}, which is not in the future")
+        raise InvalidArgument(
+            "expires_at", f"the message would expire at {expiry.isoformat()}, which is not in the future"
+        )
     if due is not None and due <= now:
         due = None
+    # Processing expires a message at its expiry, so one due then or later could never run. Refused
+    # here, where every way of enqueueing passes (code, the CLI, the ops API, the outbox), before any
+    # write: it is always the caller's mistake, and a silent accept only shows up hours later.
+    if due is not None and expiry is not None and due >= expiry:
+        raise InvalidArgument(
+            "delay" if options.get("delay") is not None else "not_before",
+            f"the message would be due at {due.isoformat()} (not_before), at or after it expires at "
+            f"{expiry.isoformat()} (expires_at), so it could never run; shorten the delay or give it "
+            "a later expiry (ttl= or expires_at=)",
+        )
+    try:
+        return _envelope(mtype, message, due, expiry, options)
+    except ValidationError as exc:  # e.g. a correlation id over 256 characters, or not Unicode text
+        error = exc.errors(include_url=False)[0]
+        raise InvalidArgument(".".join(map(str, error["loc"])) or "message", error["msg"]) from None
+
+
+def _envelope(
+    mtype: type[QueueMessage],
+    message: QueueMessage,
+    due: datetime | None,
+    expiry: datetime | None,
+    options: EnqueueOptions,
+) -> Envelope:
     return Envelope(
         type=mtype.type_name(),
         queue=mtype.queue_options().name or mtype.type_name(),
@@ -93,13 +135,25 @@ def build_envelope(
     )
 
 
-def check_size(envelopes: Sequence[Envelope], limit: int | None, transport: str) -> None:
-    if limit is None:
-        return
+#: the JSON escape of U+0000 after an even number of backslashes (so not an escaped backslash + "u0000")
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def check_sendable(envelopes: Sequence[Envelope], limit: int | None, transport: str) -> None:
+    """Refuse, before anything is sent, an envelope over the transport's size limit, one that cannot be
+    encoded, and one whose text holds U+0000: PostgreSQL stores neither JSON nor text with it, and the
+    kit refuses it on every transport so that a message behaves the same wherever it goes."""
     for env in envelopes:
-        size = len(env.encode())
-        if size > limit:
-            raise MessageTooLarge(size, limit, transport)
+        try:
+            data = env.encode()
+        except PydanticSerializationError:  # text that is not Unicode: a lone surrogate from "\ud800"
+            raise InvalidArgument("message", "holds text that cannot be encoded as UTF-8") from None
+        if limit is not None and len(data) > limit:
+            raise MessageTooLarge(len(data), limit, transport)
+        if b"\\u0000" in data and _NUL_ESCAPE.search(data):
+            raise InvalidArgument(
+                "message", "holds the character U+0000 (body, headers or correlation id): no store keeps it"
+            )
 
 
 class Producer:
@@ -130,7 +184,7 @@ class Producer:
             self._chain = compose_enqueue(self.app.enqueue_middleware)
             self._chain_len = len(self.app.enqueue_middleware)
         out = [await self._chain(e) for e in envelopes] if self._chain_len else list(envelopes)
-        check_size(out, self.provider.capabilities.max_message_bytes, self.provider.transport.value)
+        check_sendable(out, self.provider.capabilities.max_message_bytes, self.provider.transport.value)
         return out
 
     def _status(self, env: Envelope) -> str:

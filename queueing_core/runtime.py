@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from .clock import Clock, utcnow
 from .control import CachedControlStore, ControlStore, MemoryControlStore
 from .decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
+from .envelope import malformed_identity
 from .pipeline import Pipeline
 from .producer import Producer
 from .tracking import MemoryTracker, MessageRecord, Tracker
@@ -147,10 +148,11 @@ def history_record(s: Settlement, now: Any) -> MessageRecord:
     elif isinstance(decision, Release):
         fields.update(reason=decision.reason)
     if env is None:
+        message_id, tracking_id, type_name = malformed_identity(d.text())
         return MessageRecord(
-            message_id=uuid.uuid5(uuid.NAMESPACE_OID, d.text()),
-            tracking_id=uuid.uuid5(uuid.NAMESPACE_OID, d.text()),
-            type="(unknown)",
+            message_id=message_id,
+            tracking_id=tracking_id,
+            type=type_name,
             queue=d.queue,
             created_at=d.received_at,
             raw=d.text()[:65536],

@@ -45,6 +45,7 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
     import uvicorn
 
     from .ops.api import create_app
+    from .ops.guard import LocalOnly
     from .ops.service import OpsService
 
     key = cfg.api_key.get_secret_value() if cfg.api_key else None
@@ -55,10 +56,12 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
             "set a key, or serve on 127.0.0.1",
         )
     sock = bind(host, port)
+    port = int(sock.getsockname()[1])  # the port bound, when 0 asked for any
     api = create_app(
         OpsService(worker.runtime),
         api_key=key,
-        allow_anonymous=key is None,
+        # without a key: requests from this machine only, and never from a page of another site
+        local=LocalOnly(host, port) if key is None else None,
         max_body_bytes=cfg.api_max_body_bytes,
     )
 
@@ -70,7 +73,10 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
     server = Server(uvicorn.Config(api, log_level="warning", lifespan="off", access_log=False))
     if key is None:
         log.warning(
-            "QUEUEING_API_KEY is not set: the ops API accepts unauthenticated requests, on %s only", host
+            "QUEUEING_API_KEY is not set: the ops API answers requests without a key sent to %s:%d "
+            "(or localhost) from this machine, and refuses those a web page of another site makes",
+            host,
+            port,
         )
     log.info("ops API on http://%s:%d/api/_system/queueing", host, port)
     api_task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ConfigurationError
@@ -211,6 +211,19 @@ class QueueingSettings(BaseSettings):
         description="The ops API refuses larger request bodies with 413.",
     )
 
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, key: SecretStr | None) -> SecretStr | None:
+        # A key no request can match would start a server that refuses everything, silently.
+        value = None if key is None else key.get_secret_value()
+        if value is not None and not value.strip():
+            raise ValueError("is blank; set a real key, or leave it unset (then serve on loopback only)")
+        if value is not None and value != value.strip():
+            raise ValueError("starts or ends with whitespace, which an HTTP header cannot carry")
+        if value is not None and not value.isprintable():
+            raise ValueError("holds control characters, which an HTTP header cannot carry")
+        return key
+
 
 def describe_error(exc: ValidationError, model: type[BaseSettings] = QueueingSettings) -> ConfigurationError:
     """One line naming the first bad setting (as its environment variable) and what it accepts."""
@@ -221,7 +234,16 @@ def describe_error(exc: ValidationError, model: type[BaseSettings] = QueueingSet
     ctx = err.get("ctx") or {}
     if "expected" in ctx:  # a choice: say what was given and what is accepted, once
         return ConfigurationError(setting, f"{err.get('input')!r} is not accepted", str(ctx["expected"]))
-    return ConfigurationError(setting, f"{err['msg']} (got {err.get('input')!r})")
+    msg = err["msg"].removeprefix("Value error, ")
+    if _is_secret(model, field):  # never print a secret, even a malformed one
+        return ConfigurationError(setting, msg)
+    return ConfigurationError(setting, f"{msg} (got {err.get('input')!r})")
+
+
+def _is_secret(model: type[BaseSettings], field: str) -> bool:
+    info = model.model_fields.get(field)
+    annotation = info.annotation if info is not None else None
+    return annotation is not None and SecretStr in (annotation, *get_args(annotation))
 
 
 def load_settings(**overrides: object) -> QueueingSettings:

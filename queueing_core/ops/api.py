@@ -1,28 +1,31 @@
 """The HTTP operations API under ``/api/_system/queueing``.
 
-Every route, the OpenAPI document included, requires the API key (``Authorization: Bearer <key>``
-or ``X-API-Key: <key>``, compared in constant time). Errors are RFC 9457 problem details
-(``application/problem+json``). Requests larger than ``max_body_bytes`` get 413 before any parsing.
+Layers, outermost first: :class:`~.problems.ErrorBoundary` (anything unexpected: one logged 500),
+:class:`~.guard.Guard` (authentication and cross-site rules, before anything else answers),
+:class:`BodyLimit` (413 before parsing), then the routes. Every error is RFC 9457 problem details
+(``application/problem+json``); no answer echoes the request's body.
 """
 
-import hmac
-import logging
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from uuid import UUID
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import Field, StringConstraints
+from fastapi.security import APIKeyHeader, HTTPBearer
+from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import InvalidOperation, MessageNotFound, MessageTooLarge, ProviderUnavailable
+from ..clock import to_utc
+from ..errors import QueueingError
 from ..tracking import MessageQuery
+from .guard import ApiKeyHeaders, Credential, Guard, LocalOnly, is_json
 from .models import (
     QUEUE_NAME,
     STATUS_NAME,
@@ -42,37 +45,17 @@ from .models import (
     SubscriptionInfo,
     Summary,
 )
-from .service import BodyInvalid, OpsService
-
-log = logging.getLogger("queueing.api")
+from .problems import PROBLEM, ErrorBoundary, kit_problem, problem, without_input
+from .service import OpsService
 
 PREFIX = "/api/_system/queueing"
-PROBLEM = "application/problem+json"
 DEFAULT_MAX_BODY = 256 * 1024  # Service Bus standard's message size
 MAX_BATCH = 1000
-
-
-def problem(
-    status: int,
-    title: str,
-    detail: str | None = None,
-    *,
-    instance: str | None = None,
-    errors: list[dict[str, Any]] | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    body = Problem(title=title, status=status, detail=detail, instance=instance, errors=errors)
-    return JSONResponse(
-        body.model_dump(exclude_none=True), status_code=status, media_type=PROBLEM, headers=headers
-    )
-
-
-def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {code: {"model": Problem, "content": {PROBLEM: {}}} for code in codes}
-
-
-class Unauthorized(Exception):
-    pass
+#: query parameters a host adds on its own (the Azure Functions key travels as ``code``)
+HOST_PARAMETERS = frozenset({"code"})
+#: text a filter may hold: no control characters (PostgreSQL refuses NUL in text; none belongs there)
+PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
+ISO_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(?:[Tt ].*)?")
 
 
 class BodyLimit:
@@ -113,24 +96,64 @@ class BodyLimit:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = problem(
             413,
-            "Request body too large",
+            "body-too-large",
             f"the body exceeds {self.limit} bytes (QUEUEING_API_MAX_BODY_BYTES)",
+            instance=scope["path"],
         )
         await response(scope, receive, send)
+
+
+def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
+    ref = {"$ref": "#/components/schemas/Problem"}
+    return {code: {"description": "problem details", "content": {PROBLEM: {"schema": ref}}} for code in codes}
+
+
+def _one_or_many(value: Any) -> Any:
+    """A single body becomes a list of one; anything but an object or a list is refused by name."""
+    if isinstance(value, dict):
+        return [value]
+    if isinstance(value, list):
+        return value
+    raise PydanticCustomError(
+        "body_shape", "Input should be a JSON object or a list of 1 to {max} objects", {"max": MAX_BATCH}
+    )
+
+
+JsonObject = dict[str, Any]
+Batch = Annotated[list[JsonObject], Field(min_length=1, max_length=MAX_BATCH)]
+#: an object or a list of them; errors name the real problem (too many items, item 3 not an object)
+Bodies = Annotated[Batch, BeforeValidator(_one_or_many, json_schema_input_type=JsonObject | Batch)]
+#: a flag is exactly `true` or `false`: `all=yes` must not purge everything
+Flag = Literal["true", "false"]
+
+
+def _iso_8601(value: Any) -> Any:
+    # pydantic would also read `0.5` or `1700000000` as seconds since 1970: a filter that decides what
+    # a purge deletes takes the documented form only
+    if isinstance(value, str) and not ISO_DATE.fullmatch(value):
+        raise PydanticCustomError("iso_8601", "Input should be an ISO 8601 date or date-time")
+    return value
+
+
+#: times in filters are compared with stored UTC times; without an offset a time is UTC
+UtcTime = Annotated[datetime, BeforeValidator(_iso_8601), AfterValidator(to_utc)]
+Printable = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=PRINTABLE)]
 
 
 def create_app(
     ops: OpsService | Callable[[], Awaitable[OpsService]],
     *,
     api_key: str | None,
-    allow_anonymous: bool = False,
+    local: LocalOnly | None = None,
+    credentials: tuple[Credential, ...] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY,
     prefix: str = PREFIX,
 ) -> FastAPI:
     """The API over ``ops`` (or a coroutine function building it on first use, for serverless hosts).
 
-    Without ``api_key`` every request is refused with 401 unless ``allow_anonymous`` (which
-    ``queueing serve`` sets only when it listens on loopback).
+    With ``api_key`` every request needs it. Without one, every request is refused with 401 unless
+    ``local`` allows keyless requests from this machine (``queueing serve`` on loopback).
+    ``credentials`` adds other ways to sign in (a browser session) beside the key.
     """
     app = FastAPI(
         title="queueing-kit operations API",
@@ -140,6 +163,8 @@ def create_app(
         openapi_url=None,
         docs_url=None,
         redoc_url=None,
+        # a redirect would be built from the request's Host header; `/stats/` is simply not found
+        redirect_slashes=False,
     )
     cached: dict[str, OpsService] = {}
 
@@ -150,38 +175,45 @@ def create_app(
             cached["ops"] = await ops()
         return cached["ops"]
 
+    # The Guard checks credentials before routing; these declare them in the OpenAPI document.
     header_key = APIKeyHeader(
         name="X-API-Key", auto_error=False, description="The API key (QUEUEING_API_KEY)"
     )
     bearer = HTTPBearer(auto_error=False, description="The API key as a bearer token")
 
-    async def authenticate(
-        request: Request,
-        _key: Annotated[str | None, Security(header_key)] = None,  # declared for the OpenAPI document
-        _token: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None,
-    ) -> None:
-        if api_key is None:
-            if allow_anonymous:
-                return
-            raise Unauthorized(
-                "this API has no key configured (set QUEUEING_API_KEY); it refuses every request"
-            )
-        # Read the raw headers: a header that is present counts as a credential even when it is empty
-        # or malformed, and every credential presented must be valid.
-        supplied: list[str] = []
-        if "x-api-key" in request.headers:
-            supplied.append(request.headers["x-api-key"])
-        if "authorization" in request.headers:
-            scheme, _, credentials = request.headers["authorization"].partition(" ")
-            supplied.append(credentials.strip() if scheme.lower() == "bearer" else "")
-        if not supplied:
-            raise Unauthorized("send the API key as `Authorization: Bearer <key>` or `X-API-Key: <key>`")
-        if not all(c and hmac.compare_digest(c.encode(), api_key.encode()) for c in supplied):
-            raise Unauthorized("the API key is not valid")
+    def documented(_key: Any = Security(header_key), _token: Any = Security(bearer)) -> None:
+        pass
+
+    # (method, path) -> (query parameters it takes, those that may repeat); from the OpenAPI document
+    declared: dict[tuple[str, str], tuple[frozenset[str], frozenset[str]]] = {}
+
+    def no_stray_parameters(request: Request) -> None:
+        """Unknown and repeated single-valued query parameters are refused: with `stauts=Pending` or
+        `queue=a&queue=b`, a purge would otherwise delete more than the caller meant."""
+        route = request.scope.get("route")
+        nothing: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        known, repeatable = declared.get((request.method, getattr(route, "path", "")), nothing)
+        errors = []
+        for name in dict.fromkeys(request.query_params.keys()):
+            if name not in known and name not in HOST_PARAMETERS:
+                errors.append({"type": "unknown", "loc": ["query", name[:64]], "msg": "unknown parameter"})
+            elif name not in repeatable and len(request.query_params.getlist(name)) > 1:
+                errors.append({"type": "repeated", "loc": ["query", name], "msg": "given more than once"})
+        if errors:
+            raise RequestValidationError(errors)
+
+    def json_body(request: Request) -> None:
+        types = request.headers.getlist("content-type")
+        if len(types) != 1 or not is_json(types[0]):
+            raise StarletteHTTPException(415, "send the body as `Content-Type: application/json`")
 
     Ops = Annotated[OpsService, Depends(service)]
+    keyless = api_key is None and not credentials and local is not None
     router = APIRouter(
-        prefix=prefix, dependencies=[Depends(authenticate)], responses=_problems(400, 401, 422, 503)
+        prefix=prefix,
+        # the document declares the key only where one is asked for
+        dependencies=[*([] if keyless else [Depends(documented)]), Depends(no_stray_parameters)],
+        responses=_problems(400, 401, 403, 422, 500, 503),
     )
     QueueName = Annotated[str, Path(pattern=QUEUE_NAME, description="a queue name (see subscriptions)")]
     TypeName = Annotated[str, Path(pattern=TYPE_NAME, description="a message type name")]
@@ -192,12 +224,15 @@ def create_app(
         type: Annotated[str | None, Query(pattern=TYPE_NAME)] = None,
         status: Annotated[
             list[Annotated[str, StringConstraints(pattern=STATUS_NAME)]] | None,
-            Query(description="repeat for several; `Archived` selects archived messages"),
+            Query(
+                description="repeat for several; `Archived` selects archived messages. SQL accepts "
+                "custom statuses; the other providers only the kit's and the queues' default statuses"
+            ),
         ] = None,
-        created_from: Annotated[datetime | None, Query(description="inclusive, ISO 8601")] = None,
-        created_to: Annotated[datetime | None, Query(description="exclusive, ISO 8601")] = None,
-        archived: Annotated[bool | None, Query()] = None,
-        correlation_id: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+        created_from: Annotated[UtcTime | None, Query(description="inclusive; UTC without an offset")] = None,
+        created_to: Annotated[UtcTime | None, Query(description="exclusive; UTC without an offset")] = None,
+        archived: Annotated[Flag | None, Query(description="exactly `true` or `false`")] = None,
+        correlation_id: Annotated[Printable | None, Query()] = None,
     ) -> MessageQuery:
         return MessageQuery(
             queue=queue,
@@ -205,7 +240,7 @@ def create_app(
             status=tuple(status) if status else None,
             created_from=created_from,
             created_to=created_to,
-            archived=archived,
+            archived=None if archived is None else archived == "true",
             correlation_id=correlation_id,
         )
 
@@ -230,7 +265,7 @@ def create_app(
         ops: Ops,
         query: Filters,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
-        cursor: Annotated[str | None, Query(max_length=512)] = None,
+        cursor: Annotated[str | None, Query(max_length=512, description="the next_cursor last given")] = None,
     ) -> MessagePage:
         return await ops.list_messages(query, limit=limit, cursor=cursor)
 
@@ -290,15 +325,14 @@ def create_app(
     async def purge(
         ops: Ops,
         query: Filters,
-        all: Annotated[bool, Query(description="required to purge with no filter")] = False,
+        all: Annotated[Flag, Query(description="exactly `true` to purge with no filter")] = "false",
     ) -> PurgeResult:
-        if query == MessageQuery() and not all:
+        if query == MessageQuery() and all != "true":
             raise RequestValidationError(
                 [
                     {
                         "type": "missing",
                         "loc": ["query"],
-                        "input": None,
                         "msg": "give at least one filter, or all=true to purge everything",
                     }
                 ]
@@ -330,21 +364,18 @@ def create_app(
         "/queues/{queueName}/messages",
         response_model=EnqueueResult,
         status_code=201,
-        responses=_problems(404, 413),
+        responses=_problems(404, 413, 415),
+        dependencies=[Depends(json_body)],
         summary="Enqueue one message or a list (validated against the model)",
     )
     async def enqueue(
         ops: Ops,
         queueName: QueueName,
-        body: Annotated[
-            dict[str, Any] | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_BATCH)],
-            Body(description=f"a message body, or a list of 1 to {MAX_BATCH}"),
-        ],
+        body: Annotated[Bodies, Body(description=f"a message body, or a list of 1 to {MAX_BATCH}")],
         delay_seconds: Annotated[float | None, Query(ge=0, le=366 * 86400)] = None,
-        correlation_id: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+        correlation_id: Annotated[Printable | None, Query()] = None,
     ) -> EnqueueResult:
-        bodies = body if isinstance(body, list) else [body]
-        items = await ops.enqueue(queueName, bodies, delay=delay_seconds, correlation_id=correlation_id)
+        items = await ops.enqueue(queueName, body, delay=delay_seconds, correlation_id=correlation_id)
         return EnqueueResult(enqueued=items)
 
     @router.get(
@@ -365,80 +396,65 @@ def create_app(
     app.include_router(router)
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schema.setdefault("components", {}).setdefault("schemas", {})["Problem"] = Problem.model_json_schema()
+    app.openapi_schema = schema  # app.openapi() is the document served
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            params = [p for p in operation.get("parameters", []) if p["in"] == "query"]
+            declared[(method.upper(), path)] = (
+                frozenset(p["name"] for p in params),
+                frozenset(p["name"] for p in params if _is_array(p["schema"])),
+            )
+    declared[("GET", f"{prefix}/openapi.json")] = (frozenset(), frozenset())
 
-    @app.exception_handler(Unauthorized)
-    async def unauthorized(request: Request, exc: Unauthorized) -> JSONResponse:
-        return problem(
-            401,
-            "Unauthorized",
-            str(exc),
-            instance=request.url.path,
-            headers={"WWW-Authenticate": 'Bearer realm="queueing"'},
-        )
-
-    @app.exception_handler(MessageNotFound)
-    async def not_found(request: Request, exc: MessageNotFound) -> JSONResponse:
-        return problem(404, "Not found", str(exc), instance=request.url.path)
-
-    @app.exception_handler(InvalidOperation)
-    async def conflict(request: Request, exc: InvalidOperation) -> JSONResponse:
-        return problem(409, "Not allowed in the message's current state", str(exc), instance=request.url.path)
-
-    @app.exception_handler(BodyInvalid)
-    async def body_invalid(request: Request, exc: BodyInvalid) -> JSONResponse:
-        return problem(
-            422, "Invalid message", str(exc), instance=request.url.path, errors=_jsonable(exc.errors)
-        )
+    @app.exception_handler(QueueingError)
+    async def kit_error(request: Request, exc: QueueingError) -> JSONResponse:
+        return kit_problem(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = _jsonable(list(exc.errors()))
+        errors = without_input(list(exc.errors()))
         first = errors[0] if errors else {}
         field = ".".join(str(p) for p in first.get("loc", []))
         return problem(
             422,
-            "Invalid request",
+            "invalid-request",
             f"{field}: {first.get('msg', 'invalid')}",
+            title="Invalid request",
             instance=request.url.path,
             errors=errors,
         )
 
-    @app.exception_handler(MessageTooLarge)
-    async def too_large(request: Request, exc: MessageTooLarge) -> JSONResponse:
-        return problem(413, "Message too large", str(exc), instance=request.url.path)
-
-    @app.exception_handler(ValueError)
-    async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
-        return problem(422, "Invalid request", str(exc), instance=request.url.path)
-
-    @app.exception_handler(ProviderUnavailable)
-    async def unavailable(request: Request, exc: ProviderUnavailable) -> JSONResponse:
-        return problem(503, "Queue store unavailable", str(exc), instance=request.url.path)
-
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return problem(exc.status_code, str(exc.detail), instance=request.url.path)
-
-    @app.exception_handler(Exception)
-    async def crashed(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("ops API request %s %s failed", request.method, request.url.path)
-        return problem(500, "Internal error", "the server logged the details", instance=request.url.path)
+        # 404/405 from routing (after the Guard), 415 from json_body, 400 for a body that fails to parse
+        headers = dict(exc.headers) if exc.headers else None
+        if exc.status_code == 405:  # Starlette names the methods of the first route matched only
+            headers = {"Allow": ", ".join(_allowed(declared, request.url.path))}
+        return problem(
+            exc.status_code,
+            {404: "not-found", 405: "method-not-allowed", 415: "unsupported-media-type"}.get(
+                exc.status_code, "bad-request"
+            ),
+            str(exc.detail),
+            instance=request.url.path,
+            headers=headers,
+        )
 
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    keys: tuple[Credential, ...] = (ApiKeyHeaders(api_key),) if api_key is not None else ()
+    app.add_middleware(Guard, credentials=keys + credentials, local=None if api_key is not None else local)
+    app.add_middleware(ErrorBoundary)
     return app
 
 
-def _jsonable(errors: list[Any]) -> list[dict[str, Any]]:
-    """Pydantic errors may carry exceptions or other objects in ``ctx``/``input``: make them JSON."""
-    out = []
-    for e in errors:
-        item = dict(e)
-        if "ctx" in item:
-            item["ctx"] = {k: str(v) for k, v in item["ctx"].items()}
-        if "input" in item and not isinstance(
-            item["input"], str | int | float | bool | type(None) | list | dict
-        ):
-            item["input"] = str(item["input"])
-        item.pop("url", None)
-        out.append(item)
-    return out
+def _allowed(declared: Iterable[tuple[str, str]], path: str) -> list[str]:
+    """Every method the document declares for this path (the ``Allow`` header of a 405)."""
+
+    def pattern(template: str) -> str:  # `{id}` matches one path segment; the rest literally
+        return "[^/]+".join(re.escape(part) for part in re.split(r"\{[^}]+\}", template))
+
+    return sorted({method for method, template in declared if re.fullmatch(pattern(template), path)})
+
+
+def _is_array(schema: dict[str, Any]) -> bool:
+    return schema.get("type") == "array" or any(_is_array(s) for s in schema.get("anyOf", []))

@@ -163,11 +163,14 @@ class HealthReport(_Model):
 
 
 class Problem(BaseModel):
-    """RFC 9457 problem details."""
+    """RFC 9457 problem details (``application/problem+json``)."""
 
-    type: str = "about:blank"
+    type: str = Field(default="about:blank", description="`urn:queueing-kit:problem:<kind>`")
     title: str
     status: int
     detail: str | None = None
-    instance: str | None = None
-    errors: list[dict[str, Any]] | None = None
+    instance: str | None = Field(default=None, description="the request's path")
+    errors: list[dict[str, Any]] | None = Field(
+        default=None, description="validation errors (`loc`, `msg`, `type`), at most 50"
+    )
+    error_count: int | None = Field(default=None, description="how many errors there were, when over 50")

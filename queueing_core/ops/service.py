@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from ..app import Subscription
 from ..clock import Clock, utcnow
 from ..envelope import Envelope
-from ..errors import InvalidOperation, MessageNotFound
+from ..errors import InvalidArgument, InvalidOperation, MessageNotFound
 from ..messages import MessageStatus
 from ..options import Health
 from ..producer import EnqueueOptions
@@ -47,15 +47,15 @@ S = MessageStatus
 RETRYABLE = {S.DEAD_LETTERED, S.FAILED, S.EXPIRED, S.ABANDONED, S.CANCELLED, S.SLEEPING}
 ARCHIVABLE = {S.SUCCEEDED, S.DEAD_LETTERED, S.EXPIRED, S.CANCELLED, S.ABANDONED}
 WAITING = (S.PENDING.value, S.FAILED.value, S.SLEEPING.value, S.WAITING_FOR_HANDLER.value, S.PAUSED.value)
-KNOWN = {s.value for s in MessageStatus}
+KNOWN = frozenset(s.value for s in MessageStatus)
 _ORDER = {Health.HEALTHY: 0, Health.DEGRADED: 1, Health.UNHEALTHY: 2}
 
 
-class BodyInvalid(ValueError):
+class BodyInvalid(InvalidArgument):
     """Bodies enqueued over HTTP that do not validate; ``errors`` lists pydantic's errors per item."""
 
     def __init__(self, errors: list[dict[str, Any]]) -> None:
-        super().__init__("the message body does not match the queue's message model")
+        super().__init__("body", "the message body does not match the queue's message model")
         self.errors = errors
 
 
@@ -210,9 +210,40 @@ class OpsService:
             )
         return out
 
+    # -- filters -------------------------------------------------------------------------------------
+    @property
+    def custom_statuses(self) -> bool:
+        """Custom statuses live in the SQL provider's own rows: an operator sets them there, and a
+        queue's ``default_status`` holds new messages in one. Other providers' history holds only what
+        the kit writes."""
+        return self._durable
+
+    def known_statuses(self) -> frozenset[str]:
+        """The kit's statuses, ``Archived`` (a filter on the flag) and every queue's default status."""
+        return KNOWN | {sub.options.default_status for sub in self.app.subscriptions()}
+
+    async def check_filters(self, query: MessageQuery, *, purging: bool = False) -> None:
+        """Refuse a status nothing can have (422). A listing on SQL takes any custom status; a purge
+        takes one only if some message has it, so a misspelt status is an error, not "deleted 0"."""
+        known = self.known_statuses()
+        for status in query.status or ():
+            if status in known:
+                continue
+            if self.custom_statuses and not purging:
+                continue
+            if self.custom_statuses:
+                found = await self.runtime.tracker.query(MessageQuery(status=(status,)), limit=1)
+                if found.items:
+                    continue
+                why = "no message has it, and it is not one of"
+            else:
+                why = f"{self.runtime.provider.transport.value} keeps only these statuses:"
+            raise InvalidArgument("status", f"{status!r}: {why} {', '.join(sorted(known))}")
+
     async def list_messages(
         self, query: MessageQuery, *, limit: int = 50, cursor: str | None = None
     ) -> MessagePage:
+        await self.check_filters(query)
         page = await self.runtime.tracker.query(query, limit=limit, cursor=cursor)
         return MessagePage(items=[summary_of(r) for r in page.items], next_cursor=page.next_cursor)
 
@@ -357,6 +388,7 @@ class OpsService:
         return ActionResult(message_id=r.message_id, status=r.status, detail="archived")
 
     async def purge(self, query: MessageQuery) -> PurgeResult:
+        await self.check_filters(query, purging=True)
         if self._durable:
             deleted, skipped = await self.actions.ops_purge(query)
             return PurgeResult(deleted=deleted, skipped_leased=skipped)

@@ -45,7 +45,7 @@ from ..control.base import CircuitName, CircuitState, ControlState, PauseKind
 from ..errors import ConfigurationError, ProviderError, ProviderUnavailable
 from ..messages import MessageStatus
 from ..options import CircuitBreakerOptions
-from ..tracking.base import OUTCOMES, MessageQuery, MessageRecord, Page, is_enqueue_record
+from ..tracking.base import OUTCOMES, MessageQuery, MessageRecord, Page, invalid_cursor, is_enqueue_record
 from .storage_errors import refusal
 
 if TYPE_CHECKING:
@@ -629,15 +629,31 @@ def _encode_cursor(token: Any) -> str | None:
     return base64.urlsafe_b64encode(json.dumps(token).encode()).decode().rstrip("=")
 
 
+#: the parts of a continuation token the service hands out (its NextPartitionKey/NextRowKey)
+_TOKEN_KEYS: Final = frozenset({"PartitionKey", "RowKey"})
+
+
+def _token_part(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 1024 and value.isascii() and value.isprintable()
+
+
 def _decode_cursor(cursor: str | None) -> dict[str, str] | None:
+    """A continuation token from :func:`_encode_cursor`. It arrives from a URL and goes into request
+    headers, so its shape is checked here; a well-formed token the service still refuses is turned into
+    the same error by :meth:`TablesTracker.query`."""
     if not cursor:
         return None
     try:
         token = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except (binascii.Error, ValueError) as exc:
-        raise ValueError("invalid cursor") from exc
-    if not isinstance(token, dict) or not all(isinstance(v, str | None) for v in token.values()):
-        raise ValueError("invalid cursor")
+        raise invalid_cursor() from exc
+    if not (
+        isinstance(token, dict)
+        and "PartitionKey" in token
+        and set(token) <= _TOKEN_KEYS
+        and all(_token_part(v) for v in token.values())
+    ):
+        raise invalid_cursor()
     return cast(dict[str, str], token)
 
 
@@ -818,8 +834,13 @@ class TablesTracker(_OnTable):
             client = await self._table.ready()
             # The service may return short (even empty) pages with a continuation; ask only for what
             # is still missing so the token never points past an item we did not return.
-            for _ in range(_PAGE_REQUESTS):
-                entities, token = await self._page(client, f, min(limit - len(items), 1000), token)
+            for request in range(_PAGE_REQUESTS):
+                try:
+                    entities, token = await self._page(client, f, min(limit - len(items), 1000), token)
+                except HttpResponseError as exc:
+                    if request == 0 and token is not None and exc.status_code == 400:
+                        raise invalid_cursor() from exc  # the caller's token, refused by the service
+                    raise
                 items.extend(_record_from_entity(e) for e in entities if _entity_matches(query, e))
                 if token is None or len(items) >= limit:
                     break

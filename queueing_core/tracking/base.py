@@ -7,9 +7,11 @@ from datetime import datetime
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..clock import to_utc
 from ..envelope import Envelope
+from ..errors import InvalidArgument
 from ..messages import MessageStatus
 
 T = TypeVar("T")
@@ -58,6 +60,31 @@ class MessageQuery(BaseModel):
     archived: bool | None = None
     correlation_id: str | None = None
 
+    @field_validator("created_from", "created_to")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        # stored times are UTC, and SQLite compares them as text: a filter must be UTC as well
+        return None if value is None else to_utc(value)
+
+    def describe(self) -> str:
+        """The filters in words, e.g. ``queue emails, status Pending or Failed`` (empty: none)."""
+        parts = []
+        if self.queue is not None:
+            parts.append(f"queue {self.queue}")
+        if self.type is not None:
+            parts.append(f"type {self.type}")
+        if self.status:
+            parts.append("status " + " or ".join(self.status))
+        if self.created_from is not None:
+            parts.append(f"created at or after {self.created_from:%Y-%m-%d %H:%M:%S} UTC")
+        if self.created_to is not None:
+            parts.append(f"created before {self.created_to:%Y-%m-%d %H:%M:%S} UTC")
+        if self.archived is not None:
+            parts.append("archived" if self.archived else "not archived")
+        if self.correlation_id is not None:
+            parts.append(f"correlation id {self.correlation_id}")
+        return ", ".join(parts)
+
     def matches(self, r: MessageRecord) -> bool:
         return (
             (self.queue is None or r.queue == self.queue)
@@ -73,6 +100,11 @@ class MessageQuery(BaseModel):
 class Page(BaseModel, Generic[T]):
     items: list[T]
     next_cursor: str | None = None
+
+
+def invalid_cursor() -> InvalidArgument:
+    """What a tracker raises for a cursor it did not issue (it arrives from a URL: never trust it)."""
+    return InvalidArgument("cursor", "not a cursor from a previous page; pass next_cursor unchanged")
 
 
 @runtime_checkable

@@ -6,7 +6,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from uuid import UUID
 
-from .base import OUTCOMES, MessageQuery, MessageRecord, Page, is_enqueue_record
+from .base import OUTCOMES, MessageQuery, MessageRecord, Page, invalid_cursor, is_enqueue_record
 
 
 class MemoryTracker:
@@ -45,6 +45,8 @@ class MemoryTracker:
         self, query: MessageQuery, *, limit: int = 50, cursor: str | None = None
     ) -> Page[MessageRecord]:
         # newest first; the cursor is the offset into the filtered list (memory is small and local)
+        if cursor and not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 9):
+            raise invalid_cursor()
         start = int(cursor) if cursor else 0
         hits = [r for r in reversed(self._items.values()) if query.matches(r)]
         hits.sort(key=lambda r: r.created_at, reverse=True)

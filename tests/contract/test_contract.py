@@ -7,7 +7,9 @@ asserts on what the history says: statuses, attempts, order.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -26,7 +28,7 @@ from queueing_core.decisions import Complete, DeadLetter, RetryAfter
 from queueing_core.transport import Settlement
 from queueing_core.worker import Settler
 
-from .harness import all_have, find, record, running, statuses, wait_until
+from .harness import all_have, find, ops_client, record, running, statuses, wait_until
 
 FAST_RETRY = RetryPolicy(base=timedelta(milliseconds=20), factor=1.0, jitter=0)
 
@@ -445,6 +447,27 @@ async def test_malformed_bytes_on_the_wire_are_dead_lettered_with_the_raw_kept(h
     [rec] = await poisoned()
     assert "this is not an envelope" in (rec.raw or "")
     assert calls == [("fine", 1)]
+
+
+async def test_a_malformed_message_is_listed_under_the_id_its_json_carried(harness):
+    app, calls = job_app(harness)
+    rt = await harness.runtime(app)
+    if rt.provider.capabilities.durable_history:
+        pytest.skip("SQL rows keep the id they were stored under; nothing arrives without one")
+    carried = uuid.uuid4()
+    # valid JSON, not a valid envelope (the body is not an object, fields are missing)
+    bad = {"v": 1, "type": "Job", "queue": "jobs", "message_id": str(carried), "body": "not an object"}
+    await harness.inject_raw(rt, "jobs", json.dumps(bad).encode())
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [carried], MessageStatus.DEAD_LETTERED), what="dead letter")
+    rec = await record(rt, carried)
+    assert rec.reason == DeadLetterReason.MALFORMED_ENVELOPE.value
+    assert rec.type == "Job"
+    assert json.loads(rec.raw or "") == bad
+    async with ops_client(rt) as client:
+        shown = (await client.get(f"/messages/{carried}")).json()
+    assert (shown["message_id"], shown["type"], shown["status"]) == (str(carried), "Job", "DeadLettered")
+    assert calls == []
 
 
 async def test_one_consumer_at_a_time_keeps_enqueue_order(harness):

@@ -186,7 +186,7 @@ async def test_storage_delays_beyond_seven_days_wait_in_the_delayed_store_and_a_
         store = rt.provider.delayed
         physical = rt.provider.physical("fn-jobs")
 
-        later = await app.enqueue(Job(), delay=timedelta(days=10))
+        later = await app.enqueue(Job(), delay=timedelta(days=10), ttl=timedelta(days=30))
         assert await store.counts() == {physical: 1}
         assert (await client.get_queue_properties()).approximate_message_count == 0
 

@@ -59,3 +59,27 @@ async def pg_db():
     for p in db.providers:
         await p.close()
     await drop_schema(schema)
+
+
+@pytest.fixture
+async def api(sql_db):
+    """The ops API over a fresh SQL store with the test app: (client with the key, runtime, handled)."""
+    import httpx
+
+    from queueing_core.ops import OpsService
+    from queueing_core.ops.api import PREFIX, create_app
+    from queueing_core.runtime import Runtime
+
+    from .test_ops_api import AUTH, KEY, build_app
+
+    app, sent = build_app()
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=create_app(OpsService(rt), api_key=KEY)),
+        base_url="http://test" + PREFIX,
+        headers=AUTH,
+    )
+    yield client, rt, sent
+    await client.aclose()
+    await rt.close()

@@ -7,13 +7,9 @@ import asyncio
 from uuid import UUID, uuid4
 
 import httpx
-import pytest
 import sqlalchemy as sa
 
 from queueing_core import Health, NonRetryableError, QueueingApp, QueueMessage, queue
-from queueing_core.ops import OpsService
-from queueing_core.ops.api import PREFIX, create_app
-from queueing_core.runtime import Runtime
 from tests.contract.harness import running, wait_until
 
 KEY = "test-key-not-a-secret"
@@ -45,21 +41,6 @@ def build_app() -> tuple[QueueingApp, list[str]]:
 
     app.message(Report)
     return app, sent
-
-
-@pytest.fixture
-async def api(sql_db):
-    app, sent = build_app()
-    rt = Runtime(app, sql_db.provider())
-    await rt.open()
-    client = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=create_app(OpsService(rt), api_key=KEY)),
-        base_url="http://test" + PREFIX,
-        headers=AUTH,
-    )
-    yield client, rt, sent
-    await client.aclose()
-    await rt.close()
 
 
 async def settled(rt, ids, status="Succeeded") -> None:

@@ -178,12 +178,14 @@ async def test_with_a_delayed_store_long_delays_wait_in_sql_and_the_worker_dispa
     await rt.open()
     physical = p.physical("Billing.Invoice_Ready")
     assert p.delayed is not None
-    # beyond the 7-day limit: a row in the store, nothing in the queue
-    far = await app.enqueue(InvoiceReady(invoice="far"), delay=timedelta(days=8))
+    # beyond the 7-day limit: a row in the store, nothing in the queue (the default 4-hour expiry would
+    # refuse a message due after it)
+    month = timedelta(days=30)
+    far = await app.enqueue(InvoiceReady(invoice="far"), delay=timedelta(days=8), ttl=month)
     assert await p.delayed.counts() == {physical: 1}
     assert await p.depth("Billing.Invoice_Ready") == 0
     # within it: the queue's own visibility timeout
-    await app.enqueue(InvoiceReady(invoice="near"), delay=timedelta(days=6))
+    await app.enqueue(InvoiceReady(invoice="near"), delay=timedelta(days=6), ttl=month)
     assert await p.depth("Billing.Invoice_Ready") == 1
     assert await p.delayed.counts() == {physical: 1}
     # a row already due is forwarded by the worker's dispatcher and handled

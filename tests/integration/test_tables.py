@@ -17,11 +17,12 @@ from azure.data.tables.aio import TableClient, TableServiceClient
 
 from queueing_core.control import MemoryControlStore
 from queueing_core.control.base import ControlStore
-from queueing_core.errors import ConfigurationError, ProviderError, ProviderUnavailable
+from queueing_core.errors import ConfigurationError, InvalidArgument, ProviderError, ProviderUnavailable
 from queueing_core.options import CircuitBreakerOptions
 from queueing_core.providers.tables import (
     TablesControlStore,
     TablesTracker,
+    _encode_cursor,
     escape_key,
     tables_from_connection,
     unescape_key,
@@ -345,8 +346,31 @@ async def test_paging_covers_everything_once_newest_first_in_a_queue(tracker):
     failed = [r for p in await all_pages(tracker, MessageQuery(status=("Failed",)), limit=3) for r in p]
     assert sorted(r.message_id for r in failed) == sorted(r.message_id for r in rs if r.status == "Failed")
 
-    with pytest.raises(ValueError, match="invalid"):
+    with pytest.raises(InvalidArgument, match="cursor"):  # a ValueError the ops API answers with 422
         await tracker.query(MessageQuery(), limit=5, cursor="not a cursor!")
+
+
+async def test_a_cursor_the_service_refuses_is_an_invalid_argument_not_a_provider_error(
+    tables_tracker, monkeypatch
+):
+    """Azurite takes any well-formed token; Azure decodes its own and may answer 400 to a forged one.
+    That answer (injected here) to the caller's token is the caller's mistake (422 over HTTP); without
+    a caller's token it is the store's (a provider error)."""
+    from azure.core.exceptions import HttpResponseError
+
+    await tables_tracker.upsert([rec(i) for i in range(3)])
+    forged = _encode_cursor({"PartitionKey": "1!8!forged", "RowKey": "1!8!forged"})
+
+    async def refusing(*_args, **_kwargs):
+        error = HttpResponseError(message="InvalidInput")
+        error.status_code = 400
+        raise error
+
+    monkeypatch.setattr(TablesTracker, "_page", staticmethod(refusing))
+    with pytest.raises(InvalidArgument, match="cursor"):
+        await tables_tracker.query(MessageQuery(), limit=5, cursor=forged)
+    with pytest.raises(ProviderError, match="400"):
+        await tables_tracker.query(MessageQuery(), limit=5)
 
 
 async def test_counts_and_delete(tracker):

@@ -1,10 +1,12 @@
 """The producer API: envelopes, timing options, batching, durability flag, size limit."""
 
+import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from queueing_core import MessageStatus, MessageTooLarge, QueueingApp, QueueMessage, queue
+from queueing_core.errors import InvalidArgument
 from queueing_core.naming import Transport
 from queueing_core.producer import Producer
 from queueing_core.transport import Capabilities
@@ -65,6 +67,50 @@ def test_absolute_times_and_contradictions():
     with pytest.raises(ValueError, match="must not be negative"):
         p.envelope_for(msg, delay=-5)
     assert p.envelope_for(msg, not_before=NOW - timedelta(days=1)).not_before is None  # past = now
+
+
+async def test_a_message_due_at_or_after_its_expiry_is_refused_before_any_send():
+    _, prov, p = producer()
+    msg = Greet(name="x", created_at=NOW)  # expires an hour after NOW
+    for options in (
+        {"delay": timedelta(hours=1)},  # due exactly when it expires: expired, never run
+        {"delay": 7200},
+        {"not_before": NOW + timedelta(hours=3)},
+        {"delay": 60, "ttl": 60},
+        {"not_before": NOW + timedelta(minutes=5), "expires_at": NOW + timedelta(minutes=4)},
+    ):
+        with pytest.raises(InvalidArgument, match="could never run") as refused:
+            p.envelope_for(msg, **options)
+        assert "not_before" in str(refused.value)
+        assert "expires_at" in str(refused.value)
+        with pytest.raises(ValueError, match="could never run"):  # callers that caught ValueError still do
+            await p.enqueue(msg, **options)
+    assert prov.sends == []
+    assert p.envelope_for(msg, delay=3599).not_before == NOW + timedelta(seconds=3599)
+    for bad in (float("nan"), float("inf"), 1e20):
+        with pytest.raises(InvalidArgument, match="delay"):
+            p.envelope_for(msg, delay=bad, ttl=None)
+
+
+async def test_text_no_store_can_hold_is_refused_before_any_send():
+    _, prov, p = producer()
+    for bad in ("a\x00b", "\\\x00"):  # NUL: PostgreSQL keeps it neither in JSON nor in text
+        with pytest.raises(InvalidArgument, match="U\\+0000"):
+            await p.enqueue(Greet(name=bad))
+        with pytest.raises(InvalidArgument, match="U\\+0000"):
+            await p.enqueue(Greet(name="x"), correlation_id=bad)
+    surrogate = json.loads('"\\ud800"')  # what a JSON body can carry and no UTF-8 encoder takes
+    with pytest.raises(InvalidArgument, match="UTF-8"):
+        await p.enqueue(Greet(name=surrogate))
+    with pytest.raises(InvalidArgument, match="correlation_id"):
+        await p.enqueue(Greet(name="x"), correlation_id=surrogate)
+    with pytest.raises(InvalidArgument, match="correlation_id"):
+        await p.enqueue(Greet(name="x"), correlation_id="c" * 257)
+    with pytest.raises(InvalidArgument, match="created_at"):
+        await p.enqueue(Greet(name="x", created_at=datetime(9999, 12, 31, 23, tzinfo=UTC)))
+    assert prov.sends == []
+    await p.enqueue(Greet(name="\\u0000 is six characters here"))  # an escaped backslash: fine
+    assert len(prov.sends) == 1
 
 
 async def test_enqueue_many_is_one_send_and_and_wait_asks_for_durability():

@@ -20,12 +20,13 @@ import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
-from uuid import NAMESPACE_OID, UUID, uuid5
+from uuid import UUID
 
 import sqlalchemy as sa
 from pydantic_core import to_json
 
 from ...clock import Clock, as_utc, utcnow
+from ...envelope import malformed_id as malformed_id  # re-exported for the transports that use it
 from ...messages import MessageStatus
 from ...tracking.base import OUTCOMES, MessageRecord, is_enqueue_record
 from .control import SqlControlStore
@@ -48,12 +49,6 @@ PRUNE_CHUNK = 5000
 
 def _json(value: Any) -> str | None:
     return None if value is None else to_json(value).decode()
-
-
-def malformed_id(raw_text: str) -> UUID:
-    """The id the history gives a message that is not an envelope (``runtime.history_record``), so a
-    transport can mark its dead-letter copy with it and the ops actions find that copy."""
-    return uuid5(NAMESPACE_OID, raw_text)
 
 
 def _fold(records: Sequence[MessageRecord]) -> list[MessageRecord]:

@@ -24,7 +24,7 @@ from ...clock import Clock, utcnow
 from ...envelope import Envelope
 from ...messages import QueueMessage
 from ...middleware import compose_enqueue
-from ...producer import EnqueueOptions, EnqueueReceipt, build_envelope, check_size
+from ...producer import EnqueueOptions, EnqueueReceipt, build_envelope, check_sendable
 from .provider import channel_for, initial_status, insert_statement, notify_statement
 from .rows import row_for
 from .schema import Tables
@@ -57,7 +57,7 @@ class SqlOutbox:
     async def _through_middleware(self, envs: list[Envelope]) -> list[Envelope]:
         chain = compose_enqueue(self.app.enqueue_middleware)
         out = [await chain(e) for e in envs]
-        check_size(out, self.max_message_bytes, "sql")
+        check_sendable(out, self.max_message_bytes, "sql")
         return out
 
     def _statements(
@@ -103,7 +103,7 @@ class SqlOutbox:
                     "this app has enqueue middleware (async): use `await outbox.enqueue_async(...)`"
                 )
         else:
-            check_size(envs, self.max_message_bytes, "sql")
+            check_sendable(envs, self.max_message_bytes, "sql")
         stmt, rows, notes = self._statements(_dialect(conn), envs)
         conn.execute(stmt, rows)
         for note in notes:

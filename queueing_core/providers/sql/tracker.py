@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -13,7 +15,7 @@ import sqlalchemy as sa
 
 from ...clock import as_utc, opt_utc
 from ...messages import MessageStatus
-from ...tracking.base import MessageQuery, MessageRecord, Page
+from ...tracking.base import MessageQuery, MessageRecord, Page, invalid_cursor
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
@@ -33,12 +35,25 @@ def encode_cursor(created_at: datetime, row_id: int) -> str:
     return base64.urlsafe_b64encode(f"{as_utc(created_at).isoformat()}|{row_id}".encode()).decode()
 
 
+#: what :func:`encode_cursor` writes: an ISO 8601 time with its offset, a bar, a row id
+_CURSOR = re.compile(r"(?P<at>[0-9][0-9T:.+-]{9,39})\|(?P<id>[0-9]{1,19})")
+#: row ids are BIGINT (INTEGER on SQLite): a larger number must never reach the database
+MAX_ROW_ID = 2**63 - 1
+
+
 def decode_cursor(cursor: str) -> tuple[datetime, int]:
+    """The position a cursor from :func:`encode_cursor` names. A cursor comes from a URL, so every part
+    is checked here before it meets the database; anything else is :class:`InvalidArgument`."""
     try:
-        stamp, row_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|")
-        return datetime.fromisoformat(stamp), int(row_id)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError("invalid cursor") from exc
+        m = _CURSOR.fullmatch(base64.urlsafe_b64decode(cursor.encode("ascii")).decode("ascii"))
+        if m is None:
+            raise ValueError("not <time>|<id>")
+        at, row_id = datetime.fromisoformat(m["at"]), int(m["id"])
+        if at.tzinfo is None or not 0 < row_id <= MAX_ROW_ID:
+            raise ValueError("out of range")
+        return as_utc(at), row_id
+    except (ValueError, binascii.Error, OverflowError):  # UnicodeError is a ValueError
+        raise invalid_cursor() from None
 
 
 class SqlTracker:
