@@ -10,6 +10,7 @@ STAMP  := $(VENV)/.installed-$(SUM)
 SERVE_STAMP := $(SERVE_VENV)/.installed-$(SUM)
 NODE   := node_modules/.installed-$(shell cksum package-lock.json | cut -d' ' -f1)
 CHECKOV := .checkov-venv/bin/checkov
+CHROMIUM := /usr/bin/chromium
 NEED_PYTHON := $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11+ is needed"; exit 1; }
 
 .PHONY: serve serve-env test lint install local-storage checkov docs
@@ -33,6 +34,10 @@ $(SERVE_STAMP): pyproject.toml $(shell find queueing_core -name '*.py')
 $(NODE): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	rm -f node_modules/.installed-* && touch $@
+
+# the browser the dashboard's tests drive (Debian's chromium, through Playwright)
+$(CHROMIUM):
+	scripts/chromium.sh
 
 # checkov lives in its own virtual environment (it pins an old pycep-parser and boto3)
 $(CHECKOV):
@@ -64,5 +69,5 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # pytest exits 5 when a selection collects nothing (e.g. `make test PYTEST_ARGS="-k nothing"`): not a failure
-test: lint docs $(NODE) $(CHECKOV)
+test: lint docs $(NODE) $(CHECKOV) $(CHROMIUM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc

@@ -151,11 +151,18 @@ async def interleaved(
     results: dict[str, list[T]] = {name: [] for name, _ in contenders}
     for r in range(rounds):
         shift = r % len(contenders)
+        print(f"  round {r + 1}/{rounds}  load average {load()}", flush=True)
         for name, run in [*contenders[shift:], *contenders[:shift]]:
             result = await run()
             results[name].append(result)
-            print(f"  round {r + 1}/{rounds}  {name:<24} {result}", flush=True)
+            shown = f"{result:8,.0f} msg/s" if isinstance(result, float) else str(result)
+            print(f"  round {r + 1}/{rounds}  {name:<24} {shown}  (load {load(1)})", flush=True)
     return results
+
+
+def load(n: int = 3) -> str:
+    """The machine's load average (1, 5, 15 minutes; the first ``n``): the context of every figure."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg()[:n])
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
@@ -201,12 +208,11 @@ def kit_source() -> str:
 
 
 def header(title: str, args: argparse.Namespace) -> None:
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"== {title}")
     print(
         f"   {time.strftime('%Y-%m-%d %H:%M:%S')}  python {platform.python_version()}  cores {os.cpu_count()}"
     )
-    print(f"   load average at start: {load} (a shared machine: read ratios, not absolutes)")
+    print(f"   load average at start: {load()} on {os.cpu_count()} cores (read ratios, not absolutes)")
     print(f"   queueing_core: {kit_source()}")
     print(f"   options: {vars(args)}")
 

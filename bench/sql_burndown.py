@@ -9,12 +9,24 @@ N pre-enqueued no-op jobs, and one in-process worker with the same shape:
               (pgqueuer runs every picked job at once; its per-entrypoint concurrency_limit is a
               cross-worker limit in SQL, a different thing, so it stays 0)
   procrastin. concurrency=10: ten slots, each fetching one job when free (it has no batch knob)
+- The same connection budget for every contender (--connections, default 3, LISTEN included):
+  kit (durable claims)   LISTEN + a pool of budget-1 (no overflow); claims wait for the WAL flush
+  kit (relaxed claims)   LISTEN + a claims pool of 1 (synchronous_commit=off) + a pool of budget-2
+  pgqueuer (asyncpg)     AsyncpgPoolDriver on a pool of `budget` (its listener holds one of them)
+  pgqueuer (psycopg)     ONE connection: its psycopg driver takes a single connection, no pool
+  procrastinate          its psycopg pool, max_size=budget (its listener holds one of them)
+  pgqueuer runs at its default durability (`durable`: every table logged, every commit synchronous),
+  so "kit (durable claims)" is the like-for-like row; "kit (relaxed claims)" is the kit with
+  QUEUEING_DURABLE_CLAIMS=false.
 - Every tool's queue table is ANALYZEd after the enqueue, as autovacuum would do in production soon
   after a bulk insert (without statistics a planner can pick a plan no real deployment sees).
 - The clock runs from the call that starts the worker to the moment the N-th handler has run.
   Enqueue time is excluded. After the worker has stopped, the rows each tool keeps are counted.
+- Rounds are interleaved (A, B, C, ... then again, rotated), the load average is printed with each
+  round, and medians are reported.
 
-Usage: .venv/bin/python bench/sql_burndown.py [--messages 20000] [--rounds 3] [--only kit,procrastinate]
+Usage: .venv/bin/python bench/sql_burndown.py [--quick] [--messages 20000] [--rounds 5]
+           [--connections 3] [--only kit,procrastinate]
 """
 
 from __future__ import annotations
@@ -65,42 +77,61 @@ def finished(done: common.Done, started: float) -> tuple[float, float]:
     return done.last_at - started, done.first_at - started
 
 
-async def kit(args: Options) -> Burn:
+def kit_provider(args: Options, schema: str, *, durable: bool) -> SqlProvider:
+    """The kit inside the connection budget: LISTEN is one connection, the pools share the rest."""
+    if durable:
+        pools = {"pool_size": args.connections - 1, "max_overflow": 0}
+    else:
+        pools = {"pool_size": args.connections - 2, "max_overflow": 0, "claim_pool_size": 1}
+    return SqlProvider(args.url, schema=schema, durable_claims=durable, **pools)
+
+
+async def kit_burn(args: Options, provider: SqlProvider, messages: int) -> Burn:
+    """Enqueue ``messages`` no-ops through ``provider`` (its schema may already hold rows), then time
+    one worker of the benchmark's shape until the last of them has run."""
+    app = QueueingApp("bench")
+    done = common.Done(messages)
+
+    @app.handler(Noop, max_concurrency=args.concurrency)
+    async def handle(msg: Noop) -> None:
+        done.hit()
+
+    rt = Runtime(app, provider)
+    await rt.open()
+    try:
+        for i in range(0, messages, 1000):
+            await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, messages))])
+        common.analyze(
+            args.url, sql.Identifier(provider.tables.messages.schema or "public", "queueing_messages")
+        )
+        worker = Worker(
+            rt,
+            poll_min=0.01,
+            poll_max=0.1,
+            prefetch=args.in_hand // args.concurrency,
+            batch_size=args.batch,
+        )
+        started = common.now()
+        await worker.start()
+        await done.wait(args.timeout)
+        elapsed, startup = finished(done, started)
+        await worker.shutdown()
+    finally:
+        await rt.close()
+    return Burn(messages, elapsed, startup, "")
+
+
+async def kit(args: Options, *, durable: bool) -> Burn:
     with common.throwaway_schema(args.url, "bench_kit") as schema:
-        app = QueueingApp("bench")
-        done = common.Done(args.messages)
-
-        @app.handler(Noop, max_concurrency=args.concurrency)
-        async def handle(msg: Noop) -> None:
-            done.hit()
-
-        rt = Runtime(app, SqlProvider(args.url, schema=schema))
-        await rt.open()
-        try:
-            for i in range(0, args.messages, 1000):
-                await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, args.messages))])
-            common.analyze(args.url, sql.Identifier(schema, "queueing_messages"))
-            worker = Worker(
-                rt,
-                poll_min=0.01,
-                poll_max=0.1,
-                prefetch=args.in_hand // args.concurrency,
-                batch_size=args.batch,
-            )
-            started = common.now()
-            await worker.start()
-            await done.wait(args.timeout)
-            elapsed, startup = finished(done, started)
-            await worker.shutdown()
-        finally:
-            await rt.close()
+        burn = await kit_burn(args, kit_provider(args, schema, durable=durable), args.messages)
         kept = common.scalar(
             args.url,
             sql.SQL("SELECT count(*) FROM {}.queueing_messages WHERE status = 'Succeeded'").format(
                 sql.Identifier(schema)
             ),
         )
-        return Burn(args.messages, elapsed, startup, f"{kept} Succeeded rows")
+        burn.kept = f"{kept} Succeeded rows"
+        return burn
 
 
 async def pgqueuer(args: Options, driver: str) -> Burn:
@@ -120,10 +151,10 @@ async def pgqueuer(args: Options, driver: str) -> Burn:
         pgq_driver: Driver
         if driver == "asyncpg":
             import asyncpg
-            from pgqueuer.db import AsyncpgDriver
+            from pgqueuer.db import AsyncpgPoolDriver
 
-            aconn = await asyncpg.connect(dsn)
-            pgq_driver, close = AsyncpgDriver(aconn), aconn.close
+            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=args.connections)
+            pgq_driver, close = AsyncpgPoolDriver(pool), pool.close
         else:
             import psycopg
             from pgqueuer.db import PsycopgDriver
@@ -179,15 +210,21 @@ async def pgqueuer(args: Options, driver: str) -> Burn:
 
 
 async def procrastinate(args: Options) -> Burn:
+    """On a quarter of the messages (--procrastinate-messages): at a tenth of the others' rate, the
+    full count would make every round last minutes longer; its rate does not depend on the count."""
     import procrastinate as pc
 
+    messages = args.procrastinate_messages or max(1, args.messages // 4)
+
     with common.throwaway_database(args.url, "bench_proc") as db:
-        # pool: one connection per slot, one for LISTEN, one spare (the kit's engine allows 15)
+        # the same budget as everyone: its listener holds one pooled connection, slots share the rest
         connector = pc.PsycopgConnector(
-            conninfo=common.libpq_conninfo(args.url, dbname=db), min_size=2, max_size=args.concurrency + 2
+            conninfo=common.libpq_conninfo(args.url, dbname=db),
+            min_size=1,
+            max_size=args.connections,
         )
         app = pc.App(connector=connector)
-        done = common.Done(args.messages)
+        done = common.Done(messages)
 
         @app.task(name="noop", queue="bench")
         async def noop(n: int) -> None:
@@ -195,8 +232,8 @@ async def procrastinate(args: Options) -> Burn:
 
         async with app.open_async():
             await app.schema_manager.apply_schema_async()
-            for i in range(0, args.messages, 1000):
-                await noop.batch_defer_async(*[{"n": j} for j in range(i, min(i + 1000, args.messages))])
+            for i in range(0, messages, 1000):
+                await noop.batch_defer_async(*[{"n": j} for j in range(i, min(i + 1000, messages))])
             common.analyze(args.url, sql.Identifier("procrastinate_jobs"), dbname=db)
             started = common.now()
             run = asyncio.create_task(
@@ -221,7 +258,7 @@ async def procrastinate(args: Options) -> Burn:
             args.url, sql.SQL("SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'"), dbname=db
         )
         events = common.scalar(args.url, sql.SQL("SELECT count(*) FROM procrastinate_events"), dbname=db)
-        return Burn(args.messages, elapsed, startup, f"{kept} succeeded job rows; {events} event rows")
+        return Burn(messages, elapsed, startup, f"{kept} succeeded job rows; {events} event rows")
 
 
 class Options:
@@ -233,6 +270,9 @@ class Options:
     in_hand: int
     timeout: float
     only: str
+    connections: int
+    quick: bool
+    procrastinate_messages: int
 
 
 RETAINED = {
@@ -252,14 +292,23 @@ def version(dist: str) -> str:
 
 
 async def main() -> None:
-    p = common.base_parser(__doc__.splitlines()[0], rounds=3)
+    p = common.base_parser(__doc__.splitlines()[0], rounds=5)
     p.add_argument("--messages", type=int, default=20_000)
+    p.add_argument("--quick", action="store_true", help="a smoke run: 2,000 messages, 1 round")
+    p.add_argument("--procrastinate-messages", type=int, default=0, help="its own count (default: a quarter)")
+    p.add_argument(
+        "--connections", type=int, default=3, help="database connections per contender, LISTEN included"
+    )
     p.add_argument("--concurrency", type=int, default=10, help="handlers running at once")
     p.add_argument("--batch", type=int, default=10, help="most jobs claimed by one query")
     p.add_argument("--in-hand", type=int, default=20, help="most jobs claimed but not finished")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--only", default="", help="comma-separated subset of contenders")
     args = p.parse_args(namespace=Options())
+    if args.quick:
+        args.messages, args.rounds = 2_000, 1
+    if args.connections < 3:
+        p.error("--connections must be at least 3 (the relaxed kit: LISTEN, a claims pool and a pool)")
     if args.in_hand % args.concurrency or args.in_hand < 2 * args.batch:
         p.error("--in-hand must be a multiple of --concurrency (kit prefetch) and >= 2x --batch (pgqueuer)")
     logging.basicConfig(level=logging.WARNING)
@@ -272,7 +321,8 @@ async def main() -> None:
     )
 
     contenders: list[tuple[str, Callable[[], Awaitable[Burn]]]] = [
-        ("kit", lambda: kit(args)),
+        ("kit (durable claims)", lambda: kit(args, durable=True)),
+        ("kit (relaxed claims)", lambda: kit(args, durable=False)),
         ("pgqueuer (psycopg)", lambda: pgqueuer(args, "psycopg")),
     ]
     if importlib.util.find_spec("asyncpg") is not None:
@@ -293,10 +343,16 @@ async def main() -> None:
     common.print_table(
         ["contender", "median msg/s", "per round", "first handler ms", "rows afterwards"], rows
     )
-    if "kit" in medians:
+    for mine in [n for n in medians if n.startswith("kit")]:
         for name, m in medians.items():
-            if name != "kit":
-                print(f"ratio kit/{name}: {medians['kit'] / m:.2f}")
+            if not name.startswith("kit"):
+                print(f"ratio {mine} / {name}: {medians[mine] / m:.2f}")
+    if "kit (durable claims)" in medians and "pgqueuer (asyncpg)" in medians:
+        ratio = medians["kit (durable claims)"] / medians["pgqueuer (asyncpg)"]
+        print(
+            f"like-for-like (durable claims vs pgqueuer/asyncpg, both durable): {ratio:.2f} "
+            f"(targets: >= 1.5 quiet, >= 1.2 busy; load now {common.load()})"
+        )
     print()
     print("What each tool keeps per finished job:")
     for tool, text in RETAINED.items():

@@ -3,7 +3,10 @@
     .venv/bin/python bench/storage_queue.py [--messages 2000] [--rounds 3]
 
 Both drain the same kind of queue (N pre-sent messages) in the same run, interleaved, with the same
-concurrency (32: a page of 32, deleted concurrently). The kit does more per message: it decodes and
+concurrency: at most 32 messages in hand, the next receive as soon as half of them are done (while
+the rest are still being handled or deleted), deletes concurrent. That is the kit worker's shape
+(max_concurrency 32, prefetch 1, a refill at half); the SDK loop used to receive a page only after
+the previous page's deletes had all finished. The kit does more per message: it decodes and
 validates the envelope, runs the pipeline, and writes each message's history to Azure Tables.
 Target: kit / SDK >= 0.8.
 """
@@ -14,6 +17,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import os
 import socket
 import statistics
 import subprocess
@@ -100,20 +104,45 @@ async def fill(conn: str, name: str, n: int, body: str) -> None:
 
 
 async def sdk_round(conn: str, n: int) -> float:
+    """The plain SDK with the kit worker's concurrency: up to 32 messages in hand, a new receive as soon
+    as half the slots are free (while the deletes of the others are still running), deletes concurrent."""
     name = f"sdk{uuid.uuid4().hex[:10]}"
     await fill(conn, name, n, base64.b64encode(b'{"n": 1}').decode())
     async with QueueClient.from_connection_string(conn, name) as c:
         done = 0
+        in_hand = 0
+        freed = asyncio.Event()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def delete(m: object) -> None:
+            nonlocal done, in_hand
+            await c.delete_message(m)
+            done += 1
+            in_hand -= 1
+            freed.set()
+
         start = time.perf_counter()
-        while done < n:
+        received = 0
+        while received < n:
+            while CONCURRENCY - in_hand < CONCURRENCY // 2:
+                freed.clear()
+                await freed.wait()
+            want = CONCURRENCY - in_hand
             page = [
                 m
                 async for m in c.receive_messages(
-                    messages_per_page=CONCURRENCY, visibility_timeout=30, max_messages=CONCURRENCY
+                    messages_per_page=want, visibility_timeout=30, max_messages=want
                 )
             ]
-            await asyncio.gather(*(c.delete_message(m.id, m.pop_receipt) for m in page))
-            done += len(page)
+            received += len(page)
+            in_hand += len(page)
+            for m in page:
+                t = asyncio.create_task(delete(m))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+        while done < n:
+            freed.clear()
+            await freed.wait()
         elapsed = time.perf_counter() - start
         await c.delete_queue()
     return n / elapsed
@@ -154,9 +183,20 @@ async def main(n: int, rounds: int) -> None:
     try:
         sdk: list[float] = []
         kit: list[float] = []
-        for _ in range(rounds):  # interleaved, so machine noise hits both alike
-            sdk.append(await sdk_round(conn, n))
-            kit.append(await kit_round(conn, n))
+        print(
+            f"Storage Queues on Azurite; load average at start {os.getloadavg()[0]:.2f} "
+            f"on {os.cpu_count()} cores"
+        )
+        for r in range(rounds):  # interleaved (order alternating), so machine noise hits both alike
+            first, second = (sdk_round, kit_round) if r % 2 == 0 else (kit_round, sdk_round)
+            for run in (first, second):
+                rate = await run(conn, n)
+                (sdk if run is sdk_round else kit).append(rate)
+                load = os.getloadavg()[0]
+                print(
+                    f"  round {r + 1}/{rounds}  {run.__name__:<10} {rate:6.0f} msg/s  (load {load:.2f})",
+                    flush=True,
+                )
     finally:
         proc.terminate()
         proc.wait(10)
@@ -172,6 +212,9 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--messages", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 300 messages, 1 round")
     args = parser.parse_args()
+    if args.quick:
+        args.messages, args.rounds = 300, 1
     asyncio.run(main(args.messages, args.rounds))

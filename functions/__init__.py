@@ -6,6 +6,8 @@
   ``QueueingStorage``, or ``service_bus_queue_trigger`` on ``QueueingServiceBus``);
 - SQL: a processor timer (claims and processes within a time budget) and a lease sweeper;
 - a retention timer (SQL archive/delete, or pruning of the Tables history);
+- the app's schedules, when it has any: one timer fires every schedule's due ticks (see
+  ``docs/schedules.md`` for why one timer and not one per schedule);
 - Storage Queues with ``QUEUEING_STORAGE_DELAYED_STORE``: the delayed dispatcher timer (forwards
   messages delayed beyond 7 days from the SQL delayed store when they are due);
 - one HTTP function serving the ops API under ``/api/_system/queueing`` (auth level FUNCTION, and
@@ -24,6 +26,7 @@ import azure.functions as func
 
 from queueing_core.app import QueueingApp, Subscription
 from queueing_core.connections import ServiceBusConnection, StorageConnection
+from queueing_core.context import host_trace
 from queueing_core.errors import ConfigurationError
 from queueing_core.loader import load_app
 from queueing_core.naming import Transport
@@ -144,7 +147,7 @@ def build_app(
         qapp.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
     _check_shared_state(cfg, transport)
     the_host = host or FunctionsHost(qapp, cfg)
-    app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=func.AuthLevel.FUNCTION)
+    app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=_http_auth_level(cfg))
     for sub in qapp.subscriptions():
         if transport is Transport.STORAGE_QUEUE:
             _storage_trigger(app, the_host, sub, sub.physical_queue(qapp.naming, transport))
@@ -154,8 +157,32 @@ def build_app(
     return app
 
 
+def _http_auth_level(cfg: QueueingSettings) -> func.AuthLevel:
+    """The platform's check in front of the ops API and the dashboard. Anonymous leaves the kit's API
+    key as the only one, so it is refused without a key (the API would then refuse every request)."""
+    if cfg.functions_http_auth_level == "anonymous":
+        if usable_api_key(cfg) is None:
+            raise ConfigurationError(
+                "QUEUEING_FUNCTIONS_HTTP_AUTH_LEVEL",
+                "'anonymous' leaves the API key as the only check, and QUEUEING_API_KEY is not set",
+                "set QUEUEING_API_KEY, or keep 'function'",
+            )
+        return func.AuthLevel.ANONYMOUS
+    return func.AuthLevel.FUNCTION
+
+
+def _continuing(context: Any) -> None:
+    """Hand the invocation's trace (the host's ``traceparent``) to tracing, when there is one."""
+    trace = getattr(context, "trace_context", None)
+    parent = getattr(trace, "trace_parent", None) or getattr(trace, "Traceparent", None)
+    if parent:
+        state = getattr(trace, "trace_state", None) or getattr(trace, "Tracestate", None) or ""
+        host_trace.set((str(parent), str(state)))
+
+
 def _storage_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscription, queue: str) -> None:
-    async def on_message(msg: func.QueueMessage) -> None:
+    async def on_message(msg: func.QueueMessage, context: func.Context | None = None) -> None:
+        _continuing(context)  # each invocation runs in its own task: the value stays with it
         await host.on_storage_message(sub, msg)
 
     name = function_name("queue", sub.queue)
@@ -173,12 +200,14 @@ def _servicebus_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscri
 
     capture_delivery_counts()  # the delivery count the extension's decoder drops (see that module)
 
-    async def on_message(msg: Any, message_actions: Any) -> None:
+    async def on_message(msg: Any, message_actions: Any, context: Any = None) -> None:
+        _continuing(context)
         await host.on_servicebus_message(sub, msg, message_actions)
 
     on_message.__annotations__ = {
         "msg": servicebus.ServiceBusReceivedMessage,
         "message_actions": servicebus.ServiceBusMessageActions,
+        "context": func.Context,
         "return": None,
     }
     name = function_name("servicebus", sub.queue)
@@ -221,3 +250,5 @@ def _timers(app: func.FunctionApp, host: FunctionsHost, cfg: QueueingSettings, t
             return await host.dispatch_delayed(cfg.functions_processor_budget)
 
         timer("queueing_delayed_dispatcher", cfg.functions_delayed_schedule, dispatch)
+    if len(host.app.schedules):
+        timer("queueing_schedules", cfg.functions_schedules_schedule, host.run_schedules)

@@ -43,7 +43,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from queueing_core.app import QueueingApp, Subscription
-from queueing_core.bootstrap import make_provider
+from queueing_core.bootstrap import instrumented, make_provider
 from queueing_core.clock import utcnow
 from queueing_core.decisions import DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
 from queueing_core.runtime import Runtime
@@ -75,7 +75,7 @@ class FunctionsHost:
             async with self._opening:
                 if self._runtime is None:
                     self._runtime = Runtime(
-                        self.app,
+                        instrumented(self.app, self.settings),
                         make_provider(self.settings),
                         pause_recheck=timedelta(seconds=self.settings.pause_recheck_seconds),
                         waiting_recheck=timedelta(seconds=max(30.0, self.settings.pause_recheck_seconds)),
@@ -100,9 +100,15 @@ class FunctionsHost:
     async def on_storage_message(self, sub: Subscription, msg: func.QueueMessage) -> Settlement:
         rt = await self.runtime()
         delivery = Delivery.of(msg.get_body(), queue=sub.queue, delivery_count=msg.dequeue_count or 1)
-        settlement = await rt.process(delivery)
-        await settle_storage(rt.provider, settlement)
-        await rt.record([settlement])
+        settlement = await rt.process(delivery, cancel_poll=self.settings.cancel_poll)
+        ahead = rt.history_ahead([settlement])  # a crash after the settlement still leaves the history
+        try:
+            await settle_storage(rt.provider, settlement)
+        except BaseException:
+            rt.history_not_settled(ahead)
+            raise
+        rt.history_applied([settlement], ahead)
+        await rt.record([settlement], ahead)
         return settlement
 
     async def on_servicebus_message(self, sub: Subscription, msg: Any, actions: Any) -> Settlement:
@@ -112,9 +118,15 @@ class FunctionsHost:
 
         rt = await self.runtime()
         delivery = Delivery.of(_text(msg), queue=sub.queue, delivery_count=delivery_number(msg))
-        settlement = await rt.process(delivery)
-        await settle_servicebus(rt.provider, settlement, msg, actions)
-        await rt.record([settlement])
+        settlement = await rt.process(delivery, cancel_poll=self.settings.cancel_poll)
+        ahead = rt.history_ahead([settlement])  # a crash after the settlement still leaves the history
+        try:
+            await settle_servicebus(rt.provider, settlement, msg, actions)
+        except BaseException:
+            rt.history_not_settled(ahead)
+            raise
+        rt.history_applied([settlement], ahead)
+        await rt.record([settlement], ahead)
         return settlement
 
     # -- timers ------------------------------------------------------------------------------------
@@ -123,7 +135,10 @@ class FunctionsHost:
         from queueing_core.worker import Worker
 
         rt = await self.runtime()
-        worker = Worker(rt, shutdown_timeout=min(10.0, budget / 5), poll_min=0.05, poll_max=1.0)
+        # schedules have a timer of their own (run_schedules), not a share of the processor's budget
+        worker = Worker(
+            rt, shutdown_timeout=min(10.0, budget / 5), poll_min=0.05, poll_max=1.0, schedules=False
+        )
         await worker.drain(budget)
 
     async def sweep_leases(self) -> dict[str, int]:
@@ -145,18 +160,35 @@ class FunctionsHost:
         dispatch = getattr(rt.provider, "dispatch_due", None)
         return {"forwarded": await dispatch(budget)} if dispatch is not None else {}
 
+    async def run_schedules(self) -> dict[str, int]:
+        """Fire the ticks that are due (the kit's schedules timer)."""
+        from queueing_core.scheduler import Scheduler
+
+        rt = await self.runtime()
+        grace = timedelta(seconds=self.settings.schedule_grace_seconds)
+        return {"ticks": await Scheduler(rt, grace=grace).run_due()}
+
+    async def prune_ticks(self) -> dict[str, int]:
+        from queueing_core.scheduler import Scheduler
+
+        if not len(self.app.schedules):
+            return {}
+        return {"ticks_pruned": await Scheduler(await self.runtime()).prune()}
+
     async def retention(self) -> dict[str, int]:
-        """SQL: archive and delete by the retention policy; cloud transports: prune old history."""
+        """SQL: archive and delete by the retention policy; cloud transports: prune old history. Old
+        schedule ticks are pruned too."""
         rt = await self.runtime()
         provider = rt.provider
+        pruned = await self.prune_ticks()
         if provider.transport.value == "sql":
             from queueing_core.providers.sql.maintenance import retain
             from queueing_core.providers.sql.provider import SqlProvider
 
             assert isinstance(provider, SqlProvider)
-            return await retain(provider, self.app, utcnow())
+            return {**await retain(provider, self.app, utcnow()), **pruned}
         maintain = getattr(provider, "maintain", None)
-        return await maintain(self.app) if maintain is not None else {}
+        return {**(await maintain(self.app) if maintain is not None else {}), **pruned}
 
 
 async def settle_storage(provider: Any, s: Settlement) -> None:

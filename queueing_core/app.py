@@ -16,19 +16,24 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
+from uuid import UUID
 
 from .errors import DuplicateHandlerError, NotConfigured, RegistrationError
 from .hooks import Hooks
 from .messages import QueueMessage
 from .naming import QueueNaming, Transport
 from .options import QueueOptions
+from .schedules import CatchUp, Schedule, ScheduleBook
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from .context import HandlerContext
+    from .jobs import CancelReceipt
     from .middleware import EnqueueMiddleware, HandleMiddleware
     from .producer import EnqueueOptions, EnqueueReceipt, Producer
+    from .runtime import Runtime
+    from .tracking import MessageRecord
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -113,6 +118,7 @@ class Router:
     def __init__(self) -> None:
         self._types: dict[str, type[QueueMessage]] = {}
         self._handlers: dict[str, HandlerSpec] = {}
+        self.schedules = ScheduleBook()
         #: bumped on every registration so caches of the resolved view know to refresh
         self.version = 0
 
@@ -162,6 +168,37 @@ class Router:
             self._add_type(mtype)
         for spec in other._handlers.values():
             self._add_handler(spec)
+        self.schedules.include(other.schedules)
+
+    def schedule(
+        self, cron: str, *, timezone: str = "UTC", name: str | None = None, catch_up: CatchUp = "once"
+    ) -> Callable[[F], F]:
+        """Run the decorated function at each tick of ``cron`` (five fields, in ``timezone``) and
+        enqueue the message(s) it returns. It takes ``()`` or ``(tick)``, the tick's time in UTC.
+
+        ``catch_up``: after every host was down past a tick, ``"once"`` runs the newest missed tick
+        one time, ``"skip"`` runs none; either way there is never a burst of catch-up ticks.
+        """
+
+        def decorate(func: F) -> F:
+            self.schedules.add_cron(
+                func, cron, timezone=timezone, name=name, catch_up=catch_up, origin=_origin(func)
+            )
+            return func
+
+        return decorate
+
+    def every(
+        self,
+        interval: timedelta,
+        message: QueueMessage | Callable[..., Any],
+        *,
+        name: str | None = None,
+        catch_up: CatchUp = "once",
+    ) -> Schedule:
+        """Enqueue ``message`` (a copy with a new id each time, or what a function returns) every
+        ``interval`` (whole seconds), on ticks aligned to the Unix epoch."""
+        return self.schedules.add_every(interval, message, name=name, catch_up=catch_up)
 
     def _add_type(self, mtype: type[QueueMessage]) -> None:
         if not (isinstance(mtype, type) and issubclass(mtype, QueueMessage)):
@@ -225,6 +262,7 @@ class QueueingApp(Router):
         self.handle_middleware: list[HandleMiddleware] = []
         self.enqueue_middleware: list[EnqueueMiddleware] = []
         self._producer: Producer | None = None
+        self._runtime: Runtime | None = None
         self._subs: dict[str, Subscription | None] = {}
         self._subs_version = -1
 
@@ -287,9 +325,41 @@ class QueueingApp(Router):
         return iter(self.subscriptions())
 
     # -- producing -------------------------------------------------------------------------------
-    def bind(self, producer: Producer) -> None:
-        """Attach the producer the runtime built; ``enqueue`` goes through it."""
+    def bind(self, producer: Producer, runtime: Runtime | None = None) -> None:
+        """Attach the producer (and runtime) the runtime built; ``enqueue`` and job control use them."""
         self._producer = producer
+        if runtime is not None:
+            self._runtime = runtime
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            self.producer  # noqa: B018 - raises the NotConfigured that explains what to do
+            raise NotConfigured("this app's producer was bound without a runtime: use app.use(provider)")
+        return self._runtime
+
+    # -- job control -------------------------------------------------------------------------------
+    async def cancel(self, tracking_id: UUID) -> CancelReceipt:
+        """Cancel a message by its tracking id (or message id): one not yet running never runs, a
+        running one sees ``ctx.cancelled`` and is cancelled after its type's ``cancel_grace``.
+        Raises :class:`~queueing_core.errors.InvalidOperation` for a finished message."""
+        from . import jobs
+
+        return await jobs.cancel(self.runtime, tracking_id)
+
+    async def status(self, tracking_id: UUID) -> MessageRecord:
+        """The message's record now: status, attempt, progress, result, reason..."""
+        from . import jobs
+
+        return await jobs.find(self.runtime, tracking_id)
+
+    async def result(self, tracking_id: UUID, *, timeout: float | None = None) -> Any:
+        """Wait until the message finishes and return its handler's result; raises
+        :class:`~queueing_core.errors.JobCancelled` / :class:`~queueing_core.errors.JobFailed` when
+        it ended without one and ``TimeoutError`` after ``timeout`` seconds."""
+        from . import jobs
+
+        return await jobs.result(self.runtime, tracking_id, timeout=timeout)
 
     @property
     def producer(self) -> Producer:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError
 from .runtime import Runtime
-from .settings import QueueingSettings, load_settings
+from .settings import QueueingSettings, journal_dir, load_settings
 
 if TYPE_CHECKING:
     from .app import QueueingApp
@@ -42,6 +42,7 @@ def make_provider(settings: QueueingSettings) -> Provider:
             maintenance_interval=settings.maintenance_interval,
             database_auth=settings.database_auth,
             client_id=settings.database_client_id,
+            durable_claims=settings.durable_claims,
         )
     if name == "storage_queue":
         from .connections import StorageConnection
@@ -105,4 +106,17 @@ def bootstrap(app: QueueingApp, settings: QueueingSettings | None = None) -> Run
         from .naming import QueueNaming
 
         app.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
-    return Runtime(app, make_provider(cfg))
+    return Runtime(instrumented(app, cfg), make_provider(cfg), history_journal=journal_dir(cfg))
+
+
+def instrumented(app: QueueingApp, settings: QueueingSettings) -> QueueingApp:
+    """``app`` with OpenTelemetry when the settings ask for it (only then is it imported)."""
+    if settings.opentelemetry:
+        try:
+            from .otel import instrument
+        except ImportError as exc:
+            raise ConfigurationError(
+                "QUEUEING_OPENTELEMETRY", f"OpenTelemetry is not installed ({exc.name})", "the otel extra"
+            ) from None
+        instrument(app)
+    return app

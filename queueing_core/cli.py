@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 from uuid import UUID
@@ -42,7 +43,7 @@ from .wording import counted
 from .worker import Worker
 
 if TYPE_CHECKING:
-    from .ops.models import PurgeResult
+    from .ops.models import MessageDetail, PurgeResult
     from .ops.service import OpsService
 
 T = TypeVar("T")
@@ -67,6 +68,9 @@ AppOption = Annotated[
         metavar="MODULE:ATTR",
         help="MODULE:ATTR of your QueueingApp (default: QUEUEING_APP or the example app)",
     ),
+]
+ScheduleOption = Annotated[
+    str | None, typer.Option("--schedule", metavar="NAME", help="A schedule instead (see `schedules`)")
 ]
 
 
@@ -107,8 +111,6 @@ def main_options(
 
 
 def _seconds(td: object) -> str:
-    from datetime import timedelta
-
     if td is None:
         return "-"
     assert isinstance(td, timedelta)
@@ -232,6 +234,8 @@ def serve(
         poll_min=cfg.poll_min,
         poll_max=cfg.poll_max,
         prefetch=cfg.prefetch,
+        schedule_grace=timedelta(seconds=cfg.schedule_grace_seconds),
+        cancel_poll=cfg.cancel_poll,
     )
     where = _where(cfg)
     queues = len(the_app.subscriptions())
@@ -293,6 +297,7 @@ async def _enqueue(
     runtime: Runtime, mtype: type[QueueMessage], body: dict[str, Any], count: int, delay: float | None
 ) -> None:
     batch = 1000
+    waiting = 0
     async with runtime:
         with Progress(
             TextColumn("[progress.description]{task.description}"),
@@ -311,6 +316,24 @@ async def _enqueue(
                 receipts = await runtime.producer.enqueue_many(msgs, delay=delay)
                 done += n
                 progress.update(task, advance=n)
+            # the messages are sent; history the store did not take is written before exit or, failing
+            # that, by the next process that opens this store (it is kept on disk): no reason to fail
+            waiting = runtime.history.backlog
+            if waiting:
+                await runtime.history.settle(timeout=10.0)
+                waiting = runtime.history.backlog
+    if waiting:
+        where = runtime.history.journal_path
+        err.print(
+            f"warning: every message was sent, but the history store did not take "
+            f"{counted(waiting, 'record')}; "
+            + (
+                f"kept in {where} and written by the next queueing process on this machine"
+                if where
+                else "not kept"
+            ),
+            highlight=False,
+        )
     if count == 1:
         out.print(
             f"enqueued {mtype.type_name()} {receipts[0].message_id} ({receipts[0].status})", highlight=False
@@ -360,11 +383,17 @@ def _ops_call(app: str | None, action: Callable[[OpsService], Awaitable[T]]) -> 
         fail(str(exc), 1)
 
 
-def _set_paused(queue_name: str | None, type_name: str | None, app: str | None, paused: bool) -> None:
-    if (queue_name is None) == (type_name is None):
-        fail("name a queue (QUEUE) or a type (--type TYPE)", 2)
-    kind, name = ("queue", queue_name) if queue_name is not None else ("type", type_name or "")
-    _ops_call(app, lambda ops: ops.set_paused(kind, name, paused))
+def _set_paused(
+    queue_name: str | None, type_name: str | None, schedule: str | None, app: str | None, paused: bool
+) -> None:
+    given = [(k, n) for k, n in (("queue", queue_name), ("type", type_name), ("schedule", schedule)) if n]
+    if len(given) != 1:
+        fail("name a queue (QUEUE), a type (--type TYPE) or a schedule (--schedule NAME)", 2)
+    kind, name = given[0]
+    if kind == "schedule":
+        _ops_call(app, lambda ops: ops.set_schedule_paused(name, paused))
+    else:
+        _ops_call(app, lambda ops: ops.set_paused(kind, name, paused))
     out.print(f"{'paused' if paused else 'resumed'} {kind} {name}", highlight=False)
 
 
@@ -374,11 +403,13 @@ def pause(
     type_name: Annotated[
         str | None, typer.Option("--type", metavar="TYPE", help="Pause a message type instead")
     ] = None,
+    schedule: ScheduleOption = None,
     app: AppOption = None,
 ) -> None:
     """Pause QUEUE, or a type with --type, on every host: its messages stay and wait, attempts are
-    not used."""
-    _set_paused(queue_name, type_name, app, True)
+    not used. A schedule (--schedule) enqueues nothing while paused, and resuming does not replay
+    the ticks it passed."""
+    _set_paused(queue_name, type_name, schedule, app, True)
 
 
 @cli.command()
@@ -387,10 +418,31 @@ def resume(
     type_name: Annotated[
         str | None, typer.Option("--type", metavar="TYPE", help="Resume a message type instead")
     ] = None,
+    schedule: ScheduleOption = None,
     app: AppOption = None,
 ) -> None:
-    """Resume QUEUE, or a type with --type."""
-    _set_paused(queue_name, type_name, app, False)
+    """Resume QUEUE, or a type with --type, or a schedule with --schedule."""
+    _set_paused(queue_name, type_name, schedule, app, False)
+
+
+@cli.command()
+def schedules(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+    app: AppOption = None,
+) -> None:
+    """The app's recurring schedules: expression, time zone, catch-up, paused, last and next tick."""
+    found = _ops_call(app, lambda ops: ops.schedules())
+    if json_out:
+        out.print_json(data=[s.model_dump(mode="json") for s in found])  # as HTTP `GET schedules`
+        return
+    table = Table(title="schedules")
+    for column in ("name", "expression", "timezone", "catch-up", "paused", "last tick", "next tick"):
+        table.add_column(column)
+    for s in found:
+        last = s.last_tick.isoformat() if s.last_tick else "-"
+        row = (s.name, s.expression, s.timezone, s.catch_up, "yes" if s.paused else "no", last)
+        table.add_row(*row, s.next_tick.isoformat())
+    out.print(table)
 
 
 @cli.command()
@@ -402,6 +454,85 @@ def retry(
     attempts."""
     result = _ops_call(app, lambda ops: ops.retry(message_id))
     out.print(f"{result.message_id}: {result.detail}", highlight=False)
+
+
+@cli.command()
+def cancel(
+    tracking_id: Annotated[UUID, typer.Argument(metavar="TRACKING_ID", hidden=True)],
+    app: AppOption = None,
+) -> None:
+    """Cancel the message with TRACKING_ID (or its message id): if it has not started it never runs;
+    if it is running, its handler is told to stop. A finished message cannot be cancelled."""
+    result = _ops_call(app, lambda ops: ops.cancel(tracking_id))
+    out.print(f"{result.message_id}: {result.status}: {result.detail}", highlight=False)
+
+
+@cli.command("set-status")
+def set_status(
+    queue_name: Annotated[str, typer.Argument(metavar="QUEUE", hidden=True)],
+    path: Annotated[
+        str, typer.Option("--where", metavar="PATH", help="Body property, e.g. customer.country")
+    ],
+    value: Annotated[
+        str,
+        typer.Option("--value", metavar="JSON", help='Value to compare: JSON ("NO", 5, true, null) or text'),
+    ],
+    to: Annotated[str, typer.Option("--to", metavar="STATUS", help="The status to set")],
+    op: Annotated[str, typer.Option("--op", help="eq, ne, lt, le, gt or ge")] = "eq",
+    only: Annotated[
+        list[str] | None, typer.Option("--status", metavar="STATUS", help="Only messages in this status")
+    ] = None,
+    app: AppOption = None,
+) -> None:
+    """Set STATUS on QUEUE's messages whose body property PATH compares to VALUE (SQL provider only):
+    a custom status holds them out of processing, Pending puts them back, Cancelled ends them."""
+    from .ops.models import StatusUpdate
+
+    try:
+        parsed: Any = json.loads(value)
+    except ValueError:
+        parsed = value  # plain text, unquoted
+    try:
+        change = StatusUpdate.model_validate(
+            {"where": {"path": path, "op": op, "value": parsed}, "set": to, "status": only or None}
+        )
+    except ValidationError as exc:
+        fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()), 2)
+    try:
+        result = _ops_call(app, lambda ops: ops.update_status_where(queue_name, change))
+    except InvalidArgument as exc:
+        fail(str(exc), 2)
+    out.print(
+        f"{counted(result.updated, 'message')} on {result.queue} set to {result.status}", highlight=False
+    )
+
+
+@cli.command()
+def show(
+    tracking_id: Annotated[UUID, typer.Argument(metavar="TRACKING_ID", hidden=True)],
+    app: AppOption = None,
+) -> None:
+    """Show the message with TRACKING_ID (or its message id): status, attempts, progress, result."""
+    from . import jobs
+
+    async def look(ops: OpsService) -> MessageDetail:
+        return await ops.message((await jobs.find(ops.runtime, tracking_id)).message_id)
+
+    d = _ops_call(app, look)
+    out.print(f"message   {d.message_id}\ntracking  {d.tracking_id}", highlight=False)
+    out.print(
+        f"type      {d.type} on queue {d.queue}\nstatus    {d.status} (attempt {d.attempt})", highlight=False
+    )
+    if d.progress:
+        p = d.progress
+        of = f" of {p['total']}" if p.get("total") is not None else ""
+        text = f": {p['text']}" if p.get("text") else ""
+        out.print(f"progress  {p.get('step')}{of}{text}", highlight=False)
+    for label, value in (("reason", d.reason), ("error", d.last_error), ("detail", d.description)):
+        if value:
+            out.print(f"{label:<9} {value.splitlines()[0]}", highlight=False)
+    if d.result is not None:
+        out.print(f"result    {json.dumps(d.result)}", highlight=False)
 
 
 @cli.command()

@@ -103,17 +103,22 @@ class ServiceBusConnection:
         from azure.servicebus.aio import ServiceBusClient
         from azure.servicebus.aio.management import ServiceBusAdministrationClient
 
+        from . import retry_policy
+
+        policy = retry_policy.service_bus()
         if self.connection_string:
-            client = ServiceBusClient.from_connection_string(self.connection_string)
+            client = ServiceBusClient.from_connection_string(self.connection_string, **policy)
             try:
-                admin = ServiceBusAdministrationClient.from_connection_string(self.connection_string)
+                admin = ServiceBusAdministrationClient.from_connection_string(
+                    self.connection_string, **policy
+                )
             except ValueError:  # the emulator's string: no administration endpoint
                 admin = None
             return client, admin, None
         assert self.fully_qualified_namespace is not None
         credential = identity_credential(self.client_id)
         return (
-            ServiceBusClient(self.fully_qualified_namespace, credential),
-            ServiceBusAdministrationClient(self.fully_qualified_namespace, credential),
+            ServiceBusClient(self.fully_qualified_namespace, credential, **policy),
+            ServiceBusAdministrationClient(self.fully_qualified_namespace, credential, **policy),
             credential,
         )

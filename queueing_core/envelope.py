@@ -35,6 +35,12 @@ def dead_letter_marks(reason: str, description: str, now: datetime) -> dict[str,
     return {REASON: reason, DEAD_AT: now.isoformat(), DESCRIPTION: description[:4000]}
 
 
+#: header on a delayed message forwarded again after a dispatcher stopped before it could remove the
+#: row (its value: the earlier unreported fetches). The first forward may already have run: a host that
+#: finds the message's outcome recorded completes this copy without running it.
+REPEATED_FORWARD = "queueing-repeated-forward"
+
+
 class Envelope(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -98,6 +98,25 @@ class InvalidOperation(QueueingError):
     """An ops action refused in the message's current state (HTTP 409)."""
 
 
+class NotSupported(InvalidOperation):
+    """The transport cannot do this (HTTP 409); the message says which transport and why."""
+
+
+class JobFailed(QueueingError):
+    """``app.result()`` of a message that finished without a result: dead-lettered or expired
+    (``status``, ``reason`` and ``description`` say how)."""
+
+    def __init__(self, message: str, *, status: str, reason: str | None, description: str | None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.description = description
+
+
+class JobCancelled(JobFailed):
+    """``app.result()`` of a message that was cancelled."""
+
+
 class InvalidArgument(QueueingError, ValueError):
     """A caller's argument the kit refuses (a cursor it did not issue, a delay past the expiry, an
     unknown status); ``argument`` names it. The message is written for the caller (HTTP 422)."""

@@ -80,8 +80,13 @@ class QueueOptions(BaseModel):
     lease_expired: LeaseExpiry = "retry"
     max_concurrency: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, le=10_000)
     time_limit: timedelta | None = None
+    #: how long a handler whose message is cancelled may take to stop by itself (it sees
+    #: ``ctx.cancelled``) before it is cancelled as an asyncio task
+    cancel_grace: timedelta = timedelta(seconds=10)
     ordered: bool = False
     idempotent: bool = False
+    #: an idempotent type's identity: a field name of the message, or a function of the message
+    identity: str | Callable[[Any], Any] | None = None
     keep_processed_for: timedelta | None = None
     default_status: str = "Pending"
     health_when_errors: Health = Health.UNHEALTHY
@@ -94,6 +99,10 @@ class QueueOptions(BaseModel):
             raise ValueError("lease_duration must be positive")
         if self.time_limit is not None and self.time_limit <= timedelta(0):
             raise ValueError("time_limit must be positive or None")
+        if self.cancel_grace < timedelta(0):
+            raise ValueError("cancel_grace must not be negative")
+        if self.idempotent and self.identity is None:
+            raise ValueError("idempotent types need an identity: a field name or a function of the message")
         if self.expiration is not None and self.expiration <= timedelta(0):
             raise ValueError("expiration must be positive or None")
         if self.ordered and self.max_concurrency != 1 and "max_concurrency" in self.model_fields_set:

@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from time import perf_counter
 from typing import Any
+from uuid import UUID
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from .app import QueueingApp, Subscription
 from .clock import Clock, utcnow
@@ -53,8 +56,28 @@ from .middleware import compose_handle
 from .transport import Delivery
 
 log = logging.getLogger("queueing.pipeline")
+_RESULT: TypeAdapter[Any] = TypeAdapter(Any)
 
 MAX_ERROR_TEXT = 4000
+#: largest result kept, as JSON text; a larger one is replaced by a marker (see :func:`fit_result`)
+MAX_RESULT_CHARS = 64_000
+#: how much of an oversized result the marker keeps
+RESULT_PREVIEW_CHARS = 1000
+
+
+def fit_result(value: Any, log_to: logging.LoggerAdapter[logging.Logger] | None = None) -> Any:
+    """A handler's return value as it is kept: JSON-ready data, or, when its JSON is longer than
+    :data:`MAX_RESULT_CHARS`, the marker ``{"_truncated": true, "_original_chars": N, "_preview": ...}``.
+    The message still succeeds: the work is done, only its result is too large to keep."""
+    data = _RESULT.dump_python(value, mode="json", fallback=repr)
+    if data is None or isinstance(data, bool | int | float):
+        return data
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    if len(text) <= MAX_RESULT_CHARS:
+        return data
+    if log_to is not None:
+        log_to.warning("the handler's result is %d characters of JSON; only a preview is kept", len(text))
+    return {"_truncated": True, "_original_chars": len(text), "_preview": text[:RESULT_PREVIEW_CHARS]}
 
 
 def describe_error(exc: BaseException) -> str:
@@ -63,6 +86,23 @@ def describe_error(exc: BaseException) -> str:
     frames = "".join(traceback.format_tb(exc.__traceback__)[-3:]) if exc.__traceback__ else ""
     text = f"{head}\n{frames}".rstrip()
     return text if len(text) <= MAX_ERROR_TEXT else text[: MAX_ERROR_TEXT - 3] + "..."
+
+
+@dataclass(slots=True)
+class _Run:
+    """One running handler, so a cancellation by message id can reach it."""
+
+    cancelled: asyncio.Event
+    task: asyncio.Task[Any] | None
+    grace: float
+    requested: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+#: (envelope, progress) -> None: stores a running handler's progress report
+ProgressSink = Callable[[Envelope, dict[str, Any]], Awaitable[None]]
+#: (subscription, message) -> the last successfully processed version of its identity
+PreviousLookup = Callable[[Subscription, QueueMessage], Awaitable[QueueMessage | None]]
 
 
 def decode_message(sub: Subscription, env: Envelope) -> QueueMessage:
@@ -99,6 +139,28 @@ class Pipeline:
         self._chains_version = -1
         self._chains: dict[str, Callable[[HandlerContext], Awaitable[Any]]] = {}
         self._limits: dict[str, asyncio.Semaphore] = {}
+        #: handlers running now, by message id
+        self.running: dict[UUID, _Run] = {}
+        self.progress_sink: ProgressSink | None = None
+        self.previous_lookup: PreviousLookup | None = None
+
+    # -- cancellation by message id --------------------------------------------------------------
+    def cancel_running(self, message_id: UUID) -> bool:
+        """Tell the running handler of ``message_id`` to stop (``ctx.cancelled``) and cancel its task
+        after the type's ``cancel_grace``; its outcome is recorded Cancelled. False: not running here."""
+        run = self.running.get(message_id)
+        if run is None or run.requested:
+            return run is not None
+        run.requested = True
+        run.cancelled.set()
+        if run.task is not None:
+            run.timer = asyncio.get_running_loop().call_later(run.grace, run.task.cancel)
+        return True
+
+    def stop_running(self) -> None:
+        """The host is going away: every running handler sees ``ctx.cancelled``."""
+        for run in self.running.values():
+            run.cancelled.set()
 
     # -- resolved registry, cached until the app's registrations change -------------------------
     def subscription(self, type_name: str) -> Subscription | None:
@@ -160,6 +222,8 @@ class Pipeline:
             )
 
         state = await self.control.state()
+        if env.message_id in state.cancelled:
+            return await self._emit_final(delivery, Complete(None, cancelled=True))
         if state.is_paused(sub.queue, sub.type_name):
             what = f"queue {sub.queue!r}" if sub.queue in state.paused_queues else f"type {sub.type_name!r}"
             return await self._emit_final(
@@ -211,12 +275,17 @@ class Pipeline:
         stopping: asyncio.Event | None,
         closing: asyncio.Event | None,
     ) -> Decision:
+        run = _Run(asyncio.Event(), asyncio.current_task(), sub.options.cancel_grace.total_seconds())
+        if stopping is not None and stopping.is_set():
+            run.cancelled.set()
+        sink = self.progress_sink
         ctx = HandlerContext(
             envelope=env,
             attempt=delivery.attempt,
             subscription=sub,
             message=message,
-            cancelled=stopping or asyncio.Event(),
+            cancelled=run.cancelled,
+            store_progress=(lambda progress: sink(env, progress)) if sink is not None else None,
             log=logging.LoggerAdapter(
                 logging.getLogger("queueing.handler"),
                 {"message_id": str(env.message_id), "correlation_id": env.correlation_id, "queue": sub.queue},
@@ -229,9 +298,13 @@ class Pipeline:
         limiter = self.limiter(sub)
         if not await _take_slot(limiter, closing):
             return await self._emit_final(delivery, Release("host shutting down before the handler started"))
+        if sub.options.idempotent and self.previous_lookup is not None:
+            ctx.previous = await self.previous_lookup(sub, message)
         limit = sub.options.time_limit
         started = perf_counter()
         error: BaseException | None = None
+        self.running[env.message_id] = run
+        result: Any = None
         async with _holding(limiter):
             try:
                 async with asyncio.timeout(limit.total_seconds() if limit else None) as scope:
@@ -240,7 +313,8 @@ class Pipeline:
                 task = asyncio.current_task()
                 if task is None or not task.cancelling():
                     raise
-                # The host is shutting down and gave up waiting: hand the message back untouched.
+                # our own cancellation of a cancelled message (after its grace), or the host shutting
+                # down and giving up waiting: the latter hands the message back untouched
                 task.uncancel()
                 decision: Decision = Release("host shutting down")
             except Retry as exc:
@@ -268,7 +342,16 @@ class Pipeline:
                         reset_attempts=True,
                     )
                 else:
-                    decision = Complete(result)
+                    decision = Complete(fit_result(result, ctx.log))
+            finally:
+                if self.running.get(env.message_id) is run:
+                    del self.running[env.message_id]
+                if run.timer is not None:
+                    run.timer.cancel()
+        if run.requested:
+            # cancelled while it ran: whatever the handler did after that, the message is not retried
+            decision = Complete(decision.result if isinstance(decision, Complete) else None, cancelled=True)
+        await ctx.flush_progress()
         duration = timedelta(seconds=perf_counter() - started)
         await self._emit(delivery, decision, error, duration)
         return decision

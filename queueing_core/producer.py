@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 from uuid import UUID, uuid4
 
 from pydantic import ValidationError
@@ -15,14 +15,16 @@ from typing_extensions import Unpack
 
 from .clock import Clock, as_utc, utcnow
 from .envelope import Envelope
-from .errors import InvalidArgument, MessageTooLarge
+from .errors import InvalidArgument, MessageTooLarge, NotSupported
 from .hooks import Event, Observation
 from .messages import MessageStatus, QueueMessage
 from .middleware import compose_enqueue
-from .tracking.base import MessageRecord, Tracker, record_from_envelope
+from .options import QueueOptions
+from .tracking.base import MessageRecord, record_from_envelope
 
 if TYPE_CHECKING:
     from .app import QueueingApp
+    from .tracking.backlog import HistoryWriter
     from .transport import Provider
 
 
@@ -48,6 +50,39 @@ class EnqueueReceipt:
     status: str
     not_before: datetime | None
     expires_at: datetime | None
+    #: ``enqueued``; for idempotent types also ``discarded`` (the waiting message of its identity has
+    #: the same JSON: nothing was written) or ``replaced`` (the waiting message took the new body).
+    #: When not ``enqueued``, the ids are the waiting message's.
+    outcome: str = "enqueued"
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotentOutcome:
+    outcome: str  # enqueued | discarded | replaced
+    message_id: UUID
+    tracking_id: UUID
+
+
+@runtime_checkable
+class SendsIdempotent(Protocol):
+    """A provider that can find the waiting message of an identity and hold back or replace it."""
+
+    async def send_idempotent(
+        self, envelopes: Sequence[Envelope], identities: Sequence[str]
+    ) -> list[IdempotentOutcome]: ...
+
+
+def identity_of(options: QueueOptions, message: QueueMessage) -> str:
+    """An idempotent message's identity key: its ``identity`` field, or the function's value, as text."""
+    key = options.identity
+    value = key(message) if callable(key) else getattr(message, key or "")
+    text = str(value)
+    if not text or len(text) > MAX_IDENTITY:
+        raise InvalidArgument("identity", f"must be 1 to {MAX_IDENTITY} characters, not {len(text)}")
+    return text
+
+
+MAX_IDENTITY = 256
 
 
 def _when(
@@ -162,13 +197,13 @@ class Producer:
         app: QueueingApp,
         provider: Provider,
         *,
-        tracker: Tracker | None = None,
+        history: HistoryWriter | None = None,
         clock: Clock = utcnow,
         opener: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.app = app
         self.provider = provider
-        self.tracker = tracker
+        self.history = history
         self.clock = clock
         self._opener = opener  # opens the provider on first use, so producer-only apps need no start-up call
         self._chain = compose_enqueue(app.enqueue_middleware)
@@ -179,7 +214,8 @@ class Producer:
     ) -> Envelope:
         return build_envelope(self.app, message, now or self.clock(), **options)
 
-    async def _prepare(self, envelopes: Sequence[Envelope]) -> list[Envelope]:
+    async def prepare(self, envelopes: Sequence[Envelope]) -> list[Envelope]:
+        """Envelopes through the enqueue middleware and the size checks, ready for the transport."""
         if self._chain_len != len(self.app.enqueue_middleware):  # middleware added after start-up
             self._chain = compose_enqueue(self.app.enqueue_middleware)
             self._chain_len = len(self.app.enqueue_middleware)
@@ -193,23 +229,66 @@ class Producer:
         sub = self.app.subscription(env.type)
         return sub.options.default_status if sub else MessageStatus.PENDING
 
-    async def _send(self, envelopes: Sequence[Envelope], *, wait: bool) -> list[EnqueueReceipt]:
-        ready = await self._prepare(envelopes)
+    async def _send(
+        self, envelopes: Sequence[Envelope], *, wait: bool, identities: Sequence[str | None] = ()
+    ) -> list[EnqueueReceipt]:
+        return await self.send_prepared(await self.prepare(envelopes), wait=wait, identities=identities)
+
+    async def send_prepared(
+        self, ready: Sequence[Envelope], *, wait: bool = True, identities: Sequence[str | None] = ()
+    ) -> list[EnqueueReceipt]:
+        """Send envelopes from :meth:`prepare` (an idempotent type's through the provider's own
+        find-or-replace), then record and announce them."""
         if self._opener is not None:
             await self._opener()
-        await self.provider.send(ready, wait=wait)
-        receipts = [
-            EnqueueReceipt(
-                e.message_id, e.tracking_id, e.type, e.queue, self._status(e), e.not_before, e.expires_at
+        keyed = [i for i, key in enumerate(identities) if key is not None]
+        outcomes: dict[int, IdempotentOutcome] = {}
+        if keyed:
+            if not isinstance(self.provider, SendsIdempotent):
+                raise NotSupported(
+                    f"{ready[keyed[0]].type} is idempotent, and {self.provider.transport.value} cannot find "
+                    "or replace the waiting message of an identity; use the SQL provider for this type"
+                )
+            found = await self.provider.send_idempotent(
+                [ready[i] for i in keyed], [str(identities[i]) for i in keyed]
             )
-            for e in ready
-        ]
-        if self.tracker is not None and not self.provider.capabilities.durable_history:
+            outcomes = dict(zip(keyed, found, strict=True))
+            plain = [e for i, e in enumerate(ready) if i not in outcomes]
+        else:
+            plain = list(ready)
+        if plain:
+            await self.provider.send(plain, wait=wait)
+        return await self.sent(ready, outcomes)
+
+    async def sent(
+        self, ready: Sequence[Envelope], outcomes: Mapping[int, IdempotentOutcome] | None = None
+    ) -> list[EnqueueReceipt]:
+        """History and the ``enqueued`` hooks for envelopes the transport has accepted (a store that
+        writes them itself, as a schedule's tick on SQL does, calls this after its commit)."""
+        found = outcomes or {}
+        receipts = []
+        for i, e in enumerate(ready):
+            o = found.get(i)
+            receipts.append(
+                EnqueueReceipt(
+                    o.message_id if o else e.message_id,
+                    o.tracking_id if o else e.tracking_id,
+                    e.type,
+                    e.queue,
+                    self._status(e),
+                    e.not_before,
+                    e.expires_at,
+                    o.outcome if o else "enqueued",
+                )
+            )
+        if self.history is not None and not self.provider.capabilities.durable_history:
             now = self.clock()
             records: list[MessageRecord] = [
                 record_from_envelope(e, r.status, now) for e, r in zip(ready, receipts, strict=True)
             ]
-            await self.tracker.upsert(records)
+            # The send stands once the transport has it: a history store that fails now must not make
+            # the caller send again (a duplicate). The record is kept and written when the store is back.
+            await self.history.write(records)
         hooks = self.app.hooks
         if hooks.wants(Event.ENQUEUED):
             for env in ready:
@@ -218,18 +297,31 @@ class Producer:
 
     async def enqueue(self, message: QueueMessage, **options: Unpack[EnqueueOptions]) -> EnqueueReceipt:
         """Enqueue one message."""
-        return (await self._send([self.envelope_for(message, **options)], wait=False))[0]
+        return (await self.enqueue_many([message], **options))[0]
 
     async def enqueue_and_wait(
         self, message: QueueMessage, **options: Unpack[EnqueueOptions]
     ) -> EnqueueReceipt:
         """Return only once the transport has durably accepted the message."""
-        return (await self._send([self.envelope_for(message, **options)], wait=True))[0]
+        return (await self.enqueue_many([message], wait=True, **options))[0]
 
     async def enqueue_many(
         self, messages: Iterable[QueueMessage], *, wait: bool = False, **options: Unpack[EnqueueOptions]
     ) -> list[EnqueueReceipt]:
         """Enqueue many in one batch on the wire / one statement in SQL; shared options apply to all."""
         now = self.clock()
-        envs = [self.envelope_for(m, now=now, **options) for m in messages]
-        return await self._send(envs, wait=wait) if envs else []
+        batch = list(messages)
+        envs = [self.envelope_for(m, now=now, **options) for m in batch]
+        return await self._send(envs, wait=wait, identities=self._identities(batch)) if envs else []
+
+    def _identities(self, messages: Sequence[QueueMessage]) -> list[str | None]:
+        """The identity of each message of an idempotent type (None for the others); empty if none."""
+        keys: list[str | None] = []
+        idempotent: dict[type[QueueMessage], QueueOptions | None] = {}
+        for m in messages:
+            if type(m) not in idempotent:
+                opts = self.app.options_for(type(m))
+                idempotent[type(m)] = opts if opts.idempotent else None
+            opts_or_none = idempotent[type(m)]
+            keys.append(identity_of(opts_or_none, m) if opts_or_none is not None else None)
+        return keys if any(k is not None for k in keys) else []

@@ -6,27 +6,36 @@ Hosts (the worker, the Azure Functions triggers, the test helpers) all go throug
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from uuid import UUID
 
 from .clock import Clock, utcnow
 from .control import CachedControlStore, ControlStore, MemoryControlStore
 from .decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
-from .envelope import malformed_identity
+from .envelope import REPEATED_FORWARD, Envelope, malformed_identity
+from .messages import MessageStatus
 from .pipeline import Pipeline
 from .producer import Producer
-from .tracking import MemoryTracker, MessageRecord, Tracker
+from .throughput import Throughput
+from .tracking import MemoryTracker, MessageRecord, Tracker, record_from_envelope
+from .tracking.backlog import HistoryWriter
 from .transport import Delivery, Provider, Settlement
 
 if TYPE_CHECKING:
     from .app import QueueingApp
 
 outcome_log = logging.getLogger("queueing.outcome")
+#: added to the longest lease before a dead process's unconfirmed history row is written (seconds)
+UNSETTLED_MARGIN = 10.0
 
 
 @runtime_checkable
@@ -41,6 +50,29 @@ class ProvidesTracker(Protocol):
     """A provider that is its own durable history (the SQL provider)."""
 
     def tracker(self) -> Tracker: ...
+
+
+@runtime_checkable
+class StoresProgress(Protocol):
+    """A provider that keeps a running message's progress on its own row (the SQL provider)."""
+
+    async def store_progress(self, envelope: Envelope, progress: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class PushesCancels(Protocol):
+    """A provider that hears cancellation requests as they are made (PostgreSQL's NOTIFY): it calls
+    ``on_cancel`` with the message id, sooner than the worker's look at the control store."""
+
+    on_cancel: Callable[[UUID], None] | None
+
+
+@dataclass(slots=True)
+class HistoryAhead:
+    """Records made (and journaled) before a batch is settled, to be written once it is."""
+
+    records: dict[int, MessageRecord] = field(default_factory=dict)  # by id() of the delivery
+    rows: dict[int, int] = field(default_factory=dict)  # journal row by id() of the delivery
 
 
 def default_worker_id() -> str:
@@ -59,6 +91,7 @@ class Runtime:
         control_ttl: float = 1.0,
         pause_recheck: timedelta = timedelta(seconds=5),
         waiting_recheck: timedelta = timedelta(seconds=30),
+        history_journal: Path | None = None,
     ) -> None:
         self.app = app
         self.provider = provider
@@ -71,7 +104,9 @@ class Runtime:
             tracker = provider.tracker() if isinstance(provider, ProvidesTracker) else MemoryTracker()
         self.control = CachedControlStore(control, ttl=control_ttl)
         self.tracker = tracker
-        self.producer = Producer(app, provider, tracker=tracker, clock=clock, opener=self.open)
+        #: history not yet written (kept in ``history_journal``, a directory, so a restart resumes it)
+        self.history = HistoryWriter(tracker, journal_dir=history_journal)
+        self.producer = Producer(app, provider, history=self.history, clock=clock, opener=self.open)
         self.pipeline = Pipeline(
             app,
             self.control,
@@ -80,8 +115,30 @@ class Runtime:
             waiting_recheck=waiting_recheck,
             producer=self.producer,
         )
-        app.bind(self.producer)
+        self.pipeline.progress_sink = self.store_progress
+        previous = getattr(provider, "previous_of", None)
+        if previous is not None:
+            self.pipeline.previous_lookup = previous
+        if isinstance(provider, PushesCancels):
+            provider.on_cancel = self._cancel_heard
+        app.bind(self.producer, runtime=self)
+        #: handled messages and waiting time in this process (``GET metrics``)
+        self.throughput = Throughput.of(app.hooks)
         self._opened = False
+
+    def _cancel_heard(self, message_id: UUID) -> None:
+        self.control.invalidate()  # the next state read (a message about to start) sees it too
+        self.pipeline.cancel_running(message_id)
+
+    async def store_progress(self, envelope: Envelope, progress: dict[str, Any]) -> None:
+        """Keep a running handler's progress report with its message."""
+        now = self.clock()
+        stamped = {**progress, "at": now.isoformat()}
+        if isinstance(self.provider, StoresProgress):
+            await self.provider.store_progress(envelope, stamped)
+        else:
+            rec = record_from_envelope(envelope, MessageStatus.LEASED.value, now, progress=stamped)
+            await self.tracker.upsert([rec])
 
     @property
     def is_open(self) -> bool:
@@ -91,10 +148,16 @@ class Runtime:
         if not self._opened:
             await self.provider.open(self.app)
             self._opened = True
+            if not self.provider.capabilities.durable_history:
+                # a row a dead process kept before an unapplied settlement waits out every lease
+                leases = [s.options.lease_duration.total_seconds() for s in self.app.subscriptions()]
+                self.history.unsettled_after = max(leases, default=30.0) + UNSETTLED_MARGIN
+                self.history.open()
 
     async def close(self) -> None:
         if self._opened:
             self._opened = False
+            await self.history.close()
             await self.provider.close()
 
     async def __aenter__(self) -> Runtime:
@@ -104,29 +167,145 @@ class Runtime:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def process(self, delivery: Delivery, **kwargs: Any) -> Settlement:
-        return Settlement(delivery, await self.pipeline.process(delivery, **kwargs))
+    async def process(
+        self, delivery: Delivery, *, cancel_poll: float | None = None, **kwargs: Any
+    ) -> Settlement:
+        """Decide what becomes of ``delivery``. A host that runs one message at a time (a Functions
+        trigger) passes ``cancel_poll``: the control store is read that often while the handler runs,
+        so a cancellation reaches it there too (a worker watches all its messages at once)."""
+        env = delivery.envelope
+        if env is not None and REPEATED_FORWARD in env.headers and await self._already_done(env):
+            delivery.duplicate = True
+            return Settlement(delivery, Complete())
+        if cancel_poll is None or env is None:
+            return Settlement(delivery, await self.pipeline.process(delivery, **kwargs))
+        watcher = asyncio.create_task(self._watch_cancel(env.message_id, cancel_poll))
+        try:
+            return Settlement(delivery, await self.pipeline.process(delivery, **kwargs))
+        finally:
+            watcher.cancel()
+
+    async def _already_done(self, env: Envelope) -> bool:
+        """A forward sent again after a dispatcher died: its first forward ran if the history holds a
+        success of this attempt or a later one. Only a success counts: another outcome may be a record
+        whose settlement never reached the transport, and acting on it could drop the only copy (a
+        success, stale or not, means a run of the handler succeeded). An unreadable history runs it
+        (a duplicate run beats a lost one)."""
+        try:
+            rec = await self.tracker.get(env.message_id)
+        except Exception as exc:
+            outcome_log.warning("could not look for an earlier run of %s: %s", env.message_id, exc)
+            return False
+        done = rec is not None and rec.status == MessageStatus.SUCCEEDED and rec.attempt >= env.attempt
+        if done:
+            outcome_log.warning(
+                "message %s was forwarded again after its outcome (%s) was recorded: completed as a "
+                "duplicate, not run",
+                env.message_id,
+                rec.status if rec else "",
+            )
+        return done
+
+    async def _watch_cancel(self, message_id: UUID, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                requested = message_id in (await self.control.state()).cancelled
+            except Exception as exc:
+                outcome_log.warning("could not read cancellation requests (%s); will try again", exc)
+                continue
+            if requested and self.pipeline.cancel_running(message_id):
+                return
 
     async def process_and_settle(self, delivery: Delivery) -> Settlement:
         """Decide, settle and record one delivery (hosts without batching use this)."""
         settlement = await self.process(delivery)
-        await self.provider.settle([settlement])
-        await self.record([settlement])
+        ahead = self.history_ahead([settlement])
+        try:
+            await self.provider.settle([settlement])
+        except BaseException:
+            self.history_not_settled(ahead)
+            raise
+        self.history_applied([settlement], ahead)
+        await self.record([settlement], ahead)
         return settlement
 
-    async def record(self, settlements: Sequence[Settlement]) -> None:
+    def history_ahead(self, settlements: Sequence[Settlement]) -> HistoryAhead:
+        """Make the history records of ``settlements`` and journal them, before the transport is
+        settled: a crash between the settlement and the history write leaves them to be written by the
+        next process (see :mod:`queueing_core.tracking.backlog`)."""
+        ahead = HistoryAhead()
+        if self.provider.capabilities.durable_history or not settlements:
+            return ahead
+        now = self.clock()
+        ahead.records = {
+            id(s.delivery): history_record(s, now) for s in settlements if not s.delivery.duplicate
+        }
+        rows = self.history.ahead(list(ahead.records.values()))
+        # the journal keeps one row per message: it belongs to the last settlement of that message
+        taken: set[object] = set()
+        for s in reversed(settlements):
+            if s.delivery.duplicate:
+                continue
+            mid = ahead.records[id(s.delivery)].message_id
+            if mid in rows and mid not in taken:
+                taken.add(mid)
+                ahead.rows[id(s.delivery)] = rows[mid]
+        return ahead
+
+    def history_applied(self, settlements: Sequence[Settlement], ahead: HistoryAhead) -> None:
+        """The transport has applied ``settlements`` (all but those it refused): their journal rows now
+        record what happened, and a process that takes them over after a crash writes them at once.
+        A refused one's row is forgotten now: its outcome must never be written."""
+        rows = [
+            (s.delivery.refused, ahead.rows[k]) for s in settlements if (k := id(s.delivery)) in ahead.rows
+        ]
+        self.history.drop([row for refused, row in rows if refused])
+        self.history.settled([row for refused, row in rows if not refused])
+
+    def history_not_settled(self, ahead: HistoryAhead) -> None:
+        """The settlement did not happen (it failed for good): forget what was journaled for it."""
+        self.history.drop(list(ahead.rows.values()))
+
+    async def record(self, settlements: Sequence[Settlement], ahead: HistoryAhead | None = None) -> None:
         """Write history (for providers without their own) and one outcome line per message. A
         settlement the transport refused (its lease had passed to another run) is not history: the
-        run that holds the message now records the outcome."""
-        applied = [s for s in settlements if not s.delivery.refused]
-        if applied and not self.provider.capabilities.durable_history:
-            now = self.clock()
-            try:
-                await self.tracker.upsert([history_record(s, now) for s in applied])
-            except Exception:
-                outcome_log.exception("could not write message history; processing is unaffected")
+        run that holds the message now records the outcome. A write that fails is kept and retried
+        until it lands (``history.backlog`` counts what waits)."""
+        if not self.provider.capabilities.durable_history and settlements:
+            if ahead is None:
+                ahead = self.history_ahead(settlements)
+            refused = [
+                ahead.rows[k]
+                for s in settlements
+                if s.delivery.refused and (k := id(s.delivery)) in ahead.rows
+            ]
+            self.history.drop(refused)
+            applied = [s for s in settlements if not s.delivery.refused and not s.delivery.duplicate]
+            records = [ahead.records[id(s.delivery)] for s in applied]
+            rows = {
+                ahead.records[k].message_id: ahead.rows[k]
+                for s in applied
+                if (k := id(s.delivery)) in ahead.rows
+            }
+            self.history_applied(applied, ahead)
+            await self.history.write(records, rows)
+            for s in settlements:
+                if s.delivery.duplicate and not s.delivery.refused and s.delivery.envelope is not None:
+                    await self._note_duplicate(s.delivery.envelope.message_id)
         for s in settlements:
-            log_outcome(s)
+            if not s.delivery.duplicate:
+                log_outcome(s)
+
+    async def _note_duplicate(self, message_id: UUID) -> None:
+        """Count a known duplicate in the message's history (where the history store keeps a count)."""
+        note = getattr(self.tracker, "note_duplicate", None)
+        if note is None:
+            return
+        try:
+            await note(message_id)
+        except Exception as exc:  # a count, not an outcome: the message was settled as it had to be
+            outcome_log.warning("could not count a duplicate of %s: %s", message_id, exc)
 
 
 def history_record(s: Settlement, now: Any) -> MessageRecord:
@@ -147,6 +326,8 @@ def history_record(s: Settlement, now: Any) -> MessageRecord:
         fields.update(result=jsonable(decision.result))
     elif isinstance(decision, Release):
         fields.update(reason=decision.reason)
+    if d.left_behind is not None:
+        fields.update(copied_from=d.left_behind)
     if env is None:
         message_id, tracking_id, type_name = malformed_identity(d.text())
         return MessageRecord(

@@ -79,6 +79,13 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
             port,
         )
     log.info("ops API on http://%s:%d/api/_system/queueing", host, port)
+    shown = f"[{host}]" if ":" in host else host
+    # the one line a new user needs: where to look
+    print(
+        f"dashboard: http://{shown}:{port}/api/_system/queueing/ui/"
+        + (" (sign in with QUEUEING_API_KEY)" if key else " (no key: open to this machine only)"),
+        flush=True,
+    )
     api_task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         await worker.run()

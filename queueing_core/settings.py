@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Literal, get_args
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -61,6 +62,13 @@ class QueueingSettings(BaseSettings):
         gt=0,
         description="Seconds between SQL sweeps (lapsed leases, overdue expiry, retention) in each host.",
     )
+    durable_claims: bool = Field(
+        default=True,
+        description="PostgreSQL: claims and lease renewals wait for the write-ahead log to reach disk, "
+        "like every other write. `false` commits them with `synchronous_commit=off` on a pool of their "
+        "own: faster, and a database crash just after a claim only hands its messages out again "
+        "(a second delivery, never a loss).",
+    )
     archive_after: timedelta | None = Field(
         default=timedelta(days=7),
         description="SQL: archive messages this long after they settled in one of "
@@ -103,6 +111,13 @@ class QueueingSettings(BaseSettings):
         ge=1,
         le=1000,
         description="Messages a worker holds per handler slot (`max_concurrency` x this are leased at once).",
+    )
+    cancel_poll: float = Field(
+        default=1.0,
+        gt=0,
+        le=3600,
+        description="Seconds between a worker's looks at the shared cancellation requests while it runs "
+        "handlers (on PostgreSQL a NOTIFY tells it at once as well).",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="The log level of the kit's loggers."
@@ -164,12 +179,34 @@ class QueueingSettings(BaseSettings):
         description="The ops API key (`Authorization: Bearer <key>` or `X-API-Key`). Unset: "
         "`queueing serve` listens on loopback only and Functions refuse every request.",
     )
+    functions_http_auth_level: Literal["function", "anonymous"] = Field(
+        default="function",
+        description="Azure Functions: the HTTP function's authorization level. `function` (the default): "
+        "the platform wants its function key (`x-functions-key`) before the kit checks the API key, "
+        "which a browser does not send, so the dashboard is reached through a gateway that adds it. "
+        "`anonymous`: the kit's API key (or a dashboard session) is the only check, and a browser can "
+        "open the dashboard; it needs `QUEUEING_API_KEY`.",
+    )
     pause_recheck_seconds: float = Field(
         default=5.0,
         gt=0,
         le=3600,
         description="How long a paused or held message waits before it is looked at again (in "
         "Functions each look is an execution, so a longer wait is cheaper there).",
+    )
+    schedule_grace_seconds: float = Field(
+        default=60.0,
+        ge=1,
+        le=86400,
+        description="How late a schedule's tick may run and still count as on time. Older ticks that no "
+        "host ran (every host was down) are missed: the schedule's `catch_up` runs the newest once, or "
+        "none. In Functions keep it above the period of `QUEUEING_FUNCTIONS_SCHEDULES_SCHEDULE`.",
+    )
+    opentelemetry: bool = Field(
+        default=False,
+        description="Trace each enqueue and handler run and record processing metrics with "
+        "OpenTelemetry (install the `otel` extra and configure an SDK or exporter). Off: nothing of "
+        "OpenTelemetry is imported.",
     )
     # Azure Functions: NCRONTAB schedules (six fields) and the SQL processor's time budget per run
     functions_processor_schedule: str = Field(
@@ -199,10 +236,23 @@ class QueueingSettings(BaseSettings):
         pattern=r"^(\S+\s+){5}\S+$",
         description="Functions: when `queueing_delayed_dispatcher` forwards due delayed messages.",
     )
+    functions_schedules_schedule: str = Field(
+        default="0 * * * * *",
+        pattern=r"^(\S+\s+){5}\S+$",
+        description="Functions: when `queueing_schedules` fires the app's due schedule ticks (registered "
+        "only when the app has schedules).",
+    )
     functions_local_sqlite: bool = Field(
         default=False,
         description="Functions: allow shared state (SQL queues, the delayed store) in a SQLite file. Only "
         "for a single local host (`func start`): on Azure every instance has a file of its own.",
+    )
+    history_journal: str = Field(
+        default="",
+        description="Storage Queues, Service Bus, RabbitMQ, SQS: the directory where a host keeps message "
+        "history its history store has not taken yet (kept on local disk before each settlement and "
+        "written once the store answers, also by the next process after a restart). Empty: a "
+        "`queueing-history` directory in the system's temporary directory; `off`: memory only.",
     )
     api_max_body_bytes: int = Field(
         default=256 * 1024,
@@ -223,6 +273,16 @@ class QueueingSettings(BaseSettings):
         if value is not None and not value.isprintable():
             raise ValueError("holds control characters, which an HTTP header cannot carry")
         return key
+
+
+def journal_dir(settings: QueueingSettings) -> Path | None:
+    """Where history not yet written is kept (``QUEUEING_HISTORY_JOURNAL``); None: memory only."""
+    from .tracking.backlog import default_journal_dir
+
+    value = settings.history_journal.strip()
+    if value.lower() == "off":
+        return None
+    return Path(value) if value else default_journal_dir()
 
 
 def describe_error(exc: ValidationError, model: type[BaseSettings] = QueueingSettings) -> ConfigurationError:

@@ -58,6 +58,12 @@ class Delivery:
     #: passed to another run (released, swept, expired): its outcome was not applied and must not be
     #: recorded as if it had been
     refused: bool = False
+    #: set by ``settle`` when this delivery's outcome went on in a copy but the original could not be
+    #: removed (the transport's id of the original): it may come back, and is then a known duplicate
+    left_behind: str | None = None
+    #: set by the runtime when this delivery is a known duplicate (a repeated forward whose outcome is
+    #: already recorded): it is completed without running, and counted in history instead of recorded
+    duplicate: bool = False
 
     @classmethod
     def of(
@@ -112,6 +118,22 @@ class Delivery:
 class Settlement:
     delivery: Delivery
     decision: Decision
+
+
+def settled_each(settlements: Sequence[Settlement], results: Sequence[object], transport: str) -> None:
+    """After settling a batch message by message: raise when every one failed (the caller tries the
+    batch again); otherwise the ones that failed were not applied. They come back when their lease
+    lapses and run again, so their outcome must not be recorded as if it had been (it is treated as a
+    refused settlement: not recorded, not journaled as applied)."""
+    failures: list[tuple[Settlement, BaseException]] = [
+        (s, r) for s, r in zip(settlements, results, strict=True) if isinstance(r, BaseException)
+    ]
+    for _, exc in failures:
+        _log.warning("settling a %s message failed: %s", transport, (str(exc) or repr(exc)).splitlines()[0])
+    if failures and len(failures) == len(settlements):
+        raise failures[0][1]
+    for s, _ in failures:
+        s.delivery.refused = True  # not applied: it comes back, and the run that gets it records it
 
 
 @runtime_checkable

@@ -27,7 +27,7 @@ from .app import Subscription
 from .clock import utcnow
 from .control import ControlState, circuit
 from .decisions import Release
-from .runtime import Runtime, default_worker_id
+from .runtime import HistoryAhead, Runtime, default_worker_id
 from .transport import Delivery, HasBackgroundTasks, Maintains, OwnsLeases, Settlement
 
 log = logging.getLogger("queueing.worker")
@@ -109,7 +109,7 @@ class Settler:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         # history is written by one task, in settlement order, while the next batch settles
-        self._history: asyncio.Queue[list[Settlement] | None] = asyncio.Queue()
+        self._history: asyncio.Queue[tuple[list[Settlement], HistoryAhead] | None] = asyncio.Queue()
         self._recorder: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -120,17 +120,22 @@ class Settler:
         done = False
         while not done:
             item = await self._history.get()
-            chunk = [] if item is None else list(item)
+            chunk: list[Settlement] = []
+            ahead = HistoryAhead()
             done = item is None
+            if item is not None:
+                chunk, ahead = list(item[0]), item[1]
             # a slow store lets work pile up: write all that waits in one go (fewer, fuller requests)
             while not done and not self._history.empty():
                 more = self._history.get_nowait()
                 if more is None:
                     done = True
                 else:
-                    chunk += more
+                    chunk += more[0]
+                    ahead.records.update(more[1].records)
+                    ahead.rows.update(more[1].rows)
             if chunk:
-                await self.runtime.record(chunk)
+                await self.runtime.record(chunk, ahead)
 
     def add(self, settlement: Settlement) -> None:
         self._buf.append(settlement)
@@ -147,6 +152,8 @@ class Settler:
                 await self._flush(chunk)
 
     async def _flush(self, chunk: list[Settlement]) -> None:
+        # journaled before the settlement: a crash after it still leaves the history to be written
+        ahead = self.runtime.history_ahead(chunk)
         for attempt in range(1, 6):
             try:
                 await self.runtime.provider.settle(chunk)
@@ -155,12 +162,14 @@ class Settler:
                 if attempt == 5:
                     # The leases will lapse and the messages come back: at-least-once, nothing lost.
                     log.error("could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc)
+                    self.runtime.history_not_settled(ahead)
                     self._settled(chunk)
                     return
                 log.warning("settling %d message(s) failed (%s); retrying", len(chunk), exc)
                 await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+        self.runtime.history_applied(chunk, ahead)
         self._settled(chunk)
-        self._history.put_nowait(chunk)
+        self._history.put_nowait((chunk, ahead))
 
     def _settled(self, chunk: list[Settlement]) -> None:
         if self.on_settled is not None:
@@ -191,6 +200,9 @@ class Worker:
         prefetch: int = 1,
         settle_batch: int = 200,
         settle_linger: float = 0.002,
+        schedules: bool = True,
+        schedule_grace: timedelta = timedelta(seconds=60),
+        cancel_poll: float = 1.0,
     ) -> None:
         self.runtime = runtime
         self.worker_id = lease_owner(runtime, worker_id)
@@ -201,6 +213,7 @@ class Worker:
         self.pause_poll = pause_poll
         self.batch_size = batch_size
         self.prefetch = max(1, prefetch)
+        self.cancel_poll = cancel_poll
         self.settler = Settler(runtime, batch=settle_batch, linger=settle_linger, on_settled=self._settled)
         self._stopping = asyncio.Event()
         self._stop_requested = asyncio.Event()
@@ -212,8 +225,12 @@ class Worker:
         self._in_flight: dict[int, Delivery] = {}
         self._subs: dict[str, _SubState] = {}
         self._renewer: asyncio.Task[None] | None = None
+        self._canceller: asyncio.Task[None] | None = None
         self._maintainer: asyncio.Task[None] | None = None
         self._background: list[asyncio.Task[None]] = []
+        #: run the app's schedules in this host (off where a dedicated timer runs them: Functions)
+        self.run_schedules = schedules
+        self.schedule_grace = schedule_grace
         self._owns_runtime = False
         self._stop_waiter: asyncio.Future[Any] | None = None
         self.started = asyncio.Event()
@@ -238,9 +255,15 @@ class Worker:
             self._consumers.append(asyncio.create_task(self._consume(sub), name=f"consume:{sub.queue}"))
         if self.runtime.provider.capabilities.lock_renewal:
             self._renewer = asyncio.create_task(self._renew_loop(), name="queueing-renew")
+        self._canceller = asyncio.create_task(self._watch_cancels(), name="queueing-cancels")
         if isinstance(self.runtime.provider, HasBackgroundTasks):
             for job in self.runtime.provider.background_tasks():
                 self._background.append(asyncio.create_task(job(), name=f"queueing-{job.__name__}"))
+        if self.run_schedules and len(self.runtime.app.schedules):
+            from .scheduler import Scheduler
+
+            scheduler = Scheduler(self.runtime, grace=self.schedule_grace)
+            self._background.append(asyncio.create_task(scheduler.run(), name="queueing-schedules"))
         if isinstance(self.runtime.provider, Maintains):
             self._maintainer = asyncio.create_task(
                 self._maintain_loop(self.runtime.provider), name="queueing-maintain"
@@ -308,11 +331,12 @@ class Worker:
             if pending:
                 log.warning("releasing %d message(s) still running at the shutdown deadline", len(pending))
                 self._handler_stop.set()
+                self.runtime.pipeline.stop_running()
                 for t in pending:
                     t.cancel()
                 await asyncio.wait(pending, timeout=10)
         await self.settler.close()
-        for task in (self._renewer, self._maintainer, *self._background):
+        for task in (self._renewer, self._canceller, self._maintainer, *self._background):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -442,6 +466,22 @@ class Worker:
                         "correlation_id": env.correlation_id if env else None,
                     },
                 )
+
+    async def _watch_cancels(self) -> None:
+        """Cancellation requests for the messages running here, from the shared control store (every
+        transport); PostgreSQL's NOTIFY reaches the pipeline sooner through the runtime."""
+        pipeline, control = self.runtime.pipeline, self.runtime.control
+        while True:
+            await asyncio.sleep(self.cancel_poll)
+            if not pipeline.running:
+                continue
+            try:
+                requested = (await control.state()).cancelled
+            except Exception as exc:
+                log.warning("could not read cancellation requests (%s); will try again", exc)
+                continue
+            for message_id in requested & pipeline.running.keys():
+                pipeline.cancel_running(message_id)
 
     async def _maintain_loop(self, provider: Maintains) -> None:
         # spread hosts apart a little so they do not sweep in lock-step

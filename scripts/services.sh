@@ -22,4 +22,6 @@ if ! up 5672; then
     rabbitmq-server -detached || true
   fi
 fi
+# the browser the dashboard's tests drive
+"$(dirname "$0")/chromium.sh" || echo "could not install chromium: the dashboard's browser tests will say so" >&2
 wait_for PostgreSQL 5432 60 && wait_for RabbitMQ 5672 90

@@ -8,13 +8,18 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal, Protocol, runtime_checkable
+from uuid import UUID
 
 from ..options import CircuitBreakerOptions
 
 CircuitName = Literal["closed", "open", "half_open"]
-PauseKind = Literal["queue", "type"]
+PauseKind = Literal["queue", "type", "schedule"]
+
+#: how long a cancellation request is kept: a message it names that has not run by then is held by an
+#: operator's status or lost track of, and the request only costs every host a row to read
+CANCEL_KEPT = timedelta(days=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +41,9 @@ class ControlState:
     paused_queues: frozenset[str] = frozenset()
     paused_types: frozenset[str] = frozenset()
     circuits: Mapping[str, CircuitState] = field(default_factory=dict)
+    paused_schedules: frozenset[str] = frozenset()
+    #: messages whose cancellation was requested: none of them starts, and a running one is told
+    cancelled: frozenset[UUID] = frozenset()
 
     def is_paused(self, queue: str, type_name: str) -> bool:
         return queue in self.paused_queues or type_name in self.paused_types
@@ -63,6 +71,11 @@ class ControlStore(Protocol):
     async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool: ...
 
     async def reset_circuit(self, type_name: str) -> None: ...
+
+    async def set_cancel(self, message_id: UUID, requested: bool, now: datetime) -> None:
+        """Request (or withdraw, for an operator's retry) the cancellation of one message; requests
+        older than :data:`CANCEL_KEPT` are dropped."""
+        ...
 
 
 class CachedControlStore:
@@ -128,4 +141,8 @@ class CachedControlStore:
 
     async def reset_circuit(self, type_name: str) -> None:
         await self.inner.reset_circuit(type_name)
+        self.invalidate()
+
+    async def set_cancel(self, message_id: UUID, requested: bool, now: datetime) -> None:
+        await self.inner.set_cancel(message_id, requested, now)
         self.invalidate()

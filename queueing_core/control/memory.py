@@ -4,24 +4,41 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
+from uuid import UUID
 
 from ..options import CircuitBreakerOptions
 from . import circuit
-from .base import CircuitState, ControlState, PauseKind
+from .base import CANCEL_KEPT, CircuitState, ControlState, PauseKind
 
 
 class MemoryControlStore:
     def __init__(self) -> None:
         self._queues: set[str] = set()
         self._types: set[str] = set()
+        self._schedules: set[str] = set()
         self._circuits: dict[str, CircuitState] = {}
+        self._cancels: dict[UUID, datetime] = {}
         self._lock = asyncio.Lock()
 
     async def state(self) -> ControlState:
-        return ControlState(frozenset(self._queues), frozenset(self._types), dict(self._circuits))
+        return ControlState(
+            frozenset(self._queues),
+            frozenset(self._types),
+            dict(self._circuits),
+            paused_schedules=frozenset(self._schedules),
+            cancelled=frozenset(self._cancels),
+        )
+
+    async def set_cancel(self, message_id: UUID, requested: bool, now: datetime) -> None:
+        for old in [k for k, at in self._cancels.items() if at < now - CANCEL_KEPT]:
+            del self._cancels[old]
+        if requested:
+            self._cancels.setdefault(message_id, now)
+        else:
+            self._cancels.pop(message_id, None)
 
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
-        target = self._queues if kind == "queue" else self._types
+        target = {"queue": self._queues, "type": self._types, "schedule": self._schedules}[kind]
         (target.add if paused else target.discard)(name)
 
     def _get(self, type_name: str) -> CircuitState:

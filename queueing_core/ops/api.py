@@ -15,7 +15,7 @@ from uuid import UUID
 from fastapi import APIRouter, Body, Depends, FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import APIKeyHeader, HTTPBearer
 from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints
 from pydantic_core import PydanticCustomError
@@ -28,6 +28,7 @@ from ..tracking import MessageQuery
 from .guard import ApiKeyHeaders, Credential, Guard, LocalOnly, is_json
 from .models import (
     QUEUE_NAME,
+    SCHEDULE_NAME,
     STATUS_NAME,
     TYPE_NAME,
     ActionResult,
@@ -42,10 +43,14 @@ from .models import (
     PauseResult,
     Problem,
     PurgeResult,
+    ScheduleInfo,
+    StatusUpdate,
+    StatusUpdateResult,
     SubscriptionInfo,
     Summary,
 )
 from .problems import PROBLEM, ErrorBoundary, kit_problem, problem, without_input
+from .prometheus import CONTENT_TYPE
 from .service import OpsService
 
 PREFIX = "/api/_system/queueing"
@@ -305,6 +310,16 @@ def create_app(
         return await ops.retry(id)
 
     @router.post(
+        "/messages/{id}/cancel",
+        response_model=ActionResult,
+        responses=_problems(404, 409),
+        summary="Cancel by tracking id or message id: a waiting message never runs, a running one is "
+        "told to stop",
+    )
+    async def cancel(ops: Ops, id: MessageId) -> ActionResult:
+        return await ops.cancel(id)
+
+    @router.post(
         "/messages/{id}/lease/release",
         response_model=ActionResult,
         responses=_problems(404, 409),
@@ -355,10 +370,45 @@ def create_app(
     async def resume_type(ops: Ops, type: TypeName) -> PauseResult:
         return await ops.set_paused("type", type, False)
 
+    @router.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        summary="Prometheus metrics: counts by queue and status (as stats), handled messages, lag",
+        responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+    )
+    async def metrics(ops: Ops) -> PlainTextResponse:
+        return PlainTextResponse(await ops.prometheus(), media_type=CONTENT_TYPE)
+
+    ScheduleName = Annotated[str, Path(pattern=SCHEDULE_NAME, description="a schedule name")]
+
+    @router.get(
+        "/schedules", response_model=list[ScheduleInfo], summary="Recurring schedules and their ticks"
+    )
+    async def schedules(ops: Ops) -> list[ScheduleInfo]:
+        return await ops.schedules()
+
+    @router.post("/schedules/{name}/pause", response_model=PauseResult, responses=_problems(404))
+    async def pause_schedule(ops: Ops, name: ScheduleName) -> PauseResult:
+        return await ops.set_schedule_paused(name, True)
+
+    @router.post("/schedules/{name}/resume", response_model=PauseResult, responses=_problems(404))
+    async def resume_schedule(ops: Ops, name: ScheduleName) -> PauseResult:
+        return await ops.set_schedule_paused(name, False)
+
     @router.post("/types/{type}/circuit/reset", response_model=CircuitResetResult, responses=_problems(404))
     async def reset_circuit(ops: Ops, type: TypeName) -> CircuitResetResult:
         await ops.reset_circuit(type)
         return CircuitResetResult(type=type)
+
+    @router.post(
+        "/queues/{queueName}/status",
+        response_model=StatusUpdateResult,
+        responses=_problems(404, 409, 415),
+        dependencies=[Depends(json_body)],
+        summary="Set a status on the queue's messages whose body property compares to a value (SQL)",
+    )
+    async def update_status(ops: Ops, queueName: QueueName, change: StatusUpdate) -> StatusUpdateResult:
+        return await ops.update_status_where(queueName, change)
 
     @router.post(
         "/queues/{queueName}/messages",
@@ -440,9 +490,19 @@ def create_app(
             headers=headers,
         )
 
+    from .ui import Dashboard  # imports this module's parameter types
+
+    ui = Dashboard(service, api_key=api_key, local=local, prefix=prefix)
+    ui.install(app)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     keys: tuple[Credential, ...] = (ApiKeyHeaders(api_key),) if api_key is not None else ()
-    app.add_middleware(Guard, credentials=keys + credentials, local=None if api_key is not None else local)
+    app.add_middleware(
+        Guard,
+        credentials=keys + ui.credentials + credentials,
+        local=None if api_key is not None else local,
+        public=ui.public,
+        render=ui.render,
+    )
     app.add_middleware(ErrorBoundary)
     return app
 

@@ -9,20 +9,20 @@
 
 Otherwise it gets 401 (403 for a cross-site refusal) as problem details, having reached nothing else.
 
-A credential is anything that can look at a request and say absent, valid or invalid: today
-:class:`ApiKeyHeaders`; a signed-in browser session (a cookie plus an anti-forgery token on every
-state-changing request) is another :class:`Credential` added to the same list, and nothing else here
-changes.
+A credential is anything that can look at a request and say absent, valid or invalid:
+:class:`ApiKeyHeaders`, and the dashboard's signed-in browser session (a cookie plus an anti-forgery
+token on every state-changing request, in :mod:`.ui.session`), added to the same list.
 """
 
 from __future__ import annotations
 
 import enum
 import hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from starlette.requests import HTTPConnection
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .problems import problem
@@ -118,8 +118,25 @@ class LocalOnly:
         return None
 
 
+#: renders a refusal (status, kind, detail) for a request in a form of its own (a browser page gets a
+#: redirect to the sign-in page); None leaves it to the problem details
+Refusal = Callable[[HTTPConnection, int, str, str], Response | None]
+
+
+def nothing_public(path: str) -> bool:
+    return False
+
+
+def no_rendering(request: HTTPConnection, status: int, kind: str, detail: str) -> Response | None:
+    return None
+
+
 class Guard:
-    """The ASGI middleware: see the module's docstring."""
+    """The ASGI middleware: see the module's docstring.
+
+    ``public`` names the few paths anyone may reach (the sign-in page and its stylesheet), and
+    ``render`` may answer a refusal in another form; neither changes who is refused.
+    """
 
     def __init__(
         self,
@@ -127,10 +144,14 @@ class Guard:
         *,
         credentials: Sequence[Credential],
         local: LocalOnly | None = None,
+        public: Callable[[str], bool] = nothing_public,
+        render: Refusal = no_rendering,
     ) -> None:
         self.app = app
         self.credentials = tuple(credentials)
         self.local = local
+        self.public = public
+        self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -140,12 +161,12 @@ class Guard:
             await send({"type": "websocket.close", "code": 1008})
             return
         request = HTTPConnection(scope)
-        refusal = self._refusal(request, scope["method"])
+        refusal = None if self.public(scope["path"]) else self._refusal(request, scope["method"])
         if refusal is None:
             await self.app(scope, receive, send)
             return
         status, kind, detail = refusal
-        response = problem(
+        response = self.render(request, status, kind, detail) or problem(
             status,
             kind,
             detail,

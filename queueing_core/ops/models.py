@@ -8,11 +8,13 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..messages import CUSTOM_STATUS_PATTERN
 from ..options import Health
 
 QUEUE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,259}$"
 TYPE_NAME = r"^[A-Za-z_][A-Za-z0-9_.]{0,255}$"
 STATUS_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
+SCHEDULE_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,199}$"
 
 
 class _Model(BaseModel):
@@ -99,6 +101,14 @@ class MessageDetail(MessageSummary):
     archived_at: datetime | None
     headers: dict[str, str]
     result: Any = None
+    progress: dict[str, Any] | None = Field(
+        default=None, description="what the handler last reported: step, total, text and when (at)"
+    )
+    duplicates: int = Field(
+        default=0,
+        description="deliveries of this message recognised as duplicates of a run already recorded "
+        "and completed without running the handler",
+    )
 
 
 class MessageContent(_Model):
@@ -131,8 +141,20 @@ class PurgeResult(_Model):
     skipped_leased: int = Field(description="matching messages left alone because a worker holds them")
 
 
+class ScheduleInfo(_Model):
+    name: str
+    expression: str = Field(description="the cron expression, or `every <n>s`")
+    timezone: str
+    catch_up: Literal["skip", "once"] = Field(
+        description="after every host was down past a tick: run the newest missed tick once, or none"
+    )
+    paused: bool
+    last_tick: datetime | None = Field(description="the newest tick a host claimed (UTC)")
+    next_tick: datetime = Field(description="the next tick after now (UTC)")
+
+
 class PauseResult(_Model):
-    kind: Literal["queue", "type"]
+    kind: Literal["queue", "type", "schedule"]
     name: str
     paused: bool
 
@@ -160,6 +182,11 @@ class HealthReport(_Model):
     status: Health
     queues: dict[str, Health]
     reasons: dict[str, str] = Field(default_factory=dict)
+    history_backlog: int = Field(
+        default=0,
+        description="history records this host has not been able to write yet (being retried); "
+        "while any wait, the status is at least Degraded",
+    )
 
 
 class Problem(BaseModel):
@@ -174,3 +201,47 @@ class Problem(BaseModel):
         default=None, description="validation errors (`loc`, `msg`, `type`), at most 50"
     )
     error_count: int | None = Field(default=None, description="how many errors there were, when over 50")
+
+
+#: one step of a JSON path into a message body: a property name or an array index
+PATH_SEGMENT = r"(?:[A-Za-z_][A-Za-z0-9_]{0,63}|[0-9]{1,6})"
+MAX_PATH_DEPTH = 8
+#: a dotted path of such steps (what the database receives, as a bound parameter, is built from them)
+JSON_PATH = rf"^{PATH_SEGMENT}(?:\.{PATH_SEGMENT}){{0,{MAX_PATH_DEPTH - 1}}}$"
+
+
+class StatusWhere(_Model):
+    """Which messages: those whose body has ``value`` at ``path`` compared by ``op``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str = Field(
+        pattern=JSON_PATH,
+        description="a dotted path into the body, e.g. customer.country or lines.0.sku: property "
+        "names (letters, digits, _) and array indexes, at most 8 steps",
+        examples=["customer.country"],
+    )
+    op: Literal["eq", "ne", "lt", "le", "gt", "ge"] = "eq"
+    value: str | int | float | bool | None = Field(
+        description="compared as text, number or boolean by its JSON type; null (missing or null) "
+        "with eq/ne, and nothing is less or greater than null"
+    )
+
+    def steps(self) -> tuple[str | int, ...]:
+        return tuple(int(s) if s.isdigit() else s for s in self.path.split("."))
+
+
+class StatusUpdate(_Model):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    where: StatusWhere
+    set: str = Field(pattern=CUSTOM_STATUS_PATTERN, description="the status to set")
+    status: list[str] | None = Field(
+        default=None, description="only messages in these statuses (default: any but Leased)"
+    )
+
+
+class StatusUpdateResult(_Model):
+    queue: str
+    status: str
+    updated: int

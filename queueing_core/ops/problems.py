@@ -20,6 +20,7 @@ from ..errors import (
     MessageNotFound,
     MessageTooLarge,
     MissingPermission,
+    NotSupported,
     ProviderUnavailable,
     QueueingError,
 )
@@ -37,6 +38,7 @@ MAX_ERRORS = 50
 #: the kit's errors a caller can act on: (class, status, type, title); the first match wins
 KIT_ERRORS: tuple[tuple[type[QueueingError], int, str, str], ...] = (
     (MessageNotFound, 404, "not-found", "Not found"),
+    (NotSupported, 409, "not-supported", "Not supported by this transport"),
     (InvalidOperation, 409, "invalid-state", "Not allowed in the message's current state"),
     (MessageTooLarge, 413, "message-too-large", "Message too large"),
     (BodyInvalid, 422, "invalid-body", "Invalid message"),

@@ -16,10 +16,11 @@ from uuid import UUID
 
 from pydantic import ValidationError
 
+from .. import jobs
 from ..app import Subscription
 from ..clock import Clock, utcnow
 from ..envelope import Envelope
-from ..errors import InvalidArgument, InvalidOperation, MessageNotFound
+from ..errors import InvalidArgument, InvalidOperation, MessageNotFound, NotSupported
 from ..messages import MessageStatus
 from ..options import Health
 from ..producer import EnqueueOptions
@@ -38,6 +39,9 @@ from .models import (
     PauseResult,
     PurgeResult,
     QueueSummary,
+    ScheduleInfo,
+    StatusUpdate,
+    StatusUpdateResult,
     SubscriptionInfo,
     Summary,
 )
@@ -45,6 +49,8 @@ from .models import (
 S = MessageStatus
 #: what retry accepts: finished badly, waiting for a retry or a time, or held by an operator's status
 RETRYABLE = {S.DEAD_LETTERED, S.FAILED, S.EXPIRED, S.ABANDONED, S.CANCELLED, S.SLEEPING}
+#: kit statuses an operator may set by a body match (the others carry meaning only the kit gives)
+SETTABLE = frozenset({S.PENDING.value, S.CANCELLED.value})
 ARCHIVABLE = {S.SUCCEEDED, S.DEAD_LETTERED, S.EXPIRED, S.CANCELLED, S.ABANDONED}
 WAITING = (S.PENDING.value, S.FAILED.value, S.SLEEPING.value, S.WAITING_FOR_HANDLER.value, S.PAUSED.value)
 KNOWN = frozenset(s.value for s in MessageStatus)
@@ -64,6 +70,22 @@ class UnknownQueue(MessageNotFound):
 
 
 @runtime_checkable
+class UpdatesStatusWhere(Protocol):
+    """A provider that can select its messages by a body property (the SQL provider)."""
+
+    async def ops_update_status_where(
+        self,
+        queue: str,
+        steps: Sequence[str | int],
+        op: str,
+        value: str | int | float | bool | None,
+        new_status: str,
+        only: Sequence[str] | None,
+        now: datetime,
+    ) -> int: ...
+
+
+@runtime_checkable
 class OpsActions(Protocol):
     """State changes a provider carries out for the ops service. Each returns False when the message
     was no longer in the state the service checked (someone else acted first)."""
@@ -72,17 +94,38 @@ class OpsActions(Protocol):
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
     ) -> bool:
         """Run the message again from ``envelope``; call ``reopen`` after the last refusal and before
-        the message can run (it records Pending in a separate history)."""
+        the message can run (it records Pending in a separate history). The copy is sent before the
+        original is removed: a failure part-way leaves two copies (or the original), never none."""
         ...
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool: ...
 
     async def ops_archive(self, record: MessageRecord, now: datetime) -> bool: ...
 
-    async def ops_purge(
-        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
-    ) -> tuple[int, int]:
-        """Delete what matches (``records``: the tracker's matches, for providers without history)."""
+    async def ops_held(self, record: MessageRecord) -> str | None:
+        """The state the transport holds ``record``'s message in where only an operator's retry moves
+        it on (an interrupted retry left it dead-lettered though its history moved on), else None."""
+        ...
+
+
+@runtime_checkable
+class PurgesWithHistory(Protocol):
+    """A purge where the transport and its history are one (the SQL provider)."""
+
+    async def ops_purge(self, query: MessageQuery) -> tuple[int, int]:
+        """Delete what matches; returns how many were deleted and how many were skipped because a
+        worker holds them."""
+        ...
+
+
+@runtime_checkable
+class RemovesMessages(Protocol):
+    """A purge on a transport with a separate history."""
+
+    async def ops_remove(self, query: MessageQuery, records: Sequence[MessageRecord]) -> set[UUID]:
+        """Take the messages of ``records`` (the history's matches) off the transport as far as it
+        can; returns the ids the transport no longer holds (removed now, or dead letters it does not
+        hold at all): only their history is deleted."""
         ...
 
 
@@ -259,6 +302,8 @@ class OpsService:
             archived_at=r.archived_at,
             headers=r.headers,
             result=r.result,
+            progress=r.progress,
+            duplicates=r.duplicates or 0,
         )
 
     async def content(self, message_id: UUID) -> MessageContent:
@@ -286,7 +331,11 @@ class OpsService:
         queues = {q.queue: q.health for q in summary.queues}
         reasons = {q.queue: _reason(q) for q in summary.queues if q.health is not Health.HEALTHY}
         worst = max(queues.values(), key=lambda h: _ORDER[h], default=Health.HEALTHY)
-        return HealthReport(status=worst, queues=queues, reasons=reasons)
+        # history the store has not taken yet: the messages are fine, what the API shows is behind
+        backlog = self.runtime.history.backlog
+        if backlog and _ORDER[worst] < _ORDER[Health.DEGRADED]:
+            worst = Health.DEGRADED
+        return HealthReport(status=worst, queues=queues, reasons=reasons, history_backlog=backlog)
 
     # -- acting --------------------------------------------------------------------------------------
     @property
@@ -306,6 +355,13 @@ class OpsService:
         r = await self.record(message_id)
         if r.archived:
             raise InvalidOperation(f"cannot retry message {r.message_id}: it is archived")
+        if r.status not in RETRYABLE and not self._durable:
+            # an earlier retry stopped part-way (before or after its copy left): the transport still
+            # holds the original where only a retry moves it on, so this retry goes ahead (at worst
+            # the message runs twice; left alone it would never leave the dead-letter queue)
+            held = await self.actions.ops_held(r)
+            if held is not None:
+                r = r.model_copy(update={"status": held})
         if r.status in KNOWN and r.status not in RETRYABLE:
             why = {
                 S.SUCCEEDED: "; it already succeeded (enqueue a new message to run the work again)",
@@ -349,6 +405,9 @@ class OpsService:
         async def reopen() -> None:
             await self.runtime.tracker.reopen(pending)
 
+        if r.status == S.CANCELLED:  # the old request would cancel the new run
+            await self.runtime.control.set_cancel(r.message_id, False, now)
+
         if not await self.actions.ops_retry(r, envelope, now, nothing_to_reopen if self._durable else reopen):
             raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
         return ActionResult(
@@ -356,6 +415,35 @@ class OpsService:
             status=S.PENDING,
             detail=f"retry scheduled with fresh attempts (was {r.status})",
         )
+
+    async def cancel(self, tracking_id: UUID) -> ActionResult:
+        """Cancel by tracking id (or message id); see :func:`queueing_core.jobs.cancel`."""
+        done = await jobs.cancel(self.runtime, tracking_id)
+        return ActionResult(message_id=done.message_id, status=done.status, detail=done.detail)
+
+    async def update_status_where(self, queue: str, change: StatusUpdate) -> StatusUpdateResult:
+        """Set a status on the queue's messages whose body matches ``change.where`` (none that a
+        worker holds, none archived). Custom statuses hold messages out of processing; Pending puts
+        them back; Cancelled ends them."""
+        sub = self.queue(queue)
+        provider = self.runtime.provider
+        if not isinstance(provider, UpdatesStatusWhere):
+            raise NotSupported(
+                f"{provider.transport.value} cannot select messages by their body: updating the status "
+                "where a body property matches needs the SQL provider"
+            )
+        if change.set in KNOWN and change.set not in SETTABLE:
+            raise InvalidOperation(
+                f"cannot set {change.set!r}: it is a status the kit sets itself; set a custom status, "
+                + " or ".join(sorted(SETTABLE))
+            )
+        if change.status:
+            await self.check_filters(MessageQuery(status=tuple(change.status)))
+        w = change.where
+        n = await provider.ops_update_status_where(
+            sub.queue, w.steps(), w.op, w.value, change.set, change.status, self.clock()
+        )
+        return StatusUpdateResult(queue=sub.queue, status=change.set, updated=n)
 
     async def release_lease(self, message_id: UUID) -> ActionResult:
         r = await self.record(message_id)
@@ -389,9 +477,11 @@ class OpsService:
 
     async def purge(self, query: MessageQuery) -> PurgeResult:
         await self.check_filters(query, purging=True)
-        if self._durable:
-            deleted, skipped = await self.actions.ops_purge(query)
+        actions = self.actions
+        if isinstance(actions, PurgesWithHistory):
+            deleted, skipped = await actions.ops_purge(query)
             return PurgeResult(deleted=deleted, skipped_leased=skipped)
+        assert isinstance(actions, RemovesMessages)
         records: list[MessageRecord] = []
         cursor: str | None = None
         while True:  # the tracker's matches, so the provider can drop their queued copies
@@ -400,9 +490,17 @@ class OpsService:
             if page.next_cursor is None:
                 break
             cursor = page.next_cursor
-        await self.actions.ops_purge(query, records)
-        await self.runtime.tracker.delete(query)
-        return PurgeResult(deleted=len(records), skipped_leased=0)
+        removed = await actions.ops_remove(query, records)
+        # the history is a record: only messages the transport no longer holds leave it. The tracker
+        # deletes by filter, so a status goes only when all its matches are gone (the rest stay until
+        # a repeated purge finds them gone too)
+        deleted = 0
+        for status in sorted({r.status for r in records}):
+            matches = [r for r in records if r.status == status]
+            if all(r.message_id in removed for r in matches):
+                await self.runtime.tracker.delete(query.model_copy(update={"status": (status,)}))
+                deleted += len(matches)
+        return PurgeResult(deleted=deleted, skipped_leased=0)
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
         if kind == "queue":
@@ -411,6 +509,31 @@ class OpsService:
             self.message_type(name)
         await self.runtime.control.set_paused("queue" if kind == "queue" else "type", name, paused)
         return PauseResult(kind="queue" if kind == "queue" else "type", name=name, paused=paused)
+
+    async def prometheus(self) -> str:
+        """The counts of :meth:`summary` and this process's handled messages and lag, in the
+        Prometheus text format."""
+        from .prometheus import render
+
+        return render(await self.summary(), self.runtime.throughput)
+
+    async def schedules(self) -> list[ScheduleInfo]:
+        from ..scheduler import describe, tick_store_for
+
+        schedules = list(self.app.schedules)
+        if not schedules:
+            return []
+        last = await tick_store_for(self.runtime).last_ticks([s.name for s in schedules])
+        paused = (await self.runtime.control.state()).paused_schedules
+        now = self.clock()
+        return [ScheduleInfo(**describe(s, last.get(s.name), s.name in paused, now)) for s in schedules]
+
+    async def set_schedule_paused(self, name: str, paused: bool) -> PauseResult:
+        """A paused schedule's ticks pass without a message (and are not replayed on resume)."""
+        if self.app.schedules.get(name) is None:
+            raise MessageNotFound(f"no schedule named {name!r} in app {self.app.name!r}")
+        await self.runtime.control.set_paused("schedule", name, paused)
+        return PauseResult(kind="schedule", name=name, paused=paused)
 
     async def reset_circuit(self, type_name: str) -> None:
         self.message_type(type_name)

@@ -170,36 +170,40 @@ class InProcessProvider:
         return []  # nothing can take a message from this process
 
     # -- ops actions: history lives in the runtime's tracker; these move the messages -------------
-    def _forget(self, message_ids: set[Any]) -> int:
-        """Drop queued copies and dead letters of these messages; returns how many were dropped."""
-        dropped = 0
+    def _forget(self, message_ids: set[Any]) -> set[Any]:
+        """Drop queued copies and dead letters of these messages; returns the ids of those dropped."""
+        dropped: set[Any] = set()
+
+        def keep(mid: Any) -> bool:
+            if mid in message_ids:
+                dropped.add(mid)
+                return False
+            return True
+
         for name, q in self._queues.items():
-            keep = [i for i in q.ready if _message_id(i.raw) not in message_ids]
-            dropped += len(q.ready) - len(keep)
-            q.ready = deque(keep)
-            kept = [i for i in q.scheduled if _message_id(i.raw) not in message_ids]
-            dropped += len(q.scheduled) - len(kept)
-            q.scheduled = kept
+            q.ready = deque(i for i in q.ready if keep(_message_id(i.raw)))
+            q.scheduled = [i for i in q.scheduled if keep(_message_id(i.raw))]
             heapq.heapify(q.scheduled)
-            if q.head is not None and _message_id(q.head.raw) in message_ids:
-                q.head, dropped = None, dropped + 1
-            letters = self.dead_letters.get(name, [])
-            left = [
+            if q.head is not None and not keep(_message_id(q.head.raw)):
+                q.head = None
+            self.dead_letters[name] = [
                 s
-                for s in letters
-                if not (s.delivery.envelope and s.delivery.envelope.message_id in message_ids)
+                for s in self.dead_letters.get(name, [])
+                if not (s.delivery.envelope and not keep(s.delivery.envelope.message_id))
             ]
-            dropped += len(letters) - len(left)
-            self.dead_letters[name] = left
         return dropped
 
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
     ) -> bool:
-        self._forget({record.message_id})
         await reopen()
+        # in memory nothing fails between dropping the original and queueing the copy
+        self._forget({record.message_id})
         await self.send([envelope])
         return True
+
+    async def ops_held(self, record: MessageRecord) -> str | None:
+        return None  # a retry here is never left half done (see ops_retry)
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
         return False  # nothing outside this process holds a message: there is no lease to release
@@ -207,11 +211,9 @@ class InProcessProvider:
     async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
         return True  # archiving is a flag in the history; the message left the queue when it finished
 
-    async def ops_purge(
-        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
-    ) -> tuple[int, int]:
-        self._forget({r.message_id for r in records or ()})
-        return len(records or ()), 0
+    async def ops_remove(self, query: MessageQuery, records: Sequence[MessageRecord]) -> set[Any]:
+        """Queued copies and dead letters of these messages go; returns the ids of those it held."""
+        return self._forget({r.message_id for r in records})
 
     # -- test and ops helpers ------------------------------------------------------------------
     def depth(self, queue: str) -> int:

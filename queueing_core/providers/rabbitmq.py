@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,7 @@ from aio_pika.exceptions import (
 )
 from yarl import URL
 
+from .. import retry_policy
 from ..clock import Clock, utcnow
 from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
 from ..envelope import Envelope, dead_letter_marks
@@ -68,7 +69,8 @@ from ..errors import (
 )
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageRecord
-from ..transport import Capabilities, Delivery, Settlement
+from ..transport import Capabilities, Delivery, Settlement, settled_each
+from .dead_letters import id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
 from .delayed.breaker import first_line
 from .names import companion_name
@@ -169,6 +171,30 @@ class _Consumer:
     wanted_at: float = 0.0
 
 
+class _DeadLetterPages:
+    def __init__(self, dlq: AbstractQueue, timeout: float) -> None:
+        self.dlq, self.timeout = dlq, timeout
+
+    async def next_page(self) -> list[AbstractIncomingMessage]:
+        m = await self.dlq.get(no_ack=False, fail=False, timeout=self.timeout)
+        return [] if m is None else [m]
+
+    def message_id(self, item: AbstractIncomingMessage) -> str:
+        return item.message_id or id_in_text(item.body.decode("utf-8", errors="replace"))
+
+    def key(self, item: AbstractIncomingMessage) -> Any:
+        return item.delivery_tag
+
+    async def remove(self, item: AbstractIncomingMessage) -> None:
+        await item.ack()
+
+    async def total(self) -> int | None:
+        return 0  # the letters a reader held go back the moment its channel closes
+
+    async def hand_back(self, items: Sequence[AbstractIncomingMessage]) -> None:
+        """Nothing to do: closing the scan's channel returns them in order."""
+
+
 class RabbitMQProvider(SideStoreOps):
     transport = Transport.RABBITMQ
 
@@ -182,7 +208,7 @@ class RabbitMQProvider(SideStoreOps):
         ttl_grace: timedelta = timedelta(hours=1),
         prefetch: int = 1,
         publish_timeout: float = 10.0,
-        reconnect_interval: float = 2.0,
+        reconnect_interval: float = retry_policy.AMQP_RECONNECT,
         connect_retries: int = 8,
         idle_timeout: float = 10.0,
         delayed_retries: int = 3,
@@ -601,12 +627,7 @@ class RabbitMQProvider(SideStoreOps):
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for exc in failures:
-            # unacked, so the broker delivers it again (at the latest when this connection closes)
-            log.warning("settling a RabbitMQ message failed: %s", first_line(exc))
-        if failures and len(failures) == len(settlements):
-            raise failures[0]
+        settled_each(settlements, results, "RabbitMQ")
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         return []  # no lease: a message stays with its consumer until acked or the channel closes
@@ -644,28 +665,19 @@ class RabbitMQProvider(SideStoreOps):
                 log.debug("no broker counts for %s: %s", physical, exc)
         return out
 
-    async def _take_dead_letters(self, queue: str, wanted: set[str], limit: int = 5000) -> int:
-        """Remove the dead letters whose message id is in ``wanted``; the rest go back in order."""
+    @contextlib.asynccontextmanager
+    async def _dead_letter_pages(self, queue: str) -> AsyncIterator[_DeadLetterPages]:
+        """The dead-letter queue on a channel of its own: letters got and not acked stay with that
+        channel (so the next get returns the ones after them) and go back, in order, when it closes."""
         physical = self.physical(queue)
-        conn = self._connected()
-        channel = await conn.channel(publisher_confirms=False)
-        taken = 0
+        channel = await self._connected().channel(publisher_confirms=False)
         try:
             with _boundary(f"reading dead letters of {physical}"):
                 dlq = await channel.declare_queue(self.dead_letter_name(physical), durable=True)
-                for _ in range(limit):
-                    m = await dlq.get(no_ack=False, fail=False, timeout=self.publish_timeout)
-                    if m is None:
-                        break
-                    if (m.message_id or "") in wanted:
-                        await m.ack()
-                        taken += 1
-                        if taken >= len(wanted):
-                            break
+                yield _DeadLetterPages(dlq, self.publish_timeout)
         finally:
             with contextlib.suppress(Exception):
-                await channel.close()  # the messages not taken return to the queue
-        return taken
+                await channel.close()
 
     async def _send_now(self, queue: str, envelope: Envelope) -> None:
         await self.send_at(self.physical(queue), envelope, None)

@@ -65,7 +65,8 @@ from ..envelope import Envelope
 from ..errors import InvalidOperation, MissingPermission, ProviderError, ProviderUnavailable
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, Reopen, Tracker, nothing_to_reopen
-from ..transport import Capabilities, Delivery, Settlement
+from ..transport import Capabilities, Delivery, Settlement, settled_each
+from .dead_letters import DeadLetterOps, id_in_text, is_whole_queue, scan_dead_letters
 from .names import PhysicalNames
 
 if TYPE_CHECKING:
@@ -144,7 +145,40 @@ def _text(message: Any) -> str:
         return str(message)
 
 
-class ServiceBusProvider(PhysicalNames):
+class _DeadLetterPages:
+    """A dead-letter sub-queue read under peek-lock: letters passed over stay locked (so the next
+    receive returns the ones after them) until the scan hands them back."""
+
+    def __init__(self, receiver: Any, admin: Any, physical: str) -> None:
+        self.receiver, self.admin, self.physical = receiver, admin, physical
+
+    async def next_page(self) -> list[Any]:
+        return list(await self.receiver.receive_messages(max_message_count=100, max_wait_time=1))
+
+    def message_id(self, item: Any) -> str:
+        return id_in_text(_text(item))
+
+    def key(self, item: Any) -> Any:
+        return item.sequence_number
+
+    async def remove(self, item: Any) -> None:
+        await self.receiver.complete_message(item)
+
+    async def total(self) -> int | None:
+        # a receiver that died keeps its letters locked for the lock duration: count them too
+        try:
+            props = await self.admin.get_queue_runtime_properties(self.physical)
+        except (ServiceBusError, AzureError):  # no Manage right: cannot tell
+            return None
+        return int(props.dead_letter_message_count)
+
+    async def hand_back(self, items: Sequence[Any]) -> None:
+        for m in items:
+            with contextlib.suppress(ServiceBusError):  # a lapsed lock hands it back by itself
+                await self.receiver.abandon_message(m)
+
+
+class ServiceBusProvider(DeadLetterOps, PhysicalNames):
     transport = Transport.SERVICE_BUS
 
     def __init__(
@@ -319,7 +353,7 @@ class ServiceBusProvider(PhysicalNames):
             messages = await receiver.receive_messages(
                 max_message_count=max_messages, max_wait_time=self.receive_wait
             )
-        return [
+        deliveries = [
             Delivery.of(
                 _text(m),
                 queue=sub.queue,
@@ -329,6 +363,37 @@ class ServiceBusProvider(PhysicalNames):
             )
             for m in messages
         ]
+        return [d for d in deliveries if not await self._known_duplicate(d)]
+
+    async def _known_duplicate(self, d: Delivery) -> bool:
+        """A redelivered original whose outcome already went on in a copy (the copy was sent, completing
+        the original failed): complete it without running the handler, and count it in the history."""
+        h: _Handle = d.handle
+        m = h.message
+        if d.envelope is None or not m.delivery_count:
+            return False  # only a message that came back can be one
+        try:
+            rec = await self._tracker.get(d.envelope.message_id)
+        except Exception as exc:  # history unreachable: run it (a duplicate run beats a lost message)
+            log.warning("could not look for a duplicate of %s: %s", d.envelope.message_id, exc)
+            return False
+        if rec is None or rec.copied_from != str(m.sequence_number):
+            return False
+        log.warning(
+            "message %s on %s came back after its copy was sent: completed as a duplicate, not run",
+            d.envelope.message_id,
+            d.queue,
+        )
+        try:
+            await h.receiver.complete_message(m)
+        except Exception as exc:  # it comes back once more and is recognised again
+            log.warning("completing duplicate %s failed: %s", d.envelope.message_id, _first_line(exc))
+            return True
+        note = getattr(self._tracker, "note_duplicate", None)
+        if note is not None:
+            with contextlib.suppress(Exception):
+                await note(d.envelope.message_id)
+        return True
 
     async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
         return None  # receive already waited (up to receive_wait) for work to arrive
@@ -350,18 +415,32 @@ class ServiceBusProvider(PhysicalNames):
                 await r.renew_message_lock(m)
                 copy = d.envelope.with_attempt(d.attempts_used(decision))
                 await self.send_copy(d.queue, copy, due_at(decision, utcnow()))
-                await r.complete_message(m)
+                try:
+                    await r.complete_message(m)
+                except Exception as exc:
+                    # The copy is out and carries the outcome on; the original stays and will come
+                    # back. Its sequence number goes into the history, where its return is recognised.
+                    d.left_behind = str(m.sequence_number)
+                    log.warning(
+                        "completing message %s on %s after sending its copy failed (%s): the original "
+                        "will come back and is then completed as a duplicate",
+                        d.envelope.message_id,
+                        d.queue,
+                        _first_line(exc),
+                    )
+                    # at once, not only with the history written after settling: the original may
+                    # already be available to another receiver (its lock is gone)
+                    note = getattr(self._tracker, "note_copied", None)
+                    if note is not None:
+                        with contextlib.suppress(Exception):
+                            await note(d.envelope.message_id, d.left_behind)
         except (MessageLockLostError, MessageAlreadySettled) as exc:
             # another consumer owns it now (the lock expired): it will be processed again there
             d.refuse(type(exc).__name__)
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for exc in failures:
-            log.warning("settling a Service Bus message failed: %s", exc)  # its lock lapses: redelivered
-        if failures and len(failures) == len(settlements):
-            raise failures[0]
+        settled_each(settlements, results, "Service Bus")
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         lost: list[Delivery] = []
@@ -447,27 +526,16 @@ class ServiceBusProvider(PhysicalNames):
                 return None
         return found
 
-    async def _dead_letters(self, queue: str, act: Any, limit: int = 5000) -> int:
-        """Receive the dead-letter sub-queue; ``act(receiver, message, text)`` returns True when it
-        settled the message; the rest are abandoned back (their count does not matter there)."""
+    async def _dead_letters(self, queue: str, wanted: set[str] | None, *, remove: bool = True) -> set[str]:
+        """Remove (or find) the dead letters of ``queue`` with these message ids (None: all)."""
         receiver = self.client.get_queue_receiver(
             self.physical(queue), sub_queue=ServiceBusSubQueue.DEAD_LETTER
         )
-        hits = 0
-        async with receiver:
-            seen = 0
-            while seen < limit:
-                with _boundary(f"reading dead letters of {queue}"):
-                    batch = await receiver.receive_messages(max_message_count=100, max_wait_time=1)
-                if not batch:
-                    break
-                seen += len(batch)
-                for m in batch:
-                    if await act(receiver, m, _text(m)):
-                        hits += 1
-                    else:
-                        await receiver.abandon_message(m)
-        return hits
+        with _boundary(f"reading dead letters of {queue}"):
+            async with receiver:
+                return await scan_dead_letters(
+                    _DeadLetterPages(receiver, self.admin, self.physical(queue)), wanted, remove=remove
+                )
 
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
@@ -477,18 +545,11 @@ class ServiceBusProvider(PhysicalNames):
                 f"message {record.message_id} is scheduled on Service Bus for {record.not_before}: "
                 "a scheduled message cannot be brought forward (it runs then)"
             )
-        wanted = str(record.message_id)
-        if record.status in ("DeadLettered", "Expired"):
-
-            async def take(receiver: Any, m: Any, text: str) -> bool:
-                if wanted not in text:
-                    return False
-                await receiver.complete_message(m)  # removed from the dead-letter queue
-                return True
-
-            await self._dead_letters(record.queue, take)
+        # the copy is sent before the original leaves: a failure in between leaves two, never none
         await reopen()
         await self.send_copy(record.queue, envelope, None)
+        if record.status in ("DeadLettered", "Expired"):
+            await self._dead_letters(record.queue, {str(record.message_id)})
         return True
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
@@ -500,34 +561,23 @@ class ServiceBusProvider(PhysicalNames):
     async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
         return True  # a flag in the history; the message itself has left the queue
 
-    async def ops_purge(
-        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
-    ) -> tuple[int, int]:
+    async def ops_remove(self, query: MessageQuery, records: Sequence[MessageRecord]) -> set[uuid.UUID]:
         """Dead letters (and expired ones) are removed from the dead-letter queue; a purge of a whole
-        queue also drains its active messages. Scheduled messages are left to run."""
-        whole = query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}
-        if whole:
+        queue also drains its active messages. Scheduled messages are left to run. Returns the ids
+        of the messages removed: only their history goes."""
+        removed: set[str] = set()
+        if is_whole_queue(query):
             assert query.queue is not None
-            async with self.client.get_queue_receiver(
-                self.physical(query.queue), receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE
-            ) as r:
-                while await r.receive_messages(max_message_count=100, max_wait_time=1):
-                    pass
-
-            async def drop(receiver: Any, m: Any, text: str) -> bool:
-                await receiver.complete_message(m)
-                return True
-
-            await self._dead_letters(query.queue, drop)
-            return len(records or ()), 0
-        dead = {str(r.message_id) for r in records or () if r.status in ("DeadLettered", "Expired")}
-        for queue in {r.queue for r in records or () if str(r.message_id) in dead}:
-
-            async def matching(receiver: Any, m: Any, text: str) -> bool:
-                if not any(i in text for i in dead):
-                    return False
-                await receiver.complete_message(m)
-                return True
-
-            await self._dead_letters(queue, matching)
-        return len(records or ()), 0
+            with _boundary(f"draining {query.queue}"):
+                async with self.client.get_queue_receiver(
+                    self.physical(query.queue), receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE
+                ) as r:
+                    while batch := await r.receive_messages(max_message_count=100, max_wait_time=1):
+                        removed |= {id_in_text(_text(m)) for m in batch}
+            removed |= await self._dead_letters(query.queue, None)
+        else:
+            dead = [r for r in records if r.status in ("DeadLettered", "Expired")]
+            for queue in {r.queue for r in dead}:
+                wanted = {str(r.message_id) for r in dead if r.queue == queue}
+                removed |= await self._dead_letters(queue, wanted)
+        return {r.message_id for r in records if str(r.message_id) in removed}

@@ -3,20 +3,23 @@ history and the delayed-message store in the SQL database of ``SideStores``, the
 forwards due messages, and the ops actions that work through those stores.
 
 A provider mixes this in, calls ``_use_stores`` when it is built, and supplies the transport steps:
-``_take_dead_letters`` (remove chosen dead letters), ``_send_now`` (publish an envelope at once) and
+``_dead_letter_pages`` (its dead-letter queue, page by page), ``_send_now`` (publish an envelope at once) and
 ``_purge_whole`` (empty a queue and its dead-letter queue), each given the logical queue name, and
 the dispatcher's two (``forward_delayed``, ``dead_letter_delayed``).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen
+from .dead_letters import DeadLetterOps, DeadLetterPages, is_whole_queue, scan_dead_letters
 from .names import PhysicalNames
 
 if TYPE_CHECKING:
@@ -26,13 +29,14 @@ if TYPE_CHECKING:
     from ..envelope import Envelope
     from .delayed import DelayedDispatcher, DelayedMessage, SqlDelayedStore
     from .sql.history import SideStores, SqlHistoryTracker
+    from .sql.schedules import SqlTickStore
 
 DEAD_STATES = (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value)
 #: states whose message waits in the delayed store (or in the broker's own delay)
 LATER_STATES = (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value)
 
 
-class SideStoreOps(PhysicalNames):
+class SideStoreOps(DeadLetterOps, PhysicalNames):
     stores: SideStores
     delayed: SqlDelayedStore
     dispatcher: DelayedDispatcher
@@ -55,7 +59,7 @@ class SideStoreOps(PhysicalNames):
         )
 
     # -- the transport steps -------------------------------------------------------------------------
-    async def _take_dead_letters(self, queue: str, wanted: set[str]) -> int:
+    def _dead_letter_pages(self, queue: str) -> AbstractAsyncContextManager[DeadLetterPages[Any]]:
         raise NotImplementedError
 
     async def _send_now(self, queue: str, envelope: Envelope) -> None:
@@ -79,6 +83,12 @@ class SideStoreOps(PhysicalNames):
     def tracker(self) -> SqlHistoryTracker:
         return self.stores.history
 
+    def schedule_store(self) -> SqlTickStore:
+        """Schedule ticks in the side database: claimed, sent, then confirmed."""
+        from .sql.schedules import SqlTickStore
+
+        return SqlTickStore(self.stores.sql, transactional=False)
+
     def background_tasks(self) -> list[Any]:
         return [self.dispatcher.run]
 
@@ -90,41 +100,47 @@ class SideStoreOps(PhysicalNames):
         return {"history_pruned": await self.stores.history.prune(self.clock())}
 
     # -- ops -----------------------------------------------------------------------------------------
+    async def _dead_letters(self, queue: str, wanted: set[str] | None, *, remove: bool = True) -> set[str]:
+        """Remove (or find) the dead letters of ``queue`` with these message ids (None: all)."""
+        async with self._dead_letter_pages(queue) as pages:
+            return await scan_dead_letters(pages, wanted, remove=remove)
+
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
     ) -> bool:
-        if record.status in LATER_STATES:
-            if not await self.delayed.take_message(record.message_id):
-                raise InvalidOperation(
-                    f"message {record.message_id} cannot be brought forward: {self.left_store_text}"
-                )
-        elif record.status in DEAD_STATES:
-            await self._take_dead_letters(record.queue, {str(record.message_id)})
+        if record.status in LATER_STATES and not await self.delayed.holds(record.message_id):
+            raise InvalidOperation(
+                f"message {record.message_id} cannot be brought forward: {self.left_store_text}"
+            )
+        # the copy is sent before the original leaves: a failure in between leaves two, never none
         await reopen()
         await self._send_now(record.queue, envelope)
+        if record.status in LATER_STATES:
+            await self.delayed.take_message(record.message_id)
+        elif record.status in DEAD_STATES:
+            await self._dead_letters(record.queue, {str(record.message_id)})
         return True
 
     async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
         return True  # a flag in the history; the message itself has left the queue
 
-    async def ops_purge(
-        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
-    ) -> tuple[int, int]:
+    async def ops_remove(self, query: MessageQuery, records: Sequence[MessageRecord]) -> set[uuid.UUID]:
         """Dead letters leave the dead-letter queue, delayed ones the delayed store; a purge of a whole
         queue empties the queue, its dead-letter queue and its delayed messages. A message waiting in a
-        live queue cannot be picked out one by one (neither AMQP nor SQS deletes by id)."""
-        if query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}:
+        live queue cannot be picked out one by one (neither AMQP nor SQS deletes by id). Returns the
+        ids of the messages removed: only their history goes."""
+        if is_whole_queue(query):
+            assert query.queue is not None
             await self._purge_whole(query.queue)
             await self.delayed.purge(self.physical(query.queue))
-            return len(records or ()), 0
-        by_queue: dict[str, list[MessageRecord]] = {}
-        for r in records or ():
-            by_queue.setdefault(r.queue, []).append(r)
-        for queue, recs in by_queue.items():
+            return {r.message_id for r in records}
+        removed: set[uuid.UUID] = set()
+        for queue in {r.queue for r in records}:
+            recs = [r for r in records if r.queue == queue]
             dead = {str(r.message_id) for r in recs if r.status in DEAD_STATES}
             if dead:
-                await self._take_dead_letters(queue, dead)
+                removed |= {uuid.UUID(i) for i in await self._dead_letters(queue, dead)}
             later = [r.message_id for r in recs if r.status in LATER_STATES]
             if later:
-                await self.delayed.purge(self.physical(queue), later)
-        return len(records or ()), 0
+                removed |= await self.delayed.purge(self.physical(queue), later)
+        return {r.message_id for r in records if r.message_id in removed}

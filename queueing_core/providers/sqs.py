@@ -27,7 +27,7 @@ import functools
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -43,7 +43,8 @@ from ..errors import ConfigurationError, InvalidOperation, ProviderError, Provid
 from ..naming import QueueNaming, Transport
 from ..options import QueueOptions
 from ..tracking import MessageRecord
-from ..transport import Capabilities, Delivery, Settlement
+from ..transport import Capabilities, Delivery, Settlement, settled_each
+from .dead_letters import HOLD_SECONDS, id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
 from .delayed.breaker import first_line
 from .names import companion_name
@@ -130,6 +131,60 @@ class _Handle:
     lease: LeaseToken | None = None
 
 
+class _DeadLetterPages:
+    """A dead-letter queue read page by page: letters passed over stay invisible (so the next receive
+    returns others) until the scan makes them visible again."""
+
+    def __init__(self, provider: SqsProvider, url: str) -> None:
+        self.provider, self.url = provider, url
+
+    async def next_page(self) -> list[dict[str, Any]]:
+        resp = await self.provider._call(
+            "reading dead letters",
+            self.provider.client.receive_message,
+            QueueUrl=self.url,
+            MaxNumberOfMessages=10,
+            WaitTimeSeconds=1,  # a long poll asks every server: a short one may miss messages
+            VisibilityTimeout=HOLD_SECONDS,
+            MessageAttributeNames=["All"],
+        )
+        return list(resp.get("Messages") or [])
+
+    def message_id(self, item: dict[str, Any]) -> str:
+        mid = item.get("MessageAttributes", {}).get(MESSAGE_ID, {}).get("StringValue")
+        return str(mid) if mid else id_in_text(str(item.get("Body", "")))
+
+    def key(self, item: dict[str, Any]) -> Any:
+        return item["MessageId"]
+
+    async def remove(self, item: dict[str, Any]) -> None:
+        await self.provider._call(
+            "deleting a dead letter",
+            self.provider.client.delete_message,
+            QueueUrl=self.url,
+            ReceiptHandle=item["ReceiptHandle"],
+        )
+
+    async def total(self) -> int | None:
+        # letters hidden by a reader that died come back when their visibility timeout ends
+        depth = await self.provider.depth_of(self.url)
+        return depth["ready"] + depth["in_flight"]
+
+    async def hand_back(self, items: Sequence[dict[str, Any]]) -> None:
+        for i in range(0, len(items), 10):
+            entries = [
+                {"Id": str(j), "ReceiptHandle": m["ReceiptHandle"], "VisibilityTimeout": 0}
+                for j, m in enumerate(items[i : i + 10])
+            ]
+            with contextlib.suppress(ProviderError):
+                await self.provider._call(
+                    "returning dead letters",
+                    self.provider.client.change_message_visibility_batch,
+                    QueueUrl=self.url,
+                    Entries=entries,
+                )
+
+
 class SqsProvider(SideStoreOps):
     transport = Transport.SQS
     left_store_text = "it waits in SQS's own delay, which cannot be shortened (it runs when due)"
@@ -174,14 +229,15 @@ class SqsProvider(SideStoreOps):
     def from_settings(cls, settings: QueueingSettings, **kwargs: Any) -> SqsProvider:
         """Credentials come from the standard AWS chain (environment, profile, instance role)."""
         import boto3
-        from botocore.config import Config
+
+        from .. import retry_policy
 
         threads = int(kwargs.pop("threads", 16))
         client = boto3.client(
             "sqs",
             endpoint_url=settings.sqs_endpoint_url,
             region_name=settings.sqs_region,
-            config=Config(max_pool_connections=threads, retries={"mode": "standard"}),
+            config=retry_policy.boto3_config(max_pool_connections=threads),
         )
         kwargs.setdefault("ttl_grace", settings.ttl_grace)
         kwargs.setdefault("delayed_retries", settings.delayed_store_retries)
@@ -477,10 +533,6 @@ class SqsProvider(SideStoreOps):
         mine = [s for s in settlements if not s.delivery.refused]
         results = await asyncio.gather(*(self._prepare(s) for s in mine), return_exceptions=True)
         ready = [s.delivery.handle for s, r in zip(mine, results, strict=True) if r is None]
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for exc in failures:
-            # not deleted: it comes back when its visibility timeout ends (at least once, not lost)
-            log.warning("settling an SQS message failed: %s", first_line(exc))
         if ready:
             refused = await self._delete(ready)
             if refused:
@@ -488,8 +540,8 @@ class SqsProvider(SideStoreOps):
                 log.warning(
                     "%d SQS message(s) not deleted: their lease had passed to another receive", refused
                 )
-        if failures and len(failures) == len(mine):
-            raise failures[0]
+        # a message not deleted comes back when its visibility timeout ends (at least once, not lost)
+        settled_each(mine, results, "SQS")
 
     async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
         done = await super().maintain(app)
@@ -546,7 +598,9 @@ class SqsProvider(SideStoreOps):
 
     # -- ops ---------------------------------------------------------------------------------------
     async def depth(self, queue: str, *, dead: bool = False) -> dict[str, int]:
-        url = await self._url(queue, dead=dead)
+        return await self.depth_of(await self._url(queue, dead=dead))
+
+    async def depth_of(self, url: str) -> dict[str, int]:
         resp = await self._call(
             "reading queue attributes",
             self.client.get_queue_attributes,
@@ -580,53 +634,9 @@ class SqsProvider(SideStoreOps):
             }
         return out
 
-    async def _take_dead_letters(self, queue: str, wanted: set[str], limit: int = 5000) -> int:
-        """Delete the dead letters whose message id is in ``wanted``; the others are made visible again."""
-        url = await self._url(queue, dead=True)
-        held: list[str] = []
-        taken = 0
-        seen = 0
-        try:
-            while seen < limit and taken < len(wanted):
-                resp = await self._call(
-                    "reading dead letters",
-                    self.client.receive_message,
-                    QueueUrl=url,
-                    MaxNumberOfMessages=10,
-                    WaitTimeSeconds=1,  # a long poll asks every server: a short one may miss messages
-                    VisibilityTimeout=60,
-                    MessageAttributeNames=["All"],
-                )
-                messages = resp.get("Messages") or []
-                if not messages:
-                    break
-                seen += len(messages)
-                for m in messages:
-                    mid = m.get("MessageAttributes", {}).get(MESSAGE_ID, {}).get("StringValue", "")
-                    if mid in wanted:
-                        await self._call(
-                            "deleting a dead letter",
-                            self.client.delete_message,
-                            QueueUrl=url,
-                            ReceiptHandle=m["ReceiptHandle"],
-                        )
-                        taken += 1
-                    else:
-                        held.append(m["ReceiptHandle"])
-        finally:
-            for i in range(0, len(held), 10):
-                entries = [
-                    {"Id": str(j), "ReceiptHandle": r, "VisibilityTimeout": 0}
-                    for j, r in enumerate(held[i : i + 10])
-                ]
-                with contextlib.suppress(ProviderError):
-                    await self._call(
-                        "returning dead letters",
-                        self.client.change_message_visibility_batch,
-                        QueueUrl=url,
-                        Entries=entries,
-                    )
-        return taken
+    @contextlib.asynccontextmanager
+    async def _dead_letter_pages(self, queue: str) -> AsyncIterator[_DeadLetterPages]:
+        yield _DeadLetterPages(self, await self._url(queue, dead=True))
 
     async def _send_now(self, queue: str, envelope: Envelope) -> None:
         await self.send_at(queue, envelope, None)

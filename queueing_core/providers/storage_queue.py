@@ -27,8 +27,9 @@ import contextlib
 import json
 import logging
 import math
+import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -38,9 +39,11 @@ from azure.core.exceptions import (
     ResourceExistsError,
     ResourceNotFoundError,
     ServiceRequestError,
+    ServiceResponseError,
 )
 from azure.storage.queue.aio import QueueClient, QueueServiceClient
 
+from .. import retry_policy
 from ..clock import utcnow
 from ..connections import STORAGE, StorageConnection
 from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
@@ -48,7 +51,8 @@ from ..envelope import Envelope, dead_letter_marks
 from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
 from ..naming import QueueNaming, Transport
 from ..tracking.base import nothing_to_reopen
-from ..transport import Capabilities, Delivery, Settlement
+from ..transport import Capabilities, Delivery, Settlement, settled_each
+from .dead_letters import HOLD_SECONDS, DeadLetterOps, id_in_text, is_whole_queue, scan_dead_letters
 from .names import PhysicalNames, companion_name
 from .storage_errors import refusal
 from .tables import TablesControlStore, TablesTracker, tables_from_connection
@@ -78,6 +82,10 @@ class _Handle:
     id: str
     pop_receipt: str
     dequeue_count: int
+    #: a renewal and the settlement of one message take turns: each update replaces the pop receipt,
+    #: and a delete sent with the receipt a renewal in flight is about to replace would fail
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    settled: bool = False
 
 
 def encode_body(text: str) -> str:
@@ -97,7 +105,7 @@ def _boundary(action: str) -> Iterator[None]:
     """SDK errors become the kit's: unreachable -> ProviderUnavailable, the rest -> ProviderError."""
     try:
         yield
-    except (ServiceRequestError, OSError) as exc:
+    except (ServiceRequestError, ServiceResponseError, OSError) as exc:
         raise ProviderUnavailable(f"storage queue service unreachable during {action}: {exc}") from None
     except HttpResponseError as exc:
         if exc.status_code in (408, 429, 500, 502, 503, 504):
@@ -115,12 +123,16 @@ class _ReceiptLost(ProviderError):
     it (the service answers 400 PopReceiptMismatch), or the message is gone (404)."""
 
 
+class _MessageGone(_ReceiptLost):
+    """The message is no longer in the queue (404)."""
+
+
 @contextlib.contextmanager
 def _receipt_held() -> Iterator[None]:
     try:
         yield
     except ResourceNotFoundError:
-        raise _ReceiptLost("the message is gone from the queue") from None
+        raise _MessageGone("the message is gone from the queue") from None
     except HttpResponseError as exc:
         # the storage SDK adds the service's x-ms-error-code to its errors as ``error_code``
         if exc.status_code == 400 and getattr(exc, "error_code", None) == "PopReceiptMismatch":
@@ -128,7 +140,40 @@ def _receipt_held() -> Iterator[None]:
         raise
 
 
-class StorageQueueProvider(PhysicalNames):
+class _PoisonPages:
+    """A poison queue read page by page: letters passed over stay hidden (so the next receive
+    returns the ones after them) until the scan makes them visible again."""
+
+    def __init__(self, poison: QueueClient) -> None:
+        self.poison = poison
+
+    async def next_page(self) -> list[Any]:
+        return [
+            m
+            async for m in self.poison.receive_messages(
+                messages_per_page=32, visibility_timeout=HOLD_SECONDS, max_messages=32
+            )
+        ]
+
+    def message_id(self, item: Any) -> str:
+        return id_in_text(decode_body(item.content))
+
+    def key(self, item: Any) -> Any:
+        return item.id
+
+    async def remove(self, item: Any) -> None:
+        await self.poison.delete_message(item.id, item.pop_receipt)
+
+    async def total(self) -> int | None:
+        # letters hidden by a reader that died come back when their visibility timeout ends
+        return int((await self.poison.get_queue_properties()).approximate_message_count or 0)
+
+    async def hand_back(self, items: Sequence[Any]) -> None:
+        for m in items:
+            await self.poison.update_message(m.id, m.pop_receipt, visibility_timeout=0)
+
+
+class StorageQueueProvider(DeadLetterOps, PhysicalNames):
     transport = Transport.STORAGE_QUEUE
 
     def __init__(
@@ -167,7 +212,9 @@ class StorageQueueProvider(PhysicalNames):
             self.dispatcher = DelayedDispatcher(self.delayed, self, retries=delayed_retries)
         self._credential = connection.credential() if connection.connection_string is None else None
         if connection.connection_string is not None:
-            self._service = QueueServiceClient.from_connection_string(connection.connection_string)
+            self._service = QueueServiceClient.from_connection_string(
+                connection.connection_string, **retry_policy.azure_storage_queue()
+            )
             control, tracker = tables_from_connection(
                 connection.connection_string,
                 control_table=control_table,
@@ -180,7 +227,11 @@ class StorageQueueProvider(PhysicalNames):
                     f"{STORAGE}__tableServiceUri", "not set", "https://<account>.table.core.windows.net"
                 )
             assert connection.queue_service_uri is not None
-            self._service = QueueServiceClient(connection.queue_service_uri, credential=self._credential)
+            self._service = QueueServiceClient(
+                connection.queue_service_uri,
+                credential=self._credential,
+                **retry_policy.azure_storage_queue(),
+            )
             control, tracker = tables_from_connection(
                 table_service_uri=connection.table_service_uri,
                 credential=self._credential,
@@ -324,8 +375,25 @@ class StorageQueueProvider(PhysicalNames):
         event.clear()
 
     async def _delete(self, h: _Handle) -> None:
-        with _boundary("deleting a message"), _receipt_held():
-            await h.queue_client.delete_message(h.id, h.pop_receipt)
+        """Delete under our receipt. The SDK's own retry is off here: when a delete reaches the service
+        but its answer is lost, the retry finds the message gone (404) and cannot tell that from a
+        message another run deleted. This loop can: a 404 right after our own unanswered try is our
+        delete (no other run can hold the message within our lease), any other 404 is a lost lease."""
+        unanswered = False
+        for attempt in range(retry_policy.RETRIES + 1):
+            try:
+                with _boundary("deleting a message"), _receipt_held():
+                    await h.queue_client.delete_message(h.id, h.pop_receipt, retry_total=0)
+                return
+            except _MessageGone:
+                if unanswered:
+                    return
+                raise
+            except ProviderUnavailable:
+                if attempt == retry_policy.RETRIES:
+                    raise
+                unanswered = True
+                await asyncio.sleep(min(retry_policy.BACKOFF_MAX, retry_policy.BACKOFF_FIRST * 2**attempt))
 
     async def _hide(self, h: _Handle, delay: timedelta) -> None:
         """Hide the message for ``delay`` under our receipt (which the service then replaces)."""
@@ -343,7 +411,8 @@ class StorageQueueProvider(PhysicalNames):
         d, decision = s.delivery, s.decision
         h: _Handle = d.handle
         now = utcnow()
-        async with self._limit:
+        async with h.turn, self._limit:
+            h.settled = True  # a renewal waiting for its turn has nothing left to renew
             try:
                 if isinstance(decision, Complete | Expire):
                     await self._delete(h)
@@ -398,12 +467,7 @@ class StorageQueueProvider(PhysicalNames):
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for exc in failures:
-            # the message becomes visible again when its timeout passes: at-least-once, not lost
-            log.warning("settling a storage queue message failed: %s", exc)
-        if failures and len(failures) == len(settlements):
-            raise failures[0]
+        settled_each(settlements, results, "Storage Queues")
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         lost: list[Delivery] = []
@@ -412,8 +476,11 @@ class StorageQueueProvider(PhysicalNames):
             h: _Handle = d.handle
             lease = self._lease(d)
             try:
-                async with self._limit:
-                    await self._hide(h, lease)
+                async with h.turn:
+                    if h.settled:
+                        return
+                    async with self._limit:
+                        await self._hide(h, lease)
                 d.lease_until = utcnow() + lease
             except ProviderError:
                 lost.append(d)
@@ -422,30 +489,11 @@ class StorageQueueProvider(PhysicalNames):
         return lost
 
     # -- ops actions -------------------------------------------------------------------------------
-    async def _scan_poison(
-        self,
-        queue: str,
-        match: Callable[[str], bool],
-        act: Callable[[QueueClient, Any], Awaitable[None]],
-        limit: int = 5000,
-    ) -> int:
-        """Receive the poison queue page by page; ``act`` on matching messages, hand back the rest."""
+    async def _dead_letters(self, queue: str, wanted: set[str] | None, *, remove: bool = True) -> set[str]:
+        """Remove (or find) the poison messages of ``queue`` with these message ids (None: all)."""
         poison = await self._ensure(self.poison_name(queue))
-        seen, hits = 0, 0
-        held: list[Any] = []
         with _boundary(f"scanning {poison.queue_name}"):
-            async for msg in poison.receive_messages(
-                messages_per_page=32, visibility_timeout=60, max_messages=limit
-            ):
-                seen += 1
-                if match(decode_body(msg.content)):
-                    await act(poison, msg)
-                    hits += 1
-                else:
-                    held.append(msg)
-            for msg in held:
-                await poison.update_message(msg.id, msg.pop_receipt, visibility_timeout=0)
-        return hits
+            return await scan_dead_letters(_PoisonPages(poison), wanted, remove=remove)
 
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
@@ -455,16 +503,12 @@ class StorageQueueProvider(PhysicalNames):
                 f"message {record.message_id} is hidden in its queue until {record.not_before}: "
                 "Storage Queues cannot bring a scheduled message forward (it runs then)"
             )
-        wanted = str(record.message_id)
-
-        async def delete(poison: QueueClient, msg: Any) -> None:
-            await poison.delete_message(msg.id, msg.pop_receipt)
-
-        if record.status == "DeadLettered":
-            await self._scan_poison(record.queue, lambda text: wanted in text, delete)
+        # the copy is sent before the original leaves: a failure in between leaves two, never none
         await reopen()
         await self.put(record.queue, envelope, timedelta(0), now)
         self._wake(record.queue)
+        if record.status == "DeadLettered":
+            await self._dead_letters(record.queue, {str(record.message_id)})
         return True
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
@@ -476,26 +520,22 @@ class StorageQueueProvider(PhysicalNames):
     async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
         return True  # a flag in the history; the message itself left the queue when it finished
 
-    async def ops_purge(
-        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
-    ) -> tuple[int, int]:
-        """Dead letters are removed from the poison queue; a purge of a whole queue clears it. Messages
-        waiting in a live queue cannot be picked out one by one (receiving them would use attempts)."""
-        whole = query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}
-        if whole:
+    async def ops_remove(self, query: MessageQuery, records: Sequence[MessageRecord]) -> set[uuid.UUID]:
+        """Dead letters are removed from the poison queue; a purge of a whole queue clears it and its
+        poison queue. Messages waiting in a live queue cannot be picked out one by one (receiving them
+        would use attempts). Returns the ids of the messages removed: only their history goes."""
+        if is_whole_queue(query):
             assert query.queue is not None
             for name in (self.physical(query.queue), self.poison_name(query.queue)):
                 with _boundary(f"clearing {name}"):
                     await (await self._ensure(name)).clear_messages()
-            return len(records or ()), 0
-        dead = {str(r.message_id) for r in records or () if r.status == "DeadLettered"}
-        for queue in {r.queue for r in records or () if r.status == "DeadLettered"}:
-
-            async def delete(poison: QueueClient, msg: Any) -> None:
-                await poison.delete_message(msg.id, msg.pop_receipt)
-
-            await self._scan_poison(queue, lambda text: any(i in text for i in dead), delete)
-        return len(records or ()), 0
+            return {r.message_id for r in records}
+        dead = [r for r in records if r.status == "DeadLettered"]
+        removed: set[str] = set()
+        for queue in {r.queue for r in dead}:
+            wanted = {str(r.message_id) for r in dead if r.queue == queue}
+            removed |= await self._dead_letters(queue, wanted)
+        return {r.message_id for r in records if str(r.message_id) in removed}
 
     # -- the delayed store (only with one configured) ----------------------------------------------
     def background_tasks(self) -> list[Callable[[], Awaitable[None]]]:

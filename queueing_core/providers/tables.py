@@ -39,18 +39,29 @@ from azure.data.tables import TableEntity, TableTransactionError, UpdateMode
 from azure.data.tables.aio import TableClient
 from pydantic import TypeAdapter
 
+from .. import retry_policy
 from ..clock import as_utc
 from ..control import circuit
-from ..control.base import CircuitName, CircuitState, ControlState, PauseKind
+from ..control.base import CANCEL_KEPT, CircuitName, CircuitState, ControlState, PauseKind
 from ..errors import ConfigurationError, ProviderError, ProviderUnavailable
 from ..messages import MessageStatus
 from ..options import CircuitBreakerOptions
-from ..tracking.base import OUTCOMES, MessageQuery, MessageRecord, Page, invalid_cursor, is_enqueue_record
+from ..tracking.base import (
+    OUTCOMES,
+    MessageQuery,
+    MessageRecord,
+    Page,
+    invalid_cursor,
+    is_enqueue_record,
+    newest_per_message,
+)
 from .storage_errors import refusal
 
 if TYPE_CHECKING:
     from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
     from azure.core.credentials_async import AsyncTokenCredential
+
+    from .tables_schedules import TablesTickStore
 
     Credential = AsyncTokenCredential | AzureNamedKeyCredential | AzureSasCredential
 
@@ -150,6 +161,7 @@ class _Table:
 
 _PAUSE_PK: Final = "pause"
 _CIRCUIT_PK: Final = "circuit"
+_CANCEL_PK: Final = "cancel"
 _CIRCUIT_STATES: Final[frozenset[str]] = frozenset({"closed", "open", "half_open"})
 #: optimistic-concurrency rounds; each round only one writer wins, the others re-read
 _CAS_ATTEMPTS: Final = 25
@@ -196,24 +208,55 @@ class TablesControlStore(_OnTable):
     async def state(self) -> ControlState:
         queues: set[str] = set()
         types: set[str] = set()
+        schedules: set[str] = set()
         circuits: dict[str, CircuitState] = {}
+        cancelled: set[UUID] = set()
+        since = datetime.now(UTC) - CANCEL_KEPT
         with _boundary("read control state"):
             client = await self._table.ready()
             entities = client.query_entities(
-                "PartitionKey eq @p or PartitionKey eq @c", parameters={"p": _PAUSE_PK, "c": _CIRCUIT_PK}
+                "PartitionKey eq @p or PartitionKey eq @c or PartitionKey eq @x",
+                parameters={"p": _PAUSE_PK, "c": _CIRCUIT_PK, "x": _CANCEL_PK},
             )
             async for e in entities:
-                if e["PartitionKey"] == _PAUSE_PK:
+                if e["PartitionKey"] == _CANCEL_PK:
+                    if as_utc(e["RequestedAt"]) > since:
+                        cancelled.add(UUID(str(e["RowKey"])))
+                elif e["PartitionKey"] == _PAUSE_PK:
                     kind, _, key = str(e["RowKey"]).partition(":")
-                    (queues if kind == "queue" else types).add(unescape_key(key))
+                    {"queue": queues, "schedule": schedules}.get(kind, types).add(unescape_key(key))
                 else:
                     c = _circuit_from_entity(e)
                     circuits[c.type_name] = c
-        return ControlState(frozenset(queues), frozenset(types), circuits)
+        return ControlState(
+            frozenset(queues),
+            frozenset(types),
+            circuits,
+            paused_schedules=frozenset(schedules),
+            cancelled=frozenset(cancelled),
+        )
+
+    async def set_cancel(self, message_id: UUID, requested: bool, now: datetime) -> None:
+        with _boundary("request cancellation" if requested else "withdraw a cancellation"):
+            client = await self._table.ready()
+            if requested:
+                await client.upsert_entity(
+                    {"PartitionKey": _CANCEL_PK, "RowKey": str(message_id), "RequestedAt": now},
+                    mode=UpdateMode.REPLACE,
+                )
+            else:
+                await client.delete_entity(_CANCEL_PK, str(message_id))
+            # requests past their keeping time: few, and read by every state() until gone
+            stale = client.query_entities(
+                "PartitionKey eq @x and RequestedAt lt @t",
+                parameters={"x": _CANCEL_PK, "t": now - CANCEL_KEPT},
+            )
+            async for e in stale:
+                await client.delete_entity(_CANCEL_PK, str(e["RowKey"]))
 
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
-        if kind not in ("queue", "type"):
-            raise ValueError(f"pause kind must be 'queue' or 'type', not {kind!r}")
+        if kind not in ("queue", "type", "schedule"):
+            raise ValueError(f"pause kind must be 'queue', 'type' or 'schedule', not {kind!r}")
         row = f"{kind}:{escape_key(name)}"
         with _boundary("set pause"):
             client = await self._table.ready()
@@ -258,6 +301,12 @@ class TablesControlStore(_OnTable):
         # is already half-open with a live probe, so circuit.acquire_probe returns None.
         _, changed = await self._transition(type_name, lambda s: circuit.acquire_probe(s, opts, as_utc(now)))
         return changed
+
+    def schedule_store(self) -> TablesTickStore:
+        """Schedule ticks on the same table (the hosts that share pauses share ticks)."""
+        from .tables_schedules import TablesTickStore
+
+        return TablesTickStore(self._table)
 
     async def reset_circuit(self, type_name: str) -> None:
         # An operator's override: it does not depend on the current state, so no ETag is needed.
@@ -343,6 +392,8 @@ def _circuit_from_entity(e: Mapping[str, Any]) -> CircuitState:
 
 #: partition of the id index; escape_key never produces it, so no queue can collide with it
 _INDEX_PK: Final = "!id"
+#: records a late write (the history backlog) handles at once
+_LATE_WRITES: Final = 16
 #: a string property holds at most 64 KiB of UTF-16, i.e. 32,768 code units; keep a margin
 _PART_UNITS: Final = 32_000
 #: microseconds from the epoch to 9999-12-31T23:59:59.999999Z; RowKeys count down from here
@@ -505,15 +556,41 @@ def _record_entity(rec: MessageRecord) -> dict[str, Any]:
     e["Nulls"] = ",".join(nulls)
     _put_parts(e, "Headers", _fit_headers(rec.headers), _HEADERS_PARTS)
     _put_parts(e, "Result", _fit_json(_jsonable(rec.result), _RESULT_PARTS), _RESULT_PARTS)
+    if rec.progress is not None:  # absent otherwise, so a MERGE keeps the last report past the outcome
+        e["Progress"] = _clip(json.dumps(_jsonable(rec.progress)), _SHORT_TEXT)
     if rec.body is not None:
         _put_parts(e, "Body", _fit_json(_jsonable(rec.body), _BODY_PARTS), _BODY_PARTS)
     if rec.raw is not None:
         _put_parts(e, "Raw", _clip(rec.raw, _RAW_PARTS * _PART_UNITS), _RAW_PARTS)
+    # the duplicate marks only when set, so that MERGE of a later record keeps them
+    if rec.copied_from is not None:
+        e["CopiedFrom"] = _clip(rec.copied_from, _SHORT_TEXT)
+    if rec.duplicates is not None:
+        e["Duplicates"] = rec.duplicates
     return e
 
 
 #: result is Any: pydantic turns datetimes, UUIDs, models... into JSON values (str as a last resort)
 _ANY: Final = TypeAdapter(Any)
+
+
+async def _merge_unchanged(client: TableClient, e: dict[str, Any], stored: TableEntity) -> bool:
+    """MERGE ``e`` if the entity is still as ``stored`` (its ETag); False when it changed meanwhile."""
+    try:
+        await client.update_entity(
+            e,
+            mode=UpdateMode.MERGE,
+            etag=stored.metadata["etag"],
+            match_condition=MatchConditions.IfNotModified,
+        )
+    except ResourceModifiedError:
+        return False
+    return True
+
+
+def _index_entity(e: Mapping[str, Any]) -> dict[str, Any]:
+    """The id index entry of a record entity (where ``get`` finds it by message id)."""
+    return {"PartitionKey": _INDEX_PK, "RowKey": e["MessageId"], "Pk": e["PartitionKey"], "Rk": e["RowKey"]}
 
 
 def _jsonable(value: Any) -> Any:
@@ -540,10 +617,22 @@ def _record_from_entity(e: Mapping[str, Any]) -> MessageRecord:
     data["headers"] = json.loads(headers) if headers else {}
     result = _get_parts(e, "Result", _RESULT_PARTS)
     data["result"] = json.loads(result) if result else None
+    progress = e.get("Progress")
+    data["progress"] = _progress_of(progress) if progress else None
     body = _get_parts(e, "Body", _BODY_PARTS)
     data["body"] = json.loads(body) if body else None
     data["raw"] = _get_parts(e, "Raw", _RAW_PARTS)
+    data["copied_from"] = e.get("CopiedFrom")
+    data["duplicates"] = e.get("Duplicates")
     return MessageRecord.model_validate(data)
+
+
+def _progress_of(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:  # clipped: progress is advisory
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _entity_matches(q: MessageQuery, e: Mapping[str, Any]) -> bool:
@@ -559,6 +648,7 @@ def _entity_matches(q: MessageQuery, e: Mapping[str, Any]) -> bool:
         and (q.created_to is None or created < as_utc(q.created_to))
         and (q.archived is None or bool(e.get("Archived")) == q.archived)
         and (q.correlation_id is None or correlation == q.correlation_id)
+        and (q.tracking_id is None or e.get("TrackingId") == str(q.tracking_id))
     )
 
 
@@ -573,6 +663,7 @@ _MATCH_PROPS: Final = [
     "CreatedAt",
     "Archived",
     "CorrelationId",
+    "TrackingId",
     "Nulls",
 ]
 
@@ -620,6 +711,8 @@ def _query_filter(q: MessageQuery) -> _Filter:
         f.add(f"Archived eq {f.param(q.archived)}")
     if q.correlation_id is not None:
         f.add(f"CorrelationId eq {f.param(q.correlation_id)}")
+    if q.tracking_id is not None:
+        f.add(f"TrackingId eq {f.param(str(q.tracking_id))}")
     return f
 
 
@@ -740,7 +833,7 @@ class TablesTracker(_OnTable):
             for r in folded.values()
         ]
         index = [
-            {"PartitionKey": _INDEX_PK, "RowKey": e["MessageId"], "Pk": e["PartitionKey"], "Rk": e["RowKey"]}
+            _index_entity(e)
             for e, r in zip(entities, folded.values(), strict=True)
             if r.message_id not in self._written
         ]
@@ -767,6 +860,59 @@ class TablesTracker(_OnTable):
     async def reopen(self, record: MessageRecord) -> None:
         await self._upsert([record], keep_outcomes=False)
 
+    async def note_duplicate(self, message_id: UUID) -> None:
+        """Count one delivery of ``message_id`` dropped as a known duplicate."""
+        await self._patch(message_id, lambda e: {"Duplicates": int(e.get("Duplicates") or 0) + 1})
+
+    async def note_copied(self, message_id: UUID, left_behind: str) -> None:
+        """Mark the original ``left_behind`` as one whose outcome went on in a copy."""
+        await self._patch(message_id, lambda e: {"CopiedFrom": left_behind})
+
+    async def _patch(self, message_id: UUID, change: Callable[[Mapping[str, Any]], dict[str, Any]]) -> None:
+        """Write only the properties ``change`` returns, on the read's ETag: a concurrent outcome is
+        neither lost nor overwritten."""
+        with _boundary("upsert history"):
+            client = await self._table.ready()
+            for _ in range(5):
+                try:
+                    ix = await client.get_entity(_INDEX_PK, str(message_id))
+                    stored = await client.get_entity(str(ix["Pk"]), str(ix["Rk"]))
+                except ResourceNotFoundError:
+                    return
+                patch = {"PartitionKey": stored["PartitionKey"], "RowKey": stored["RowKey"], **change(stored)}
+                if await _merge_unchanged(client, patch, stored):
+                    return
+
+    @property
+    def store_id(self) -> str:
+        """Which table this tracker writes to (names the local journal of records not yet written)."""
+        client = self._table.client
+        return f"tables:{client.url.split('?')[0]}|{client.table_name}"
+
+    async def upsert_newer(self, records: Sequence[MessageRecord]) -> None:
+        """Write each record unless the stored one is newer (a late write from the history backlog):
+        read, compare ``UpdatedAt``, write on the read's ETag (a change in between reads again)."""
+        latest = newest_per_message(records)
+        with _boundary("upsert history"):
+            client = await self._table.ready()
+            # a read and a conditional write per record: many at once, or a backlog drains slowly
+            limit = asyncio.Semaphore(_LATE_WRITES)
+
+            async def one(rec: MessageRecord) -> None:
+                async with limit:
+                    await self._write_if_newer(client, rec)
+
+            await asyncio.gather(*(one(r) for r in latest.values()))
+
+    async def _write_if_newer(self, client: TableClient, rec: MessageRecord) -> None:
+        e = _record_entity(rec)
+        newer = as_utc(rec.updated_at)
+        # history that moved on while this record waited is left as it is
+        await self._merge_on_etag(
+            client, e, lambda stored: _plain_utc(stored["UpdatedAt"]) > newer, create=True
+        )
+        await client.upsert_entity(_index_entity(e), mode=UpdateMode.REPLACE)
+
     async def _insert_new(self, client: TableClient, batch: list[dict[str, Any]]) -> None:
         """Create each entity; where one exists, merge into it unless it holds an outcome."""
         if len(batch) > 1:
@@ -783,25 +929,30 @@ class TablesTracker(_OnTable):
             except ResourceExistsError:
                 await self._merge_unless_outcome(client, e)
 
+    @classmethod
+    async def _merge_unless_outcome(cls, client: TableClient, e: dict[str, Any]) -> None:
+        await cls._merge_on_etag(client, e, lambda stored: stored.get("Status") in OUTCOMES, create=False)
+
     @staticmethod
-    async def _merge_unless_outcome(client: TableClient, e: dict[str, Any]) -> None:
+    async def _merge_on_etag(
+        client: TableClient, e: dict[str, Any], keep: Callable[[Mapping[str, Any]], bool], *, create: bool
+    ) -> None:
+        """MERGE ``e`` over the stored entity unless ``keep(stored)``, on the read's ETag (a change in
+        between: look again). A missing entity is created when ``create``, else left alone (a purge
+        deleted it meanwhile: nothing to record against)."""
         for _ in range(5):
             try:
                 stored = await client.get_entity(e["PartitionKey"], e["RowKey"])
             except ResourceNotFoundError:
-                return  # deleted meanwhile (a purge): nothing to record against
-            if stored.get("Status") in OUTCOMES:
+                if not create:
+                    return
+                try:
+                    await client.create_entity(e)
+                    return
+                except ResourceExistsError:
+                    continue  # written meanwhile: compare with that one
+            if keep(stored) or await _merge_unchanged(client, e, stored):
                 return
-            try:
-                await client.update_entity(
-                    e,
-                    mode=UpdateMode.MERGE,
-                    etag=stored.metadata["etag"],
-                    match_condition=MatchConditions.IfNotModified,
-                )
-                return
-            except ResourceModifiedError:
-                continue  # changed since the read: look again
 
     @staticmethod
     async def _write(client: TableClient, batch: list[dict[str, Any]], mode: UpdateMode) -> None:
@@ -952,6 +1103,7 @@ def tables_from_connection(
                 setting, f"invalid table name {name!r}", "3-63 letters or digits, a letter first"
             )
     closers: list[Closer] = []
+    policy = retry_policy.azure_tables()
     if connection_string:
         if table_service_uri:
             raise ConfigurationError(
@@ -960,8 +1112,8 @@ def tables_from_connection(
                 "one of them",
             )
         try:
-            control = TableClient.from_connection_string(connection_string, control_table)
-            tracker = TableClient.from_connection_string(connection_string, tracker_table)
+            control = TableClient.from_connection_string(connection_string, control_table, **policy)
+            tracker = TableClient.from_connection_string(connection_string, tracker_table, **policy)
         except ValueError as exc:
             raise ConfigurationError("QueueingStorage", f"invalid connection string: {exc}") from None
     elif table_service_uri:
@@ -972,8 +1124,8 @@ def tables_from_connection(
             credential = owned
             closers.append(owned.close)  # closing twice (both stores) is harmless
         try:
-            control = TableClient(table_service_uri, control_table, credential=credential)
-            tracker = TableClient(table_service_uri, tracker_table, credential=credential)
+            control = TableClient(table_service_uri, control_table, credential=credential, **policy)
+            tracker = TableClient(table_service_uri, tracker_table, credential=credential, **policy)
         except ValueError as exc:
             raise ConfigurationError("QueueingStorage__tableServiceUri", str(exc)) from None
     else:

@@ -1,6 +1,8 @@
 """Message history: what happened to each message, for the ops API."""
 
 from .base import (
+    Activity,
+    ActivitySource,
     MessageQuery,
     MessageRecord,
     Page,
@@ -12,6 +14,8 @@ from .base import (
 from .memory import MemoryTracker
 
 __all__ = [
+    "Activity",
+    "ActivitySource",
     "MemoryTracker",
     "MessageQuery",
     "MessageRecord",

@@ -45,6 +45,14 @@ class MessageRecord(BaseModel):
     #: the raw text of a message whose envelope could not be decoded
     raw: str | None = None
     result: Any = None
+    #: what a running handler last reported: ``{"step", "total", "text", "at"}``
+    progress: dict[str, Any] | None = None
+    #: the transport's id of a delivery whose outcome went on in a copy though the original could not
+    #: be removed (Service Bus: the copy was sent, completing the original failed); if that original
+    #: comes back it is recognised as a duplicate and completed without running the handler
+    copied_from: str | None = None
+    #: deliveries recognised as duplicates and completed without running the handler
+    duplicates: int | None = None
 
 
 class MessageQuery(BaseModel):
@@ -59,6 +67,7 @@ class MessageQuery(BaseModel):
     created_to: datetime | None = None
     archived: bool | None = None
     correlation_id: str | None = None
+    tracking_id: UUID | None = None
 
     @field_validator("created_from", "created_to")
     @classmethod
@@ -83,6 +92,8 @@ class MessageQuery(BaseModel):
             parts.append("archived" if self.archived else "not archived")
         if self.correlation_id is not None:
             parts.append(f"correlation id {self.correlation_id}")
+        if self.tracking_id is not None:
+            parts.append(f"tracking id {self.tracking_id}")
         return ", ".join(parts)
 
     def matches(self, r: MessageRecord) -> bool:
@@ -94,6 +105,7 @@ class MessageQuery(BaseModel):
             and (self.created_to is None or r.created_at < self.created_to)
             and (self.archived is None or r.archived == self.archived)
             and (self.correlation_id is None or r.correlation_id == self.correlation_id)
+            and (self.tracking_id is None or r.tracking_id == self.tracking_id)
         )
 
 
@@ -129,6 +141,28 @@ class Tracker(Protocol):
         ...
 
 
+class Activity(BaseModel):
+    """What the queues did lately, in equal time slots oldest first (the dashboard's charts): per
+    queue, messages that succeeded and that ended otherwise, and the mean seconds from enqueue to
+    settlement; and when each queue's oldest message waiting to run became due."""
+
+    since: datetime
+    slot_seconds: int
+    succeeded: dict[str, list[int]] = Field(default_factory=dict)
+    failed: dict[str, list[int]] = Field(default_factory=dict)
+    latency: dict[str, list[float | None]] = Field(default_factory=dict)
+    oldest_due: dict[str, datetime] = Field(default_factory=dict)
+
+
+@runtime_checkable
+class ActivitySource(Protocol):
+    """A tracker that can say what happened lately (the SQL provider's); others show counts only."""
+
+    async def activity(
+        self, queues: Sequence[str], since: datetime, slot_seconds: int, slots: int, now: datetime
+    ) -> Activity: ...
+
+
 #: Writes an operator's retry into the history. A provider's ``ops_retry`` calls it after its last
 #: refusal and before the message can run, so the outcome of the new run is never overwritten.
 Reopen = Callable[[], Awaitable[None]]
@@ -153,6 +187,16 @@ def is_enqueue_record(rec: MessageRecord) -> bool:
         and rec.result is None
         and rec.locked_by is None
     )
+
+
+def newest_per_message(records: Sequence[MessageRecord]) -> dict[UUID, MessageRecord]:
+    """The most recently updated record of each message (what a late write may still apply)."""
+    latest: dict[UUID, MessageRecord] = {}
+    for rec in records:
+        old = latest.get(rec.message_id)
+        if old is None or rec.updated_at >= old.updated_at:
+            latest[rec.message_id] = rec
+    return latest
 
 
 def record_from_envelope(envelope: Envelope, status: str, now: datetime, **fields: Any) -> MessageRecord:

@@ -31,9 +31,35 @@ class MemoryTracker:
                     rec.body = old.body
                 if rec.raw is None:
                     rec.raw = old.raw
+                if rec.progress is None:
+                    rec.progress = old.progress
+                # the duplicate marks are written only when set: a later record keeps them
+                if rec.copied_from is None:
+                    rec.copied_from = old.copied_from
+                if rec.duplicates is None:
+                    rec.duplicates = old.duplicates
             self._items[rec.message_id] = rec
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
+
+    async def upsert_newer(self, records: Sequence[MessageRecord]) -> None:
+        """Write each record unless the stored one was updated later (the history backlog's writes)."""
+        for rec in records:
+            old = self._items.get(rec.message_id)
+            if old is None or old.updated_at <= rec.updated_at:
+                self._write([rec], keep_outcomes=False)
+
+    async def note_duplicate(self, message_id: UUID) -> None:
+        """Count one delivery of ``message_id`` dropped as a known duplicate."""
+        rec = self._items.get(message_id)
+        if rec is not None:
+            rec.duplicates = (rec.duplicates or 0) + 1
+
+    async def note_copied(self, message_id: UUID, left_behind: str) -> None:
+        """Mark the original ``left_behind`` as one whose outcome went on in a copy."""
+        rec = self._items.get(message_id)
+        if rec is not None:
+            rec.copied_from = left_behind
 
     async def reopen(self, record: MessageRecord) -> None:
         self._write([record], keep_outcomes=False)

@@ -126,9 +126,16 @@ def test_pip_install_then_queueing_serve_from_another_folder_then_make_serve(tmp
                 break
             time.sleep(0.2)
         assert done == 6, queues
+        # the dashboard, from the installed package (its templates and static files included)
+        ui = f"http://127.0.0.1:{port}/api/_system/queueing/ui/"
+        with urllib.request.urlopen(ui, timeout=30) as page:
+            assert "order-placed" in page.read().decode()
+        with urllib.request.urlopen(ui + "static/htmx.min.js", timeout=30) as script:
+            assert script.status == 200
     finally:
         log = stop(serve, serve_log)
     assert "app orders (3 queues) on sqlite:///./queueing.db" in log
+    assert f"dashboard: {ui} (no key: open to this machine only)" in log
     assert (elsewhere / "queueing.db").exists()
 
     # the README's first command, with its port setting, in the same environment

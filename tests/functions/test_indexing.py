@@ -49,6 +49,20 @@ def test_storage_queue_app_has_one_trigger_per_type_a_timer_and_the_ops_function
     assert len(retention["schedule"].split()) == 6
 
 
+def test_the_http_function_is_anonymous_only_when_asked_and_only_behind_an_api_key():
+    keyed = QueueingSettings(
+        provider="storage_queue", functions_http_auth_level="anonymous", api_key="a-key-not-a-secret"
+    )
+    http = bindings(functions_of(build_app(keyed, env=STORAGE_ENV))["http_app_func"])[0]
+    assert http["authLevel"] == "ANONYMOUS"  # a browser reaches the dashboard; the kit's key guards it
+    with pytest.raises(ConfigurationError, match="QUEUEING_FUNCTIONS_HTTP_AUTH_LEVEL"):
+        build_app(
+            QueueingSettings(provider="storage_queue", functions_http_auth_level="anonymous"), env=STORAGE_ENV
+        )
+    with pytest.raises(ValueError, match="functions_http_auth_level"):
+        QueueingSettings(provider="storage_queue", functions_http_auth_level="admin")
+
+
 def test_servicebus_app_uses_sdk_type_bindings_without_auto_complete():
     # its own app: the prefix is applied to the app's naming, and the example module's app is shared
     own = QueueingApp("prefixed")
@@ -65,6 +79,7 @@ def test_servicebus_app_uses_sdk_type_bindings_without_auto_complete():
     assert {p.__name__ for p in fn.__annotations__.values() if p is not None} == {
         "ServiceBusReceivedMessage",
         "ServiceBusMessageActions",
+        "Context",  # the invocation's trace context, continued by tracing
     }
 
 

@@ -16,7 +16,7 @@ from functions.host import FunctionsHost
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.settings import QueueingSettings
 
-from .conftest import Context, functions_of, user
+from .conftest import Context, bindings, functions_of, user
 
 
 @queue("timed", lease_duration=timedelta(seconds=1), max_attempts=3)
@@ -142,3 +142,53 @@ async def test_an_unresolved_key_vault_reference_is_no_key(tmp_path, caplog):
     assert r.status_code == 401
     assert any("Key Vault Secrets User" in rec.getMessage() for rec in caplog.records)
     await host.close()
+
+
+async def test_the_schedules_timer_fires_due_ticks_once_and_only_apps_with_schedules_get_it(tmp_path):
+    _app, _host, fns, _seen = sql_app(tmp_path)
+    assert "queueing_schedules" not in fns
+    scheduled = QueueingApp("fn-scheduled")
+    scheduled.every(timedelta(seconds=1), Timed(n=7), name="every-second")
+    cfg = QueueingSettings(
+        provider="sql", database_url=f"sqlite:///{tmp_path}/sched.db", functions_local_sqlite=True
+    )
+    host = FunctionsHost(scheduled, cfg)
+    fns = functions_of(build_app(cfg, scheduled, host=host, env={}))
+    timer = next(b for b in bindings(fns["queueing_schedules"]) if b["type"] == "timerTrigger")
+    assert timer["schedule"] == cfg.functions_schedules_schedule
+    await user(fns["queueing_schedules"])(TimerRequest(past_due=False))
+    rt = await host.runtime()
+    assert await rt.tracker.counts() == {("timed", "Pending"): 1}
+    await user(fns["queueing_schedules"])(TimerRequest(past_due=False))  # same second, or the next
+    assert sum((await rt.tracker.counts()).values()) <= 2
+    # the retention timer forgets ticks older than a week, keeping each schedule's newest
+    store = rt.provider.schedule_store()
+    newest = (await store.last_ticks(["every-second"]))["every-second"]
+    old = newest - timedelta(days=8)
+    assert await store.fire("every-second", old, [], None, old)
+    await user(fns["queueing_retention"])(TimerRequest())
+    t = rt.provider.tables.ticks
+    async with rt.provider.engine.connect() as conn:
+        left = (await conn.execute(sa.select(t.c.tick_at))).scalars().all()
+    assert old.replace(tzinfo=None) not in [x.replace(tzinfo=None) for x in left]
+    assert (await store.last_ticks(["every-second"]))["every-second"] == newest
+    await rt.close()
+
+
+def test_a_trigger_hands_the_invocations_trace_context_to_tracing():
+    import contextvars
+    from types import SimpleNamespace
+
+    from functions import _continuing
+    from queueing_core.context import host_trace
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    context = SimpleNamespace(trace_context=SimpleNamespace(trace_parent=parent, trace_state="k=v"))
+
+    def invoke(ctx):
+        _continuing(ctx)
+        return host_trace.get()
+
+    assert contextvars.copy_context().run(invoke, context) == (parent, "k=v")
+    assert contextvars.copy_context().run(invoke, None) is None  # called without a context (tests)
+    assert host_trace.get() is None  # nothing leaks out of an invocation

@@ -138,7 +138,7 @@ def test_no_server_errors_responses_match_the_schema_and_auth_is_enforced(server
             checked.append(f"{op.label} (positive only)")
         else:
             checked.append(op.label)
-    assert len(checked) == 18
+    assert len(checked) == 24
 
 
 def test_every_phase_and_check_of_the_schemathesis_command(server, tmp_path):
@@ -177,7 +177,7 @@ def test_every_phase_and_check_of_the_schemathesis_command(server, tmp_path):
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
-    assert "18 selected / 18 total" in r.stdout
+    assert "24 selected / 24 total" in r.stdout
 
 
 def test_the_auth_check_catches_a_route_that_does_not_enforce_its_key():
@@ -205,7 +205,7 @@ def test_the_auth_check_catches_a_route_that_does_not_enforce_its_key():
 def test_the_document_is_complete(server):
     url, headers, keyed = server
     doc = httpx.get(f"{url}{PREFIX}/openapi.json", headers=headers).json()
-    assert len([op for path in doc["paths"].values() for op in path]) == 18
+    assert len([op for path in doc["paths"].values() for op in path]) == 24
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             assert op.get("responses"), (method, path)

@@ -90,7 +90,10 @@ async def test_every_new_connection_signs_in_with_the_current_token(scram_postgr
     schema = _role(scram_postgres, name, first)
     credential = RotatingCredential(first, [])
     url = scram_postgres.url(name)  # no password in the URL
-    provider = SqlProvider(url, schema=schema, database_auth="entra", credential=credential)
+    # relaxed claims: their own pool, so both pools are seen signing in with a rotated token
+    provider = SqlProvider(
+        url, schema=schema, database_auth="entra", credential=credential, durable_claims=False
+    )
     app = QueueingApp("entra")
     done: list[int] = []
 
@@ -104,9 +107,9 @@ async def test_every_new_connection_signs_in_with_the_current_token(scram_postgr
         assert set(credential.scopes_asked) == {(SCOPE,)}
         assert provider._listener is not None
         assert provider._listener.connected.is_set()
-        async with provider.engine.connect() as held, provider.relaxed.connect() as held_relaxed:
+        async with provider.engine.connect() as held, provider.claims.connect() as held_claims:
             await held.execute(sa.text("SELECT 1"))
-            await held_relaxed.execute(sa.text("SELECT 1"))
+            await held_claims.execute(sa.text("SELECT 1"))
 
             # the token rotates: the server now accepts only the new one
             second = f"token-b-{uuid.uuid4().hex}"
@@ -117,11 +120,11 @@ async def test_every_new_connection_signs_in_with_the_current_token(scram_postgr
 
             # connections already open keep working ...
             assert (await held.execute(sa.text("SELECT 2"))).scalar() == 2
-            assert (await held_relaxed.execute(sa.text("SELECT 3"))).scalar() == 3
+            assert (await held_claims.execute(sa.text("SELECT 3"))).scalar() == 3
             # ... and new ones, in both engines' pools, sign in with the new token
             asked = len(credential.scopes_asked)
             await provider.engine.dispose(close=False)  # forget idle connections: the next one is new
-            await provider.relaxed.dispose(close=False)
+            await provider.claims.dispose(close=False)
             await app.enqueue(EntraJob(n=1))
             [delivery] = await provider.receive(app.subscription("EntraJob"), 1)
             settlement = await rt.process(delivery)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
 from ...clock import Clock, utcnow
-from ...envelope import Envelope
+from ...envelope import REPEATED_FORWARD, Envelope
 from ...errors import ProviderUnavailable
 from ...messages import MessageStatus
 from ...tracking import MessageRecord, record_from_envelope
@@ -43,6 +44,18 @@ def forward_failed_record(env: Envelope, description: str, now: datetime) -> Mes
     return record_from_envelope(
         env, MessageStatus.DEAD_LETTERED.value, now, reason=FORWARD_FAILED, description=description
     )
+
+
+
+
+def mark_repeated(item: DelayedMessage) -> DelayedMessage:
+    """``item`` with its envelope marked as a possible second forward (visible in its headers)."""
+    try:
+        env = Envelope.decode(item.envelope)
+    except Exception:  # forwarded as it is; the dead-letter path handles a body that is not one
+        return item
+    marked = env.model_copy(update={"headers": {**env.headers, REPEATED_FORWARD: str(item.claims - 1)}})
+    return dataclasses.replace(item, envelope=marked.encode_text())
 
 
 @runtime_checkable
@@ -93,6 +106,8 @@ class DelayedDispatcher:
         #: messages forwarded / moved to the dead-letter queue since start (for tests and metrics)
         self.forwarded = 0
         self.dead_lettered = 0
+        #: forwards sent again after a dispatcher stopped between a forward and its removal
+        self.repeated = 0
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -113,20 +128,31 @@ class DelayedDispatcher:
         return len(items)
 
     async def _settle(self, items: list[DelayedMessage]) -> None:
-        """Forward (or dead-letter) each item, then remove those that left the store's care."""
-        results = await asyncio.gather(*(self._forward(i) for i in items), return_exceptions=True)
-        done = [i.id for i, ok in zip(items, results, strict=True) if ok is True]
+        """Forward (or dead-letter) each item, removing each as soon as it left the store's care: a
+        dispatcher that stops part-way repeats only the forwards it had in flight."""
+        results = await asyncio.gather(*(self._one(i) for i in items), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 log.error("handling a delayed message failed: %s", first_line(r))
-        if done:
-            removed = await self.store.remove_many(done)
-            if removed != len(done):
-                # its lease lapsed and another dispatcher took it too: a duplicate, not a loss
-                log.warning("%d forwarded delayed message(s) were already gone", len(done) - removed)
+
+    async def _one(self, item: DelayedMessage) -> None:
+        if await self._forward(item) and not await self.store.remove(item.id):
+            # its lease lapsed and another dispatcher took it too: a duplicate, not a loss
+            log.warning("forwarded delayed message %s was already gone", item.message_id)
 
     async def _forward(self, item: DelayedMessage) -> bool:
         """True when the message left the store's care (forwarded or dead-lettered)."""
+        if item.claims > 1:
+            # an earlier fetch never reported back: its forward may have reached the transport
+            self.repeated += 1
+            log.warning(
+                "delayed message %s forwarded again: a dispatcher stopped after fetching it %d time(s) "
+                "and may have forwarded it already (the handler may run twice)",
+                item.message_id,
+                item.claims - 1,
+                extra={"message_id": str(item.message_id)},
+            )
+            item = mark_repeated(item)
         try:
             await self.target.forward_delayed(item)
         except Exception as exc:

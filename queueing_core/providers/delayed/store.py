@@ -10,7 +10,10 @@ moved due time keeps the row out of every other fetch after the commit, for as l
 takes, without holding a transaction (and a pooled connection, and on SQLite the write lock) open
 across a broker round trip. A dispatcher that dies between fetch and :meth:`remove` only delays the
 message by ``lease``; then another dispatcher forwards it (at least once: a forward is never
-undone, so a crash after it and before :meth:`remove` sends it twice).
+undone, so a crash after it and before :meth:`remove` sends it twice). The dispatcher removes each
+row as soon as its own forward is accepted, so a crash repeats at most the forwards in flight; each
+fetch counts a claim on the row (cleared when a forward is known not to have happened), so such a
+repeat is known: the row comes back with ``claims`` > 1 and its forward is marked and logged.
 
 Each :meth:`store` wakes the dispatchers of this process at once and, on PostgreSQL, those of other
 processes through ``NOTIFY`` on the store's own channel.
@@ -64,6 +67,9 @@ class DelayedMessage:
     failures: int
     created_at: datetime
     last_error: str | None = None
+    #: fetches of this row that did not report back, this one included (> 1: an earlier forward of
+    #: it may have reached the transport before its dispatcher stopped)
+    claims: int = 1
 
 
 def channel_for(schema: str | None) -> str:
@@ -174,9 +180,11 @@ class SqlDelayedStore:
                 rows = (await conn.execute(stmt)).all()
                 if rows:
                     await conn.execute(
-                        sa.update(t).where(t.c.id.in_([r.id for r in rows])).values(due_at=at + self.lease)
+                        sa.update(t)
+                        .where(t.c.id.in_([r.id for r in rows]))
+                        .values(due_at=at + self.lease, claims=t.c.claims + 1)
                     )
-        return [_message(r) for r in rows]
+        return [_message(r, claimed=True) for r in rows]
 
     async def remove(self, id: uuid.UUID) -> bool:
         """True when the row was removed; False when it was already gone."""
@@ -196,7 +204,7 @@ class SqlDelayedStore:
     ) -> bool:
         """Count a failed forward (and make it due again at ``retry_at``); False if it is gone."""
         t = self._t
-        values: dict[str, Any] = {"failures": t.c.failures + 1}
+        values: dict[str, Any] = {"failures": t.c.failures + 1, "claims": 0}
         if error is not None:
             values["last_error"] = error[:4000]
         if retry_at is not None:
@@ -213,7 +221,9 @@ class SqlDelayedStore:
         with db_boundary("releasing a delayed message"):
             await self.sql.ensure_open()
             async with self.sql.engine.begin() as conn:
-                res = await conn.execute(sa.update(t).where(t.c.id == id).values(due_at=as_utc(due)))
+                res = await conn.execute(
+                    sa.update(t).where(t.c.id == id).values(due_at=as_utc(due), claims=0)
+                )
         return res.rowcount == 1
 
     async def next_due(self) -> datetime | None:
@@ -241,8 +251,18 @@ class SqlDelayedStore:
                 rows = (await conn.execute(stmt)).all()
         return [_message(r) for r in rows]
 
-    async def purge(self, destination: str, message_ids: Sequence[uuid.UUID] | None = None) -> int:
-        """Delete what waits for ``destination`` (only ``message_ids`` when given)."""
+    async def holds(self, message_id: uuid.UUID) -> bool:
+        """Whether a copy of the message waits here."""
+        t = self._t
+        stmt = sa.select(t.c.id).where(t.c.message_id == message_id, t.c.transport == self.transport.value)
+        with db_boundary("looking for a delayed message"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.connect() as conn:
+                return (await conn.execute(stmt.limit(1))).first() is not None
+
+    async def purge(self, destination: str, message_ids: Sequence[uuid.UUID] | None = None) -> set[uuid.UUID]:
+        """Delete what waits for ``destination`` (only ``message_ids`` when given); returns the
+        message ids deleted."""
         t = self._t
         cond = [t.c.transport == self.transport.value, t.c.destination == destination]
         if message_ids is not None:
@@ -250,8 +270,8 @@ class SqlDelayedStore:
         with db_boundary("purging delayed messages"):
             await self.sql.ensure_open()
             async with self.sql.engine.begin() as conn:
-                res = await conn.execute(sa.delete(t).where(*cond))
-        return res.rowcount or 0
+                rows = (await conn.execute(sa.delete(t).where(*cond).returning(t.c.message_id))).all()
+        return {r[0] for r in rows}
 
     async def counts(self) -> dict[str, int]:
         """Messages waiting per destination."""
@@ -268,7 +288,7 @@ class SqlDelayedStore:
         return {str(r[0]): int(r[1]) for r in rows}
 
 
-def _message(r: Any) -> DelayedMessage:
+def _message(r: Any, *, claimed: bool = False) -> DelayedMessage:
     return DelayedMessage(
         id=r.id,
         message_id=r.message_id,
@@ -278,4 +298,5 @@ def _message(r: Any) -> DelayedMessage:
         failures=r.failures,
         created_at=as_utc(r.created_at),
         last_error=r.last_error,
+        claims=r.claims + 1 if claimed else r.claims,
     )

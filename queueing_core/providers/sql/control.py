@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 import sqlalchemy as sa
 
 from ...clock import opt_utc
 from ...control import circuit
-from ...control.base import CircuitState, ControlState, PauseKind
+from ...control.base import CANCEL_KEPT, CircuitState, ControlState, PauseKind
 from ...messages import MessageStatus
 from ...options import CircuitBreakerOptions
 
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
     from .provider import SqlProvider
 
 _CAS_TRIES = 20
+#: NOTIFY payload prefix of a cancellation request: the other payloads are queue names, and the
+#: unit separator is in none of them
+CANCEL_PREFIX = "\x1fcancel\x1f"
 
 
 def _state_of(row: Any) -> CircuitState:
@@ -40,9 +44,14 @@ class SqlControlStore:
         return self.provider.tables
 
     async def state(self) -> ControlState:
-        p, c = self._t.pauses, self._t.circuits
+        p, c, x = self._t.pauses, self._t.circuits, self._t.cancels
         await self.provider.ensure_open()
+        since = self.provider.clock() - CANCEL_KEPT
         async with self.provider.engine.connect() as conn:
+            cancels = (
+                await conn.execute(sa.select(x.c.message_id).where(x.c.requested_at > since))
+            ).scalars()
+            cancelled = frozenset(cancels)
             pauses = (await conn.execute(sa.select(p.c.kind, p.c.name))).all()
             # every circuit with something to say: open, half-open, or closed with failures counted
             # (the pipeline records a success only where it sees failures to reset)
@@ -55,7 +64,27 @@ class SqlControlStore:
             paused_queues=frozenset(n for k, n in pauses if k == "queue"),
             paused_types=frozenset(n for k, n in pauses if k == "type"),
             circuits={r.type: _state_of(r) for r in circuits},
+            paused_schedules=frozenset(n for k, n in pauses if k == "schedule"),
+            cancelled=cancelled,
         )
+
+    async def set_cancel(self, message_id: UUID, requested: bool, now: datetime) -> None:
+        x = self._t.cancels
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            await conn.execute(
+                x.delete().where(sa.or_(x.c.message_id == message_id, x.c.requested_at < now - CANCEL_KEPT))
+            )
+            if requested:
+                try:
+                    async with conn.begin_nested():
+                        await conn.execute(x.insert().values(message_id=message_id, requested_at=now))
+                except sa.exc.IntegrityError:
+                    pass  # another request for it committed meanwhile: one is enough
+                if self.provider.backend == "postgresql":  # every host hears it at commit
+                    await conn.execute(
+                        sa.select(sa.func.pg_notify(self.provider.channel, f"{CANCEL_PREFIX}{message_id}"))
+                    )
 
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
         p, m = self._t.pauses, self._t.messages
@@ -70,6 +99,8 @@ class SqlControlStore:
                     await conn.execute(p.insert().values(kind=kind, name=name, paused_at=now))
                 return
             await conn.execute(p.delete().where(p.c.kind == kind, p.c.name == name))
+            if kind == "schedule":
+                return  # a schedule holds no messages
             # held rows become claimable at once instead of at their next recheck
             column = m.c.queue if kind == "queue" else m.c.type
             await conn.execute(

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from ... import retry_policy
 from ...errors import ConfigurationError
 
 #: the async driver the kit uses for each database family
@@ -67,7 +68,13 @@ def create_engine(url: str | URL, *, password: PasswordSource | None = None, **k
         return engine
     # No pre-ping (a round trip per transaction): when a statement meets a dead connection, SQLAlchemy
     # sees the disconnect, invalidates the whole pool, and the worker's next attempt reconnects.
-    opts: dict[str, Any] = {"pool_size": 5, "max_overflow": 10, "pool_recycle": 1800}
+    opts: dict[str, Any] = {
+        "pool_size": 5,
+        "max_overflow": 10,
+        "pool_recycle": 1800,
+        # a server that does not answer fails the connection in seconds (the caller retries)
+        "connect_args": {"connect_timeout": retry_policy.PG_CONNECT_TIMEOUT},
+    }
     opts.update(kwargs)
     if password is not None:
         opts["async_creator"] = _connector(u, password, opts.pop("connect_args", {}))

@@ -28,7 +28,7 @@ from pydantic_core import to_json
 from ...clock import Clock, as_utc, utcnow
 from ...envelope import malformed_id as malformed_id  # re-exported for the transports that use it
 from ...messages import MessageStatus
-from ...tracking.base import OUTCOMES, MessageRecord, is_enqueue_record
+from ...tracking.base import OUTCOMES, MessageRecord, is_enqueue_record, newest_per_message
 from .control import SqlControlStore
 from .provider import SqlProvider
 from .tracker import SqlTracker
@@ -104,11 +104,12 @@ class SqlHistoryTracker(SqlTracker):
             "body": _json(r.body),
             "raw": r.raw,
             "result": _json(r.result),
+            "progress": _json(r.progress),
             "archived": r.archived,
             "archived_at": r.archived_at and as_utc(r.archived_at),
         }
 
-    def _upsert_statement(self, *, keep_outcomes: bool) -> Any:
+    def _upsert_statement(self, *, keep_outcomes: bool, if_newer: bool = False) -> Any:
         t = self._m
         dialect_insert: Any
         if self.provider.backend == "postgresql":
@@ -118,15 +119,21 @@ class SqlHistoryTracker(SqlTracker):
         stmt = dialect_insert(t)
         ex = stmt.excluded
         changes: dict[str, Any] = {
-            c.name: ex[c.name] for c in t.c if c.name not in ("id", "message_id", "body", "raw")
+            # the duplicate count is only ever added to (note_duplicate): a record never resets it
+            c.name: ex[c.name]
+            for c in t.c
+            if c.name not in ("id", "message_id", "body", "raw", "duplicates")
         }
         changes["body"] = sa.func.coalesce(ex["body"], t.c.body)
         changes["raw"] = sa.func.coalesce(ex["raw"], t.c.raw)
+        changes["progress"] = sa.func.coalesce(ex["progress"], t.c.progress)  # kept past the outcome
         # the statuses as SQL literals (constants of the kit): an executemany cannot expand a bound list
         # A producer writes its record after the send, so a fast worker may have written first: an
         # enqueue record never replaces an outcome (finished, or failed and waiting for its retry).
         kept: list[sa.ColumnElement[str]] = [sa.literal_column(f"'{s}'") for s in sorted(OUTCOMES)]
         where = t.c.status.not_in(kept) if keep_outcomes else None
+        if if_newer:  # a late write (the history backlog) never replaces a newer record
+            where = t.c.updated_at <= ex["updated_at"]
         return stmt.on_conflict_do_update(index_elements=[t.c.message_id], set_=changes, where=where)
 
     async def upsert(self, records: Sequence[MessageRecord]) -> None:
@@ -142,6 +149,34 @@ class SqlHistoryTracker(SqlTracker):
                 await conn.execute(self._upsert_statement(keep_outcomes=False), plain)
             if fresh:
                 await conn.execute(self._upsert_statement(keep_outcomes=True), fresh)
+
+    async def upsert_newer(self, records: Sequence[MessageRecord]) -> None:
+        """Write each record unless the stored one was updated later (the history backlog's writes)."""
+        latest = newest_per_message(records)
+        if not latest:
+            return
+        rows = [self._row(latest[k]) for k in sorted(latest)]
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            await conn.execute(self._upsert_statement(keep_outcomes=False, if_newer=True), rows)
+
+    async def note_duplicate(self, message_id: UUID) -> None:
+        """Count one delivery of ``message_id`` completed as a known duplicate."""
+        t = self._m
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            await conn.execute(
+                sa.update(t)
+                .where(t.c.message_id == message_id)
+                .values(duplicates=sa.func.coalesce(t.c.duplicates, 0) + 1)
+            )
+
+    @property
+    def store_id(self) -> str:
+        """Which database and schema this tracker writes to (names the local journal of records not
+        yet written); the password is left out."""
+        url = self.provider.url.render_as_string(hide_password=True)
+        return f"sql:{url}|{self.provider.tables.history.schema or ''}"
 
     async def reopen(self, record: MessageRecord) -> None:
         """Write ``record`` whatever the stored status (an operator's retry of a finished message)."""

@@ -139,11 +139,24 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
         out["archived"] = await _batched(provider, archive)
     if policy.delete_archived_after is not None:
         cutoff_a = now - policy.delete_archived_after
+        # the last success of each identity of an idempotent type is its handler's ctx.previous: kept
+        newer = m.alias("newer")
+        succeeded = MessageStatus.SUCCEEDED.value
+        previous = sa.and_(
+            m.c.identity.is_not(None),
+            m.c.status == succeeded,
+            ~sa.exists().where(
+                newer.c.type == m.c.type,
+                newer.c.identity == m.c.identity,
+                newer.c.status == succeeded,
+                newer.c.settled_at > m.c.settled_at,
+            ),
+        )
 
         def drop_archived() -> sa.Delete:
             ids = (
                 sa.select(m.c.id)
-                .where(m.c.archived, m.c.archived_at < cutoff_a)
+                .where(m.c.archived, m.c.archived_at < cutoff_a, sa.not_(previous))
                 .limit(policy.batch)
                 .scalar_subquery()
             )

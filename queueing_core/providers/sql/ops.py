@@ -4,7 +4,7 @@ service checked, so a concurrent change makes the action a clean no-op (reported
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -40,6 +40,34 @@ async def retry(p: SqlProvider, record: MessageRecord, envelope: Envelope, now: 
         )
         await p.notify_statements(conn, {record.queue})
     return res.rowcount == 1
+
+
+async def cancel(p: SqlProvider, record: MessageRecord, now: datetime) -> bool:
+    """Cancel a message no worker holds, guarded by the state the caller saw: it is never claimed."""
+    m = p.tables.messages
+    async with p.auto.connect() as conn:
+        res = await conn.execute(
+            sa.update(m)
+            .where(
+                m.c.message_id == record.message_id,
+                m.c.status == record.status,
+                m.c.status != LEASED,
+                ~m.c.archived,
+            )
+            .values(status=MessageStatus.CANCELLED.value, settled_at=now, updated_at=now)
+        )
+    return res.rowcount == 1
+
+
+async def store_progress(p: SqlProvider, envelope: Envelope, progress: dict[str, Any]) -> None:
+    """A running handler's progress, on its row while a worker holds it."""
+    m = p.tables.messages
+    async with p.claims.connect() as conn:
+        await conn.execute(
+            sa.update(m)
+            .where(m.c.message_id == envelope.message_id, m.c.status == LEASED)
+            .values(progress=progress)
+        )
 
 
 async def release(p: SqlProvider, record: MessageRecord, now: datetime) -> bool:

@@ -19,9 +19,10 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
@@ -33,11 +34,13 @@ from ...envelope import Envelope
 from ...errors import ConfigurationError, NotConfigured, ProviderUnavailable
 from ...messages import MessageStatus
 from ...naming import Transport
+from ...producer import IdempotentOutcome, identity_of
 from ...runtime import default_worker_id, jsonable
 from ...tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen
 from ...transport import Capabilities, Delivery, Settlement
+from . import idempotent as sql_idempotent
 from . import ops as sql_ops
-from .control import SqlControlStore
+from .control import CANCEL_PREFIX, SqlControlStore
 from .engine import create_engine, normalize_url, redact
 from .entra import DatabaseAuth, EntraPassword, uses_entra
 from .listener import PgListener, channel_name
@@ -49,6 +52,8 @@ from .tracker import SqlTracker
 
 if TYPE_CHECKING:
     from ...app import QueueingApp, Subscription
+    from ...messages import QueueMessage
+    from .schedules import SqlTickStore
 
 log = logging.getLogger("queueing.sql")
 
@@ -112,6 +117,10 @@ class SqlProvider:
         database_auth: DatabaseAuth = "auto",
         client_id: str | None = None,
         credential: Any = None,
+        durable_claims: bool = True,
+        pool_size: int = 5,
+        max_overflow: int = 10,
+        claim_pool_size: int = 2,
     ) -> None:
         self.url = normalize_url(url)
         self.backend = self.url.get_backend_name()
@@ -141,13 +150,22 @@ class SqlProvider:
         self.channel = channel_for(schema)
         self._engine = engine
         self._own_engine = engine is None
+        #: claims and lease renewals wait for the WAL flush (PostgreSQL); when off they run on their own
+        #: small pool with ``synchronous_commit=off``: faster, and a database crash right after a claim
+        #: only makes its messages claimable again (a second delivery, never a loss)
+        self.durable_claims = durable_claims
+        #: connections of the provider's own engine, and of the claims' pool when claims are relaxed
+        #: (it may overflow by twice its size, never by more than ``max_overflow``); LISTEN adds one
+        self.pool_size, self.max_overflow, self.claim_pool_size = pool_size, max_overflow, claim_pool_size
         self._app: QueueingApp | None = None
         self._listener = self.listener(self.channel) if listen and self.backend == "postgresql" else None
         self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        #: told of each cancellation request NOTIFY brings (the runtime sets it)
+        self.on_cancel: Callable[[UUID], None] | None = None
         self._next_due: dict[str, datetime] = {}
         self.statements = Statements(self.tables, self.worker_id)
         self._auto: AsyncEngine | None = None
-        self._relaxed: AsyncEngine | None = None
+        self._claims: AsyncEngine | None = None
         self._control = SqlControlStore(self)
         self._tracker = SqlTracker(self)
         self._open_lock: asyncio.Lock | None = None
@@ -172,18 +190,24 @@ class SqlProvider:
         return self._auto
 
     @property
-    def relaxed(self) -> AsyncEngine:
-        """Autocommit without waiting for the WAL flush (PostgreSQL), for claims and lease renewals:
-        one lost in a database crash only makes its messages claimable again."""
-        if self._relaxed is None:
+    def claims(self) -> AsyncEngine:
+        """Where claims and lease renewals run, in autocommit: the engine itself when claims are durable
+        (the default), else a pool whose sessions do not wait for the WAL flush (PostgreSQL)."""
+        if self._claims is None:
             raise NotConfigured("the SQL provider is not open yet: await runtime.open()")
-        return self._relaxed
+        return self._claims
 
     def control_store(self) -> SqlControlStore:
         return self._control
 
     def tracker(self) -> SqlTracker:
         return self._tracker
+
+    def schedule_store(self) -> SqlTickStore:
+        """Schedule ticks claimed in the same transaction as their messages."""
+        from .schedules import SqlTickStore
+
+        return SqlTickStore(self, transactional=True)
 
     async def open(self, app: QueueingApp | None = None) -> None:
         if app is not None:
@@ -194,18 +218,22 @@ class SqlProvider:
             if self._opened:
                 return
             if self._engine is None:
-                self._engine = create_engine(self.url, password=self._password)
+                # SQLite keeps its one connection per process (its single writer): see create_engine
+                pools = {"pool_size": self.pool_size, "max_overflow": self.max_overflow}
+                self._engine = create_engine(
+                    self.url, password=self._password, **(pools if self.backend == "postgresql" else {})
+                )
             self._auto = self._engine.execution_options(isolation_level="AUTOCOMMIT")
-            if self.backend == "postgresql":
-                self._relaxed = create_engine(
+            if self.backend == "postgresql" and not self.durable_claims:
+                self._claims = create_engine(
                     self.url,
                     password=self._password,
-                    pool_size=2,
-                    max_overflow=4,
+                    pool_size=self.claim_pool_size,
+                    max_overflow=min(2 * self.claim_pool_size, self.max_overflow),
                     connect_args={"options": "-c synchronous_commit=off"},
                 ).execution_options(isolation_level="AUTOCOMMIT")
             else:
-                self._relaxed = self._auto
+                self._claims = self._auto
             await self._wait_for_database()
             if self.auto_migrate:
                 applied = await migrate(self.engine, self.tables, now=self.clock)
@@ -249,9 +277,9 @@ class SqlProvider:
     async def close(self) -> None:
         if self._listener is not None:
             await self._listener.stop()
-        if self._relaxed is not None and self._relaxed is not self._auto:
-            await self._relaxed.dispose()
-        self._relaxed = self._auto = None
+        if self._claims is not None and self._claims is not self._auto:
+            await self._claims.dispose()
+        self._claims = self._auto = None
         if self._engine is not None and self._own_engine:
             await self._engine.dispose()
             self._engine = None
@@ -321,7 +349,7 @@ class SqlProvider:
         )
         # ordered queues take the head of the line only (a retried head holds the rest back)
         stmt = self.statements.claim_head if sub.options.ordered else self.statements.claim
-        async with self.relaxed.connect() as conn:
+        async with self.claims.connect() as conn:
             rows = (await conn.execute(stmt, params)).mappings().all()
         deliveries = [delivery_from_row(r) for r in rows]
         deliveries.sort(key=lambda d: d.handle)
@@ -336,6 +364,11 @@ class SqlProvider:
         return str(compiled), params
 
     def _wake(self, queue: str) -> None:
+        if queue.startswith(CANCEL_PREFIX):
+            if self.on_cancel is not None:
+                with contextlib.suppress(ValueError):
+                    self.on_cancel(UUID(queue[len(CANCEL_PREFIX) :]))
+            return
         self._wakeups[queue].set()
 
     def _note_due(self, queue: str, when: datetime) -> None:
@@ -472,7 +505,7 @@ class SqlProvider:
         for d in deliveries:
             by_queue[d.queue].append(d)
         lost: list[Delivery] = []
-        async with self.relaxed.connect() as conn:
+        async with self.claims.connect() as conn:
             for queue, ds in by_queue.items():
                 sub = self._app.by_queue().get(queue)
                 until = now + (sub.options.lease_duration if sub else timedelta(seconds=30))
@@ -492,6 +525,39 @@ class SqlProvider:
         await self.ensure_open()  # the retry statement reopens the row: nothing else to record
         return await sql_ops.retry(self, record, envelope, now)
 
+    async def send_idempotent(
+        self, envelopes: Sequence[Envelope], identities: Sequence[str]
+    ) -> list[IdempotentOutcome]:
+        await self.ensure_open()
+        return await sql_idempotent.send(self, envelopes, identities)
+
+    async def previous_of(self, sub: Subscription, message: QueueMessage) -> QueueMessage | None:
+        await self.ensure_open()
+        return await sql_idempotent.previous(self, sub, message, identity_of(sub.options, message))
+
+    async def ops_update_status_where(
+        self,
+        queue: str,
+        steps: Sequence[str | int],
+        op: str,
+        value: str | int | float | bool | None,
+        new_status: str,
+        only: Sequence[str] | None,
+        now: datetime,
+    ) -> int:
+        from . import where
+
+        await self.ensure_open()
+        return await where.update_status(self, queue, steps, op, value, new_status, only, now)
+
+    async def ops_cancel(self, record: MessageRecord, now: datetime) -> bool:
+        await self.ensure_open()
+        return await sql_ops.cancel(self, record, now)
+
+    async def store_progress(self, envelope: Envelope, progress: dict[str, Any]) -> None:
+        await self.ensure_open()
+        await sql_ops.store_progress(self, envelope, progress)
+
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
         await self.ensure_open()
         return await sql_ops.release(self, record, now)
@@ -500,11 +566,12 @@ class SqlProvider:
         await self.ensure_open()
         return await sql_ops.archive(self, record, now)
 
-    async def ops_purge(
-        self, query: MessageQuery, records: Sequence[MessageRecord] | None = None
-    ) -> tuple[int, int]:
+    async def ops_purge(self, query: MessageQuery) -> tuple[int, int]:
         await self.ensure_open()
         return await sql_ops.purge(self, query)
+
+    async def ops_held(self, record: MessageRecord) -> str | None:
+        return None  # the row is the history: it never calls a dead row waiting
 
     # -- maintenance ---------------------------------------------------------------------------------
     async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:

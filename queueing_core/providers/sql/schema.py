@@ -92,6 +92,10 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("body", Json),
         sa.Column("raw", sa.Text()),  # the stored text of a body that no longer decodes
         sa.Column("result", Json),
+        # v6: what a running handler last reported ({"step", "total", "text", "at"})
+        sa.Column("progress", Json),
+        # v6: an idempotent type's identity key (the enqueue of an identical pending copy is discarded)
+        sa.Column("identity", sa.String(256)),
         sa.Column("settled_at", Timestamp),
         sa.Column("archived", sa.Boolean(), nullable=False, server_default=sa.false()),
         sa.Column("archived_at", Timestamp),
@@ -123,6 +127,9 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
             "ix_queueing_messages_settled", "settled_at", where="settled_at IS NOT NULL AND NOT archived"
         ),
         partial_index("ix_queueing_messages_archived", "archived_at", where="archived"),
+        # v6: job control looks messages up by tracking id, and idempotent types by identity
+        sa.Index("ix_queueing_messages_tracking", "tracking_id"),
+        partial_index("ix_queueing_messages_identity", "type", "identity", where="identity IS NOT NULL"),
     )
     sa.Table(
         "queueing_pauses",
@@ -171,6 +178,9 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("result", sa.Text()),
         sa.Column("archived", sa.Boolean(), nullable=False, server_default=sa.false()),
         sa.Column("archived_at", Timestamp),
+        sa.Column("progress", sa.Text()),  # v6
+        # v9: deliveries completed as known duplicates (a repeated forward whose outcome was recorded)
+        sa.Column("duplicates", sa.Integer()),
         # listings, newest first (keyset on created_at, id), by status and by queue + status
         sa.Index("ix_queueing_history_created", "created_at", "id"),
         sa.Index("ix_queueing_history_status", "status", "created_at", "id"),
@@ -179,6 +189,8 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         partial_index("ix_queueing_history_counts", "queue", "status", where="NOT archived"),
         # retention: finished records by last update
         sa.Index("ix_queueing_history_updated", "updated_at"),
+        # v6: job control looks records up by tracking id
+        sa.Index("ix_queueing_history_tracking", "tracking_id"),
     )
     sa.Table(
         "queueing_delayed",
@@ -193,6 +205,8 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("failures", sa.Integer(), nullable=False, server_default="0"),
         sa.Column("last_error", sa.Text()),
         sa.Column("created_at", Timestamp, nullable=False),
+        # v8: fetches that did not report back (a forward of it may have reached the transport)
+        sa.Column("claims", sa.Integer(), nullable=False, server_default="0"),
         sa.Index("ix_queueing_delayed_due", "transport", "due_at"),
     )
     # v4: the lease of each message a transport holds that cannot fence a settlement by itself (SQS:
@@ -205,6 +219,27 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("token", sa.Uuid(), nullable=False),
         sa.Column("until", Timestamp, nullable=False),
         sa.Index("ix_queueing_leases_until", "until"),
+    )
+    # v5: one row per schedule tick, unique per (schedule, tick): claiming a tick and writing its
+    # messages happen in one transaction on the SQL transport; RabbitMQ and SQS claim, send, confirm
+    sa.Table(
+        "queueing_schedule_ticks",
+        md,
+        sa.Column("schedule", sa.String(200), primary_key=True),
+        sa.Column("tick_at", Timestamp, primary_key=True),
+        sa.Column("state", sa.String(8), nullable=False),  # 'sent' | 'claimed'
+        sa.Column("claimed_until", Timestamp),
+        sa.Column("messages", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("fired_at", Timestamp, nullable=False),
+    )
+    # v6: cancellation requests for running messages (and, on transports that cannot take a message
+    # back, for waiting ones): every host checks them while its handlers run
+    sa.Table(
+        "queueing_cancels",
+        md,
+        sa.Column("message_id", sa.Uuid(), primary_key=True),
+        sa.Column("requested_at", Timestamp, nullable=False),
+        sa.Index("ix_queueing_cancels_requested", "requested_at"),
     )
     sa.Table(
         "queueing_schema",
@@ -227,6 +262,8 @@ class Tables:
     history: sa.Table
     delayed: sa.Table
     leases: sa.Table
+    ticks: sa.Table
+    cancels: sa.Table
 
     @classmethod
     def build(cls, schema: str | None = None) -> Tables:
@@ -250,6 +287,8 @@ class Tables:
             t[key("queueing_history")],
             t[key("queueing_delayed")],
             t[key("queueing_leases")],
+            t[key("queueing_schedule_ticks")],
+            t[key("queueing_cancels")],
         )
 
 
@@ -335,12 +374,99 @@ def _v4(conn: sa.Connection, tables: Tables) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {m.fullname} ADD COLUMN lease_token INTEGER NOT NULL DEFAULT 0")
 
 
+def _v5(conn: sa.Connection, tables: Tables) -> None:
+    """Schedule ticks, claimed once across hosts."""
+    tables.metadata.create_all(conn, tables=[tables.ticks])
+
+
+def _v6(conn: sa.Connection, tables: Tables) -> None:
+    """Job control: cancellation requests, progress, identity of idempotent messages, and lookups by
+    tracking id. Columns are added only where missing (a database created at this version has them)."""
+    tables.metadata.create_all(conn, tables=[tables.cancels])
+    for table, columns in (
+        (tables.messages, {"progress": tables.messages.c.progress, "identity": tables.messages.c.identity}),
+        (tables.history, {"progress": tables.history.c.progress}),
+    ):
+        if not sa.inspect(conn).has_table(table.name, schema=table.schema):
+            continue
+        have = {c["name"] for c in sa.inspect(conn).get_columns(table.name, schema=table.schema)}
+        for name, column in columns.items():
+            if name not in have:
+                kind = column.type.compile(dialect=conn.dialect)
+                # identifiers only, from the table metadata (the schema name is validated by Tables.build)
+                conn.exec_driver_sql(f"ALTER TABLE {table.fullname} ADD COLUMN {name} {kind}")
+    added = ("ix_queueing_messages_tracking", "ix_queueing_messages_identity", "ix_queueing_history_tracking")
+    for index in (*tables.messages.indexes, *tables.history.indexes):
+        if index.name in added:
+            index.create(conn, checkfirst=True)
+
+
+#: storage parameters of the hot tables (PostgreSQL), set by migration 7. A claim, a renewal and a
+#: settlement each write a new version of the row; leaving 15 % of each page free lets that version
+#: stay on the row's page. The counters table is a few hundred rows rewritten on every statement.
+#: Vacuum runs after 1 % of the table changed (plus a floor), not PostgreSQL's 20 %, so dead versions
+#: in the claim index are cleared long before history of millions of rows would let them pile up.
+#: Released with migration 7: a different value is a new migration, not an edit here.
+HOT_TABLE_SETTINGS = {
+    "queueing_messages": {
+        "fillfactor": 85,
+        "autovacuum_vacuum_scale_factor": 0.01,
+        "autovacuum_vacuum_threshold": 1000,
+        "autovacuum_vacuum_insert_scale_factor": 0.02,
+        "autovacuum_analyze_scale_factor": 0.02,
+        "autovacuum_analyze_threshold": 1000,
+    },
+    "queueing_counts": {
+        "fillfactor": 50,
+        "autovacuum_vacuum_scale_factor": 0.0,
+        "autovacuum_vacuum_threshold": 5000,
+    },
+}
+
+
+def _v7(conn: sa.Connection, tables: Tables) -> None:
+    """Room on each page for the next version of a row, and vacuum that keeps up with a queue whose
+    history is much larger than its backlog (PostgreSQL; SQLite has no such parameters)."""
+    if conn.dialect.name != "postgresql":
+        return
+    for table in (tables.messages, tables.counts):
+        params = ", ".join(f"{k} = {v}" for k, v in HOT_TABLE_SETTINGS[table.name].items())
+        # identifiers from the table metadata, numbers from the constant above: nothing from input
+        conn.exec_driver_sql(f"ALTER TABLE {table.fullname} SET ({params})")
+
+
+def _v8(conn: sa.Connection, tables: Tables) -> None:
+    """The delayed store counts fetches that did not report back, so a forward that may already have
+    reached the transport is marked when it is sent again."""
+    d = tables.delayed
+    have = {c["name"] for c in sa.inspect(conn).get_columns(d.name, schema=d.schema)}
+    if "claims" not in have:  # a database created at this version has it from v3 already
+        # identifiers only, from the table metadata (the schema name is validated by Tables.build)
+        conn.exec_driver_sql(f"ALTER TABLE {d.fullname} ADD COLUMN claims INTEGER NOT NULL DEFAULT 0")
+
+
+def _v9(conn: sa.Connection, tables: Tables) -> None:
+    """History counts the deliveries completed as known duplicates."""
+    h = tables.history
+    if not sa.inspect(conn).has_table(h.name, schema=h.schema):
+        return
+    have = {c["name"] for c in sa.inspect(conn).get_columns(h.name, schema=h.schema)}
+    if "duplicates" not in have:  # a database created at this version has it from v3 already
+        # identifiers only, from the table metadata (the schema name is validated by Tables.build)
+        conn.exec_driver_sql(f"ALTER TABLE {h.fullname} ADD COLUMN duplicates INTEGER")
+
+
 #: (version, description, migration). Append only: a released migration never changes.
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "messages, pauses, circuits", _v1),
     (2, "message counts kept by triggers (PostgreSQL)", _v2),
     (3, "history and delayed messages for RabbitMQ and SQS", _v3),
     (4, "a lease token per claim: on messages, and a lease table for SQS", _v4),
+    (5, "schedule ticks", _v5),
+    (6, "job control: cancellation requests, progress, identity, lookup by tracking id", _v6),
+    (7, "fillfactor and autovacuum settings on the hot tables (PostgreSQL)", _v7),
+    (8, "delayed messages count their unreported fetches", _v8),
+    (9, "history counts the duplicates completed without running", _v9),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -1,0 +1,125 @@
+"""Job control from code and the ops API: find a message by tracking id, cancel it, read its status,
+progress and result, and wait for it to finish. One implementation for every transport: the control
+store carries cancellation requests to whichever host runs the message, the history holds the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from uuid import UUID
+
+from .errors import InvalidOperation, JobCancelled, JobFailed, MessageNotFound
+from .messages import MessageStatus
+from .tracking import MessageQuery, MessageRecord
+
+if TYPE_CHECKING:
+    from datetime import datetime
+
+    from .runtime import Runtime
+
+S = MessageStatus
+TERMINAL = frozenset(s.value for s in MessageStatus.terminal())
+#: why a finished message cannot be cancelled, by its status
+_FINISHED = {
+    S.SUCCEEDED.value: "it already succeeded",
+    S.DEAD_LETTERED.value: "it was dead-lettered",
+    S.EXPIRED.value: "it expired",
+    S.CANCELLED.value: "it is already cancelled",
+}
+
+
+@runtime_checkable
+class CancelsWaiting(Protocol):
+    """A provider that can take a message that is not running out of its queue at once (the SQL
+    provider: one guarded UPDATE). Elsewhere the message stays queued and is settled Cancelled,
+    unrun, when a host receives it."""
+
+    async def ops_cancel(self, record: MessageRecord, now: datetime) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReceipt:
+    message_id: UUID
+    tracking_id: UUID
+    #: Cancelled, or Leased while a running handler is being told to stop
+    status: str
+    detail: str
+
+
+async def find(runtime: Runtime, tracking_id: UUID) -> MessageRecord:
+    """The message with this tracking id (or message id)."""
+    rec = await runtime.tracker.get(tracking_id)
+    if rec is None:
+        page = await runtime.tracker.query(MessageQuery(tracking_id=tracking_id), limit=1)
+        rec = page.items[0] if page.items else None
+    if rec is None:
+        raise MessageNotFound(f"no message with tracking id {tracking_id}")
+    return rec
+
+
+async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
+    """A message not yet running never runs; a running one is told (``ctx.cancelled``) and cancelled
+    after its type's ``cancel_grace``. Either way it ends Cancelled. A finished message is refused."""
+    r = await find(runtime, tracking_id)
+    if r.status in TERMINAL or r.archived:
+        why = _FINISHED.get(r.status, "it is archived")
+        raise InvalidOperation(f"cannot cancel message {r.message_id}: {why}")
+    now = runtime.clock()
+    # the request first: whichever host holds the message now, or receives it later, sees it
+    await runtime.control.set_cancel(r.message_id, True, now)
+    if r.status != S.LEASED.value:
+        provider = runtime.provider
+        if isinstance(provider, CancelsWaiting):
+            if await provider.ops_cancel(r, now):
+                return CancelReceipt(
+                    r.message_id, r.tracking_id, S.CANCELLED.value, "cancelled before it ran"
+                )
+            # it was claimed meanwhile: the request reaches the run
+        elif not provider.capabilities.durable_history:
+            await runtime.tracker.upsert(
+                [r.model_copy(update={"status": S.CANCELLED.value, "updated_at": now})]
+            )
+            return CancelReceipt(
+                r.message_id,
+                r.tracking_id,
+                S.CANCELLED.value,
+                "cancelled; it is settled without running when a host receives it",
+            )
+    return CancelReceipt(
+        r.message_id,
+        r.tracking_id,
+        S.LEASED.value,
+        "cancellation requested: the running handler sees ctx.cancelled and is stopped after its grace",
+    )
+
+
+async def result(
+    runtime: Runtime, tracking_id: UUID, *, timeout: float | None = None, poll: float = 0.2
+) -> Any:
+    """Wait for the message to finish and return its handler's result. Raises :class:`JobCancelled`
+    or :class:`JobFailed` for a message that ended without one, and ``TimeoutError`` after
+    ``timeout`` seconds (None: wait as long as it takes)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = min(poll, 0.05)
+    while True:
+        r = await find(runtime, tracking_id)
+        if r.status == S.SUCCEEDED.value:
+            return r.result
+        if r.status in TERMINAL:
+            error = JobCancelled if r.status == S.CANCELLED.value else JobFailed
+            why = [r.reason or "", (r.description or "").split("\n")[0]]
+            detail = ": " + "; ".join(w for w in why if w) if any(why) else ""
+            raise error(
+                f"message {r.message_id} ended {r.status}{detail}",
+                status=r.status,
+                reason=r.reason,
+                description=r.description,
+            )
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"message {r.message_id} is still {r.status} after {timeout:g}s")
+        wait = delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic()))
+        await asyncio.sleep(wait)
+        delay = min(poll, delay * 2)

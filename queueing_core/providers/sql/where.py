@@ -1,0 +1,104 @@
+"""``Update status where`` on the SQL provider: a JSON-path comparison on the message body.
+
+The path's steps are validated (property names and array indexes) by the ops models and still go to
+the database as a bound parameter, as does the value: no part of the statement is built from input.
+A comparison holds only for a value of the same JSON type (text with text, number with number,
+boolean with boolean); null matches a missing value as well as JSON null.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from ...messages import MessageStatus
+from .schema import CLAIMABLE
+
+if TYPE_CHECKING:
+    from .provider import SqlProvider
+
+Scalar = str | int | float | bool | None
+_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+}
+
+
+def _sqlite_path(steps: Sequence[str | int]) -> str:
+    # steps are validated names ([A-Za-z_][A-Za-z0-9_]*) and integers; the result is still bound
+    return "$" + "".join(f"[{s}]" if isinstance(s, int) else f'."{s}"' for s in steps)
+
+
+def condition(p: SqlProvider, steps: Sequence[str | int], op: str, value: Scalar) -> sa.ColumnElement[bool]:
+    body = p.tables.messages.c.body
+    if p.backend == "postgresql":
+        path = sa.bindparam("where_path", [str(s) for s in steps], type_=ARRAY(sa.Text()))
+        kind: sa.ColumnElement[Any] = sa.func.jsonb_typeof(body.op("#>")(path))
+        text: sa.ColumnElement[Any] = body.op("#>>", return_type=sa.Text())(path)
+        is_text, is_number = kind == "string", kind == "number"
+        bool_test = sa.and_(kind == "boolean", text == ("true" if value else "false"))
+    else:
+        path = sa.bindparam("where_path", _sqlite_path(steps), type_=sa.Text())
+        kind = sa.func.json_type(body, path)
+        text = sa.func.json_extract(body, path)
+        is_text, is_number = kind == "text", kind.in_(["integer", "real"])
+        bool_test = kind == ("true" if value else "false")
+    compare = _OPS[op]
+    if value is None:
+        missing = sa.or_(kind.is_(None), kind == "null")
+        if op not in ("eq", "ne"):
+            return sa.false()  # nothing is ordered against null
+        return missing if op == "eq" else sa.not_(missing)
+    if isinstance(value, bool):
+        return bool_test if op == "eq" else sa.and_(kind.is_not(None), sa.not_(bool_test))
+    test: sa.ColumnElement[bool]
+    if isinstance(value, int | float):
+        number = sa.case((is_number, sa.cast(text, sa.Float())), else_=sa.null())
+        test = compare(number, sa.bindparam("where_value", float(value), type_=sa.Float()))
+    else:
+        test = compare(
+            sa.case((is_text, text), else_=sa.null()), sa.bindparam("where_value", value, type_=sa.Text())
+        )
+    return test
+
+
+async def update_status(
+    p: SqlProvider,
+    queue: str,
+    steps: Sequence[str | int],
+    op: str,
+    value: Scalar,
+    new_status: str,
+    only: Sequence[str] | None,
+    now: datetime,
+) -> int:
+    """Set ``new_status`` on the queue's matching messages that no worker holds and that are not
+    archived; returns how many. A runnable status makes them claimable at once."""
+    m = p.tables.messages
+    where = [
+        m.c.queue == queue,
+        ~m.c.archived,
+        m.c.status != MessageStatus.LEASED.value,
+        condition(p, steps, op, value),
+    ]
+    if only:
+        where.append(m.c.status.in_(list(only)))
+    values: dict[str, Any] = {"status": new_status, "updated_at": now}
+    if new_status in CLAIMABLE:
+        values.update(available_at=now, settled_at=None)
+    elif new_status in {s.value for s in MessageStatus.terminal()}:
+        values["settled_at"] = now
+    async with p.engine.begin() as conn:
+        res = await conn.execute(sa.update(m).where(*where).values(**values))
+        if new_status in CLAIMABLE:
+            await p.notify_statements(conn, {queue})
+    return res.rowcount or 0

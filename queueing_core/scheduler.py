@@ -1,0 +1,150 @@
+"""Runs an app's schedules inside a host: the worker (``queueing serve``) or the Functions timer.
+
+Every host runs the same loop; the :class:`~queueing_core.schedules.TickStore` makes one of them win
+each tick. A round reads the newest claimed tick of each schedule, works out which ticks are due
+(on time, or the one catch-up tick of ``catch_up="once"``), builds their messages and fires each tick
+through the store. A paused schedule's ticks are claimed with no message, so resuming it does not
+replay the ticks of the pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from .clock import utcnow
+from .schedules import (
+    SCHEDULE_HEADER,
+    TICK_HEADER,
+    MemoryTickStore,
+    ProvidesTickStore,
+    Schedule,
+    TickStore,
+    tick_message_id,
+)
+
+if TYPE_CHECKING:
+    from .envelope import Envelope
+    from .runtime import Runtime
+
+log = logging.getLogger("queueing.schedules")
+#: tick rows are kept this long (each schedule's newest always), pruned about this often (seconds)
+KEEP_TICKS = timedelta(days=7)
+PRUNE_EVERY = 3600.0
+
+
+def tick_store_for(runtime: Runtime) -> TickStore:
+    """The store every host of this deployment shares: the provider's own (SQL: its database; RabbitMQ
+    and SQS: the side database), else the control store's (Azure Tables), else memory (one process)."""
+    for source in (runtime.provider, runtime.control.inner):
+        if isinstance(source, ProvidesTickStore):
+            return source.schedule_store()
+    return MemoryTickStore()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        store: TickStore | None = None,
+        grace: timedelta = timedelta(seconds=60),
+        poll: float = 1.0,
+    ) -> None:
+        self.runtime = runtime
+        self.store = store or tick_store_for(runtime)
+        self.grace = grace
+        self.poll = poll
+
+    @property
+    def schedules(self) -> list[Schedule]:
+        return list(self.runtime.app.schedules)
+
+    async def run_due(self, now: datetime | None = None) -> int:
+        """One round: fire what is due now; returns the ticks this host fired."""
+        schedules = self.schedules
+        if not schedules:
+            return 0
+        now = now or self.runtime.clock()
+        paused = (await self.runtime.control.state()).paused_schedules
+        last = await self.store.last_ticks([s.name for s in schedules])
+        fired = 0
+        for s in schedules:
+            try:
+                ticks = await self.store.unfinished(s.name, now)
+                for tick in ticks + s.due(last.get(s.name), now, self.grace):
+                    fired += await self.fire(s, tick, now, paused=s.name in paused)
+            except Exception as exc:  # the next round tries again; other schedules go on
+                log.warning("schedule %s: %s: %s; will try again", s.name, type(exc).__name__, exc)
+        return fired
+
+    async def fire(self, s: Schedule, tick: datetime, now: datetime, *, paused: bool = False) -> bool:
+        producer = self.runtime.producer
+        ready: list[Envelope] = []
+        if not paused:
+            headers = {SCHEDULE_HEADER: s.name, TICK_HEADER: tick.isoformat()}
+            envelopes = []
+            for i, message in enumerate(await s.messages(tick)):
+                ident = tick_message_id(s.name, tick, i)
+                copy = message.model_copy(update={"message_id": ident, "created_at": now})
+                envelopes.append(producer.envelope_for(copy, now=now, tracking_id=ident, headers=headers))
+            ready = await producer.prepare(envelopes)
+
+        async def send(envs: Sequence[Envelope]) -> None:
+            await producer.send_prepared(envs, wait=True)
+
+        won = await self.store.fire(s.name, tick, ready, send, now)
+        if won and getattr(self.store, "writes_messages", False) and ready:
+            await producer.sent(ready)  # the store wrote them with the tick: announce them
+        if won:
+            log.info(
+                "schedule %s: tick %s %s",
+                s.name,
+                tick.isoformat(),
+                "skipped (paused)" if paused else f"enqueued {len(ready)} message(s)",
+            )
+        return won
+
+    async def prune(self) -> int:
+        """Forget ticks older than a week (each schedule's newest is kept: it is where it stands)."""
+        prune = getattr(self.store, "prune", None)
+        return int(await prune(self.runtime.clock() - KEEP_TICKS)) if prune is not None else 0
+
+    def next_wake(self, now: datetime) -> float:
+        """Seconds until the next tick of any schedule (at most ``poll``: pauses and lapsed claims)."""
+        nearest = min((s.next_after(now) for s in self.schedules), default=None)
+        if nearest is None:
+            return self.poll
+        return max(0.0, min(self.poll, (nearest - now).total_seconds()))
+
+    async def run(self) -> None:
+        """Until cancelled (a worker background task)."""
+        names = ", ".join(f"{s.name} ({s.expression})" for s in self.schedules)
+        log.info("running schedules: %s", names)
+        pruned_at = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await self.run_due()
+                if loop.time() - pruned_at > PRUNE_EVERY:
+                    pruned_at = loop.time()
+                    await self.prune()
+            except Exception as exc:
+                log.warning("schedules: %s: %s; will try again", type(exc).__name__, exc)
+            await asyncio.sleep(self.next_wake(utcnow()) + 0.01)  # just past the tick
+
+
+def describe(schedule: Schedule, last: datetime | None, paused: bool, now: datetime) -> dict[str, Any]:
+    """One schedule as the ops API and the CLI show it."""
+    return {
+        "name": schedule.name,
+        "expression": schedule.expression,
+        "timezone": schedule.timezone,
+        "catch_up": schedule.catch_up,
+        "paused": paused,
+        "last_tick": last,
+        "next_tick": schedule.next_after(now),
+    }

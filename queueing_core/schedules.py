@@ -1,0 +1,297 @@
+"""Recurring schedules: what they are, when they tick, and the store that claims each tick once.
+
+A schedule is a cron expression (with a time zone) or a fixed interval, plus a function that returns
+the message(s) to enqueue at each tick. This module is pure: tick arithmetic, the registry and the
+:class:`TickStore` protocol. :mod:`queueing_core.scheduler` runs schedules inside a host.
+
+Ticks are instants in UTC, whole seconds. Interval ticks are aligned to the Unix epoch, so every host
+computes the same ticks without agreeing on a start time. A tick is *on time* while it is at most
+``grace`` old; older ticks that were never claimed (every host was down) are *missed*, and the
+schedule's ``catch_up`` policy decides: ``"skip"`` drops them, ``"once"`` runs the newest of them one
+time. So a long outage never ends in a burst of catch-up ticks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from .errors import RegistrationError
+from .messages import QueueMessage
+
+if TYPE_CHECKING:
+    from .envelope import Envelope
+
+CatchUp = Literal["skip", "once"]
+Produced = QueueMessage | Iterable[QueueMessage] | None
+ScheduleFunc = Callable[..., Produced | Awaitable[Produced]]
+#: sends prepared envelopes; ``True`` once the transport has durably accepted them
+Send = Callable[["Sequence[Envelope]"], Awaitable[None]]
+
+SCHEDULE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,199}")
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_TICK_IDS = uuid.UUID("6f1c3a52-9a59-4d55-9c0f-5a5c4d1e0b18")
+#: the headers a scheduled message carries: which schedule made it, and for which tick
+SCHEDULE_HEADER = "queueing-schedule"
+TICK_HEADER = "queueing-schedule-tick"
+_WALK_LIMIT = 100_000  # on-time ticks walked back at most (a 1-second schedule with a day of grace)
+
+
+def _second(when: datetime) -> datetime:
+    return when.astimezone(UTC).replace(microsecond=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    name: str
+    produce: ScheduleFunc
+    cron: str | None = None
+    every: timedelta | None = None
+    timezone: str = "UTC"
+    catch_up: CatchUp = "once"
+    origin: str = ""
+    _takes_tick: bool = field(default=False, repr=False)
+
+    @property
+    def expression(self) -> str:
+        if self.cron is not None:
+            return self.cron
+        assert self.every is not None
+        return f"every {self.every.total_seconds():g}s"
+
+    def at_or_before(self, when: datetime) -> datetime:
+        """The latest tick at or before ``when``."""
+        if self.every is not None:
+            return _second(EPOCH + ((when - EPOCH) // self.every) * self.every)
+        from croniter import croniter
+
+        assert self.cron is not None
+        start = when.astimezone(ZoneInfo(self.timezone)) + timedelta(microseconds=1)
+        return _second(croniter(self.cron, start).get_prev(datetime))
+
+    def next_after(self, when: datetime) -> datetime:
+        """The first tick strictly after ``when``."""
+        if self.every is not None:
+            return self.at_or_before(when) + self.every
+        from croniter import croniter
+
+        assert self.cron is not None
+        return _second(croniter(self.cron, when.astimezone(ZoneInfo(self.timezone))).get_next(datetime))
+
+    def due(self, last: datetime | None, now: datetime, grace: timedelta) -> list[datetime]:
+        """Ticks to run now, oldest first, given the last tick claimed (``None``: never ran)."""
+        latest = self.at_or_before(now)
+        if last is not None and latest <= last:
+            return []
+        if last is None:  # a new schedule starts with its current tick, if that is on time
+            return [latest] if now - latest <= grace else []
+        on_time: list[datetime] = []
+        tick = latest
+        while tick > last and now - tick <= grace and len(on_time) < _WALK_LIMIT:
+            on_time.append(tick)
+            tick = self.at_or_before(tick - timedelta(seconds=1))
+        if tick > last and self.catch_up == "once":
+            on_time.append(tick)  # the newest missed tick, once; older missed ones are dropped
+        return on_time[::-1]
+
+    async def messages(self, tick: datetime) -> list[QueueMessage]:
+        produced = self.produce(tick) if self._takes_tick else self.produce()
+        if inspect.isawaitable(produced):
+            produced = await produced
+        if produced is None:
+            return []
+        items = [produced] if isinstance(produced, QueueMessage) else list(produced)
+        for item in items:
+            if not isinstance(item, QueueMessage):
+                raise TypeError(f"schedule {self.name!r} produced {item!r}, which is not a QueueMessage")
+        return items
+
+
+def tick_message_id(schedule: str, tick: datetime, index: int) -> uuid.UUID:
+    """The same id for the same message of the same tick on every host: a re-sent tick is a duplicate
+    the SQL provider ignores and a transport with duplicate detection drops."""
+    return uuid.uuid5(_TICK_IDS, f"{schedule}|{tick.isoformat()}|{index}")
+
+
+def validate_name(name: str) -> str:
+    if not SCHEDULE_NAME.fullmatch(name):
+        raise RegistrationError(
+            f"schedule name {name!r}: 1-200 letters, digits, '_', '.', ':' or '-', not starting "
+            "with '.', ':' or '-'"
+        )
+    return name
+
+
+def _check_zone(tz: str) -> None:
+    try:
+        ZoneInfo(tz)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise RegistrationError(f"unknown time zone {tz!r}: {exc}") from None
+
+
+def _default_name(func: Callable[..., Any]) -> str:
+    """``module.qualname`` of the function, made a valid name (``<locals>`` and the like become _)."""
+    text = f"{getattr(func, '__module__', '_')}.{getattr(func, '__qualname__', '_')}"
+    return re.sub(r"[^A-Za-z0-9_.:-]", "_", text)[-200:]
+
+
+def _takes_tick(func: Callable[..., Any]) -> bool:
+    params = [
+        p
+        for p in inspect.signature(func).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    if len(params) > 1:
+        raise RegistrationError(f"schedule function {func.__qualname__} must take () or (tick)")
+    return len(params) == 1
+
+
+class ScheduleBook:
+    """The schedules of an app (a part of the registry: recording only, no I/O)."""
+
+    def __init__(self) -> None:
+        self._schedules: dict[str, Schedule] = {}
+
+    def add_cron(
+        self,
+        func: ScheduleFunc,
+        cron: str,
+        *,
+        timezone: str,
+        name: str | None,
+        catch_up: CatchUp,
+        origin: str,
+    ) -> Schedule:
+        from croniter import croniter
+
+        if not isinstance(cron, str) or not croniter.is_valid(cron):
+            raise RegistrationError(f"{cron!r} is not a cron expression (five fields, e.g. '*/5 * * * *')")
+        _check_zone(timezone)
+        sched_name = name or _default_name(func)
+        return self._add(
+            Schedule(
+                validate_name(sched_name),
+                func,
+                cron=cron,
+                timezone=timezone,
+                catch_up=_policy(catch_up),
+                origin=origin,
+                _takes_tick=_takes_tick(func),
+            )
+        )
+
+    def add_every(
+        self,
+        interval: timedelta,
+        message: QueueMessage | ScheduleFunc,
+        *,
+        name: str | None,
+        catch_up: CatchUp,
+    ) -> Schedule:
+        if not isinstance(interval, timedelta) or interval < timedelta(seconds=1) or interval.microseconds:
+            raise RegistrationError(f"interval {interval!r}: a timedelta of whole seconds, at least 1 second")
+        if isinstance(message, QueueMessage):
+            fixed = message
+            produce: ScheduleFunc = lambda: fixed  # noqa: E731 - the same message each tick (new id each time)
+            default = f"{type(message).type_name()}.every.{int(interval.total_seconds())}s"
+            takes = False
+        elif callable(message):
+            produce, takes = message, _takes_tick(message)
+            default = _default_name(message)
+        else:
+            raise RegistrationError(f"every(): {message!r} is neither a QueueMessage nor a function")
+        return self._add(
+            Schedule(
+                validate_name(name or default),
+                produce,
+                every=interval,
+                catch_up=_policy(catch_up),
+                _takes_tick=takes,
+            )
+        )
+
+    def _add(self, schedule: Schedule) -> Schedule:
+        known = self._schedules.get(schedule.name)
+        if known is not None and known.produce is not schedule.produce:
+            raise RegistrationError(
+                f"two schedules are named {schedule.name!r}; give one of them another name= "
+                "(the name is what hosts agree on to run each tick once)"
+            )
+        self._schedules[schedule.name] = schedule
+        return schedule
+
+    def include(self, other: ScheduleBook) -> None:
+        for s in other._schedules.values():
+            self._add(s)
+
+    def __iter__(self) -> Iterator[Schedule]:
+        return iter(sorted(self._schedules.values(), key=lambda s: s.name))
+
+    def __len__(self) -> int:
+        return len(self._schedules)
+
+    def get(self, name: str) -> Schedule | None:
+        return self._schedules.get(name)
+
+
+def _policy(catch_up: str) -> CatchUp:
+    if catch_up not in ("skip", "once"):
+        raise RegistrationError(f"catch_up must be 'skip' or 'once', not {catch_up!r}")
+    return "skip" if catch_up == "skip" else "once"
+
+
+@runtime_checkable
+class TickStore(Protocol):
+    """Where hosts agree on ticks. ``fire`` claims one tick and has its envelopes sent, exactly once
+    across hosts; it returns False when another host has it (or had it). A store whose
+    ``writes_messages`` is true writes the envelopes itself, with the claim (the SQL transport), and
+    never calls ``send``."""
+
+    async def last_ticks(self, names: Sequence[str]) -> dict[str, datetime]:
+        """The newest claimed tick of each schedule that has one."""
+        ...
+
+    async def fire(
+        self, schedule: str, tick: datetime, envelopes: Sequence[Envelope], send: Send, now: datetime
+    ) -> bool: ...
+
+    async def unfinished(self, schedule: str, now: datetime) -> list[datetime]:
+        """Ticks claimed by a host that died before confirming the send (their claim has lapsed)."""
+        ...
+
+
+@runtime_checkable
+class ProvidesTickStore(Protocol):
+    def schedule_store(self) -> TickStore: ...
+
+
+class MemoryTickStore:
+    """One process (tests, the in-process provider): a lock stands in for the shared claim."""
+
+    def __init__(self) -> None:
+        self.ticks: dict[str, set[datetime]] = {}
+        self._lock = asyncio.Lock()
+
+    async def last_ticks(self, names: Sequence[str]) -> dict[str, datetime]:
+        return {n: max(self.ticks[n]) for n in names if self.ticks.get(n)}
+
+    async def fire(
+        self, schedule: str, tick: datetime, envelopes: Sequence[Envelope], send: Send, now: datetime
+    ) -> bool:
+        async with self._lock:
+            seen = self.ticks.setdefault(schedule, set())
+            if tick in seen:
+                return False
+            await send(envelopes)  # claim after the send: a failed send leaves the tick to run again
+            seen.add(tick)
+            return True
+
+    async def unfinished(self, schedule: str, now: datetime) -> list[datetime]:
+        return []

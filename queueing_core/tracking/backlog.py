@@ -1,0 +1,427 @@
+"""History that has not landed yet: written until it does, kept on disk so a restart does not forget it.
+
+The transports without their own history (Storage Queues, Service Bus, RabbitMQ, SQS) settle a message
+and record what happened in a separate store. That store can be down while the transport is up, and a
+process can die between the two. So a record is first put in a small journal on local disk (SQLite,
+one row per message), *before* the transport is settled; once the store has it, the row is deleted.
+A write that fails stays in the backlog and is retried with a short capped backoff until it lands; a
+process that opens the same store later (a restarted worker, the CLI, the ops API) writes what an
+earlier one left in the journal.
+
+A row kept before its settlement is marked settled once the transport has applied it. A row a dead
+process left unmarked may describe a settlement that never happened (the process died first): the
+message is then still on its queue and runs again once its lease lapses. Such a row is written only
+after that (``unsettled_after``, longer than any lease), through the rule below: if the message ran
+again meanwhile, its newer record stays; if the settlement had happened, the row lands late. If the
+message has not run again by then, history shows that outcome until its run records its own (the
+runtime never skips a run on such a record: only a success marks a repeated forward a duplicate).
+
+Late writes never replace newer history: the backlog writes through the tracker's ``upsert_newer``
+(a record whose ``updated_at`` is older than the stored one is dropped), so a retried "Failed" cannot
+overwrite the "Succeeded" of the retry that ran meanwhile, and a late "Pending" from a producer cannot
+overwrite an outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import sqlite3
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+from uuid import UUID
+
+from .base import MessageRecord, Tracker
+
+log = logging.getLogger("queueing.history")
+
+#: the longest pause between two tries of the backlog (the store's recovery is seen within this)
+RETRY_MAX = 2.0
+RETRY_FIRST = 0.25
+#: how often a running process looks for rows of processes that are gone (seconds)
+ADOPT_EVERY = 5.0
+#: a journal row older than this (seconds) is a record not written, not one on its way
+JOURNAL_STALE = 10.0
+#: records per write while draining (one request batch)
+DRAIN_CHUNK = 200
+
+
+@runtime_checkable
+class WritesLate(Protocol):
+    """A tracker that can write a record unless the stored one is newer (by ``updated_at``)."""
+
+    async def upsert_newer(self, records: Sequence[MessageRecord]) -> None: ...
+
+
+@runtime_checkable
+class NamesItsStore(Protocol):
+    """A tracker that can say which store it writes to (the journal is kept per store)."""
+
+    @property
+    def store_id(self) -> str: ...
+
+
+#: the journals open in this process (by owner mark): a row whose mark is not here, under this
+#: process's id, was left by a journal that is closed (or by an earlier process with the same id)
+_OPEN: set[str] = set()
+
+
+def _alive(owner: str) -> bool:
+    """Whether the journal that kept a row still runs (the journal is on local disk: one machine)."""
+    pid_text, _, _ = owner.partition(":")
+    pid = int(pid_text) if pid_text.isdigit() else 0
+    if pid == os.getpid():
+        return owner in _OPEN
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return pid > 0
+
+
+def default_journal_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "queueing-history"
+
+
+class Journal:
+    """Records waiting for the history store, in a SQLite file on local disk. One row per message (a
+    later record of the same message replaces the earlier one); rows are keyed by a sequence number so
+    that deleting a written record never deletes a newer one of the same message."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # several processes on one machine may share the file (a worker, the CLI): WAL and a busy wait
+        self._db = sqlite3.connect(str(path), timeout=10.0, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # a killed process loses nothing the OS already has; only a power cut could (then the message
+        # history is behind, never the messages themselves)
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS pending ("
+            " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+            " message_id TEXT NOT NULL UNIQUE,"
+            " record TEXT NOT NULL,"
+            " added REAL NOT NULL,"
+            " owner TEXT NOT NULL,"  # <process id>:<journal>, of the journal that kept the row
+            " settled INTEGER NOT NULL DEFAULT 1)"  # 0: kept before a settlement not yet applied
+        )
+        columns = {str(c[1]) for c in self._db.execute("PRAGMA table_info(pending)").fetchall()}
+        if "settled" not in columns:  # a journal file of an earlier version of the kit
+            try:
+                self._db.execute("ALTER TABLE pending ADD COLUMN settled INTEGER NOT NULL DEFAULT 1")
+            except sqlite3.OperationalError as exc:  # another process upgraded it just now
+                if "duplicate column" not in str(exc):
+                    raise
+        self.owner = f"{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        _OPEN.add(self.owner)
+
+    @classmethod
+    def for_store(cls, directory: Path, store_id: str) -> Journal:
+        digest = hashlib.sha256(store_id.encode()).hexdigest()[:16]
+        return cls(directory / f"history-{digest}.sqlite3")
+
+    def add(self, records: Sequence[MessageRecord], *, settled: bool = True) -> dict[UUID, int]:
+        """Keep ``records`` (``settled=False``: before their settlement is applied); returns each
+        message's row number (for :meth:`forget` and :meth:`mark_settled`)."""
+        rows: dict[UUID, int] = {}
+        now = time.time()
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            for r in records:
+                cur = self._db.execute(
+                    "INSERT INTO pending (message_id, record, added, owner, settled) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT (message_id) DO UPDATE SET seq = "
+                    "(SELECT COALESCE(MAX(seq), 0) + 1 FROM pending), record = excluded.record, "
+                    "added = excluded.added, owner = excluded.owner, settled = excluded.settled "
+                    "RETURNING seq",
+                    (str(r.message_id), r.model_dump_json(), now, self.owner, int(settled)),
+                )
+                rows[r.message_id] = int(cur.fetchone()[0])
+        return rows
+
+    def mark_settled(self, rows: Sequence[int]) -> None:
+        """The transport applied the settlements these rows were kept for."""
+        if not rows:
+            return
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany("UPDATE pending SET settled = 1 WHERE seq = ?", [(r,) for r in rows])
+
+    def forget(self, rows: Sequence[int]) -> None:
+        if not rows:
+            return
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany("DELETE FROM pending WHERE seq = ?", [(r,) for r in rows])
+
+    def take_over(self, unsettled_after: float = 0.0) -> list[tuple[int, MessageRecord]]:
+        """The rows of processes that are gone (killed, stopped): this process writes them now. A live
+        process's rows are its own: it may be settling them right now, and a settlement that is refused
+        is dropped, not written. A row left before its settlement was applied is taken only once it is
+        ``unsettled_after`` seconds old (see the module's notes)."""
+        cutoff = time.time() - unsettled_after
+        owners = [str(o) for (o,) in self._db.execute("SELECT DISTINCT owner FROM pending").fetchall()]
+        gone = [o for o in owners if not _alive(o)]
+        taken: list[tuple[int, MessageRecord]] = []
+        if not gone:
+            return taken
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            for owner in gone:
+                rows = self._db.execute(
+                    "SELECT seq, record FROM pending WHERE owner = ? AND (settled = 1 OR added <= ?)",
+                    (owner, cutoff),
+                ).fetchall()
+                mine = [(int(seq), MessageRecord.model_validate_json(text)) for seq, text in rows]
+                self._db.executemany(
+                    "UPDATE pending SET owner = ? WHERE seq = ?", [(self.owner, seq) for seq, _ in mine]
+                )
+                taken += mine
+        return sorted(taken, key=lambda row: row[0])
+
+    def count(self, older_than: float = 0.0) -> int:
+        """Rows kept more than ``older_than`` seconds (a row lives milliseconds while the store answers)."""
+        cutoff = time.time() - older_than
+        return int(self._db.execute("SELECT COUNT(*) FROM pending WHERE added <= ?", (cutoff,)).fetchone()[0])
+
+    def close(self) -> None:
+        _OPEN.discard(self.owner)
+        self._db.close()
+
+
+class HistoryWriter:
+    """Writes history for a host: at once when the store answers, else from the backlog until it lands.
+
+    ``ahead`` keeps records in the journal before the transport is settled; ``write`` writes them once
+    it is (``drop`` forgets those the transport refused). ``backlog`` is what has not landed yet."""
+
+    def __init__(
+        self, tracker: Tracker, *, journal_dir: Path | None = None, unsettled_after: float = 60.0
+    ) -> None:
+        self.tracker = tracker
+        self._journal_dir = journal_dir
+        #: seconds before a dead process's row kept ahead of an unapplied settlement is written (longer
+        #: than any lease, so a message whose settlement never happened has run again by then)
+        self.unsettled_after = unsettled_after
+        self.journal: Journal | None = None
+        #: the journal's file (kept after close, for messages that point at it)
+        self.journal_path: Path | None = None
+        #: message id -> (journal row or 0, record) not yet in the store, oldest first
+        self._pending: dict[UUID, tuple[int, MessageRecord]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._opened = False
+        #: a write failed and no write has succeeded since: new records go straight to the backlog
+        self._down = False
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Open the journal (when the store can be named) and take over what an earlier process left."""
+        if self._opened:
+            return
+        self._opened = True
+        if self._journal_dir is not None and isinstance(self.tracker, NamesItsStore):
+            try:
+                self.journal = Journal.for_store(self._journal_dir, self.tracker.store_id)
+                self.journal_path = self.journal.path
+            except (OSError, sqlite3.Error) as exc:
+                log.warning(
+                    "history journal in %s cannot be opened (%s): history that fails to land is "
+                    "retried in memory only",
+                    self._journal_dir,
+                    exc,
+                )
+        if self.journal is not None:
+            self._adopt()
+            self._watcher = asyncio.get_running_loop().create_task(
+                self._watch(), name="queueing-history-journal"
+            )
+
+    async def _watch(self) -> None:
+        """A process on this machine that dies leaves its rows: take them over while this one runs."""
+        while True:
+            await asyncio.sleep(ADOPT_EVERY)
+            self._adopt()
+
+    def _adopt(self) -> None:
+        """Take over the journal rows of processes that are gone, and write them."""
+        if self.journal is None:
+            return
+        try:
+            left = self.journal.take_over(self.unsettled_after)
+        except sqlite3.Error as exc:
+            log.warning("history journal cannot be read (%s)", exc)
+            return
+        for seq, rec in left:
+            if rec.message_id not in self._pending:
+                self._keep(seq, rec)
+        if left:
+            log.warning("%d history record(s) left by a process that is gone: writing them", len(left))
+            self._start()
+
+    async def close(self, *, grace: float = 2.0) -> None:
+        """One last try at the backlog; what is still not written stays in the journal."""
+        if self._pending:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._drain_once(), grace)
+        for task in (self._task, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._watcher = None
+        if self._pending:
+            where = f"kept in {self.journal.path}" if self.journal else "lost with this process"
+            log.error("%d history record(s) not written (%s)", len(self._pending), where)
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        self._pending.clear()
+        self._opened = False
+        self._down = False
+
+    async def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the backlog to be written; True when it is."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._pending and loop.time() < deadline:
+            self._wake.set()
+            await asyncio.sleep(0.05)
+        return not self._pending
+
+    @property
+    def backlog(self) -> int:
+        """Records not yet in the history store (in this process, or in its journal on this machine)."""
+        if self.journal is not None:
+            with contextlib.suppress(sqlite3.Error):
+                return max(len(self._pending), self.journal.count(older_than=JOURNAL_STALE))
+        return len(self._pending)
+
+    # -- writing -------------------------------------------------------------------------------------
+    def ahead(self, records: Sequence[MessageRecord], *, settled: bool = False) -> dict[UUID, int]:
+        """Journal ``records`` before the transport is settled (so a crash right after the settlement
+        still leaves them to write); :meth:`settled` marks them once it is. Never raises: a journal
+        that fails only narrows the guarantee."""
+        if self.journal is None or not records:
+            return {}
+        try:
+            return self.journal.add(records, settled=settled)
+        except sqlite3.Error as exc:
+            log.warning("history journal write failed (%s); continuing without it", exc)
+            return {}
+
+    def settled(self, rows: Sequence[int]) -> None:
+        """The transport applied the settlements these journal rows were kept for."""
+        if self.journal is not None and rows:
+            try:
+                self.journal.mark_settled(rows)
+            except sqlite3.Error as exc:  # the row stays unmarked: written later, never wrongly
+                log.warning("history journal update failed (%s)", exc)
+
+    def drop(self, rows: Sequence[int]) -> None:
+        """Forget journaled records whose settlement did not happen (refused, or given up)."""
+        if self.journal is not None and rows:
+            with contextlib.suppress(sqlite3.Error):
+                self.journal.forget(rows)
+
+    async def write(self, records: Sequence[MessageRecord], rows: dict[UUID, int] | None = None) -> bool:
+        """Write ``records`` now; on failure keep them in the backlog (and journal) and retry until they
+        land. True when they are in the store."""
+        if not records:
+            return True
+        rows = dict(rows or {})
+        if self._down:
+            # the store has not answered since a write failed: do not make every caller wait for it
+            self._queue(records, rows)
+            return False
+        try:
+            await self.tracker.upsert(records)
+        except Exception as exc:
+            if not self._down:
+                log.warning(
+                    "history store unavailable (%s: %s): records are kept and retried until written",
+                    type(exc).__name__,
+                    exc,
+                )
+            self._down = True
+            self._queue(records, rows)
+            return False
+        # Written. Older records of these messages still waiting in the backlog would be dropped by
+        # the late write's rule anyway (a newer record is stored); forget them now.
+        for r in records:
+            old = self._pending.get(r.message_id)
+            if old is not None and old[1].updated_at <= r.updated_at:
+                del self._pending[r.message_id]
+                rows.setdefault(r.message_id, old[0])
+        self.drop([seq for seq in rows.values() if seq])
+        return True
+
+    def _queue(self, records: Sequence[MessageRecord], rows: dict[UUID, int]) -> None:
+        missing = [r for r in records if r.message_id not in rows]
+        if missing:  # records of what already happened (a settlement applied, a send accepted)
+            rows.update(self.ahead(missing, settled=True))
+        for r in records:
+            self._keep(rows.get(r.message_id, 0), r)
+        self._start()
+
+    def _keep(self, seq: int, rec: MessageRecord) -> None:
+        old = self._pending.pop(rec.message_id, None)
+        if old is not None and (rec.body is None or rec.raw is None):
+            rec = rec.model_copy(
+                update={
+                    "body": old[1].body if rec.body is None else rec.body,
+                    "raw": old[1].raw if rec.raw is None else rec.raw,
+                }
+            )
+        self._pending[rec.message_id] = (seq, rec)
+
+    def _start(self) -> None:
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._retry(), name="queueing-history-backlog"
+            )
+
+    async def _retry(self) -> None:
+        delay = RETRY_FIRST
+        while self._pending:
+            try:
+                await self._drain_once()
+                delay = RETRY_FIRST
+            except Exception as exc:
+                log.debug("history backlog still not written (%s); next try in %.1fs", exc, delay)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                delay = min(RETRY_MAX, delay * 2)
+        log.info("history backlog written")
+
+    async def _drain_once(self) -> None:
+        while self._pending:
+            chunk = list(self._pending.items())[:DRAIN_CHUNK]
+            records = [rec for _, (_, rec) in chunk]
+            if isinstance(self.tracker, WritesLate):
+                await self.tracker.upsert_newer(records)
+            else:
+                await self.tracker.upsert(records)
+            self._down = False  # the store answers: new records are written directly again
+            done: list[int] = []
+            for mid, (seq, rec) in chunk:
+                # a newer record of the same message may have arrived during the write: it stays
+                now = self._pending.get(mid)
+                if now is not None and now[1] is rec:
+                    del self._pending[mid]
+                    if seq:
+                        done.append(seq)
+            self.drop(done)

@@ -1,0 +1,243 @@
+"""Job control on every provider: cancellation by tracking id, progress, results from code."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from queueing_core import MessageStatus, QueueMessage, queue
+from queueing_core.errors import InvalidOperation, JobCancelled
+from queueing_core.pipeline import MAX_RESULT_CHARS
+
+from .harness import ops_client, record, running, wait_until
+
+
+@queue("tasks", cancel_grace=timedelta(milliseconds=300), max_attempts=3)
+class Task(QueueMessage):
+    key: str
+    steps: int = 0
+    obey: bool = True  # stop when told (ctx.cancelled) or ignore it and be cancelled after the grace
+    big: bool = False
+
+
+def task_app(harness):
+    app = harness.app()
+    calls: list[str] = []
+    seen_cancel: list[str] = []
+
+    @app.handler()
+    async def handle(msg: Task, ctx):
+        calls.append(msg.key)
+        for step in range(msg.steps):
+            await ctx.report_progress(step + 1, msg.steps, f"step {step + 1}")
+            if msg.obey and ctx.cancelled.is_set():
+                seen_cancel.append(msg.key)
+                return {"stopped_at": step + 1}
+            await asyncio.sleep(0.05)
+        if msg.big:
+            return "x" * (MAX_RESULT_CHARS + 10)
+        return {"key": msg.key, "steps": msg.steps}
+
+    return app, calls, seen_cancel
+
+
+async def test_a_waiting_message_cancelled_by_tracking_id_never_runs(harness):
+    app, calls, _ = task_app(harness)
+    rt = await harness.runtime(app)
+    await rt.control.set_paused("queue", "tasks", True)
+    kept = await app.enqueue(Task(key="kept"))
+    doomed = await app.enqueue(Task(key="doomed"))
+    receipt = await app.cancel(doomed.tracking_id)
+    assert receipt.status == MessageStatus.CANCELLED
+    assert (await app.status(doomed.tracking_id)).status == MessageStatus.CANCELLED
+    await rt.control.set_paused("queue", "tasks", False)
+    async with running(rt):
+        await wait_until(lambda: calls == ["kept"], what="the other message to run")
+        await asyncio.sleep(0.5)  # time for the cancelled one to be received (and not run)
+        await wait_until(lambda: _status_is(rt, doomed.message_id, MessageStatus.CANCELLED), what="Cancelled")
+    assert calls == ["kept"]
+    assert (await record(rt, kept.message_id)).status == MessageStatus.SUCCEEDED
+    with pytest.raises(JobCancelled):
+        await app.result(doomed.tracking_id, timeout=1)
+
+
+async def test_a_running_handler_sees_the_cancellation_and_is_recorded_cancelled(harness):
+    app, calls, seen = task_app(harness)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Task(key="long", steps=400))
+    async with running(rt, cancel_poll=0.05):
+        await wait_until(lambda: calls == ["long"], what="the handler to start")
+        await wait_until(lambda: _has_progress(rt, r.message_id), what="progress while it runs")
+        status = await app.status(r.tracking_id)
+        assert status.progress is not None
+        assert status.progress["total"] == 400
+        assert status.progress["text"].startswith("step ")
+        receipt = await app.cancel(r.tracking_id)
+        assert receipt.status == MessageStatus.LEASED  # running: told, not yet stopped
+        await wait_until(lambda: _status_is(rt, r.message_id, MessageStatus.CANCELLED), what="Cancelled")
+    assert seen == ["long"]
+    rec = await record(rt, r.message_id)
+    assert rec.attempt <= 1
+    assert calls == ["long"]
+
+
+async def test_a_handler_that_ignores_the_cancellation_is_cancelled_after_its_grace(harness):
+    app, calls, seen = task_app(harness)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Task(key="stubborn", steps=400, obey=False))
+    async with running(rt, cancel_poll=0.05):
+        await wait_until(lambda: calls == ["stubborn"], what="the handler to start")
+        await app.cancel(r.tracking_id)
+        await wait_until(lambda: _status_is(rt, r.message_id, MessageStatus.CANCELLED), what="Cancelled")
+    assert seen == []
+    assert calls == ["stubborn"]
+
+
+async def test_cancelling_a_finished_message_is_refused_with_the_reason(harness):
+    app, _, _ = task_app(harness)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Task(key="done"))
+    async with running(rt):
+        assert await app.result(r.tracking_id, timeout=20) == {"key": "done", "steps": 0}
+    with pytest.raises(InvalidOperation, match="already succeeded"):
+        await app.cancel(r.tracking_id)
+    async with ops_client(rt) as client:
+        res = await client.post(f"/messages/{r.tracking_id}/cancel")
+        assert res.status_code == 409, res.text
+        assert "already succeeded" in res.json()["detail"]
+        detail = (await client.get(f"/messages/{r.message_id}")).json()
+        assert detail["result"] == {"key": "done", "steps": 0}
+
+
+async def test_results_and_the_last_progress_are_kept_and_an_oversized_result_is_cut(harness):
+    app, _, _ = task_app(harness)
+    rt = await harness.runtime(app)
+    small = await app.enqueue(Task(key="small", steps=3))
+    big = await app.enqueue(Task(key="big", big=True))
+    async with running(rt):
+        assert await app.result(small.tracking_id, timeout=20) == {"key": "small", "steps": 3}
+        kept = await app.result(big.tracking_id, timeout=20)
+    assert kept["_truncated"] is True
+    assert kept["_original_chars"] > MAX_RESULT_CHARS
+    done = await app.status(small.tracking_id)
+    assert done.status == MessageStatus.SUCCEEDED
+    assert done.progress is not None
+    assert done.progress["step"] == 3
+
+
+async def test_result_times_out_while_the_message_waits(harness):
+    app, _, _ = task_app(harness)
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Task(key="waiting"))
+    with pytest.raises(TimeoutError, match="still"):
+        await app.result(r.tracking_id, timeout=0.3)
+    assert rt.provider is not None
+
+
+async def _status_is(rt, message_id, status) -> bool:
+    rec = await rt.tracker.get(message_id)
+    return rec is not None and rec.status == status
+
+
+async def _has_progress(rt, message_id) -> bool:
+    rec = await rt.tracker.get(message_id)
+    return rec is not None and rec.progress is not None
+
+
+@queue("prices", idempotent=True, identity="sku", max_attempts=2)
+class PriceUpdate(QueueMessage):
+    sku: str
+    price: int
+
+
+@queue("stock", idempotent=True, identity=lambda m: f"{m.warehouse}/{m.sku}")
+class StockLevel(QueueMessage):
+    warehouse: str
+    sku: str
+    count: int
+
+
+SQL = ("sqlite", "postgres")
+
+
+async def test_idempotent_enqueue_discards_an_identical_waiting_message_and_gives_ctx_previous(harness):
+    from queueing_core.errors import NotSupported
+
+    app = harness.app()
+    seen: list[tuple[int, int | None]] = []
+
+    @app.handler()
+    async def handle(msg: PriceUpdate, ctx):
+        seen.append((msg.price, ctx.previous.price if ctx.previous is not None else None))
+
+    rt = await harness.runtime(app)
+    if harness.name not in SQL:
+        with pytest.raises(NotSupported, match="idempotent"):
+            await app.enqueue(PriceUpdate(sku="A", price=1))
+        return
+    await rt.control.set_paused("queue", "prices", True)
+    first = await app.enqueue(PriceUpdate(sku="A", price=10))
+    again = await app.enqueue(PriceUpdate(sku="A", price=10))
+    other = await app.enqueue(PriceUpdate(sku="B", price=5))
+    assert (first.outcome, again.outcome, other.outcome) == ("enqueued", "discarded", "enqueued")
+    assert again.message_id == first.message_id
+    assert again.tracking_id == first.tracking_id
+    waiting = [r for r in await _all(rt) if r.type == "PriceUpdate"]
+    assert len(waiting) == 2  # one per identity
+    changed = await app.enqueue(PriceUpdate(sku="A", price=12))
+    assert changed.outcome == "replaced"
+    assert changed.message_id == first.message_id
+    assert (await record(rt, first.message_id)).body == {"sku": "A", "price": 12}
+    await rt.control.set_paused("queue", "prices", False)
+    async with running(rt):
+        await wait_until(lambda: len(seen) == 2, what="both identities")
+        assert sorted(seen) == [(5, None), (12, None)]
+        # a new version after the first succeeded: the handler sees the last processed one
+        nxt = await app.enqueue(PriceUpdate(sku="A", price=15))
+        assert nxt.outcome == "enqueued"
+        await wait_until(lambda: len(seen) == 3, what="the new version")
+    assert seen[-1] == (15, 12)
+
+
+async def test_an_identity_function_keys_idempotent_messages(harness):
+    if harness.name not in SQL:
+        pytest.skip("idempotent types need a transport that can find the waiting message (SQL)")
+    app = harness.app()
+    app.message(StockLevel)
+    await harness.runtime(app)
+    a = await app.enqueue(StockLevel(warehouse="w1", sku="A", count=3))
+    b = await app.enqueue(StockLevel(warehouse="w2", sku="A", count=3))
+    c = await app.enqueue(StockLevel(warehouse="w1", sku="A", count=3))
+    assert (a.outcome, b.outcome, c.outcome) == ("enqueued", "enqueued", "discarded")
+
+
+async def _all(rt):
+    from queueing_core.tracking import MessageQuery
+
+    return (await rt.tracker.query(MessageQuery(), limit=500)).items
+
+
+async def test_update_status_where_on_sql_and_a_clear_refusal_elsewhere(harness):
+    app, calls, _ = task_app(harness)
+    rt = await harness.runtime(app)
+    await rt.control.set_paused("queue", "tasks", True)
+    held = await app.enqueue(Task(key="hold-me"))
+    await app.enqueue(Task(key="leave-me"))
+    change = {"where": {"path": "key", "op": "eq", "value": "hold-me"}, "set": "OnHold"}
+    async with ops_client(rt) as client:
+        res = await client.post("/queues/tasks/status", json=change)
+        if harness.name not in SQL:
+            assert res.status_code == 409, res.text
+            assert res.json()["type"].endswith("not-supported")
+            assert "needs the SQL provider" in res.json()["detail"]
+            return
+        assert res.status_code == 200, res.text
+        assert res.json()["updated"] == 1
+    assert (await record(rt, held.message_id)).status == "OnHold"
+    await rt.control.set_paused("queue", "tasks", False)
+    async with running(rt):
+        await wait_until(lambda: calls == ["leave-me"], what="the other message")
+        await asyncio.sleep(0.3)
+    assert calls == ["leave-me"]  # a custom status holds the message out of processing

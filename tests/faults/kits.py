@@ -1,0 +1,208 @@
+"""The providers of the fault suite: for each, the calls where it can fail (its SDK's or driver's own
+exception) and where the transport holds a message, read from the transport itself.
+
+Each provider is one harness of the contract suite (``tests/contract/harness*.py``): a provider added
+there joins this suite by adding its call points and its ``places`` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from queueing_core.runtime import Runtime
+
+from .inject import CallPoint
+
+Places = Callable[[Runtime, str, UUID], Awaitable[dict[str, int]]]
+
+
+@dataclass(frozen=True)
+class Kit:
+    name: str
+    points: Callable[[], list[CallPoint]]
+    places: Places
+    #: False: the transport lives in this process (a crash takes it along; the same object goes on)
+    durable: bool = True
+    #: why no step of this provider can be made to fail (its baselines run all the same)
+    no_faults: str = ""
+
+
+# -- errors as each SDK raises them -------------------------------------------------------------------
+def _sql_error() -> BaseException:
+    import sqlalchemy as sa
+
+    return sa.exc.OperationalError("INSERT ... (injected)", {}, ConnectionResetError("connection reset"))
+
+
+def _azure_error() -> BaseException:
+    from azure.core.exceptions import ServiceRequestError
+
+    return ServiceRequestError("injected: connection reset by peer")
+
+
+def _servicebus_error() -> BaseException:
+    from azure.servicebus.exceptions import ServiceBusConnectionError
+
+    return ServiceBusConnectionError(message="injected: the AMQP link was detached")
+
+
+def _amqp_error() -> BaseException:
+    from aio_pika.exceptions import ChannelInvalidStateError
+
+    return ChannelInvalidStateError("injected: the channel is closed")
+
+
+def _aws_error() -> BaseException:
+    from botocore.exceptions import EndpointConnectionError
+
+    return EndpointConnectionError(endpoint_url="http://sqs.injected")
+
+
+def _methods(
+    prefix: str, owner: Callable[[Any], Any], names: list[str], error: Callable[[], BaseException] | None
+) -> list[CallPoint]:
+    return [CallPoint(f"{prefix}.{n}", owner, n, error) for n in names]
+
+
+# -- history and side stores ----------------------------------------------------------------------------
+def _tables_history() -> list[CallPoint]:
+    from queueing_core.providers.tables import TablesTracker
+
+    return _methods("history", lambda rt: TablesTracker, ["upsert", "reopen", "delete"], _azure_error)
+
+
+def _sql_side_stores() -> list[CallPoint]:
+    from queueing_core.providers.delayed.store import SqlDelayedStore
+    from queueing_core.providers.sql.history import SqlHistoryTracker
+
+    delayed = ["store_many", "fetch_due", "remove", "holds", "take_message", "purge", "release"]
+    return [
+        *_methods("history", lambda rt: SqlHistoryTracker, ["upsert", "reopen", "delete"], _sql_error),
+        *_methods("delayed", lambda rt: SqlDelayedStore, delayed, _sql_error),
+    ]
+
+
+# -- places: where the transport holds a message ----------------------------------------------------------
+async def _sql_places(rt: Runtime, queue: str, mid: UUID) -> dict[str, int]:
+    rec = await rt.tracker.get(mid)  # the row is the message
+    if rec is None or rec.status == "Succeeded":
+        return {}
+    return {"dead": 1} if rec.status in ("DeadLettered", "Expired") else {"queue": 1}
+
+
+async def _inprocess_places(rt: Runtime, queue: str, mid: UUID) -> dict[str, int]:
+    from queueing_core.providers.inprocess import _message_id
+
+    prov: Any = rt.provider
+    q = prov._q(queue)
+    held = [i for i in (*q.ready, *q.scheduled, *((q.head,) if q.head else ())) if _message_id(i.raw) == mid]
+    dead = [s for s in prov.dead_letters.get(queue, []) if s.delivery.envelope.message_id == mid]
+    return {"queue": len(held) + q.in_flight, "dead": len(dead)}
+
+
+async def _storage_places(rt: Runtime, queue: str, mid: UUID) -> dict[str, int]:
+    prov: Any = rt.provider  # one message per queue in this suite: the counts are its copies
+    return {"queue": await prov.depth(queue), "dead": await prov.depth(queue, poison=True)}
+
+
+async def _counted_places(rt: Runtime, queue: str, mid: UUID) -> dict[str, int]:
+    """Service Bus, RabbitMQ, SQS: the transport's own counts (one message per queue in this suite)."""
+    counts = (await rt.provider.native_counts()).get(queue, {})  # type: ignore[attr-defined]
+    dead = counts.get("dead_lettered", 0)
+    stored = counts.get("delayed_store", 0) + counts.get("delayed", 0)
+    live = sum(v for k, v in counts.items() if k not in ("dead_lettered", "delayed_store", "delayed"))
+    return {"queue": live, "dead": dead, "delayed": stored}
+
+
+# -- the kits ----------------------------------------------------------------------------------------------
+def _sql_points() -> list[CallPoint]:
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
+    return [CallPoint("sql.execute", lambda rt: AsyncConnection, "execute", _sql_error)]
+
+
+def _inprocess_points() -> list[CallPoint]:
+    from queueing_core.providers.inprocess import InProcessProvider
+    from queueing_core.tracking.memory import MemoryTracker
+
+    return [
+        *_methods("memory", lambda rt: InProcessProvider, ["send", "settle", "_forget"], None),
+        *_methods("history", lambda rt: MemoryTracker, ["upsert", "reopen", "delete"], None),
+    ]
+
+
+def _storage_points() -> list[CallPoint]:
+    from azure.storage.queue.aio import QueueClient
+
+    calls = ["send_message", "update_message", "delete_message", "receive_messages", "clear_messages"]
+    return [*_methods("queue", lambda rt: QueueClient, calls, _azure_error), *_tables_history()]
+
+
+def _servicebus_points() -> list[CallPoint]:
+    from queueing_core.fakes.servicebus import FakeServiceBusReceiver, FakeServiceBusSender
+
+    receiver = ["receive_messages", "complete_message", "abandon_message", "dead_letter_message"]
+    return [
+        *_methods("sb", lambda rt: FakeServiceBusSender, ["send_messages"], _servicebus_error),
+        *_methods("sb", lambda rt: FakeServiceBusReceiver, receiver, _servicebus_error),
+        *_tables_history(),
+    ]
+
+
+def _rabbitmq_points() -> list[CallPoint]:
+    from aio_pika.exchange import Exchange
+    from aio_pika.message import IncomingMessage
+    from aio_pika.queue import Queue
+
+    return [
+        *_methods("amqp", lambda rt: Exchange, ["publish"], _amqp_error),
+        *_methods("amqp", lambda rt: IncomingMessage, ["ack", "nack", "reject"], _amqp_error),
+        *_methods("amqp", lambda rt: Queue, ["get", "purge"], _amqp_error),
+        *_sql_side_stores(),
+    ]
+
+
+def _sqs_client_class(rt: Runtime) -> type:
+    # botocore makes a class per client: wrap the one this provider calls
+    return type(rt.provider.client)  # type: ignore[attr-defined]
+
+
+def _sqs_points() -> list[CallPoint]:
+    from queueing_core.providers.sql.leases import SqlLeaseStore
+
+    calls = [
+        "send_message",
+        "send_message_batch",
+        "receive_message",
+        "delete_message",
+        "delete_message_batch",
+        "change_message_visibility",
+        "change_message_visibility_batch",
+        "purge_queue",
+    ]
+    return [
+        *_methods("sqs", _sqs_client_class, calls, _aws_error),
+        *_methods("leases", lambda rt: SqlLeaseStore, ["take", "release", "extend"], _sql_error),
+        *_sql_side_stores(),
+    ]
+
+
+KITS: dict[str, Kit] = {
+    "inprocess": Kit(
+        "inprocess",
+        _inprocess_points,
+        _inprocess_places,
+        durable=False,
+        no_faults="in memory: no SDK or driver call can fail, and a crash takes the queues along (the "
+        "in-process provider promises nothing across a process's death)",
+    ),
+    "sqlite": Kit("sqlite", _sql_points, _sql_places),
+    "postgres": Kit("postgres", _sql_points, _sql_places),
+    "storage_queue": Kit("storage_queue", _storage_points, _storage_places),
+    "servicebus": Kit("servicebus", _servicebus_points, _counted_places),
+    "rabbitmq": Kit("rabbitmq", _rabbitmq_points, _counted_places),
+    "sqs": Kit("sqs", _sqs_points, _counted_places),
+}

@@ -1,0 +1,230 @@
+"""The multi-step sequences of the fault suite: how each is set up and what its one action is.
+
+A sequence is one operation that takes several calls to stores and brokers: a worker settling a run
+(retry by copy, a paused type's wait by copy, dead-lettering, expiry), an operator's action (retry,
+purge, archive, lease release), the delayed store's forward, and an enqueue with its history record.
+``prepare`` brings one message to the state the operation starts from (no faults), ``act`` is the
+operation itself (every call it makes is a step of the table), ``final`` the state it must end in once
+the operator's action is repeated and the workers drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from queueing_core import NonRetryableError, QueueingApp, QueueMessage, RetryPolicy, queue
+from queueing_core.clock import utcnow
+from queueing_core.envelope import Envelope
+from queueing_core.ops import OpsService
+from queueing_core.runtime import Runtime
+from queueing_core.tracking import MessageQuery, record_from_envelope
+from queueing_core.transport import Delivery, Settlement
+from queueing_core.worker import Settler
+
+QUEUE = "faults"
+FAST = RetryPolicy(base=timedelta(milliseconds=20), factor=1.0, jitter=0)
+
+
+@queue(QUEUE, max_attempts=5, retry=FAST, lease_duration=timedelta(seconds=1))
+class Work(QueueMessage):
+    key: str
+
+
+@dataclass
+class Ctx:
+    app: QueueingApp
+    rt: Runtime
+    mode: dict[str, str] = field(default_factory=lambda: {"handler": "ok"})
+    message_id: uuid.UUID | None = None
+    settlement: Settlement | None = None
+    ran: list[int] = field(default_factory=list)
+
+    @property
+    def mid(self) -> uuid.UUID:
+        assert self.message_id is not None, "the message was never given an id"
+        return self.message_id
+
+
+def fault_app(app: QueueingApp, ctx_mode: dict[str, str], ran: list[int], sent: list[uuid.UUID]) -> None:
+    @app.handler()
+    async def handle(msg: Work, ctx: Any) -> None:
+        ran.append(ctx.attempt)
+        if ctx_mode["handler"] == "fail":
+            raise RuntimeError("injected handler failure (retry)")
+        if ctx_mode["handler"] == "fatal":
+            raise NonRetryableError("injected handler failure (dead-letter)")
+
+    @app.use_enqueue_middleware
+    async def remember(env: Envelope, call_next: Callable[[Envelope], Awaitable[Envelope]]) -> Envelope:
+        sent.append(env.message_id)  # the id is known even when enqueue itself fails
+        return await call_next(env)
+
+
+async def claim(rt: Runtime, mid: uuid.UUID, timeout: float = 15.0) -> Delivery:
+    sub = rt.app.subscription("Work")
+    assert sub is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for d in await rt.provider.receive(sub, 10):
+            assert d.envelope is not None
+            assert d.envelope.message_id == mid, "one message per queue"
+            return d
+        await rt.provider.wait_for_work(sub, 0.1)
+    raise AssertionError(f"message {mid} was not delivered within {timeout}s")
+
+
+async def settle(rt: Runtime, settlement: Settlement) -> None:
+    """Settle and record as a worker does: through its settler (retries included). A history write
+    that a loaded store did not take goes to the backlog: the sequence starts once it has landed."""
+    settler = Settler(rt, linger=0)
+    settler.start()
+    settler.add(settlement)
+    await settler.close()
+    assert await rt.history.settle(30.0), "the history of the prepared message did not land"
+
+
+async def enqueue(ctx: Ctx, **options: Any) -> None:
+    receipt = await ctx.app.enqueue(Work(key=uuid.uuid4().hex[:8]), **options)
+    ctx.message_id = receipt.message_id
+
+
+async def processed(ctx: Ctx, handler: str, **options: Any) -> None:
+    """A message delivered and run, its settlement decided but not yet carried out."""
+    await enqueue(ctx, **options)
+    d = await claim(ctx.rt, ctx.mid)
+    ctx.mode["handler"] = handler
+    ctx.settlement = await ctx.rt.process(d)
+    ctx.mode["handler"] = "ok"
+
+
+async def finished(ctx: Ctx, handler: str) -> None:
+    await processed(ctx, handler)
+    assert ctx.settlement is not None
+    await settle(ctx.rt, ctx.settlement)
+
+
+async def _paused_run(ctx: Ctx) -> None:
+    await enqueue(ctx)
+    d = await claim(ctx.rt, ctx.mid)
+    await ctx.rt.control.set_paused("type", "Work", True)
+    ctx.rt.control.invalidate()
+    ctx.settlement = await ctx.rt.process(d)
+    await ctx.rt.control.set_paused("type", "Work", False)
+    ctx.rt.control.invalidate()
+
+
+async def _expired_run(ctx: Ctx) -> None:
+    await enqueue(ctx, ttl=timedelta(milliseconds=300))
+    d = await claim(ctx.rt, ctx.mid)
+    await asyncio.sleep(0.4)  # expires while held: the run sees it and expires it
+    ctx.settlement = await ctx.rt.process(d)
+
+
+async def _due_in_store(ctx: Ctx) -> None:
+    """A message waiting in the delayed store and due now, as its producer recorded it."""
+    prov: Any = ctx.rt.provider
+    env = ctx.rt.producer.envelope_for(Work(key="delayed"))
+    ctx.message_id = env.message_id
+    now = utcnow()
+    await ctx.rt.tracker.upsert([record_from_envelope(env, "Sleeping", now)])
+    await prov.delayed.store(env, prov.physical(QUEUE), now)
+
+
+async def _settle_it(ctx: Ctx) -> None:
+    assert ctx.settlement is not None
+    await settle(ctx.rt, ctx.settlement)
+
+
+async def _forward(ctx: Ctx) -> None:
+    await ctx.rt.provider.dispatcher.dispatch_once()  # type: ignore[attr-defined]
+
+
+async def _claimed(ctx: Ctx) -> None:
+    await enqueue(ctx)
+    await claim(ctx.rt, ctx.mid)
+
+
+async def _nothing(ctx: Ctx) -> None:
+    return None
+
+
+async def _enqueue_one(ctx: Ctx) -> None:
+    await enqueue(ctx)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    name: str
+    prepare: Callable[[Ctx], Awaitable[None]]
+    act: Callable[[Ctx], Awaitable[None]]
+    #: the state once the operator's action is repeated and workers drained: the message ran
+    #: ("succeeded"), it is gone from the transport and the history ("gone"), or it is "archived"
+    final: str = "succeeded"
+    #: the operator's action, repeated in recovery
+    repeat: str | None = None
+    #: provider -> why the sequence does not exist there
+    absent: dict[str, str] = field(default_factory=dict)
+
+
+_CLOUD_LOCKS = "the transport's lease belongs to its receiver: the ops API refuses to release it"
+_NATIVE_DELAY = "the transport holds delays itself: there is no delayed store to forward from"
+
+SEQUENCES: list[Sequence] = [
+    Sequence("retry_by_copy", lambda c: processed(c, "fail"), _settle_it),
+    Sequence("pause_by_copy", _paused_run, _settle_it),
+    Sequence("dead_letter", lambda c: processed(c, "fatal"), _settle_it, repeat="retry"),
+    Sequence("expiry", _expired_run, _settle_it, repeat="retry"),
+    Sequence(
+        "operator_retry",
+        lambda c: finished(c, "fatal"),
+        lambda c: OpsService(c.rt).retry(c.mid),
+        repeat="retry",
+    ),
+    Sequence(
+        "purge",
+        lambda c: finished(c, "fatal"),
+        lambda c: OpsService(c.rt).purge(MessageQuery(queue=QUEUE, status=("DeadLettered",))),
+        final="gone",
+        repeat="purge",
+    ),
+    Sequence(
+        "archive",
+        lambda c: finished(c, "ok"),
+        lambda c: OpsService(c.rt).archive(c.mid),
+        final="archived",
+        repeat="archive",
+    ),
+    Sequence(
+        "lease_release",
+        _claimed,
+        lambda c: OpsService(c.rt).release_lease(c.mid),
+        absent={
+            "inprocess": "nothing outside the process holds a message: there is no lease to release",
+            "storage_queue": _CLOUD_LOCKS,
+            "servicebus": _CLOUD_LOCKS,
+            "rabbitmq": _CLOUD_LOCKS,
+            "sqs": _CLOUD_LOCKS,
+        },
+    ),
+    Sequence(
+        "delayed_forward",
+        _due_in_store,
+        _forward,
+        absent={
+            "inprocess": _NATIVE_DELAY,
+            "sqlite": "a delayed SQL row waits in its own table until due: nothing is forwarded",
+            "postgres": "a delayed SQL row waits in its own table until due: nothing is forwarded",
+            "servicebus": _NATIVE_DELAY + " (scheduled messages)",
+            "storage_queue": "the contract harness runs Storage Queues without the optional delayed store "
+            "(hidden messages hold delays up to 7 days); RabbitMQ and SQS cover the store",
+        },
+    ),
+    Sequence("enqueue_history", _nothing, _enqueue_one),
+]
+BY_NAME = {s.name: s for s in SEQUENCES}

@@ -1,0 +1,211 @@
+"""THE table of the fault suite: sequences x providers -> the steps (calls to stores and brokers) each
+sequence makes there, in order. Every step of every row is made to fail twice, once with the SDK's or
+driver's own exception and once with a crash that stops the process right there, and a baseline runs
+each row without a fault and checks that its calls are still the steps listed here (a sequence that
+changes its calls fails its baseline, which prints the new list to paste here).
+
+A new sequence (``sequences.SEQUENCES``) or provider (``kits.KITS``) gets its cases by adding its row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from .kits import KITS
+from .sequences import SEQUENCES
+
+STEPS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("retry_by_copy", "inprocess"): ("memory.settle", "history.upsert"),
+    ("retry_by_copy", "sqlite"): ("sql.execute",),
+    ("retry_by_copy", "postgres"): ("sql.execute",),
+    ("retry_by_copy", "storage_queue"): ("queue.update_message", "history.upsert"),
+    ("retry_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert"),
+    ("retry_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert"),
+    ("retry_by_copy", "sqs"): (
+        "leases.release",
+        "sqs.send_message_batch",
+        "sqs.delete_message_batch",
+        "history.upsert",
+    ),
+    ("pause_by_copy", "inprocess"): ("memory.settle", "history.upsert"),
+    ("pause_by_copy", "sqlite"): ("sql.execute",),
+    ("pause_by_copy", "postgres"): ("sql.execute",),
+    ("pause_by_copy", "storage_queue"): (
+        "queue.update_message",
+        "queue.send_message",
+        "queue.delete_message",
+        "history.upsert",
+    ),
+    ("pause_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert"),
+    ("pause_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert"),
+    ("pause_by_copy", "sqs"): (
+        "leases.release",
+        "sqs.send_message_batch",
+        "sqs.delete_message_batch",
+        "history.upsert",
+    ),
+    ("dead_letter", "inprocess"): ("memory.settle", "history.upsert"),
+    ("dead_letter", "sqlite"): ("sql.execute",),
+    ("dead_letter", "postgres"): ("sql.execute",),
+    ("dead_letter", "storage_queue"): (
+        "queue.update_message",
+        "queue.send_message",
+        "queue.delete_message",
+        "history.upsert",
+    ),
+    ("dead_letter", "servicebus"): ("sb.dead_letter_message", "history.upsert"),
+    ("dead_letter", "rabbitmq"): ("amqp.publish", "amqp.ack", "history.upsert"),
+    ("dead_letter", "sqs"): (
+        "leases.release",
+        "sqs.send_message_batch",
+        "sqs.delete_message_batch",
+        "history.upsert",
+    ),
+    ("expiry", "inprocess"): ("memory.settle", "history.upsert"),
+    ("expiry", "sqlite"): ("sql.execute",),
+    ("expiry", "postgres"): ("sql.execute",),
+    ("expiry", "storage_queue"): ("queue.delete_message", "history.upsert"),
+    ("expiry", "servicebus"): ("sb.dead_letter_message", "history.upsert"),
+    ("expiry", "rabbitmq"): ("amqp.publish", "amqp.ack", "history.upsert"),
+    ("expiry", "sqs"): (
+        "leases.release",
+        "sqs.send_message_batch",
+        "sqs.delete_message_batch",
+        "history.upsert",
+    ),
+    ("operator_retry", "inprocess"): ("history.reopen", "memory._forget", "memory.send"),
+    ("operator_retry", "sqlite"): ("sql.execute", "sql.execute"),
+    ("operator_retry", "postgres"): ("sql.execute", "sql.execute", "sql.execute"),
+    ("operator_retry", "storage_queue"): (
+        "history.reopen",
+        "queue.send_message",
+        "queue.receive_messages",
+        "queue.delete_message",
+        "queue.receive_messages",
+    ),
+    ("operator_retry", "servicebus"): (
+        "history.reopen",
+        "sb.send_messages",
+        "sb.receive_messages",
+        "sb.complete_message",
+        "sb.receive_messages",
+    ),
+    ("operator_retry", "rabbitmq"): ("history.reopen", "amqp.publish", "amqp.get", "amqp.ack", "amqp.get"),
+    ("operator_retry", "sqs"): (
+        "history.reopen",
+        "sqs.send_message_batch",
+        "sqs.receive_message",
+        "sqs.delete_message",
+        "sqs.receive_message",
+    ),
+    ("purge", "inprocess"): ("memory._forget", "history.delete"),
+    ("purge", "sqlite"): ("sql.execute", "sql.execute"),
+    ("purge", "postgres"): ("sql.execute", "sql.execute"),
+    ("purge", "storage_queue"): (
+        "queue.receive_messages",
+        "queue.delete_message",
+        "queue.receive_messages",
+        "history.delete",
+    ),
+    ("purge", "servicebus"): (
+        "sb.receive_messages",
+        "sb.complete_message",
+        "sb.receive_messages",
+        "history.delete",
+    ),
+    ("purge", "rabbitmq"): ("amqp.get", "amqp.ack", "amqp.get", "history.delete"),
+    ("purge", "sqs"): ("sqs.receive_message", "sqs.delete_message", "sqs.receive_message", "history.delete"),
+    ("archive", "inprocess"): ("history.upsert",),
+    ("archive", "sqlite"): ("sql.execute", "sql.execute"),
+    ("archive", "postgres"): ("sql.execute", "sql.execute"),
+    ("archive", "storage_queue"): ("history.upsert",),
+    ("archive", "servicebus"): ("history.upsert",),
+    ("archive", "rabbitmq"): ("history.upsert",),
+    ("archive", "sqs"): ("history.upsert",),
+    ("lease_release", "sqlite"): ("sql.execute", "sql.execute"),
+    ("lease_release", "postgres"): ("sql.execute", "sql.execute", "sql.execute"),
+    ("delayed_forward", "rabbitmq"): ("delayed.fetch_due", "amqp.publish", "delayed.remove"),
+    ("delayed_forward", "sqs"): ("delayed.fetch_due", "sqs.send_message_batch", "delayed.remove"),
+    ("enqueue_history", "inprocess"): ("memory.send", "history.upsert"),
+    ("enqueue_history", "sqlite"): ("sql.execute",),
+    ("enqueue_history", "postgres"): ("sql.execute",),
+    ("enqueue_history", "storage_queue"): ("queue.send_message", "history.upsert"),
+    ("enqueue_history", "servicebus"): ("sb.send_messages", "history.upsert"),
+    ("enqueue_history", "rabbitmq"): ("amqp.publish", "history.upsert"),
+    ("enqueue_history", "sqs"): ("sqs.send_message_batch", "history.upsert"),
+}
+
+MODES = ("error", "crash")
+
+#: steps expected to break the invariant, by (sequence, step prefix), with the defect named: a case
+#: listed here is a strict xfail, so it turns red the day it is fixed and the row must go. None today:
+#: history is journaled ahead of each settlement and retried until written, and an enqueue keeps its
+#: send when its history write fails.
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
+
+WORKER_SEQUENCES = {"retry_by_copy", "pause_by_copy", "dead_letter", "expiry", "delayed_forward"}
+
+
+def expected_failure(sequence: str, step: str) -> str | None:
+    return next(
+        (why for (seq, prefix), why in KNOWN_DEFECTS.items() if seq == sequence and step.startswith(prefix)),
+        None,
+    )
+
+
+@dataclass(frozen=True)
+class Case:
+    sequence: str
+    provider: str
+    step: int  # -1: the baseline (no fault)
+    step_name: str
+    mode: str | None
+
+    @property
+    def id(self) -> str:
+        if self.mode is None:
+            return f"{self.sequence}-{self.provider}-baseline"
+        return f"{self.sequence}-{self.provider}-{self.step}.{self.step_name}-{self.mode}"
+
+
+def cases() -> list[object]:
+    out: list[object] = []
+    for seq in SEQUENCES:
+        for provider, kit in KITS.items():
+            if provider in seq.absent:
+                continue
+            out.append(
+                pytest.param(Case(seq.name, provider, -1, "", None), id=f"{seq.name}-{provider}-baseline")
+            )
+            if kit.no_faults:
+                continue
+            for i, step in enumerate(STEPS.get((seq.name, provider), ())):
+                for mode in MODES:
+                    case = Case(seq.name, provider, i, step, mode)
+                    reason = expected_failure(seq.name, step)
+                    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                    out.append(pytest.param(case, id=case.id, marks=marks))
+    return out
+
+
+#: steps of a row that are not calls of their own, so no case injects there (shown in the report)
+UNCALLED = {
+    "sqlite": "commit: a crash before it rolls the transaction back as a crash at its last statement "
+    "does (covered); a failed commit is the driver's error on that last round trip",
+    "postgres": "commit: as for SQLite; the provider's statements are one transaction per step",
+}
+
+
+def not_injectable() -> list[str]:
+    rows: list[str] = []
+    for seq in SEQUENCES:
+        for provider, why in seq.absent.items():
+            rows.append(f"{seq.name} on {provider}: no such sequence ({why})")
+    for provider, kit in KITS.items():
+        if kit.no_faults:
+            rows.append(f"every step on {provider}: {kit.no_faults}")
+    for provider, why in UNCALLED.items():
+        rows.append(f"{provider}: {why}")
+    return rows

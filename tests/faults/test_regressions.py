@@ -1,0 +1,215 @@
+"""Regression tests for defects the fault suite's review found: each failed before its fix.
+
+- an operator's retry whose send fails lost the message (the original was removed first);
+- dead letters were found by searching their text (a retry of A removed B when B's body held A's id);
+- the Service Bus dead-letter scan never got past its first page (abandoned letters came back first);
+- a purge on a cloud transport deleted, and counted, the history of messages still queued;
+- a delayed-store dispatcher stopped mid-batch forwarded the whole batch again, silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from queueing_core import MessageStatus, NonRetryableError, QueueMessage, queue
+from queueing_core.clock import utcnow
+from queueing_core.envelope import Envelope
+from queueing_core.errors import ProviderError
+from queueing_core.naming import Transport
+from queueing_core.ops import OpsService
+from queueing_core.providers.delayed import DelayedDispatcher, DelayedMessage
+from queueing_core.providers.delayed import dispatcher as dispatcher_module
+from queueing_core.providers.sql.history import SideStores
+from queueing_core.tracking import MessageQuery
+from tests.contract.harness import HARNESSES, Harness, all_have, running, wait_until
+
+from .inject import Injector
+from .kits import KITS
+
+DEAD_LETTER_QUEUES = ["servicebus", "storage_queue", "rabbitmq", "sqs"]
+
+
+@queue("letters", max_attempts=1, max_concurrency=16)
+class Letter(QueueMessage):
+    key: str
+
+
+@pytest.fixture(params=DEAD_LETTER_QUEUES)
+async def harness(request):
+    name = request.param
+    make = HARNESSES[name]
+    h = make(request.getfixturevalue("azurite")) if name in ("storage_queue", "servicebus") else make()
+    yield h
+    if h.cleanup is not None:
+        await h.cleanup()
+
+
+class Letters:
+    """A runtime whose handler refuses until told otherwise, and messages dead-lettered there."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+        self.app = h.app()
+        self.refuse = True
+        self.ids: list[uuid.UUID] = []
+
+        @self.app.handler()
+        async def handle(msg: Letter) -> None:
+            if self.refuse:
+                raise NonRetryableError("refused")
+
+    async def open(self) -> Letters:
+        self.rt = await self.h.runtime(self.app)
+        self.ops = OpsService(self.rt)
+        return self
+
+    async def dead_letter(self, keys: list[str]) -> list[uuid.UUID]:
+        ids = [(await self.app.enqueue(Letter(key=k))).message_id for k in keys]
+        async with running(self.rt, prefetch=16):
+            await wait_until(lambda: all_have(self.rt, ids, MessageStatus.DEAD_LETTERED), 90, "dead letters")
+        self.ids += ids
+        return ids
+
+    async def held(self, ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        """Which of these the dead-letter queue holds (the shared locator, removing nothing)."""
+        found = await self.rt.provider._dead_letters("letters", {str(i) for i in ids}, remove=False)
+        return {uuid.UUID(i) for i in found}
+
+    async def places(self) -> dict[str, int]:
+        return await KITS[self.h.name].places(self.rt, "letters", uuid.uuid4())
+
+
+async def test_retry_of_the_120th_of_150_dead_letters_removes_exactly_it(harness):
+    letters = await Letters(harness).open()
+    try:
+        ids = await letters.dead_letter([f"k{i}" for i in range(150)])
+        await letters.ops.retry(ids[119])
+        assert (await letters.places())["dead"] == 149
+        assert await letters.held(ids) == set(ids) - {ids[119]}  # the copy is queued, the original gone
+    finally:
+        await letters.rt.close()
+
+
+async def test_a_retry_never_removes_a_dead_letter_whose_text_holds_its_id(harness):
+    letters = await Letters(harness).open()
+    try:
+        [a] = await letters.dead_letter(["a"])
+        [b] = await letters.dead_letter([str(a)])  # B's body holds A's id
+        await letters.ops.retry(a)
+        assert (await letters.places())["dead"] == 1
+        assert await letters.held([a, b]) == {b}
+        await letters.ops.purge(MessageQuery(queue="letters", status=("DeadLettered",)))
+        assert (await letters.places())["dead"] == 0
+    finally:
+        await letters.rt.close()
+
+
+async def test_purge_removes_every_matching_dead_letter_and_only_their_history(harness):
+    letters = await Letters(harness).open()
+    try:
+        ids = await letters.dead_letter([f"k{i}" for i in range(150)])
+        waiting = (await letters.app.enqueue(Letter(key="still queued"))).message_id  # no worker runs
+        done = await letters.ops.purge(MessageQuery(queue="letters", status=("DeadLettered", "Pending")))
+        assert done.deleted == 150  # the queued one was not removed, so it is not counted
+        assert (await letters.places())["dead"] == 0
+        assert all([await letters.rt.tracker.get(i) is None for i in ids])
+        rec = await letters.rt.tracker.get(waiting)
+        assert rec is not None
+        assert rec.status == MessageStatus.PENDING
+        letters.refuse = False
+        async with running(letters.rt):
+            await wait_until(lambda: all_have(letters.rt, [waiting], MessageStatus.SUCCEEDED), 30, "the run")
+    finally:
+        await letters.rt.close()
+
+
+async def test_an_operator_retry_whose_send_fails_keeps_the_dead_letter_and_can_be_repeated(harness):
+    letters = await Letters(harness).open()
+    try:
+        [a] = await letters.dead_letter(["a"])
+        letters.refuse = False
+        sends = [p for p in KITS[harness.name].points() if "send" in p.name or "publish" in p.name]
+        injector = Injector(sends, mode="error", at=0)
+        with injector.installed(letters.rt), injector.armed_for(), pytest.raises(ProviderError):
+            await letters.ops.retry(a)
+        assert injector.fired
+        assert (await letters.places())["dead"] == 1  # nothing was removed: the message is where it was
+        await letters.ops.retry(a)  # the history said Pending: the retry goes ahead all the same
+        async with running(letters.rt):
+            await wait_until(
+                lambda: all_have(letters.rt, [a], MessageStatus.SUCCEEDED), 30, "the retried run"
+            )
+        assert (await letters.places())["dead"] == 0
+    finally:
+        await letters.rt.close()
+
+
+# -- the delayed store -------------------------------------------------------------------------------------
+class Hanging:
+    """A transport that accepts the first ``accept`` forwards and hangs on the rest (the process is
+    killed while they are in flight)."""
+
+    def __init__(self, accept: int) -> None:
+        self.accept = accept
+        self.forwarded: list[DelayedMessage] = []
+        self.hung: list[asyncio.Task[Any]] = []
+
+    async def forward_delayed(self, item: DelayedMessage) -> None:
+        if len(self.forwarded) >= self.accept:
+            task = asyncio.current_task()
+            assert task is not None
+            self.hung.append(task)
+            await asyncio.Event().wait()
+        self.forwarded.append(item)
+
+    async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
+        raise AssertionError("nothing fails here")
+
+
+async def test_a_dispatcher_killed_mid_batch_repeats_only_its_forwards_in_flight_and_marks_them(tmp_path):
+    stores = SideStores(f"sqlite:///{tmp_path}/delayed.db")
+    store = stores.delayed_store(Transport.SQS)
+    store.lease = timedelta(milliseconds=200)
+    try:
+        now = utcnow()
+        envs = [
+            Envelope(
+                type="Job",
+                queue="jobs",
+                message_id=uuid.uuid4(),
+                tracking_id=uuid.uuid4(),
+                created_at=now,
+                body={"n": n},
+            )
+            for n in range(10)
+        ]
+        await store.store_many([(e, "jobs", now) for e in envs])
+        first = Hanging(accept=4)
+        killed = asyncio.create_task(DelayedDispatcher(store, first, stop_grace=0).dispatch_once())
+        await asyncio.sleep(0.3)
+        killed.cancel()  # the process dies with six forwards in flight
+        await asyncio.gather(killed, return_exceptions=True)
+        assert len(first.forwarded) == 4
+
+        await asyncio.sleep(0.3)  # the dead dispatcher's lease lapses
+        second = Hanging(accept=100)
+        again = DelayedDispatcher(store, second)
+        await again.dispatch_once()
+        done = {Envelope.decode(i.envelope).message_id for i in first.forwarded}
+        repeated = {Envelope.decode(i.envelope).message_id for i in second.forwarded}
+        assert repeated == {e.message_id for e in envs} - done  # the four accepted are not sent twice
+        assert getattr(again, "repeated", 0) == 6  # each repeat is known, counted, logged ...
+        mark = getattr(dispatcher_module, "REPEATED_FORWARD", "queueing-repeated-forward")
+        assert all(
+            Envelope.decode(i.envelope).headers.get(mark) == "1" for i in second.forwarded
+        )  # ... marked
+        assert await store.counts() == {}
+        for task in first.hung:  # the dead process's last calls, left hanging until now
+            task.cancel()
+    finally:
+        await stores.close()

@@ -1,0 +1,102 @@
+"""Job control across processes on PostgreSQL: a worker process runs the handlers; this process
+cancels, watches progress and waits for results, as another host would."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from queueing_core import MessageStatus
+from queueing_core.errors import JobCancelled
+from queueing_core.runtime import Runtime
+
+from .jobworker import Chore, build_app
+
+pytestmark = pytest.mark.slow
+
+
+def spawn(db, log: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.jobworker", db.url, db.schema or "", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def lines(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+async def until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_cancel_progress_and_result_across_processes(pg_db, tmp_path):
+    log = tmp_path / "events.log"
+    # process B: this test. It opens the same schema first (migrating it) so the worker finds it ready
+    app = build_app()
+    rt = Runtime(app, pg_db.provider())
+    await rt.open()
+    worker = spawn(pg_db, log)
+    try:
+        # a result from another process
+        quick = await app.enqueue(Chore(name="quick", steps=2))
+        result = await app.result(quick.tracking_id, timeout=30)
+        assert result["name"] == "quick"
+        assert result["pid"] == worker.pid
+
+        # a running handler: its progress is visible here, and a cancellation from here reaches it
+        long = await app.enqueue(Chore(name="long", steps=2000))
+
+        async def reporting() -> bool:
+            st = await app.status(long.tracking_id)
+            return st.status == MessageStatus.LEASED and st.progress is not None and st.progress["step"] >= 3
+
+        await until(reporting, 30, "progress from the running handler")
+        progress = (await app.status(long.tracking_id)).progress
+        assert progress is not None
+        assert progress["total"] == 2000
+        assert progress["text"].startswith("long step")
+        asked = time.monotonic()
+        receipt = await app.cancel(long.tracking_id)
+        assert receipt.status == MessageStatus.LEASED
+
+        async def cancelled() -> bool:
+            return (await app.status(long.tracking_id)).status == MessageStatus.CANCELLED
+
+        await until(cancelled, 30, "the running message to be recorded Cancelled")
+        # the worker polls the control store once a minute: only NOTIFY brings it this soon
+        assert time.monotonic() - asked < 10
+        assert "cancelled long" in lines(log)
+        assert "finished long" not in lines(log)
+        with pytest.raises(JobCancelled):
+            await app.result(long.tracking_id, timeout=5)
+
+        # a message not yet running never runs
+        later = await app.enqueue(Chore(name="later"), delay=timedelta(seconds=2))
+        done = await app.cancel(later.tracking_id)
+        assert done.status == MessageStatus.CANCELLED
+        await asyncio.sleep(3.5)
+        assert (await app.status(later.tracking_id)).status == MessageStatus.CANCELLED
+        assert not any(line.endswith(" later") for line in lines(log))
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=30)
+        await rt.close()
+    assert worker.returncode == 0, err

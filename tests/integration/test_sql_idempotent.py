@@ -1,0 +1,121 @@
+"""Idempotent types on SQL: retention keeps each identity's last success (the next handler's
+ctx.previous), and a stale run cannot settle over a message cancelled after its lease was taken back."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import sqlalchemy as sa
+
+from queueing_core import HandlerContext, QueueingApp, QueueMessage, queue
+from queueing_core.decisions import Complete
+from queueing_core.providers.sql.retention import RetentionPolicy
+from queueing_core.runtime import Runtime
+from queueing_core.testing import run_until_idle
+from queueing_core.transport import Settlement
+
+
+@queue("catalog", idempotent=True, identity="sku")
+class Product(QueueMessage):
+    sku: str
+    price: int
+
+
+def catalog_app() -> tuple[QueueingApp, list[tuple[str, int, int | None]]]:
+    app = QueueingApp("catalog")
+    seen: list[tuple[str, int, int | None]] = []
+
+    @app.handler()
+    async def handle(msg: Product, ctx: HandlerContext) -> None:
+        seen.append((msg.sku, msg.price, ctx.previous.price if ctx.previous else None))
+
+    return app, seen
+
+
+async def test_retention_keeps_the_last_success_of_each_identity(sql_db):
+    app, seen = catalog_app()
+    everything = RetentionPolicy(archive_after=timedelta(0), delete_archived_after=timedelta(0))
+    rt = Runtime(app, sql_db.provider(retention=everything))
+    await rt.open()
+    for price in (1, 2, 3):
+        await app.enqueue(Product(sku="A", price=price))
+        await app.enqueue(Product(sku="B", price=price * 10))
+        await run_until_idle(rt)
+    for _ in range(2):  # archive, then delete what is archived
+        await rt.provider.maintain(app)
+        await asyncio.sleep(0.05)
+    m = rt.provider.tables.messages
+    async with rt.provider.engine.connect() as conn:
+        left = sorted((await conn.execute(sa.select(m.c.identity, m.c.status))).all())
+    assert left == [("A", "Succeeded"), ("B", "Succeeded")]  # the earlier versions are gone
+    await app.enqueue(Product(sku="A", price=4))
+    await run_until_idle(rt)
+    assert seen[-1] == ("A", 4, 3)
+    await rt.close()
+
+
+async def test_a_stale_run_cannot_settle_over_a_cancelled_message(sql_db):
+    app, seen = catalog_app()
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    r = await app.enqueue(Product(sku="C", price=1))
+    sub = app.subscription("Product")
+    assert sub is not None
+    (stale,) = await rt.provider.receive(sub, 1)
+    from queueing_core.ops import OpsService
+
+    await OpsService(rt).release_lease(r.message_id)  # an operator takes the lease back
+    assert (await app.cancel(r.tracking_id)).status == "Cancelled"
+    await rt.provider.settle([Settlement(stale, Complete({"late": True}))])
+    assert stale.refused
+    status = await app.status(r.tracking_id)
+    assert status.status == "Cancelled"
+    assert status.result is None
+    assert await run_until_idle(rt) == 0
+    assert seen == []
+    await rt.close()
+
+
+async def test_the_job_control_migration_upgrades_a_database_of_the_previous_version(sql_db):
+    from queueing_core.providers.sql.schema import MIGRATIONS, migrate
+
+    version = next(n for n, text, _ in MIGRATIONS if text.startswith("job control"))
+
+    prov = sql_db.provider()
+    await prov.open()
+    t = prov.tables
+    m, h, x, v = t.messages.fullname, t.history.fullname, t.cancels.fullname, t.schema_versions.fullname
+    prefix = f"{t.metadata.schema}." if t.metadata.schema else ""
+    async with prov.engine.begin() as conn:  # back to what the version before it left
+        for index in (
+            "ix_queueing_messages_tracking",
+            "ix_queueing_messages_identity",
+            "ix_queueing_history_tracking",
+        ):
+            await conn.execute(sa.text(f"DROP INDEX {prefix}{index}"))
+        await conn.execute(sa.text(f"ALTER TABLE {m} DROP COLUMN progress"))
+        await conn.execute(sa.text(f"ALTER TABLE {m} DROP COLUMN identity"))
+        await conn.execute(sa.text(f"ALTER TABLE {h} DROP COLUMN progress"))
+        await conn.execute(sa.text(f"DROP TABLE {x}"))
+        await conn.execute(sa.text(f"DELETE FROM {v} WHERE version = {version}"))
+    assert await migrate(prov.engine, t, now=prov.clock) == [version]
+
+    def shape(sync):
+        inspect = sa.inspect(sync)
+        cols = {c["name"] for c in inspect.get_columns(t.messages.name, schema=t.messages.schema)}
+        hist = {c["name"] for c in inspect.get_columns(t.history.name, schema=t.history.schema)}
+        idx = {i["name"] for i in inspect.get_indexes(t.messages.name, schema=t.messages.schema)}
+        idx |= {i["name"] for i in inspect.get_indexes(t.history.name, schema=t.history.schema)}
+        return cols, hist, idx, inspect.has_table(t.cancels.name, schema=t.cancels.schema)
+
+    async with prov.engine.connect() as conn:
+        cols, hist, idx, cancels = await conn.run_sync(shape)
+    assert {"progress", "identity"} <= cols
+    assert "progress" in hist
+    assert {
+        "ix_queueing_messages_tracking",
+        "ix_queueing_messages_identity",
+        "ix_queueing_history_tracking",
+    } <= idx
+    assert cancels

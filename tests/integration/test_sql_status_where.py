@@ -1,0 +1,145 @@
+"""Update status where a body property compares to a value, on SQLite and PostgreSQL, over the ops
+API: exactly the matching rows change, and injection attempts in the value or the path change nothing."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core.ops import OpsService
+from queueing_core.ops.api import PREFIX, create_app
+from queueing_core.runtime import Runtime
+
+KEY = "where-test-key"
+
+
+@queue("orders-where")
+class Order(QueueMessage):
+    ref: str
+    customer: dict[str, Any]
+    lines: list[dict[str, Any]] = []
+
+
+ORDERS = [
+    Order(ref="o1", customer={"country": "NO", "tier": 2, "vip": True}, lines=[{"sku": "A"}]),
+    Order(ref="o2", customer={"country": "NO", "tier": 1, "vip": False}, lines=[{"sku": "B"}]),
+    Order(ref="o3", customer={"country": "SE", "tier": 3}, lines=[{"sku": "A"}]),
+    Order(ref="o4", customer={"country": "NO' OR '1'='1", "tier": "2"}),
+]
+
+
+@contextlib.asynccontextmanager
+async def api(sql_db):
+    app = QueueingApp("where")
+    app.message(Order)
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    await app.enqueue_many(ORDERS)
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=create_app(OpsService(rt), api_key=KEY)),
+        base_url="http://test" + PREFIX,
+        headers={"X-API-Key": KEY},
+    )
+    try:
+        yield client, rt
+    finally:
+        await client.aclose()
+        await rt.close()
+
+
+async def statuses(rt) -> dict[str, str]:
+    m = rt.provider.tables.messages
+    async with rt.provider.engine.connect() as conn:
+        rows = (await conn.execute(sa.select(m.c.body, m.c.status))).all()
+    return {(b if isinstance(b, dict) else __import__("json").loads(b))["ref"]: s for b, s in rows}
+
+
+async def set_where(client, path, op, value, to="Hold", **extra):
+    body = {"where": {"path": path, "op": op, "value": value}, "set": to, **extra}
+    return await client.post("/queues/orders-where/status", json=body)
+
+
+@pytest.mark.parametrize(
+    ("path", "op", "value", "changed"),
+    [
+        ("customer.country", "eq", "NO", {"o1", "o2"}),
+        ("customer.country", "ne", "NO", {"o3", "o4"}),
+        ("customer.tier", "gt", 1, {"o1", "o3"}),  # o4's tier is the text "2": not a number
+        ("customer.tier", "le", 2.5, {"o1", "o2"}),
+        ("customer.tier", "eq", "2", {"o4"}),
+        ("customer.vip", "eq", True, {"o1"}),
+        ("customer.vip", "eq", None, {"o3", "o4"}),  # missing counts as null
+        ("lines.0.sku", "eq", "A", {"o1", "o3"}),
+        ("customer.country", "eq", 5, set()),  # a number never equals text
+    ],
+)
+async def test_exactly_the_matching_rows_change(sql_db, path, op, value, changed):
+    async with api(sql_db) as (client, rt):
+        res = await set_where(client, path, op, value)
+        assert res.status_code == 200, res.text
+        assert res.json() == {"queue": "orders-where", "status": "Hold", "updated": len(changed)}
+        now = await statuses(rt)
+        assert {ref for ref, s in now.items() if s == "Hold"} == changed
+        assert {s for ref, s in now.items() if ref not in changed} <= {"Pending"}
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["NO' OR '1'='1' --", "x'); DELETE FROM queueing_messages; --", '" OR 1=1 --', "NO\\' OR 1=1"],
+)
+async def test_an_injection_attempt_in_the_value_is_only_a_value(sql_db, value):
+    async with api(sql_db) as (client, rt):
+        res = await set_where(client, "customer.country", "eq", value)
+        assert res.status_code == 200, res.text
+        assert res.json()["updated"] == 0
+        assert set((await statuses(rt)).values()) == {"Pending"}
+        assert len(await statuses(rt)) == 4
+        # the stored text that looks like an injection is matched as the plain text it is
+        res = await set_where(client, "customer.country", "eq", "NO' OR '1'='1")
+        assert res.json()["updated"] == 1
+        assert (await statuses(rt))["o4"] == "Hold"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "customer.country') OR 1=1 --",
+        'customer."country"',
+        "$.customer.country",
+        "customer..country",
+        "customer.country;DROP TABLE x",
+        "a.b.c.d.e.f.g.h.i",
+        "",
+    ],
+)
+async def test_an_injection_attempt_in_the_path_is_refused(sql_db, path):
+    async with api(sql_db) as (client, rt):
+        res = await set_where(client, path, "eq", "NO")
+        assert res.status_code == 422, res.text
+        assert set((await statuses(rt)).values()) == {"Pending"}
+
+
+async def test_leased_rows_are_left_alone_and_kit_statuses_are_refused(sql_db):
+    async with api(sql_db) as (client, rt):
+        m = rt.provider.tables.messages
+        async with rt.provider.engine.begin() as conn:
+            await conn.execute(
+                sa.update(m).where(m.c.body["ref"].as_string() == "o1").values(status="Leased", locked_by="w")
+            )
+        res = await set_where(client, "customer.country", "eq", "NO")
+        assert res.json()["updated"] == 1
+        assert await statuses(rt) == {"o1": "Leased", "o2": "Hold", "o3": "Pending", "o4": "Pending"}
+        refused = await set_where(client, "customer.country", "eq", "NO", to="Succeeded")
+        assert refused.status_code == 409
+        assert "the kit sets itself" in refused.json()["detail"]
+        # back to Pending, only those on Hold
+        back = await set_where(client, "customer.country", "eq", "NO", to="Pending", status_filter=None)
+        assert back.status_code == 422  # unknown field: the request shape is strict
+        back = await set_where(client, "customer.country", "eq", "NO", to="Pending", status=["Hold"])
+        assert back.json()["updated"] == 1
+        assert (await statuses(rt))["o2"] == "Pending"

@@ -1,0 +1,113 @@
+"""Storage Queues: a lease renewal and the settlement of the same message take turns. A renewal
+replaces the pop receipt; a delete sent with the receipt it replaces would fail and leave the message
+to come back, though its handler succeeded."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core.decisions import Complete
+from queueing_core.providers.storage_queue import StorageConnection, StorageQueueProvider
+from queueing_core.runtime import Runtime
+from queueing_core.transport import Settlement
+
+
+@queue("race.renewal")
+class Job(QueueMessage):
+    n: int
+
+
+async def _runtime(azurite) -> Runtime:
+    from queueing_core import QueueNaming
+
+    tag = uuid.uuid4().hex[:8]
+    app = QueueingApp("race", naming=QueueNaming(prefix=f"t{tag}-"))
+    app.message(Job)
+    provider = StorageQueueProvider(
+        StorageConnection(azurite.connection_string), control_table=f"ctl{tag}", tracker_table=f"hist{tag}"
+    )
+    rt = Runtime(app, provider)
+    await rt.open()
+    return rt
+
+
+async def test_a_settlement_during_a_renewal_uses_the_renewed_receipt(azurite):
+    rt = await _runtime(azurite)
+    provider = rt.provider
+    app = rt.app
+    try:
+        await app.enqueue(Job(n=1))
+        sub = app.subscription(Job.type_name())
+        assert sub is not None
+        [d] = await provider.receive(sub, 1)
+        client = d.handle.queue_client
+        real_update = client.update_message
+        renewed = asyncio.Event()
+
+        async def slow_answer(*args, **kwargs):
+            answer = await real_update(*args, **kwargs)
+            if not renewed.is_set():  # the service has replaced the receipt; the answer is still on its way
+                renewed.set()
+                await asyncio.sleep(0.5)
+            return answer
+
+        client.update_message = slow_answer
+        renewal = asyncio.create_task(provider.renew([d]))
+        await renewed.wait()
+        await provider.settle([Settlement(d, Complete())])
+        assert await renewal == []
+        assert not d.refused, "the delete was sent with a receipt the renewal had replaced"
+        props = await client.get_queue_properties()
+        assert props.approximate_message_count == 0, "the message is still in the queue"
+    finally:
+        for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
+            await provider.client(q).delete_queue()
+        await rt.close()
+
+
+async def test_a_delete_whose_answer_was_lost_is_not_taken_for_a_lost_lease(azurite):
+    """The delete reaches the service, the answer does not come back; the next try finds the message
+    gone (404). That is this run's own delete: the outcome stands and its history is written."""
+    from azure.core.exceptions import ServiceResponseError
+
+    from queueing_core import MessageStatus
+
+    rt = await _runtime(azurite)
+    provider = rt.provider
+    app = rt.app
+    try:
+        receipt = await app.enqueue(Job(n=1))
+        sub = app.subscription(Job.type_name())
+        assert sub is not None
+        [d] = await provider.receive(sub, 1)
+        client = d.handle.queue_client
+        real_delete = client.delete_message
+        lost: list[bool] = []
+
+        async def answer_lost(*args, **kwargs):
+            answer = await real_delete(*args, **kwargs)
+            if not lost:
+                lost.append(True)
+                raise ServiceResponseError("Connection reset by peer")
+            return answer
+
+        client.delete_message = answer_lost
+        s = Settlement(d, Complete())
+        for _ in range(5):  # the worker's settler tries a failed settlement again
+            try:
+                await provider.settle([s])
+                break
+            except Exception:
+                continue
+        await rt.record([s])
+        assert lost
+        assert not d.refused, "the run's own delete was taken for a lost lease"
+        rec = await rt.tracker.get(receipt.message_id)
+        assert rec is not None
+        assert rec.status == MessageStatus.SUCCEEDED
+    finally:
+        for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
+            await provider.client(q).delete_queue()
+        await rt.close()

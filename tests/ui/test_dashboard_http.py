@@ -1,0 +1,276 @@
+"""The dashboard's rules over plain HTTP (no browser): sessions, anti-forgery, hostile input."""
+
+from __future__ import annotations
+
+import re
+from uuid import UUID
+
+import httpx
+import pytest
+
+from queueing_core.ops import OpsService
+from queueing_core.ops.api import PREFIX, create_app
+from queueing_core.ops.ui import charts
+from queueing_core.ops.ui.session import LIFETIME, Sessions
+from queueing_core.providers.sql import SqlProvider
+from queueing_core.runtime import Runtime
+from tests.ui.app import ChargeCard, app
+
+KEY = "http-test-key-not-a-secret"
+UI = PREFIX + "/ui"
+FORM = {"Content-Type": "application/x-www-form-urlencoded"}
+
+
+@pytest.fixture
+async def runtime(tmp_path):
+    rt = Runtime(app, SqlProvider(f"sqlite:///{tmp_path}/q.db"))
+    await rt.open()
+    yield rt
+    await rt.close()
+
+
+def client(rt: Runtime, key: str | None = KEY) -> httpx.AsyncClient:
+    api = create_app(OpsService(rt), api_key=key)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://test")
+
+
+async def signed_in(c: httpx.AsyncClient) -> str:
+    """Sign in; the page's anti-forgery token."""
+    r = await c.post(f"{UI}/sign-in", content=f"key={KEY}", headers=FORM)
+    assert r.status_code == 303
+    page = await c.get(f"{UI}/")
+    return re.search(r'"X-CSRF-Token": "([^"]+)"', page.text).group(1)
+
+
+def test_a_session_is_signed_dated_and_tied_to_the_key():
+    now = [1_000_000.0]
+    sessions = Sessions("k", clock=lambda: now[0])
+    token = sessions.issue()
+    assert sessions.valid(token)
+    assert "k" not in token.split(".")[0]
+    assert not Sessions("other", clock=lambda: now[0]).valid(token)  # a new key signs everyone out
+    issued, nonce, signature = token.split(".")
+    assert not sessions.valid(f"{int(issued) + 3600}.{nonce}.{signature}")  # a later date is forged
+    assert not sessions.valid(f"{issued}.{nonce}.{signature[:-2]}xx")
+    assert not sessions.valid("x" * 5000)
+    assert sessions.csrf(token) != sessions.csrf(sessions.issue())
+    now[0] += LIFETIME
+    assert not sessions.valid(token)
+
+
+def test_charts_say_in_words_what_they_draw():
+    svg = charts.bars([1, 2, 0], [0, 1, 0], 'three <b>"quoted"</b>')
+    assert 'aria-label="three &lt;b&gt;&#34;quoted&#34;&lt;/b&gt;"' in svg
+    assert svg.count('class="ok"') == 2
+    assert svg.count('class="bad"') == 1
+    line = charts.line([None, 1.0, 2.0, None, 3.0], "latency")
+    assert line.count("<polyline") == 1
+    assert line.count("<circle") == 1
+
+
+async def test_sign_in_sets_a_strict_http_only_cookie_and_goes_back_only_within_the_app(runtime):
+    async with client(runtime) as c:
+        for given, expected in [
+            (f"{UI}/messages?status=DeadLettered", f"{UI}/messages?status=DeadLettered"),
+            ("//evil.example/", f"{UI}/"),
+            ("https://evil.example/", f"{UI}/"),
+            (f"{PREFIX}//evil.example", f"{UI}/"),
+            ("/elsewhere", f"{UI}/"),
+            (f"{UI}/\\evil", f"{UI}/"),
+        ]:
+            r = await c.post(
+                f"{UI}/sign-in", content=httpx.QueryParams(key=KEY, next=given).__str__(), headers=FORM
+            )
+            assert r.status_code == 303
+            assert r.headers["location"] == expected
+        cookie = r.headers["set-cookie"]
+        assert "HttpOnly" in cookie
+        assert "SameSite=strict" in cookie
+        assert f"Path={PREFIX}" in cookie
+        assert KEY not in cookie
+
+
+async def test_hostile_sign_in_attempts_are_refused_without_a_session(runtime):
+    async with client(runtime) as c:
+        attempts = [
+            ({"content": "key=wrong", "headers": FORM}, 401),
+            ({"content": "key=" + "k" * 5000, "headers": FORM}, 401),
+            ({"json": {"key": KEY}}, 400),
+            ({"content": f"key={KEY}", "headers": {**FORM, "Origin": "http://evil.example"}}, 403),
+            ({"content": f"key={KEY}", "headers": {**FORM, "Sec-Fetch-Site": "cross-site"}}, 403),
+            ({"content": b"key=\xff\xfe", "headers": FORM}, 400),
+        ]
+        for kwargs, status in attempts:
+            r = await c.post(f"{UI}/sign-in", **kwargs)
+            assert r.status_code == status, kwargs
+            assert "set-cookie" not in r.headers
+            assert "text/html" in r.headers["content-type"]
+
+
+async def test_the_session_opens_the_api_and_changes_need_the_anti_forgery_token(runtime):
+    async with client(runtime) as c:
+        assert (await c.get(f"{PREFIX}/stats")).status_code == 401
+        csrf = await signed_in(c)
+        assert (await c.get(f"{PREFIX}/stats")).status_code == 200
+        pause = f"{PREFIX}/queues/ui-orders/pause"
+        assert (await c.post(pause)).status_code == 401
+        assert (await c.post(pause, headers={"X-CSRF-Token": "x" + csrf[1:]})).status_code == 401
+        twice = [("X-CSRF-Token", csrf), ("X-CSRF-Token", csrf)]
+        assert (await c.post(pause, headers=twice)).status_code == 401
+        other = client(runtime)
+        async with other:
+            stranger = await signed_in(other)  # another browser's token does not fit this session
+        assert (await c.post(pause, headers={"X-CSRF-Token": stranger})).status_code == 401
+        assert not (await runtime.control.state()).paused_queues
+        r = await c.post(pause, headers={"X-CSRF-Token": csrf})
+        assert r.status_code == 200
+        assert "ui-orders" in (await runtime.control.state()).paused_queues
+        # two session cookies at once: refused, whichever is good
+        token = c.cookies["queueing_session"]
+        both = {"Cookie": f"queueing_session={token}; queueing_session=x"}
+        r = await c.get(f"{PREFIX}/stats", headers=both)
+        assert r.status_code == 401
+
+
+async def test_pages_send_the_browser_to_sign_in_and_fragments_say_so_to_htmx(runtime):
+    async with client(runtime) as c:
+        r = await c.get(f"{UI}/messages?status=DeadLettered")
+        assert r.status_code == 303
+        back = "%2Fapi%2F_system%2Fqueueing%2Fui%2Fmessages%3Fstatus%3DDeadLettered"
+        assert r.headers["location"] == f"{UI}/sign-in?next={back}"
+        r = await c.get(
+            f"{UI}/overview", headers={"HX-Request": "true", "HX-Current-URL": f"http://test{UI}/messages"}
+        )
+        assert r.status_code == 401
+        assert r.headers["hx-redirect"] == f"{UI}/sign-in?next=%2Fapi%2F_system%2Fqueueing%2Fui%2Fmessages"
+        # the API keeps its problem details
+        r = await c.get(f"{PREFIX}/stats")
+        assert r.headers["content-type"] == "application/problem+json"
+        # `/` sends on whoever may see the pages (the session cookie lives under the API's path)
+        assert (await c.get("/")).status_code == 401
+        key = {"X-API-Key": KEY}
+        assert (await c.get("/", headers=key)).headers["location"] == f"{UI}/"
+        assert (await c.get("/docs", headers=key)).headers["location"] == f"{PREFIX}/docs"
+
+
+async def test_what_a_page_echoes_is_escaped_and_bad_filters_are_named(runtime):
+    async with client(runtime) as c:
+        await signed_in(c)
+        r = await c.get(f"{UI}/messages", params={"correlation_id": "<script>alert(1)</script>"})
+        assert r.status_code == 200
+        assert "<script>alert" not in r.text
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in r.text
+        assert r.headers["content-security-policy"].startswith("default-src 'self'")
+        assert r.headers["x-frame-options"] == "DENY"
+        for params, named in [
+            ({"queue": "<b>"}, "queue"),
+            ({"status": "Dead Lettered"}, "status"),
+            ({"created_from": "1700000000"}, "created_from"),
+            ({"stauts": "Pending"}, "stauts: unknown parameter"),
+            ({"cursor": "bm90LWEtY3Vyc29y"}, "cursor"),
+        ]:
+            r = await c.get(f"{UI}/messages", params=params)
+            assert r.status_code == 422, params
+            assert named in r.text
+            assert "<b>" not in r.text
+
+
+async def test_bulk_actions_state_the_count_and_act_only_on_that_count(runtime):
+    await runtime.producer.enqueue_many([ChargeCard(order_id=f"o{i}", amount_cents=1) for i in range(3)])
+    async with client(runtime) as c:
+        csrf = await signed_in(c)
+        headers = {**FORM, "X-CSRF-Token": csrf, "HX-Request": "true"}
+        r = await c.post(f"{UI}/bulk", content="action=purge&step=confirm", headers=headers)
+        assert "choose at least one filter before purging" in r.text
+        r = await c.post(f"{UI}/bulk", content="action=purge&step=confirm&queue=ui-orders", headers=headers)
+        assert "Delete <strong>3</strong> message(s)" in r.text
+        # the selection grew since the confirmation: asked again, nothing deleted
+        await runtime.producer.enqueue(ChargeCard(order_id="late", amount_cents=1))
+        r = await c.post(
+            f"{UI}/bulk", content="action=purge&step=run&expected=3&queue=ui-orders", headers=headers
+        )
+        assert "The selection changed since you confirmed" in r.text
+        assert "Delete <strong>4</strong> message(s)" in r.text
+        assert sum((await runtime.tracker.counts()).values()) == 4
+        r = await c.post(
+            f"{UI}/bulk", content="action=purge&step=run&expected=4&queue=ui-orders", headers=headers
+        )
+        assert "Deleted 4 message(s)" in r.text
+        assert sum((await runtime.tracker.counts()).values()) == 0
+        r = await c.post(f"{UI}/bulk", content="action=drop&step=run&queue=ui-orders", headers=headers)
+        assert r.status_code == 422
+
+
+async def test_message_actions_name_the_refusal_and_unknown_ones_are_not_found(runtime):
+    [receipt] = await runtime.producer.enqueue_many([ChargeCard(order_id="o", amount_cents=1)])
+    async with client(runtime) as c:
+        csrf = await signed_in(c)
+        headers = {"X-CSRF-Token": csrf, "HX-Request": "true"}
+        r = await c.post(f"{UI}/messages/{receipt.message_id}/archive", headers=headers)
+        assert "cannot archive message" in r.text
+        assert "only finished messages can be archived" in r.text
+        r = await c.post(f"{UI}/messages/{receipt.message_id}/explode", headers=headers)
+        assert r.status_code == 404
+        assert (await c.get(f"{UI}/messages/not-a-uuid")).status_code == 404
+        assert (await c.get(f"{UI}/messages/{UUID(int=1)}")).status_code == 404
+
+
+async def test_with_no_key_and_not_on_loopback_everything_is_refused(runtime):
+    async with client(runtime, key=None) as c:
+        page = await c.get(f"{UI}/sign-in")
+        assert "has no API key configured" in page.text
+        assert (await c.post(f"{UI}/sign-in", content="key=", headers=FORM)).status_code == 409
+        r = await c.get(f"{UI}/")
+        assert r.status_code == 303
+        assert r.headers["location"].startswith(f"{UI}/sign-in")
+
+
+async def test_a_running_message_shows_its_progress_and_can_be_cancelled_from_its_page(tmp_path):
+    from datetime import timedelta
+
+    from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
+    from tests.contract.harness import running, wait_until
+
+    @queue("ui-exports", cancel_grace=timedelta(seconds=5))
+    class Export(QueueMessage):
+        rows: int
+
+    jobs = QueueingApp("ui-progress")
+    stopped: list[int] = []
+
+    @jobs.handler()
+    async def export(msg: Export, ctx) -> None:
+        await ctx.report_progress(2, msg.rows, "row 2")
+        await ctx.cancelled.wait()  # runs until an operator cancels it
+        stopped.append(msg.rows)
+
+    rt = Runtime(jobs, SqlProvider(f"sqlite:///{tmp_path}/p.db"))
+    await rt.open()
+    try:
+        receipt = await rt.producer.enqueue(Export(rows=5))
+        async with running(rt), client(rt) as c:
+            csrf = await signed_in(c)
+            page = f"{UI}/messages/{receipt.message_id}"
+
+            async def shows_progress() -> bool:
+                return 'id="progress"' in (await c.get(page)).text
+
+            await wait_until(shows_progress, what="the progress on the message's page")
+            detail = (await c.get(page)).text
+            assert "2 of 5" in detail
+            assert "row 2" in detail
+            assert 'id="act-cancel"' in detail
+            r = await c.post(f"{page}/cancel", headers={"X-CSRF-Token": csrf, "HX-Request": "true"})
+            assert r.status_code == 200
+            await wait_until(lambda: stopped == [5], what="the handler told to stop")
+
+            async def cancelled() -> bool:
+                got = await rt.tracker.get(receipt.message_id)
+                return got is not None and got.status == MessageStatus.CANCELLED
+
+            await wait_until(cancelled, what="the message recorded Cancelled")
+            # finished now: a second cancel is refused with the reason, on the page
+            r = await c.post(f"{page}/cancel", headers={"X-CSRF-Token": csrf, "HX-Request": "true"})
+            assert 'role="alert"' in r.text
+    finally:
+        await rt.close()
