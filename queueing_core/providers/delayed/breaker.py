@@ -64,7 +64,7 @@ class CircuitBreaker:
             self._since = now
             self.state = "failing"
             log.warning(
-                "%s failed (%s); its circuit breaker opens if failures continue for %.0fs",
+                "%s failed (%s); its circuit breaker opens if failures continue for %.3gs",
                 self.name,
                 first_line(exc),
                 self.time_to_trigger,
@@ -73,8 +73,8 @@ class CircuitBreaker:
             self.state = "open"
             self.triggered += 1
             log.critical(
-                "%s circuit breaker triggered: failing for %.0fs (%d failures, last: %s); "
-                "backing off %.0fs between tries",
+                "%s circuit breaker triggered: failing for %.3gs (%d failures, last: %s); "
+                "backing off %.3gs between tries",
                 self.name,
                 now - self._since,
                 self.failures,
