@@ -11,5 +11,11 @@ if ! command -v apt-get >/dev/null 2>&1; then
 fi
 sudo_=""
 [ "$(id -u)" -eq 0 ] || sudo_="sudo"
-$sudo_ apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq chromium
+# apt's progress runs to hundreds of lines: keep it in a log, shown only when the install fails
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+echo "installing chromium from Debian (once) ..."
+if ! { $sudo_ apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq chromium; } >"$log" 2>&1; then
+  cat "$log" >&2
+  exit 1
+fi
