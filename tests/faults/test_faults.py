@@ -41,7 +41,7 @@ DONE = ("Succeeded", "Expired")
 
 #: how long history may take to reach the transport's state after a failure or a takeover (the
 #: documented bound is about 2 s once the store answers; generous here for a loaded machine)
-CONVERGES_WITHIN = 15.0
+CONVERGES_WITHIN = 30.0
 
 
 async def _runtime(h: Harness, app: Any, journal: Path) -> Runtime:
