@@ -82,12 +82,13 @@ async def test_outbox_commit_wakes_a_waiting_postgres_worker(pg_db):
     app = app_with(handle)
     rt = Runtime(app, pg_db.provider())
     outbox = SqlOutbox(app, schema=pg_db.schema)
-    # long idle polls: only the NOTIFY sent at commit can wake the worker quickly
-    async with running(rt, poll_min=5.0, poll_max=5.0):
-        await asyncio.sleep(0.3)
+    # idle polls two minutes apart: only the NOTIFY sent at commit can wake the worker within the wait
+    async with running(rt, poll_min=120.0, poll_max=120.0):
+        # LISTEN up first (a fixed sleep is not enough on a loaded machine: the NOTIFY would be missed)
+        await asyncio.wait_for(rt.provider._listener.connected.wait(), 30)
         async with rt.provider.engine.begin() as conn:
             await outbox.enqueue_async(conn, Job(n=1))
-        await asyncio.wait_for(seen.wait(), 2.0)
+        await asyncio.wait_for(seen.wait(), 30)
 
 
 async def test_enqueue_is_idempotent_per_message_id(sql_db):
@@ -113,7 +114,7 @@ async def test_long_handler_keeps_its_lease_by_renewal(sql_db):
     rt1, rt2 = Runtime(app, sql_db.provider()), Runtime(app, sql_db.provider())
     r = await app.enqueue(Job())
     async with running(rt1), running(rt2):
-        await wait_until(lambda: _is(rt1, r.message_id, "Succeeded"), timeout=10, what="success")
+        await wait_until(lambda: _is(rt1, r.message_id, "Succeeded"), timeout=30, what="success")
     assert handled == [1]
 
 
