@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -184,13 +185,20 @@ async def test_short_polling_backs_off_when_idle_instead_of_spinning(tmp_path):
     _app, rt, _calls = make(tmp_path)  # receive_wait=0: SQS answers at once, even when empty
     await rt.open()
     client: Recording = rt.provider.client
+
+    def receives() -> int:
+        return sum(1 for name, _ in client.calls if name == "receive_message")
+
     async with running(rt, poll_min=0.05, poll_max=0.2):
-        await asyncio.sleep(0.3)  # started and idle
+        # idle: after three empty receives (0.05, 0.1, 0.2 s) the back-off is at its 0.2 s maximum
+        await wait_until(lambda: receives() >= 4, timeout=30, what="the worker idle")
         client.calls.clear()
-        await asyncio.sleep(1.0)
-    receives = sum(1 for name, _ in client.calls if name == "receive_message")
-    # one request per back-off step (0.2 s at most once idle): about 5, not hundreds
-    assert 3 <= receives <= 12, receives
+        started = time.monotonic()
+        await wait_until(lambda: receives() >= 5, timeout=30, what="five idle receives")
+        elapsed = time.monotonic() - started
+    # five requests spaced by the 0.2 s back-off take 0.8 s at least (a spinning loop: milliseconds);
+    # measured as time for a count, so a loaded machine only makes it slower, never fails it
+    assert elapsed >= 0.75, elapsed
     await rt.close()
 
 
@@ -248,7 +256,7 @@ async def test_the_receive_count_is_the_attempt_and_redrive_catches_a_crashing_c
             got.extend(await rt.provider.receive(sub, 1))
             return bool(got)
 
-        await wait_until(some, timeout=5, what="a delivery")
+        await wait_until(some, timeout=30, what="a delivery")
         return got[0]
 
     # a consumer that dies holding the message: it comes back when the visibility timeout (1 s) ends
