@@ -236,7 +236,8 @@ async def test_circuit_opens_holds_work_then_a_probe_closes_it(harness):
     # the window is the circuit's own cooldown, not how soon this test saw it open (a loaded machine
     # can notice late): no handler ran from just after it opened until the cooldown ended
     [circuit] = opened
-    assert circuit.opened_at is not None and circuit.open_until is not None
+    assert circuit.opened_at is not None
+    assert circuit.open_until is not None
     during = [t for _, t in calls if circuit.opened_at + timedelta(milliseconds=50) < t < circuit.open_until]
     assert during == []  # the open circuit held the work
     assert any(t >= circuit.open_until for _, t in calls)  # and a probe ran after the cooldown
