@@ -54,7 +54,8 @@ async def until_handled(logs: list[Path], start: datetime, end: datetime, timeou
     schedule, so this waits for the work, not for a fixed time after the window."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if sum(start <= datetime.fromisoformat(t) < end for t in ticks_handled(logs)) >= (end - start).seconds:
+        in_window = [t for t in ticks_handled(logs) if start <= datetime.fromisoformat(t) < end]
+        if len(in_window) >= (end - start).seconds:
             return
         await asyncio.sleep(0.2)
 

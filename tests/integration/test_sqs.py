@@ -54,6 +54,11 @@ class QuickLease(Invoice):
     """The same work with a one-second lease (visibility timeout)."""
 
 
+@queue("Billing.Renewed", max_attempts=3, lease_duration=timedelta(seconds=3))
+class RenewedLease(Invoice):
+    """A three-second lease: renewed every second, two seconds of slack for a loaded machine."""
+
+
 downstream: dict[str, Any] = {"declines": True, "later": None}
 
 
@@ -76,7 +81,7 @@ class Recording:
         return call
 
 
-def make(tmp_path, *, clock=utcnow, quick: bool = False, **provider_kw):
+def make(tmp_path, *, clock=utcnow, quick: bool = False, message: type[Invoice] | None = None, **provider_kw):
     prefix = fresh_prefix()
     app = QueueingApp("sqs", naming=QueueNaming(prefix=prefix))
     calls: list[tuple[int, int]] = []
@@ -88,11 +93,11 @@ def make(tmp_path, *, clock=utcnow, quick: bool = False, **provider_kw):
         if msg.mode == "fatal" and downstream["declines"]:
             raise NonRetryableError(f"invoice {msg.n} declined")
         if msg.mode == "slow":
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(7.5)  # 2.5 x RenewedLease's lease
         if msg.mode == "later" and downstream["later"] is not None:
             raise Retry(after=downstream["later"])
 
-    app.handler(QuickLease if quick else Invoice, max_concurrency=4)(handle)
+    app.handler(message or (QuickLease if quick else Invoice), max_concurrency=4)(handle)
 
     provider_kw.setdefault("receive_wait", 0)
     provider = SqsProvider(
@@ -272,10 +277,12 @@ async def test_the_receive_count_is_the_attempt_and_redrive_catches_a_crashing_c
 
 
 async def test_a_handler_longer_than_the_lease_keeps_its_message(tmp_path):
-    app, rt, calls = make(tmp_path, quick=True)
-    r = await app.enqueue(QuickLease(n=5, mode="slow"))  # 2.5 s with a 1 s visibility timeout
+    app, rt, calls = make(tmp_path, message=RenewedLease)
+    r = await app.enqueue(RenewedLease(n=5, mode="slow"))  # 7.5 s with a 3 s visibility timeout
     async with running(rt):
-        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="slow one")
+        await wait_until(
+            lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), timeout=60, what="slow one"
+        )
     assert calls == [(5, 1)]  # renewed: never visible again, never received twice
     assert "change_message_visibility_batch" in {name for name, _ in rt.provider.client.calls}
     await rt.close()
