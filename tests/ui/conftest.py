@@ -20,7 +20,7 @@ from playwright.sync_api import expect
 from tests.integration.served import free_port
 
 # a shared machine under load: wait generously for what must happen (nothing here asserts speed)
-expect.set_options(timeout=20_000)
+expect.set_options(timeout=30_000)  # generous: a loaded machine renders slowly
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "ui-test-key-not-a-secret"
 PREFIX = "/api/_system/queueing"
