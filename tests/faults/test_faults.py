@@ -78,10 +78,10 @@ def _disagreement(status: str | None, places: dict[str, int]) -> str | None:
     return None
 
 
-async def _recover(ctx: Ctx, seq: Sequence, kit: Kit, timeout: float = 45.0) -> None:
+async def _recover(ctx: Ctx, seq: Sequence, kit: Kit, timeout: float = 90.0) -> None:
     """Repeat the operator's action where it is needed and let a worker drain, until the message is
     where the sequence must leave it (a scan that crashed leaves its letters hidden for up to
-    ``dead_letters.HOLD_SECONDS``: the timeout is longer)."""
+    ``dead_letters.HOLD_SECONDS``: the timeout is longer, by a margin a loaded machine needs)."""
     ops = OpsService(ctx.rt)
     mid = ctx.mid
     deadline = time.monotonic() + timeout
