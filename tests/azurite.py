@@ -27,7 +27,7 @@ AZURITE_IMAGE = "mcr.microsoft.com/azure-storage/azurite:3.35.0"
 ACCOUNT = "devstoreaccount1"
 ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 HOST = "127.0.0.1"
-READY_TIMEOUT = 30.0
+READY_TIMEOUT = 90.0  # generous: Node starts slowly on a loaded machine
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,10 @@ async def ops_client(runtime: Runtime, key: str = OPS_KEY) -> AsyncIterator[http
 
 
 async def wait_until(
-    predicate: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0, what: str = "condition"
+    predicate: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0, what: str = "condition"
 ) -> None:
+    # generous: a loaded CI machine can stall for seconds, and waiting longer only costs time when
+    # something is already broken
     deadline = time.monotonic() + timeout
     while True:
         result = predicate()

@@ -129,11 +129,11 @@ class Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # generous: a loaded machine starts slowly
         url = f"http://127.0.0.1:{self.port}/api/_system/queueing/health"
         while True:
             try:
-                with urllib.request.urlopen(url, timeout=1):
+                with urllib.request.urlopen(url, timeout=5):
                     return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:

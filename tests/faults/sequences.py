@@ -66,7 +66,7 @@ def fault_app(app: QueueingApp, ctx_mode: dict[str, str], ran: list[int], sent: 
         return await call_next(env)
 
 
-async def claim(rt: Runtime, mid: uuid.UUID, timeout: float = 15.0) -> Delivery:
+async def claim(rt: Runtime, mid: uuid.UUID, timeout: float = 30.0) -> Delivery:
     sub = rt.app.subscription("Work")
     assert sub is not None
     deadline = time.monotonic() + timeout

@@ -41,7 +41,7 @@ DONE = ("Succeeded", "Expired")
 
 #: how long history may take to reach the transport's state after a failure or a takeover (the
 #: documented bound is about 2 s once the store answers; generous here for a loaded machine)
-CONVERGES_WITHIN = 15.0
+CONVERGES_WITHIN = 30.0
 
 
 async def _runtime(h: Harness, app: Any, journal: Path) -> Runtime:
@@ -78,10 +78,10 @@ def _disagreement(status: str | None, places: dict[str, int]) -> str | None:
     return None
 
 
-async def _recover(ctx: Ctx, seq: Sequence, kit: Kit, timeout: float = 45.0) -> None:
+async def _recover(ctx: Ctx, seq: Sequence, kit: Kit, timeout: float = 90.0) -> None:
     """Repeat the operator's action where it is needed and let a worker drain, until the message is
     where the sequence must leave it (a scan that crashed leaves its letters hidden for up to
-    ``dead_letters.HOLD_SECONDS``: the timeout is longer)."""
+    ``dead_letters.HOLD_SECONDS``: the timeout is longer, by a margin a loaded machine needs)."""
     ops = OpsService(ctx.rt)
     mid = ctx.mid
     deadline = time.monotonic() + timeout

@@ -191,7 +191,12 @@ async def test_a_dispatcher_killed_mid_batch_repeats_only_its_forwards_in_flight
         await store.store_many([(e, "jobs", now) for e in envs])
         first = Hanging(accept=4)
         killed = asyncio.create_task(DelayedDispatcher(store, first, stop_grace=0).dispatch_once())
-        await asyncio.sleep(0.3)
+
+        async def four_done_six_in_flight() -> bool:
+            # the four accepted ones removed from the store too: only then is the kill "mid-batch"
+            return (len(first.forwarded), len(first.hung)) == (4, 6) and await store.counts() == {"jobs": 6}
+
+        await wait_until(four_done_six_in_flight, 30, "four forwards done and six in flight")
         killed.cancel()  # the process dies with six forwards in flight
         await asyncio.gather(killed, return_exceptions=True)
         assert len(first.forwarded) == 4

@@ -57,8 +57,8 @@ async def test_an_original_back_after_its_copy_was_sent_is_completed_without_run
             rec = await record(rt, receipt.message_id)
             return rec.status == MessageStatus.SUCCEEDED and bool(rec.duplicates)
 
-        await wait_until(done, timeout=20)
-        await wait_until(lambda: not ns._queue(rt.provider.physical("dup/copies")).active, timeout=10)
+        await wait_until(done, timeout=30)
+        await wait_until(lambda: not ns._queue(rt.provider.physical("dup/copies")).active, timeout=30)
     assert failed, "the fault was injected"
     rec = await record(rt, receipt.message_id)
     # attempt 1 failed and sent its copy; the copy's run succeeded; the returning original did not run

@@ -160,20 +160,21 @@ async def test_rows_of_an_older_schema_migrate_and_are_fenced(sql_db, monkeypatc
 
 
 class SlowSettlement(SqlProvider):
-    """The real provider on a busy database: every settlement takes 2.5 s to be committed."""
+    """The real provider on a busy database: every settlement takes 7.5 s to be committed."""
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
-        await asyncio.sleep(2.5)
+        await asyncio.sleep(7.5)
         await super().settle(settlements)
 
 
-@queue("brief-lease", lease_duration=timedelta(seconds=1), max_attempts=50, max_concurrency=20)
+# renewed every second: two seconds of slack against a stalled event loop on a loaded machine
+@queue("brief-lease", lease_duration=timedelta(seconds=3), max_attempts=50, max_concurrency=20)
 class Brief(QueueMessage):
     n: int
 
 
 async def test_the_lease_is_renewed_until_the_settlement_is_committed(sql_db):
-    """A 1 s lease and a settlement that takes 2.5 s to commit: the sweeper must not take back a
+    """A 3 s lease and a settlement that takes 7.5 s to commit: the sweeper must not take back a
     message whose success is being written, so each of the 20 messages runs exactly once."""
     runs: Counter[int] = Counter()
     app = QueueingApp("renewal")
@@ -192,8 +193,8 @@ async def test_the_lease_is_renewed_until_the_settlement_is_committed(sql_db):
         return await rt.tracker.counts() == {("brief-lease", "Succeeded"): 20}
 
     async with running(rt, settle_linger=0.05):
-        await wait_until(all_succeeded, timeout=60, what="20 successes")
-        await asyncio.sleep(1.5)  # a sweep of a lapsed lease would show up as a second run by now
+        await wait_until(all_succeeded, timeout=120, what="20 successes")
+        await asyncio.sleep(3.5)  # a sweep of a lapsed lease would show up as a second run by now
     assert sum(runs.values()) == 20, dict(runs)
     assert all(n == 1 for n in runs.values())
     assert {(await rt.tracker.get(i)).attempt for i in ids} == {1}

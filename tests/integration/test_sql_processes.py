@@ -107,7 +107,10 @@ async def test_four_processes_handle_ten_thousand_messages_each_exactly_once(sql
 async def test_killing_a_worker_mid_run_loses_nothing_and_duplicates_only_what_it_held(pg_db, tmp_path):
     ids, rt = await enqueue(pg_db, 3000)
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
-    procs = [spawn(pg_db, f"w{i}", logs[i], seconds=0.01) for i in range(3)]
+    # a 10 s lease: the victim's messages come back soon after the kill, while the survivors' leases,
+    # renewed every 3.3 s, do not lapse under contention on a loaded machine (a lapse there would be a
+    # duplicate the kill did not cause)
+    procs = [spawn(pg_db, f"w{i}", logs[i], seconds=0.01, lease=10) for i in range(3)]
     victim = procs[0]
     try:
         deadline = time.monotonic() + 60

@@ -25,6 +25,12 @@ class Job(QueueMessage):
     n: int = 0
 
 
+# renewed every second: two seconds of slack against a stalled event loop on a loaded machine
+@queue("sql-long", lease_duration=timedelta(seconds=3), max_attempts=3)
+class LongJob(QueueMessage):
+    pass
+
+
 def app_with(handler=None, **kw) -> QueueingApp:
     app = QueueingApp("sql-tests")
     if handler is None:
@@ -82,12 +88,13 @@ async def test_outbox_commit_wakes_a_waiting_postgres_worker(pg_db):
     app = app_with(handle)
     rt = Runtime(app, pg_db.provider())
     outbox = SqlOutbox(app, schema=pg_db.schema)
-    # long idle polls: only the NOTIFY sent at commit can wake the worker quickly
-    async with running(rt, poll_min=5.0, poll_max=5.0):
-        await asyncio.sleep(0.3)
+    # idle polls two minutes apart: only the NOTIFY sent at commit can wake the worker within the wait
+    async with running(rt, poll_min=120.0, poll_max=120.0):
+        # LISTEN up first (a fixed sleep is not enough on a loaded machine: the NOTIFY would be missed)
+        await asyncio.wait_for(rt.provider._listener.connected.wait(), 30)
         async with rt.provider.engine.begin() as conn:
             await outbox.enqueue_async(conn, Job(n=1))
-        await asyncio.wait_for(seen.wait(), 2.0)
+        await asyncio.wait_for(seen.wait(), 30)
 
 
 async def test_enqueue_is_idempotent_per_message_id(sql_db):
@@ -105,15 +112,16 @@ async def test_enqueue_is_idempotent_per_message_id(sql_db):
 async def test_long_handler_keeps_its_lease_by_renewal(sql_db):
     handled: list[int] = []
 
-    async def slow(msg: Job, ctx) -> None:
+    async def slow(msg: LongJob, ctx) -> None:
         handled.append(ctx.attempt)
-        await asyncio.sleep(2.5)  # the lease is 1 s: only renewal keeps it
+        await asyncio.sleep(7.5)  # the lease is 3 s: only renewal keeps it
 
-    app = app_with(slow)
+    app = QueueingApp("sql-tests")
+    app.handler(LongJob)(slow)
     rt1, rt2 = Runtime(app, sql_db.provider()), Runtime(app, sql_db.provider())
-    r = await app.enqueue(Job())
+    r = await app.enqueue(LongJob())
     async with running(rt1), running(rt2):
-        await wait_until(lambda: _is(rt1, r.message_id, "Succeeded"), timeout=10, what="success")
+        await wait_until(lambda: _is(rt1, r.message_id, "Succeeded"), timeout=60, what="success")
     assert handled == [1]
 
 

@@ -98,12 +98,14 @@ async def test_a_63_character_schema_enqueues_and_wakes_a_waiting_worker():
         rt = Runtime(app, producer)
         await rt.open()
         sub = app.subscription("Ping")
-        waiting = asyncio.create_task(consumer.wait_for_work(sub, 30))
+        # LISTEN up before the enqueue (waited for: a loaded machine may be slow to connect)
+        await asyncio.wait_for(consumer._listener.connected.wait(), 30)
+        waiting = asyncio.create_task(consumer.wait_for_work(sub, 120))
         await asyncio.sleep(0.2)
         t0 = time.monotonic()
         await app.enqueue(Ping())
-        await asyncio.wait_for(waiting, 10)
-        assert time.monotonic() - t0 < 5  # woken by NOTIFY, not by the 30 s timeout
+        await asyncio.wait_for(waiting, 60)
+        assert time.monotonic() - t0 < 60  # woken by NOTIFY, not by the 120 s timeout
         assert len(await consumer.receive(sub, 10)) == 1
         await stores.open()
         now = utcnow()

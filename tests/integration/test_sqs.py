@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -53,6 +54,11 @@ class QuickLease(Invoice):
     """The same work with a one-second lease (visibility timeout)."""
 
 
+@queue("Billing.Renewed", max_attempts=3, lease_duration=timedelta(seconds=3))
+class RenewedLease(Invoice):
+    """A three-second lease: renewed every second, two seconds of slack for a loaded machine."""
+
+
 downstream: dict[str, Any] = {"declines": True, "later": None}
 
 
@@ -75,7 +81,7 @@ class Recording:
         return call
 
 
-def make(tmp_path, *, clock=utcnow, quick: bool = False, **provider_kw):
+def make(tmp_path, *, clock=utcnow, quick: bool = False, message: type[Invoice] | None = None, **provider_kw):
     prefix = fresh_prefix()
     app = QueueingApp("sqs", naming=QueueNaming(prefix=prefix))
     calls: list[tuple[int, int]] = []
@@ -87,11 +93,11 @@ def make(tmp_path, *, clock=utcnow, quick: bool = False, **provider_kw):
         if msg.mode == "fatal" and downstream["declines"]:
             raise NonRetryableError(f"invoice {msg.n} declined")
         if msg.mode == "slow":
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(7.5)  # 2.5 x RenewedLease's lease
         if msg.mode == "later" and downstream["later"] is not None:
             raise Retry(after=downstream["later"])
 
-    app.handler(QuickLease if quick else Invoice, max_concurrency=4)(handle)
+    app.handler(message or (QuickLease if quick else Invoice), max_concurrency=4)(handle)
 
     provider_kw.setdefault("receive_wait", 0)
     provider = SqsProvider(
@@ -184,13 +190,20 @@ async def test_short_polling_backs_off_when_idle_instead_of_spinning(tmp_path):
     _app, rt, _calls = make(tmp_path)  # receive_wait=0: SQS answers at once, even when empty
     await rt.open()
     client: Recording = rt.provider.client
+
+    def receives() -> int:
+        return sum(1 for name, _ in client.calls if name == "receive_message")
+
     async with running(rt, poll_min=0.05, poll_max=0.2):
-        await asyncio.sleep(0.3)  # started and idle
+        # idle: after three empty receives (0.05, 0.1, 0.2 s) the back-off is at its 0.2 s maximum
+        await wait_until(lambda: receives() >= 4, timeout=30, what="the worker idle")
         client.calls.clear()
-        await asyncio.sleep(1.0)
-    receives = sum(1 for name, _ in client.calls if name == "receive_message")
-    # one request per back-off step (0.2 s at most once idle): about 5, not hundreds
-    assert 3 <= receives <= 12, receives
+        started = time.monotonic()
+        await wait_until(lambda: receives() >= 5, timeout=30, what="five idle receives")
+        elapsed = time.monotonic() - started
+    # five requests spaced by the 0.2 s back-off take 0.8 s at least (a spinning loop: milliseconds);
+    # measured as time for a count, so a loaded machine only makes it slower, never fails it
+    assert elapsed >= 0.75, elapsed
     await rt.close()
 
 
@@ -248,7 +261,7 @@ async def test_the_receive_count_is_the_attempt_and_redrive_catches_a_crashing_c
             got.extend(await rt.provider.receive(sub, 1))
             return bool(got)
 
-        await wait_until(some, timeout=5, what="a delivery")
+        await wait_until(some, timeout=30, what="a delivery")
         return got[0]
 
     # a consumer that dies holding the message: it comes back when the visibility timeout (1 s) ends
@@ -264,10 +277,12 @@ async def test_the_receive_count_is_the_attempt_and_redrive_catches_a_crashing_c
 
 
 async def test_a_handler_longer_than_the_lease_keeps_its_message(tmp_path):
-    app, rt, calls = make(tmp_path, quick=True)
-    r = await app.enqueue(QuickLease(n=5, mode="slow"))  # 2.5 s with a 1 s visibility timeout
+    app, rt, calls = make(tmp_path, message=RenewedLease)
+    r = await app.enqueue(RenewedLease(n=5, mode="slow"))  # 7.5 s with a 3 s visibility timeout
     async with running(rt):
-        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="slow one")
+        await wait_until(
+            lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), timeout=60, what="slow one"
+        )
     assert calls == [(5, 1)]  # renewed: never visible again, never received twice
     assert "change_message_visibility_batch" in {name for name, _ in rt.provider.client.calls}
     await rt.close()

@@ -32,7 +32,7 @@ async def test_the_worker_logs_under_the_id_its_leases_carry(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="queueing.worker"):
         async with runtime, Worker(runtime, poll_min=0.01, poll_max=0.05) as worker:
             await app.enqueue(Slow(n=1))
-            await asyncio.wait_for(started.wait(), timeout=10)
+            await asyncio.wait_for(started.wait(), timeout=30)
             engine = sa.create_engine(f"sqlite:///{db}")
             with engine.connect() as conn:
                 owners = conn.execute(sa.text("SELECT locked_by FROM queueing_messages")).scalars().all()

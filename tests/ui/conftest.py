@@ -20,7 +20,7 @@ from playwright.sync_api import expect
 from tests.integration.served import free_port
 
 # a shared machine under load: wait generously for what must happen (nothing here asserts speed)
-expect.set_options(timeout=20_000)
+expect.set_options(timeout=30_000)  # generous: a loaded machine renders slowly
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "ui-test-key-not-a-secret"
 PREFIX = "/api/_system/queueing"
@@ -77,10 +77,10 @@ def serve(tmp_path: Path, key: str | None) -> Iterator[Served]:
         )
     served = Served(f"http://127.0.0.1:{port}", key, tmp_path / "broken", log)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # generous: a loaded machine starts slowly
         while True:
             try:
-                httpx.get(served.url + PREFIX + "/ui/static/ui.css", timeout=2).raise_for_status()
+                httpx.get(served.url + PREFIX + "/ui/static/ui.css", timeout=5).raise_for_status()
                 break
             except httpx.HTTPError:
                 assert proc.poll() is None, f"queueing serve exited: {log.read_text()}"

@@ -23,9 +23,9 @@ async def test_a_host_running_one_message_hears_its_cancellation():
 
     @app.handler()
     async def handle(msg: Work, ctx: HandlerContext) -> str:
-        for i in range(1000):
+        for i in range(10_000):  # still running when the cancellation comes, however slow the machine
             reports.append(i)
-            await ctx.report_progress(i, 1000)
+            await ctx.report_progress(i, 10_000)
             if ctx.cancelled.is_set():
                 return "stopped"
             await asyncio.sleep(0.01)
@@ -41,10 +41,10 @@ async def test_a_host_running_one_message_hears_its_cancellation():
     while not reports:
         await asyncio.sleep(0.01)
     await app.cancel(r.tracking_id)
-    settlement = await asyncio.wait_for(running, 5)
+    settlement = await asyncio.wait_for(running, 30)
     assert settlement.decision == Complete("stopped", cancelled=True)
     assert settlement.decision.status == MessageStatus.CANCELLED
-    assert len(reports) < 1000
+    assert len(reports) < 10_000
     await rt.record([settlement])
     assert (await app.status(r.tracking_id)).status == MessageStatus.CANCELLED
 
@@ -59,9 +59,14 @@ def test_results_over_the_limit_become_a_marker_with_a_preview():
     assert fit_result(object()).startswith("<object")  # not JSON: kept as its repr
 
 
-async def test_progress_is_stored_at_most_once_a_second_and_at_the_end():
+async def test_progress_is_stored_at_most_once_a_second_and_at_the_end(monkeypatch):
+    import types
+
+    from queueing_core import context
     from queueing_core.context import HandlerContext as Ctx
 
+    # the clock stands still: "within the second" holds however long a loaded machine takes
+    monkeypatch.setattr(context, "time", types.SimpleNamespace(monotonic=lambda: 1000.0))
     stored: list[dict] = []
 
     async def store(p: dict) -> None:

@@ -290,9 +290,11 @@ async def test_max_concurrency_is_never_exceeded():
 
 async def test_host_cancellation_releases_without_counting():
     app, pipe, *_, prod = make()
-    with_handler(app)
-    task = asyncio.create_task(pipe.process(delivery(prod, Work(action="slow", seconds=10))))
-    await asyncio.sleep(0.05)
+    calls = with_handler(app)
+    task = asyncio.create_task(pipe.process(delivery(prod, Work(action="slow", seconds=60))))
+    async with asyncio.timeout(30):  # the handler is running (not a fixed sleep a loaded machine outlasts)
+        while not calls:
+            await asyncio.sleep(0.01)
     task.cancel()
     decision = await task
     assert isinstance(decision, Release)
