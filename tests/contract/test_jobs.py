@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import timedelta
 
 import pytest
@@ -278,3 +279,63 @@ async def test_update_status_where_on_sql_and_a_clear_refusal_elsewhere(harness)
         await wait_until(lambda: calls == ["leave-me"], what="the other message")
         await asyncio.sleep(0.3)
     assert calls == ["leave-me"]  # a custom status holds the message out of processing
+
+
+@pytest.mark.parametrize(
+    ("mode", "step"),
+    [("error", 0), ("crash", 0), ("error", 1), ("crash", 1)],
+    ids=["send-fails", "crash-at-send", "mark-fails", "crash-before-mark"],
+)
+async def test_a_fault_between_sending_the_new_version_and_superseding_the_old_loses_neither(
+    harness, mode, step
+):
+    """Step 0 sends the new version, step 1 marks the waiting one superseded. Whichever fails (an
+    error, or the process stopping there: no later call runs), the old version is not superseded, and
+    the new one, once sent, is never lost: at worst both run."""
+    from queueing_core.errors import ProviderUnavailable
+    from tests.faults.inject import CallPoint, Crash, Injector
+
+    if harness.name in SQL:
+        pytest.skip("SQL replaces the waiting row in one transaction: there is no step between")
+    app = harness.app()
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: PriceUpdate, ctx):
+        seen.append(msg.price)
+
+    rt = await harness.runtime(app)
+    assert rt.identities is not None
+    await rt.control.set_paused("queue", "prices", True)
+    old = await app.enqueue(PriceUpdate(sku="F", price=1))
+    injector = Injector(
+        [
+            CallPoint("send", lambda rt: rt.provider, "send", lambda: ProviderUnavailable("injected")),
+            CallPoint(
+                "put_identity_doc",
+                lambda rt: rt.identities.store,
+                "put_identity_doc",
+                lambda: ProviderUnavailable("injected"),
+            ),
+        ],
+        mode=mode,
+        at=step,
+    )
+    new = None
+    with injector.installed(rt), injector.armed_for(), contextlib.suppress(Crash, ProviderUnavailable):
+        new = await app.enqueue(PriceUpdate(sku="F", price=2))
+    assert injector.fired
+    assert injector.calls == ["send", "put_identity_doc"][: step + 1]
+    if mode == "error" and step == 1:  # the send stands: the caller is told it was enqueued
+        assert new is not None
+        assert new.outcome == "enqueued"
+        assert new.supersedes is None
+    else:
+        assert new is None
+    await rt.control.set_paused("queue", "prices", False)
+    want = [1] if step == 0 else [1, 2]  # a failed send leaves the old one; after it, both run
+    async with running(rt):
+        await wait_until(lambda: sorted(seen) == want, timeout=30, what=f"versions {want} to run")
+        assert (await app.result(old.tracking_id, timeout=30)) is None
+        await asyncio.sleep(0.3)  # time for anything else still queued to be received
+    assert sorted(seen) == want
