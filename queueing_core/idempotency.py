@@ -174,6 +174,25 @@ class IdentityGuard:
         by = (found[0].get("superseded") or {}).get(str(message.message_id)) if found else None
         return UUID(by) if by else None
 
+    async def reinstate(self, sub: Subscription, envelope: Envelope) -> None:
+        """An operator retries a superseded version: it is no longer superseded, so it runs (before
+        it is sent again, or a host could settle it superseded once more)."""
+        from .pipeline import decode_message
+
+        key = identity_of(sub.options, decode_message(sub, envelope))
+        mid = str(envelope.message_id)
+        for _ in range(_CAS_TRIES):
+            found = await self.store.identity_doc(sub.type_name, key)
+            if found is None or mid not in (found[0].get("superseded") or {}):
+                return
+            doc, token = found
+            superseded = {k: v for k, v in doc["superseded"].items() if k != mid}
+            if await self.store.put_identity_doc(
+                sub.type_name, key, {**doc, "superseded": superseded}, token
+            ):
+                return
+        raise RuntimeError(f"identity {key!r} of {sub.type_name} kept changing")
+
     async def previous(self, sub: Subscription, message: QueueMessage) -> QueueMessage | None:
         """The last version of this identity that succeeded (another message than this one), as the
         history keeps it; None when there is none or the history no longer has it."""

@@ -339,3 +339,29 @@ async def test_a_fault_between_sending_the_new_version_and_superseding_the_old_l
         assert (await app.result(old.tracking_id, timeout=30)) is None
         await asyncio.sleep(0.3)  # time for anything else still queued to be received
     assert sorted(seen) == want
+
+
+async def test_an_operator_retry_of_a_superseded_version_runs_it(harness):
+    from queueing_core.ops import OpsService
+
+    if harness.name in SQL:
+        pytest.skip("SQL replaces the waiting body: no superseded version is left to retry")
+    app = harness.app()
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: PriceUpdate, ctx):
+        seen.append(msg.price)
+
+    rt = await harness.runtime(app)
+    await rt.control.set_paused("queue", "prices", True)
+    old = await app.enqueue(PriceUpdate(sku="R", price=1))
+    new = await app.enqueue(PriceUpdate(sku="R", price=2))
+    assert new.supersedes == old.message_id
+    await rt.control.set_paused("queue", "prices", False)
+    async with running(rt):
+        await wait_until(lambda: _status_is(rt, old.message_id, MessageStatus.CANCELLED), what="superseded")
+        await wait_until(lambda: seen == [2], what="the new version")
+        await OpsService(rt).retry(old.message_id)
+        assert await app.result(old.tracking_id, timeout=30) is None
+    assert seen == [2, 1]
