@@ -569,6 +569,8 @@ class OpsService:
                 status=r.status,
                 not_before=r.not_before,
                 expires_at=r.expires_at,
+                outcome=r.outcome,
+                supersedes=r.supersedes,
             )
             for r in receipts
         ]

@@ -224,6 +224,17 @@ async def test_an_identity_function_keys_idempotent_messages(harness):
     b = await app.enqueue(StockLevel(warehouse="w2", sku="A", count=3))
     c = await app.enqueue(StockLevel(warehouse="w1", sku="A", count=3))
     assert (a.outcome, b.outcome, c.outcome) == ("enqueued", "enqueued", "discarded")
+    async with ops_client(rt) as client:  # the ops API's enqueue says the same
+        same = {"warehouse": "w2", "sku": "A", "count": 3}
+        res = await client.post("/queues/stock/messages", json=[same, {**same, "count": 4}])
+        assert res.status_code in (200, 201, 202), res.text
+        first, second = res.json()["enqueued"]
+        assert first["outcome"] == "discarded"
+        assert first["message_id"] == str(b.message_id)
+        if harness.name in SQL:
+            assert second["outcome"] == "replaced"
+        else:
+            assert (second["outcome"], second["supersedes"]) == ("enqueued", str(b.message_id))
 
 
 async def test_a_batch_of_versions_of_one_identity_runs_only_the_last(harness):
