@@ -124,12 +124,15 @@ async def result(
     r = await find(runtime, tracking_id)
     provider = runtime.provider
     wake = asyncio.Event()
-    # watched before the next look, so a settlement between that look and the wait still wakes it
     woken = isinstance(provider, WakesResultWaiters) and await provider.watch_result(r.message_id, wake)
     interval = poll if poll is not None else WOKEN_POLL if woken else POLL
     # woken: the look only covers a lost NOTIFY, so it need not start fast
     delay = interval if woken else min(interval, 0.05)
     try:
+        if woken:
+            # look again now that it is watched: a settlement before the watch is seen by this look,
+            # and one after it sends the NOTIFY
+            r = await find(runtime, tracking_id)
         while True:
             if r.status == S.SUCCEEDED.value:
                 return r.result

@@ -394,12 +394,18 @@ class SqlProvider:
         if self._listener is None:
             return False
         await self.ensure_open()
-        self._result_waiters[message_id].add(wake)
+        self._result_waiters[message_id].add(wake)  # before the flag: a NOTIFY right after it finds it
         m = self.tables.messages
-        async with self.auto.connect() as conn:
-            await conn.execute(
-                sa.update(m).where(m.c.message_id == message_id, sa.not_(m.c.awaited)).values(awaited=True)
-            )
+        try:
+            async with self.auto.connect() as conn:
+                await conn.execute(
+                    sa.update(m)
+                    .where(m.c.message_id == message_id, sa.not_(m.c.awaited))
+                    .values(awaited=True)
+                )
+        except BaseException:
+            self.unwatch_result(message_id, wake)
+            raise
         return True
 
     def unwatch_result(self, message_id: UUID, wake: asyncio.Event) -> None:
