@@ -33,6 +33,8 @@ class DeadLetterReason(StrEnum):
 class Complete:
     result: Any = None
     cancelled: bool = False
+    #: why a message ended without running (a cancelled one superseded by a newer version)
+    reason: str | None = None
 
     @property
     def status(self) -> MessageStatus:

@@ -6,6 +6,7 @@ store carries cancellation requests to whichever host runs the message, the hist
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -38,6 +39,22 @@ class CancelsWaiting(Protocol):
     unrun, when a host receives it."""
 
     async def ops_cancel(self, record: MessageRecord, now: datetime) -> bool: ...
+
+
+@runtime_checkable
+class WakesResultWaiters(Protocol):
+    """A provider that can tell a waiter in any process that a message reached a final status (the
+    SQL provider on PostgreSQL: a NOTIFY sent only for messages someone waits for)."""
+
+    async def watch_result(self, message_id: UUID, wake: asyncio.Event) -> bool: ...
+
+    def unwatch_result(self, message_id: UUID, wake: asyncio.Event) -> None: ...
+
+
+#: how often ``result`` looks at the history: at most ``POLL`` seconds apart (it starts faster), or
+#: ``WOKEN_POLL`` apart where a NOTIFY wakes it (the look then only covers a NOTIFY that was lost)
+POLL = 0.2
+WOKEN_POLL = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,29 +114,47 @@ async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
 
 
 async def result(
-    runtime: Runtime, tracking_id: UUID, *, timeout: float | None = None, poll: float = 0.2
+    runtime: Runtime, tracking_id: UUID, *, timeout: float | None = None, poll: float | None = None
 ) -> Any:
     """Wait for the message to finish and return its handler's result. Raises :class:`JobCancelled`
     or :class:`JobFailed` for a message that ended without one, and ``TimeoutError`` after
-    ``timeout`` seconds (None: wait as long as it takes)."""
+    ``timeout`` seconds (None: wait as long as it takes). ``poll``: the longest time between two
+    looks at the history (:data:`POLL`, or :data:`WOKEN_POLL` where a NOTIFY wakes the waiter)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    delay = min(poll, 0.05)
-    while True:
-        r = await find(runtime, tracking_id)
-        if r.status == S.SUCCEEDED.value:
-            return r.result
-        if r.status in TERMINAL:
-            error = JobCancelled if r.status == S.CANCELLED.value else JobFailed
-            why = [r.reason or "", (r.description or "").split("\n")[0]]
-            detail = ": " + "; ".join(w for w in why if w) if any(why) else ""
-            raise error(
-                f"message {r.message_id} ended {r.status}{detail}",
-                status=r.status,
-                reason=r.reason,
-                description=r.description,
-            )
-        if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(f"message {r.message_id} is still {r.status} after {timeout:g}s")
-        wait = delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic()))
-        await asyncio.sleep(wait)
-        delay = min(poll, delay * 2)
+    r = await find(runtime, tracking_id)
+    provider = runtime.provider
+    wake = asyncio.Event()
+    woken = isinstance(provider, WakesResultWaiters) and await provider.watch_result(r.message_id, wake)
+    interval = poll if poll is not None else WOKEN_POLL if woken else POLL
+    # woken: the look only covers a lost NOTIFY, so it need not start fast
+    delay = interval if woken else min(interval, 0.05)
+    try:
+        if woken:
+            # look again now that it is watched: a settlement before the watch is seen by this look,
+            # and one after it sends the NOTIFY
+            r = await find(runtime, tracking_id)
+        while True:
+            if r.status == S.SUCCEEDED.value:
+                return r.result
+            if r.status in TERMINAL:
+                error = JobCancelled if r.status == S.CANCELLED.value else JobFailed
+                why = [r.reason or "", (r.description or "").split("\n")[0]]
+                detail = ": " + "; ".join(w for w in why if w) if any(why) else ""
+                raise error(
+                    f"message {r.message_id} ended {r.status}{detail}",
+                    status=r.status,
+                    reason=r.reason,
+                    description=r.description,
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"message {r.message_id} is still {r.status} after {timeout:g}s")
+            wait = delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), wait)
+            wake.clear()
+            delay = min(interval, delay * 2)
+            r = await find(runtime, tracking_id)
+    finally:
+        if woken:
+            assert isinstance(provider, WakesResultWaiters)
+            provider.unwatch_result(r.message_id, wake)

@@ -103,6 +103,8 @@ class _Run:
 ProgressSink = Callable[[Envelope, dict[str, Any]], Awaitable[None]]
 #: (subscription, message) -> the last successfully processed version of its identity
 PreviousLookup = Callable[[Subscription, QueueMessage], Awaitable[QueueMessage | None]]
+#: the newer version that superseded an idempotent message, if one did
+SupersedeCheck = Callable[[Subscription, QueueMessage], Awaitable[UUID | None]]
 
 
 def decode_message(sub: Subscription, env: Envelope) -> QueueMessage:
@@ -143,6 +145,7 @@ class Pipeline:
         self.running: dict[UUID, _Run] = {}
         self.progress_sink: ProgressSink | None = None
         self.previous_lookup: PreviousLookup | None = None
+        self.supersede_check: SupersedeCheck | None = None
 
     # -- cancellation by message id --------------------------------------------------------------
     def cancel_running(self, message_id: UUID) -> bool:
@@ -258,6 +261,12 @@ class Pipeline:
                 delivery, DeadLetter(DeadLetterReason.INVALID_BODY, _validation_text(exc))
             )
 
+        if sub.options.idempotent and self.supersede_check is not None:
+            newer = await self.supersede_check(sub, message)
+            if newer is not None:  # a newer version was enqueued before this one ran: it runs instead
+                return await self._emit_final(
+                    delivery, Complete(None, cancelled=True, reason=f"superseded by {newer}")
+                )
         decision = await self._run(delivery, sub, env, message, stopping, closing)
         if cb is not None and not isinstance(decision, Release):
             await self._track_circuit(sub, decision, state.circuit(sub.type_name), probing, cb)

@@ -54,6 +54,9 @@ class EnqueueReceipt:
     #: the same JSON: nothing was written) or ``replaced`` (the waiting message took the new body).
     #: When not ``enqueued``, the ids are the waiting message's.
     outcome: str = "enqueued"
+    #: transports that cannot edit a queued message (all but SQL): the waiting version this one
+    #: superseded; it is settled Cancelled, "superseded by" this one, without running
+    supersedes: UUID | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,8 @@ class IdempotentOutcome:
     outcome: str  # enqueued | discarded | replaced
     message_id: UUID
     tracking_id: UUID
+    #: the waiting version this one superseded (transports that cannot edit a queued message)
+    supersedes: UUID | None = None
 
 
 @runtime_checkable
@@ -206,6 +211,9 @@ class Producer:
         self.history = history
         self.clock = clock
         self._opener = opener  # opens the provider on first use, so producer-only apps need no start-up call
+        #: sends idempotent types where the provider cannot (the runtime sets it when its control store
+        #: keeps identities; see queueing_core.idempotency)
+        self.identities: SendsIdempotent | None = None
         self._chain = compose_enqueue(app.enqueue_middleware)
         self._chain_len = len(app.enqueue_middleware)
 
@@ -244,12 +252,14 @@ class Producer:
         keyed = [i for i, key in enumerate(identities) if key is not None]
         outcomes: dict[int, IdempotentOutcome] = {}
         if keyed:
-            if not isinstance(self.provider, SendsIdempotent):
+            sender = self.provider if isinstance(self.provider, SendsIdempotent) else self.identities
+            if sender is None:
                 raise NotSupported(
                     f"{ready[keyed[0]].type} is idempotent, and {self.provider.transport.value} cannot find "
-                    "or replace the waiting message of an identity; use the SQL provider for this type"
+                    "the waiting message of an identity, nor does this runtime's control store keep "
+                    "identities for it; use the SQL provider or a control store of the kit"
                 )
-            found = await self.provider.send_idempotent(
+            found = await sender.send_idempotent(
                 [ready[i] for i in keyed], [str(identities[i]) for i in keyed]
             )
             outcomes = dict(zip(keyed, found, strict=True))
@@ -279,12 +289,16 @@ class Producer:
                     e.not_before,
                     e.expires_at,
                     o.outcome if o else "enqueued",
+                    o.supersedes if o else None,
                 )
             )
         if self.history is not None and not self.provider.capabilities.durable_history:
             now = self.clock()
+            # a discarded or replaced envelope was never sent: its receipt names the waiting message
             records: list[MessageRecord] = [
-                record_from_envelope(e, r.status, now) for e, r in zip(ready, receipts, strict=True)
+                record_from_envelope(e, r.status, now)
+                for e, r in zip(ready, receipts, strict=True)
+                if r.outcome == "enqueued"
             ]
             # The send stands once the transport has it: a history store that fails now must not make
             # the caller send again (a duplicate). The record is kept and written when the store is back.

@@ -20,11 +20,13 @@ from uuid import UUID
 
 from .clock import Clock, utcnow
 from .control import CachedControlStore, ControlStore, MemoryControlStore
+from .control.identities import KeepsIdentities
 from .decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
 from .envelope import REPEATED_FORWARD, Envelope, malformed_identity
+from .idempotency import IdentityGuard
 from .messages import MessageStatus
 from .pipeline import Pipeline
-from .producer import Producer
+from .producer import Producer, SendsIdempotent
 from .throughput import Throughput
 from .tracking import MemoryTracker, MessageRecord, Tracker, record_from_envelope
 from .tracking.backlog import HistoryWriter
@@ -117,8 +119,15 @@ class Runtime:
         )
         self.pipeline.progress_sink = self.store_progress
         previous = getattr(provider, "previous_of", None)
+        #: idempotent types where the provider cannot find a waiting message (all but SQL)
+        self.identities: IdentityGuard | None = None
         if previous is not None:
             self.pipeline.previous_lookup = previous
+        elif not isinstance(provider, SendsIdempotent) and isinstance(control, KeepsIdentities):
+            self.identities = IdentityGuard(app, control, tracker, provider)
+            self.producer.identities = self.identities
+            self.pipeline.previous_lookup = self.identities.previous
+            self.pipeline.supersede_check = self.identities.superseded_by
         if isinstance(provider, PushesCancels):
             provider.on_cancel = self._cancel_heard
         app.bind(self.producer, runtime=self)
@@ -293,6 +302,8 @@ class Runtime:
             for s in settlements:
                 if s.delivery.duplicate and not s.delivery.refused and s.delivery.envelope is not None:
                     await self._note_duplicate(s.delivery.envelope.message_id)
+        if self.identities is not None and settlements:
+            await self.identities.note_settled(settlements)
         for s in settlements:
             if not s.delivery.duplicate:
                 log_outcome(s)
@@ -324,6 +335,8 @@ def history_record(s: Settlement, now: Any) -> MessageRecord:
         fields.update(reason=decision.reason, not_before=decision.until)
     elif isinstance(decision, Complete):
         fields.update(result=jsonable(decision.result))
+        if decision.reason is not None:
+            fields.update(reason=decision.reason)
     elif isinstance(decision, Release):
         fields.update(reason=decision.reason)
     if d.left_behind is not None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 from ..options import CircuitBreakerOptions
@@ -18,6 +20,7 @@ class MemoryControlStore:
         self._schedules: set[str] = set()
         self._circuits: dict[str, CircuitState] = {}
         self._cancels: dict[UUID, datetime] = {}
+        self._identities: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}
         self._lock = asyncio.Lock()
 
     async def state(self) -> ControlState:
@@ -36,6 +39,19 @@ class MemoryControlStore:
             self._cancels.setdefault(message_id, now)
         else:
             self._cancels.pop(message_id, None)
+
+    async def identity_doc(self, type_name: str, identity: str) -> tuple[dict[str, Any], object] | None:
+        found = self._identities.get((type_name, identity))
+        return None if found is None else (copy.deepcopy(found[0]), found[1])
+
+    async def put_identity_doc(
+        self, type_name: str, identity: str, doc: dict[str, Any], token: object | None
+    ) -> bool:
+        found = self._identities.get((type_name, identity))
+        if (found[1] if found is not None else None) != token:
+            return False
+        self._identities[(type_name, identity)] = (copy.deepcopy(doc), (found[1] if found else 0) + 1)
+        return True
 
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
         target = {"queue": self._queues, "type": self._types, "schedule": self._schedules}[kind]

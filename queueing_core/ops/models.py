@@ -172,6 +172,11 @@ class EnqueuedMessage(_Model):
     status: str
     not_before: datetime | None
     expires_at: datetime | None
+    #: ``enqueued``; for idempotent types also ``discarded`` or ``replaced`` (the ids are then the
+    #: waiting message's)
+    outcome: str = "enqueued"
+    #: the waiting version this one superseded (idempotent types, off SQL)
+    supersedes: UUID | None = None
 
 
 class EnqueueResult(_Model):

@@ -407,6 +407,9 @@ class OpsService:
 
         if r.status == S.CANCELLED:  # the old request would cancel the new run
             await self.runtime.control.set_cancel(r.message_id, False, now)
+            identities = self.runtime.identities
+            if identities is not None and sub is not None and sub.options.idempotent:
+                await identities.reinstate(sub, envelope)  # a superseded version: the operator wants it run
 
         if not await self.actions.ops_retry(r, envelope, now, nothing_to_reopen if self._durable else reopen):
             raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
@@ -566,6 +569,8 @@ class OpsService:
                 status=r.status,
                 not_before=r.not_before,
                 expires_at=r.expires_at,
+                outcome=r.outcome,
+                supersedes=r.supersedes,
             )
             for r in receipts
         ]

@@ -277,6 +277,10 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         }
         if o.expiration is not None:
             settings["default_message_time_to_live"] = o.expiration + self.ttl_grace
+        if o.idempotent:
+            # as the generated Bicep does: the service drops a producer's repeated send of one message
+            # id. Safe because every copy the kit sends (retry, pause, operator's retry) has its own id.
+            settings["requires_duplicate_detection"] = True
         with _boundary(f"creating queue {sub.queue}"), contextlib.suppress(ResourceExistsError):
             await self.admin.create_queue(self.physical(sub.queue), **settings)
         self._can_manage = True

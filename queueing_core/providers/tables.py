@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import json
 import random
 import re
@@ -162,6 +163,8 @@ class _Table:
 _PAUSE_PK: Final = "pause"
 _CIRCUIT_PK: Final = "circuit"
 _CANCEL_PK: Final = "cancel"
+#: idempotent identities: RowKey is a hash of type and identity (any text, any length up to 256)
+_IDENTITY_PK: Final = "identity"
 _CIRCUIT_STATES: Final[frozenset[str]] = frozenset({"closed", "open", "half_open"})
 #: optimistic-concurrency rounds; each round only one writer wins, the others re-read
 _CAS_ATTEMPTS: Final = 25
@@ -317,6 +320,41 @@ class TablesControlStore(_OnTable):
     def _lock(self, type_name: str) -> asyncio.Lock:
         return self._locks.setdefault(type_name, asyncio.Lock())
 
+    async def identity_doc(self, type_name: str, identity: str) -> tuple[dict[str, Any], object] | None:
+        with _boundary("read an identity"):
+            client = await self._table.ready()
+            try:
+                e = await client.get_entity(_IDENTITY_PK, _identity_key(type_name, identity))
+            except ResourceNotFoundError:
+                return None
+        return json.loads(str(e["Doc"])), str(e.metadata["etag"])
+
+    async def put_identity_doc(
+        self, type_name: str, identity: str, doc: dict[str, Any], token: object | None
+    ) -> bool:
+        entity = {
+            "PartitionKey": _IDENTITY_PK,
+            "RowKey": _identity_key(type_name, identity),
+            "Type": type_name,
+            "Identity": identity,
+            "Doc": json.dumps(doc, separators=(",", ":")),
+        }
+        with _boundary("write an identity"):
+            client = await self._table.ready()
+            try:
+                if token is None:
+                    await client.create_entity(entity)  # fails if another writer created it
+                else:
+                    await client.update_entity(
+                        entity,
+                        mode=UpdateMode.REPLACE,
+                        etag=str(token),
+                        match_condition=MatchConditions.IfNotModified,
+                    )
+            except (ResourceModifiedError, ResourceExistsError, ResourceNotFoundError):
+                return False  # another writer came first: the caller reads again
+        return True
+
     async def _read(self, client: TableClient, type_name: str) -> tuple[CircuitState, str | None]:
         try:
             e = await client.get_entity(_CIRCUIT_PK, escape_key(type_name))
@@ -356,6 +394,10 @@ class TablesControlStore(_OnTable):
                         # the entity was deleted (a success or reset) after our read: read again
                     await _cas_backoff(attempt)
         raise ProviderUnavailable(f"circuit of {type_name!r}: too much contention, gave up")
+
+
+def _identity_key(type_name: str, identity: str) -> str:
+    return hashlib.sha256(f"{type_name}\x1f{identity}".encode()).hexdigest()
 
 
 def _circuit_entity(s: CircuitState) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import timedelta
 
 import pytest
@@ -165,8 +166,6 @@ SQL = ("sqlite", "postgres")
 
 
 async def test_idempotent_enqueue_discards_an_identical_waiting_message_and_gives_ctx_previous(harness):
-    from queueing_core.errors import NotSupported
-
     app = harness.app()
     seen: list[tuple[int, int | None]] = []
 
@@ -175,10 +174,6 @@ async def test_idempotent_enqueue_discards_an_identical_waiting_message_and_give
         seen.append((msg.price, ctx.previous.price if ctx.previous is not None else None))
 
     rt = await harness.runtime(app)
-    if harness.name not in SQL:
-        with pytest.raises(NotSupported, match="idempotent"):
-            await app.enqueue(PriceUpdate(sku="A", price=1))
-        return
     await rt.control.set_paused("queue", "prices", True)
     first = await app.enqueue(PriceUpdate(sku="A", price=10))
     again = await app.enqueue(PriceUpdate(sku="A", price=10))
@@ -189,30 +184,84 @@ async def test_idempotent_enqueue_discards_an_identical_waiting_message_and_give
     waiting = [r for r in await _all(rt) if r.type == "PriceUpdate"]
     assert len(waiting) == 2  # one per identity
     changed = await app.enqueue(PriceUpdate(sku="A", price=12))
-    assert changed.outcome == "replaced"
-    assert changed.message_id == first.message_id
-    assert (await record(rt, first.message_id)).body == {"sku": "A", "price": 12}
+    if harness.name in SQL:  # the waiting row takes the new body
+        assert changed.outcome == "replaced"
+        assert changed.message_id == first.message_id
+        assert (await record(rt, first.message_id)).body == {"sku": "A", "price": 12}
+    else:  # a queued message cannot be edited: the new one is sent, the waiting one superseded
+        assert changed.outcome == "enqueued"
+        assert changed.supersedes == first.message_id
+        assert changed.message_id != first.message_id
     await rt.control.set_paused("queue", "prices", False)
     async with running(rt):
         await wait_until(lambda: len(seen) == 2, what="both identities")
         assert sorted(seen) == [(5, None), (12, None)]
+        if harness.name not in SQL:
+            await wait_until(
+                lambda: _status_is(rt, first.message_id, MessageStatus.CANCELLED), what="superseded"
+            )
+            gone = await record(rt, first.message_id)
+            assert gone.reason == f"superseded by {changed.message_id}"
+            with pytest.raises(JobCancelled, match="superseded by"):
+                await app.result(first.tracking_id, timeout=5)
         # a new version after the first succeeded: the handler sees the last processed one
         nxt = await app.enqueue(PriceUpdate(sku="A", price=15))
         assert nxt.outcome == "enqueued"
+        assert nxt.supersedes is None  # the last version had run: nothing to supersede
         await wait_until(lambda: len(seen) == 3, what="the new version")
-    assert seen[-1] == (15, 12)
+        # the same body again once it ran: it runs again (only a waiting copy is discarded)
+        await wait_until(lambda: _status_is(rt, nxt.message_id, MessageStatus.SUCCEEDED), what="Succeeded")
+        rerun = await app.enqueue(PriceUpdate(sku="A", price=15))
+        assert rerun.outcome == "enqueued"
+        await wait_until(lambda: len(seen) == 4, what="the same version again")
+    assert seen[2:] == [(15, 12), (15, 15)]
 
 
 async def test_an_identity_function_keys_idempotent_messages(harness):
-    if harness.name not in SQL:
-        pytest.skip("idempotent types need a transport that can find the waiting message (SQL)")
     app = harness.app()
     app.message(StockLevel)
-    await harness.runtime(app)
+    rt = await harness.runtime(app)
+    await rt.control.set_paused("queue", "stock", True)
     a = await app.enqueue(StockLevel(warehouse="w1", sku="A", count=3))
     b = await app.enqueue(StockLevel(warehouse="w2", sku="A", count=3))
     c = await app.enqueue(StockLevel(warehouse="w1", sku="A", count=3))
     assert (a.outcome, b.outcome, c.outcome) == ("enqueued", "enqueued", "discarded")
+    async with ops_client(rt) as client:  # the ops API's enqueue says the same
+        same = {"warehouse": "w2", "sku": "A", "count": 3}
+        res = await client.post("/queues/stock/messages", json=[same, {**same, "count": 4}])
+        assert res.status_code in (200, 201, 202), res.text
+        first, second = res.json()["enqueued"]
+        assert first["outcome"] == "discarded"
+        assert first["message_id"] == str(b.message_id)
+        if harness.name in SQL:
+            assert second["outcome"] == "replaced"
+        else:
+            assert (second["outcome"], second["supersedes"]) == ("enqueued", str(b.message_id))
+
+
+async def test_a_batch_of_versions_of_one_identity_runs_only_the_last(harness):
+    app = harness.app()
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: PriceUpdate, ctx):
+        seen.append(msg.price)
+
+    rt = await harness.runtime(app)
+    await rt.control.set_paused("queue", "prices", True)
+    receipts = await app.enqueue_many([PriceUpdate(sku="Z", price=p) for p in (1, 2, 2, 3)])
+    assert receipts[2].outcome == "discarded"
+    last = receipts[-1]
+    await rt.control.set_paused("queue", "prices", False)
+    async with running(rt):
+        assert await app.result(last.tracking_id, timeout=30) is None
+        for r in receipts[:2]:
+            if harness.name not in SQL:  # superseded, settled without running
+                await wait_until(
+                    lambda r=r: _status_is(rt, r.message_id, MessageStatus.CANCELLED), what="superseded"
+                )
+        await asyncio.sleep(0.3)  # time for anything still queued to be received (and not run)
+    assert seen == [3]
 
 
 async def _all(rt):
@@ -243,3 +292,89 @@ async def test_update_status_where_on_sql_and_a_clear_refusal_elsewhere(harness)
         await wait_until(lambda: calls == ["leave-me"], what="the other message")
         await asyncio.sleep(0.3)
     assert calls == ["leave-me"]  # a custom status holds the message out of processing
+
+
+@pytest.mark.parametrize(
+    ("mode", "step"),
+    [("error", 0), ("crash", 0), ("error", 1), ("crash", 1)],
+    ids=["send-fails", "crash-at-send", "mark-fails", "crash-before-mark"],
+)
+async def test_a_fault_between_sending_the_new_version_and_superseding_the_old_loses_neither(
+    harness, mode, step
+):
+    """Step 0 sends the new version, step 1 marks the waiting one superseded. Whichever fails (an
+    error, or the process stopping there: no later call runs), the old version is not superseded, and
+    the new one, once sent, is never lost: at worst both run."""
+    from queueing_core.errors import ProviderUnavailable
+    from tests.faults.inject import CallPoint, Crash, Injector
+
+    if harness.name in SQL:
+        pytest.skip("SQL replaces the waiting row in one transaction: there is no step between")
+    app = harness.app()
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: PriceUpdate, ctx):
+        seen.append(msg.price)
+
+    rt = await harness.runtime(app)
+    assert rt.identities is not None
+    await rt.control.set_paused("queue", "prices", True)
+    old = await app.enqueue(PriceUpdate(sku="F", price=1))
+    injector = Injector(
+        [
+            CallPoint("send", lambda rt: rt.provider, "send", lambda: ProviderUnavailable("injected")),
+            CallPoint(
+                "put_identity_doc",
+                lambda rt: rt.identities.store,
+                "put_identity_doc",
+                lambda: ProviderUnavailable("injected"),
+            ),
+        ],
+        mode=mode,
+        at=step,
+    )
+    new = None
+    with injector.installed(rt), injector.armed_for(), contextlib.suppress(Crash, ProviderUnavailable):
+        new = await app.enqueue(PriceUpdate(sku="F", price=2))
+    assert injector.fired
+    assert injector.calls == ["send", "put_identity_doc"][: step + 1]
+    if mode == "error" and step == 1:  # the send stands: the caller is told it was enqueued
+        assert new is not None
+        assert new.outcome == "enqueued"
+        assert new.supersedes is None
+    else:
+        assert new is None
+    await rt.control.set_paused("queue", "prices", False)
+    want = [1] if step == 0 else [1, 2]  # a failed send leaves the old one; after it, both run
+    async with running(rt):
+        await wait_until(lambda: sorted(seen) == want, timeout=30, what=f"versions {want} to run")
+        assert (await app.result(old.tracking_id, timeout=30)) is None
+        await asyncio.sleep(0.3)  # time for anything else still queued to be received
+    assert sorted(seen) == want
+
+
+async def test_an_operator_retry_of_a_superseded_version_runs_it(harness):
+    from queueing_core.ops import OpsService
+
+    if harness.name in SQL:
+        pytest.skip("SQL replaces the waiting body: no superseded version is left to retry")
+    app = harness.app()
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: PriceUpdate, ctx):
+        seen.append(msg.price)
+
+    rt = await harness.runtime(app)
+    await rt.control.set_paused("queue", "prices", True)
+    old = await app.enqueue(PriceUpdate(sku="R", price=1))
+    new = await app.enqueue(PriceUpdate(sku="R", price=2))
+    assert new.supersedes == old.message_id
+    await rt.control.set_paused("queue", "prices", False)
+    async with running(rt):
+        await wait_until(lambda: _status_is(rt, old.message_id, MessageStatus.CANCELLED), what="superseded")
+        await wait_until(lambda: seen == [2], what="the new version")
+        await OpsService(rt).retry(old.message_id)
+        assert await app.result(old.tracking_id, timeout=30) is None
+    assert seen == [2, 1]

@@ -22,6 +22,8 @@ from queueing_core.worker import Worker
 class Chore(QueueMessage):
     name: str
     steps: int = 1
+    #: a path: the handler holds until a file is there (the test says when it may finish)
+    gate: str = ""
 
 
 def build_app(log: int | None = None) -> QueueingApp:
@@ -34,6 +36,8 @@ def build_app(log: int | None = None) -> QueueingApp:
     @app.handler()
     async def handle(msg: Chore, ctx: HandlerContext) -> dict[str, object]:
         note(f"started {msg.name}")
+        while msg.gate and not os.path.exists(msg.gate):
+            await asyncio.sleep(0.02)
         for step in range(1, msg.steps + 1):
             await ctx.report_progress(step, msg.steps, f"{msg.name} step {step}")
             if ctx.cancelled.is_set():

@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from queueing_core import MessageStatus
 from queueing_core.errors import JobCancelled
@@ -101,3 +103,62 @@ async def test_cancel_progress_and_result_across_processes(pg_db, tmp_path):
         _, err = worker.communicate(timeout=30)
         await rt.close()
     assert worker.returncode == 0, err
+
+
+async def test_a_result_waiter_is_woken_by_notify_when_another_process_finishes_the_message(pg_db, tmp_path):
+    log = tmp_path / "events.log"
+    app = build_app()
+    provider = pg_db.provider()
+    rt = Runtime(app, provider)
+    await rt.open()
+    worker = spawn(pg_db, log)
+    try:
+        gate = tmp_path / "gate"
+        held = await app.enqueue(Chore(name="held", gate=str(gate)))
+
+        async def started() -> bool:
+            return "started held" in lines(log)
+
+        await until(started, 30, "the handler to start in the other process")
+        # the waiter looks at the history every 10 minutes: only a NOTIFY can explain an early return
+        waiter = asyncio.ensure_future(app.result(held.tracking_id, timeout=1200, poll=600))
+
+        async def watched() -> bool:
+            m = provider.tables.messages
+            async with provider.engine.connect() as conn:
+                flag = (
+                    await conn.execute(sa.select(m.c.awaited).where(m.c.message_id == held.message_id))
+                ).scalar()
+            return bool(flag) and held.message_id in provider._result_waiters
+
+        await until(watched, 30, "the waiter to flag the message as awaited")
+        await asyncio.sleep(0.2)  # the waiter is in its long wait now (a look after the flag found it Leased)
+        assert not waiter.done()
+        gate.touch()
+        finished = time.monotonic()
+        result = await asyncio.wait_for(waiter, 120)
+        assert result["name"] == "held"
+        assert result["pid"] == worker.pid
+        assert time.monotonic() - finished < 120  # far below the poll interval: the NOTIFY woke it
+        assert held.message_id not in provider._result_waiters  # the waiter cleaned up after itself
+
+        # a NOTIFY that never arrives only delays the waiter: it still looks at the history each poll
+        gate2 = tmp_path / "gate2"
+        late = await app.enqueue(Chore(name="late", gate=str(gate2)))
+        provider._result_waiters = _Deaf(set)
+        waiter = asyncio.ensure_future(app.result(late.tracking_id, timeout=120, poll=0.5))
+        await asyncio.sleep(0.5)
+        gate2.touch()
+        assert (await asyncio.wait_for(waiter, 150))["name"] == "late"
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=30)
+        await rt.close()
+    assert worker.returncode == 0, err
+
+
+class _Deaf(defaultdict):
+    """Result waiters that a NOTIFY never finds (as if the LISTEN connection had dropped it)."""
+
+    def get(self, key, default=None):
+        return default

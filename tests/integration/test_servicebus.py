@@ -78,6 +78,22 @@ async def test_queues_are_created_with_the_types_settings():
     assert props.lock_duration == timedelta(seconds=20)
     assert props.dead_lettering_on_message_expiration is True
     assert props.default_message_time_to_live == timedelta(hours=3)  # expiration + grace
+    assert props.requires_duplicate_detection is False  # only idempotent types turn it on
+    await rt.close()
+
+
+async def test_the_queue_of_an_idempotent_type_detects_duplicate_message_ids():
+    @queue("sb-versions", idempotent=True, identity="key")
+    class Version(QueueMessage):
+        key: str
+        n: int
+
+    app = QueueingApp("sb-dedup")
+    app.message(Version)
+    rt = in_memory_servicebus(app, FakeServiceBusNamespace())
+    await rt.open()
+    props = await rt.provider.admin.get_queue(rt.provider.physical("sb-versions"))
+    assert props.requires_duplicate_detection is True
     await rt.close()
 
 

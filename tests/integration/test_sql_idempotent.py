@@ -119,3 +119,22 @@ async def test_the_job_control_migration_upgrades_a_database_of_the_previous_ver
         "ix_queueing_history_tracking",
     } <= idx
     assert cancels
+
+
+async def test_identity_documents_in_the_database_change_by_compare_and_set(sql_db):
+    """The store RabbitMQ and SQS use for their idempotent types (the SQL provider has its own rows)."""
+    one, two = sql_db.provider(), sql_db.provider()
+    a, b = one.control_store(), two.control_store()
+    assert await a.identity_doc("Price", "A") is None
+    assert await a.put_identity_doc("Price", "A", {"waiting": ["1"]}, None)
+    assert not await b.put_identity_doc("Price", "A", {"waiting": ["2"]}, None)  # created already
+    found = await b.identity_doc("Price", "A")
+    assert found is not None
+    doc, token = found
+    assert doc == {"waiting": ["1"]}
+    assert await b.put_identity_doc("Price", "A", {"waiting": ["3"]}, token)
+    assert not await a.put_identity_doc("Price", "A", {"waiting": ["4"]}, token)  # a stale version
+    again = await a.identity_doc("Price", "A")
+    assert again is not None
+    assert again[0] == {"waiting": ["3"]}
+    assert await a.identity_doc("Price", "B") is None

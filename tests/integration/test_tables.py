@@ -122,6 +122,25 @@ async def all_pages(tr: Tracker, q: MessageQuery, limit: int) -> list[list[Messa
 # --- control store: shared contract ------------------------------------------------------------
 
 
+async def test_identity_documents_change_by_compare_and_set_across_instances(stores):
+    a, b = stores
+    identity = "sku/ü 1" * 30  # any text up to the identity limit, not a valid key by itself
+    assert await a.identity_doc("Price", identity) is None
+    assert await a.put_identity_doc("Price", identity, {"waiting": ["1"]}, None)
+    assert not await b.put_identity_doc("Price", identity, {"waiting": ["2"]}, None)  # created already
+    found = await b.identity_doc("Price", identity)
+    assert found is not None
+    doc, token = found
+    assert doc == {"waiting": ["1"]}
+    assert await b.put_identity_doc("Price", identity, {"waiting": ["3"]}, token)
+    assert not await a.put_identity_doc("Price", identity, {"waiting": ["4"]}, token)  # a stale version
+    again = await a.identity_doc("Price", identity)
+    assert again is not None
+    assert again[0] == {"waiting": ["3"]}
+    assert await a.identity_doc("Other", identity) is None  # keyed by type and identity
+    assert (await a.state()).cancelled == frozenset()  # not mistaken for any other control state
+
+
 async def test_pause_and_resume_are_visible_to_another_instance(stores):
     a, b = stores
     await a.set_paused("queue", "orders", True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,43 @@ class SqlControlStore:
                     await conn.execute(
                         sa.select(sa.func.pg_notify(self.provider.channel, f"{CANCEL_PREFIX}{message_id}"))
                     )
+
+    async def identity_doc(self, type_name: str, identity: str) -> tuple[dict[str, Any], object] | None:
+        i = self._t.identities
+        await self.provider.ensure_open()
+        async with self.provider.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(i.c.doc, i.c.version).where(i.c.type == type_name, i.c.identity == identity)
+                )
+            ).first()
+        return None if row is None else (json.loads(row.doc), row.version)
+
+    async def put_identity_doc(
+        self, type_name: str, identity: str, doc: dict[str, Any], token: object | None
+    ) -> bool:
+        i = self._t.identities
+        text = json.dumps(doc, separators=(",", ":"))
+        now = self.provider.clock()
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            if token is None:
+                try:
+                    async with conn.begin_nested():
+                        await conn.execute(
+                            i.insert().values(
+                                type=type_name, identity=identity, doc=text, version=1, updated_at=now
+                            )
+                        )
+                except sa.exc.IntegrityError:
+                    return False  # another writer created it first
+                return True
+            res = await conn.execute(
+                sa.update(i)
+                .where(i.c.type == type_name, i.c.identity == identity, i.c.version == token)
+                .values(doc=text, version=i.c.version + 1, updated_at=now)
+            )
+            return bool(res.rowcount == 1)
 
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
         p, m = self._t.pauses, self._t.messages

@@ -46,7 +46,7 @@ from .entra import DatabaseAuth, EntraPassword, uses_entra
 from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
-from .schema import LATEST, Tables, current_version, migrate
+from .schema import DONE_PREFIX, LATEST, Tables, current_version, migrate
 from .statements import Statements, bind
 from .tracker import SqlTracker
 
@@ -162,6 +162,8 @@ class SqlProvider:
         self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         #: told of each cancellation request NOTIFY brings (the runtime sets it)
         self.on_cancel: Callable[[UUID], None] | None = None
+        #: result waiters of this process, by message id: NOTIFY sets their events (see ``watch_result``)
+        self._result_waiters: dict[UUID, set[asyncio.Event]] = defaultdict(set)
         self._next_due: dict[str, datetime] = {}
         self.statements = Statements(self.tables, self.worker_id)
         self._auto: AsyncEngine | None = None
@@ -364,6 +366,11 @@ class SqlProvider:
         return str(compiled), params
 
     def _wake(self, queue: str) -> None:
+        if queue.startswith(DONE_PREFIX):
+            with contextlib.suppress(ValueError):
+                for event in self._result_waiters.get(UUID(queue[len(DONE_PREFIX) :]), ()):
+                    event.set()
+            return
         if queue.startswith(CANCEL_PREFIX):
             if self.on_cancel is not None:
                 with contextlib.suppress(ValueError):
@@ -377,6 +384,36 @@ class SqlProvider:
             self._next_due[queue] = when
         if when <= self.clock():
             self._wake(queue)
+
+    # -- result waiters (PostgreSQL) -----------------------------------------------------------------
+    async def watch_result(self, message_id: UUID, wake: asyncio.Event) -> bool:
+        """Have ``wake`` set when this message reaches a final status, from whichever process settles
+        it: its row is flagged ``awaited``, and the trigger of migration 10 NOTIFYs for flagged rows
+        only, so nobody pays for waiters that do not exist. False where there is no NOTIFY (SQLite, or
+        LISTEN turned off): the caller polls."""
+        if self._listener is None:
+            return False
+        await self.ensure_open()
+        self._result_waiters[message_id].add(wake)  # before the flag: a NOTIFY right after it finds it
+        m = self.tables.messages
+        try:
+            async with self.auto.connect() as conn:
+                await conn.execute(
+                    sa.update(m)
+                    .where(m.c.message_id == message_id, sa.not_(m.c.awaited))
+                    .values(awaited=True)
+                )
+        except BaseException:
+            self.unwatch_result(message_id, wake)
+            raise
+        return True
+
+    def unwatch_result(self, message_id: UUID, wake: asyncio.Event) -> None:
+        waiters = self._result_waiters.get(message_id)
+        if waiters is not None:
+            waiters.discard(wake)
+            if not waiters:
+                del self._result_waiters[message_id]
 
     async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
         due = self._next_due.get(sub.queue)

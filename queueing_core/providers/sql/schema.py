@@ -99,6 +99,9 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("settled_at", Timestamp),
         sa.Column("archived", sa.Boolean(), nullable=False, server_default=sa.false()),
         sa.Column("archived_at", Timestamp),
+        # v10: someone waits for this message's outcome (``app.result``): on PostgreSQL a trigger
+        # NOTIFYs when such a row reaches a final status (see ``_v10``); other rows cost a boolean test
+        sa.Column("awaited", sa.Boolean(), nullable=False, server_default=sa.false()),
         # the claim: queue + due time, only over claimable, unarchived rows (a small partial index)
         partial_index("ix_queueing_messages_claim", "queue", "available_at", "id", where=claimable()),
         # the lease sweeper: only leased rows
@@ -241,6 +244,18 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("requested_at", Timestamp, nullable=False),
         sa.Index("ix_queueing_cancels_requested", "requested_at"),
     )
+    # v10: per idempotent identity on transports without a messages table (RabbitMQ, SQS): the newest
+    # version sent, the versions it superseded, the last that succeeded; one JSON document per row,
+    # changed by compare-and-set on ``version`` (see queueing_core.idempotency)
+    sa.Table(
+        "queueing_identities",
+        md,
+        sa.Column("type", sa.String(256), primary_key=True),
+        sa.Column("identity", sa.String(256), primary_key=True),
+        sa.Column("doc", sa.Text(), nullable=False),
+        sa.Column("version", sa.Integer(), nullable=False),
+        sa.Column("updated_at", Timestamp, nullable=False),
+    )
     sa.Table(
         "queueing_schema",
         md,
@@ -264,6 +279,7 @@ class Tables:
     leases: sa.Table
     ticks: sa.Table
     cancels: sa.Table
+    identities: sa.Table
 
     @classmethod
     def build(cls, schema: str | None = None) -> Tables:
@@ -289,6 +305,7 @@ class Tables:
             t[key("queueing_leases")],
             t[key("queueing_schedule_ticks")],
             t[key("queueing_cancels")],
+            t[key("queueing_identities")],
         )
 
 
@@ -456,6 +473,52 @@ def _v9(conn: sa.Connection, tables: Tables) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {h.fullname} ADD COLUMN duplicates INTEGER")
 
 
+#: NOTIFY payload prefix of a message that reached a final status while someone waited for it
+DONE_PREFIX = "\x1fdone\x1f"
+
+
+def _v10(conn: sa.Connection, tables: Tables) -> None:
+    """Idempotent identities for the brokers that keep their history here, and result waiters woken by
+    NOTIFY (PostgreSQL).
+
+    A waiter (``app.result``) sets ``awaited`` on its message's row, then waits. The trigger below
+    fires only for rows whose ``awaited`` is set and whose status just became final: its WHEN clause is
+    tested on the row in C, without calling the function, so the settlements nobody waits for (nearly
+    all of them) pay one boolean test and send no NOTIFY. The waiter keeps polling at a slow interval,
+    so a NOTIFY lost to a dropped LISTEN connection only delays it.
+    """
+    tables.metadata.create_all(conn, tables=[tables.identities])
+    m = tables.messages
+    if not sa.inspect(conn).has_table(m.name, schema=m.schema):
+        return
+    have = {c["name"] for c in sa.inspect(conn).get_columns(m.name, schema=m.schema)}
+    if "awaited" not in have:  # a database created at this version has it from v1 already
+        # identifiers only, from the table metadata (the schema name is validated by Tables.build)
+        conn.exec_driver_sql(f"ALTER TABLE {m.fullname} ADD COLUMN awaited BOOLEAN NOT NULL DEFAULT false")
+    if conn.dialect.name != "postgresql":
+        return
+    from .listener import channel_name
+
+    schema = tables.metadata.schema
+    fn = f"{schema}.queueing_notify_done" if schema else "queueing_notify_done"
+    channel = channel_name("queueing", schema).replace("'", "''")
+    final = ", ".join(f"'{s.value}'" for s in MessageStatus.terminal())
+    # identifiers from the table metadata, the channel from the validated schema name, statuses from
+    # the enum: nothing from input
+    conn.exec_driver_sql(f"""
+        CREATE OR REPLACE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            PERFORM pg_notify('{channel}', chr(31) || 'done' || chr(31) || NEW.message_id::text);
+            RETURN NULL;
+        END $$""")
+    conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS queueing_notify_done ON {m.fullname}")
+    conn.exec_driver_sql(
+        f"CREATE TRIGGER queueing_notify_done AFTER UPDATE ON {m.fullname} FOR EACH ROW "
+        f"WHEN (NEW.awaited AND NEW.status IN ({final}) AND OLD.status IS DISTINCT FROM NEW.status) "
+        f"EXECUTE FUNCTION {fn}()"
+    )
+
+
 #: (version, description, migration). Append only: a released migration never changes.
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "messages, pauses, circuits", _v1),
@@ -467,6 +530,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (7, "fillfactor and autovacuum settings on the hot tables (PostgreSQL)", _v7),
     (8, "delayed messages count their unreported fetches", _v8),
     (9, "history counts the duplicates completed without running", _v9),
+    (10, "idempotent identities for the brokers; result waiters woken by NOTIFY (PostgreSQL)", _v10),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -1,0 +1,239 @@
+"""Idempotent types on the transports that can neither find nor edit a queued message (Storage Queues,
+Service Bus, RabbitMQ, SQS, in-process). The SQL provider does this in its messages table instead.
+
+The control store keeps one document per (type, identity)::
+
+    {"waiting": [message id, tracking id, body hash],   the newest version sent
+     "superseded": {older id: newer id, ...},           versions replaced before they ran (bounded)
+     "succeeded": [message id, the one before]}         the last versions that succeeded
+
+An enqueue reads it. If the newest version is still waiting to run (its history says so) with the
+same JSON, nothing is sent (``discarded``). Otherwise the new version is sent, and only then is the
+document pointed at it, naming the one it replaced as superseded: a crash or a store failure between
+the two leaves both to run (a duplicate), never neither. A host that receives a superseded message
+settles it ``Cancelled`` with the reason ``superseded by <id>`` without running it; a version already
+running when it was replaced runs to its end. Two hosts enqueueing the same identity at once both
+send; the compare-and-set on the document orders them, so one of the two is superseded by the other
+(or, if it was received first, both run once). ``ctx.previous`` is the body, from the history, of the
+last version that succeeded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from .control.identities import KeepsIdentities
+from .messages import MessageStatus, QueueMessage
+from .producer import IdempotentOutcome, identity_of
+
+if TYPE_CHECKING:
+    from .app import QueueingApp, Subscription
+    from .envelope import Envelope
+    from .tracking import Tracker
+    from .transport import Provider, Settlement
+
+log = logging.getLogger("queueing.idempotent")
+
+#: superseded versions remembered per identity; an older one pushed out runs if it is still queued
+#: (a duplicate, never a loss). Many versions replaced faster than a host receives them are the case.
+MAX_SUPERSEDED = 64
+#: compare-and-set rounds; each round one writer wins and the others read again
+_CAS_TRIES = 20
+_WAITING = frozenset(s.value for s in MessageStatus.runnable())
+_FINAL = frozenset(s.value for s in MessageStatus.terminal())
+
+
+def body_hash(body: dict[str, Any]) -> str:
+    """The JSON body's digest: equal for equal JSON, whatever the key order."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def superseded_reason(by: UUID) -> str:
+    return f"superseded by {by}"
+
+
+class IdentityGuard:
+    """Send, supersede, recognise and remember the versions of idempotent messages through a control
+    store that keeps identity documents."""
+
+    def __init__(
+        self, app: QueueingApp, store: KeepsIdentities, tracker: Tracker, provider: Provider
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.tracker = tracker
+        self.provider = provider
+
+    # -- enqueue ----------------------------------------------------------------------------------
+    async def send_idempotent(
+        self, envelopes: Sequence[Envelope], identities: Sequence[str]
+    ) -> list[IdempotentOutcome]:
+        out: list[IdempotentOutcome] = []
+        sent: set[UUID] = set()  # sent by this call: waiting, though their history is not written yet
+        for env, key in zip(envelopes, identities, strict=True):
+            outcome = await self._send_one(env, key, sent)
+            if outcome.outcome == "enqueued":
+                sent.add(env.message_id)
+            out.append(outcome)
+        return out
+
+    async def _send_one(self, env: Envelope, key: str, sent: set[UUID]) -> IdempotentOutcome:
+        digest = body_hash(env.body)
+        found = await self.store.identity_doc(env.type, key)
+        waiting = found[0].get("waiting") if found else None
+        if waiting and waiting[2] == digest and await self._still_waiting(UUID(waiting[0]), sent):
+            return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
+        # the newest version is durably queued before any older one is marked superseded
+        await self.provider.send([env], wait=True)
+        replaced = await self._point_at(env, key, digest, found, sent)
+        return IdempotentOutcome("enqueued", env.message_id, env.tracking_id, supersedes=replaced)
+
+    async def _point_at(
+        self,
+        env: Envelope,
+        key: str,
+        digest: str,
+        found: tuple[dict[str, Any], object] | None,
+        sent: set[UUID],
+    ) -> UUID | None:
+        """Make ``env`` the identity's newest version and mark the one it replaces superseded. A failure
+        here is logged, not raised: the message is sent, and raising would make the caller send again."""
+        try:
+            for _ in range(_CAS_TRIES):
+                doc, token = found if found is not None else ({}, None)
+                old = doc.get("waiting")
+                superseded: dict[str, str] = dict(doc.get("superseded") or {})
+                replaced = None
+                if old and old[0] != str(env.message_id) and await self._may_run(UUID(old[0]), sent):
+                    replaced = UUID(old[0])
+                    superseded[old[0]] = str(env.message_id)
+                    while len(superseded) > MAX_SUPERSEDED:
+                        del superseded[next(iter(superseded))]
+                new = {
+                    **doc,
+                    "waiting": [str(env.message_id), str(env.tracking_id), digest],
+                    "superseded": superseded,
+                }
+                if await self.store.put_identity_doc(env.type, key, new, token):
+                    return replaced
+                found = await self.store.identity_doc(env.type, key)
+            log.warning(
+                "identity %r of %s kept changing: message %s was sent, an older version may run too",
+                key,
+                env.type,
+                env.message_id,
+            )
+        except Exception as exc:
+            log.warning(
+                "message %s was sent, but the older version of identity %r of %s could not be marked "
+                "superseded (%s): it may run too",
+                env.message_id,
+                key,
+                env.type,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+        return None
+
+    async def _still_waiting(self, message_id: UUID, sent: set[UUID]) -> bool:
+        """The history says this message has not started (an unreadable history says no: sending
+        again is a duplicate at worst)."""
+        if message_id in sent:
+            return True
+        try:
+            rec = await self.tracker.get(message_id)
+        except Exception as exc:
+            log.warning("could not read the history of %s (%s): sending the new version", message_id, exc)
+            return False
+        return rec is not None and rec.status in _WAITING
+
+    async def _may_run(self, message_id: UUID, sent: set[UUID]) -> bool:
+        """Worth marking superseded: not known to be finished."""
+        if message_id in sent:
+            return True
+        try:
+            rec = await self.tracker.get(message_id)
+        except Exception:
+            return True
+        return rec is None or rec.status not in _FINAL
+
+    # -- processing -------------------------------------------------------------------------------
+    async def superseded_by(self, sub: Subscription, message: QueueMessage) -> UUID | None:
+        """The newer version that superseded this message, if one did. A store that cannot be read
+        runs the message (a duplicate run beats a lost one)."""
+        try:
+            found = await self.store.identity_doc(sub.type_name, identity_of(sub.options, message))
+        except Exception as exc:
+            log.warning("could not read the identity of %s (%s): running it", message.message_id, exc)
+            return None
+        by = (found[0].get("superseded") or {}).get(str(message.message_id)) if found else None
+        return UUID(by) if by else None
+
+    async def reinstate(self, sub: Subscription, envelope: Envelope) -> None:
+        """An operator retries a superseded version: it is no longer superseded, so it runs (before
+        it is sent again, or a host could settle it superseded once more)."""
+        from .pipeline import decode_message
+
+        key = identity_of(sub.options, decode_message(sub, envelope))
+        mid = str(envelope.message_id)
+        for _ in range(_CAS_TRIES):
+            found = await self.store.identity_doc(sub.type_name, key)
+            if found is None or mid not in (found[0].get("superseded") or {}):
+                return
+            doc, token = found
+            superseded = {k: v for k, v in doc["superseded"].items() if k != mid}
+            if await self.store.put_identity_doc(
+                sub.type_name, key, {**doc, "superseded": superseded}, token
+            ):
+                return
+        raise RuntimeError(f"identity {key!r} of {sub.type_name} kept changing")
+
+    async def previous(self, sub: Subscription, message: QueueMessage) -> QueueMessage | None:
+        """The last version of this identity that succeeded (another message than this one), as the
+        history keeps it; None when there is none or the history no longer has it."""
+        found = await self.store.identity_doc(sub.type_name, identity_of(sub.options, message))
+        ids = [i for i in (found[0].get("succeeded") or []) if i] if found else []
+        last = next((UUID(i) for i in ids if i != str(message.message_id)), None)
+        rec = await self.tracker.get(last) if last is not None else None
+        if rec is None or rec.body is None:
+            return None
+        return sub.message_type.model_validate(rec.body)
+
+    async def note_settled(self, settlements: Sequence[Settlement]) -> None:
+        """Remember each idempotent message that succeeded, for its identity's next ``ctx.previous``.
+        Best effort: a failure is logged and ``ctx.previous`` shows the version before."""
+        from .decisions import Complete
+        from .pipeline import decode_message
+
+        for s in settlements:
+            d, env = s.delivery, s.delivery.envelope
+            if env is None or d.refused or d.duplicate:
+                continue
+            if not isinstance(s.decision, Complete) or s.decision.cancelled:
+                continue
+            sub = self.app.subscription(env.type)
+            if sub is None or not sub.options.idempotent:
+                continue
+            try:
+                await self._succeeded(env.type, identity_of(sub.options, decode_message(sub, env)), env)
+            except Exception as exc:
+                log.warning("could not remember %s as its identity's last success: %s", env.message_id, exc)
+
+    async def _succeeded(self, type_name: str, key: str, env: Envelope) -> None:
+        mid = str(env.message_id)
+        for _ in range(_CAS_TRIES):
+            found = await self.store.identity_doc(type_name, key)
+            doc, token = found if found is not None else ({}, None)
+            last = [i for i in (doc.get("succeeded") or []) if i]
+            if last and last[0] == mid:
+                return
+            superseded = {k: v for k, v in (doc.get("superseded") or {}).items() if k != mid}
+            new = {**doc, "succeeded": [mid, *last[:1]], "superseded": superseded}
+            if await self.store.put_identity_doc(type_name, key, new, token):
+                return
+        raise RuntimeError(f"identity {key!r} of {type_name} kept changing")
