@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from queueing_core import QueueingApp, QueueMessage, queue
-from queueing_core.tracking import MessageQuery
 from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, RetryAfter
 from queueing_core.errors import ProviderUnavailable
 from queueing_core.providers.sql.driver import DriverPath
 from queueing_core.providers.sql.rows import Lease
 from queueing_core.runtime import Runtime
+from queueing_core.tracking import MessageQuery
 from queueing_core.transport import Settlement
 
 
@@ -132,9 +133,5 @@ async def test_driver_errors_become_the_kits_errors(pg_db, monkeypatch):
         raise psycopg.OperationalError("server closed the connection unexpectedly")
 
     monkeypatch.setattr(DriverPath, "round_trip", broken)
-    try:
+    with pytest.raises(ProviderUnavailable, match="claim"):
         await prov.receive(a.subscription("Job"), 10)
-    except ProviderUnavailable as exc:
-        assert "claim" in str(exc)
-    else:
-        raise AssertionError("the driver's error did not reach the caller")

@@ -262,12 +262,13 @@ class SqlProvider:
 
     async def _wait_for_database(self) -> None:
         delay = 0.5
+        unreachable: tuple[type[BaseException], ...] = (*down_errors(), sa.exc.DBAPIError)
         for attempt in range(1, self.connect_retries + 2):
             try:
                 async with self.engine.connect() as conn:
                     await conn.execute(sa.text("SELECT 1"))
                 return
-            except down_errors() + (sa.exc.DBAPIError,) as exc:
+            except unreachable as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 if attempt > self.connect_retries:
                     raise ProviderUnavailable(
