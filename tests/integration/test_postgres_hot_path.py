@@ -4,6 +4,7 @@ prepared on the server at their first use there, and none of them goes through S
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 import pytest
@@ -135,3 +136,72 @@ async def test_driver_errors_become_the_kits_errors(pg_db, monkeypatch):
     monkeypatch.setattr(DriverPath, "round_trip", broken)
     with pytest.raises(ProviderUnavailable, match="claim"):
         await prov.receive(a.subscription("Job"), 10)
+
+
+async def test_a_round_trip_cancelled_midway_leaves_the_pool_usable(pg_db):
+    """A cancelled task (a host shutting down) can leave psycopg's connection inside a statement; it
+    must not go back to the pool as it is: the next claim on the same one-connection pool works."""
+    from queueing_core.providers.sql.driver import Compiled
+
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
+    a = app()
+    await Runtime(a, prov).open()
+    await a.enqueue_many([Job(n=1)])
+    slow = Compiled(sa.select(sa.func.pg_sleep(20)), prov.engine.dialect)
+    task = asyncio.create_task(prov._driver.run(prov.auto, "a slow statement", [(slow, {})]))
+    engine = pg_db.sync_engine()
+    try:
+        for _ in range(300):  # until the server runs it (30 s at most)
+            with engine.connect() as conn:
+                running = conn.execute(
+                    sa.text("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%'")
+                ).scalar_one()
+            if running:
+                break
+            await asyncio.sleep(0.1)
+        assert running, "the slow statement never started"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        engine.dispose()
+    got = await asyncio.wait_for(prov.receive(a.subscription("Job"), 10), 30)
+    assert [d.envelope.body["n"] for d in got if d.envelope is not None] == [1]
+
+
+async def test_the_prepared_claims_generic_plan_reads_no_whole_table(pg_db):
+    """The server keeps a generic plan (no values) for a prepared statement once it costs no more than
+    planning each time. The claim's must fetch the claimed rows by key, not hash a scan of the table."""
+    import re
+
+    import psycopg
+
+    prov = pg_db.provider(listen=False)
+    a = app()
+    await Runtime(a, prov).open()
+    for _ in range(5):
+        await a.enqueue_many([Job(n=i) for i in range(1000)])
+    assert prov._hot is not None
+    names: list[str] = []
+
+    def positional(m: re.Match[str]) -> str:
+        if m[1] not in names:
+            names.append(m[1])
+        return f"${names.index(m[1]) + 1}"
+
+    sql = re.sub(r"%\((\w+)\)s", positional, prov._hot.claim.sql)
+    async with await psycopg.AsyncConnection.connect(
+        pg_db.url.replace("+psycopg", ""), autocommit=True
+    ) as pg:
+        await pg.execute(f"SET search_path = {pg_db.schema}")
+        await pg.execute(f"ANALYZE {pg_db.schema}.queueing_messages")
+        await pg.execute("SET plan_cache_mode = force_generic_plan")
+        await pg.execute(f"PREPARE claim AS {sql}")
+        now = "now()"
+        values = {"b_queue": "'hot'", "b_now": now, "b_lease_until": now, "b_limit": "10"}
+        args = ", ".join(values.get(n, repr(prov._hot.claim.defaults[n])) for n in names)
+        async with pg.transaction(force_rollback=True):
+            plan = [r[0] for r in await (await pg.execute(f"EXPLAIN EXECUTE claim({args})")).fetchall()]
+    text = "\n".join(plan)
+    assert "Seq Scan on queueing_messages" not in text, text
+    assert "queueing_messages_pkey" in text, text

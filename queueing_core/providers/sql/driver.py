@@ -26,6 +26,7 @@ psycopg reports broken is invalidated in SQLAlchemy's pool, as SQLAlchemy does o
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -38,6 +39,14 @@ from .errors import db_boundary
 if TYPE_CHECKING:
     import psycopg
     from sqlalchemy.sql.compiler import SQLCompiler
+
+
+@functools.cache
+def _reusable() -> frozenset[Any]:
+    """Where a connection may go back to the pool: between statements (the pool's reset rolls back)."""
+    from psycopg.pq import TransactionStatus
+
+    return frozenset({TransactionStatus.IDLE, TransactionStatus.INTRANS, TransactionStatus.INERROR})
 
 
 class Compiled:
@@ -84,8 +93,10 @@ class DriverPath:
             pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
             try:
                 yield pg
-            except Exception:
-                if pg.broken or pg.closed:  # not reusable: out of the pool, as SQLAlchemy does itself
+            except BaseException:
+                # broken, or left inside a statement (a cancellation mid-round-trip): not reusable, so
+                # out of the pool, as SQLAlchemy does itself on a disconnect
+                if pg.broken or pg.closed or pg.info.transaction_status not in _reusable():
                     await conn.invalidate()
                 raise
 

@@ -109,7 +109,15 @@ class Statements:
             .with_for_update(skip_locked=True)
             .cte("due")
         )
-        self.claim = sa.update(m).where(m.c.id == due.c.id).values(**take).returning(*claim_columns(m))
+        # PostgreSQL: the claimed ids as one array, so the plan the server keeps for the prepared claim
+        # (a generic plan, with no values) fetches those rows by primary key; a join with the CTE is
+        # planned for a LIMIT of unknown size and hashes a scan of the whole table
+        taken = (
+            m.c.id == sa.any_(sa.func.array(sa.select(due.c.id).scalar_subquery()))
+            if backend == "postgresql"
+            else m.c.id == due.c.id
+        )
+        self.claim = sa.update(m).where(taken).values(**take).returning(*claim_columns(m))
 
         # ordered queues: the oldest message that holds the line, and only if it is due
         holds = sa.or_(
