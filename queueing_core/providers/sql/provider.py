@@ -7,6 +7,9 @@
 - Finalize: every claim sets a new lease token on the row, and every settlement, renewal and release
   is an UPDATE guarded by that token (and ``status = 'Leased'``), so a run whose lease expired or was
   released never overwrites the outcome of the run that holds it now, even in the same process.
+- Hot path (PostgreSQL): claims, renewals and settlements run on psycopg's own connection, the
+  statements compiled once from the Core definitions in ``statements``, prepared, and a settlement
+  batch pipelined into one round trip and one commit (see ``driver``).
 - Wake-ups: ``pg_notify`` in the enqueuing transaction, one LISTEN connection per worker; the worker's
   adaptive polling is the fallback (and the only mechanism on SQLite across processes).
 - Maintenance (every few seconds, safe to run on every host at once): expired leases back to retry
@@ -498,7 +501,7 @@ class SqlProvider:
         work: list[tuple[Any, dict[str, Any]]] = []
         if fast:
             work.append((self._hot.complete_many, _many(self.backend, fast, now=now)))
-        singles = [(d, shape) for shape, items in shaped.items() for d, _ in items]
+        singles = [d for items in shaped.values() for d, _ in items]
         work += [(self._hot.settle[shape], p) for shape, items in shaped.items() for _, p in items]
         work += [(self._hot.notify, bind(channel=self.channel, queue=q)) for q in sorted(wake)]
         results = await self._driver.run(self.auto, "a settlement", work)
@@ -507,7 +510,8 @@ class SqlProvider:
             done = {r["id"] for r in results[0].rows}
             refused += [d for d in fast if d.handle.row not in done]
         first = 1 if fast else 0
-        refused += [d for (d, _), res in zip(singles, results[first:], strict=False) if res.rowcount != 1]
+        # (the wake-ups follow the single-row statements: zip stops at the last of those)
+        refused += [d for d, res in zip(singles, results[first:], strict=False) if res.rowcount != 1]
         return refused
 
     async def _settle_engine(
