@@ -60,12 +60,16 @@ class Compiled:
             raise ValueError("a hot-path statement must have one text for any values (no expanding IN)")
         self.sql: str = compiled.string
         self.defaults: dict[str, Any] = dict(compiled.params)
+        #: the values each execution must bring (a forgotten one must not run as NULL)
+        self.required = frozenset(name for name, bp in compiled.binds.items() if bp.required)
         # (a sequence of processors belongs to a tuple-valued parameter: the hot path binds none)
         self.processors: dict[str, Callable[[Any], Any]] = {
             k: f for k, f in compiled._bind_processors.items() if callable(f)
         }
 
     def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        if not self.required <= values.keys():
+            raise ValueError(f"no value for {sorted(self.required - values.keys())}")
         out = {**self.defaults, **values}
         for name, process in self.processors.items():
             out[name] = process(out[name])
