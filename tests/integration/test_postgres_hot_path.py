@@ -121,6 +121,9 @@ async def test_without_prepared_statements_nothing_is_prepared(pg_db):
         got = await prov.receive(a.subscription("Job"), 1)
         await prov.settle([Settlement(d, RetryAfter(delay=timedelta(0), error="again")) for d in got])
     assert await prepared(prov) == []
+    async with prov.engine.connect() as conn:  # nor would SQLAlchemy's own statements be, ever
+        raw = await conn.get_raw_connection()
+        assert raw.driver_connection.prepare_threshold is None
 
 
 async def test_driver_errors_become_the_kits_errors(pg_db, monkeypatch):
