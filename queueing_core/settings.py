@@ -69,6 +69,12 @@ class QueueingSettings(BaseSettings):
         "own: faster, and a database crash just after a claim only hands its messages out again "
         "(a second delivery, never a loss).",
     )
+    database_prepared_statements: bool = Field(
+        default=True,
+        description="PostgreSQL: claims, renewals and settlements run as server-side prepared statements. "
+        "`false` for a pooler that cannot keep them (PgBouncer in transaction mode before 1.21, or "
+        "without `max_prepared_statements`): then no statement is prepared on the kit's connections.",
+    )
     archive_after: timedelta | None = Field(
         default=timedelta(days=7),
         description="SQL: archive messages this long after they settled in one of "

@@ -37,6 +37,12 @@ def _sql_error() -> BaseException:
     return sa.exc.OperationalError("INSERT ... (injected)", {}, ConnectionResetError("connection reset"))
 
 
+def _pg_error() -> BaseException:
+    import psycopg
+
+    return psycopg.OperationalError("server closed the connection unexpectedly (injected)")
+
+
 def _azure_error() -> BaseException:
     from azure.core.exceptions import ServiceRequestError
 
@@ -124,6 +130,14 @@ def _sql_points() -> list[CallPoint]:
     return [CallPoint("sql.execute", lambda rt: AsyncConnection, "execute", _sql_error)]
 
 
+def _postgres_points() -> list[CallPoint]:
+    """SQLAlchemy's statements, and the hot path's round trips on psycopg's connection (claims,
+    renewals, settlements), which fail with psycopg's own error."""
+    from queueing_core.providers.sql.driver import DriverPath
+
+    return [*_sql_points(), CallPoint("pg.round_trip", lambda rt: DriverPath, "round_trip", _pg_error)]
+
+
 def _inprocess_points() -> list[CallPoint]:
     from queueing_core.providers.inprocess import InProcessProvider
     from queueing_core.tracking.memory import MemoryTracker
@@ -200,7 +214,7 @@ KITS: dict[str, Kit] = {
         "in-process provider promises nothing across a process's death)",
     ),
     "sqlite": Kit("sqlite", _sql_points, _sql_places),
-    "postgres": Kit("postgres", _sql_points, _sql_places),
+    "postgres": Kit("postgres", _postgres_points, _sql_places),
     "storage_queue": Kit("storage_queue", _storage_points, _storage_places),
     "servicebus": Kit("servicebus", _servicebus_points, _counted_places),
     "rabbitmq": Kit("rabbitmq", _rabbitmq_points, _counted_places),

@@ -14,14 +14,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Literal
 
+from ..sql.errors import first_line as first_line  # one wording of an error in a log line
+
 log = logging.getLogger("queueing.delayed")
 
 BreakerState = Literal["closed", "failing", "open"]
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 class CircuitBreaker:

@@ -46,8 +46,6 @@ def forward_failed_record(env: Envelope, description: str, now: datetime) -> Mes
     )
 
 
-
-
 def mark_repeated(item: DelayedMessage) -> DelayedMessage:
     """``item`` with its envelope marked as a possible second forward (visible in its headers)."""
     try:

@@ -35,26 +35,19 @@ from ...clock import Clock, as_utc, opt_utc, utcnow
 from ...envelope import Envelope
 from ...errors import ProviderError, ProviderUnavailable
 from ...naming import Transport
+from ..sql import errors as sql_errors
 from ..sql.listener import channel_name
 from ..sql.provider import SqlProvider
-from .breaker import CircuitBreaker, first_line
+from .breaker import CircuitBreaker
 
 log = logging.getLogger("queueing.delayed")
-
-_DB_DOWN = (OSError, ConnectionError, sa.exc.OperationalError, sa.exc.InterfaceError)
 
 
 @contextlib.contextmanager
 def db_boundary(action: str) -> Iterator[None]:
-    """Driver errors become the kit's: unreachable -> ProviderUnavailable, the rest -> ProviderError."""
-    try:
+    """The SQL provider's translation of driver errors, naming the delayed store."""
+    with sql_errors.db_boundary(action, store="delayed store"):
         yield
-    except ProviderError:
-        raise
-    except _DB_DOWN as exc:
-        raise ProviderUnavailable(f"delayed store unreachable during {action}: {first_line(exc)}") from None
-    except sa.exc.SQLAlchemyError as exc:
-        raise ProviderError(f"delayed store: {action} failed: {first_line(exc)}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,13 @@ def libpq_conninfo(url: URL) -> str:
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def create_engine(url: str | URL, *, password: PasswordSource | None = None, **kwargs: Any) -> AsyncEngine:
+def create_engine(
+    url: str | URL,
+    *,
+    password: PasswordSource | None = None,
+    prepared_statements: bool = True,
+    **kwargs: Any,
+) -> AsyncEngine:
     u = normalize_url(url)
     if u.get_backend_name() == "sqlite":
         # one connection per process: SQLite has one writer, and transactions queued on the pool wait
@@ -76,6 +82,10 @@ def create_engine(url: str | URL, *, password: PasswordSource | None = None, **k
         "connect_args": {"connect_timeout": retry_policy.PG_CONNECT_TIMEOUT},
     }
     opts.update(kwargs)
+    if not prepared_statements:
+        # a pooler that cannot keep server-side prepared statements (PgBouncer in transaction mode
+        # before 1.21, or without max_prepared_statements): psycopg never prepares on these connections
+        opts["connect_args"] = {**opts.get("connect_args", {}), "prepare_threshold": None}
     if password is not None:
         opts["async_creator"] = _connector(u, password, opts.pop("connect_args", {}))
     return create_async_engine(u, **opts)

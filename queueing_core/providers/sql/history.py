@@ -230,7 +230,7 @@ class SideStores:
         **sign_in: Any,
     ) -> None:
         # LISTEN is off: the SQL provider's queue wake-ups mean nothing here (the delayed store
-        # listens on its own channel). ``sign_in``: database_auth, client_id, credential.
+        # listens on its own channel). ``sign_in``: database_auth, client_id, credential, prepared_statements.
         self.sql = SqlProvider(
             url,
             schema=schema,
@@ -255,6 +255,7 @@ class SideStores:
             connect_retries=settings.connect_retries,
             database_auth=settings.database_auth,
             client_id=settings.database_client_id,
+            prepared_statements=settings.database_prepared_statements,
         )
 
     def delayed_store(self, transport: Transport) -> SqlDelayedStore:

@@ -7,6 +7,9 @@
 - Finalize: every claim sets a new lease token on the row, and every settlement, renewal and release
   is an UPDATE guarded by that token (and ``status = 'Leased'``), so a run whose lease expired or was
   released never overwrites the outcome of the run that holds it now, even in the same process.
+- Hot path (PostgreSQL): claims, renewals and settlements run on psycopg's own connection, the
+  statements compiled once from the Core definitions in ``statements``, prepared, and a settlement
+  batch pipelined into one round trip and one commit (see ``driver``).
 - Wake-ups: ``pg_notify`` in the enqueuing transaction, one LISTEN connection per worker; the worker's
   adaptive polling is the fallback (and the only mechanism on SQLite across processes).
 - Maintenance (every few seconds, safe to run on every host at once): expired leases back to retry
@@ -41,13 +44,16 @@ from ...transport import Capabilities, Delivery, Settlement
 from . import idempotent as sql_idempotent
 from . import ops as sql_ops
 from .control import CANCEL_PREFIX, SqlControlStore
+from .driver import DriverPath, HotStatements
 from .engine import create_engine, normalize_url, redact
 from .entra import DatabaseAuth, EntraPassword, uses_entra
+from .errors import down_errors
 from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
 from .schema import DONE_PREFIX, LATEST, Tables, current_version, migrate
-from .statements import Statements, bind
+from .statements import Statements, bind, leases_of
+from .statements import notify_statement as notify_statement  # the outbox's wake-ups
 from .tracker import SqlTracker
 
 if TYPE_CHECKING:
@@ -60,7 +66,6 @@ log = logging.getLogger("queueing.sql")
 LEASED = MessageStatus.LEASED.value
 #: from this many rows, enqueue_many uses COPY (below, one INSERT statement is cheaper)
 COPY_FROM = 64
-_DB_DOWN = (OSError, sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DBAPIError, ConnectionError)
 
 
 def initial_status(app: QueueingApp | None, env: Envelope) -> str:
@@ -83,14 +88,10 @@ def insert_statement(tables: Tables, backend: str) -> sa.Insert:
     return stmt
 
 
-def notify_statement(channel: str, queue: str) -> sa.Select[Any]:
-    return sa.select(sa.func.pg_notify(channel, queue))
-
-
-def _many(deliveries: Sequence[Delivery], **values: Any) -> dict[str, Any]:
+def _many(backend: str, deliveries: Sequence[Delivery], **values: Any) -> dict[str, Any]:
     """Parameters of a statement on many leased rows: their ids and their (id, token) fences."""
     leases: list[Lease] = [d.handle for d in deliveries]
-    return bind(ids=[x.row for x in leases], leases=[tuple(x) for x in leases], **values)
+    return {**leases_of(backend, [x.row for x in leases], [x.token for x in leases]), **bind(**values)}
 
 
 def channel_for(schema: str | None) -> str:
@@ -121,6 +122,7 @@ class SqlProvider:
         pool_size: int = 5,
         max_overflow: int = 10,
         claim_pool_size: int = 2,
+        prepared_statements: bool = True,
     ) -> None:
         self.url = normalize_url(url)
         self.backend = self.url.get_backend_name()
@@ -165,7 +167,12 @@ class SqlProvider:
         #: result waiters of this process, by message id: NOTIFY sets their events (see ``watch_result``)
         self._result_waiters: dict[UUID, set[asyncio.Event]] = defaultdict(set)
         self._next_due: dict[str, datetime] = {}
-        self.statements = Statements(self.tables, self.worker_id)
+        self.statements = Statements(self.tables, self.worker_id, self.backend)
+        #: PostgreSQL: claims, renewals and settlements on psycopg's connection (see ``driver``), with
+        #: server-side prepared statements unless a pooler in front of the server cannot keep them
+        self.prepared_statements = prepared_statements
+        self._driver = DriverPath(prepare=prepared_statements)
+        self._hot: HotStatements | None = None
         self._auto: AsyncEngine | None = None
         self._claims: AsyncEngine | None = None
         self._control = SqlControlStore(self)
@@ -223,7 +230,10 @@ class SqlProvider:
                 # SQLite keeps its one connection per process (its single writer): see create_engine
                 pools = {"pool_size": self.pool_size, "max_overflow": self.max_overflow}
                 self._engine = create_engine(
-                    self.url, password=self._password, **(pools if self.backend == "postgresql" else {})
+                    self.url,
+                    password=self._password,
+                    prepared_statements=self.prepared_statements,
+                    **(pools if self.backend == "postgresql" else {}),
                 )
             self._auto = self._engine.execution_options(isolation_level="AUTOCOMMIT")
             if self.backend == "postgresql" and not self.durable_claims:
@@ -232,10 +242,13 @@ class SqlProvider:
                     password=self._password,
                     pool_size=self.claim_pool_size,
                     max_overflow=min(2 * self.claim_pool_size, self.max_overflow),
+                    prepared_statements=self.prepared_statements,
                     connect_args={"options": "-c synchronous_commit=off"},
                 ).execution_options(isolation_level="AUTOCOMMIT")
             else:
                 self._claims = self._auto
+            if self.backend == "postgresql":
+                self._hot = HotStatements(self.statements, self._engine.dialect)
             await self._wait_for_database()
             if self.auto_migrate:
                 applied = await migrate(self.engine, self.tables, now=self.clock)
@@ -254,12 +267,13 @@ class SqlProvider:
 
     async def _wait_for_database(self) -> None:
         delay = 0.5
+        unreachable: tuple[type[BaseException], ...] = (*down_errors(), sa.exc.DBAPIError)
         for attempt in range(1, self.connect_retries + 2):
             try:
                 async with self.engine.connect() as conn:
                     await conn.execute(sa.text("SELECT 1"))
                 return
-            except _DB_DOWN as exc:
+            except unreachable as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 if attempt > self.connect_retries:
                     raise ProviderUnavailable(
@@ -282,6 +296,7 @@ class SqlProvider:
         if self._claims is not None and self._claims is not self._auto:
             await self._claims.dispose()
         self._claims = self._auto = None
+        self._hot = None
         if self._engine is not None and self._own_engine:
             await self._engine.dispose()
             self._engine = None
@@ -301,7 +316,7 @@ class SqlProvider:
         """``pg_notify`` each queue inside the caller's transaction: delivered at commit."""
         if self.backend == "postgresql":
             for q in sorted(queues):
-                await conn.execute(notify_statement(self.channel, q))
+                await conn.execute(self.statements.notify, bind(channel=self.channel, queue=q))
 
     async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
         # every send commits before returning, so ``wait`` (durably accepted) holds either way
@@ -350,9 +365,15 @@ class SqlProvider:
             queue=sub.queue, now=now, lease_until=now + sub.options.lease_duration, limit=max_messages
         )
         # ordered queues take the head of the line only (a retried head holds the rest back)
-        stmt = self.statements.claim_head if sub.options.ordered else self.statements.claim
-        async with self.claims.connect() as conn:
-            rows = (await conn.execute(stmt, params)).mappings().all()
+        rows: Sequence[Any]
+        if self._hot is not None:
+            hot = self._hot.claim_head if sub.options.ordered else self._hot.claim
+            [claimed] = await self._driver.run(self.claims, "a claim", [(hot, params)])
+            rows = claimed.rows
+        else:
+            stmt = self.statements.claim_head if sub.options.ordered else self.statements.claim
+            async with self.claims.connect() as conn:
+                rows = (await conn.execute(stmt, params)).mappings().all()
         deliveries = [delivery_from_row(r) for r in rows]
         deliveries.sort(key=lambda d: d.handle)
         return deliveries
@@ -493,12 +514,58 @@ class SqlProvider:
             return
         now = self.clock()
         fast, shaped, wake = self._settle_params(settlements, now)
+        refused: list[Delivery]
+        if self._hot is not None:
+            refused = await self._settle_hot(fast, shaped, wake, now)
+        else:
+            refused = await self._settle_engine(fast, shaped, wake, now)
+        for d in refused:
+            d.refused = True
+        if refused:
+            log.warning("%d outcome(s) not recorded: their lease had passed to another run", len(refused))
+
+    async def _settle_hot(
+        self,
+        fast: list[Delivery],
+        shaped: dict[str, list[tuple[Delivery, dict[str, Any]]]],
+        wake: set[str],
+        now: datetime,
+    ) -> list[Delivery]:
+        """PostgreSQL: the whole batch, every kind of outcome and the wake-ups, in one pipeline: one
+        round trip and one commit. Each statement is fenced by its leases; a refused one changes nothing
+        and says so by its row count (or, for the successes, by the ids it returns)."""
+        assert self._hot is not None
+        work: list[tuple[Any, dict[str, Any]]] = []
+        if fast:
+            work.append((self._hot.complete_many, _many(self.backend, fast, now=now)))
+        singles = [d for items in shaped.values() for d, _ in items]
+        work += [(self._hot.settle[shape], p) for shape, items in shaped.items() for _, p in items]
+        work += [(self._hot.notify, bind(channel=self.channel, queue=q)) for q in sorted(wake)]
+        results = await self._driver.run(self.auto, "a settlement", work)
+        refused: list[Delivery] = []
+        if fast:
+            done = {r["id"] for r in results[0].rows}
+            refused += [d for d in fast if d.handle.row not in done]
+        first = 1 if fast else 0
+        # (the wake-ups follow the single-row statements: zip stops at the last of those)
+        refused += [d for d, res in zip(singles, results[first:], strict=False) if res.rowcount != 1]
+        return refused
+
+    async def _settle_engine(
+        self,
+        fast: list[Delivery],
+        shaped: dict[str, list[tuple[Delivery, dict[str, Any]]]],
+        wake: set[str],
+        now: datetime,
+    ) -> list[Delivery]:
         refused: list[Delivery] = []
         if fast:
             # the common batch (all successes): one autocommit round trip that says what it settled
             async with self.auto.connect() as conn:
                 done = set(
-                    (await conn.execute(self.statements.complete_many, _many(fast, now=now))).scalars()
+                    (
+                        await conn.execute(self.statements.complete_many, _many(self.backend, fast, now=now))
+                    ).scalars()
                 )
             refused += [d for d in fast if d.handle.row not in done]
         for shape, items in shaped.items():
@@ -506,10 +573,7 @@ class SqlProvider:
         if wake and self.backend == "postgresql":
             async with self.auto.connect() as conn:
                 await self.notify_statements(conn, wake)
-        for d in refused:
-            d.refused = True
-        if refused:
-            log.warning("%d outcome(s) not recorded: their lease had passed to another run", len(refused))
+        return refused
 
     async def _settle_each(
         self, stmt: sa.Update, items: list[tuple[Delivery, dict[str, Any]]]
@@ -542,17 +606,28 @@ class SqlProvider:
         for d in deliveries:
             by_queue[d.queue].append(d)
         lost: list[Delivery] = []
-        async with self.claims.connect() as conn:
-            for queue, ds in by_queue.items():
-                sub = self._app.by_queue().get(queue)
-                until = now + (sub.options.lease_duration if sub else timedelta(seconds=30))
-                res = await conn.execute(self.statements.renew, _many(ds, until=until))
-                kept = set(res.scalars())
-                for d in ds:
-                    if d.handle.row in kept:
-                        d.lease_until = until
-                    else:
-                        lost.append(d)
+        groups: list[tuple[list[Delivery], datetime, dict[str, Any]]] = []
+        for queue, ds in by_queue.items():
+            sub = self._app.by_queue().get(queue)
+            until = now + (sub.options.lease_duration if sub else timedelta(seconds=30))
+            groups.append((ds, until, _many(self.backend, ds, until=until)))
+        kept_per_group: list[set[int]]
+        if self._hot is not None:
+            # every queue's renewal in one pipeline (one round trip), on the claims' connections
+            hot = self._hot.renew
+            results = await self._driver.run(self.claims, "a lease renewal", [(hot, p) for _, _, p in groups])
+            kept_per_group = [{r["id"] for r in res.rows} for res in results]
+        else:
+            kept_per_group = []
+            async with self.claims.connect() as conn:
+                for _, _, params in groups:
+                    kept_per_group.append(set((await conn.execute(self.statements.renew, params)).scalars()))
+        for (ds, until, _), kept in zip(groups, kept_per_group, strict=True):
+            for d in ds:
+                if d.handle.row in kept:
+                    d.lease_until = until
+                else:
+                    lost.append(d)
         return lost
 
     # -- ops actions (the ops service decides; these carry out, guarded by the state it saw) ---------

@@ -6,9 +6,11 @@ batch was a third of the worker's CPU. These objects are reused with new paramet
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from ...decisions import DeadLetterReason
 from ...messages import MessageStatus
@@ -49,8 +51,27 @@ def claim_columns(m: sa.Table) -> list[sa.ColumnElement[Any]]:
     ]
 
 
+def leases_of(backend: str, rows: Sequence[int], tokens: Sequence[int]) -> dict[str, Any]:
+    """The bound values of a many-row fence (:attr:`Statements.complete_many`, :attr:`Statements.renew`)
+    for ``backend``: two arrays on PostgreSQL, expanded lists elsewhere."""
+    if backend == "postgresql":
+        return bind(ids=list(rows), tokens=list(tokens))
+    return bind(ids=list(rows), leases=list(zip(rows, tokens, strict=True)))
+
+
+def constants(values: Sequence[str]) -> list[sa.ColumnElement[str]]:
+    """The kit's own constants as SQL literals: an ``IN`` of them is part of the statement's one text
+    (a bound list would be expanded per execution, and the hot path compiles each statement once)."""
+    return [sa.literal_column(f"'{v}'") for v in values]
+
+
+def notify_statement(channel: Any, queue: Any) -> sa.Select[Any]:
+    """``pg_notify`` of a queue's wake-up (values, or bind parameters for a reusable statement)."""
+    return sa.select(sa.func.pg_notify(channel, queue))
+
+
 class Statements:
-    def __init__(self, tables: Tables, worker_id: str) -> None:
+    def __init__(self, tables: Tables, worker_id: str, backend: str = "sqlite") -> None:
         m, p, c = tables.messages, tables.pauses, tables.circuits
         now = P("now")
         self.not_paused = ~sa.exists().where(
@@ -88,13 +109,21 @@ class Statements:
             .with_for_update(skip_locked=True)
             .cte("due")
         )
-        self.claim = sa.update(m).where(m.c.id == due.c.id).values(**take).returning(*claim_columns(m))
+        # PostgreSQL: the claimed ids as one array, so the plan the server keeps for the prepared claim
+        # (a generic plan, with no values) fetches those rows by primary key; a join with the CTE is
+        # planned for a LIMIT of unknown size and hashes a scan of the whole table
+        taken = (
+            m.c.id == sa.any_(sa.func.array(sa.select(due.c.id).scalar_subquery()))
+            if backend == "postgresql"
+            else m.c.id == due.c.id
+        )
+        self.claim = sa.update(m).where(taken).values(**take).returning(*claim_columns(m))
 
         # ordered queues: the oldest message that holds the line, and only if it is due
         holds = sa.or_(
             m.c.status == LEASED,
             sa.and_(
-                m.c.status.in_(CLAIMABLE),
+                m.c.status.in_(constants(CLAIMABLE)),
                 sa.or_(m.c.available_at <= now, m.c.attempt > 0, m.c.status != MessageStatus.SLEEPING.value),
             ),
         )
@@ -109,7 +138,7 @@ class Statements:
             sa.update(m)
             .where(
                 m.c.id == head,
-                m.c.status.in_(CLAIMABLE),
+                m.c.status.in_(constants(CLAIMABLE)),
                 m.c.available_at <= now,
                 self.not_paused,
                 self.not_held,
@@ -137,12 +166,24 @@ class Statements:
         owned = sa.and_(
             m.c.id == P("id"), m.c.lease_token == P("token"), m.c.locked_by == worker_id, m.c.status == LEASED
         )
-        owned_many = sa.and_(
-            m.c.id.in_(P("ids", expanding=True)),
-            sa.tuple_(m.c.id, m.c.lease_token).in_(P("leases", expanding=True)),
-            m.c.locked_by == worker_id,
-            m.c.status == LEASED,
-        )
+        # On PostgreSQL the rows and tokens are two arrays: the statement's text is the same for any
+        # number of rows, so the server keeps one prepared plan for it (an expanded ``IN (...)`` would be
+        # a new statement for every batch size)
+        fence: sa.ColumnElement[bool]
+        if backend == "postgresql":
+            ids = P("ids", type_=ARRAY(sa.BigInteger()))
+            tokens = P("tokens", type_=ARRAY(sa.Integer()))
+            pairs = sa.func.unnest(ids, tokens).table_valued("id", "token").render_derived(name="lease")
+            fence = sa.and_(
+                m.c.id == sa.any_(ids),
+                sa.tuple_(m.c.id, m.c.lease_token).in_(sa.select(pairs.c.id, pairs.c.token)),
+            )
+        else:
+            fence = sa.and_(
+                m.c.id.in_(P("ids", expanding=True)),
+                sa.tuple_(m.c.id, m.c.lease_token).in_(P("leases", expanding=True)),
+            )
+        owned_many = sa.and_(fence, m.c.locked_by == worker_id, m.c.status == LEASED)
         released: dict[str, Any] = {"locked_by": None, "locked_until": None, "updated_at": now}
         settled = {**released, "settled_at": now}
         self.complete_many = (
@@ -197,6 +238,7 @@ class Statements:
         }
 
         self.renew = sa.update(m).where(owned_many).values(locked_until=P("until")).returning(m.c.id)
+        self.notify = notify_statement(P("channel", type_=sa.Text()), P("queue", type_=sa.Text()))
 
         # PostgreSQL enqueue: the whole batch as arrays in one statement, with its wake-ups
         self.insert_unnest = sa.text(f"""

@@ -1,0 +1,149 @@
+"""The PostgreSQL hot path: claims, lease renewals and settlements on psycopg's own async connection.
+
+SQLAlchemy runs the async driver through its greenlet bridge: every statement crosses it, and its
+result machinery wraps every row. On the hot path (a claim and a settlement per batch, renewals) that
+was a quarter of the worker's CPU. Here the same statements run on the psycopg connection itself:
+
+- **one source of SQL**: the statements are still the SQLAlchemy Core objects of ``statements``,
+  compiled once per provider for the psycopg dialect (:class:`Compiled`): the text, the constant values
+  the statement binds, and SQLAlchemy's bind processors (JSON) are kept and reused;
+- **the same connections**: each call borrows a connection from the provider's SQLAlchemy pool (the
+  ``claims`` engine for claims and renewals, the autocommit engine for settlements), so the pools'
+  sizes, the Entra token sign-in of each new connection and ``synchronous_commit=off`` on relaxed
+  claims are exactly those of the rest of the provider;
+- **prepared statements**: each statement is prepared on the server at its first use on a connection
+  (off when the provider's ``prepared_statements`` is false: poolers that cannot keep them);
+- **pipeline mode**: a settlement batch (every kind of outcome and its wake-ups) or a renewal of
+  several queues is one round trip. The statements between two syncs run in one implicit transaction,
+  so the batch commits (one WAL flush) or fails as a whole, as the transaction of the SQLAlchemy path
+  did; a statement whose lease guard refuses its row changes nothing and fails nothing, and its own row
+  count says which one it was.
+
+Errors of psycopg go through the provider's one translation (``errors.db_boundary``); a connection
+psycopg reports broken is invalidated in SQLAlchemy's pool, as SQLAlchemy does on a disconnect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from .errors import db_boundary
+
+if TYPE_CHECKING:
+    import psycopg
+    from sqlalchemy.sql.compiler import SQLCompiler
+
+
+@functools.cache
+def _reusable() -> frozenset[Any]:
+    """Where a connection may go back to the pool: between statements (the pool's reset rolls back)."""
+    from psycopg.pq import TransactionStatus
+
+    return frozenset({TransactionStatus.IDLE, TransactionStatus.INTRANS, TransactionStatus.INERROR})
+
+
+class Compiled:
+    """One statement as psycopg receives it: SQL text with named placeholders, its constant values,
+    and the processors SQLAlchemy would apply to the values bound at run time."""
+
+    def __init__(self, stmt: sa.ClauseElement, dialect: sa.Dialect) -> None:
+        compiled = cast("SQLCompiler", stmt.compile(dialect=dialect))
+        if compiled.literal_execute_params or compiled.post_compile_params:
+            # an expanding IN has a new text per number of values: not one statement to prepare
+            raise ValueError("a hot-path statement must have one text for any values (no expanding IN)")
+        self.sql: str = compiled.string
+        self.defaults: dict[str, Any] = dict(compiled.params)
+        #: the values each execution must bring (a forgotten one must not run as NULL)
+        self.required = frozenset(name for name, bp in compiled.binds.items() if bp.required)
+        # (a sequence of processors belongs to a tuple-valued parameter: the hot path binds none)
+        self.processors: dict[str, Callable[[Any], Any]] = {
+            k: f for k, f in compiled._bind_processors.items() if callable(f)
+        }
+
+    def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        if not self.required <= values.keys():
+            raise ValueError(f"no value for {sorted(self.required - values.keys())}")
+        out = {**self.defaults, **values}
+        for name, process in self.processors.items():
+            out[name] = process(out[name])
+        return out
+
+
+@dataclass
+class Result:
+    """What one statement of a round trip did: its row count and the rows it returned."""
+
+    rowcount: int
+    rows: list[dict[str, Any]]
+
+
+class DriverPath:
+    """Runs compiled statements on the psycopg connection under a SQLAlchemy pooled connection."""
+
+    def __init__(self, *, prepare: bool) -> None:
+        self.prepare = prepare
+
+    @contextlib.asynccontextmanager
+    async def connection(self, engine: AsyncEngine) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        async with engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
+            try:
+                yield pg
+            except BaseException:
+                # broken, or left inside a statement (a cancellation mid-round-trip): not reusable, so
+                # out of the pool, as SQLAlchemy does itself on a disconnect
+                if pg.broken or pg.closed or pg.info.transaction_status not in _reusable():
+                    await conn.invalidate()
+                raise
+
+    async def run(
+        self, engine: AsyncEngine, action: str, work: Sequence[tuple[Compiled, Mapping[str, Any]]]
+    ) -> list[Result]:
+        """``work`` in one round trip on a connection of ``engine``, errors translated."""
+        with db_boundary(action):
+            async with self.connection(engine) as pg:
+                return await self.round_trip(pg, work)
+
+    async def round_trip(
+        self, pg: psycopg.AsyncConnection[Any], work: Sequence[tuple[Compiled, Mapping[str, Any]]]
+    ) -> list[Result]:
+        """One statement alone, or several in a pipeline (one implicit transaction, one sync)."""
+        from psycopg.rows import dict_row
+
+        if len(work) == 1:
+            stmt, values = work[0]
+            cur = pg.cursor(row_factory=dict_row)
+            await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare)
+            return [await _result(cur)]
+        cursors = []
+        async with pg.pipeline():
+            for stmt, values in work:
+                cur = pg.cursor(row_factory=dict_row)
+                await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare)
+                cursors.append(cur)
+        return [await _result(cur) for cur in cursors]
+
+
+async def _result(cur: psycopg.AsyncCursor[dict[str, Any]]) -> Result:
+    rows = await cur.fetchall() if cur.description is not None else []
+    return Result(cur.rowcount, rows)
+
+
+class HotStatements:
+    """The hot path's statements of a provider (``statements.Statements``), compiled for psycopg."""
+
+    def __init__(self, statements: Any, dialect: sa.Dialect) -> None:
+        self.claim = Compiled(statements.claim, dialect)
+        self.claim_head = Compiled(statements.claim_head, dialect)
+        self.complete_many = Compiled(statements.complete_many, dialect)
+        self.settle = {shape: Compiled(stmt, dialect) for shape, stmt in statements.settle.items()}
+        self.renew = Compiled(statements.renew, dialect)
+        self.notify = Compiled(statements.notify, dialect)

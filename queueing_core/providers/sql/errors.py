@@ -1,0 +1,51 @@
+"""The kit's one translation of database driver errors: unreachable -> ProviderUnavailable, the rest of
+the driver's failures -> ProviderError. It covers SQLAlchemy's wrapped errors and psycopg's own, which
+the PostgreSQL hot path (``driver``) meets without SQLAlchemy in between."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import sqlalchemy as sa
+
+from ...errors import ProviderError, ProviderUnavailable
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+@functools.cache
+def _psycopg() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """psycopg's (connection-level, every) error classes; none when the driver is not installed."""
+    try:
+        import psycopg
+    except ImportError:  # a SQLite-only install
+        return (), ()
+    return (psycopg.OperationalError, psycopg.InterfaceError), (psycopg.Error,)
+
+
+def down_errors() -> tuple[type[BaseException], ...]:
+    """Errors that say the database cannot be reached (or the connection broke): worth a retry."""
+    return (OSError, ConnectionError, sa.exc.OperationalError, sa.exc.InterfaceError, *_psycopg()[0])
+
+
+def driver_errors() -> tuple[type[BaseException], ...]:
+    """Every error of the database layer (the statement failed, for whatever reason)."""
+    return (sa.exc.SQLAlchemyError, *_psycopg()[1])
+
+
+@contextlib.contextmanager
+def db_boundary(action: str, store: str = "database") -> Iterator[None]:
+    """Driver errors become the kit's: unreachable -> ProviderUnavailable, the rest -> ProviderError."""
+    try:
+        yield
+    except ProviderError:
+        raise
+    except down_errors() as exc:
+        raise ProviderUnavailable(f"{store} unreachable during {action}: {first_line(exc)}") from None
+    except driver_errors() as exc:
+        raise ProviderError(f"{store}: {action} failed: {first_line(exc)}") from None

@@ -1,0 +1,210 @@
+"""The PostgreSQL hot path runs on psycopg's own connection: claims, renewals and settlements are
+prepared on the server at their first use there, and none of them goes through SQLAlchemy's execute
+(its greenlet bridge). Settlements keep their lease fence: a stale lease is refused, row by row."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, RetryAfter
+from queueing_core.errors import ProviderUnavailable
+from queueing_core.providers.sql.driver import DriverPath
+from queueing_core.providers.sql.rows import Lease
+from queueing_core.runtime import Runtime
+from queueing_core.tracking import MessageQuery
+from queueing_core.transport import Settlement
+
+
+@queue("hot")
+class Job(QueueMessage):
+    n: int
+
+
+def app() -> QueueingApp:
+    a = QueueingApp("hot")
+
+    @a.handler()
+    async def handle(msg: Job) -> None:
+        return None
+
+    return a
+
+
+async def prepared(prov) -> list[str]:
+    """The statements prepared on the provider's one pooled connection."""
+    async with prov.engine.connect() as conn:
+        rows = await conn.execute(sa.text("SELECT statement FROM pg_prepared_statements"))
+        return [str(r[0]) for r in rows]
+
+
+async def test_claim_renew_and_settle_run_prepared_on_the_driver_connection(pg_db, monkeypatch):
+    # one connection in all: the statements prepared on it are the hot path's (SQLAlchemy's own
+    # statements would need psycopg's threshold of 5 executions first)
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
+    a = app()
+    rt = Runtime(a, prov)
+    await rt.open()
+    await a.enqueue_many([Job(n=i) for i in range(4)])
+
+    through_sqlalchemy: list[str] = []
+    original = AsyncConnection.execute
+
+    async def spy(self, statement, *args, **kwargs):
+        through_sqlalchemy.append(str(statement)[:60])
+        return await original(self, statement, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncConnection, "execute", spy)
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert len(got) == 4
+    assert await prov.renew(got) == []
+    await prov.settle(
+        [
+            Settlement(got[0], Complete()),
+            Settlement(got[1], Complete()),
+            Settlement(got[2], RetryAfter(delay=timedelta(seconds=60), error="x")),
+            Settlement(got[3], DeadLetter(DeadLetterReason.NON_RETRYABLE, "no")),
+        ]
+    )
+    assert through_sqlalchemy == []  # claim, renewal and settlement: none through SQLAlchemy
+    monkeypatch.setattr(AsyncConnection, "execute", original)
+    assert not any(d.refused for d in got)
+
+    texts = await prepared(prov)
+    assert any("FOR UPDATE SKIP LOCKED" in t for t in texts), texts  # the claim
+    assert any("SET locked_until" in t for t in texts), texts  # the renewal
+    assert any("unnest" in t and "settled_at" in t for t in texts), texts  # the batch of successes
+    assert any("last_error" in t for t in texts), texts  # the retry settlement
+    statuses = {r.status for r in (await rt.tracker.query(MessageQuery(queue="hot"))).items}
+    assert statuses == {"Succeeded", "Failed", "DeadLettered"}
+
+
+async def test_a_stale_lease_is_refused_in_the_pipeline_and_the_rest_commit(pg_db):
+    prov = pg_db.provider(listen=False)
+    a = app()
+    rt = Runtime(a, prov)
+    await rt.open()
+    await a.enqueue_many([Job(n=i) for i in range(3)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert len(got) == 3
+    # the first two carry a token another claim has since replaced (one plain success, one retry)
+    for d in got[:2]:
+        d.handle = Lease(d.handle.row, d.handle.token - 1)
+    await prov.settle(
+        [
+            Settlement(got[0], Complete()),
+            Settlement(got[1], RetryAfter(delay=timedelta(seconds=60), error="x")),
+            Settlement(got[2], RetryAfter(delay=timedelta(seconds=60), error="y")),
+        ]
+    )
+    assert [d.refused for d in got] == [True, True, False]
+    async with prov.engine.connect() as conn:
+        m = prov.tables.messages
+        rows = dict((await conn.execute(sa.select(m.c.id, m.c.status))).all())
+    assert rows[got[0].handle.row] == "Leased"
+    assert rows[got[1].handle.row] == "Leased"
+    assert rows[got[2].handle.row] == "Failed"
+
+
+async def test_without_prepared_statements_nothing_is_prepared(pg_db):
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False, prepared_statements=False)
+    a = app()
+    rt = Runtime(a, prov)
+    await rt.open()
+    await a.enqueue_many([Job(n=i) for i in range(2)])
+    for _ in range(7):  # past psycopg's automatic threshold as well
+        got = await prov.receive(a.subscription("Job"), 1)
+        await prov.settle([Settlement(d, RetryAfter(delay=timedelta(0), error="again")) for d in got])
+    assert await prepared(prov) == []
+    async with prov.engine.connect() as conn:  # nor would SQLAlchemy's own statements be, ever
+        raw = await conn.get_raw_connection()
+        assert raw.driver_connection.prepare_threshold is None
+
+
+async def test_driver_errors_become_the_kits_errors(pg_db, monkeypatch):
+    import psycopg
+
+    prov = pg_db.provider(listen=False)
+    a = app()
+    await Runtime(a, prov).open()
+
+    async def broken(self, pg, work):
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(DriverPath, "round_trip", broken)
+    with pytest.raises(ProviderUnavailable, match="claim"):
+        await prov.receive(a.subscription("Job"), 10)
+
+
+async def test_a_round_trip_cancelled_midway_leaves_the_pool_usable(pg_db):
+    """A cancelled task (a host shutting down) can leave psycopg's connection inside a statement; it
+    must not go back to the pool as it is: the next claim on the same one-connection pool works."""
+    from queueing_core.providers.sql.driver import Compiled
+
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
+    a = app()
+    await Runtime(a, prov).open()
+    await a.enqueue_many([Job(n=1)])
+    slow = Compiled(sa.select(sa.func.pg_sleep(20)), prov.engine.dialect)
+    task = asyncio.create_task(prov._driver.run(prov.auto, "a slow statement", [(slow, {})]))
+    engine = pg_db.sync_engine()
+    try:
+        for _ in range(300):  # until the server runs it (30 s at most)
+            with engine.connect() as conn:
+                running = conn.execute(
+                    sa.text("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%'")
+                ).scalar_one()
+            if running:
+                break
+            await asyncio.sleep(0.1)
+        assert running, "the slow statement never started"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        engine.dispose()
+    got = await asyncio.wait_for(prov.receive(a.subscription("Job"), 10), 30)
+    assert [d.envelope.body["n"] for d in got if d.envelope is not None] == [1]
+
+
+async def test_the_prepared_claims_generic_plan_reads_no_whole_table(pg_db):
+    """The server keeps a generic plan (no values) for a prepared statement once it costs no more than
+    planning each time. The claim's must fetch the claimed rows by key, not hash a scan of the table."""
+    import re
+
+    import psycopg
+
+    prov = pg_db.provider(listen=False)
+    a = app()
+    await Runtime(a, prov).open()
+    for _ in range(5):
+        await a.enqueue_many([Job(n=i) for i in range(1000)])
+    assert prov._hot is not None
+    names: list[str] = []
+
+    def positional(m: re.Match[str]) -> str:
+        if m[1] not in names:
+            names.append(m[1])
+        return f"${names.index(m[1]) + 1}"
+
+    sql = re.sub(r"%\((\w+)\)s", positional, prov._hot.claim.sql)
+    async with await psycopg.AsyncConnection.connect(
+        pg_db.url.replace("+psycopg", ""), autocommit=True
+    ) as pg:
+        await pg.execute(f"SET search_path = {pg_db.schema}")
+        await pg.execute(f"ANALYZE {pg_db.schema}.queueing_messages")
+        await pg.execute("SET plan_cache_mode = force_generic_plan")
+        await pg.execute(f"PREPARE claim AS {sql}")
+        now = "now()"
+        values = {"b_queue": "'hot'", "b_now": now, "b_lease_until": now, "b_limit": "10"}
+        args = ", ".join(values.get(n, repr(prov._hot.claim.defaults[n])) for n in names)
+        async with pg.transaction(force_rollback=True):
+            plan = [r[0] for r in await (await pg.execute(f"EXPLAIN EXECUTE claim({args})")).fetchall()]
+    text = "\n".join(plan)
+    assert "Seq Scan on queueing_messages" not in text, text
+    assert "queueing_messages_pkey" in text, text
