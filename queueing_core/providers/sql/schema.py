@@ -477,6 +477,14 @@ def _v9(conn: sa.Connection, tables: Tables) -> None:
 DONE_PREFIX = "\x1fdone\x1f"
 
 
+def done_channel_for(schema: str | None) -> str:
+    """The NOTIFY channel of those payloads: not the queue wake-up channel, which hosts of an older
+    version hear and would keep a wake-up event for, one per awaited message, never removed."""
+    from .listener import channel_name
+
+    return channel_name("queueing_done", schema)
+
+
 def _v10(conn: sa.Connection, tables: Tables) -> None:
     """Idempotent identities for the brokers that keep their history here, and result waiters woken by
     NOTIFY (PostgreSQL).
@@ -497,11 +505,9 @@ def _v10(conn: sa.Connection, tables: Tables) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {m.fullname} ADD COLUMN awaited BOOLEAN NOT NULL DEFAULT false")
     if conn.dialect.name != "postgresql":
         return
-    from .listener import channel_name
-
     schema = tables.metadata.schema
     fn = f"{schema}.queueing_notify_done" if schema else "queueing_notify_done"
-    channel = channel_name("queueing", schema).replace("'", "''")
+    channel = done_channel_for(schema).replace("'", "''")
     final = ", ".join(f"'{s.value}'" for s in MessageStatus.terminal())
     # identifiers from the table metadata, the channel from the validated schema name, statuses from
     # the enum: nothing from input
