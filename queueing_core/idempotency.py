@@ -95,7 +95,9 @@ class IdentityGuard:
                 break
             doc = found[0]
             waiting = doc.get("waiting")
-            if not (waiting and waiting[2] == digest and await self._not_started(doc, UUID(waiting[0]), sent)):
+            if not (
+                waiting and waiting[2] == digest and await self._not_started(doc, UUID(waiting[0]), sent)
+            ):
                 break
             # discard only if the document is still the one read: a host that began the waiting
             # version meanwhile wrote its start marker (the token changed), and then this run is needed
@@ -193,8 +195,7 @@ class IdentityGuard:
                 if found is None:
                     return None
                 doc, token = found
-                waiting = doc.get("waiting")
-                newest = bool(waiting) and waiting[0] == mid
+                newest = (doc.get("waiting") or [None])[0] == mid
                 by = (doc.get("superseded") or {}).get(mid)
                 if by and not newest:  # a document naming the newest superseded too is damaged: run it
                     return UUID(by)

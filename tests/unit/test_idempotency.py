@@ -13,8 +13,8 @@ from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.control import MemoryControlStore
 from queueing_core.envelope import Envelope
 from queueing_core.idempotency import IdentityGuard, body_hash
-from queueing_core.pipeline import decode_message
 from queueing_core.messages import MessageStatus
+from queueing_core.pipeline import decode_message
 from queueing_core.testing import in_process, run_until_idle
 
 
@@ -101,15 +101,19 @@ async def test_a_version_sent_again_with_its_own_id_runs_rather_than_the_two_can
     r2 = await app.enqueue(CyclePrice(sku="A", cents=2))
     assert r2.supersedes == r1.message_id
     r3 = await app.enqueue(m1)  # an outbox replays m1: the same message id, now the newest version
-    assert r3.outcome == "enqueued" and r3.message_id == r1.message_id
+    assert r3.outcome == "enqueued"
+    assert r3.message_id == r1.message_id
     await rt.control.set_paused("queue", "cycle-prices", False)
     await run_until_idle(rt)
     # the newest version ran, not neither (its two copies may both run: a duplicate, never a loss)
-    assert seen and set(seen) == {1}
+    assert seen
+    assert set(seen) == {1}
     done = await rt.tracker.get(r1.message_id)
-    assert done is not None and done.status == MessageStatus.SUCCEEDED
+    assert done is not None
+    assert done.status == MessageStatus.SUCCEEDED
     older = await rt.tracker.get(r2.message_id)
-    assert older is not None and older.status == MessageStatus.CANCELLED
+    assert older is not None
+    assert older.status == MessageStatus.CANCELLED
     assert older.reason == f"superseded by {r1.message_id}"
     await rt.close()
 
@@ -131,9 +135,11 @@ async def test_the_same_json_enqueued_while_its_version_runs_runs_again():
     first = asyncio.create_task(run_until_idle(rt, max_messages=1))
     await asyncio.wait_for(started.wait(), 30)
     rec = await rt.tracker.get(r1.message_id)
-    assert rec is not None and rec.status in MessageStatus.runnable()  # the history is behind
+    assert rec is not None
+    assert rec.status in MessageStatus.runnable()
     r2 = await app.enqueue(CyclePrice(sku="B", cents=5))  # the data changed after the run read it
-    assert r2.outcome == "enqueued" and r2.message_id != r1.message_id
+    assert r2.outcome == "enqueued"
+    assert r2.message_id != r1.message_id
     gate.set()
     await asyncio.wait_for(first, 30)
     await run_until_idle(rt)
@@ -163,13 +169,16 @@ async def test_a_discard_and_a_start_of_the_waiting_version_are_ordered_by_the_d
         if not began:  # a host begins r1 right after the enqueue read the document
             began = True
             store.identity_doc = real_read  # type: ignore[method-assign]
-            assert await guard.check_start(sub, CyclePrice(sku="C", cents=7, message_id=r1.message_id)) is None
+            assert (
+                await guard.check_start(sub, CyclePrice(sku="C", cents=7, message_id=r1.message_id)) is None
+            )
         return found
 
     store.identity_doc = read_then_start  # type: ignore[method-assign]
     r2 = await app.enqueue(CyclePrice(sku="C", cents=7))
     assert began
-    assert r2.outcome == "enqueued" and r2.message_id != r1.message_id
+    assert r2.outcome == "enqueued"
+    assert r2.message_id != r1.message_id
     await rt.close()
 
 
@@ -237,11 +246,13 @@ async def test_an_operators_retry_of_a_superseded_version_that_was_dead_lettered
     await asyncio.wait_for(first, 30)
     await run_until_idle(rt, raise_errors=False)
     rec = await rt.tracker.get(r1.message_id)
-    assert rec is not None and rec.status == MessageStatus.DEAD_LETTERED
+    assert rec is not None
+    assert rec.status == MessageStatus.DEAD_LETTERED
     fail = False
     await OpsService(rt).retry(r1.message_id)
     await run_until_idle(rt, raise_errors=False)
     rec = await rt.tracker.get(r1.message_id)
-    assert rec is not None and rec.status == MessageStatus.SUCCEEDED, (rec and rec.status, rec and rec.reason)
+    assert rec is not None
+    assert rec.status == MessageStatus.SUCCEEDED, (rec.status, rec.reason)
     assert seen == [1, 2, 1]
     await rt.close()

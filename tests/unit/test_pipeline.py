@@ -404,7 +404,9 @@ async def test_a_superseded_message_settled_without_running_does_not_hold_the_ci
     assert (await control.state()).circuit("Version").state == "open"
     clock.now = T0 + timedelta(seconds=31)  # the cooldown is over: the next message would be the probe
     d = await pipe.process(delivery(prod, Version(sku="old")))
-    assert isinstance(d, Complete) and d.cancelled and d.reason == f"superseded by {newer}"
+    assert isinstance(d, Complete)
+    assert d.cancelled
+    assert d.reason == f"superseded by {newer}"
     # the probe is still there for a message that runs
     opts = Version.queue_options().circuit_breaker
     assert await control.acquire_probe("Version", opts, clock.now)
