@@ -4,6 +4,7 @@ PostgreSQL's 63-character limit (wake-up channels included)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -213,3 +214,78 @@ async def test_migration_10_upgrades_a_version_9_database_with_messages_in_it(ba
     finally:
         if schema is not None:
             await drop_schema(schema)
+
+
+async def test_a_migration_meeting_a_long_transaction_retries_and_never_holds_up_other_sessions(
+    monkeypatch, caplog
+):
+    """A host of version 9 holds a long transaction on the messages table while a new host migrates:
+    the migration's ALTER waits at most the lock timeout, is rolled back and tried again (logged),
+    the other sessions' statements on that table keep completing meanwhile, and once the long
+    transaction ends the migration succeeds."""
+    import logging
+
+    from queueing_core.providers.sql import schema as schema_module
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    monkeypatch.setattr(schema_module, "MIGRATION_LOCK_TIMEOUT", 0.5, raising=False)
+    monkeypatch.setattr(schema_module, "MIGRATION_RETRY_PAUSE", (0.2, 0.5), raising=False)
+    monkeypatch.setattr(schema_module, "MIGRATION_LOCK_TRIES", 1000, raising=False)
+    caplog.set_level(logging.WARNING, logger="queueing.sql")
+    schema = f"qlk_{uuid.uuid4().hex[:10]}"
+    app = QueueingApp("locks")
+    app.handler(Ping)(lambda msg: None)
+    old = SqlProvider(POSTGRES_URL, schema=schema, listen=False)
+    new = SqlProvider(POSTGRES_URL, schema=schema, listen=False)
+    holder = None
+    migrating: asyncio.Task[None] | None = None
+    try:
+        await old.open(app)
+        async with old.engine.begin() as conn:
+            await conn.run_sync(_to_v9, old)
+        m = old.tables.messages
+        holder = await old.engine.connect()
+        await holder.begin()
+        # a long transaction of a running host: it read the table, so it holds a lock the ALTER needs
+        await holder.execute(sa.text(f"SELECT count(*) FROM {m.fullname}"))
+        migrating = asyncio.create_task(new.open(app))
+
+        def retries() -> int:
+            return sum("trying again" in r.getMessage() for r in caplog.records)
+
+        deadline = time.monotonic() + 60
+        served = 0
+        while retries() < 3:
+            assert not migrating.done(), migrating.exception()
+            assert time.monotonic() < deadline, "the migration never gave up waiting for its lock"
+            # another session's statement on the table: it queues behind the ALTER's pending lock at
+            # most the ALTER's lock timeout; its own 20 s lock timeout fails it if it queued longer
+            async with old.auto.connect() as other:
+                await other.execute(sa.text("SET lock_timeout = '20s'"))
+                await other.execute(sa.text(f"SELECT count(*) FROM {m.fullname}"))
+            served += 1
+            await asyncio.sleep(0.1)
+        assert served >= 1
+        assert not migrating.done()
+        await holder.rollback()  # the long transaction ends
+        await holder.close()
+        holder = None
+        await asyncio.wait_for(migrating, 60)
+        async with new.engine.connect() as conn:
+            versions = set((await conn.execute(sa.select(new.tables.schema_versions.c.version))).scalars())
+            cols = await conn.run_sync(
+                lambda sync: {c["name"] for c in sa.inspect(sync).get_columns(m.name, schema=schema)}
+            )
+        assert 10 in versions
+        assert "awaited" in cols
+    finally:
+        if holder is not None:
+            await holder.rollback()
+            await holder.close()
+        if migrating is not None and not migrating.done():
+            migrating.cancel()
+            with contextlib.suppress(BaseException):
+                await migrating
+        await old.close()
+        await new.close()
+        await drop_schema(schema)
