@@ -205,7 +205,7 @@ class IdentityGuard:
                     return None
             log.warning("identity %r of %s kept changing: running %s", key, type_name, mid)
         except Exception as exc:
-            log.warning("could not read the identity of %s (%s): running it", message.message_id, exc)
+            log.warning("could not read or mark the identity of %s (%s): running it", message.message_id, exc)
         return None
 
     async def reinstate(self, sub: Subscription, envelope: Envelope) -> None:
