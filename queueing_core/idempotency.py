@@ -5,10 +5,14 @@ The control store keeps one document per (type, identity)::
 
     {"waiting": [message id, tracking id, body hash],   the newest version sent
      "superseded": {older id: newer id, ...},           versions replaced before they ran (bounded)
-     "succeeded": [message id, the one before]}         the last versions that succeeded
+     "succeeded": [message id, the one before],         the last versions that succeeded
+     "started": message id}                             the newest version, once a host began it
 
-An enqueue reads it. If the newest version is still waiting to run (its history says so) with the
-same JSON, nothing is sent (``discarded``). Otherwise the new version is sent, and only then is the
+An enqueue reads it. If the newest version has the same JSON and has not started (no host wrote its
+start marker, and its history says it waits), the enqueue writes the unchanged document back by
+compare-and-set and, if that succeeds, sends nothing (``discarded``): a host that begins the version
+writes the marker by compare-and-set too, so either the discard or the start comes first, and a
+requested run is never lost. Otherwise the new version is sent, and only then is the
 document pointed at it, naming the one it replaced as superseded: a crash or a store failure between
 the two leaves both to run (a duplicate), never neither. A host that receives a superseded message
 settles it ``Cancelled`` with the reason ``superseded by <id>`` without running it; a version already
@@ -86,9 +90,20 @@ class IdentityGuard:
     async def _send_one(self, env: Envelope, key: str, sent: set[UUID]) -> IdempotentOutcome:
         digest = body_hash(env.body)
         found = await self.store.identity_doc(env.type, key)
-        waiting = found[0].get("waiting") if found else None
-        if waiting and waiting[2] == digest and await self._still_waiting(UUID(waiting[0]), sent):
-            return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
+        for _ in range(_CAS_TRIES):
+            if found is None:
+                break
+            doc = found[0]
+            waiting = doc.get("waiting")
+            if not (
+                waiting and waiting[2] == digest and await self._not_started(doc, UUID(waiting[0]), sent)
+            ):
+                break
+            # discard only if the document is still the one read: a host that began the waiting
+            # version meanwhile wrote its start marker (the token changed), and then this run is needed
+            if await self.store.put_identity_doc(env.type, key, doc, found[1]):
+                return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
+            found = await self.store.identity_doc(env.type, key)
         # the newest version is durably queued before any older one is marked superseded
         await self.provider.send([env], wait=True)
         replaced = await self._point_at(env, key, digest, found, sent)
@@ -109,6 +124,8 @@ class IdentityGuard:
                 doc, token = found if found is not None else ({}, None)
                 old = doc.get("waiting")
                 superseded: dict[str, str] = dict(doc.get("superseded") or {})
+                # the same id sent again (an outbox replaying it) is the newest version, not an old one
+                superseded.pop(str(env.message_id), None)
                 replaced = None
                 if old and old[0] != str(env.message_id) and await self._may_run(UUID(old[0]), sent):
                     replaced = UUID(old[0])
@@ -140,9 +157,12 @@ class IdentityGuard:
             )
         return None
 
-    async def _still_waiting(self, message_id: UUID, sent: set[UUID]) -> bool:
-        """The history says this message has not started (an unreadable history says no: sending
-        again is a duplicate at worst)."""
+    async def _not_started(self, doc: dict[str, Any], message_id: UUID, sent: set[UUID]) -> bool:
+        """No host has begun this message: its start marker is not in the document, and it was sent by
+        this call or the history says it waits (an unreadable history says no: sending again is a
+        duplicate at worst)."""
+        if doc.get("started") == str(message_id):
+            return False
         if message_id in sent:
             return True
         try:
@@ -163,16 +183,30 @@ class IdentityGuard:
         return rec is None or rec.status not in _FINAL
 
     # -- processing -------------------------------------------------------------------------------
-    async def superseded_by(self, sub: Subscription, message: QueueMessage) -> UUID | None:
-        """The newer version that superseded this message, if one did. A store that cannot be read
-        runs the message (a duplicate run beats a lost one)."""
+    async def check_start(self, sub: Subscription, message: QueueMessage) -> UUID | None:
+        """The newer version that superseded this message, if one did; otherwise, when it is its
+        identity's newest version, mark it started in the document (compare-and-set), so an enqueue
+        of the same JSON from now on is sent rather than discarded. A store that cannot be read or
+        written runs the message (a duplicate run beats a lost one)."""
+        type_name, key, mid = sub.type_name, identity_of(sub.options, message), str(message.message_id)
         try:
-            found = await self.store.identity_doc(sub.type_name, identity_of(sub.options, message))
+            for _ in range(_CAS_TRIES):
+                found = await self.store.identity_doc(type_name, key)
+                if found is None:
+                    return None
+                doc, token = found
+                newest = (doc.get("waiting") or [None])[0] == mid
+                by = (doc.get("superseded") or {}).get(mid)
+                if by and not newest:  # a document naming the newest superseded too is damaged: run it
+                    return UUID(by)
+                if not newest or doc.get("started") == mid:
+                    return None
+                if await self.store.put_identity_doc(type_name, key, {**doc, "started": mid}, token):
+                    return None
+            log.warning("identity %r of %s kept changing: running %s", key, type_name, mid)
         except Exception as exc:
-            log.warning("could not read the identity of %s (%s): running it", message.message_id, exc)
-            return None
-        by = (found[0].get("superseded") or {}).get(str(message.message_id)) if found else None
-        return UUID(by) if by else None
+            log.warning("could not read or mark the identity of %s (%s): running it", message.message_id, exc)
+        return None
 
     async def reinstate(self, sub: Subscription, envelope: Envelope) -> None:
         """An operator retries a superseded version: it is no longer superseded, so it runs (before

@@ -124,7 +124,8 @@ async def result(
     r = await find(runtime, tracking_id)
     provider = runtime.provider
     wake = asyncio.Event()
-    woken = isinstance(provider, WakesResultWaiters) and await provider.watch_result(r.message_id, wake)
+    watched = r.message_id  # unwatched by this id: a later look may find another message of the tracking id
+    woken = isinstance(provider, WakesResultWaiters) and await provider.watch_result(watched, wake)
     interval = poll if poll is not None else WOKEN_POLL if woken else POLL
     # woken: the look only covers a lost NOTIFY, so it need not start fast
     delay = interval if woken else min(interval, 0.05)
@@ -157,4 +158,4 @@ async def result(
     finally:
         if woken:
             assert isinstance(provider, WakesResultWaiters)
-            provider.unwatch_result(r.message_id, wake)
+            provider.unwatch_result(watched, wake)

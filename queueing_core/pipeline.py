@@ -233,22 +233,6 @@ class Pipeline:
                 delivery, Defer(now + self.pause_recheck, MessageStatus.PAUSED, f"{what} is paused")
             )
 
-        cb = sub.options.circuit_breaker
-        probing = False
-        if cb is not None:
-            cstate = state.circuit(sub.type_name)
-            adm = circuit.admission(cstate, now)
-            if adm is circuit.Admission.PROBE:
-                probing = await self.control.acquire_probe(sub.type_name, cb, now)
-            if adm is circuit.Admission.HOLD or (adm is circuit.Admission.PROBE and not probing):
-                # look again soon rather than at the cooldown's end, so an operator's reset is quick
-                until = min(circuit.hold_until(cstate, now), now + self.pause_recheck)
-                if until <= now:
-                    until = now + self.pause_recheck
-                return await self._emit_final(
-                    delivery, Defer(until, MessageStatus.PAUSED, f"circuit for {sub.type_name!r} is open")
-                )
-
         if sub.handler is None:
             return await self._emit_final(
                 delivery, self._waiting(now, f"no handler for {sub.type_name!r} yet")
@@ -267,10 +251,41 @@ class Pipeline:
                 return await self._emit_final(
                     delivery, Complete(None, cancelled=True, reason=f"superseded by {newer}")
                 )
+        # after the superseded check: a message settled without running must not hold a circuit probe
+        cb = sub.options.circuit_breaker
+        probing = False
+        if cb is not None:
+            cstate = state.circuit(sub.type_name)
+            adm = circuit.admission(cstate, now)
+            if adm is circuit.Admission.PROBE:
+                probing = await self.control.acquire_probe(sub.type_name, cb, now)
+            if adm is circuit.Admission.HOLD or (adm is circuit.Admission.PROBE and not probing):
+                # look again soon rather than at the cooldown's end, so an operator's reset is quick
+                until = min(circuit.hold_until(cstate, now), now + self.pause_recheck)
+                if until <= now:
+                    until = now + self.pause_recheck
+                return await self._emit_final(
+                    delivery, Defer(until, MessageStatus.PAUSED, f"circuit for {sub.type_name!r} is open")
+                )
+
         decision = await self._run(delivery, sub, env, message, stopping, closing)
         if cb is not None and not isinstance(decision, Release):
             await self._track_circuit(sub, decision, state.circuit(sub.type_name), probing, cb)
         return decision
+
+    async def _previous(self, sub: Subscription, message: QueueMessage) -> QueueMessage | None:
+        """``ctx.previous``, or None when it cannot be read: the handler runs either way, and an
+        error here must not escape between taking the concurrency slot and holding it."""
+        assert self.previous_lookup is not None
+        try:
+            return await self.previous_lookup(sub, message)
+        except Exception as exc:
+            log.warning(
+                "could not read the previous version of %s (%s): ctx.previous is None",
+                message.message_id,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+            return None
 
     def _waiting(self, now: datetime, reason: str) -> Defer:
         return Defer(now + self.waiting_recheck, MessageStatus.WAITING_FOR_HANDLER, reason)
@@ -308,7 +323,7 @@ class Pipeline:
         if not await _take_slot(limiter, closing):
             return await self._emit_final(delivery, Release("host shutting down before the handler started"))
         if sub.options.idempotent and self.previous_lookup is not None:
-            ctx.previous = await self.previous_lookup(sub, message)
+            ctx.previous = await self._previous(sub, message)
         limit = sub.options.time_limit
         started = perf_counter()
         error: BaseException | None = None

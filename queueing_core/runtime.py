@@ -127,7 +127,7 @@ class Runtime:
             self.identities = IdentityGuard(app, control, tracker, provider)
             self.producer.identities = self.identities
             self.pipeline.previous_lookup = self.identities.previous
-            self.pipeline.supersede_check = self.identities.superseded_by
+            self.pipeline.supersede_check = self.identities.check_start
         if isinstance(provider, PushesCancels):
             provider.on_cancel = self._cancel_heard
         app.bind(self.producer, runtime=self)

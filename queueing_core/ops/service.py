@@ -407,9 +407,11 @@ class OpsService:
 
         if r.status == S.CANCELLED:  # the old request would cancel the new run
             await self.runtime.control.set_cancel(r.message_id, False, now)
-            identities = self.runtime.identities
-            if identities is not None and sub is not None and sub.options.idempotent:
-                await identities.reinstate(sub, envelope)  # a superseded version: the operator wants it run
+        identities = self.runtime.identities
+        if identities is not None and sub is not None and sub.options.idempotent:
+            # whatever it ended as (a superseded version that failed its last attempt while running
+            # included): the operator wants it run, so it must not be settled superseded
+            await identities.reinstate(sub, envelope)
 
         if not await self.actions.ops_retry(r, envelope, now, nothing_to_reopen if self._durable else reopen):
             raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")

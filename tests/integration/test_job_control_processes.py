@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from queueing_core import MessageStatus
 from queueing_core.errors import JobCancelled
+from queueing_core.providers.sql.schema import DONE_PREFIX
 from queueing_core.runtime import Runtime
 
 from .jobworker import Chore, build_app
@@ -134,13 +135,28 @@ async def test_a_result_waiter_is_woken_by_notify_when_another_process_finishes_
         await until(watched, 30, "the waiter to flag the message as awaited")
         await asyncio.sleep(0.2)  # the waiter is in its long wait now (a look after the flag found it Leased)
         assert not waiter.done()
+        # a host of the version before hears only the queue wake-up channel
+        old_host: list[str] = []
+        older = provider.listener(provider.channel)
+        older.on_notify = old_host.append
+        await older.start()
+        assert older.connected.is_set()
         gate.touch()
-        finished = time.monotonic()
-        result = await asyncio.wait_for(waiter, 120)
+        # far below the 600 s poll, generous for a loaded machine: only the NOTIFY can wake it in time
+        result = await asyncio.wait_for(waiter, 60)
         assert result["name"] == "held"
         assert result["pid"] == worker.pid
-        assert time.monotonic() - finished < 120  # far below the poll interval: the NOTIFY woke it
         assert held.message_id not in provider._result_waiters  # the waiter cleaned up after itself
+        # every NOTIFY committed before this marker reaches the old host before it
+        async with provider.auto.connect() as conn:
+            await conn.execute(sa.select(sa.func.pg_notify(provider.channel, "marker")))
+
+        async def marked() -> bool:
+            return "marker" in old_host
+
+        await until(marked, 30, "the marker NOTIFY")
+        await older.stop()
+        assert not [p for p in old_host if p.startswith(DONE_PREFIX)]  # "done" went to its own channel
 
         # a NOTIFY that never arrives only delays the waiter: it still looks at the history each poll
         gate2 = tmp_path / "gate2"

@@ -97,6 +97,44 @@ async def test_the_queue_of_an_idempotent_type_detects_duplicate_message_ids():
     await rt.close()
 
 
+@pytest.mark.parametrize("idempotent", [True, False])
+async def test_the_sdk_asks_the_service_for_duplicate_detection_on_an_idempotent_types_queue(idempotent):
+    """Held against the real azure-servicebus administration client: the settings the provider passes
+    to ``create_queue`` become the SDK's ``QueueDescription``, serialized as the service receives it
+    (only the HTTP call is replaced, to keep the request)."""
+    from xml.etree import ElementTree
+
+    from azure.core.exceptions import ResourceExistsError
+    from azure.servicebus.aio.management import ServiceBusAdministrationClient
+
+    @queue("sb-versions-sdk", idempotent=idempotent, identity="key" if idempotent else None)
+    class Versioned(QueueMessage):
+        key: str
+
+    app = QueueingApp("sb-dedup-sdk")
+    app.message(Versioned)
+    rt = in_memory_servicebus(app, FakeServiceBusNamespace())
+    sdk = ServiceBusAdministrationClient.from_connection_string(
+        "Endpoint=sb://example.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=a2V5"
+    )
+    requests: list[tuple[str, ElementTree.Element]] = []
+
+    async def put(name, body, **kwargs):
+        requests.append((name, body))
+        raise ResourceExistsError("the queue exists")  # what an existing queue answers: tolerated
+
+    sdk._impl.entity.put = put
+    rt.provider.admin = sdk
+    sub = app.subscription("Versioned")
+    assert sub is not None
+    await rt.provider._create_queue(sub)
+    ((name, body),) = requests
+    assert name == rt.provider.physical("sb-versions-sdk")
+    found = [e.text for e in body.iter() if e.tag.endswith("}RequiresDuplicateDetection")]
+    assert found == (["true"] if idempotent else [])  # left out: the service's default, off
+    await sdk.close()
+
+
 async def test_dead_letter_reasons_in_the_native_sub_queue():
     app, rt, ns, calls = make()
     await rt.open()

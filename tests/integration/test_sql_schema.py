@@ -4,6 +4,7 @@ PostgreSQL's 63-character limit (wake-up channels included)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -11,6 +12,9 @@ import textwrap
 import time
 import uuid
 from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
 
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.clock import utcnow
@@ -21,6 +25,7 @@ from queueing_core.providers.sql import SqlProvider
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.providers.sql.provider import channel_for
 from queueing_core.runtime import Runtime
+from queueing_core.testing import run_until_idle
 from tests.services import POSTGRES_URL, drop_schema, require
 
 MIGRATE_AT = textwrap.dedent(
@@ -123,4 +128,164 @@ async def test_a_63_character_schema_enqueues_and_wakes_a_waiting_worker():
     finally:
         await consumer.close()
         await stores.close()
+        await drop_schema(schema)
+
+
+def _to_v9(sync: sa.Connection, provider: SqlProvider) -> None:
+    """Make the database what version 9 left: no awaited column, no trigger, no identities table."""
+    m, t = provider.tables.messages, provider.tables
+    if sync.dialect.name == "postgresql":
+        sync.exec_driver_sql(f"DROP TRIGGER queueing_notify_done ON {m.fullname}")
+        schema = t.metadata.schema
+        sync.exec_driver_sql(f"DROP FUNCTION {schema + '.' if schema else ''}queueing_notify_done()")
+    sync.exec_driver_sql(f"ALTER TABLE {m.fullname} DROP COLUMN awaited")
+    sync.exec_driver_sql(f"DROP TABLE {t.identities.fullname}")
+    sync.execute(sa.delete(t.schema_versions).where(t.schema_versions.c.version == 10))
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+async def test_migration_10_upgrades_a_version_9_database_with_messages_in_it(backend, tmp_path):
+    """A database at version 9 with a waiting message: migration 10 adds the awaited column (false on
+    the existing row), the identities table and, on PostgreSQL, the trigger that tells result waiters;
+    the message still runs and an awaited result is woken by that trigger."""
+    schema = f"qv9_{uuid.uuid4().hex[:10]}" if backend == "postgresql" else None
+    if backend == "postgresql":
+        require("PostgreSQL", "127.0.0.1", 5432)
+        url = POSTGRES_URL
+    else:
+        url = f"sqlite+aiosqlite:///{tmp_path / 'v9.db'}"
+    app = QueueingApp("v9")
+    done: list[int] = []
+    app.handler(Ping)(lambda msg: done.append(msg.n))
+    old = SqlProvider(url, schema=schema, listen=False)
+    try:
+        rt = Runtime(app, old)
+        await rt.open()
+        sent = await app.enqueue(Ping(n=9))
+        async with old.engine.begin() as conn:
+            await conn.run_sync(_to_v9, old)
+        await rt.close()
+
+        new = SqlProvider(url, schema=schema)
+        rt = Runtime(app, new)
+        await rt.open()  # migrates 9 -> 10
+        m = new.tables.messages
+
+        def shape(sync: sa.Connection) -> tuple[set[str], bool]:
+            inspector = sa.inspect(sync)
+            cols = {c["name"] for c in inspector.get_columns(m.name, schema=m.schema)}
+            return cols, inspector.has_table(new.tables.identities.name, schema=m.schema)
+
+        async with new.engine.connect() as conn:
+            cols, identities = await conn.run_sync(shape)
+            awaited = (
+                await conn.execute(sa.select(m.c.awaited).where(m.c.message_id == sent.message_id))
+            ).scalar()
+            versions = set((await conn.execute(sa.select(new.tables.schema_versions.c.version))).scalars())
+            triggers = (
+                set(
+                    (
+                        await conn.execute(
+                            sa.text(
+                                "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal "
+                                "AND tgrelid = CAST(:t AS regclass)"
+                            ),
+                            {"t": f'"{schema}".{m.name}'},
+                        )
+                    ).scalars()
+                )
+                if backend == "postgresql"
+                else set()
+            )
+        assert "awaited" in cols
+        assert awaited is False
+        assert identities
+        assert 10 in versions
+        if backend == "postgresql":
+            assert "queueing_notify_done" in triggers
+            await asyncio.wait_for(new._listener.connected.wait(), 30)
+        poll = 600 if backend == "postgresql" else None
+        waiter = asyncio.ensure_future(app.result(sent.tracking_id, timeout=120, poll=poll))
+        await asyncio.sleep(0.3)
+        await run_until_idle(rt)
+        await asyncio.wait_for(waiter, 60)  # poll=600 on PostgreSQL: the new trigger's NOTIFY woke it
+        assert done == [9]
+        await rt.close()
+    finally:
+        if schema is not None:
+            await drop_schema(schema)
+
+
+async def test_a_migration_meeting_a_long_transaction_retries_and_never_holds_up_other_sessions(
+    monkeypatch, caplog
+):
+    """A host of version 9 holds a long transaction on the messages table while a new host migrates:
+    the migration's ALTER waits at most the lock timeout, is rolled back and tried again (logged),
+    the other sessions' statements on that table keep completing meanwhile, and once the long
+    transaction ends the migration succeeds."""
+    import logging
+
+    from queueing_core.providers.sql import schema as schema_module
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    monkeypatch.setattr(schema_module, "MIGRATION_LOCK_TIMEOUT", 0.5, raising=False)
+    monkeypatch.setattr(schema_module, "MIGRATION_RETRY_PAUSE", (0.2, 0.5), raising=False)
+    monkeypatch.setattr(schema_module, "MIGRATION_LOCK_TRIES", 1000, raising=False)
+    caplog.set_level(logging.WARNING, logger="queueing.sql")
+    schema = f"qlk_{uuid.uuid4().hex[:10]}"
+    app = QueueingApp("locks")
+    app.handler(Ping)(lambda msg: None)
+    old = SqlProvider(POSTGRES_URL, schema=schema, listen=False)
+    new = SqlProvider(POSTGRES_URL, schema=schema, listen=False)
+    holder = None
+    migrating: asyncio.Task[None] | None = None
+    try:
+        await old.open(app)
+        async with old.engine.begin() as conn:
+            await conn.run_sync(_to_v9, old)
+        m = old.tables.messages
+        holder = await old.engine.connect()
+        await holder.begin()
+        # a long transaction of a running host: it read the table, so it holds a lock the ALTER needs
+        await holder.execute(sa.text(f"SELECT count(*) FROM {m.fullname}"))
+        migrating = asyncio.create_task(new.open(app))
+
+        def retries() -> int:
+            return sum("trying again" in r.getMessage() for r in caplog.records)
+
+        deadline = time.monotonic() + 60
+        served = 0
+        while retries() < 3:
+            assert not migrating.done(), migrating.exception()
+            assert time.monotonic() < deadline, "the migration never gave up waiting for its lock"
+            # another session's statement on the table: it queues behind the ALTER's pending lock at
+            # most the ALTER's lock timeout; its own 20 s lock timeout fails it if it queued longer
+            async with old.auto.connect() as other:
+                await other.execute(sa.text("SET lock_timeout = '20s'"))
+                await other.execute(sa.text(f"SELECT count(*) FROM {m.fullname}"))
+            served += 1
+            await asyncio.sleep(0.1)
+        assert served >= 1
+        assert not migrating.done()
+        await holder.rollback()  # the long transaction ends
+        await holder.close()
+        holder = None
+        await asyncio.wait_for(migrating, 60)
+        async with new.engine.connect() as conn:
+            versions = set((await conn.execute(sa.select(new.tables.schema_versions.c.version))).scalars())
+            cols = await conn.run_sync(
+                lambda sync: {c["name"] for c in sa.inspect(sync).get_columns(m.name, schema=schema)}
+            )
+        assert 10 in versions
+        assert "awaited" in cols
+    finally:
+        if holder is not None:
+            await holder.rollback()
+            await holder.close()
+        if migrating is not None and not migrating.done():
+            migrating.cancel()
+            with contextlib.suppress(BaseException):
+                await migrating
+        await old.close()
+        await new.close()
         await drop_schema(schema)

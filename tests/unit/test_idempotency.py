@@ -13,8 +13,9 @@ from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.control import MemoryControlStore
 from queueing_core.envelope import Envelope
 from queueing_core.idempotency import IdentityGuard, body_hash
+from queueing_core.messages import MessageStatus
 from queueing_core.pipeline import decode_message
-from queueing_core.testing import in_process
+from queueing_core.testing import in_process, run_until_idle
 
 
 @queue("race-prices", idempotent=True, identity="sku")
@@ -62,7 +63,7 @@ async def test_two_hosts_enqueueing_one_identity_at_once_leave_exactly_one_versi
     assert doc["superseded"] == {older: newest}
     sub = app.subscription("Price")
     assert sub is not None
-    verdicts = {str(e.message_id): await hosts[0].superseded_by(sub, decode_message(sub, e)) for e in envs}
+    verdicts = {str(e.message_id): await hosts[0].check_start(sub, decode_message(sub, e)) for e in envs}
     assert verdicts[newest] is None
     assert str(verdicts[older]) == newest
     assert doc["waiting"][2] == body_hash(next(e for e in envs if str(e.message_id) == newest).body)
@@ -73,3 +74,185 @@ def test_the_body_hash_ignores_key_order_and_sees_every_value():
     assert body_hash({"a": 1, "b": [1, 2]}) == body_hash({"b": [1, 2], "a": 1})
     assert body_hash({"a": 1}) != body_hash({"a": 1.5})
     assert body_hash({"a": "x"}) != body_hash({"a": "x", "b": None})
+
+
+# -- versions on an in-process host: every requested run happens --------------------------------------
+
+
+@queue("cycle-prices", idempotent=True, identity="sku")
+class CyclePrice(QueueMessage):
+    sku: str
+    cents: int
+
+
+async def test_a_version_sent_again_with_its_own_id_runs_rather_than_the_two_cancelling_each_other():
+    app = QueueingApp("cycle")
+    seen: list[int] = []
+
+    @app.handler()
+    async def h(msg: CyclePrice, ctx: Any) -> None:
+        seen.append(msg.cents)
+
+    rt = in_process(app)
+    await rt.open()
+    await rt.control.set_paused("queue", "cycle-prices", True)
+    m1 = CyclePrice(sku="A", cents=1)
+    r1 = await app.enqueue(m1)
+    r2 = await app.enqueue(CyclePrice(sku="A", cents=2))
+    assert r2.supersedes == r1.message_id
+    r3 = await app.enqueue(m1)  # an outbox replays m1: the same message id, now the newest version
+    assert r3.outcome == "enqueued"
+    assert r3.message_id == r1.message_id
+    await rt.control.set_paused("queue", "cycle-prices", False)
+    await run_until_idle(rt)
+    # the newest version ran, not neither (its two copies may both run: a duplicate, never a loss)
+    assert seen
+    assert set(seen) == {1}
+    done = await rt.tracker.get(r1.message_id)
+    assert done is not None
+    assert done.status == MessageStatus.SUCCEEDED
+    older = await rt.tracker.get(r2.message_id)
+    assert older is not None
+    assert older.status == MessageStatus.CANCELLED
+    assert older.reason == f"superseded by {r1.message_id}"
+    await rt.close()
+
+
+async def test_the_same_json_enqueued_while_its_version_runs_runs_again():
+    app = QueueingApp("running")
+    seen: list[int] = []
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    @app.handler()
+    async def h(msg: CyclePrice, ctx: Any) -> None:
+        seen.append(msg.cents)
+        started.set()
+        await gate.wait()
+
+    rt = in_process(app)
+    await rt.open()
+    r1 = await app.enqueue(CyclePrice(sku="B", cents=5))
+    first = asyncio.create_task(run_until_idle(rt, max_messages=1))
+    await asyncio.wait_for(started.wait(), 30)
+    rec = await rt.tracker.get(r1.message_id)
+    assert rec is not None
+    assert rec.status in MessageStatus.runnable()
+    r2 = await app.enqueue(CyclePrice(sku="B", cents=5))  # the data changed after the run read it
+    assert r2.outcome == "enqueued"
+    assert r2.message_id != r1.message_id
+    gate.set()
+    await asyncio.wait_for(first, 30)
+    await run_until_idle(rt)
+    assert seen == [5, 5]
+    await rt.close()
+
+
+async def test_a_discard_and_a_start_of_the_waiting_version_are_ordered_by_the_document():
+    """The enqueue read the document before a host began the waiting version; its discard must fail
+    and the new version be sent."""
+    app = QueueingApp("order")
+    app.message(CyclePrice)
+    rt = in_process(app)
+    await rt.open()
+    guard = rt.identities
+    assert guard is not None
+    r1 = await app.enqueue(CyclePrice(sku="C", cents=7))
+    sub = app.subscription("CyclePrice")
+    assert sub is not None
+    store = guard.store
+    real_read = store.identity_doc
+    began = False
+
+    async def read_then_start(type_name: str, identity: str) -> Any:
+        nonlocal began
+        found = await real_read(type_name, identity)
+        if not began:  # a host begins r1 right after the enqueue read the document
+            began = True
+            store.identity_doc = real_read  # type: ignore[method-assign]
+            assert (
+                await guard.check_start(sub, CyclePrice(sku="C", cents=7, message_id=r1.message_id)) is None
+            )
+        return found
+
+    store.identity_doc = read_then_start  # type: ignore[method-assign]
+    r2 = await app.enqueue(CyclePrice(sku="C", cents=7))
+    assert began
+    assert r2.outcome == "enqueued"
+    assert r2.message_id != r1.message_id
+    await rt.close()
+
+
+@queue("flaky-prices", idempotent=True, identity="sku", max_concurrency=1)
+class FlakyPrice(QueueMessage):
+    sku: str
+    cents: int
+
+
+async def test_a_failed_previous_lookup_runs_the_handler_and_returns_the_concurrency_slot():
+    app = QueueingApp("flaky")
+    seen: list[tuple[int, Any]] = []
+
+    @app.handler()
+    async def h(msg: FlakyPrice, ctx: Any) -> None:
+        seen.append((msg.cents, ctx.previous))
+
+    rt = in_process(app)
+    await rt.open()
+
+    async def broken(sub: Any, message: Any) -> None:
+        raise ConnectionError("control store blip")
+
+    rt.pipeline.previous_lookup = broken
+    for sku, cents in (("A", 1), ("B", 2), ("C", 3)):
+        await app.enqueue(FlakyPrice(sku=sku, cents=cents))
+    await asyncio.wait_for(run_until_idle(rt), 30)
+    assert sorted(seen) == [(1, None), (2, None), (3, None)]
+    sub = app.subscription("FlakyPrice")
+    assert sub is not None
+    assert not rt.pipeline.limiter(sub).locked()
+    await rt.close()
+
+
+@queue("dead-prices", idempotent=True, identity="sku", max_attempts=1)
+class DeadPrice(QueueMessage):
+    sku: str
+    cents: int
+
+
+async def test_an_operators_retry_of_a_superseded_version_that_was_dead_lettered_runs_it():
+    from queueing_core.ops import OpsService
+
+    app = QueueingApp("dead")
+    seen: list[int] = []
+    started, gate = asyncio.Event(), asyncio.Event()
+    fail = True
+
+    @app.handler()
+    async def h(msg: DeadPrice, ctx: Any) -> None:
+        seen.append(msg.cents)
+        if msg.cents == 1 and fail:
+            started.set()
+            await gate.wait()
+            raise RuntimeError("boom")
+
+    rt = in_process(app)
+    await rt.open()
+    r1 = await app.enqueue(DeadPrice(sku="A", cents=1))
+    first = asyncio.create_task(run_until_idle(rt, raise_errors=False, max_messages=1))
+    await asyncio.wait_for(started.wait(), 30)
+    r2 = await app.enqueue(DeadPrice(sku="A", cents=2))  # m1 is running: superseded, runs to its end
+    assert r2.supersedes == r1.message_id
+    gate.set()
+    await asyncio.wait_for(first, 30)
+    await run_until_idle(rt, raise_errors=False)
+    rec = await rt.tracker.get(r1.message_id)
+    assert rec is not None
+    assert rec.status == MessageStatus.DEAD_LETTERED
+    fail = False
+    await OpsService(rt).retry(r1.message_id)
+    await run_until_idle(rt, raise_errors=False)
+    rec = await rt.tracker.get(r1.message_id)
+    assert rec is not None
+    assert rec.status == MessageStatus.SUCCEEDED, (rec.status, rec.reason)
+    assert seen == [1, 2, 1]
+    await rt.close()

@@ -2,6 +2,7 @@
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from uuid import uuid4
 
 from queueing_core import (
     CircuitBreakerOptions,
@@ -374,3 +375,38 @@ def test_what_a_transport_needs_to_settle_a_decision_by_sending_a_copy():
         DeadLetterReason.NON_RETRYABLE,
         "declined",
     )
+
+
+async def test_a_superseded_message_settled_without_running_does_not_hold_the_circuit_probe():
+    @queue(
+        "fragile-versions",
+        idempotent=True,
+        identity="sku",
+        max_attempts=100,
+        circuit_breaker=CircuitBreakerOptions(failure_threshold=1, cooldown=timedelta(seconds=30)),
+    )
+    class Version(QueueMessage):
+        sku: str
+
+    app, pipe, control, clock, prod = make()
+
+    @app.handler()
+    async def h(msg: Version):
+        raise RuntimeError("down")
+
+    newer = uuid4()
+
+    async def superseded(sub, message):
+        return None if message.sku == "live" else newer
+
+    pipe.supersede_check = superseded
+    assert isinstance(await pipe.process(delivery(prod, Version(sku="live"))), RetryAfter)
+    assert (await control.state()).circuit("Version").state == "open"
+    clock.now = T0 + timedelta(seconds=31)  # the cooldown is over: the next message would be the probe
+    d = await pipe.process(delivery(prod, Version(sku="old")))
+    assert isinstance(d, Complete)
+    assert d.cancelled
+    assert d.reason == f"superseded by {newer}"
+    # the probe is still there for a message that runs
+    opts = Version.queue_options().circuit_breaker
+    assert await control.acquire_probe("Version", opts, clock.now)

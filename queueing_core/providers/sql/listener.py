@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy.engine import URL
@@ -31,10 +31,14 @@ def channel_name(base: str, schema: str | None) -> str:
 
 
 class PgListener:
-    def __init__(self, url: URL, channel: str, *, password: PasswordSource | None = None) -> None:
+    def __init__(
+        self, url: URL, channel: str, *, also: Sequence[str] = (), password: PasswordSource | None = None
+    ) -> None:
         self._conninfo = libpq_conninfo(url)
         self._password = password  # asked again on every reconnect: a token may have been renewed
         self.channel = channel
+        #: more channels heard on the same connection (their payloads go to the same ``on_notify``)
+        self.also = tuple(also)
         self.on_notify: Callable[[str], None] = lambda _queue: None
         self.connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -64,7 +68,8 @@ class PgListener:
                 extra: dict[str, Any] = {} if self._password is None else {"password": await self._password()}
                 conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True, **extra)
                 async with conn:
-                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                    for channel in (self.channel, *self.also):
+                        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     self.connected.set()
                     delay = 0.5
                     async for note in conn.notifies():

@@ -51,7 +51,7 @@ from .errors import down_errors
 from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
-from .schema import DONE_PREFIX, LATEST, Tables, current_version, migrate
+from .schema import DONE_PREFIX, LATEST, Tables, current_version, done_channel_for, migrate
 from .statements import Statements, bind, leases_of
 from .statements import notify_statement as notify_statement  # the outbox's wake-ups
 from .tracker import SqlTracker
@@ -160,7 +160,14 @@ class SqlProvider:
         #: (it may overflow by twice its size, never by more than ``max_overflow``); LISTEN adds one
         self.pool_size, self.max_overflow, self.claim_pool_size = pool_size, max_overflow, claim_pool_size
         self._app: QueueingApp | None = None
-        self._listener = self.listener(self.channel) if listen and self.backend == "postgresql" else None
+        #: where the trigger of migration 10 tells result waiters their message is done: a channel of
+        #: its own, so hosts of an older version (which hear only ``channel``) never receive these
+        self.done_channel = done_channel_for(schema)
+        self._listener = (
+            self.listener(self.channel, also=(self.done_channel,))
+            if listen and self.backend == "postgresql"
+            else None
+        )
         self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         #: told of each cancellation request NOTIFY brings (the runtime sets it)
         self.on_cancel: Callable[[UUID], None] | None = None
@@ -181,9 +188,9 @@ class SqlProvider:
         self._opened = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def listener(self, channel: str) -> PgListener:
+    def listener(self, channel: str, *, also: Sequence[str] = ()) -> PgListener:
         """A LISTEN connection to this database, signing in as the engines do."""
-        return PgListener(self.url, channel, password=self._password)
+        return PgListener(self.url, channel, also=also, password=self._password)
 
     @property
     def engine(self) -> AsyncEngine:

@@ -7,6 +7,7 @@ serves SQLite and PostgreSQL. Migrations are a numbered list applied in order un
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Callable
@@ -477,6 +478,14 @@ def _v9(conn: sa.Connection, tables: Tables) -> None:
 DONE_PREFIX = "\x1fdone\x1f"
 
 
+def done_channel_for(schema: str | None) -> str:
+    """The NOTIFY channel of those payloads: not the queue wake-up channel, which hosts of an older
+    version hear and would keep a wake-up event for, one per awaited message, never removed."""
+    from .listener import channel_name
+
+    return channel_name("queueing_done", schema)
+
+
 def _v10(conn: sa.Connection, tables: Tables) -> None:
     """Idempotent identities for the brokers that keep their history here, and result waiters woken by
     NOTIFY (PostgreSQL).
@@ -497,11 +506,9 @@ def _v10(conn: sa.Connection, tables: Tables) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {m.fullname} ADD COLUMN awaited BOOLEAN NOT NULL DEFAULT false")
     if conn.dialect.name != "postgresql":
         return
-    from .listener import channel_name
-
     schema = tables.metadata.schema
     fn = f"{schema}.queueing_notify_done" if schema else "queueing_notify_done"
-    channel = channel_name("queueing", schema).replace("'", "''")
+    channel = done_channel_for(schema).replace("'", "''")
     final = ", ".join(f"'{s.value}'" for s in MessageStatus.terminal())
     # identifiers from the table metadata, the channel from the validated schema name, statuses from
     # the enum: nothing from input
@@ -553,8 +560,59 @@ async def _schema_exists(conn: Any, schema: str) -> bool:
     return found.first() is not None
 
 
+#: how long one migration statement may wait for a table lock on PostgreSQL before it gives up and
+#: the migration is tried again. While an ALTER waits for its lock every other statement on that table
+#: queues behind it, so this bounds how long the hosts still running can be held up by an upgrade.
+MIGRATION_LOCK_TIMEOUT = 5.0
+#: tries before a migration that keeps meeting a busy table gives up (with a clear error)
+MIGRATION_LOCK_TRIES = 30
+#: the pause between two tries, doubling from the first, at most the last
+MIGRATION_RETRY_PAUSE = (1.0, 15.0)
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+def _lock_timed_out(exc: sa.exc.DBAPIError) -> bool:
+    orig = exc.orig
+    return getattr(orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE or getattr(orig, "pgcode", None) == (
+        _LOCK_NOT_AVAILABLE
+    )
+
+
 async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], object]) -> list[int]:
-    """Apply pending migrations; returns the versions applied (empty when up to date)."""
+    """Apply pending migrations; returns the versions applied (empty when up to date).
+
+    On PostgreSQL a statement that cannot get its table lock within :data:`MIGRATION_LOCK_TIMEOUT`
+    (a long transaction of a running host on that table) rolls the whole migration back, and it is
+    tried again after a pause, at most :data:`MIGRATION_LOCK_TRIES` times: the hosts still running
+    wait at most that long behind it, never for as long as the other transaction lasts."""
+    pause, longest = MIGRATION_RETRY_PAUSE
+    attempt = 1
+    while True:
+        try:
+            return await _migrate_once(engine, tables, now=now)
+        except sa.exc.DBAPIError as exc:
+            if not _lock_timed_out(exc):
+                raise
+            if attempt >= MIGRATION_LOCK_TRIES:
+                raise RuntimeError(
+                    f"the queueing schema migration could not lock a table in use after "
+                    f"{MIGRATION_LOCK_TRIES} tries of {MIGRATION_LOCK_TIMEOUT:g}s each: end the long "
+                    "transaction holding it, or migrate at a quieter moment"
+                ) from exc
+            log.warning(
+                "queueing schema migration waited %gs for a table in use and was rolled back; "
+                "trying again in %gs (try %d of %d)",
+                MIGRATION_LOCK_TIMEOUT,
+                pause,
+                attempt,
+                MIGRATION_LOCK_TRIES,
+            )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, longest)
+            attempt += 1
+
+
+async def _migrate_once(engine: AsyncEngine, tables: Tables, *, now: Callable[[], object]) -> list[int]:
     applied: list[int] = []
     async with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
@@ -562,6 +620,10 @@ async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], obje
             # under the lock too: two CREATE SCHEMA IF NOT EXISTS at once can both find it missing,
             # and the second then fails on the catalog's unique index.
             await conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('queueing-kit-migrate'))"))
+            # after the advisory lock (waiting for another migrator is fine): from here a table lock
+            # is waited for at most this long, then the try is rolled back (see ``migrate``)
+            ms = int(MIGRATION_LOCK_TIMEOUT * 1000)
+            await conn.execute(sa.text(f"SET LOCAL lock_timeout = {ms}"))
             schema = tables.metadata.schema
             # only when missing: CREATE SCHEMA needs CREATE on the database even with IF NOT EXISTS,
             # and a least-privilege role (one that owns just its schema, infra/postgres) lacks it
