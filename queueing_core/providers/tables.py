@@ -342,15 +342,7 @@ class TablesControlStore(_OnTable):
         with _boundary("write an identity"):
             client = await self._table.ready()
             try:
-                if token is None:
-                    await client.create_entity(entity)  # fails if another writer created it
-                else:
-                    await client.update_entity(
-                        entity,
-                        mode=UpdateMode.REPLACE,
-                        etag=str(token),
-                        match_condition=MatchConditions.IfNotModified,
-                    )
+                await _write_if_unchanged(client, entity, None if token is None else str(token))
             except (ResourceModifiedError, ResourceExistsError, ResourceNotFoundError):
                 return False  # another writer came first: the caller reads again
         return True
@@ -376,15 +368,7 @@ class TablesControlStore(_OnTable):
                         return current, False
                     entity = _circuit_entity(new)
                     try:
-                        if etag is None:
-                            await client.create_entity(entity)  # fails if another writer created it
-                        else:
-                            await client.update_entity(
-                                entity,
-                                mode=UpdateMode.REPLACE,  # REPLACE drops fields that became None
-                                etag=etag,
-                                match_condition=MatchConditions.IfNotModified,
-                            )
+                        await _write_if_unchanged(client, entity, etag)
                         return new, True
                     except (ResourceModifiedError, ResourceExistsError):
                         pass  # someone else wrote it between our read and our write: read again
@@ -1180,3 +1164,16 @@ def tables_from_connection(
         TablesControlStore(control, create_table=True, close_also=closers),
         TablesTracker(tracker, retention=retention, create_table=True, close_also=closers),
     )
+
+
+async def _write_if_unchanged(client: TableClient, entity: dict[str, Any], etag: str | None) -> None:
+    """Compare-and-set on one entity: create it where there was none (``etag`` None), else replace it
+    only while its ETag is still ``etag``. Another writer first raises ResourceExistsError or
+    ResourceModifiedError (ResourceNotFoundError if it deleted the entity). REPLACE, not MERGE:
+    fields that became None are dropped."""
+    if etag is None:
+        await client.create_entity(entity)
+    else:
+        await client.update_entity(
+            entity, mode=UpdateMode.REPLACE, etag=etag, match_condition=MatchConditions.IfNotModified
+        )
