@@ -144,6 +144,28 @@ class Done:
             raise TimeoutError(f"only {self.count} of {self.target} handled after {timeout:.0f}s") from None
 
 
+async def kit_burn_down(rt: Any, args: argparse.Namespace, done: Done) -> float:
+    """Run a kit ``Worker`` over an enqueued burn-down until ``done``, shaped by the burn-down options
+    every kit contender shares (fast polls, claims of ``--batch``, ``--in-hand`` claimed at most);
+    returns the clock at its start."""
+    from queueing_core.worker import Worker
+
+    worker = Worker(
+        rt,
+        poll_min=0.01,
+        poll_max=0.1,
+        prefetch=args.in_hand // args.concurrency,
+        batch_size=args.batch,
+    )
+    started = now()
+    await worker.start()
+    try:
+        await done.wait(args.timeout)
+    finally:
+        await worker.shutdown()
+    return started
+
+
 async def interleaved(
     rounds: int, contenders: Sequence[tuple[str, Callable[[], Awaitable[T]]]]
 ) -> dict[str, list[T]]:

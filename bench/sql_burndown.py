@@ -47,7 +47,6 @@ from psycopg import sql
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.runtime import Runtime
-from queueing_core.worker import Worker
 
 
 @queue("bench_noop")
@@ -104,18 +103,8 @@ async def kit_burn(args: Options, provider: SqlProvider, messages: int) -> Burn:
         common.analyze(
             args.url, sql.Identifier(provider.tables.messages.schema or "public", "queueing_messages")
         )
-        worker = Worker(
-            rt,
-            poll_min=0.01,
-            poll_max=0.1,
-            prefetch=args.in_hand // args.concurrency,
-            batch_size=args.batch,
-        )
-        started = common.now()
-        await worker.start()
-        await done.wait(args.timeout)
+        started = await common.kit_burn_down(rt, args, done)
         elapsed, startup = finished(done, started)
-        await worker.shutdown()
     finally:
         await rt.close()
     return Burn(messages, elapsed, startup, "")

@@ -34,7 +34,6 @@ import common
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.runtime import Runtime
-from queueing_core.worker import Worker
 
 TARGET = 2_000  # messages/s
 TARGET_HUEY = 1.5  # kit / SqliteHuey
@@ -72,19 +71,9 @@ async def kit_round(args: Options) -> float:
         try:
             for i in range(0, args.messages, 1000):
                 await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, args.messages))])
-            worker = Worker(
-                rt,
-                poll_min=0.01,
-                poll_max=0.1,
-                prefetch=args.in_hand // args.concurrency,
-                batch_size=args.batch,
-            )
-            started = common.now()
-            await worker.start()
-            await done.wait(args.timeout)
+            started = await common.kit_burn_down(rt, args, done)
             assert done.last_at is not None
             elapsed = done.last_at - started
-            await worker.shutdown()
         finally:
             await rt.close()
         with sqlite3.connect(path) as conn:
