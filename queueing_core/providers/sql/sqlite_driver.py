@@ -1,0 +1,106 @@
+"""The SQLite hot path: claims, lease renewals and settlements on ``sqlite3`` itself, in aiosqlite's thread.
+
+Through SQLAlchemy, every statement on SQLite crosses its greenlet bridge and its result machinery, and
+every call of aiosqlite (begin, execute, fetch, commit) is a hop to aiosqlite's thread and back: a
+settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot path
+(``driver.DriverPath.run``) holds with one hop per call:
+
+- **one source of SQL**: the statements are still the SQLAlchemy Core objects of ``statements``,
+  compiled once per provider for SQLite with named parameters (``driver.Compiled``, the same values,
+  bind processors and result processors SQLAlchemy would use, so the rows read and written are the
+  same as on the SQLAlchemy path);
+- **the same connection**: each call borrows the provider's one pooled connection (SQLite has one
+  writer: calls queue on the pool, in asyncio), and runs one function on aiosqlite's own thread against
+  its ``sqlite3`` connection, so in-memory databases and the connection's PRAGMAs are those of the rest
+  of the provider;
+- **one transaction**: several statements run between ``BEGIN IMMEDIATE`` and ``COMMIT`` (one WAL
+  append), rolled back as a whole on any error, in the thread: a caller cancelled mid-call leaves no
+  transaction open, since the function still ends it. A single statement runs on its own (SQLite makes
+  it atomic). A statement whose lease guard refuses its row changes nothing and says so by its row count.
+
+Errors of ``sqlite3`` go through the provider's one translation (``errors.db_boundary``), which maps
+them as it maps SQLAlchemy's wrapping of them ("database is locked" -> unavailable, worth a retry).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from .driver import Compiled, Result
+from .errors import db_boundary
+
+
+def named_dialect(engine: AsyncEngine) -> sa.Dialect:
+    """The engine's SQLite dialect with named parameters (``:name``), which ``sqlite3`` takes from a dict."""
+    dialect: sa.Dialect = type(engine.dialect)(paramstyle="named")
+    return dialect
+
+
+class _Unusable(Exception):
+    """The transaction could not be rolled back: the connection's state is unknown."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _round_trip(db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any]]]) -> list[Result]:
+    """Runs in aiosqlite's thread: the statements in one transaction (or one alone), rows as dicts."""
+    many = len(work) > 1
+    if many:
+        db.execute("BEGIN IMMEDIATE")
+    try:
+        results = []
+        for stmt, params in work:
+            cur = db.execute(stmt.sql, params)
+            rows: list[dict[str, Any]] = []
+            if cur.description is not None:
+                names = [d[0] for d in cur.description]
+                processors = [stmt.results.get(name) for name in names]
+                if any(processors):
+                    columns = list(zip(names, processors, strict=True))
+                    rows = [
+                        {n: v if p is None else p(v) for (n, p), v in zip(columns, r, strict=True)}
+                        for r in cur.fetchall()
+                    ]
+                else:
+                    rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+            results.append(Result(cur.rowcount, rows))
+            cur.close()
+        if many:
+            db.execute("COMMIT")
+    except BaseException as exc:
+        if db.in_transaction:
+            try:
+                db.execute("ROLLBACK")
+            except BaseException:
+                raise _Unusable(exc) from exc
+        raise
+    return results
+
+
+class SqliteDriverPath:
+    """Runs compiled statements on the ``sqlite3`` connection under the provider's pooled connection."""
+
+    async def run(
+        self, engine: AsyncEngine, action: str, work: Sequence[tuple[Compiled, Mapping[str, Any]]]
+    ) -> list[Result]:
+        """``work`` in one transaction and one hop to the database's thread, errors translated."""
+        # the values are processed here, where a missing one fails before the connection is borrowed
+        bound = [(stmt, stmt.params(values)) for stmt, values in work]
+        with db_boundary(action):
+            async with engine.connect() as conn:
+                raw = await conn.get_raw_connection()
+                aio: Any = raw.driver_connection  # aiosqlite.Connection
+                try:
+                    # (aiosqlite's one way to run a function in its thread: what its own calls use)
+                    results: list[Result] = await aio._execute(_round_trip, aio._conn, bound)
+                except _Unusable as broken:
+                    await conn.invalidate()
+                    raise broken.error from None
+                return results
