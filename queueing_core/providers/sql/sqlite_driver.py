@@ -96,11 +96,14 @@ class SqliteDriverPath:
         with db_boundary(action):
             async with engine.connect() as conn:
                 raw = await conn.get_raw_connection()
-                aio: Any = raw.driver_connection  # aiosqlite.Connection
                 try:
-                    # (aiosqlite's one way to run a function in its thread: what its own calls use)
-                    results: list[Result] = await aio._execute(_round_trip, aio._conn, bound)
+                    return await self.round_trip(raw.driver_connection, bound)
                 except _Unusable as broken:
                     await conn.invalidate()
                     raise broken.error from None
-                return results
+
+    async def round_trip(self, aio: Any, bound: list[tuple[Compiled, dict[str, Any]]]) -> list[Result]:
+        """The one hop: ``_round_trip`` in the thread of ``aio`` (an ``aiosqlite.Connection``)."""
+        # (aiosqlite's one way to run a function in its thread: what its own calls use)
+        results: list[Result] = await aio._execute(_round_trip, aio._conn, bound)
+        return results
