@@ -51,9 +51,9 @@ from .entra import DatabaseAuth, EntraPassword, uses_entra
 from .errors import down_errors
 from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
-from .sqlite_driver import SqliteDriverPath, named_dialect
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
 from .schema import DONE_PREFIX, LATEST, Tables, current_version, done_channel_for, migrate
+from .sqlite_driver import SqliteDriverPath, named_dialect
 from .statements import Statements, bind, leases_of
 from .statements import notify_statement as notify_statement  # the outbox's wake-ups
 from .tracker import SqlTracker
@@ -547,8 +547,9 @@ class SqlProvider:
         now: datetime,
     ) -> list[Delivery]:
         """The whole batch, every kind of outcome and the wake-ups, in one round trip and one commit
-        (a pipeline on PostgreSQL, one transaction in aiosqlite's thread on SQLite). Each statement is fenced by its leases; a refused one changes nothing
-        and says so by its row count (or, for the successes, by the ids it returns)."""
+        (a pipeline on PostgreSQL, one transaction in aiosqlite's thread on SQLite). Each statement is
+        fenced by its leases; a refused one changes nothing and says so by its row count (or, for the
+        successes, by the ids it returns)."""
         assert self._hot is not None
         work: list[tuple[Any, dict[str, Any]]] = []
         if fast:

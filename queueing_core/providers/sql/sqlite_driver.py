@@ -37,7 +37,8 @@ from .errors import db_boundary
 
 def named_dialect(engine: AsyncEngine) -> sa.Dialect:
     """The engine's SQLite dialect with named parameters (``:name``), which ``sqlite3`` takes from a dict."""
-    dialect: sa.Dialect = type(engine.dialect)(paramstyle="named")
+    make: Any = type(engine.dialect)  # (the aiosqlite dialect: DefaultDialect's keywords)
+    dialect: sa.Dialect = make(paramstyle="named")
     return dialect
 
 
