@@ -105,8 +105,9 @@ async def test_claim_renew_and_settle_run_on_sqlite3_one_hop_per_call(tmp_path, 
     assert await prov.renew(got) == []
     hops.clear()
     await prov.settle(batch(got, prov.clock() + timedelta(hours=1)))
-    # the whole batch, seven statements, is one call in aiosqlite's thread
-    assert [h for h in hops if h == "_round_trip"] == ["_round_trip"]
+    # the whole batch, seven statements, is one call in aiosqlite's thread, and that is all: no
+    # rollback on the connection's return to the pool, no isolation level set and reset
+    assert hops == ["_round_trip"]
     assert through_sqlalchemy == []  # claim, renewal and settlement: none through SQLAlchemy
     monkeypatch.undo()
     assert not any(d.refused for d in got)
@@ -304,4 +305,22 @@ async def test_sqlite3_errors_are_the_kits(tmp_path, monkeypatch):
     # (and SQLAlchemy's path maps the same sqlite3 error the same way)
     with pytest.raises(ProviderError, match="failed"), db_boundary("a claim"):
         raise sa.exc.DatabaseError("x", {}, sqlite3.DatabaseError("database disk image is malformed"))
+    await rt.close()
+
+
+async def test_a_lone_statement_commits_whatever_the_connections_last_user_left(tmp_path):
+    """SQLAlchemy's return of an autocommit connection gives sqlite3 back its implicit transactions
+    (it then opens one before a statement that starts with UPDATE); the hot path's single statement
+    must still commit (visible to another connection at once) and leave no transaction open."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=1)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    async with prov.auto.connect() as conn:  # the autocommit engine, as the provider's reads use it
+        await conn.execute(sa.text("SELECT 1"))
+    await prov.settle([Settlement(got[0], RetryAfter(delay=timedelta(seconds=60), error="x"))])
+    assert [r["status"] for r in rows_of(file)] == ["Failed"]  # committed: another connection sees it
+    async with prov.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        assert not raw.driver_connection._conn.in_transaction
     await rt.close()

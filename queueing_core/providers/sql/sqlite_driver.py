@@ -12,11 +12,12 @@ settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot 
 - **the same connection**: each call borrows the provider's one pooled connection (SQLite has one
   writer: calls queue on the pool, in asyncio), and runs one function on aiosqlite's own thread against
   its ``sqlite3`` connection, so in-memory databases and the connection's PRAGMAs are those of the rest
-  of the provider;
-- **one transaction**: several statements run between ``BEGIN IMMEDIATE`` and ``COMMIT`` (one WAL
+  of the provider. The connection goes back to the pool marked clean (``engine.RETURNED_CLEAN``): the
+  pool's rollback on its return would be one more hop for nothing;
+- **one transaction**: the statements run between ``BEGIN IMMEDIATE`` and ``COMMIT`` (one WAL
   append), rolled back as a whole on any error, in the thread: a caller cancelled mid-call leaves no
-  transaction open, since the function still ends it. A single statement runs on its own (SQLite makes
-  it atomic). A statement whose lease guard refuses its row changes nothing and says so by its row count.
+  transaction open, since the function still ends it. A statement whose lease guard refuses its row
+  changes nothing and says so by its row count.
 
 Errors of ``sqlite3`` go through the provider's one translation (``errors.db_boundary``), which maps
 them as it maps SQLAlchemy's wrapping of them ("database is locked" -> unavailable, worth a retry).
@@ -30,8 +31,10 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import greenlet_spawn
 
 from .driver import Compiled, Result
+from .engine import RETURNED_CLEAN
 from .errors import db_boundary
 
 
@@ -51,10 +54,10 @@ class _Unusable(Exception):
 
 
 def _round_trip(db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any]]]) -> list[Result]:
-    """Runs in aiosqlite's thread: the statements in one transaction (or one alone), rows as dicts."""
-    many = len(work) > 1
-    if many:
-        db.execute("BEGIN IMMEDIATE")
+    """Runs in aiosqlite's thread: the statements in one transaction, rows as dicts."""
+    # explicit, even for one statement: SQLAlchemy's reset of an autocommit connection hands sqlite3
+    # its implicit transactions again (``isolation_level = ""``), which a lone UPDATE would leave open
+    db.execute("BEGIN IMMEDIATE")
     try:
         results = []
         for stmt, params in work:
@@ -73,8 +76,7 @@ def _round_trip(db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any
                     rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
             results.append(Result(cur.rowcount, rows))
             cur.close()
-        if many:
-            db.execute("COMMIT")
+        db.execute("COMMIT")
     except BaseException as exc:
         if db.in_transaction:
             try:
@@ -95,13 +97,21 @@ class SqliteDriverPath:
         # the values are processed here, where a missing one fails before the connection is borrowed
         bound = [(stmt, stmt.params(values)) for stmt, values in work]
         with db_boundary(action):
-            async with engine.connect() as conn:
-                raw = await conn.get_raw_connection()
-                try:
-                    return await self.round_trip(raw.driver_connection, bound)
-                except _Unusable as broken:
-                    await conn.invalidate()
-                    raise broken.error from None
+            # straight from the pool: a SQLAlchemy connection of the autocommit engine would set and
+            # reset its isolation level on the way, three more hops to the thread
+            pooled = await greenlet_spawn(engine.sync_engine.pool.connect)
+            try:
+                return await self.round_trip(pooled.driver_connection, bound)
+            except _Unusable as broken:
+                await greenlet_spawn(pooled.invalidate)
+                raise broken.error from None
+            finally:
+                if pooled.is_valid:
+                    # whatever happened here (an error, a cancelled caller), the function that runs
+                    # in aiosqlite's thread ends its own transaction, and anything later queued there
+                    # runs after it: no rollback needed on the way back to the pool
+                    pooled.info[RETURNED_CLEAN] = True
+                await greenlet_spawn(pooled.close)
 
     async def round_trip(self, aio: Any, bound: list[tuple[Compiled, dict[str, Any]]]) -> list[Result]:
         """The one hop: ``_round_trip`` in the thread of ``aio`` (an ``aiosqlite.Connection``)."""
