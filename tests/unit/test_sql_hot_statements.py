@@ -58,3 +58,26 @@ def test_the_sqlite_statements_have_one_text_too():
     assert h.complete_many.defaults["locked_by_1"] == "worker-1"
     # SQLite returns timestamps and UUIDs as text: SQLAlchemy's result processors come along
     assert {"created_at", "message_id", "locked_until"} <= h.claim.results.keys()
+
+
+def test_the_sqlite_fence_finds_its_rows_by_primary_key():
+    """The JSON pairs are read by ``json_each``; the rows must still be found on the primary key, not by
+    a scan of the messages table (which grows with the history of every message)."""
+    import json
+
+    from sqlalchemy.dialects.sqlite import aiosqlite
+
+    tables = Tables.build(None)
+    h = HotStatements(Statements(tables, "w", "sqlite"), aiosqlite.dialect(paramstyle="named"))
+    engine = sa.create_engine("sqlite://")
+    with engine.begin() as conn:
+        tables.metadata.create_all(conn)
+    values = {"b_leases": json.dumps([[1, 1], [2, 1]]), "b_now": "2026-01-01", "b_until": "2026-01-01"}
+    with engine.connect() as conn:
+        db = conn.connection.driver_connection
+        for stmt in (h.complete_many, h.renew):
+            params = {k: v for k, v in {**stmt.defaults, **values}.items() if f":{k}" in stmt.sql}
+            plan = [row[3] for row in db.execute(f"EXPLAIN QUERY PLAN {stmt.sql}", params)]
+            assert any("queueing_messages USING INTEGER PRIMARY KEY" in p for p in plan), plan
+            assert not any(p.startswith("SCAN queueing_messages") for p in plan), plan
+    engine.dispose()
