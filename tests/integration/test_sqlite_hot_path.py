@@ -324,3 +324,17 @@ async def test_a_lone_statement_commits_whatever_the_connections_last_user_left(
         raw = await conn.get_raw_connection()
         assert not raw.driver_connection._conn.in_transaction
     await rt.close()
+
+
+async def test_the_prepared_statements_switch_leaves_sqlite_on_its_hot_path(tmp_path):
+    """``QUEUEING_DATABASE_PREPARED_STATEMENTS=false`` is a PostgreSQL pooler's setting: on SQLite there
+    is nothing to prepare, and the hot path runs all the same."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file, prepared_statements=False)
+    assert isinstance(prov._driver, SqliteDriverPath)
+    assert prov._hot is not None
+    await a.enqueue_many([Job(n=1)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    await prov.settle([Settlement(got[0], Complete())])
+    assert [r["status"] for r in rows_of(file)] == ["Succeeded"]
+    await rt.close()
