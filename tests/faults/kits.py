@@ -43,6 +43,12 @@ def _pg_error() -> BaseException:
     return psycopg.OperationalError("server closed the connection unexpectedly (injected)")
 
 
+def _sqlite_error() -> BaseException:
+    import sqlite3
+
+    return sqlite3.OperationalError("database is locked (injected)")
+
+
 def _azure_error() -> BaseException:
     from azure.core.exceptions import ServiceRequestError
 
@@ -138,6 +144,15 @@ def _postgres_points() -> list[CallPoint]:
     return [*_sql_points(), CallPoint("pg.round_trip", lambda rt: DriverPath, "round_trip", _pg_error)]
 
 
+def _sqlite_points() -> list[CallPoint]:
+    """SQLAlchemy's statements, and the hot path's calls in aiosqlite's thread (claims, renewals,
+    settlements), which fail with sqlite3's own error."""
+    from queueing_core.providers.sql.sqlite_driver import SqliteDriverPath
+
+    point = CallPoint("sqlite.round_trip", lambda rt: SqliteDriverPath, "round_trip", _sqlite_error)
+    return [*_sql_points(), point]
+
+
 def _inprocess_points() -> list[CallPoint]:
     from queueing_core.providers.inprocess import InProcessProvider
     from queueing_core.tracking.memory import MemoryTracker
@@ -213,7 +228,7 @@ KITS: dict[str, Kit] = {
         no_faults="in memory: no SDK or driver call can fail, and a crash takes the queues along (the "
         "in-process provider promises nothing across a process's death)",
     ),
-    "sqlite": Kit("sqlite", _sql_points, _sql_places),
+    "sqlite": Kit("sqlite", _sqlite_points, _sql_places),
     "postgres": Kit("postgres", _postgres_points, _sql_places),
     "storage_queue": Kit("storage_queue", _storage_points, _storage_places),
     "servicebus": Kit("servicebus", _servicebus_points, _counted_places),

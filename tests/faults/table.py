@@ -18,7 +18,7 @@ from .sequences import SEQUENCES
 
 STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("retry_by_copy", "inprocess"): ("memory.settle", "history.upsert"),
-    ("retry_by_copy", "sqlite"): ("sql.execute",),
+    ("retry_by_copy", "sqlite"): ("sqlite.round_trip",),
     ("retry_by_copy", "postgres"): ("pg.round_trip",),
     ("retry_by_copy", "storage_queue"): ("queue.update_message", "history.upsert"),
     ("retry_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert"),
@@ -30,7 +30,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "history.upsert",
     ),
     ("pause_by_copy", "inprocess"): ("memory.settle", "history.upsert"),
-    ("pause_by_copy", "sqlite"): ("sql.execute",),
+    ("pause_by_copy", "sqlite"): ("sqlite.round_trip",),
     ("pause_by_copy", "postgres"): ("pg.round_trip",),
     ("pause_by_copy", "storage_queue"): (
         "queue.update_message",
@@ -47,7 +47,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "history.upsert",
     ),
     ("dead_letter", "inprocess"): ("memory.settle", "history.upsert"),
-    ("dead_letter", "sqlite"): ("sql.execute",),
+    ("dead_letter", "sqlite"): ("sqlite.round_trip",),
     ("dead_letter", "postgres"): ("pg.round_trip",),
     ("dead_letter", "storage_queue"): (
         "queue.update_message",
@@ -64,7 +64,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "history.upsert",
     ),
     ("expiry", "inprocess"): ("memory.settle", "history.upsert"),
-    ("expiry", "sqlite"): ("sql.execute",),
+    ("expiry", "sqlite"): ("sqlite.round_trip",),
     ("expiry", "postgres"): ("pg.round_trip",),
     ("expiry", "storage_queue"): ("queue.delete_message", "history.upsert"),
     ("expiry", "servicebus"): ("sb.dead_letter_message", "history.upsert"),
@@ -193,7 +193,8 @@ def cases() -> list[object]:
 #: steps of a row that are not calls of their own, so no case injects there (shown in the report)
 UNCALLED = {
     "sqlite": "commit: a crash before it rolls the transaction back as a crash at its last statement "
-    "does (covered); a failed commit is the driver's error on that last round trip",
+    "does (covered); a failed commit is the driver's error on that last round trip (a hot-path call in "
+    "aiosqlite's thread, ``sqlite.round_trip``, is one transaction: begun, run and ended in that call)",
     "postgres": "commit: as for SQLite; the provider's statements are one transaction per step (a hot-path "
     "round trip on psycopg's connection, ``pg.round_trip``, is one pipeline: one implicit transaction)",
 }

@@ -50,8 +50,9 @@ def _reusable() -> frozenset[Any]:
 
 
 class Compiled:
-    """One statement as psycopg receives it: SQL text with named placeholders, its constant values,
-    and the processors SQLAlchemy would apply to the values bound at run time."""
+    """One statement as the driver receives it (psycopg, or ``sqlite3`` on the SQLite hot path): SQL
+    text with named placeholders, its constant values, the processors SQLAlchemy would apply to the
+    values bound at run time, and those it would apply to the columns the statement returns."""
 
     def __init__(self, stmt: sa.ClauseElement, dialect: sa.Dialect) -> None:
         compiled = cast("SQLCompiler", stmt.compile(dialect=dialect))
@@ -66,6 +67,13 @@ class Compiled:
         self.processors: dict[str, Callable[[Any], Any]] = {
             k: f for k, f in compiled._bind_processors.items() if callable(f)
         }
+        #: by returned column: what turns the driver's value into SQLAlchemy's (a timestamp or a UUID
+        #: stored as text on SQLite); psycopg returns those types itself, so its path needs none
+        self.results: dict[str, Callable[[Any], Any]] = {}
+        for column in compiled._result_columns:
+            process = column.type._cached_result_processor(dialect, None)
+            if process is not None:
+                self.results[column.keyname] = process
 
     def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
         if not self.required <= values.keys():
@@ -138,7 +146,8 @@ async def _result(cur: psycopg.AsyncCursor[dict[str, Any]]) -> Result:
 
 
 class HotStatements:
-    """The hot path's statements of a provider (``statements.Statements``), compiled for psycopg."""
+    """The hot path's statements of a provider (``statements.Statements``), compiled for its driver
+    (``dialect``: psycopg's, or SQLite's with named parameters, see ``sqlite_driver``)."""
 
     def __init__(self, statements: Any, dialect: sa.Dialect) -> None:
         self.claim = Compiled(statements.claim, dialect)

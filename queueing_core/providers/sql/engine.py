@@ -69,7 +69,8 @@ def create_engine(
         # one connection per process: SQLite has one writer, and transactions queued on the pool wait
         # in asyncio instead of in SQLite's busy handler (which sleeps in steps of up to 100 ms)
         single: dict[str, Any] = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 120, **kwargs}
-        engine = create_async_engine(u, connect_args={"timeout": 30}, **single)
+        # (the pool's rollback of a returned connection is ``on_reset``'s, below)
+        engine = create_async_engine(u, connect_args={"timeout": 30}, pool_reset_on_return=None, **single)
         _tune_sqlite(engine)
         return engine
     # No pre-ping (a round trip per transaction): when a statement meets a dead connection, SQLAlchemy
@@ -104,6 +105,11 @@ def _connector(url: URL, password: PasswordSource, connect_args: dict[str, Any])
     return connect
 
 
+#: set on a pooled connection's ``info`` by whoever returns it out of any transaction for certain (the
+#: SQLite hot path, see ``sqlite_driver``): the pool skips its rollback, a hop to aiosqlite's thread
+RETURNED_CLEAN = "queueing_returned_clean"
+
+
 def _tune_sqlite(engine: AsyncEngine) -> None:
     @sa.event.listens_for(engine.sync_engine, "connect")
     def on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -115,6 +121,13 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
         cur.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; safe with WAL
         cur.execute("PRAGMA busy_timeout=30000")
         cur.close()
+
+    @sa.event.listens_for(engine.sync_engine, "reset")
+    def on_reset(dbapi_conn: Any, record: Any, state: Any) -> None:
+        # SQLAlchemy's own reset (``pool_reset_on_return="rollback"``), but for connections known clean
+        clean = record is not None and record.info.pop(RETURNED_CLEAN, False)
+        if not clean and state.asyncio_safe and not state.transaction_was_reset:
+            dbapi_conn.rollback()
 
     @sa.event.listens_for(engine.sync_engine, "begin")
     def on_begin(conn: sa.Connection) -> None:

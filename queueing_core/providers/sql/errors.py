@@ -1,11 +1,13 @@
 """The kit's one translation of database driver errors: unreachable -> ProviderUnavailable, the rest of
-the driver's failures -> ProviderError. It covers SQLAlchemy's wrapped errors and psycopg's own, which
-the PostgreSQL hot path (``driver``) meets without SQLAlchemy in between."""
+the driver's failures -> ProviderError. It covers SQLAlchemy's wrapped errors and the drivers' own, which
+the hot paths (``driver`` for psycopg, ``sqlite_driver`` for ``sqlite3``) meet without SQLAlchemy in
+between; each driver's error class maps as SQLAlchemy's wrapper of it does."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sqlite3
 from collections.abc import Iterator
 
 import sqlalchemy as sa
@@ -30,12 +32,15 @@ def _psycopg() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExceptio
 
 def down_errors() -> tuple[type[BaseException], ...]:
     """Errors that say the database cannot be reached (or the connection broke): worth a retry."""
-    return (OSError, ConnectionError, sa.exc.OperationalError, sa.exc.InterfaceError, *_psycopg()[0])
+    # (sqlite3's as SQLAlchemy wraps them: OperationalError, e.g. "database is locked", is its
+    # OperationalError, so a retry, as on the SQLAlchemy path)
+    sqlite = (sqlite3.OperationalError, sqlite3.InterfaceError)
+    return (OSError, ConnectionError, sa.exc.OperationalError, sa.exc.InterfaceError, *sqlite, *_psycopg()[0])
 
 
 def driver_errors() -> tuple[type[BaseException], ...]:
     """Every error of the database layer (the statement failed, for whatever reason)."""
-    return (sa.exc.SQLAlchemyError, *_psycopg()[1])
+    return (sa.exc.SQLAlchemyError, sqlite3.Error, *_psycopg()[1])
 
 
 @contextlib.contextmanager

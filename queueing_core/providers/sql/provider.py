@@ -7,9 +7,10 @@
 - Finalize: every claim sets a new lease token on the row, and every settlement, renewal and release
   is an UPDATE guarded by that token (and ``status = 'Leased'``), so a run whose lease expired or was
   released never overwrites the outcome of the run that holds it now, even in the same process.
-- Hot path (PostgreSQL): claims, renewals and settlements run on psycopg's own connection, the
-  statements compiled once from the Core definitions in ``statements``, prepared, and a settlement
-  batch pipelined into one round trip and one commit (see ``driver``).
+- Hot path: claims, renewals and settlements run on the driver's own connection, the statements
+  compiled once from the Core definitions in ``statements``; a settlement batch is one round trip and
+  one commit: pipelined and prepared on psycopg (see ``driver``), one call in aiosqlite's thread on
+  SQLite (see ``sqlite_driver``).
 - Wake-ups: ``pg_notify`` in the enqueuing transaction, one LISTEN connection per worker; the worker's
   adaptive polling is the fallback (and the only mechanism on SQLite across processes).
 - Maintenance (every few seconds, safe to run on every host at once): expired leases back to retry
@@ -52,6 +53,7 @@ from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
 from .schema import DONE_PREFIX, LATEST, Tables, current_version, done_channel_for, migrate
+from .sqlite_driver import SqliteDriverPath, named_dialect
 from .statements import Statements, bind, leases_of
 from .statements import notify_statement as notify_statement  # the outbox's wake-ups
 from .tracker import SqlTracker
@@ -175,10 +177,13 @@ class SqlProvider:
         self._result_waiters: dict[UUID, set[asyncio.Event]] = defaultdict(set)
         self._next_due: dict[str, datetime] = {}
         self.statements = Statements(self.tables, self.worker_id, self.backend)
-        #: PostgreSQL: claims, renewals and settlements on psycopg's connection (see ``driver``), with
-        #: server-side prepared statements unless a pooler in front of the server cannot keep them
+        #: claims, renewals and settlements on the driver's own connection: psycopg's (see ``driver``),
+        #: with server-side prepared statements unless a pooler in front of the server cannot keep them,
+        #: or sqlite3's in aiosqlite's thread (see ``sqlite_driver``; nothing to prepare there)
         self.prepared_statements = prepared_statements
-        self._driver = DriverPath(prepare=prepared_statements)
+        self._driver: DriverPath | SqliteDriverPath = (
+            DriverPath(prepare=prepared_statements) if self.backend == "postgresql" else SqliteDriverPath()
+        )
         self._hot: HotStatements | None = None
         self._auto: AsyncEngine | None = None
         self._claims: AsyncEngine | None = None
@@ -254,8 +259,10 @@ class SqlProvider:
                 ).execution_options(isolation_level="AUTOCOMMIT")
             else:
                 self._claims = self._auto
-            if self.backend == "postgresql":
-                self._hot = HotStatements(self.statements, self._engine.dialect)
+            self._hot = HotStatements(
+                self.statements,
+                self._engine.dialect if self.backend == "postgresql" else named_dialect(self._engine),
+            )
             await self._wait_for_database()
             if self.auto_migrate:
                 applied = await migrate(self.engine, self.tables, now=self.clock)
@@ -509,7 +516,8 @@ class SqlProvider:
             elif isinstance(decision, Release):
                 shape = "release"
                 params = {**base, "attempt": used}
-                wake.add(d.queue)
+                if self.backend == "postgresql":  # (a NOTIFY: SQLite's workers poll)
+                    wake.add(d.queue)
             else:
                 assert isinstance(decision, Expire)
                 shape, params = "expire", base
@@ -538,9 +546,10 @@ class SqlProvider:
         wake: set[str],
         now: datetime,
     ) -> list[Delivery]:
-        """PostgreSQL: the whole batch, every kind of outcome and the wake-ups, in one pipeline: one
-        round trip and one commit. Each statement is fenced by its leases; a refused one changes nothing
-        and says so by its row count (or, for the successes, by the ids it returns)."""
+        """The whole batch, every kind of outcome and the wake-ups, in one round trip and one commit
+        (a pipeline on PostgreSQL, one transaction in aiosqlite's thread on SQLite). Each statement is
+        fenced by its leases; a refused one changes nothing and says so by its row count (or, for the
+        successes, by the ids it returns)."""
         assert self._hot is not None
         work: list[tuple[Any, dict[str, Any]]] = []
         if fast:

@@ -6,6 +6,7 @@ batch was a third of the worker's CPU. These objects are reused with new paramet
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,10 +54,10 @@ def claim_columns(m: sa.Table) -> list[sa.ColumnElement[Any]]:
 
 def leases_of(backend: str, rows: Sequence[int], tokens: Sequence[int]) -> dict[str, Any]:
     """The bound values of a many-row fence (:attr:`Statements.complete_many`, :attr:`Statements.renew`)
-    for ``backend``: two arrays on PostgreSQL, expanded lists elsewhere."""
+    for ``backend``: two arrays on PostgreSQL, the (id, token) pairs as one JSON text on SQLite."""
     if backend == "postgresql":
         return bind(ids=list(rows), tokens=list(tokens))
-    return bind(ids=list(rows), leases=list(zip(rows, tokens, strict=True)))
+    return bind(leases=json.dumps([[r, t] for r, t in zip(rows, tokens, strict=True)]))
 
 
 def constants(values: Sequence[str]) -> list[sa.ColumnElement[str]]:
@@ -179,9 +180,15 @@ class Statements:
                 sa.tuple_(m.c.id, m.c.lease_token).in_(sa.select(pairs.c.id, pairs.c.token)),
             )
         else:
+            # SQLite: the pairs as one JSON array read by ``json_each``, so that here too the text is
+            # the same for any number of rows (the hot path compiles it once, see ``sqlite_driver``);
+            # ``id IN (...)`` still finds the rows on the primary key
+            pairs = sa.func.json_each(P("leases", type_=sa.Text())).table_valued("value").alias("lease")
+            lease_id = sa.func.json_extract(pairs.c.value, sa.literal_column("'$[0]'"))
+            lease_token = sa.func.json_extract(pairs.c.value, sa.literal_column("'$[1]'"))
             fence = sa.and_(
-                m.c.id.in_(P("ids", expanding=True)),
-                sa.tuple_(m.c.id, m.c.lease_token).in_(P("leases", expanding=True)),
+                m.c.id.in_(sa.select(lease_id)),
+                sa.tuple_(m.c.id, m.c.lease_token).in_(sa.select(lease_id, lease_token)),
             )
         owned_many = sa.and_(fence, m.c.locked_by == worker_id, m.c.status == LEASED)
         released: dict[str, Any] = {"locked_by": None, "locked_until": None, "updated_at": now}

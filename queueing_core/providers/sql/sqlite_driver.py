@@ -1,0 +1,120 @@
+"""The SQLite hot path: claims, lease renewals and settlements on ``sqlite3`` itself, in aiosqlite's thread.
+
+Through SQLAlchemy, every statement on SQLite crosses its greenlet bridge and its result machinery, and
+every call of aiosqlite (begin, execute, fetch, commit) is a hop to aiosqlite's thread and back: a
+settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot path
+(``driver.DriverPath.run``) holds with one hop per call:
+
+- **one source of SQL**: the statements are still the SQLAlchemy Core objects of ``statements``,
+  compiled once per provider for SQLite with named parameters (``driver.Compiled``, the same values,
+  bind processors and result processors SQLAlchemy would use, so the rows read and written are the
+  same as on the SQLAlchemy path);
+- **the same connection**: each call borrows the provider's one pooled connection (SQLite has one
+  writer: calls queue on the pool, in asyncio), and runs one function on aiosqlite's own thread against
+  its ``sqlite3`` connection, so in-memory databases and the connection's PRAGMAs are those of the rest
+  of the provider. The connection goes back to the pool marked clean (``engine.RETURNED_CLEAN``): the
+  pool's rollback on its return would be one more hop for nothing;
+- **one transaction**: the statements run between ``BEGIN IMMEDIATE`` and ``COMMIT`` (one WAL
+  append), rolled back as a whole on any error, in the thread: a caller cancelled mid-call leaves no
+  transaction open, since the function still ends it. A statement whose lease guard refuses its row
+  changes nothing and says so by its row count.
+
+Errors of ``sqlite3`` go through the provider's one translation (``errors.db_boundary``), which maps
+them as it maps SQLAlchemy's wrapping of them ("database is locked" -> unavailable, worth a retry).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import greenlet_spawn
+
+from .driver import Compiled, Result
+from .engine import RETURNED_CLEAN
+from .errors import db_boundary
+
+
+def named_dialect(engine: AsyncEngine) -> sa.Dialect:
+    """The engine's SQLite dialect with named parameters (``:name``), which ``sqlite3`` takes from a dict."""
+    make: Any = type(engine.dialect)  # (the aiosqlite dialect: DefaultDialect's keywords)
+    dialect: sa.Dialect = make(paramstyle="named")
+    return dialect
+
+
+class _Unusable(Exception):
+    """The transaction could not be rolled back: the connection's state is unknown."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _round_trip(db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any]]]) -> list[Result]:
+    """Runs in aiosqlite's thread: the statements in one transaction, rows as dicts."""
+    # explicit, even for one statement: SQLAlchemy's reset of an autocommit connection hands sqlite3
+    # its implicit transactions again (``isolation_level = ""``), which a lone UPDATE would leave open
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        results = []
+        for stmt, params in work:
+            cur = db.execute(stmt.sql, params)
+            rows: list[dict[str, Any]] = []
+            if cur.description is not None:
+                names = [d[0] for d in cur.description]
+                processors = [stmt.results.get(name) for name in names]
+                if any(processors):
+                    columns = list(zip(names, processors, strict=True))
+                    rows = [
+                        {n: v if p is None else p(v) for (n, p), v in zip(columns, r, strict=True)}
+                        for r in cur.fetchall()
+                    ]
+                else:
+                    rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+            results.append(Result(cur.rowcount, rows))
+            cur.close()
+        db.execute("COMMIT")
+    except BaseException as exc:
+        if db.in_transaction:
+            try:
+                db.execute("ROLLBACK")
+            except BaseException:
+                raise _Unusable(exc) from exc
+        raise
+    return results
+
+
+class SqliteDriverPath:
+    """Runs compiled statements on the ``sqlite3`` connection under the provider's pooled connection."""
+
+    async def run(
+        self, engine: AsyncEngine, action: str, work: Sequence[tuple[Compiled, Mapping[str, Any]]]
+    ) -> list[Result]:
+        """``work`` in one transaction and one hop to the database's thread, errors translated."""
+        # the values are processed here, where a missing one fails before the connection is borrowed
+        bound = [(stmt, stmt.params(values)) for stmt, values in work]
+        with db_boundary(action):
+            # straight from the pool: a SQLAlchemy connection of the autocommit engine would set and
+            # reset its isolation level on the way, three more hops to the thread
+            pooled = await greenlet_spawn(engine.sync_engine.pool.connect)
+            try:
+                return await self.round_trip(pooled.driver_connection, bound)
+            except _Unusable as broken:
+                await greenlet_spawn(pooled.invalidate)
+                raise broken.error from None
+            finally:
+                if pooled.is_valid:
+                    # whatever happened here (an error, a cancelled caller), the function that runs
+                    # in aiosqlite's thread ends its own transaction, and anything later queued there
+                    # runs after it: no rollback needed on the way back to the pool
+                    pooled.info[RETURNED_CLEAN] = True
+                await greenlet_spawn(pooled.close)
+
+    async def round_trip(self, aio: Any, bound: list[tuple[Compiled, dict[str, Any]]]) -> list[Result]:
+        """The one hop: ``_round_trip`` in the thread of ``aio`` (an ``aiosqlite.Connection``)."""
+        # (aiosqlite's one way to run a function in its thread: what its own calls use)
+        results: list[Result] = await aio._execute(_round_trip, aio._conn, bound)
+        return results

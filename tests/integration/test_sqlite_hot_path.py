@@ -1,0 +1,340 @@
+"""The SQLite hot path runs on sqlite3 itself, in aiosqlite's thread: claims, renewals and settlements
+go through none of SQLAlchemy's execute, a settlement batch is one hop to that thread and one
+transaction (all of it or none of it), a stale lease is refused, and sqlite3's errors become the kit's
+as SQLAlchemy's wrapping of them does. Real SQLite files throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
+from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from queueing_core.errors import ProviderError, ProviderUnavailable
+from queueing_core.providers.sql import SqlProvider
+from queueing_core.providers.sql.errors import db_boundary
+from queueing_core.providers.sql.rows import Lease
+from queueing_core.providers.sql.sqlite_driver import SqliteDriverPath
+from queueing_core.runtime import Runtime
+from queueing_core.transport import Delivery, Settlement
+
+
+@queue("lite-hot")
+class Job(QueueMessage):
+    n: int
+
+
+def app() -> QueueingApp:
+    a = QueueingApp("lite-hot")
+
+    @a.handler()
+    async def handle(msg: Job) -> None:
+        return None
+
+    return a
+
+
+class Clock:
+    """A fixed clock that steps on demand: two providers given the same steps write the same times."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+async def opened(path: str, **kw: Any) -> tuple[SqlProvider, QueueingApp, Runtime]:
+    prov = SqlProvider(f"sqlite:///{path}", **kw)
+    a = app()
+    rt = Runtime(a, prov)
+    await rt.open()
+    return prov, a, rt
+
+
+def rows_of(path: str) -> list[dict[str, Any]]:
+    with sqlite3.connect(path) as db:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute("SELECT * FROM queueing_messages ORDER BY id")]
+
+
+def batch(got: list[Delivery], until: datetime) -> list[Settlement]:
+    """Every kind of outcome: plain successes, a success with a result, retry, dead letter, defer,
+    release and expiry."""
+    return [
+        Settlement(got[0], Complete()),
+        Settlement(got[1], Complete()),
+        Settlement(got[2], Complete(result={"total": 3})),
+        Settlement(got[3], RetryAfter(delay=timedelta(seconds=60), error="boom?")),
+        Settlement(got[4], DeadLetter(DeadLetterReason.NON_RETRYABLE, "no")),
+        Settlement(got[5], Defer(until=until, status=MessageStatus.SLEEPING, reason="later")),
+        Settlement(got[6], Release(reason="shutting down")),
+        Settlement(got[7], Expire(expired_at=until)),
+    ]
+
+
+async def test_claim_renew_and_settle_run_on_sqlite3_one_hop_per_call(tmp_path, monkeypatch):
+    import aiosqlite
+
+    prov, a, rt = await opened(str(tmp_path / "q.db"))
+    await a.enqueue_many([Job(n=i) for i in range(8)])
+    through_sqlalchemy: list[str] = []
+    original = AsyncConnection.execute
+
+    async def spy(self, statement, *args, **kwargs):
+        through_sqlalchemy.append(str(statement)[:60])
+        return await original(self, statement, *args, **kwargs)
+
+    hops: list[str] = []
+    original_hop = aiosqlite.Connection._execute
+
+    async def count(self, fn, *args, **kwargs):
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await original_hop(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncConnection, "execute", spy)
+    monkeypatch.setattr(aiosqlite.Connection, "_execute", count)
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert len(got) == 8
+    assert await prov.renew(got) == []
+    hops.clear()
+    await prov.settle(batch(got, prov.clock() + timedelta(hours=1)))
+    # the whole batch, seven statements, is one call in aiosqlite's thread, and that is all: no
+    # rollback on the connection's return to the pool, no isolation level set and reset
+    assert hops == ["_round_trip"]
+    assert through_sqlalchemy == []  # claim, renewal and settlement: none through SQLAlchemy
+    monkeypatch.undo()
+    assert not any(d.refused for d in got)
+    statuses = [r["status"] for r in rows_of(str(tmp_path / "q.db"))]
+    assert statuses == [
+        "Succeeded",
+        "Succeeded",
+        "Succeeded",
+        "Failed",
+        "DeadLettered",
+        "Sleeping",
+        "Pending",
+        "Expired",
+    ]
+    await rt.close()
+
+
+async def test_the_hot_path_writes_and_reads_the_rows_the_sqlalchemy_path_does(tmp_path):
+    """The same claims, renewals and settlements, at the same clock, through the hot path and through
+    SQLAlchemy (the provider without its hot statements): the same rows, column by column, and the
+    same deliveries."""
+    results: dict[str, tuple[list[dict[str, Any]], list[tuple[Any, ...]]]] = {}
+    for path in ("hot", "engine"):
+        clock = Clock()
+        file = str(tmp_path / f"{path}.db")
+        prov, a, rt = await opened(file, clock=clock, worker_id="w-1")
+        if path == "engine":
+            prov._hot = None
+        assert (prov._hot is None) == (path == "engine")
+        await a.enqueue_many([Job(n=i) for i in range(8)])
+        clock.now += timedelta(seconds=1)
+        got = await prov.receive(a.subscription("Job"), 10)
+        clock.now += timedelta(seconds=1)
+        assert await prov.renew(got) == []
+        clock.now += timedelta(seconds=1)
+        await prov.settle(batch(got, clock.now + timedelta(hours=1)))
+        seen = [
+            (
+                d.attempt,
+                d.handle.token,
+                d.lease_until,
+                d.envelope.body["n"] if d.envelope else None,
+                d.refused,
+            )
+            for d in got
+        ]
+        # the ids differ between the two databases (uuid4), and the message's own times (its clock,
+        # not the provider's): everything else must match
+        rows = [
+            {k: v for k, v in r.items() if k not in ("message_id", "tracking_id", "created_at", "expires_at")}
+            for r in rows_of(file)
+        ]
+        results[path] = (rows, seen)
+        await rt.close()
+    assert results["hot"][0] == results["engine"][0]
+    assert results["hot"][1] == results["engine"][1]
+    lease_until = results["hot"][1][0][2]
+    assert lease_until is not None
+    assert lease_until.tzinfo is not None
+
+
+async def test_a_failing_statement_rolls_back_the_whole_batch(tmp_path):
+    """A statement that fails midway (here a trigger refuses the retry's row) undoes the statements
+    before it in the same call: no partial settlement; the batch settles whole once the cause is gone."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=i) for i in range(3)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    with sqlite3.connect(file) as db:
+        db.execute(
+            "CREATE TRIGGER refuse BEFORE UPDATE ON queueing_messages WHEN NEW.last_error = 'refuse' "
+            "BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END"
+        )
+    settlements = [
+        Settlement(got[0], Complete()),  # the batch of successes runs first...
+        Settlement(got[1], Complete()),
+        Settlement(got[2], RetryAfter(delay=timedelta(seconds=60), error="refuse")),  # ...this fails
+    ]
+    with pytest.raises(ProviderError, match="refused by a trigger"):
+        await prov.settle(settlements)
+    assert [r["status"] for r in rows_of(file)] == ["Leased", "Leased", "Leased"]
+    # the connection is usable and out of any transaction: the same batch settles once allowed
+    with sqlite3.connect(file) as db:
+        db.execute("DROP TRIGGER refuse")
+    await prov.settle(settlements)
+    assert [r["status"] for r in rows_of(file)] == ["Succeeded", "Succeeded", "Failed"]
+    await rt.close()
+
+
+async def test_a_stale_lease_is_refused_and_the_rest_commit(tmp_path):
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=i) for i in range(4)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert len(got) == 4
+    # the first and third carry a token another claim has since replaced (a success and a retry)
+    for d in (got[0], got[2]):
+        d.handle = Lease(d.handle.row, d.handle.token - 1)
+    await prov.settle(
+        [
+            Settlement(got[0], Complete()),
+            Settlement(got[1], Complete()),
+            Settlement(got[2], RetryAfter(delay=timedelta(seconds=60), error="x")),
+            Settlement(got[3], RetryAfter(delay=timedelta(seconds=60), error="y")),
+        ]
+    )
+    assert [d.refused for d in got] == [True, False, True, False]
+    assert [r["status"] for r in rows_of(file)] == ["Leased", "Succeeded", "Leased", "Failed"]
+    # and a stale run's renewal is refused too: it learns it lost the lease
+    assert await prov.renew([got[0], got[1]]) == [got[0], got[1]]  # (got[1] is settled: no lease)
+    await rt.close()
+
+
+async def test_database_locked_is_translated_as_on_the_sqlalchemy_path(tmp_path):
+    """Another process holding SQLite's one write lock past the busy timeout: sqlite3's own
+    ``OperationalError: database is locked`` becomes ProviderUnavailable (worth a retry), as
+    SQLAlchemy's wrapping of it does on the other path."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=1)])
+    async with prov.engine.connect() as conn:  # the provider's one pooled connection: wait 50 ms
+        await conn.exec_driver_sql("PRAGMA busy_timeout=50")
+    holder = sqlite3.connect(file, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(ProviderUnavailable, match="during a claim: OperationalError: database is locked"):
+            await prov.receive(a.subscription("Job"), 10)
+        # the SQLAlchemy path raises SQLAlchemy's wrapper (its callers translate it): the same translation
+        saved, prov._hot = prov._hot, None
+        with (
+            pytest.raises(
+                ProviderUnavailable, match=r"during a claim: OperationalError: .*database is locked"
+            ),
+            db_boundary("a claim"),
+        ):
+            await prov.receive(a.subscription("Job"), 10)
+        prov._hot = saved
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert [d.envelope.body["n"] for d in got if d.envelope] == [1]
+    await rt.close()
+
+
+async def test_a_call_cancelled_midway_ends_its_transaction_and_leaves_the_pool_usable(tmp_path, monkeypatch):
+    """A cancelled caller (a host shutting down) while its batch waits for the write lock: the call in
+    aiosqlite's thread still ends its transaction (here it commits once the lock is free: an outcome
+    recorded whose caller did not hear back, which at worst repeats, never loses), and the provider's
+    one pooled connection serves the next claim."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=i) for i in range(3)])
+    got = await prov.receive(a.subscription("Job"), 2)
+    queued = asyncio.Event()
+    original = SqliteDriverPath.round_trip
+
+    async def spy(self, aio, bound):
+        queued.set()  # (the call is in aiosqlite's queue before this coroutine first waits)
+        return await original(self, aio, bound)
+
+    monkeypatch.setattr(SqliteDriverPath, "round_trip", spy)
+    holder = sqlite3.connect(file, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    settling = asyncio.create_task(
+        prov.settle([Settlement(got[0], Complete()), Settlement(got[1], Complete(result={"r": 1}))])
+    )
+    await asyncio.wait_for(queued.wait(), 60)
+    settling.cancel()
+    # the lock goes before the cancelled task is awaited: its pooled connection's return queues behind
+    # the call in aiosqlite's thread, which waits for the lock
+    holder.execute("ROLLBACK")
+    holder.close()
+    with pytest.raises(asyncio.CancelledError):
+        await settling
+    more = await asyncio.wait_for(prov.receive(a.subscription("Job"), 10), 60)
+    assert [d.envelope.body["n"] for d in more if d.envelope] == [2]
+    async with prov.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        assert not raw.driver_connection._conn.in_transaction
+    assert [r["status"] for r in rows_of(file)] == ["Succeeded", "Succeeded", "Leased"]
+    await rt.close()
+
+
+async def test_sqlite3_errors_are_the_kits(tmp_path, monkeypatch):
+    prov, a, rt = await opened(str(tmp_path / "q.db"))
+
+    async def broken(self, aio, bound):
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    monkeypatch.setattr(SqliteDriverPath, "round_trip", broken)
+    with pytest.raises(ProviderError, match="claim failed: DatabaseError"):
+        await prov.receive(a.subscription("Job"), 10)
+    monkeypatch.undo()
+    # (and SQLAlchemy's path maps the same sqlite3 error the same way)
+    with pytest.raises(ProviderError, match="failed"), db_boundary("a claim"):
+        raise sa.exc.DatabaseError("x", {}, sqlite3.DatabaseError("database disk image is malformed"))
+    await rt.close()
+
+
+async def test_a_lone_statement_commits_whatever_the_connections_last_user_left(tmp_path):
+    """SQLAlchemy's return of an autocommit connection gives sqlite3 back its implicit transactions
+    (it then opens one before a statement that starts with UPDATE); the hot path's single statement
+    must still commit (visible to another connection at once) and leave no transaction open."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=1)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    async with prov.auto.connect() as conn:  # the autocommit engine, as the provider's reads use it
+        await conn.execute(sa.text("SELECT 1"))
+    await prov.settle([Settlement(got[0], RetryAfter(delay=timedelta(seconds=60), error="x"))])
+    assert [r["status"] for r in rows_of(file)] == ["Failed"]  # committed: another connection sees it
+    async with prov.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        assert not raw.driver_connection._conn.in_transaction
+    await rt.close()
+
+
+async def test_the_prepared_statements_switch_leaves_sqlite_on_its_hot_path(tmp_path):
+    """``QUEUEING_DATABASE_PREPARED_STATEMENTS=false`` is a PostgreSQL pooler's setting: on SQLite there
+    is nothing to prepare, and the hot path runs all the same."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file, prepared_statements=False)
+    assert isinstance(prov._driver, SqliteDriverPath)
+    assert prov._hot is not None
+    await a.enqueue_many([Job(n=1)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    await prov.settle([Settlement(got[0], Complete())])
+    assert [r["status"] for r in rows_of(file)] == ["Succeeded"]
+    await rt.close()
