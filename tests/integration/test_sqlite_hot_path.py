@@ -338,3 +338,52 @@ async def test_the_prepared_statements_switch_leaves_sqlite_on_its_hot_path(tmp_
     await prov.settle([Settlement(got[0], Complete())])
     assert [r["status"] for r in rows_of(file)] == ["Succeeded"]
     await rt.close()
+
+
+async def test_an_engine_of_the_callers_keeps_sqlalchemys_path(tmp_path):
+    """An engine passed in (here an in-memory database on SQLAlchemy's static pool, one connection
+    shared by every user and rolled back on each return) is not the pool the hot path is built for: a
+    hot call's return would roll back another user's transaction whose commit is still to come (a
+    review lost acknowledged sends that way). Such a provider keeps SQLAlchemy's path."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine("sqlite+aiosqlite://")
+    prov = SqlProvider("sqlite://", engine=engine)
+    a = app()
+    rt = Runtime(a, prov)
+    await rt.open()
+    assert prov._hot is None
+    await a.enqueue_many([Job(n=i) for i in range(5)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    await prov.settle([Settlement(d, Complete()) for d in got])
+    async with engine.connect() as conn:
+        statuses = (await conn.execute(sa.text("SELECT status FROM queueing_messages"))).scalars().all()
+    assert sorted(statuses) == ["Succeeded"] * 5
+    await rt.close()
+    await engine.dispose()
+
+
+async def test_a_closed_aiosqlite_connection_is_retryable_and_leaves_the_pool(tmp_path):
+    """aiosqlite says "Connection closed" (a ValueError) when its thread is gone: the kit's retryable
+    error, and that connection out of the pool, so the next call opens a fresh one and succeeds."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=1)])
+    async with prov.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        dead = raw.driver_connection
+    await dead.close()  # the pooled connection's aiosqlite thread ends
+    with pytest.raises(ProviderUnavailable):
+        await prov.receive(a.subscription("Job"), 10)
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert [d.envelope.body["n"] for d in got if d.envelope] == [1]
+    await rt.close()
+
+
+def test_the_aiosqlite_internals_the_hot_path_uses_are_there():
+    """The one hop uses aiosqlite's own way to run a function in its thread (``_execute``) and its
+    ``sqlite3`` connection (``_conn``): an aiosqlite that renames them must fail here, not in a worker."""
+    import aiosqlite
+
+    assert callable(aiosqlite.Connection._execute)
+    assert isinstance(aiosqlite.Connection.__dict__.get("_conn"), property)

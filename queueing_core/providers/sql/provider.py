@@ -259,10 +259,13 @@ class SqlProvider:
                 ).execution_options(isolation_level="AUTOCOMMIT")
             else:
                 self._claims = self._auto
-            self._hot = HotStatements(
-                self.statements,
-                self._engine.dialect if self.backend == "postgresql" else named_dialect(self._engine),
-            )
+            if self.backend == "postgresql":
+                self._hot = HotStatements(self.statements, self._engine.dialect)
+            elif self._own_engine:
+                # only on the kit's own SQLite engine: its pool hands a connection to one user at a
+                # time and resets it as the hot path expects; an engine of the caller's (a static pool
+                # shared by every user, the pool's own rollback on return) keeps SQLAlchemy's path
+                self._hot = HotStatements(self.statements, named_dialect(self._engine))
             await self._wait_for_database()
             if self.auto_migrate:
                 applied = await migrate(self.engine, self.tables, now=self.clock)

@@ -105,6 +105,11 @@ class SqliteDriverPath:
             except _Unusable as broken:
                 await greenlet_spawn(pooled.invalidate)
                 raise broken.error from None
+            except ValueError as closed:
+                # aiosqlite's words for a connection (or its thread) that is gone: out of the pool, and
+                # a retryable error, as SQLAlchemy's adapter treats them
+                await greenlet_spawn(pooled.invalidate)
+                raise sqlite3.OperationalError(f"the SQLite connection is closed: {closed}") from closed
             finally:
                 if pooled.is_valid:
                     # whatever happened here (an error, a cancelled caller), the function that runs
