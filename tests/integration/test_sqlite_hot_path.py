@@ -387,3 +387,15 @@ def test_the_aiosqlite_internals_the_hot_path_uses_are_there():
 
     assert callable(aiosqlite.Connection._execute)
     assert isinstance(aiosqlite.Connection.__dict__.get("_conn"), property)
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file:q?mode=memory&uri=true"])
+async def test_an_in_memory_database_is_refused_with_the_setting_named(url):
+    """Every connection to an in-memory SQLite database gets a database of its own: a queue there
+    would take sends no other connection sees. Opening says so and names the setting, instead of
+    failing inside SQLAlchemy on pool arguments."""
+    from queueing_core.errors import ConfigurationError
+
+    prov = SqlProvider(url)
+    with pytest.raises(ConfigurationError, match="QUEUEING_DATABASE_URL: an in-memory SQLite database"):
+        await prov.open()

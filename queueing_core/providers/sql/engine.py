@@ -66,6 +66,14 @@ def create_engine(
 ) -> AsyncEngine:
     u = normalize_url(url)
     if u.get_backend_name() == "sqlite":
+        if u.database in (None, "", ":memory:") or u.query.get("mode") == "memory":
+            # each connection would have a database of its own: what one enqueues, no other sees
+            raise ConfigurationError(
+                "QUEUEING_DATABASE_URL",
+                "an in-memory SQLite database lives and dies with one connection, and the kit keeps its "
+                "queue in a file it can reopen",
+                "sqlite:///path/to/queue.db",
+            )
         # one connection per process: SQLite has one writer, and transactions queued on the pool wait
         # in asyncio instead of in SQLite's busy handler (which sleeps in steps of up to 100 ms)
         single: dict[str, Any] = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 120, **kwargs}
