@@ -44,7 +44,7 @@ from ...transport import Capabilities, Delivery, Settlement
 from . import idempotent as sql_idempotent
 from . import ops as sql_ops
 from .control import CANCEL_PREFIX, SqlControlStore
-from .driver import DriverPath, HotStatements
+from .driver import Compiled, DriverPath, HotStatements, Result
 from .engine import create_engine, normalize_url, redact
 from .entra import DatabaseAuth, EntraPassword, uses_entra
 from .errors import down_errors
@@ -92,6 +92,23 @@ def _many(backend: str, deliveries: Sequence[Delivery], **values: Any) -> dict[s
     """Parameters of a statement on many leased rows: their ids and their (id, token) fences."""
     leases: list[Lease] = [d.handle for d in deliveries]
     return {**leases_of(backend, [x.row for x in leases], [x.token for x in leases]), **bind(**values)}
+
+
+def _deliveries(rows: Sequence[Any]) -> list[Delivery]:
+    deliveries = [delivery_from_row(r) for r in rows]
+    deliveries.sort(key=lambda d: d.handle)
+    return deliveries
+
+
+def _mark_refused(refused: Sequence[Delivery]) -> None:
+    for d in refused:
+        d.refused = True
+    if refused:
+        log.warning("%d outcome(s) not recorded: their lease had passed to another run", len(refused))
+
+
+def _nothing_refused(results: Sequence[Result]) -> list[Delivery]:
+    return []
 
 
 def channel_for(schema: str | None) -> str:
@@ -368,22 +385,27 @@ class SqlProvider:
             async with self.auto.connect() as conn:
                 await conn.execute(self.statements.mark_waiting, bind(queue=sub.queue, now=now))
             return []
-        params = bind(
-            queue=sub.queue, now=now, lease_until=now + sub.options.lease_duration, limit=max_messages
-        )
+        params = self._claim_params(sub, max_messages, now)
         # ordered queues take the head of the line only (a retried head holds the rest back)
         rows: Sequence[Any]
         if self._hot is not None:
-            hot = self._hot.claim_head if sub.options.ordered else self._hot.claim
-            [claimed] = await self._driver.run(self.claims, "a claim", [(hot, params)])
+            [claimed] = await self._driver.run(self.claims, "a claim", [self._hot_claim(sub, params)])
             rows = claimed.rows
         else:
             stmt = self.statements.claim_head if sub.options.ordered else self.statements.claim
             async with self.claims.connect() as conn:
                 rows = (await conn.execute(stmt, params)).mappings().all()
-        deliveries = [delivery_from_row(r) for r in rows]
-        deliveries.sort(key=lambda d: d.handle)
-        return deliveries
+        return _deliveries(rows)
+
+    @staticmethod
+    def _claim_params(sub: Subscription, max_messages: int, now: datetime) -> dict[str, Any]:
+        lease_until = now + sub.options.lease_duration
+        return bind(queue=sub.queue, now=now, lease_until=lease_until, limit=max_messages)
+
+    def _hot_claim(self, sub: Subscription, params: dict[str, Any]) -> tuple[Compiled, dict[str, Any]]:
+        """The claim as a hot-path statement: ordered queues take the head of the line only."""
+        assert self._hot is not None
+        return (self._hot.claim_head if sub.options.ordered else self._hot.claim), params
 
     def claim_sql(
         self, queue: str, limit: int, now: datetime, lease_until: datetime
@@ -520,43 +542,67 @@ class SqlProvider:
         if not settlements:
             return
         now = self.clock()
-        fast, shaped, wake = self._settle_params(settlements, now)
         refused: list[Delivery]
         if self._hot is not None:
-            refused = await self._settle_hot(fast, shaped, wake, now)
+            work, read = self._settle_work(settlements, now)
+            refused = read(await self._driver.run(self.auto, "a settlement", work))
         else:
+            fast, shaped, wake = self._settle_params(settlements, now)
             refused = await self._settle_engine(fast, shaped, wake, now)
-        for d in refused:
-            d.refused = True
-        if refused:
-            log.warning("%d outcome(s) not recorded: their lease had passed to another run", len(refused))
+        _mark_refused(refused)
 
-    async def _settle_hot(
-        self,
-        fast: list[Delivery],
-        shaped: dict[str, list[tuple[Delivery, dict[str, Any]]]],
-        wake: set[str],
-        now: datetime,
+    def settles_with_claims(self) -> bool:
+        """The combined call is offered where claims run on the hot path and on the durable engine
+        (the settlements' own): a settlement is never committed without waiting for its WAL flush, so
+        with relaxed claims (their own ``synchronous_commit=off`` pool) claims stay apart."""
+        return self._hot is not None and self._claims is not None and self._claims is self._auto
+
+    async def settle_and_receive(
+        self, settlements: Sequence[Settlement], sub: Subscription, max_messages: int
     ) -> list[Delivery]:
-        """PostgreSQL: the whole batch, every kind of outcome and the wake-ups, in one pipeline: one
-        round trip and one commit. Each statement is fenced by its leases; a refused one changes nothing
-        and says so by its row count (or, for the successes, by the ids it returns)."""
+        """Settle a batch and claim the next in one pipeline on the durable engine: one round trip,
+        one transaction, one commit. A failure anywhere (the claim included) rolls back the lot, so
+        the settlements may go to ``settle`` again; a refused settlement is marked and fails nothing."""
+        if sub.handler is None:
+            # a subscription without a handler claims nothing (see ``receive``): nothing to combine
+            raise ValueError(f"{sub.queue} has no handler here: settle, then receive")
+        if not self.settles_with_claims():
+            raise NotConfigured("settling with claims needs the hot path and durable claims")
+        now = self.clock()
+        work, read = self._settle_work(settlements, now) if settlements else ([], _nothing_refused)
+        claim = self._hot_claim(sub, self._claim_params(sub, max_messages, now))
+        results = await self._driver.run(self.auto, "a settlement and a claim", [*work, claim])
+        _mark_refused(read(results[: len(work)]))
+        return _deliveries(results[-1].rows)
+
+    def _settle_work(
+        self, settlements: Sequence[Settlement], now: datetime
+    ) -> tuple[list[tuple[Compiled, dict[str, Any]]], Callable[[Sequence[Result]], list[Delivery]]]:
+        """A settlement batch as hot-path work (``settle`` and ``settle_and_receive`` run the same):
+        every kind of outcome and the wake-ups, for one pipeline (one round trip, one commit), and how
+        to read the refused deliveries from its results. Each statement is fenced by its leases; a
+        refused one changes nothing and says so by its row count (or, for the successes, by the ids
+        it returns)."""
         assert self._hot is not None
-        work: list[tuple[Any, dict[str, Any]]] = []
+        fast, shaped, wake = self._settle_params(settlements, now)
+        work: list[tuple[Compiled, dict[str, Any]]] = []
         if fast:
             work.append((self._hot.complete_many, _many(self.backend, fast, now=now)))
         singles = [d for items in shaped.values() for d, _ in items]
         work += [(self._hot.settle[shape], p) for shape, items in shaped.items() for _, p in items]
         work += [(self._hot.notify, bind(channel=self.channel, queue=q)) for q in sorted(wake)]
-        results = await self._driver.run(self.auto, "a settlement", work)
-        refused: list[Delivery] = []
-        if fast:
-            done = {r["id"] for r in results[0].rows}
-            refused += [d for d in fast if d.handle.row not in done]
-        first = 1 if fast else 0
-        # (the wake-ups follow the single-row statements: zip stops at the last of those)
-        refused += [d for d, res in zip(singles, results[first:], strict=False) if res.rowcount != 1]
-        return refused
+
+        def refused(results: Sequence[Result]) -> list[Delivery]:
+            out: list[Delivery] = []
+            if fast:
+                done = {r["id"] for r in results[0].rows}
+                out += [d for d in fast if d.handle.row not in done]
+            first = 1 if fast else 0
+            # (the wake-ups follow the single-row statements: zip stops at the last of those)
+            out += [d for d, res in zip(singles, results[first:], strict=False) if res.rowcount != 1]
+            return out
+
+        return work, refused
 
     async def _settle_engine(
         self,
