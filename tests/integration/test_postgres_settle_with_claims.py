@@ -72,19 +72,37 @@ def count_actions(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return seen
 
 
-async def test_offered_with_durable_claims_only(pg_db):
-    durable, relaxed = pg_db.provider(listen=False), pg_db.provider(listen=False, durable_claims=False)
+async def test_offered_when_asked_for_with_durable_claims_only(pg_db):
+    durable = pg_db.provider(settle_with_claims=True, listen=False)
+    relaxed = pg_db.provider(settle_with_claims=True, listen=False, durable_claims=False)
+    default = pg_db.provider(listen=False)
     assert isinstance(durable, SettlesWithClaims)
     assert not durable.settles_with_claims()  # not open yet: no hot path
     await Runtime(app(), durable).open()
     await Runtime(app(), relaxed).open()
+    await Runtime(app(), default).open()
     assert durable.settles_with_claims()
+    assert not default.settles_with_claims()  # off unless asked for
     # relaxed claims commit without the WAL flush; a settlement never does: they stay apart
     assert not relaxed.settles_with_claims()
 
 
+async def test_the_setting_reaches_the_provider(pg_db, monkeypatch):
+    from queueing_core.bootstrap import make_provider
+    from queueing_core.settings import load_settings
+
+    monkeypatch.setenv("QUEUEING_DATABASE_SCHEMA", pg_db.schema)
+    for value, expected in (("true", True), ("false", False)):
+        monkeypatch.setenv("QUEUEING_SETTLE_WITH_CLAIMS", value)
+        prov = make_provider(load_settings(provider="sql", database_url=pg_db.url))
+        assert isinstance(prov, SqlProvider)
+        pg_db.providers.append(prov)  # closed by the fixture
+        await prov.open(app())
+        assert prov.settles_with_claims() is expected
+
+
 async def test_a_failed_claim_rolls_back_the_settlements_and_the_retry_applies_them(pg_db, monkeypatch):
-    prov = pg_db.provider(listen=False)
+    prov = pg_db.provider(settle_with_claims=True, listen=False)
     a = app()
     await Runtime(a, prov).open()
     sub = a.subscription("Job")
@@ -118,7 +136,7 @@ async def test_a_failed_claim_rolls_back_the_settlements_and_the_retry_applies_t
 
 
 async def test_a_stale_runs_settlement_is_refused_while_the_claim_still_happens(pg_db):
-    prov = pg_db.provider(listen=False)
+    prov = pg_db.provider(settle_with_claims=True, listen=False)
     a = app()
     await Runtime(a, prov).open()
     sub = a.subscription("Job")
@@ -144,7 +162,7 @@ async def test_ordered_queues_claim_the_head_only(pg_db):
 
     a = QueueingApp("combined-ordered")
     a.handler(InLine)(lambda msg: None)
-    prov = pg_db.provider(listen=False)
+    prov = pg_db.provider(settle_with_claims=True, listen=False)
     await Runtime(a, prov).open()
     sub = a.subscription("InLine")
     await a.enqueue_many([InLine(n=i) for i in range(3)])
@@ -156,7 +174,7 @@ async def test_ordered_queues_claim_the_head_only(pg_db):
 async def test_a_worker_burns_down_through_combined_claims_each_message_once(pg_db, monkeypatch):
     ran: Counter[int] = Counter()
     a = app(ran)
-    prov = pg_db.provider()
+    prov = pg_db.provider(settle_with_claims=True)
     rt = Runtime(a, prov)
     await rt.open()
     n = 1500
@@ -174,11 +192,24 @@ async def test_a_worker_burns_down_through_combined_claims_each_message_once(pg_
     print(f"round trips: {dict(seen)}; {commits} commits for {n} messages")
 
 
+async def test_a_worker_settles_apart_from_its_claims_by_default(pg_db, monkeypatch):
+    ran: Counter[int] = Counter()
+    a = app(ran)
+    rt = Runtime(a, pg_db.provider())
+    await rt.open()
+    await a.enqueue_many([Job(n=i) for i in range(100)])
+    seen = count_actions(monkeypatch)
+    async with Worker(rt, poll_min=0.01, poll_max=0.1, batch_size=10, prefetch=2):
+        await wait_until(lambda: sum(ran.values()) >= 100, timeout=120, what="every handler to run")
+    assert seen["a settlement and a claim"] == 0
+    assert seen["a settlement"] > 0
+
+
 async def test_shutdown_flushes_held_settlements(pg_db):
     gate = {i: asyncio.Event() for i in range(1, 4)}
     ran: Counter[int] = Counter()
     a = app(ran, gate, concurrency=4)
-    prov = pg_db.provider(listen=False)
+    prov = pg_db.provider(settle_with_claims=True, listen=False)
     rt = Runtime(a, prov)
     await rt.open()
     await a.enqueue_many([Job(n=i) for i in range(4)])
@@ -208,7 +239,7 @@ async def test_an_idle_queue_does_not_hold_a_settlement(pg_db):
     flushes at once (the hold, an hour here, never applies)."""
     ran: Counter[int] = Counter()
     a = app(ran)
-    prov = pg_db.provider()
+    prov = pg_db.provider(settle_with_claims=True)
     rt = Runtime(a, prov)
     await rt.open()
     async with Worker(rt, poll_min=0.01, poll_max=0.1, settle_hold=3600):
@@ -224,7 +255,7 @@ async def test_a_claim_that_does_not_come_holds_settlements_only_briefly(pg_db):
     gate = {i: asyncio.Event() for i in range(1, 4)}
     ran: Counter[int] = Counter()
     a = app(ran, gate, concurrency=4)
-    prov = pg_db.provider(listen=False)
+    prov = pg_db.provider(settle_with_claims=True, listen=False)
     rt = Runtime(a, prov)
     await rt.open()
     await a.enqueue_many([Job(n=i) for i in range(4)])

@@ -142,6 +142,7 @@ class SqlProvider:
         max_overflow: int = 10,
         claim_pool_size: int = 2,
         prepared_statements: bool = True,
+        settle_with_claims: bool = False,
     ) -> None:
         self.url = normalize_url(url)
         self.backend = self.url.get_backend_name()
@@ -175,6 +176,12 @@ class SqlProvider:
         #: small pool with ``synchronous_commit=off``: faster, and a database crash right after a claim
         #: only makes its messages claimable again (a second delivery, never a loss)
         self.durable_claims = durable_claims
+        #: a worker's claim carries the settlements waiting for it (``settle_and_receive``): one commit
+        #: for both instead of two. Off by default: it halves the commits (and WAL flushes) per batch,
+        #: but it puts the settlement's server work on the claim's critical path, where the separate
+        #: settlement ran beside it on another connection; measured slower in the burn-down where the
+        #: server's CPU, not its flush, limits (see bench/RESULTS.md)
+        self.settle_with_claims = settle_with_claims
         #: connections of the provider's own engine, and of the claims' pool when claims are relaxed
         #: (it may overflow by twice its size, never by more than ``max_overflow``); LISTEN adds one
         self.pool_size, self.max_overflow, self.claim_pool_size = pool_size, max_overflow, claim_pool_size
@@ -554,10 +561,16 @@ class SqlProvider:
         _mark_refused(refused)
 
     def settles_with_claims(self) -> bool:
-        """The combined call is offered where claims run on the hot path and on the durable engine
-        (the settlements' own): a settlement is never committed without waiting for its WAL flush, so
-        with relaxed claims (their own ``synchronous_commit=off`` pool) claims stay apart."""
-        return self._hot is not None and self._claims is not None and self._claims is self._auto
+        """The combined call is offered when asked for (``settle_with_claims``) where claims run on the
+        hot path and on the durable engine (the settlements' own): a settlement is never committed
+        without waiting for its WAL flush, so relaxed claims (their own ``synchronous_commit=off``
+        pool) stay apart; measured, moving them onto the durable engine to combine was slower too."""
+        return (
+            self.settle_with_claims
+            and self._hot is not None
+            and self._claims is not None
+            and self._claims is self._auto
+        )
 
     async def settle_and_receive(
         self, settlements: Sequence[Settlement], sub: Subscription, max_messages: int
@@ -569,7 +582,9 @@ class SqlProvider:
             # a subscription without a handler claims nothing (see ``receive``): nothing to combine
             raise ValueError(f"{sub.queue} has no handler here: settle, then receive")
         if not self.settles_with_claims():
-            raise NotConfigured("settling with claims needs the hot path and durable claims")
+            raise NotConfigured(
+                "settling with claims needs settle_with_claims, the hot path and durable claims"
+            )
         now = self.clock()
         work, read = self._settle_work(settlements, now) if settlements else ([], _nothing_refused)
         claim = self._hot_claim(sub, self._claim_params(sub, max_messages, now))
