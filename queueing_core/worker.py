@@ -252,10 +252,11 @@ class Settler:
             if self._held():
                 await self._hold_for_claim()  # a consumer's claim may take them into its commit
             self._ready.clear()
-            # what is here now; what comes in meanwhile goes round again (its linger, a claim's hold)
-            waiting, self._buf = self._buf, []
-            for i in range(0, len(waiting), self.batch):
-                await self._flush(waiting[i : i + self.batch])
+            while self._buf:
+                chunk, self._buf = self._buf[: self.batch], self._buf[self.batch :]
+                await self._flush(chunk)
+                if self._held():
+                    break  # what came in meanwhile goes round again: a claim is coming for it
 
     async def _flush(self, chunk: list[Settlement], ahead: HistoryAhead | None = None) -> None:
         # journaled before the settlement: a crash after it still leaves the history to be written
