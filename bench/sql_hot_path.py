@@ -40,7 +40,9 @@ async def one_round(args: argparse.Namespace, schema: str) -> tuple[float, float
     async def handle(msg: Hot) -> None:
         return None
 
-    prov = SqlProvider(args.url, schema=schema, listen=False, pool_size=2, max_overflow=0)
+    prov = SqlProvider(
+        args.url, schema=schema, listen=False, pool_size=2, max_overflow=0, settle_with_claims=args.combined
+    )
     rt = Runtime(a, prov)
     await rt.open()
     try:
