@@ -192,6 +192,41 @@ async def test_a_worker_burns_down_through_combined_claims_each_message_once(pg_
     print(f"round trips: {dict(seen)}; {commits} commits for {n} messages")
 
 
+async def test_a_worker_whose_combined_claim_fails_settles_on_its_own_and_loses_nothing(
+    pg_db, monkeypatch, caplog
+):
+    """The first combined round trip fails on the server (after its settlements ran): nothing was
+    settled or claimed, the settler settles them itself, the consumer claims again after its backoff,
+    and every message runs once and ends Succeeded."""
+    ran: Counter[int] = Counter()
+    a = app(ran)
+    prov = pg_db.provider(settle_with_claims=True)
+    rt = Runtime(a, prov)
+    await rt.open()
+    n = 300
+    await a.enqueue_many([Job(n=i) for i in range(n)])
+    failed: list[str] = []
+    original = DriverPath.run
+
+    async def fail_once(self: DriverPath, engine: Any, action: str, work: Any) -> Any:
+        if action == "a settlement and a claim" and not failed:
+            failed.append(action)
+            # the claim's statement errs inside the pipeline: its settlements are rolled back with it
+            claim, params = work[-1]
+            work = [*work[:-1], (claim, {**params, "b_limit": -1})]
+        return await original(self, engine, action, work)
+
+    monkeypatch.setattr(DriverPath, "run", fail_once)
+    async with Worker(rt, poll_min=0.01, poll_max=0.1, batch_size=10, prefetch=2):
+        await wait_until(lambda: sum(ran.values()) >= n, timeout=180, what="every handler to run")
+        await wait_until(lambda: _all(prov, "Succeeded", n), timeout=60, what="every settlement")
+    assert failed
+    assert any("LIMIT" in r.getMessage() for r in caplog.records if r.name == "queueing.worker"), (
+        "the combined claim did not fail"
+    )
+    assert ran == Counter(range(n))
+
+
 async def test_a_worker_settles_apart_from_its_claims_by_default(pg_db, monkeypatch):
     ran: Counter[int] = Counter()
     a = app(ran)
