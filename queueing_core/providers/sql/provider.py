@@ -9,9 +9,9 @@
   released never overwrites the outcome of the run that holds it now, even in the same process.
 - Hot path (PostgreSQL): claims, renewals and settlements run on psycopg's own connection, the
   statements compiled once from the Core definitions in ``statements``, prepared, and a settlement
-  batch pipelined into one round trip and one commit (see ``driver``). With durable claims, a
-  settlement batch and the next claim go in one pipeline too (``settle_and_receive``): one commit
-  for both, or neither.
+  batch pipelined into one round trip and one commit (see ``driver``). With durable claims and
+  ``settle_with_claims``, a settlement batch and the next claim go in one pipeline too
+  (``settle_and_receive``): one commit for both, or neither.
 - Wake-ups: ``pg_notify`` in the enqueuing transaction, one LISTEN connection per worker; the worker's
   adaptive polling is the fallback (and the only mechanism on SQLite across processes).
 - Maintenance (every few seconds, safe to run on every host at once): expired leases back to retry
