@@ -11,6 +11,8 @@ N pre-enqueued no-op jobs, and one in-process worker with the same shape:
   procrastin. concurrency=10: ten slots, each fetching one job when free (it has no batch knob)
 - The same connection budget for every contender (--connections, default 3, LISTEN included):
   kit (durable claims)   LISTEN + a pool of budget-1 (no overflow); claims wait for the WAL flush
+  kit (settle with c.)   as durable, with QUEUEING_SETTLE_WITH_CLAIMS=true: a claim and the settlements
+                         waiting for it in one transaction
   kit (relaxed claims)   LISTEN + a claims pool of 1 (synchronous_commit=off) + a pool of budget-2
   pgqueuer (asyncpg)     AsyncpgPoolDriver on a pool of `budget` (its listener holds one of them)
   pgqueuer (psycopg)     ONE connection: its psycopg driver takes a single connection, no pool
@@ -76,13 +78,13 @@ def finished(done: common.Done, started: float) -> tuple[float, float]:
     return done.last_at - started, done.first_at - started
 
 
-def kit_provider(args: Options, schema: str, *, durable: bool) -> SqlProvider:
+def kit_provider(args: Options, schema: str, *, durable: bool, combined: bool = False) -> SqlProvider:
     """The kit inside the connection budget: LISTEN is one connection, the pools share the rest."""
     if durable:
         pools = {"pool_size": args.connections - 1, "max_overflow": 0}
     else:
         pools = {"pool_size": args.connections - 2, "max_overflow": 0, "claim_pool_size": 1}
-    return SqlProvider(args.url, schema=schema, durable_claims=durable, **pools)
+    return SqlProvider(args.url, schema=schema, durable_claims=durable, settle_with_claims=combined, **pools)
 
 
 async def kit_burn(args: Options, provider: SqlProvider, messages: int) -> Burn:
@@ -110,9 +112,10 @@ async def kit_burn(args: Options, provider: SqlProvider, messages: int) -> Burn:
     return Burn(messages, elapsed, startup, "")
 
 
-async def kit(args: Options, *, durable: bool) -> Burn:
+async def kit(args: Options, *, durable: bool, combined: bool = False) -> Burn:
     with common.throwaway_schema(args.url, "bench_kit") as schema:
-        burn = await kit_burn(args, kit_provider(args, schema, durable=durable), args.messages)
+        provider = kit_provider(args, schema, durable=durable, combined=combined)
+        burn = await kit_burn(args, provider, args.messages)
         kept = common.scalar(
             args.url,
             sql.SQL("SELECT count(*) FROM {}.queueing_messages WHERE status = 'Succeeded'").format(
@@ -311,6 +314,7 @@ async def main() -> None:
 
     contenders: list[tuple[str, Callable[[], Awaitable[Burn]]]] = [
         ("kit (durable claims)", lambda: kit(args, durable=True)),
+        ("kit (settle with claims)", lambda: kit(args, durable=True, combined=True)),
         ("kit (relaxed claims)", lambda: kit(args, durable=False)),
         ("pgqueuer (psycopg)", lambda: pgqueuer(args, "psycopg")),
     ]

@@ -43,6 +43,7 @@ def make_provider(settings: QueueingSettings) -> Provider:
             database_auth=settings.database_auth,
             client_id=settings.database_client_id,
             durable_claims=settings.durable_claims,
+            settle_with_claims=settings.settle_with_claims,
             prepared_statements=settings.database_prepared_statements,
         )
     if name == "storage_queue":

@@ -182,6 +182,26 @@ class HasBackgroundTasks(Protocol):
 
 
 @runtime_checkable
+class SettlesWithClaims(Protocol):
+    """A provider that can settle a batch and claim the next one in one transaction (one round trip,
+    one commit): the settlements and the claim are committed together or not at all, so a failure
+    leaves nothing settled and nothing claimed, and the caller may hand the settlements to ``settle``
+    again. Refused settlements (their lease had passed to another run) are marked on the deliveries
+    exactly as ``settle`` marks them; a refusal fails nothing and the claim still happens.
+
+    ``settles_with_claims`` says whether the combined call is offered right now (it may depend on how
+    the provider was opened and configured); the worker asks once it is open."""
+
+    def settles_with_claims(self) -> bool: ...
+
+    async def settle_and_receive(
+        self, settlements: Sequence[Settlement], sub: Subscription, max_messages: int
+    ) -> list[Delivery]:
+        """``settle(settlements)`` and then ``receive(sub, max_messages)``, in one transaction."""
+        ...
+
+
+@runtime_checkable
 class OwnsLeases(Protocol):
     """A provider that claims under an owner id of its own (the SQL provider's ``locked_by``): a worker
     on it takes that id, so the worker id in the logs is the lease owner in the database."""

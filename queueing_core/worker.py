@@ -18,7 +18,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -28,7 +28,15 @@ from .clock import utcnow
 from .control import ControlState, circuit
 from .decisions import Release
 from .runtime import HistoryAhead, Runtime, default_worker_id
-from .transport import Delivery, HasBackgroundTasks, Maintains, OwnsLeases, Settlement
+from .transport import (
+    Delivery,
+    HasBackgroundTasks,
+    Maintains,
+    OwnsLeases,
+    Provider,
+    Settlement,
+    SettlesWithClaims,
+)
 
 log = logging.getLogger("queueing.worker")
 
@@ -44,6 +52,11 @@ def _admission(state: ControlState, sub: Subscription) -> circuit.Admission:
     if sub.options.circuit_breaker is None:
         return circuit.Admission.RUN
     return circuit.admission(state.circuit(sub.type_name), utcnow())
+
+
+def _combined(provider: Provider) -> bool:
+    """The provider settles a batch with its next claim (one commit for both), right now."""
+    return isinstance(provider, SettlesWithClaims) and provider.settles_with_claims()
 
 
 def lease_owner(runtime: Runtime, worker_id: str | None) -> str:
@@ -90,7 +103,16 @@ class _SubState:
 
 class Settler:
     """Collects settlements and hands them to the provider in batches; ``on_settled`` hears of each
-    batch once the provider has committed it (or given up on it), which is when its leases may lapse."""
+    batch once the provider has committed it (or given up on it), which is when its leases may lapse.
+
+    With a provider that settles with its claims (:class:`SettlesWithClaims`), a consumer about to
+    claim says so (:meth:`expecting`) and takes the buffered settlements into its claim's
+    transaction: one commit for both. The settler holds its own flush for such a claim, but never for
+    long: it flushes itself once the buffer is a full batch, once no consumer is about to claim (all
+    idle in their wait for work, paused, stopping), and at the latest ``hold`` seconds after its linger
+    (a claim comes as soon as enough handlers finish; when they take longer, the settlements of those
+    that finished must not wait for them: their leases are renewed and their results unseen meanwhile).
+    """
 
     def __init__(
         self,
@@ -98,14 +120,21 @@ class Settler:
         *,
         batch: int = 200,
         linger: float = 0.002,
+        hold: float = 0.02,
         on_settled: Callable[[list[Settlement]], None] | None = None,
     ) -> None:
         self.runtime = runtime
         self.batch = batch
         self.linger = linger
+        self.hold = hold
         self.on_settled = on_settled
         self._buf: list[Settlement] = []
+        #: batches a claim took and gave back (its transaction failed): settled first, with retries
+        self._returned: list[tuple[list[Settlement], HistoryAhead]] = []
         self._ready = asyncio.Event()
+        #: something the held flush waits on changed (a take, a full buffer, a claim no longer coming)
+        self._changed = asyncio.Event()
+        self._expecting = 0  # consumers about to claim (see ``expecting``)
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         # history is written by one task, in settlement order, while the next batch settles
@@ -140,20 +169,99 @@ class Settler:
     def add(self, settlement: Settlement) -> None:
         self._buf.append(settlement)
         self._ready.set()
+        if len(self._buf) >= self.batch:
+            self._changed.set()
+
+    # -- settling with a claim -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def expecting(self, claim: bool = True) -> Iterator[None]:
+        """A consumer is about to claim (while inside): the settler holds its flush for that claim."""
+        if not claim:
+            yield
+            return
+        self._expecting += 1
+        try:
+            yield
+        finally:
+            self._expecting -= 1
+            if not self._expecting:
+                self._changed.set()
+
+    async def claim_with(self, sub: Subscription, max_messages: int) -> list[Delivery]:
+        """Claim from ``sub`` with the buffered settlements (up to a batch) in the claim's transaction
+        (the provider must offer :class:`SettlesWithClaims` now). Committed: the settlements are done as
+        after a flush of the settler's own. Failed: nothing was settled nor claimed; the settlements go
+        back to the settler, which settles them itself with its retries, and the failure is raised."""
+        provider = self.runtime.provider
+        assert isinstance(provider, SettlesWithClaims)
+        with self.expecting():
+            taken = self.take()
+            if taken is None:
+                return await provider.receive(sub, max_messages)
+            try:
+                batch = await provider.settle_and_receive(taken[0], sub, max_messages)
+            except BaseException:
+                self.give_back(*taken)
+                raise
+            self._applied(*taken)
+            return batch
+
+    def take(self) -> tuple[list[Settlement], HistoryAhead] | None:
+        """Up to a batch of the buffered settlements, for the caller's claim to commit; the caller
+        reports back with :meth:`_applied` or :meth:`give_back` (see :meth:`claim_with`)."""
+        if not self._buf:
+            return None
+        chunk, self._buf = self._buf[: self.batch], self._buf[self.batch :]
+        self._changed.set()
+        # journaled before the settlement, as ``_flush`` does
+        return chunk, self.runtime.history_ahead(chunk)
+
+    def give_back(self, chunk: list[Settlement], ahead: HistoryAhead) -> None:
+        """The claim's transaction failed (nothing settled): the settler settles ``chunk`` itself, first
+        and with its retries; the leases are renewed until then."""
+        self._returned.append((chunk, ahead))
+        self._ready.set()
+        self._changed.set()
+
+    def _held(self) -> bool:
+        return bool(
+            self._buf
+            and self._expecting
+            and len(self._buf) < self.batch
+            and not self._closing
+            and not self._returned
+        )
+
+    async def _hold_for_claim(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self.hold
+        while self._held():
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
 
     async def _run(self) -> None:
-        while not (self._closing and not self._buf):
+        while not (self._closing and not self._buf and not self._returned):
             await self._ready.wait()
+            while self._returned:
+                await self._flush(*self._returned.pop(0))
             if self.linger and len(self._buf) < self.batch and not self._closing:
                 await asyncio.sleep(self.linger)  # let a burst of completions share one round-trip
+            if self._held():
+                await self._hold_for_claim()  # a consumer's claim may take them into its commit
             self._ready.clear()
             while self._buf:
                 chunk, self._buf = self._buf[: self.batch], self._buf[self.batch :]
                 await self._flush(chunk)
+                if self._held():
+                    break  # what came in meanwhile goes round again: a claim is coming for it
 
-    async def _flush(self, chunk: list[Settlement]) -> None:
+    async def _flush(self, chunk: list[Settlement], ahead: HistoryAhead | None = None) -> None:
         # journaled before the settlement: a crash after it still leaves the history to be written
-        ahead = self.runtime.history_ahead(chunk)
+        if ahead is None:
+            ahead = self.runtime.history_ahead(chunk)
         for attempt in range(1, 6):
             try:
                 await self.runtime.provider.settle(chunk)
@@ -167,6 +275,9 @@ class Settler:
                     return
                 log.warning("settling %d message(s) failed (%s); retrying", len(chunk), exc)
                 await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+        self._applied(chunk, ahead)
+
+    def _applied(self, chunk: list[Settlement], ahead: HistoryAhead) -> None:
         self.runtime.history_applied(chunk, ahead)
         self._settled(chunk)
         self._history.put_nowait((chunk, ahead))
@@ -178,6 +289,7 @@ class Settler:
     async def close(self) -> None:
         self._closing = True
         self._ready.set()
+        self._changed.set()
         if self._task is not None:
             await self._task
         if self._recorder is not None:
@@ -200,6 +312,7 @@ class Worker:
         prefetch: int = 1,
         settle_batch: int = 200,
         settle_linger: float = 0.002,
+        settle_hold: float = 0.02,
         schedules: bool = True,
         schedule_grace: timedelta = timedelta(seconds=60),
         cancel_poll: float = 1.0,
@@ -214,7 +327,9 @@ class Worker:
         self.batch_size = batch_size
         self.prefetch = max(1, prefetch)
         self.cancel_poll = cancel_poll
-        self.settler = Settler(runtime, batch=settle_batch, linger=settle_linger, on_settled=self._settled)
+        self.settler = Settler(
+            runtime, batch=settle_batch, linger=settle_linger, hold=settle_hold, on_settled=self._settled
+        )
         self._stopping = asyncio.Event()
         self._stop_requested = asyncio.Event()
         self._hurry = asyncio.Event()  # a second signal: do not wait for in-flight work
@@ -368,9 +483,13 @@ class Worker:
             capacity = sub.options.max_concurrency * self.prefetch if sub.handler else 1
             free = capacity - state.in_flight
             # refill when half the slots are free (or all are): full pages, fewer receive round trips
+            combined = _combined(provider) and sub.handler is not None
             if free <= 0 or (state.in_flight and free < min(self.batch_size, max(1, capacity // 2))):
                 state.slot_freed.clear()
-                await self._until_stopping(state.slot_freed.wait(), None)
+                # the claim comes once enough of the running handlers finish: their settlements may
+                # wait for it (the settler bounds how long)
+                with self.settler.expecting(combined):
+                    await self._until_stopping(state.slot_freed.wait(), None)
                 continue
             try:
                 want = min(free, self.batch_size)
@@ -387,7 +506,10 @@ class Worker:
                             await self._until_stopping(state.slot_freed.wait(), self.pause_poll)
                             continue
                         want = 1
-                batch = await provider.receive(sub, want)
+                if combined:
+                    batch = await self.settler.claim_with(sub, want)
+                else:
+                    batch = await provider.receive(sub, want)
             except Exception as exc:
                 delay = backoff.failure()
                 log.warning(

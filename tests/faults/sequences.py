@@ -141,6 +141,25 @@ async def _settle_it(ctx: Ctx) -> None:
     await settle(ctx.rt, ctx.settlement)
 
 
+async def _settle_with_claim(ctx: Ctx) -> None:
+    """As a worker's consumer does where the provider settles with its claims: its claim takes the
+    settler's buffered settlement into the claim's transaction; a claim that fails gives it back to
+    the settler (the consumer backs off), which settles it on its own as it closes."""
+    assert ctx.settlement is not None
+    ctx.rt.provider.settle_with_claims = True  # type: ignore[attr-defined]  # (off by default)
+    sub = ctx.rt.app.subscription("Work")
+    assert sub is not None
+    settler = Settler(ctx.rt, linger=0)
+    settler.start()
+    settler.add(ctx.settlement)
+    try:
+        await settler.claim_with(sub, 10)  # the message's retry is not due yet: nothing to claim
+    except Exception:
+        pass  # the worker logs it and backs off; the settlement went back to the settler
+    finally:
+        await settler.close()
+
+
 async def _forward(ctx: Ctx) -> None:
     await ctx.rt.provider.dispatcher.dispatch_once()  # type: ignore[attr-defined]
 
@@ -172,6 +191,10 @@ class Sequence:
     absent: dict[str, str] = field(default_factory=dict)
 
 
+_NOT_COMBINED = "the provider does not settle with its claims (no SettlesWithClaims)"
+_ONLY_POSTGRES = {
+    p: _NOT_COMBINED for p in ("inprocess", "sqlite", "storage_queue", "servicebus", "rabbitmq", "sqs")
+}
 _CLOUD_LOCKS = "the transport's lease belongs to its receiver: the ops API refuses to release it"
 _NATIVE_DELAY = "the transport holds delays itself: there is no delayed store to forward from"
 
@@ -179,6 +202,14 @@ SEQUENCES: list[Sequence] = [
     Sequence("retry_by_copy", lambda c: processed(c, "fail"), _settle_it),
     Sequence("pause_by_copy", _paused_run, _settle_it),
     Sequence("dead_letter", lambda c: processed(c, "fatal"), _settle_it, repeat="retry"),
+    Sequence("retry_with_claim", lambda c: processed(c, "fail"), _settle_with_claim, absent=_ONLY_POSTGRES),
+    Sequence(
+        "dead_letter_with_claim",
+        lambda c: processed(c, "fatal"),
+        _settle_with_claim,
+        repeat="retry",
+        absent=_ONLY_POSTGRES,
+    ),
     Sequence("expiry", _expired_run, _settle_it, repeat="retry"),
     Sequence(
         "operator_retry",

@@ -63,6 +63,9 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "sqs.delete_message_batch",
         "history.upsert",
     ),
+    # one round trip: the settlement and the next claim in one pipeline (one transaction)
+    ("retry_with_claim", "postgres"): ("pg.round_trip",),
+    ("dead_letter_with_claim", "postgres"): ("pg.round_trip",),
     ("expiry", "inprocess"): ("memory.settle", "history.upsert"),
     ("expiry", "sqlite"): ("sqlite.round_trip",),
     ("expiry", "postgres"): ("pg.round_trip",),
@@ -145,7 +148,15 @@ MODES = ("error", "crash")
 #: send when its history write fails.
 KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
-WORKER_SEQUENCES = {"retry_by_copy", "pause_by_copy", "dead_letter", "expiry", "delayed_forward"}
+WORKER_SEQUENCES = {
+    "retry_by_copy",
+    "pause_by_copy",
+    "dead_letter",
+    "expiry",
+    "delayed_forward",
+    "retry_with_claim",
+    "dead_letter_with_claim",
+}
 
 
 def expected_failure(sequence: str, step: str) -> str | None:

@@ -13,11 +13,11 @@ was a quarter of the worker's CPU. Here the same statements run on the psycopg c
   claims are exactly those of the rest of the provider;
 - **prepared statements**: each statement is prepared on the server at its first use on a connection
   (off when the provider's ``prepared_statements`` is false: poolers that cannot keep them);
-- **pipeline mode**: a settlement batch (every kind of outcome and its wake-ups) or a renewal of
-  several queues is one round trip. The statements between two syncs run in one implicit transaction,
-  so the batch commits (one WAL flush) or fails as a whole, as the transaction of the SQLAlchemy path
-  did; a statement whose lease guard refuses its row changes nothing and fails nothing, and its own row
-  count says which one it was.
+- **pipeline mode**: a settlement batch (every kind of outcome and its wake-ups), a settlement batch
+  with the next claim, or a renewal of several queues is one round trip. The statements between two
+  syncs run in one implicit transaction, so the batch commits (one WAL flush) or fails as a whole, as
+  the transaction of the SQLAlchemy path did; a statement whose lease guard refuses its row changes
+  nothing and fails nothing, and its own row count says which one it was.
 
 Errors of psycopg go through the provider's one translation (``errors.db_boundary``); a connection
 psycopg reports broken is invalidated in SQLAlchemy's pool, as SQLAlchemy does on a disconnect.

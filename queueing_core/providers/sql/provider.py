@@ -10,7 +10,8 @@
 - Hot path: claims, renewals and settlements run on the driver's own connection, the statements
   compiled once from the Core definitions in ``statements``; a settlement batch is one round trip and
   one commit: pipelined and prepared on psycopg (see ``driver``), one call in aiosqlite's thread on
-  SQLite (see ``sqlite_driver``).
+  SQLite (see ``sqlite_driver``). With durable claims and ``settle_with_claims``, a settlement batch
+  and the next claim go in one call too (``settle_and_receive``): one commit for both, or neither.
 - Wake-ups: ``pg_notify`` in the enqueuing transaction, one LISTEN connection per worker; the worker's
   adaptive polling is the fallback (and the only mechanism on SQLite across processes).
 - Maintenance (every few seconds, safe to run on every host at once): expired leases back to retry
@@ -45,7 +46,7 @@ from ...transport import Capabilities, Delivery, Settlement
 from . import idempotent as sql_idempotent
 from . import ops as sql_ops
 from .control import CANCEL_PREFIX, SqlControlStore
-from .driver import DriverPath, HotStatements
+from .driver import Compiled, DriverPath, HotStatements, Result
 from .engine import create_engine, normalize_url, redact
 from .entra import DatabaseAuth, EntraPassword, uses_entra
 from .errors import down_errors
@@ -96,6 +97,23 @@ def _many(backend: str, deliveries: Sequence[Delivery], **values: Any) -> dict[s
     return {**leases_of(backend, [x.row for x in leases], [x.token for x in leases]), **bind(**values)}
 
 
+def _deliveries(rows: Sequence[Any]) -> list[Delivery]:
+    deliveries = [delivery_from_row(r) for r in rows]
+    deliveries.sort(key=lambda d: d.handle)
+    return deliveries
+
+
+def _mark_refused(refused: Sequence[Delivery]) -> None:
+    for d in refused:
+        d.refused = True
+    if refused:
+        log.warning("%d outcome(s) not recorded: their lease had passed to another run", len(refused))
+
+
+def _nothing_refused(results: Sequence[Result]) -> list[Delivery]:
+    return []
+
+
 def channel_for(schema: str | None) -> str:
     return channel_name("queueing", schema)
 
@@ -125,6 +143,7 @@ class SqlProvider:
         max_overflow: int = 10,
         claim_pool_size: int = 2,
         prepared_statements: bool = True,
+        settle_with_claims: bool = False,
     ) -> None:
         self.url = normalize_url(url)
         self.backend = self.url.get_backend_name()
@@ -158,6 +177,12 @@ class SqlProvider:
         #: small pool with ``synchronous_commit=off``: faster, and a database crash right after a claim
         #: only makes its messages claimable again (a second delivery, never a loss)
         self.durable_claims = durable_claims
+        #: a worker's claim carries the settlements waiting for it (``settle_and_receive``): one commit
+        #: for both instead of two. Off by default: it halves the commits (and WAL flushes) per batch,
+        #: but it puts the settlement's server work on the claim's critical path, where the separate
+        #: settlement ran beside it on another connection; measured slower in the burn-down where the
+        #: server's CPU, not its flush, limits (see bench/RESULTS.md)
+        self.settle_with_claims = settle_with_claims
         #: connections of the provider's own engine, and of the claims' pool when claims are relaxed
         #: (it may overflow by twice its size, never by more than ``max_overflow``); LISTEN adds one
         self.pool_size, self.max_overflow, self.claim_pool_size = pool_size, max_overflow, claim_pool_size
@@ -378,22 +403,27 @@ class SqlProvider:
             async with self.auto.connect() as conn:
                 await conn.execute(self.statements.mark_waiting, bind(queue=sub.queue, now=now))
             return []
-        params = bind(
-            queue=sub.queue, now=now, lease_until=now + sub.options.lease_duration, limit=max_messages
-        )
+        params = self._claim_params(sub, max_messages, now)
         # ordered queues take the head of the line only (a retried head holds the rest back)
         rows: Sequence[Any]
         if self._hot is not None:
-            hot = self._hot.claim_head if sub.options.ordered else self._hot.claim
-            [claimed] = await self._driver.run(self.claims, "a claim", [(hot, params)])
+            [claimed] = await self._driver.run(self.claims, "a claim", [self._hot_claim(sub, params)])
             rows = claimed.rows
         else:
             stmt = self.statements.claim_head if sub.options.ordered else self.statements.claim
             async with self.claims.connect() as conn:
                 rows = (await conn.execute(stmt, params)).mappings().all()
-        deliveries = [delivery_from_row(r) for r in rows]
-        deliveries.sort(key=lambda d: d.handle)
-        return deliveries
+        return _deliveries(rows)
+
+    @staticmethod
+    def _claim_params(sub: Subscription, max_messages: int, now: datetime) -> dict[str, Any]:
+        lease_until = now + sub.options.lease_duration
+        return bind(queue=sub.queue, now=now, lease_until=lease_until, limit=max_messages)
+
+    def _hot_claim(self, sub: Subscription, params: dict[str, Any]) -> tuple[Compiled, dict[str, Any]]:
+        """The claim as a hot-path statement: ordered queues take the head of the line only."""
+        assert self._hot is not None
+        return (self._hot.claim_head if sub.options.ordered else self._hot.claim), params
 
     def claim_sql(
         self, queue: str, limit: int, now: datetime, lease_until: datetime
@@ -531,44 +561,75 @@ class SqlProvider:
         if not settlements:
             return
         now = self.clock()
-        fast, shaped, wake = self._settle_params(settlements, now)
         refused: list[Delivery]
         if self._hot is not None:
-            refused = await self._settle_hot(fast, shaped, wake, now)
+            work, read = self._settle_work(settlements, now)
+            refused = read(await self._driver.run(self.auto, "a settlement", work))
         else:
+            fast, shaped, wake = self._settle_params(settlements, now)
             refused = await self._settle_engine(fast, shaped, wake, now)
-        for d in refused:
-            d.refused = True
-        if refused:
-            log.warning("%d outcome(s) not recorded: their lease had passed to another run", len(refused))
+        _mark_refused(refused)
 
-    async def _settle_hot(
-        self,
-        fast: list[Delivery],
-        shaped: dict[str, list[tuple[Delivery, dict[str, Any]]]],
-        wake: set[str],
-        now: datetime,
+    def settles_with_claims(self) -> bool:
+        """The combined call is offered when asked for (``settle_with_claims``) where claims run on the
+        hot path and on the durable engine (the settlements' own): a settlement is never committed
+        without waiting for its WAL flush, so relaxed claims (their own ``synchronous_commit=off``
+        pool) stay apart; measured, moving them onto the durable engine to combine was slower too."""
+        return (
+            self.settle_with_claims
+            and self._hot is not None
+            and self._claims is not None
+            and self._claims is self._auto
+        )
+
+    async def settle_and_receive(
+        self, settlements: Sequence[Settlement], sub: Subscription, max_messages: int
     ) -> list[Delivery]:
-        """The whole batch, every kind of outcome and the wake-ups, in one round trip and one commit
-        (a pipeline on PostgreSQL, one transaction in aiosqlite's thread on SQLite). Each statement is
-        fenced by its leases; a refused one changes nothing and says so by its row count (or, for the
-        successes, by the ids it returns)."""
+        """Settle a batch and claim the next in one pipeline on the durable engine: one round trip,
+        one transaction, one commit. A failure anywhere (the claim included) rolls back the lot, so
+        the settlements may go to ``settle`` again; a refused settlement is marked and fails nothing."""
+        if sub.handler is None:
+            # a subscription without a handler claims nothing (see ``receive``): nothing to combine
+            raise ValueError(f"{sub.queue} has no handler here: settle, then receive")
+        if not self.settles_with_claims():
+            raise NotConfigured(
+                "settling with claims needs settle_with_claims, the hot path and durable claims"
+            )
+        now = self.clock()
+        work, read = self._settle_work(settlements, now) if settlements else ([], _nothing_refused)
+        claim = self._hot_claim(sub, self._claim_params(sub, max_messages, now))
+        results = await self._driver.run(self.auto, "a settlement and a claim", [*work, claim])
+        _mark_refused(read(results[: len(work)]))
+        return _deliveries(results[-1].rows)
+
+    def _settle_work(
+        self, settlements: Sequence[Settlement], now: datetime
+    ) -> tuple[list[tuple[Compiled, dict[str, Any]]], Callable[[Sequence[Result]], list[Delivery]]]:
+        """A settlement batch as hot-path work (``settle`` and ``settle_and_receive`` run the same):
+        every kind of outcome and the wake-ups, for one call (one round trip, one commit), and how
+        to read the refused deliveries from its results. Each statement is fenced by its leases; a
+        refused one changes nothing and says so by its row count (or, for the successes, by the ids
+        it returns)."""
         assert self._hot is not None
-        work: list[tuple[Any, dict[str, Any]]] = []
+        fast, shaped, wake = self._settle_params(settlements, now)
+        work: list[tuple[Compiled, dict[str, Any]]] = []
         if fast:
             work.append((self._hot.complete_many, _many(self.backend, fast, now=now)))
         singles = [d for items in shaped.values() for d, _ in items]
         work += [(self._hot.settle[shape], p) for shape, items in shaped.items() for _, p in items]
         work += [(self._hot.notify, bind(channel=self.channel, queue=q)) for q in sorted(wake)]
-        results = await self._driver.run(self.auto, "a settlement", work)
-        refused: list[Delivery] = []
-        if fast:
-            done = {r["id"] for r in results[0].rows}
-            refused += [d for d in fast if d.handle.row not in done]
-        first = 1 if fast else 0
-        # (the wake-ups follow the single-row statements: zip stops at the last of those)
-        refused += [d for d, res in zip(singles, results[first:], strict=False) if res.rowcount != 1]
-        return refused
+
+        def refused(results: Sequence[Result]) -> list[Delivery]:
+            out: list[Delivery] = []
+            if fast:
+                done = {r["id"] for r in results[0].rows}
+                out += [d for d in fast if d.handle.row not in done]
+            first = 1 if fast else 0
+            # (the wake-ups follow the single-row statements: zip stops at the last of those)
+            out += [d for d, res in zip(singles, results[first:], strict=False) if res.rowcount != 1]
+            return out
+
+        return work, refused
 
     async def _settle_engine(
         self,
