@@ -71,11 +71,11 @@ class QueueingSettings(BaseSettings):
     )
     settle_with_claims: bool = Field(
         default=False,
-        description="PostgreSQL with durable claims: a worker settles the messages that finished and "
-        "claims its next batch in one transaction (one commit instead of two). Fewer commits and WAL "
-        "flushes per message, but the settlement then waits on the claim's path: it pays where the "
-        "server's flush is the limit (slow disks, a synchronous standby, many workers), not where its "
-        "CPU is.",
+        description="SQL (PostgreSQL with durable claims, or SQLite): a worker settles the messages "
+        "that finished and claims its next batch in one transaction (one commit instead of two). "
+        "Fewer commits and WAL flushes per message, but the settlement then waits on the claim's "
+        "path: it pays where the server's flush is the limit (slow disks, a synchronous standby, "
+        "many workers), not where its CPU is.",
     )
     database_prepared_statements: bool = Field(
         default=True,

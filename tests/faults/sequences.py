@@ -192,9 +192,7 @@ class Sequence:
 
 
 _NOT_COMBINED = "the provider does not settle with its claims (no SettlesWithClaims)"
-_ONLY_POSTGRES = {
-    p: _NOT_COMBINED for p in ("inprocess", "sqlite", "storage_queue", "servicebus", "rabbitmq", "sqs")
-}
+_ONLY_SQL = {p: _NOT_COMBINED for p in ("inprocess", "storage_queue", "servicebus", "rabbitmq", "sqs")}
 _CLOUD_LOCKS = "the transport's lease belongs to its receiver: the ops API refuses to release it"
 _NATIVE_DELAY = "the transport holds delays itself: there is no delayed store to forward from"
 
@@ -202,13 +200,13 @@ SEQUENCES: list[Sequence] = [
     Sequence("retry_by_copy", lambda c: processed(c, "fail"), _settle_it),
     Sequence("pause_by_copy", _paused_run, _settle_it),
     Sequence("dead_letter", lambda c: processed(c, "fatal"), _settle_it, repeat="retry"),
-    Sequence("retry_with_claim", lambda c: processed(c, "fail"), _settle_with_claim, absent=_ONLY_POSTGRES),
+    Sequence("retry_with_claim", lambda c: processed(c, "fail"), _settle_with_claim, absent=_ONLY_SQL),
     Sequence(
         "dead_letter_with_claim",
         lambda c: processed(c, "fatal"),
         _settle_with_claim,
         repeat="retry",
-        absent=_ONLY_POSTGRES,
+        absent=_ONLY_SQL,
     ),
     Sequence("expiry", _expired_run, _settle_it, repeat="retry"),
     Sequence(

@@ -64,7 +64,9 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "history.upsert",
     ),
     # one round trip: the settlement and the next claim in one pipeline (one transaction)
+    ("retry_with_claim", "sqlite"): ("sqlite.round_trip",),
     ("retry_with_claim", "postgres"): ("pg.round_trip",),
+    ("dead_letter_with_claim", "sqlite"): ("sqlite.round_trip",),
     ("dead_letter_with_claim", "postgres"): ("pg.round_trip",),
     ("expiry", "inprocess"): ("memory.settle", "history.upsert"),
     ("expiry", "sqlite"): ("sqlite.round_trip",),

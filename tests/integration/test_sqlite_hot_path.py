@@ -399,3 +399,73 @@ async def test_an_in_memory_database_is_refused_with_the_setting_named(url):
     prov = SqlProvider(url)
     with pytest.raises(ConfigurationError, match="QUEUEING_DATABASE_URL: an in-memory SQLite database"):
         await prov.open()
+
+
+async def test_settling_with_claims_on_sqlite_is_one_transaction(tmp_path):
+    """With ``settle_with_claims`` SQLite settles a batch and claims the next in one call of its hot
+    path: a claim that fails (here a trigger refuses a row going to Leased) leaves the settlements
+    unapplied and nothing claimed; the same call succeeds once the cause is gone, and settling those
+    runs again is refused by their lease fences."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file, settle_with_claims=True)
+    assert prov.settles_with_claims()
+    sub = a.subscription("Job")
+    await a.enqueue_many([Job(n=i) for i in range(4)])
+    got = await prov.receive(sub, 2)
+    with sqlite3.connect(file) as db:
+        db.execute(
+            "CREATE TRIGGER refuse BEFORE UPDATE ON queueing_messages WHEN NEW.status = 'Leased' "
+            "BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END"
+        )
+    settlements = [Settlement(d, Complete()) for d in got]
+    with pytest.raises(ProviderError, match="refused by a trigger"):
+        await prov.settle_and_receive(settlements, sub, 10)
+    assert [r["status"] for r in rows_of(file)] == ["Leased", "Leased", "Pending", "Pending"]
+    with sqlite3.connect(file) as db:
+        db.execute("DROP TRIGGER refuse")
+    more = await prov.settle_and_receive(settlements, sub, 10)
+    assert [d.envelope.body["n"] for d in more if d.envelope] == [2, 3]
+    assert [r["status"] for r in rows_of(file)] == ["Succeeded", "Succeeded", "Leased", "Leased"]
+    again = [Settlement(d, Complete()) for d in got]
+    await prov.settle(again)
+    assert all(s.delivery.refused for s in again)
+    await rt.close()
+
+
+async def test_a_sqlite_worker_settling_with_claims_runs_each_message_once(tmp_path):
+    from collections import Counter
+
+    from tests.contract.harness import wait_until
+
+    ran: Counter[int] = Counter()
+    a = QueueingApp("lite-combined")
+
+    @a.handler()
+    async def handle(msg: Job) -> None:
+        ran[msg.n] += 1
+
+    file = str(tmp_path / "q.db")
+    prov = SqlProvider(f"sqlite:///{file}", settle_with_claims=True)
+    rt = Runtime(a, prov)
+    await rt.open()
+    carried = 0
+    original = SqlProvider.settle_and_receive
+
+    async def counted(self: SqlProvider, settlements: Any, sub: Any, n: int) -> Any:
+        nonlocal carried
+        got = await original(self, settlements, sub, n)
+        carried += len(settlements)
+        return got
+
+    n = 500
+    await a.enqueue_many([Job(n=i) for i in range(n)])
+    from queueing_core.worker import Worker
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SqlProvider, "settle_and_receive", counted)
+        async with Worker(rt, poll_min=0.01, poll_max=0.1, batch_size=10, prefetch=2):
+            await wait_until(lambda: sum(ran.values()) >= n, timeout=180, what="every handler to run")
+    assert ran == Counter(range(n))
+    assert Counter(r["status"] for r in rows_of(file)) == Counter({"Succeeded": n})
+    assert carried > 0
+    await rt.close()
