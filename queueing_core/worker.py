@@ -186,6 +186,8 @@ class Settler:
             self._expecting -= 1
             if not self._expecting:
                 self._changed.set()
+                if self._buf:
+                    self._ready.set()  # no claim is coming for them now: the settler's own flush
 
     async def claim_with(self, sub: Subscription, max_messages: int) -> list[Delivery]:
         """Claim from ``sub`` with the buffered settlements (up to a batch) in the claim's transaction
@@ -245,18 +247,26 @@ class Settler:
     async def _run(self) -> None:
         while not (self._closing and not self._buf and not self._returned):
             await self._ready.wait()
+            # cleared before looking: whatever arrives from here on (a settlement, a batch a failed
+            # claim gave back) wakes the next pass, so nothing waits in a buffer for an unrelated event
+            self._ready.clear()
             while self._returned:
                 await self._flush(*self._returned.pop(0))
-            if self.linger and len(self._buf) < self.batch and not self._closing:
+            if self.linger and self._buf and len(self._buf) < self.batch and not self._closing:
                 await asyncio.sleep(self.linger)  # let a burst of completions share one round-trip
             if self._held():
                 await self._hold_for_claim()  # a consumer's claim may take them into its commit
-            self._ready.clear()
-            while self._buf:
+            while self._returned or self._buf:
+                if self._returned:  # given back during the hold or a flush: first, with retries
+                    await self._flush(*self._returned.pop(0))
+                    continue
                 chunk, self._buf = self._buf[: self.batch], self._buf[self.batch :]
                 await self._flush(chunk)
                 if self._held():
-                    break  # what came in meanwhile goes round again: a claim is coming for it
+                    # what came in meanwhile goes round again, under the bounded hold: a claim is
+                    # coming for it
+                    self._ready.set()
+                    break
 
     async def _flush(self, chunk: list[Settlement], ahead: HistoryAhead | None = None) -> None:
         # journaled before the settlement: a crash after it still leaves the history to be written
