@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import signal
@@ -56,7 +57,14 @@ def _admission(state: ControlState, sub: Subscription) -> circuit.Admission:
 
 def _combined(provider: Provider) -> bool:
     """The provider settles a batch with its next claim (one commit for both), right now."""
-    return isinstance(provider, SettlesWithClaims) and provider.settles_with_claims()
+    return _offers_combined(type(provider)) and provider.settles_with_claims()  # type: ignore[attr-defined]
+
+
+@functools.cache
+def _offers_combined(cls: type) -> bool:
+    """The provider's class has the combined call (asked once per class: a check against a runtime
+    protocol walks the protocol's members each time, and the consumer asks before every claim)."""
+    return issubclass(cls, SettlesWithClaims)
 
 
 def lease_owner(runtime: Runtime, worker_id: str | None) -> str:
