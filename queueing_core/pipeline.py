@@ -356,7 +356,9 @@ class Pipeline:
         if hooks.wants(Event.BEGAN):
             await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
         limiter = self.limiter(sub)
-        if not await _take_slot(limiter, closing):
+        if not limiter.locked() and (closing is None or not closing.is_set()):
+            await limiter.acquire()  # a slot is free: taken at once (what _take_slot does first)
+        elif not await _take_slot(limiter, closing):
             return await self._emit_final(delivery, Release("host shutting down before the handler started"))
         if sub.options.idempotent and self.previous_lookup is not None:
             ctx.previous = await self._previous(sub, message)
