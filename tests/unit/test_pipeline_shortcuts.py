@@ -266,6 +266,25 @@ def test_a_provider_is_asked_each_time_whether_it_settles_with_its_claims_now():
     assert not _combined(_NullProvider())  # no combined call at all
 
 
+class _HandsOn:
+    """A provider that hands its attributes on to another (its class has no combined call)."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def test_a_provider_that_hands_on_its_attributes_is_asked_itself():
+    inner = _Combining()
+    inner.on = True
+    assert _combined(_HandsOn(inner))
+    inner.on = False
+    assert not _combined(_HandsOn(inner))
+    assert not _combined(_HandsOn(_NullProvider()))
+
+
 def _settlement(prod: Producer, decision, *, refused: bool = False) -> Settlement:
     d = delivery(prod, Job())
     d.refused = refused
