@@ -27,8 +27,11 @@ N pre-enqueued no-op jobs, and one in-process worker with the same shape:
 - Rounds are interleaved (A, B, C, ... then again, rotated), the load average is printed with each
   round, and medians are reported.
 
+With ``--cpu`` each kit round also prints the CPU the worker's process used per message during the
+burn-down, its event loop's thread and the whole process (the database server's CPU is not in it).
+
 Usage: .venv/bin/python bench/sql_burndown.py [--quick] [--messages 20000] [--rounds 5]
-           [--connections 3] [--only kit,procrastinate]
+           [--connections 3] [--only kit,procrastinate] [--cpu]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -105,8 +109,17 @@ async def kit_burn(args: Options, provider: SqlProvider, messages: int) -> Burn:
         common.analyze(
             args.url, sql.Identifier(provider.tables.messages.schema or "public", "queueing_messages")
         )
+        thread_cpu, process_cpu = time.thread_time(), time.process_time()
         started = await common.kit_burn_down(rt, args, done)
+        thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
         elapsed, startup = finished(done, started)
+        if getattr(args, "cpu", False):  # (bench/sql_history.py burns down through here too)
+            per = 1e6 / messages
+            print(
+                f"    kit CPU per message: event loop's thread {thread_cpu * per:.1f} µs, "
+                f"process {process_cpu * per:.1f} µs",
+                flush=True,
+            )
     finally:
         await rt.close()
     return Burn(messages, elapsed, startup, "")
@@ -265,6 +278,7 @@ class Options:
     connections: int
     quick: bool
     procrastinate_messages: int
+    cpu: bool
 
 
 RETAINED = {
@@ -296,6 +310,7 @@ async def main() -> None:
     p.add_argument("--in-hand", type=int, default=20, help="most jobs claimed but not finished")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--only", default="", help="comma-separated subset of contenders")
+    p.add_argument("--cpu", action="store_true", help="print the kit's CPU per message in each round")
     args = p.parse_args(namespace=Options())
     if args.quick:
         args.messages, args.rounds = 2_000, 1

@@ -73,7 +73,7 @@ class Hooks:
         for fn in self._hooks[obs.event]:
             try:
                 result = fn(obs)
-                if inspect.isawaitable(result):
+                if result is not None and inspect.isawaitable(result):  # most hooks return None
                     await result
             except Exception:
                 log.exception("hook %r failed on %s; ignored", fn, obs.event.value)

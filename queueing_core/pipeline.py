@@ -24,7 +24,7 @@ import json
 import logging
 import random
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from time import perf_counter
@@ -36,7 +36,7 @@ from pydantic import TypeAdapter, ValidationError
 from .app import QueueingApp, Subscription
 from .clock import Clock, utcnow
 from .context import HandlerContext
-from .control import circuit
+from .control import CachedControlStore, circuit
 from .control.base import ControlStore
 from .decisions import (
     Complete,
@@ -52,10 +52,11 @@ from .envelope import Envelope
 from .errors import NonRetryableError, Retry
 from .hooks import Event, Observation
 from .messages import BASE_FIELDS, MessageStatus, QueueMessage
-from .middleware import compose_handle
+from .middleware import HandleMiddleware, compose_handle
 from .transport import Delivery
 
 log = logging.getLogger("queueing.pipeline")
+_HANDLER_LOG = logging.getLogger("queueing.handler")
 _RESULT: TypeAdapter[Any] = TypeAdapter(Any)
 
 MAX_ERROR_TEXT = 4000
@@ -69,6 +70,8 @@ def fit_result(value: Any, log_to: logging.LoggerAdapter[logging.Logger] | None 
     """A handler's return value as it is kept: JSON-ready data, or, when its JSON is longer than
     :data:`MAX_RESULT_CHARS`, the marker ``{"_truncated": true, "_original_chars": N, "_preview": ...}``.
     The message still succeeds: the work is done, only its result is too large to keep."""
+    if value is None:
+        return None  # what most handlers return: nothing to dump
     data = _RESULT.dump_python(value, mode="json", fallback=repr)
     if data is None or isinstance(data, bool | int | float):
         return data
@@ -97,6 +100,32 @@ class _Run:
     grace: float
     requested: bool = False
     timer: asyncio.TimerHandle | None = None
+
+
+class _MessageLog(logging.LoggerAdapter[logging.Logger]):
+    """``ctx.log``: the ``queueing.handler`` logger with the message's id, correlation id and queue
+    as extra fields. The fields are made the first time they are read (a line logged), not for every
+    message: most handlers never log through it."""
+
+    def __init__(self, env: Envelope, queue: str) -> None:
+        self._env, self._queue = env, queue
+        self._fields: Mapping[str, object] | None = None
+        super().__init__(_HANDLER_LOG)
+
+    @property
+    def extra(self) -> Mapping[str, object]:
+        if self._fields is None:
+            env = self._env
+            self._fields = {
+                "message_id": str(env.message_id),
+                "correlation_id": env.correlation_id,
+                "queue": self._queue,
+            }
+        return self._fields
+
+    @extra.setter
+    def extra(self, value: Mapping[str, object] | None) -> None:
+        self._fields = value
 
 
 #: (envelope, progress) -> None: stores a running handler's progress report
@@ -140,6 +169,10 @@ class Pipeline:
         self.producer = producer
         self._chains_version = -1
         self._chains: dict[str, Callable[[HandlerContext], Awaitable[Any]]] = {}
+        #: the app's handle middleware the chains were built with (a middleware added later rebuilds them)
+        self._chains_middleware: list[HandleMiddleware] = []
+        #: the control state without an await while the cache holds a fresh one (decided here, once)
+        self._fresh_state = control.fresh if isinstance(control, CachedControlStore) else None
         self._limits: dict[str, asyncio.Semaphore] = {}
         #: handlers running now, by message id
         self.running: dict[UUID, _Run] = {}
@@ -179,6 +212,10 @@ class Pipeline:
         return sem
 
     def _chain(self, sub: Subscription) -> Callable[[HandlerContext], Awaitable[Any]]:
+        middleware = self.app.handle_middleware
+        if self._chains_middleware != middleware:  # one added (or removed) since: build them again
+            self._chains.clear()
+            self._chains_middleware = list(middleware)
         chain = self._chains.get(sub.type_name)
         if chain is None:
             spec = sub.handler
@@ -187,7 +224,7 @@ class Pipeline:
             async def terminal(ctx: HandlerContext) -> Any:
                 return await spec.call(ctx.message, ctx)
 
-            chain = self._chains[sub.type_name] = compose_handle(self.app.handle_middleware, terminal)
+            chain = self._chains[sub.type_name] = compose_handle(self._chains_middleware, terminal)
         return chain
 
     # -- the decision ------------------------------------------------------------------------------
@@ -224,7 +261,9 @@ class Pipeline:
                 delivery, self._waiting(now, f"no message type {env.type!r} is registered")
             )
 
-        state = await self.control.state()
+        state = self._fresh_state() if self._fresh_state is not None else None
+        if state is None:
+            state = await self.control.state()
         if env.message_id in state.cancelled:
             return await self._emit_final(delivery, Complete(None, cancelled=True))
         if state.is_paused(sub.queue, sub.type_name):
@@ -310,29 +349,32 @@ class Pipeline:
             message=message,
             cancelled=run.cancelled,
             store_progress=(lambda progress: sink(env, progress)) if sink is not None else None,
-            log=logging.LoggerAdapter(
-                logging.getLogger("queueing.handler"),
-                {"message_id": str(env.message_id), "correlation_id": env.correlation_id, "queue": sub.queue},
-            ),
+            log=_MessageLog(env, sub.queue),
             producer=self.producer,
         )
         hooks = self.app.hooks
         if hooks.wants(Event.BEGAN):
             await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
         limiter = self.limiter(sub)
-        if not await _take_slot(limiter, closing):
+        if not limiter.locked() and (closing is None or not closing.is_set()):
+            await limiter.acquire()  # a slot is free: taken at once (what _take_slot does first)
+        elif not await _take_slot(limiter, closing):
             return await self._emit_final(delivery, Release("host shutting down before the handler started"))
         if sub.options.idempotent and self.previous_lookup is not None:
             ctx.previous = await self._previous(sub, message)
         limit = sub.options.time_limit
+        chain = self._chain(sub)
         started = perf_counter()
         error: BaseException | None = None
         self.running[env.message_id] = run
         result: Any = None
-        async with _holding(limiter):
+        try:  # the slot taken above is given back on the way out
             try:
-                async with asyncio.timeout(limit.total_seconds() if limit else None) as scope:
-                    result = await self._chain(sub)(ctx)
+                if limit is None:
+                    result = await chain(ctx)  # no time limit: no timeout scope (it could never expire)
+                else:
+                    async with asyncio.timeout(limit.total_seconds()) as scope:
+                        result = await chain(ctx)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is None or not task.cancelling():
@@ -349,7 +391,7 @@ class Pipeline:
                 decision = DeadLetter(DeadLetterReason.NON_RETRYABLE, describe_error(exc))
             except TimeoutError as exc:
                 error = exc
-                if scope.expired() and limit is not None:
+                if limit is not None and scope.expired():
                     text = f"execution time limit of {limit.total_seconds():g}s exceeded"
                 else:
                     text = describe_error(exc)
@@ -372,12 +414,14 @@ class Pipeline:
                     del self.running[env.message_id]
                 if run.timer is not None:
                     run.timer.cancel()
+        finally:
+            limiter.release()
         if run.requested:
             # cancelled while it ran: whatever the handler did after that, the message is not retried
             decision = Complete(decision.result if isinstance(decision, Complete) else None, cancelled=True)
-        await ctx.flush_progress()
-        duration = timedelta(seconds=perf_counter() - started)
-        await self._emit(delivery, decision, error, duration)
+        if ctx.progress is not None:  # a report not stored yet is stored now
+            await ctx.flush_progress()
+        await self._emit(delivery, decision, error, started)
         return decision
 
     def _failure(self, sub: Subscription, attempt: int, error: str, after: timedelta | None) -> Decision:
@@ -411,11 +455,13 @@ class Pipeline:
         return decision
 
     async def _emit(
-        self, delivery: Delivery, decision: Decision, error: BaseException | None, duration: timedelta | None
+        self, delivery: Delivery, decision: Decision, error: BaseException | None, started: float | None
     ) -> None:
+        """Tell the hooks of ``decision`` (the handler's run took from ``started`` until now)."""
         event = _EVENT_OF[type(decision)]
         hooks = self.app.hooks
         if hooks.wants(event):
+            duration = None if started is None else timedelta(seconds=perf_counter() - started)
             await hooks.emit(
                 Observation(
                     event, delivery.envelope, delivery.queue, delivery.attempt, decision, error, duration
@@ -447,15 +493,6 @@ async def _take_slot(limiter: asyncio.Semaphore, closing: asyncio.Event | None) 
             limiter.release()  # closing won the race (or we were cancelled): start nothing
             got = False
     return got
-
-
-@contextlib.asynccontextmanager
-async def _holding(limiter: asyncio.Semaphore) -> AsyncIterator[None]:
-    """Give back, on the way out, a slot taken by :func:`_take_slot`."""
-    try:
-        yield
-    finally:
-        limiter.release()
 
 
 _EVENT_OF: dict[type, Event] = {

@@ -377,24 +377,27 @@ def jsonable(value: Any) -> Any:
 def log_outcome(s: Settlement) -> None:
     d, decision = s.delivery, s.decision
     env = d.envelope
-    level = logging.INFO
+    # the level first: a line nobody logs is not formatted (most are successes at INFO)
+    if d.refused or isinstance(decision, RetryAfter):
+        level = logging.WARNING
+    elif isinstance(decision, DeadLetter):
+        level = logging.ERROR
+    else:
+        level = logging.INFO
+    if not outcome_log.isEnabledFor(level):
+        return
     detail = ""
     if d.refused:
-        level, detail = logging.WARNING, " not applied: the lease had passed to another run"
+        detail = " not applied: the lease had passed to another run"
     elif isinstance(decision, RetryAfter):
-        level, detail = (
-            logging.WARNING,
-            f" retry in {decision.delay.total_seconds():.1f}s: {decision.error.splitlines()[0]}",
-        )
+        detail = f" retry in {decision.delay.total_seconds():.1f}s: {decision.error.splitlines()[0]}"
     elif isinstance(decision, DeadLetter):
         first_line = decision.description.splitlines()[0] if decision.description else ""
-        level, detail = logging.ERROR, f" {decision.reason.value}: {first_line}"
+        detail = f" {decision.reason.value}: {first_line}"
     elif isinstance(decision, Defer | Release):
         detail = f" ({decision.reason})"
     elif isinstance(decision, Expire):
         detail = f" (expired at {decision.expired_at.isoformat()})"
-    if not outcome_log.isEnabledFor(level):
-        return
     outcome_log.log(
         level,
         "%s %s%s",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import signal
@@ -21,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from .app import Subscription
 from .clock import utcnow
@@ -56,7 +57,17 @@ def _admission(state: ControlState, sub: Subscription) -> circuit.Admission:
 
 def _combined(provider: Provider) -> bool:
     """The provider settles a batch with its next claim (one commit for both), right now."""
-    return isinstance(provider, SettlesWithClaims) and provider.settles_with_claims()
+    # the class is asked once (a check against a runtime protocol walks the protocol's members each
+    # time, and the consumer asks before every claim); a class without the methods may still have an
+    # instance that answers for them (one that hands on its attributes), so that one is asked itself
+    offers = _offers_combined(type(provider)) or isinstance(provider, SettlesWithClaims)
+    return offers and cast(SettlesWithClaims, provider).settles_with_claims()
+
+
+@functools.cache
+def _offers_combined(cls: type) -> bool:
+    """The provider's class has the combined call."""
+    return issubclass(cls, SettlesWithClaims)
 
 
 def lease_owner(runtime: Runtime, worker_id: str | None) -> str:

@@ -93,9 +93,17 @@ class CachedControlStore:
         self._reading: asyncio.Future[ControlState] | None = None
         self._generation = 0  # bumped by every write, so a read that began before it is not kept
 
-    async def state(self) -> ControlState:
+    def fresh(self) -> ControlState | None:
+        """The cached state while it is fresh, else None (then :meth:`state` reads it): what
+        :meth:`state` would return without a read, for a caller on a hot path that awaits only then."""
         if self._cached is not None and time.monotonic() - self._read_at < self.ttl:
             return self._cached
+        return None
+
+    async def state(self) -> ControlState:
+        cached = self.fresh()
+        if cached is not None:
+            return cached
         # single flight: concurrent callers share one read instead of each starting their own
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._refresh())

@@ -51,7 +51,9 @@ def delivery_from_row(row: Mapping[Any, Any]) -> Delivery:
     lease, until = Lease(row["id"], row["lease_token"]), opt_utc(row["locked_until"])
     try:
         body = json.loads(body_text) if body_text is not None else None
-        headers = json.loads(row["headers_text"]) if row["headers_text"] else {}
+        headers_text = row["headers_text"]
+        # most messages carry no headers: "{}" is not parsed for each of them
+        headers = json.loads(headers_text) if headers_text and headers_text != "{}" else {}
         if not isinstance(body, dict):
             raise ValueError("the stored body is not a JSON object")
         if not isinstance(headers, dict):
