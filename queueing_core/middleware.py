@@ -21,6 +21,13 @@ EnqueueNext = Callable[["Envelope"], Awaitable["Envelope"]]
 EnqueueMiddleware = Callable[["Envelope", EnqueueNext], Awaitable["Envelope"]]
 
 
+def same_middleware(built_from: Sequence[object], now: Sequence[object]) -> bool:
+    """Whether a chain built from ``built_from`` still fits the list ``now`` (middleware may be added,
+    removed or swapped while a host runs). By identity, not ``==``: an equal but different object
+    (or one whose ``__eq__`` misbehaves) must still be the one that runs."""
+    return len(built_from) == len(now) and all(a is b for a, b in zip(built_from, now, strict=True))
+
+
 def compose_handle(
     middleware: Sequence[HandleMiddleware], terminal: Callable[[HandlerContext], Awaitable[Any]]
 ) -> Callable[[HandlerContext], Awaitable[Any]]:

@@ -52,7 +52,7 @@ from .envelope import Envelope
 from .errors import NonRetryableError, Retry
 from .hooks import Event, Observation
 from .messages import BASE_FIELDS, MessageStatus, QueueMessage
-from .middleware import HandleMiddleware, compose_handle
+from .middleware import HandleMiddleware, compose_handle, same_middleware
 from .transport import Delivery
 
 log = logging.getLogger("queueing.pipeline")
@@ -213,7 +213,7 @@ class Pipeline:
 
     def _chain(self, sub: Subscription) -> Callable[[HandlerContext], Awaitable[Any]]:
         middleware = self.app.handle_middleware
-        if self._chains_middleware != middleware:  # one added (or removed) since: build them again
+        if not same_middleware(self._chains_middleware, middleware):  # changed since: build them again
             self._chains.clear()
             self._chains_middleware = list(middleware)
         chain = self._chains.get(sub.type_name)
@@ -355,15 +355,19 @@ class Pipeline:
         hooks = self.app.hooks
         if hooks.wants(Event.BEGAN):
             await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
+        chain = self._chain(sub)  # before the slot: nothing that may raise runs between it and the try
         limiter = self.limiter(sub)
         if not limiter.locked() and (closing is None or not closing.is_set()):
             await limiter.acquire()  # a slot is free: taken at once (what _take_slot does first)
         elif not await _take_slot(limiter, closing):
             return await self._emit_final(delivery, Release("host shutting down before the handler started"))
         if sub.options.idempotent and self.previous_lookup is not None:
-            ctx.previous = await self._previous(sub, message)
+            try:
+                ctx.previous = await self._previous(sub, message)
+            except BaseException:  # a cancelled lookup (errors are caught inside) must not keep the slot
+                limiter.release()
+                raise
         limit = sub.options.time_limit
-        chain = self._chain(sub)
         started = perf_counter()
         error: BaseException | None = None
         self.running[env.message_id] = run

@@ -18,7 +18,7 @@ from .envelope import Envelope
 from .errors import InvalidArgument, MessageTooLarge, NotSupported
 from .hooks import Event, Observation
 from .messages import MessageStatus, QueueMessage
-from .middleware import compose_enqueue
+from .middleware import compose_enqueue, same_middleware
 from .options import QueueOptions
 from .tracking.base import MessageRecord, record_from_envelope
 
@@ -214,8 +214,8 @@ class Producer:
         #: sends idempotent types where the provider cannot (the runtime sets it when its control store
         #: keeps identities; see queueing_core.idempotency)
         self.identities: SendsIdempotent | None = None
-        self._chain = compose_enqueue(app.enqueue_middleware)
-        self._chain_len = len(app.enqueue_middleware)
+        self._chain_middleware = list(app.enqueue_middleware)
+        self._chain = compose_enqueue(self._chain_middleware)
 
     def envelope_for(
         self, message: QueueMessage, *, now: datetime | None = None, **options: Unpack[EnqueueOptions]
@@ -224,10 +224,10 @@ class Producer:
 
     async def prepare(self, envelopes: Sequence[Envelope]) -> list[Envelope]:
         """Envelopes through the enqueue middleware and the size checks, ready for the transport."""
-        if self._chain_len != len(self.app.enqueue_middleware):  # middleware added after start-up
-            self._chain = compose_enqueue(self.app.enqueue_middleware)
-            self._chain_len = len(self.app.enqueue_middleware)
-        out = [await self._chain(e) for e in envelopes] if self._chain_len else list(envelopes)
+        if not same_middleware(self._chain_middleware, self.app.enqueue_middleware):  # changed since
+            self._chain_middleware = list(self.app.enqueue_middleware)
+            self._chain = compose_enqueue(self._chain_middleware)
+        out = [await self._chain(e) for e in envelopes] if self._chain_middleware else list(envelopes)
         check_sendable(out, self.provider.capabilities.max_message_bytes, self.provider.transport.value)
         return out
 

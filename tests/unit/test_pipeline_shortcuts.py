@@ -175,7 +175,10 @@ async def test_ctx_log_carries_the_message_ids_and_its_fields_can_be_replaced(ca
     assert not hasattr(second, "message_id")
 
 
-async def test_the_last_progress_report_is_stored_when_the_run_ends_and_none_without_a_report():
+async def test_the_last_progress_report_is_stored_when_the_run_ends_and_none_without_a_report(monkeypatch):
+    # an interval a loaded machine cannot outlast between two reports, so the second is always the one
+    # left for the end (not longer: the first report is stored once the monotonic clock is past it)
+    monkeypatch.setattr("queueing_core.context.PROGRESS_INTERVAL", 60.0)
     app = QueueingApp()
     pipe, prod = make(app)
     stored: list[dict] = []
@@ -311,3 +314,62 @@ def test_outcome_lines_keep_their_levels_and_skip_only_what_nobody_logs(caplog):
 
 async def _noop(msg: Job) -> None:
     return None
+
+
+@queue("shortcut-identities", idempotent=True, identity="key", max_concurrency=1)
+class Keyed(QueueMessage):
+    key: str = "k"
+
+
+async def test_a_handler_cancelled_while_its_previous_version_is_read_gives_its_slot_back():
+    app = QueueingApp()
+    pipe, prod = make(app)
+    entered, never = asyncio.Event(), asyncio.Event()
+
+    async def slow_lookup(sub, message):
+        entered.set()
+        await never.wait()  # a database that does not answer; the run is cancelled meanwhile
+
+    pipe.previous_lookup = slow_lookup
+
+    @app.handler()
+    async def handle(msg: Keyed) -> None:
+        return None
+
+    run = asyncio.create_task(pipe.process(delivery(prod, Keyed())))
+    await asyncio.wait_for(entered.wait(), 30)
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    # the one slot of this type is free again: with it kept, every later message would wait for ever
+    assert not pipe.limiter(app.subscription(Keyed.type_name())).locked()
+
+
+async def test_a_middleware_swapped_for_an_equal_but_different_one_is_the_one_that_runs():
+    app = QueueingApp()
+    pipe, prod = make(app)
+
+    class Tag:
+        """Equal to every other Tag (as a dataclass with compare=False state would be)."""
+
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Tag)
+
+        __hash__ = object.__hash__
+
+        async def __call__(self, ctx, call_next):
+            self.seen.append(ctx.message.n)
+            return await call_next()
+
+    @app.handler()
+    async def handle(msg: Job) -> None:
+        return None
+
+    first, second = Tag(), Tag()
+    app.use_handle_middleware(first)
+    await pipe.process(delivery(prod, Job(n=1)))
+    app.handle_middleware[0] = second
+    await pipe.process(delivery(prod, Job(n=2)))
+    assert (first.seen, second.seen) == ([1], [2])

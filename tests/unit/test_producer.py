@@ -154,3 +154,20 @@ async def test_enqueue_middleware_stamps_and_can_refuse():
     with pytest.raises(PermissionError):
         await p.enqueue(Greet(name="bob"))
     assert len(prov.sends) == 1
+
+
+async def test_enqueue_middleware_swapped_for_another_while_running_is_the_one_that_runs():
+    app, prov, p = producer()
+
+    def stamp(value: str):
+        async def mw(env, call_next):
+            return await call_next(env.model_copy(update={"headers": {**env.headers, "stamp": value}}))
+
+        return mw
+
+    first = app.use_enqueue_middleware(stamp("first"))
+    await p.enqueue(Greet(name="ann"))
+    app.enqueue_middleware.remove(first)  # as many as before, a different one
+    app.use_enqueue_middleware(stamp("second"))
+    await p.enqueue(Greet(name="ann"))
+    assert [s[0][0].headers["stamp"] for s in prov.sends] == ["first", "second"]
