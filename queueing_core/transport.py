@@ -39,6 +39,9 @@ class Capabilities:
     max_message_bytes: int | None = None
     #: the provider's receive already leaves out paused queues/types (SQL filters in the claim)
     filters_paused: bool = False
+    #: two receives for one subscription may run at once (each takes different messages), and a second
+    #: one in flight pays: a receive waits on a round trip the consumer's other work cannot fill (SQL)
+    overlapping_receives: bool = False
 
 
 @dataclass(slots=True)
