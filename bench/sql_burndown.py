@@ -16,7 +16,7 @@ N pre-enqueued no-op jobs, and one in-process worker with the same shape:
   kit (relaxed claims)   LISTEN + a claims pool of 1 (synchronous_commit=off) + a pool of budget-2
   kit (two claims)       as durable, with QUEUEING_RECEIVES_IN_FLIGHT=2: a second claim in flight while
                          the first is on its way (same budget: two claims and a settlement share it)
-  kit (relaxed, two c.)  as relaxed, with QUEUEING_RECEIVES_IN_FLIGHT=2
+  kit (relaxed two c.)   as relaxed, with QUEUEING_RECEIVES_IN_FLIGHT=2
   pgqueuer (asyncpg)     AsyncpgPoolDriver on a pool of `budget` (its listener holds one of them)
   pgqueuer (psycopg)     ONE connection: its psycopg driver takes a single connection, no pool
   procrastinate          its psycopg pool, max_size=budget (its listener holds one of them)
@@ -320,7 +320,7 @@ async def main() -> None:
         ("kit (settle with claims)", lambda: kit(args, durable=True, combined=True)),
         ("kit (relaxed claims)", lambda: kit(args, durable=False)),
         ("kit (two claims)", lambda: kit(args, durable=True, receives=2)),
-        ("kit (relaxed, two claims)", lambda: kit(args, durable=False, receives=2)),
+        ("kit (relaxed two claims)", lambda: kit(args, durable=False, receives=2)),
         ("pgqueuer (psycopg)", lambda: pgqueuer(args, "psycopg")),
     ]
     if importlib.util.find_spec("asyncpg") is not None:
