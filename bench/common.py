@@ -144,7 +144,9 @@ class Done:
             raise TimeoutError(f"only {self.count} of {self.target} handled after {timeout:.0f}s") from None
 
 
-async def kit_burn_down(rt: Any, args: argparse.Namespace, done: Done, *, receives_in_flight: int = 1) -> float:
+async def kit_burn_down(
+    rt: Any, args: argparse.Namespace, done: Done, *, receives_in_flight: int = 1
+) -> float:
     """Run a kit ``Worker`` over an enqueued burn-down until ``done``, shaped by the burn-down options
     every kit contender shares (fast polls, claims of ``--batch``, ``--in-hand`` claimed at most);
     returns the clock at its start. ``receives_in_flight`` is passed on only when it is not 1, so
