@@ -612,7 +612,7 @@ class Worker:
                             ahead = False
                     if ahead:
                         # beside this loop: while it runs, the loop may start a second claim for the
-                        # slots left, so two claims' round trips (a WAL flush each) overlap
+                        # slots left, so two claims' round trips overlap
                         task = asyncio.create_task(self._receive(sub, want, combined))
                         claims[task] = want
                         continue
