@@ -1,7 +1,7 @@
 """The long-running host: one consumer loop per subscribed queue.
 
 - Receives only what it can run: ``max_concurrency x prefetch`` per type, never more.
-- Receives ahead where it pays (``receives_in_flight=2`` and a provider whose receives may overlap):
+- Receives ahead where asked (``receives_in_flight=2``, and a provider whose receives may overlap):
   while claims come back full, a second claim runs while the first is on its way; slots a claim in
   flight may fill count as taken, so the cap above holds.
 - Polls adaptively: straight again while batches come back full, a short pause after a
