@@ -144,18 +144,23 @@ class Done:
             raise TimeoutError(f"only {self.count} of {self.target} handled after {timeout:.0f}s") from None
 
 
-async def kit_burn_down(rt: Any, args: argparse.Namespace, done: Done) -> float:
+async def kit_burn_down(
+    rt: Any, args: argparse.Namespace, done: Done, *, receives_in_flight: int = 1
+) -> float:
     """Run a kit ``Worker`` over an enqueued burn-down until ``done``, shaped by the burn-down options
     every kit contender shares (fast polls, claims of ``--batch``, ``--in-hand`` claimed at most);
-    returns the clock at its start."""
+    returns the clock at its start. ``receives_in_flight`` is passed on only when it is not 1, so
+    the script runs against older code (PYTHONPATH) that does not know it."""
     from queueing_core.worker import Worker
 
+    extra: dict[str, Any] = {} if receives_in_flight == 1 else {"receives_in_flight": receives_in_flight}
     worker = Worker(
         rt,
         poll_min=0.01,
         poll_max=0.1,
         prefetch=args.in_hand // args.concurrency,
         batch_size=args.batch,
+        **extra,
     )
     started = now()
     await worker.start()

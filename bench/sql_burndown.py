@@ -14,6 +14,9 @@ N pre-enqueued no-op jobs, and one in-process worker with the same shape:
   kit (settle with c.)   as durable, with QUEUEING_SETTLE_WITH_CLAIMS=true: a claim and the settlements
                          waiting for it in one transaction
   kit (relaxed claims)   LISTEN + a claims pool of 1 (synchronous_commit=off) + a pool of budget-2
+  kit (two claims)       as durable, with QUEUEING_RECEIVES_IN_FLIGHT=2: a second claim in flight while
+                         the first is on its way (same budget: two claims and a settlement share it)
+  kit (relaxed two c.)   as relaxed, with QUEUEING_RECEIVES_IN_FLIGHT=2
   pgqueuer (asyncpg)     AsyncpgPoolDriver on a pool of `budget` (its listener holds one of them)
   pgqueuer (psycopg)     ONE connection: its psycopg driver takes a single connection, no pool
   procrastinate          its psycopg pool, max_size=budget (its listener holds one of them)
@@ -91,7 +94,7 @@ def kit_provider(args: Options, schema: str, *, durable: bool, combined: bool = 
     return SqlProvider(args.url, schema=schema, durable_claims=durable, settle_with_claims=combined, **pools)
 
 
-async def kit_burn(args: Options, provider: SqlProvider, messages: int) -> Burn:
+async def kit_burn(args: Options, provider: SqlProvider, messages: int, *, receives: int = 1) -> Burn:
     """Enqueue ``messages`` no-ops through ``provider`` (its schema may already hold rows), then time
     one worker of the benchmark's shape until the last of them has run."""
     app = QueueingApp("bench")
@@ -110,7 +113,7 @@ async def kit_burn(args: Options, provider: SqlProvider, messages: int) -> Burn:
             args.url, sql.Identifier(provider.tables.messages.schema or "public", "queueing_messages")
         )
         thread_cpu, process_cpu = time.thread_time(), time.process_time()
-        started = await common.kit_burn_down(rt, args, done)
+        started = await common.kit_burn_down(rt, args, done, receives_in_flight=receives)
         thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
         elapsed, startup = finished(done, started)
         if getattr(args, "cpu", False):  # (bench/sql_history.py burns down through here too)
@@ -125,10 +128,10 @@ async def kit_burn(args: Options, provider: SqlProvider, messages: int) -> Burn:
     return Burn(messages, elapsed, startup, "")
 
 
-async def kit(args: Options, *, durable: bool, combined: bool = False) -> Burn:
+async def kit(args: Options, *, durable: bool, combined: bool = False, receives: int = 1) -> Burn:
     with common.throwaway_schema(args.url, "bench_kit") as schema:
         provider = kit_provider(args, schema, durable=durable, combined=combined)
-        burn = await kit_burn(args, provider, args.messages)
+        burn = await kit_burn(args, provider, args.messages, receives=receives)
         kept = common.scalar(
             args.url,
             sql.SQL("SELECT count(*) FROM {}.queueing_messages WHERE status = 'Succeeded'").format(
@@ -331,6 +334,8 @@ async def main() -> None:
         ("kit (durable claims)", lambda: kit(args, durable=True)),
         ("kit (settle with claims)", lambda: kit(args, durable=True, combined=True)),
         ("kit (relaxed claims)", lambda: kit(args, durable=False)),
+        ("kit (two claims)", lambda: kit(args, durable=True, receives=2)),
+        ("kit (relaxed two claims)", lambda: kit(args, durable=False, receives=2)),
         ("pgqueuer (psycopg)", lambda: pgqueuer(args, "psycopg")),
     ]
     if importlib.util.find_spec("asyncpg") is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import inspect
 import logging
 import sqlite3
 import tempfile
@@ -39,6 +40,7 @@ import common
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.runtime import Runtime
+from queueing_core.worker import Worker
 
 TARGET = 2_000  # messages/s
 TARGET_HUEY = 1.5  # kit / SqliteHuey
@@ -63,7 +65,7 @@ class Options:
     cpu: bool
 
 
-async def kit_round(args: Options, *, settle_with_claims: bool = False) -> float:
+async def kit_round(args: Options, *, settle_with_claims: bool = False, receives: int = 1) -> float:
     with tempfile.TemporaryDirectory(prefix="bench_sqlite_", dir=args.dir) as tmp:
         path = Path(tmp) / "queue.db"
         app = QueueingApp("bench")
@@ -79,7 +81,7 @@ async def kit_round(args: Options, *, settle_with_claims: bool = False) -> float
             for i in range(0, args.messages, 1000):
                 await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, args.messages))])
             thread_cpu, process_cpu = time.thread_time(), time.process_time()
-            started = await common.kit_burn_down(rt, args, done)
+            started = await common.kit_burn_down(rt, args, done, receives_in_flight=receives)
             thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
             assert done.last_at is not None
             elapsed = done.last_at - started
@@ -213,6 +215,9 @@ async def main() -> None:
         # the option that settles a batch in the same transaction as the next claim
         ("kit (settle with claims)", lambda: kit_round(args, settle_with_claims=True)),
     ]
+    if "receives_in_flight" in inspect.signature(Worker).parameters:  # not in older code (PYTHONPATH)
+        # a second claim in flight while the first is on its way
+        contenders.append(("kit (two claims)", lambda: kit_round(args, receives=2)))
     if importlib.util.find_spec("huey") is not None:
         contenders.append(("huey SqliteHuey", lambda: sync(huey_round)))
     contenders.append(("bare sqlite3 loop", lambda: sync(bare_round)))

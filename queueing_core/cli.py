@@ -234,6 +234,7 @@ def serve(
         poll_min=cfg.poll_min,
         poll_max=cfg.poll_max,
         prefetch=cfg.prefetch,
+        receives_in_flight=cfg.receives_in_flight,
         schedule_grace=timedelta(seconds=cfg.schedule_grace_seconds),
         cancel_poll=cfg.cancel_poll,
     )

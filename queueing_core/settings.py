@@ -126,6 +126,16 @@ class QueueingSettings(BaseSettings):
         le=1000,
         description="Messages a worker holds per handler slot (`max_concurrency` x this are leased at once).",
     )
+    receives_in_flight: int = Field(
+        default=1,
+        ge=1,
+        le=2,
+        description="Receives (claims) a worker keeps in flight per queue. `2`: while claims come back "
+        "full, a second claim starts while the first is on its way, for the slots left free (SQL only; "
+        "other transports and ordered queues keep one). Measured on PostgreSQL with durable claims: faster "
+        "on a loaded machine, not on a calm one (the claims' commits wait for the same WAL flushes), "
+        "slower on SQLite; so it stays `1`.",
+    )
     cancel_poll: float = Field(
         default=1.0,
         gt=0,

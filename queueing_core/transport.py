@@ -39,6 +39,9 @@ class Capabilities:
     max_message_bytes: int | None = None
     #: the provider's receive already leaves out paused queues/types (SQL filters in the claim)
     filters_paused: bool = False
+    #: two receives for one subscription may run at once, each taking different messages (SQL: each
+    #: claim skips the rows another holds), so a worker may keep a second one in flight
+    overlapping_receives: bool = False
 
 
 @dataclass(slots=True)

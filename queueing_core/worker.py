@@ -1,6 +1,9 @@
 """The long-running host: one consumer loop per subscribed queue.
 
 - Receives only what it can run: ``max_concurrency x prefetch`` per type, never more.
+- Receives ahead where asked (``receives_in_flight=2``, and a provider whose receives may overlap):
+  while claims come back full, a second claim runs while the first is on its way; slots a claim in
+  flight may fill count as taken, so the cap above holds.
 - Polls adaptively: straight again while batches come back full, a short pause after a
   partial batch, doubling up to ``poll_max`` while idle; a provider with push wake-ups (NOTIFY,
   in-memory) cuts the sleep short when work arrives.
@@ -331,6 +334,7 @@ class Worker:
         pause_poll: float = 1.0,
         batch_size: int = 100,
         prefetch: int = 1,
+        receives_in_flight: int = 1,
         settle_batch: int = 200,
         settle_linger: float = 0.002,
         settle_hold: float = 0.02,
@@ -347,6 +351,9 @@ class Worker:
         self.pause_poll = pause_poll
         self.batch_size = batch_size
         self.prefetch = max(1, prefetch)
+        #: receives per queue at once: 2 lets a second claim run while the first is on its way (where
+        #: the provider's receives may overlap), so two round trips' waits overlap while the queue is full
+        self.receives_in_flight = min(2, max(1, receives_in_flight))
         self.cancel_poll = cancel_poll
         self.settler = Settler(
             runtime, batch=settle_batch, linger=settle_linger, hold=settle_hold, on_settled=self._settled
@@ -493,66 +500,155 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    def _overlaps(self, sub: Subscription, combined: bool) -> bool:
+        """May a second receive for ``sub`` start while one is in flight? Only where it is asked for and
+        the provider's receives may run side by side, never for an ordered queue (two claims at once
+        could each take a head of the line), nor while claims carry settlements (``combined``: one
+        claim takes the settler's buffer at a time)."""
+        return (
+            self.receives_in_flight > 1
+            and self.runtime.provider.capabilities.overlapping_receives
+            and sub.handler is not None
+            and not sub.options.ordered
+            and not combined
+        )
+
+    async def _receive(self, sub: Subscription, want: int, combined: bool) -> list[Delivery]:
+        if combined:
+            return await self.settler.claim_with(sub, want)
+        return await self.runtime.provider.receive(sub, want)
+
+    async def _claim_done_or_slot_freed(
+        self, state: _SubState, claims: dict[asyncio.Task[list[Delivery]], int]
+    ) -> None:
+        """Wait until a claim in flight comes back, a handler slot frees up, or the worker stops."""
+        state.slot_freed.clear()
+        freed: asyncio.Future[Any] = asyncio.ensure_future(state.slot_freed.wait())
+        assert self._stop_waiter is not None
+        try:
+            await asyncio.wait({*claims, freed, self._stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            freed.cancel()
+
+    def _dispatch(self, sub: Subscription, state: _SubState, batch: list[Delivery]) -> None:
+        if batch:
+            self.last_activity = time.monotonic()
+        for delivery in batch:
+            state.in_flight += 1
+            self._in_flight[id(delivery)] = delivery
+            task = asyncio.create_task(self._handle(sub, state, delivery))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _receive_failed(self, sub: Subscription, backoff: PollBackoff, exc: Exception) -> float:
+        delay = backoff.failure()
+        log.warning(
+            "receiving from %s failed (%s: %s); retrying in %.1fs",
+            sub.queue,
+            type(exc).__name__,
+            exc,
+            delay,
+        )
+        return delay
+
     async def _consume(self, sub: Subscription) -> None:
         provider = self.runtime.provider
         control = self.runtime.control
         state = self._subs[sub.type_name]
         backoff = PollBackoff(self.poll_min, self.poll_max)
-        while not self._stopping.is_set():
-            # re-read: a handler registered after start-up takes over its waiting backlog
-            sub = self.runtime.pipeline.subscription(sub.type_name) or sub
-            capacity = sub.options.max_concurrency * self.prefetch if sub.handler else 1
-            free = capacity - state.in_flight
-            # refill when half the slots are free (or all are): full pages, fewer receive round trips
-            combined = _combined(provider) and sub.handler is not None
-            if free <= 0 or (state.in_flight and free < min(self.batch_size, max(1, capacity // 2))):
-                state.slot_freed.clear()
-                # the claim comes once enough of the running handlers finish: their settlements may
-                # wait for it (the settler bounds how long)
-                with self.settler.expecting(combined):
-                    await self._until_stopping(state.slot_freed.wait(), None)
-                continue
-            try:
-                want = min(free, self.batch_size)
-                if sub.options.circuit_breaker is not None or not provider.capabilities.filters_paused:
-                    now_state = await control.state()
-                    if not provider.capabilities.filters_paused and _held(now_state, sub):
-                        await self._until_stopping(asyncio.sleep(self.pause_poll), None)
-                        continue
-                    if _admission(now_state, sub) is circuit.Admission.PROBE:
-                        # the cooldown is over and one message may probe: take that one alone, and
-                        # none while an earlier one (perhaps the probe) is still running
-                        if state.in_flight:
-                            state.slot_freed.clear()
-                            await self._until_stopping(state.slot_freed.wait(), self.pause_poll)
+        # receives running beside this loop (at most ``receives_in_flight``), each with the slots it may
+        # fill: reserved, so handlers running plus slots reserved never exceed the capacity
+        claims: dict[asyncio.Task[list[Delivery]], int] = {}
+        # the last claim came back full: the queue has more, so a second claim may overlap the first
+        # (an empty or partial one means the queue is drained: one poller, with its backoff)
+        full = False
+        try:
+            while not self._stopping.is_set():
+                # re-read: a handler registered after start-up takes over its waiting backlog
+                sub = self.runtime.pipeline.subscription(sub.type_name) or sub
+                capacity = sub.options.max_concurrency * self.prefetch if sub.handler else 1
+                taken = state.in_flight + sum(claims.values())
+                free = capacity - taken
+                combined = _combined(provider) and sub.handler is not None
+                ahead = full and self._overlaps(sub, combined)
+                # refill when half the slots are free (or all are): full pages, fewer receive round trips
+                short = free <= 0 or (taken > 0 and free < min(self.batch_size, max(1, capacity // 2)))
+                if claims and (short or not ahead or len(claims) >= self.receives_in_flight):
+                    await self._claim_done_or_slot_freed(state, claims)
+                    for task in [t for t in claims if t.done()]:
+                        want = claims.pop(task)
+                        try:
+                            batch = task.result()
+                        except Exception as exc:
+                            full = False
+                            await self._until_stopping(
+                                asyncio.sleep(self._receive_failed(sub, backoff, exc)), None
+                            )
                             continue
-                        want = 1
-                if combined:
-                    batch = await self.settler.claim_with(sub, want)
-                else:
-                    batch = await provider.receive(sub, want)
+                        self._dispatch(sub, state, batch)
+                        full = len(batch) >= want
+                        delay = backoff.after(len(batch), want)
+                        if delay > 0 and not claims:
+                            await self._until_stopping(provider.wait_for_work(sub, delay), delay + 1.0)
+                    continue
+                if short:
+                    state.slot_freed.clear()
+                    # the claim comes once enough of the running handlers finish: their settlements may
+                    # wait for it (the settler bounds how long)
+                    with self.settler.expecting(combined):
+                        await self._until_stopping(state.slot_freed.wait(), None)
+                    continue
+                try:
+                    want = min(free, self.batch_size)
+                    if sub.options.circuit_breaker is not None or not provider.capabilities.filters_paused:
+                        now_state = await control.state()
+                        held = not provider.capabilities.filters_paused and _held(now_state, sub)
+                        probe = _admission(now_state, sub) is circuit.Admission.PROBE
+                        if (held or probe) and claims:
+                            # paused or probing: no claim beside the one in flight (its batch is collected
+                            # above, then this is looked at again)
+                            full = False
+                            continue
+                        if held:
+                            await self._until_stopping(asyncio.sleep(self.pause_poll), None)
+                            continue
+                        if probe:
+                            # the cooldown is over and one message may probe: take that one alone, and
+                            # none while an earlier one (perhaps the probe) is still running
+                            if state.in_flight:
+                                state.slot_freed.clear()
+                                await self._until_stopping(state.slot_freed.wait(), self.pause_poll)
+                                continue
+                            want = 1
+                            ahead = False
+                    if ahead:
+                        # beside this loop: while it runs, the loop may start a second claim for the
+                        # slots left, so two claims' round trips overlap
+                        task = asyncio.create_task(self._receive(sub, want, combined))
+                        claims[task] = want
+                        continue
+                    batch = await self._receive(sub, want, combined)
+                except Exception as exc:
+                    full = False
+                    await self._until_stopping(asyncio.sleep(self._receive_failed(sub, backoff, exc)), None)
+                    continue
+                self._dispatch(sub, state, batch)
+                full = len(batch) >= want
+                delay = backoff.after(len(batch), want)
+                if delay > 0:
+                    await self._until_stopping(provider.wait_for_work(sub, delay), delay + 1.0)
+        except asyncio.CancelledError:
+            # the consumer itself cancelled (not a stop): its claims go with it, as a claim it awaited would
+            for task in claims:
+                task.cancel()
+            raise
+        # stopping: a claim in flight finishes and its messages run, as a claim awaited in the loop does
+        # (cancelled after its commit, it would leave its rows leased until the lease runs out)
+        for task in claims:
+            try:
+                self._dispatch(sub, state, await task)
             except Exception as exc:
-                delay = backoff.failure()
-                log.warning(
-                    "receiving from %s failed (%s: %s); retrying in %.1fs",
-                    sub.queue,
-                    type(exc).__name__,
-                    exc,
-                    delay,
-                )
-                await self._until_stopping(asyncio.sleep(delay), None)
-                continue
-            if batch:
-                self.last_activity = time.monotonic()
-            for delivery in batch:
-                state.in_flight += 1
-                self._in_flight[id(delivery)] = delivery
-                task = asyncio.create_task(self._handle(sub, state, delivery))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            delay = backoff.after(len(batch), want)
-            if delay > 0:
-                await self._until_stopping(provider.wait_for_work(sub, delay), delay + 1.0)
+                self._receive_failed(sub, backoff, exc)
 
     async def _handle(self, sub: Subscription, state: _SubState, delivery: Delivery) -> None:
         try:

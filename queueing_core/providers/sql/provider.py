@@ -169,6 +169,7 @@ class SqlProvider:
             transactions=True,
             max_message_bytes=max_message_bytes,
             filters_paused=True,
+            overlapping_receives=True,
         )
         self.channel = channel_for(schema)
         self._engine = engine

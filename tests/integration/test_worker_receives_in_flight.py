@@ -1,0 +1,287 @@
+"""Two receives in flight per queue (``Worker(receives_in_flight=2)``), on SQLite and PostgreSQL: a
+second claim runs while the first is on its way, the slots a claim in flight may fill count as taken
+(handlers running plus slots reserved never exceed ``max_concurrency x prefetch``), a stop while two
+claims are in flight loses nothing and settles nothing twice, and a circuit's probe still claims one
+message with no claim beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from queueing_core import CircuitBreakerOptions, QueueingApp, QueueMessage, RetryPolicy, queue
+from queueing_core.providers.sql import SqlProvider
+from queueing_core.runtime import Runtime
+from queueing_core.transport import Delivery
+from queueing_core.worker import Worker
+from tests.contract.harness import wait_until
+
+CONCURRENCY, PREFETCH, BATCH = 2, 2, 2
+CAPACITY = CONCURRENCY * PREFETCH
+
+
+@queue("ahead", lease_duration=timedelta(seconds=60))
+class Job(QueueMessage):
+    n: int
+
+
+class Claims:
+    """Wraps a provider's ``receive``: how many run at once, and at each start whether the worker's
+    running handlers plus the slots every claim in flight may fill stay within the capacity."""
+
+    def __init__(self, provider: SqlProvider, worker: Worker) -> None:
+        self.worker = worker
+        self.active = 0
+        self.most_active = 0
+        self.reserved = 0
+        self.most_taken = 0
+        self.calls = 0
+        self.claimed: list[int] = []
+        #: called after a claim committed, before it returns: a test may hold it there
+        self.after_commit: Callable[[int], Awaitable[None]] | None = None
+        self._receive = provider.receive
+        provider.receive = self.receive  # type: ignore[method-assign]
+
+    async def receive(self, sub: Any, max_messages: int) -> list[Delivery]:
+        self.calls += 1
+        call = self.calls
+        self.active += 1
+        self.reserved += max_messages
+        state = self.worker._subs[sub.type_name]
+        self.most_active = max(self.most_active, self.active)
+        self.most_taken = max(self.most_taken, state.in_flight + self.reserved)
+        try:
+            got = await self._receive(sub, max_messages)
+            assert len(got) <= max_messages
+            self.claimed += [d.envelope.body["n"] for d in got if d.envelope]  # type: ignore[index]
+            if self.after_commit is not None:
+                await self.after_commit(call)
+            return got
+        finally:
+            self.active -= 1
+            self.reserved -= max_messages
+
+
+def job_app(ran: Counter[int], gate: asyncio.Semaphore | None = None) -> tuple[QueueingApp, dict[str, int]]:
+    app = QueueingApp("ahead")
+    running = {"now": 0, "most": 0}
+
+    @app.handler(max_concurrency=CONCURRENCY)
+    async def handle(msg: Job) -> None:
+        running["now"] += 1
+        running["most"] = max(running["most"], running["now"])
+        try:
+            if gate is not None:
+                await gate.acquire()
+            ran[msg.n] += 1
+        finally:
+            running["now"] -= 1
+
+    return app, running
+
+
+def worker_for(rt: Runtime, receives: int = 2) -> Worker:
+    worker = Worker(rt, poll_min=0.01, poll_max=0.1, prefetch=PREFETCH, batch_size=BATCH, schedules=False)
+    # set after construction: on code without the setting the test fails on what it checks, not on
+    # an unknown keyword
+    worker.receives_in_flight = receives
+    return worker
+
+
+async def statuses(prov: SqlProvider) -> Counter[str]:
+    m = prov.tables.messages
+    async with prov.engine.connect() as conn:
+        rows = (await conn.execute(sa.select(m.c.status))).all()
+    return Counter(r[0] for r in rows)
+
+
+async def test_a_second_claim_runs_while_the_first_is_on_its_way(sql_db):
+    """The first claim comes back full; the next is held after its commit until another starts beside
+    it (or 5 s pass): with one receive at a time the second never starts, and the test fails."""
+    ran: Counter[int] = Counter()
+    app, running = job_app(ran)
+    prov = sql_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    await app.enqueue_many([Job(n=i) for i in range(40)])
+    worker = worker_for(rt)
+    claims = Claims(prov, worker)
+    beside = asyncio.Event()
+
+    async def hold_the_second(call: int) -> None:
+        if claims.active > 1:
+            beside.set()
+        if call == 2:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(beside.wait(), 5)
+
+    claims.after_commit = hold_the_second
+    await worker.start()
+    try:
+        await wait_until(lambda: sum(ran.values()) == 40, what="every message to run")
+    finally:
+        await worker.shutdown()
+    assert claims.most_active == 2
+    assert claims.most_taken <= CAPACITY, claims.most_taken
+    assert running["most"] <= CONCURRENCY
+    assert set(ran) == set(range(40))
+    assert set(ran.values()) == {1}
+    assert await statuses(prov) == Counter({"Succeeded": 40})
+
+
+async def test_claims_never_take_more_than_the_free_slots(sql_db):
+    """Handlers block until the test lets one finish at a time: however the claims overlap, the
+    handlers running plus the slots reserved by claims in flight never exceed the capacity, and no more
+    than ``max_concurrency`` handlers run at once."""
+    ran: Counter[int] = Counter()
+    gate = asyncio.Semaphore(0)
+    app, running = job_app(ran, gate)
+    prov = sql_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    total = 30
+    await app.enqueue_many([Job(n=i) for i in range(total)])
+    worker = worker_for(rt)
+    claims = Claims(prov, worker)
+    await worker.start()
+    try:
+        for finished in range(total):
+            # every slot is taken (the handlers block) before the next one is let go
+            await wait_until(
+                lambda f=finished: running["now"] == min(CONCURRENCY, total - f),  # type: ignore[misc]
+                what="the handler slots to fill",
+            )
+            assert worker._subs["Job"].in_flight <= CAPACITY
+            gate.release()
+            await wait_until(lambda f=finished: sum(ran.values()) == f + 1, what="one more to finish")  # type: ignore[misc]
+    finally:
+        for _ in range(total):
+            gate.release()
+        await worker.shutdown()
+    assert claims.most_taken <= CAPACITY, claims.most_taken
+    assert running["most"] <= CONCURRENCY
+    assert set(ran) == set(range(total))
+    assert set(ran.values()) == {1}
+    assert await statuses(prov) == Counter({"Succeeded": total})
+
+
+async def test_a_stop_with_two_claims_in_flight_loses_nothing(sql_db):
+    """Two claims committed and held on their way back when the worker is told to stop: the stop
+    waits for them, and their messages are given back at once as any not started at a stop are (none
+    left leased until the lease runs out); a second worker finishes the rest, each exactly once."""
+    ran: Counter[int] = Counter()
+    app, _ = job_app(ran)
+    prov = sql_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    total = 40
+    await app.enqueue_many([Job(n=i) for i in range(total)])
+    worker = worker_for(rt)
+    claims = Claims(prov, worker)
+    release = asyncio.Event()
+    held = {"now": 0}
+
+    async def hold_after_the_first(call: int) -> None:
+        if call > 1:  # the first comes back full, so the next ones run ahead
+            held["now"] += 1
+            await release.wait()
+
+    claims.after_commit = hold_after_the_first
+    await worker.start()
+    stopping: asyncio.Task[None] | None = None
+    try:
+        await wait_until(lambda: held["now"] == 2, timeout=10, what="two claims in flight")
+        stopping = asyncio.create_task(worker.shutdown())
+        await wait_until(lambda: worker._stopping.is_set(), what="the stop to begin")
+        release.set()
+        await stopping
+    finally:
+        release.set()
+        if stopping is None:
+            await worker.shutdown()
+    first = sum(ran.values())
+    assert len(claims.claimed) >= 3 * BATCH  # both held claims had committed theirs
+    # what the held claims took ran, or (not started when the stop came) was given back at once: none
+    # is left leased until its lease runs out
+    counts = await statuses(prov)
+    assert counts == Counter({"Succeeded": first, "Pending": total - first}), counts
+    # a second worker takes the rest: each message once in all
+    again = worker_for(rt, receives=1)
+    await again.start()
+    try:
+        await wait_until(lambda: sum(ran.values()) == total, what="the rest to run")
+    finally:
+        await again.shutdown()
+    assert set(ran) == set(range(total))
+    assert set(ran.values()) == {1}
+    assert await statuses(prov) == Counter({"Succeeded": total})
+
+
+@queue(
+    "ahead-probe",
+    max_concurrency=4,
+    max_attempts=100,
+    retry=RetryPolicy(base=timedelta(milliseconds=20), factor=1.0, jitter=0),
+    circuit_breaker=CircuitBreakerOptions(failure_threshold=1, cooldown=timedelta(seconds=1)),
+)
+class Charge(QueueMessage):
+    n: int
+
+
+async def test_the_probe_claims_one_message_alone(sql_db):
+    """Behind an open circuit, with two receives allowed, every claim that takes a message after the
+    opening is a probe: it asked for one, and no other claim ran beside it."""
+    calls: list[int] = []
+    app = QueueingApp("ahead-probe")
+
+    @app.handler()
+    async def charge(msg: Charge) -> None:
+        calls.append(msg.n)
+        raise ConnectionError("payment gateway down")
+
+    prov = sql_db.provider()
+    rt = Runtime(app, prov, control_ttl=0.05)
+    await rt.open()
+    await app.enqueue_many([Charge(n=i) for i in range(200)])
+    worker = Worker(rt, poll_min=0.01, poll_max=0.1, prefetch=2, batch_size=4, schedules=False)
+    worker.receives_in_flight = 2
+    claims = Claims(prov, worker)
+    # (asked for, claims running, taken) after the circuit opened; the claims of a held type come back
+    # empty (the SQL claim leaves its rows alone)
+    sizes: list[tuple[int, int, int]] = []
+    opened = asyncio.Event()
+    inner = claims.receive
+
+    async def watched(sub: Any, max_messages: int) -> list[Delivery]:
+        together = claims.active + 1
+        got = await inner(sub, max_messages)
+        if opened.is_set():
+            sizes.append((max_messages, together, len(got)))
+        return got
+
+    prov.receive = watched  # type: ignore[method-assign]
+
+    async def circuit_open() -> bool:
+        rt.control.invalidate()
+        return (await rt.control.state()).circuit("Charge").state == "open"
+
+    await worker.start()
+    try:
+        await wait_until(circuit_open, what="the circuit to open")
+        await wait_until(
+            lambda: claims.active == 0 and worker.in_flight == 0, what="the runs in flight to end"
+        )
+        opened.set()
+        ran = len(calls)
+        await wait_until(lambda: len(calls) >= ran + 2, what="two probes")
+    finally:
+        await worker.shutdown()
+    probes = [s for s in sizes if s[2]]
+    assert len(probes) >= 2, sizes
+    assert all(asked == 1 and together == 1 for asked, together, _ in probes), probes
