@@ -83,6 +83,8 @@ async def test_a_combined_call_that_commits_then_raises_loses_nothing(sql_db, mo
         # it came back through the lease sweep (which counts the lapsed lease as an attempt)
         assert "lease expired" in (final[row]["last_error"] or ""), final[row]
     assert any("lost after COMMIT" in r.getMessage() for r in caplog.records), "the call did not fail"
+    # the batch settled again was refused by the fence: those rows were settled by the first commit
+    assert any("not recorded" in r.getMessage() for r in caplog.records if r.name == "queueing.sql")
     await rt.close()
 
 
