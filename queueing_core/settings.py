@@ -165,7 +165,8 @@ class QueueingSettings(BaseSettings):
         gt=0,
         le=3650,
         description="Days of message history kept where history lives apart from the queue (Azure "
-        "Tables, or SQL for RabbitMQ and SQS).",
+        "Tables, or SQL for RabbitMQ and SQS); on SQL, also how long an idempotent type's identity "
+        "document is kept once nothing changes it.",
     )
     ttl_grace: timedelta = Field(
         default=timedelta(hours=1),

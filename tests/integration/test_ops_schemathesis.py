@@ -8,9 +8,12 @@ request again without the key and with a wrong one); valid data accepted, invali
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -56,9 +59,11 @@ def server(request, tmp_path_factory):
     """(base url, headers that authenticate, whether the document declares a key)."""
     db = tmp_path_factory.mktemp("schemathesis") / "api.db"
     app, _ = build_app()
+    opened: list[Runtime] = []
 
     async def make_ops() -> OpsService:  # built inside the server's own event loop
         rt = Runtime(app, SqlProvider(f"sqlite:///{db}"))
+        opened.append(rt)
         await rt.open()
         await app.enqueue_many([Email(to=f"{i}@x.io", subject="s", fail=i % 2 == 0) for i in range(6)])
         sub = app.subscription("Email")
@@ -73,7 +78,17 @@ def server(request, tmp_path_factory):
         api_key=None if keyless else KEY,
         local=LocalOnly("127.0.0.1", port) if keyless else None,
     )
-    with served(api, port) as url:
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        yield
+        # closed in the server's own loop, before it ends: the SQLite connection's aiosqlite thread
+        # would otherwise outlive that loop and report to a closed one
+        for rt in opened:
+            await rt.close()
+
+    api.router.lifespan_context = lifespan
+    with served(api, port, lifespan="on") as url:
         # without a key a local tool marks its requests (a browser cannot send this to another site)
         yield url, {"X-Requested-With": "schemathesis"} if keyless else AUTH, not keyless
 

@@ -3,6 +3,9 @@ a password asked for on every new connection (an Entra access token, see ``entra
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -78,7 +81,9 @@ def create_engine(
         # in asyncio instead of in SQLite's busy handler (which sleeps in steps of up to 100 ms)
         single: dict[str, Any] = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 120, **kwargs}
         # (the pool's rollback of a returned connection is ``on_reset``'s, below)
-        engine = create_async_engine(u, connect_args={"timeout": 30}, pool_reset_on_return=None, **single)
+        engine = create_async_engine(
+            u, async_creator=_sqlite_connector(u), pool_reset_on_return=None, **single
+        )
         _tune_sqlite(engine)
         return engine
     # No pre-ping (a round trip per transaction): when a statement meets a dead connection, SQLAlchemy
@@ -98,6 +103,38 @@ def create_engine(
     if password is not None:
         opts["async_creator"] = _connector(u, password, opts.pop("connect_args", {}))
     return create_async_engine(u, **opts)
+
+
+def _sqlite_connector(url: URL) -> Callable[[], Awaitable[Any]]:
+    """Opens the pool's aiosqlite connections so that a cancelled caller cannot leave one open.
+
+    aiosqlite opens its ``sqlite3`` connection in a thread of its own; when the wait for it is
+    cancelled (a caller cancelled while the pool opens a connection for it) it stops the thread before
+    the connection is handed over, and the ``sqlite3`` connection stays open, unreferenced, until the
+    garbage collector finds it. Here the opening runs to its end whatever the caller does, and a
+    connection the caller no longer waits for is closed in its thread as soon as it is open."""
+    import aiosqlite
+    from sqlalchemy.dialects.sqlite import aiosqlite as sa_aiosqlite
+
+    # (the file and options of the URL as SQLAlchemy's own aiosqlite connect would pass them)
+    args, kwargs = sa_aiosqlite.dialect().create_connect_args(url)
+    kwargs = {**kwargs, "timeout": 30}
+
+    def close_unclaimed(opening: asyncio.Future[aiosqlite.Connection]) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            opening.result().stop()  # (its thread closes the sqlite3 connection, then ends)
+
+    async def connect() -> aiosqlite.Connection:
+        conn = aiosqlite.connect(*args, **kwargs)
+        conn._thread.daemon = True  # as SQLAlchemy's own aiosqlite connect does
+        opening: asyncio.Future[aiosqlite.Connection] = asyncio.ensure_future(conn)
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(close_unclaimed)
+            raise
+
+    return connect
 
 
 def _connector(url: URL, password: PasswordSource, connect_args: dict[str, Any]) -> Any:
@@ -142,3 +179,39 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
         if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
             return  # single statements: SQLite makes each atomic on its own
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    # (the pool calls its dialect's ``do_terminate``; this engine's dialect is its own instance)
+    dialect = engine.sync_engine.dialect
+    setattr(dialect, "do_terminate", _closing_terminate(dialect.do_terminate))  # noqa: B010
+
+
+def _closing_terminate(terminate: Callable[[Any], None]) -> Callable[[Any], None]:
+    """SQLAlchemy terminates a pooled connection whose user was cancelled mid-statement (a caller that
+    timed out, a host shutting down): a graceful close of the aiosqlite connection, shielded, and when
+    the wait for it is cancelled too, a forced stop of its thread. When the stop comes first, the
+    graceful close finds the connection stopping and forgets its ``sqlite3`` connection without closing
+    it: that connection stays open, with whatever lock its statement held, until the garbage collector
+    finds it, and the pool's next connection (the only one: ``pool_size=1``) waits for that lock up to
+    the busy timeout, then fails. So the ``sqlite3`` connection's own rollback and close go first into
+    its thread's queue: they run right after the statement in progress, whatever comes after them."""
+
+    def do_terminate(adapted: Any) -> None:
+        aio: Any = getattr(adapted, "_connection", None)  # the aiosqlite.Connection
+        raw = getattr(aio, "_connection", None)  # its sqlite3.Connection, None once closed
+        if raw is not None and getattr(aio, "_running", False):
+            # (aiosqlite's queue of calls to its thread: what its own ``_execute`` and ``stop`` use;
+            # no future: nobody waits for it, and a second close of a closed connection does nothing)
+            aio._tx.put_nowait((None, functools.partial(_end, raw)))
+        terminate(adapted)
+
+    return do_terminate
+
+
+def _end(raw: sqlite3.Connection) -> None:
+    """Runs in aiosqlite's thread: the transaction ended, then the connection closed. A close alone
+    is not enough: a statement the cancelled caller left unfinished (its cursor not yet collected)
+    keeps the closed connection alive as a zombie, with its transaction and its write lock."""
+    try:
+        raw.rollback()  # (the ROLLBACK aborts the unfinished statements too)
+    finally:
+        raw.close()
