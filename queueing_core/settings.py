@@ -165,8 +165,7 @@ class QueueingSettings(BaseSettings):
         gt=0,
         le=3650,
         description="Days of message history kept where history lives apart from the queue (Azure "
-        "Tables, or SQL for RabbitMQ and SQS); on SQL, also how long an idempotent type's identity "
-        "document is kept once nothing changes it.",
+        "Tables, or SQL for RabbitMQ and SQS).",
     )
     ttl_grace: timedelta = Field(
         default=timedelta(hours=1),

@@ -97,13 +97,7 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         return await self.dispatcher.dispatch_due(budget_seconds)
 
     async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
-        now = self.clock()
-        # identity documents of idempotent types go with the history they point at
-        cutoff = now - self.stores.history.retention
-        return {
-            "history_pruned": await self.stores.history.prune(now),
-            "identities_pruned": await self.stores.control.prune_identities(cutoff),
-        }
+        return {"history_pruned": await self.stores.history.prune(self.clock())}
 
     # -- ops -----------------------------------------------------------------------------------------
     async def _dead_letters(self, queue: str, wanted: set[str] | None, *, remove: bool = True) -> set[str]:

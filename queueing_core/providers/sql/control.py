@@ -124,26 +124,6 @@ class SqlControlStore:
             )
             return bool(res.rowcount == 1)
 
-    async def prune_identities(self, before: datetime, *, batch: int = 5000) -> int:
-        """Delete the identity documents nobody changed since ``before`` (the history's retention: the
-        versions they name and the ``ctx.previous`` they point at are gone from the history by then);
-        returns how many. A document deleted while a version of it still waits costs a duplicate at
-        worst (see ``queueing_core.idempotency``), and a writer that changes one meanwhile keeps it:
-        each batch deletes only rows still older than ``before`` when it runs."""
-        i = self._t.identities
-        await self.provider.ensure_open()
-        old = sa.select(i.c.type, i.c.identity).where(i.c.updated_at < before).limit(batch)
-        total = 0
-        while True:
-            async with self.provider.engine.begin() as conn:
-                res = await conn.execute(
-                    sa.delete(i).where(sa.tuple_(i.c.type, i.c.identity).in_(old), i.c.updated_at < before)
-                )
-            n = res.rowcount or 0
-            total += n
-            if n < batch:
-                return total
-
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
         p, m = self._t.pauses, self._t.messages
         now = self.provider.clock()

@@ -256,8 +256,6 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("doc", sa.Text(), nullable=False),
         sa.Column("version", sa.Integer(), nullable=False),
         sa.Column("updated_at", Timestamp, nullable=False),
-        # v11: retention finds the documents untouched for longer than the history is kept
-        sa.Index("ix_queueing_identities_updated", "updated_at"),
     )
     sa.Table(
         "queueing_schema",
@@ -528,16 +526,6 @@ def _v10(conn: sa.Connection, tables: Tables) -> None:
     )
 
 
-def _v11(conn: sa.Connection, tables: Tables) -> None:
-    """Identity documents are pruned with the history: an index on their last change."""
-    i = tables.identities
-    if not sa.inspect(conn).has_table(i.name, schema=i.schema):
-        return
-    for index in i.indexes:
-        if index.name == "ix_queueing_identities_updated":
-            index.create(conn, checkfirst=True)
-
-
 #: (version, description, migration). Append only: a released migration never changes.
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "messages, pauses, circuits", _v1),
@@ -550,7 +538,6 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (8, "delayed messages count their unreported fetches", _v8),
     (9, "history counts the duplicates completed without running", _v9),
     (10, "idempotent identities for the brokers; result waiters woken by NOTIFY (PostgreSQL)", _v10),
-    (11, "identity documents pruned with the history: an index on their last change", _v11),
 ]
 LATEST = MIGRATIONS[-1][0]
 
