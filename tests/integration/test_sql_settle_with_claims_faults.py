@@ -77,7 +77,9 @@ async def test_a_combined_call_that_commits_then_raises_loses_nothing(sql_db, mo
         await wait_until(lambda: len(ran) >= n, timeout=180, what="every handler to run")
         await wait_until(lambda: _all_succeeded(prov, n), timeout=120, what="every message to end Succeeded")
     assert lost, "no combined call carried settlements and claimed rows"
-    assert ran == Counter(range(n))  # each ran once: the stranded rows ran after their lease
+    # every message ran, the stranded rows too (after their lease). Not "exactly once": on a loaded
+    # machine a live lease of 3 s may lapse before its renewal, and that duplicate is allowed
+    assert set(ran) == set(range(n))
     final = await rows(prov)
     for row in lost[0]:
         # it came back through the lease sweep (which counts the lapsed lease as an attempt)
@@ -93,9 +95,9 @@ async def _all_succeeded(prov: Any, n: int) -> bool:
 
 
 async def test_a_refused_settlement_fails_nothing_else_in_the_combined_call(sql_db):
-    """Stale settlements of each shape ride with live ones: only the stale are refused (marked, and
-    their rows, which another run holds, untouched), the live ones commit, and the claim returns its
-    rows."""
+    """Stale settlements (a completion and a retry) ride with live ones: only the stale are refused
+    (marked, and their rows, which another run holds, untouched), the live ones commit, and the claim
+    returns its rows."""
     prov = sql_db.provider(settle_with_claims=True, listen=False)
     a = app()
     rt = Runtime(a, prov)
