@@ -17,10 +17,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from queueing_core import CircuitBreakerOptions, QueueingApp, QueueMessage, RetryPolicy, queue
+from queueing_core.clock import utcnow
+from queueing_core.control import ControlState, circuit
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.runtime import Runtime
 from queueing_core.transport import Delivery
-from queueing_core.worker import PollBackoff, Worker
+from queueing_core.worker import PollBackoff, Worker, _admission
 from tests.contract.harness import wait_until
 
 CONCURRENCY, PREFETCH, BATCH = 2, 2, 2
@@ -385,3 +387,83 @@ async def test_the_probe_claims_one_message_alone(sql_db):
     probes = [s for s in sizes if s[2]]
     assert len(probes) >= 2, sizes
     assert all(asked == 1 and together == 1 for asked, together, _ in probes), probes
+
+
+@queue(
+    "ahead-probe-full",
+    max_concurrency=CONCURRENCY,
+    circuit_breaker=CircuitBreakerOptions(failure_threshold=1, cooldown=timedelta(seconds=1)),
+)
+class Refund(QueueMessage):
+    n: int
+
+
+async def test_no_probe_claim_starts_beside_a_full_claim_in_flight(sql_db):
+    """Claims come back full; two are in flight (held after their commit) when the circuit turns to
+    letting a probe through. The third returns (its messages find the probe taken and wait), so the
+    consumer has free slots and sees the probe may go while the second is still on its way: it starts
+    no claim (the probe's, of one message, included) until the second has returned."""
+    ran: Counter[int] = Counter()
+    app = QueueingApp("ahead-probe-full")
+
+    @app.handler()
+    async def refund(msg: Refund) -> None:
+        ran[msg.n] += 1
+
+    prov = sql_db.provider()
+    rt = Runtime(app, prov, control_ttl=0.05)
+    await rt.open()
+    total = 40
+    await app.enqueue_many([Refund(n=i) for i in range(total)])
+    worker = worker_for(rt)
+    claims = Claims(prov, worker)
+    sub = app.subscriptions()[0]
+    forced = asyncio.Event()
+    release = {2: asyncio.Event(), 3: asyncio.Event()}
+    # (asked for in all, claims running) for each claim started while the second is held
+    beside: list[tuple[int, int]] = []
+    # the consumer read the control store while the probe may go, with no handler running
+    looked = asyncio.Event()
+    read_state = rt.control.state
+
+    async def watched_state() -> ControlState:
+        got = await read_state()
+        probe = _admission(got, sub) is circuit.Admission.PROBE
+        if forced.is_set() and probe and worker._subs["Refund"].in_flight == 0:
+            looked.set()
+        return got
+
+    async def probe_taken(*_: Any) -> bool:
+        return False  # some other host holds the probe: the circuit stays where a probe may go
+
+    rt.control.state = watched_state  # type: ignore[method-assign]
+    rt.control.acquire_probe = probe_taken  # type: ignore[method-assign]
+
+    async def record_beside(call: int) -> None:
+        if forced.is_set() and not release[2].is_set():
+            beside.append((claims.reserved, claims.active))
+
+    async def hold(call: int) -> None:
+        if call in release:
+            await release[call].wait()
+
+    claims.before_claim = record_beside
+    claims.after_commit = hold
+    await worker.start()
+    try:
+        await wait_until(lambda: claims.active == 2, timeout=10, what="two claims in flight")
+        # a failure an hour ago opened the circuit, and its cooldown is long over: a probe may go
+        await rt.control.record_failure(
+            "Refund", CircuitBreakerOptions(failure_threshold=1), utcnow() - timedelta(hours=1)
+        )
+        assert _admission(await read_state(), sub) is circuit.Admission.PROBE
+        forced.set()
+        release[3].set()
+        await wait_until(lambda: looked.is_set(), timeout=10, what="the consumer to see the probe may go")
+        release[2].set()
+        await wait_until(lambda: claims.active == 0, what="the second claim to return")
+    finally:
+        for event in release.values():
+            event.set()
+        await worker.shutdown()
+    assert beside == [], beside
