@@ -540,16 +540,42 @@ class Worker:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _receive_failed(self, sub: Subscription, backoff: PollBackoff, exc: Exception) -> float:
+    def _receive_failed(self, sub: Subscription, backoff: PollBackoff, *excs: BaseException) -> float:
+        """The pause before the next receive after one or more failed (one pause for claims that
+        failed together)."""
         delay = backoff.failure()
-        log.warning(
-            "receiving from %s failed (%s: %s); retrying in %.1fs",
-            sub.queue,
-            type(exc).__name__,
-            exc,
-            delay,
-        )
+        for exc in excs:
+            log.warning(
+                "receiving from %s failed (%s: %s); retrying in %.1fs",
+                sub.queue,
+                type(exc).__name__,
+                exc,
+                delay,
+            )
         return delay
+
+    def _claim_returned(
+        self,
+        sub: Subscription,
+        state: _SubState,
+        claims: dict[asyncio.Task[list[Delivery]], int],
+        came_back: list[tuple[int, int] | BaseException],
+        task: asyncio.Task[list[Delivery]],
+    ) -> None:
+        """A claim in flight returned (its task's done-callback): its slots stop being reserved and its
+        messages start, with no await between, whatever the consumer loop is waiting on (a failed
+        claim's pause, a slow control store): from here their leases are renewed. The loop learns of
+        the outcome from ``came_back``."""
+        want = claims.pop(task)
+        if task.cancelled():
+            return  # the consumer was cancelled: the claim went with it
+        exc = task.exception()
+        if exc is not None:
+            came_back.append(exc)
+            return
+        batch = task.result()
+        self._dispatch(sub, state, batch)
+        came_back.append((len(batch), want))
 
     async def _consume(self, sub: Subscription) -> None:
         provider = self.runtime.provider
@@ -559,6 +585,9 @@ class Worker:
         # receives running beside this loop (at most ``receives_in_flight``), each with the slots it may
         # fill: reserved, so handlers running plus slots reserved never exceed the capacity
         claims: dict[asyncio.Task[list[Delivery]], int] = {}
+        # what the claims that returned since the loop last looked brought (messages got, asked for) or
+        # raised; their messages already run (:meth:`_claim_returned`)
+        came_back: list[tuple[int, int] | BaseException] = []
         # the last claim came back full: the queue has more, so a second claim may overlap the first
         # (an empty or partial one means the queue is drained: one poller, with its backoff)
         full = False
@@ -573,23 +602,24 @@ class Worker:
                 ahead = full and self._overlaps(sub, combined)
                 # refill when half the slots are free (or all are): full pages, fewer receive round trips
                 short = free <= 0 or (taken > 0 and free < min(self.batch_size, max(1, capacity // 2)))
+                if came_back:
+                    outcomes = came_back.copy()
+                    came_back.clear()
+                    failed = [o for o in outcomes if isinstance(o, BaseException)]
+                    got = [o for o in outcomes if not isinstance(o, BaseException)]
+                    # the queue has more only if every claim that returned came back full
+                    full = not failed and all(n >= want for n, want in got)
+                    delay = 0.0
+                    for n, want in got:
+                        delay = backoff.after(n, want)
+                    if failed:
+                        delay = self._receive_failed(sub, backoff, *failed)
+                        await self._until_stopping(asyncio.sleep(delay), None)
+                    elif delay > 0 and not claims:
+                        await self._until_stopping(provider.wait_for_work(sub, delay), delay + 1.0)
+                    continue
                 if claims and (short or not ahead or len(claims) >= self.receives_in_flight):
                     await self._claim_done_or_slot_freed(state, claims)
-                    for task in [t for t in claims if t.done()]:
-                        want = claims.pop(task)
-                        try:
-                            batch = task.result()
-                        except Exception as exc:
-                            full = False
-                            await self._until_stopping(
-                                asyncio.sleep(self._receive_failed(sub, backoff, exc)), None
-                            )
-                            continue
-                        self._dispatch(sub, state, batch)
-                        full = len(batch) >= want
-                        delay = backoff.after(len(batch), want)
-                        if delay > 0 and not claims:
-                            await self._until_stopping(provider.wait_for_work(sub, delay), delay + 1.0)
                     continue
                 if short:
                     state.slot_freed.clear()
@@ -626,6 +656,9 @@ class Worker:
                         # slots left, so two claims' round trips overlap
                         task = asyncio.create_task(self._receive(sub, want, combined))
                         claims[task] = want
+                        task.add_done_callback(
+                            functools.partial(self._claim_returned, sub, state, claims, came_back)
+                        )
                         continue
                     batch = await self._receive(sub, want, combined)
                 except Exception as exc:
@@ -637,18 +670,30 @@ class Worker:
                 delay = backoff.after(len(batch), want)
                 if delay > 0:
                     await self._until_stopping(provider.wait_for_work(sub, delay), delay + 1.0)
+            # stopping: a claim in flight finishes and its messages are dispatched as it returns, as a
+            # claim awaited in the loop would be (the pipeline gives back at once what has not started
+            # at a stop); cancelled after its commit, it would leave its rows leased until the lease
+            # runs out. ``asyncio.wait`` leaves the claims running if this wait is cancelled.
+            if claims:
+                await asyncio.wait(set(claims))
         except asyncio.CancelledError:
-            # the consumer itself cancelled (not a stop): its claims go with it, as a claim it awaited would
-            for task in claims:
+            # the consumer itself cancelled (not a stop): its claims go with it, as a claim it awaited
+            # would; one that returned anyway has its messages dispatched by its callback. Waited for, so
+            # none is left behind running
+            running = set(claims)
+            for task in running:
                 task.cancel()
+            if running:
+                await asyncio.wait(running)
             raise
-        # stopping: a claim in flight finishes and its messages run, as a claim awaited in the loop does
-        # (cancelled after its commit, it would leave its rows leased until the lease runs out)
-        for task in claims:
-            try:
-                self._dispatch(sub, state, await task)
-            except Exception as exc:
-                self._receive_failed(sub, backoff, exc)
+        for outcome in came_back:
+            if isinstance(outcome, BaseException):
+                log.warning(
+                    "receiving from %s failed (%s: %s)",
+                    sub.queue,
+                    type(outcome).__name__,
+                    outcome,
+                )
 
     async def _handle(self, sub: Subscription, state: _SubState, delivery: Delivery) -> None:
         try:

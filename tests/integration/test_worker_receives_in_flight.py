@@ -1,8 +1,9 @@
 """Two receives in flight per queue (``Worker(receives_in_flight=2)``), on SQLite and PostgreSQL: a
 second claim runs while the first is on its way, the slots a claim in flight may fill count as taken
 (handlers running plus slots reserved never exceed ``max_concurrency x prefetch``), a stop while two
-claims are in flight loses nothing and settles nothing twice, and a circuit's probe still claims one
-message with no claim beside it."""
+claims are in flight loses nothing and settles nothing twice (nor does a consumer cancelled during
+that stop), a claim that returns beside a failed one runs its messages at once, and a circuit's probe
+still claims one message with no claim beside it."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from queueing_core import CircuitBreakerOptions, QueueingApp, QueueMessage, RetryPolicy, queue
+from queueing_core.clock import utcnow
+from queueing_core.control import ControlState, circuit
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.runtime import Runtime
 from queueing_core.transport import Delivery
-from queueing_core.worker import Worker
+from queueing_core.worker import PollBackoff, Worker, _admission
 from tests.contract.harness import wait_until
 
 CONCURRENCY, PREFETCH, BATCH = 2, 2, 2
@@ -43,6 +46,10 @@ class Claims:
         self.most_taken = 0
         self.calls = 0
         self.claimed: list[int] = []
+        #: what each claim (numbered from 1) took
+        self.by_call: dict[int, list[int]] = {}
+        #: called before a claim starts its transaction: a test may hold it there, or make it fail
+        self.before_claim: Callable[[int], Awaitable[None]] | None = None
         #: called after a claim committed, before it returns: a test may hold it there
         self.after_commit: Callable[[int], Awaitable[None]] | None = None
         self._receive = provider.receive
@@ -57,9 +64,12 @@ class Claims:
         self.most_active = max(self.most_active, self.active)
         self.most_taken = max(self.most_taken, state.in_flight + self.reserved)
         try:
+            if self.before_claim is not None:
+                await self.before_claim(call)
             got = await self._receive(sub, max_messages)
             assert len(got) <= max_messages
-            self.claimed += [d.envelope.body["n"] for d in got if d.envelope]  # type: ignore[index]
+            self.by_call[call] = [d.envelope.body["n"] for d in got if d.envelope]  # type: ignore[index]
+            self.claimed += self.by_call[call]
             if self.after_commit is not None:
                 await self.after_commit(call)
             return got
@@ -223,6 +233,98 @@ async def test_a_stop_with_two_claims_in_flight_loses_nothing(sql_db):
     assert await statuses(prov) == Counter({"Succeeded": total})
 
 
+async def test_a_claim_that_returns_beside_a_failed_one_runs_at_once(sql_db):
+    """Claim 2 waits until claim 3 has committed, then fails: claim 3's messages start (and their
+    leases are renewed) at once, not after the pause that claim 2's failure brings (20 s here, beyond
+    the 10 s the test waits)."""
+    ran: Counter[int] = Counter()
+    app, _ = job_app(ran)
+    prov = sql_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    total = 40
+    await app.enqueue_many([Job(n=i) for i in range(total)])
+    worker = worker_for(rt)
+    # a failed claim pauses the loop for 20 s (``PollBackoff.failure`` doubles the current 10 s)
+    worker.poll_min = worker.poll_max = 10.0
+    assert PollBackoff(10.0, 10.0).failure() == 20.0
+    claims = Claims(prov, worker)
+    three_committed = asyncio.Event()
+    two_failing = asyncio.Event()
+
+    async def fail_the_second(call: int) -> None:
+        if call == 2:
+            await three_committed.wait()
+            two_failing.set()
+            raise ConnectionError("database went away")
+
+    async def hold_the_third(call: int) -> None:
+        if call == 3:
+            three_committed.set()
+            await two_failing.wait()
+
+    claims.before_claim = fail_the_second
+    claims.after_commit = hold_the_third
+    await worker.start()
+    try:
+        await wait_until(lambda: 3 in claims.by_call, timeout=30, what="the third claim to return")
+        third = set(claims.by_call[3])
+        assert third
+        await wait_until(lambda: third <= set(ran), timeout=10, what="the third claim's messages to run")
+    finally:
+        await worker.shutdown()
+    assert set(ran.values()) == {1}
+    counts = await statuses(prov)
+    assert counts == Counter({"Succeeded": sum(ran.values()), "Pending": total - sum(ran.values())}), counts
+
+
+async def test_a_consumer_cancelled_while_stopping_leaves_no_claim_behind(sql_db):
+    """Two claims held before their transaction when the worker stops, and the consumer is cancelled
+    while it waits for them: both claims are cancelled and waited for, so none claims rows after the
+    consumer is gone and no row is left leased until its lease runs out (a claim the consumer dropped
+    would commit and its batch be thrown away)."""
+    ran: Counter[int] = Counter()
+    app, _ = job_app(ran)
+    prov = sql_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    total = 40
+    await app.enqueue_many([Job(n=i) for i in range(total)])
+    worker = worker_for(rt)
+    claims = Claims(prov, worker)
+    release = asyncio.Event()
+    held = {"now": 0}
+
+    async def hold_after_the_first(call: int) -> None:
+        if call > 1:  # the first comes back full, so the next ones run ahead
+            held["now"] += 1
+            await release.wait()
+
+    claims.before_claim = hold_after_the_first
+    await worker.start()
+    stopping: asyncio.Task[None] | None = None
+    try:
+        await wait_until(lambda: held["now"] == 2, timeout=10, what="two claims in flight")
+        consumer = worker._consumers[0]
+        stopping = asyncio.create_task(worker.shutdown())
+        await wait_until(lambda: worker._stopping.is_set(), what="the stop to begin")
+        await asyncio.sleep(0.1)  # the consumer is waiting for its claims
+        consumer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
+        release.set()
+        await stopping
+        # a claim left running would go on after the release: let it end before counting
+        await wait_until(lambda: claims.active == 0, what="every claim to end")
+    finally:
+        release.set()
+        if stopping is None:
+            await worker.shutdown()
+    counts = await statuses(prov)
+    assert "Leased" not in counts, counts
+    assert counts == Counter({"Succeeded": sum(ran.values()), "Pending": total - sum(ran.values())}), counts
+
+
 @queue(
     "ahead-probe",
     max_concurrency=4,
@@ -285,3 +387,83 @@ async def test_the_probe_claims_one_message_alone(sql_db):
     probes = [s for s in sizes if s[2]]
     assert len(probes) >= 2, sizes
     assert all(asked == 1 and together == 1 for asked, together, _ in probes), probes
+
+
+@queue(
+    "ahead-probe-full",
+    max_concurrency=CONCURRENCY,
+    circuit_breaker=CircuitBreakerOptions(failure_threshold=1, cooldown=timedelta(seconds=1)),
+)
+class Refund(QueueMessage):
+    n: int
+
+
+async def test_no_probe_claim_starts_beside_a_full_claim_in_flight(sql_db):
+    """Claims come back full; two are in flight (held after their commit) when the circuit turns to
+    letting a probe through. The third returns (its messages find the probe taken and wait), so the
+    consumer has free slots and sees the probe may go while the second is still on its way: it starts
+    no claim (the probe's, of one message, included) until the second has returned."""
+    ran: Counter[int] = Counter()
+    app = QueueingApp("ahead-probe-full")
+
+    @app.handler()
+    async def refund(msg: Refund) -> None:
+        ran[msg.n] += 1
+
+    prov = sql_db.provider()
+    rt = Runtime(app, prov, control_ttl=0.05)
+    await rt.open()
+    total = 40
+    await app.enqueue_many([Refund(n=i) for i in range(total)])
+    worker = worker_for(rt)
+    claims = Claims(prov, worker)
+    sub = app.subscriptions()[0]
+    forced = asyncio.Event()
+    release = {2: asyncio.Event(), 3: asyncio.Event()}
+    # (asked for in all, claims running) for each claim started while the second is held
+    beside: list[tuple[int, int]] = []
+    # the consumer read the control store while the probe may go, with no handler running
+    looked = asyncio.Event()
+    read_state = rt.control.state
+
+    async def watched_state() -> ControlState:
+        got = await read_state()
+        probe = _admission(got, sub) is circuit.Admission.PROBE
+        if forced.is_set() and probe and worker._subs["Refund"].in_flight == 0:
+            looked.set()
+        return got
+
+    async def probe_taken(*_: Any) -> bool:
+        return False  # some other host holds the probe: the circuit stays where a probe may go
+
+    rt.control.state = watched_state  # type: ignore[method-assign]
+    rt.control.acquire_probe = probe_taken  # type: ignore[method-assign]
+
+    async def record_beside(call: int) -> None:
+        if forced.is_set() and not release[2].is_set():
+            beside.append((claims.reserved, claims.active))
+
+    async def hold(call: int) -> None:
+        if call in release:
+            await release[call].wait()
+
+    claims.before_claim = record_beside
+    claims.after_commit = hold
+    await worker.start()
+    try:
+        await wait_until(lambda: claims.active == 2, timeout=10, what="two claims in flight")
+        # a failure an hour ago opened the circuit, and its cooldown is long over: a probe may go
+        await rt.control.record_failure(
+            "Refund", CircuitBreakerOptions(failure_threshold=1), utcnow() - timedelta(hours=1)
+        )
+        assert _admission(await read_state(), sub) is circuit.Admission.PROBE
+        forced.set()
+        release[3].set()
+        await wait_until(lambda: looked.is_set(), timeout=10, what="the consumer to see the probe may go")
+        release[2].set()
+        await wait_until(lambda: claims.active == 0, what="the second claim to return")
+    finally:
+        for event in release.values():
+            event.set()
+        await worker.shutdown()
+    assert beside == [], beside
