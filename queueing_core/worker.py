@@ -574,7 +574,12 @@ class Worker:
             came_back.append(exc)
             return
         batch = task.result()
-        self._dispatch(sub, state, batch)
+        try:
+            self._dispatch(sub, state, batch)
+        except Exception as error:  # (the loop would only log it: the consumer must hear of it)
+            log.exception("could not start the messages a claim from %s returned", sub.queue)
+            came_back.append(error)  # their leases lapse and the sweep gives them back
+            return
         came_back.append((len(batch), want))
 
     async def _consume(self, sub: Subscription) -> None:
@@ -608,10 +613,10 @@ class Worker:
                     failed = [o for o in outcomes if isinstance(o, BaseException)]
                     got = [o for o in outcomes if not isinstance(o, BaseException)]
                     # the queue has more only if every claim that returned came back full
-                    full = not failed and all(n >= want for n, want in got)
+                    full = not failed and all(n >= asked for n, asked in got)
                     delay = 0.0
-                    for n, want in got:
-                        delay = backoff.after(n, want)
+                    for n, asked in got:
+                        delay = backoff.after(n, asked)
                     if failed:
                         delay = self._receive_failed(sub, backoff, *failed)
                         await self._until_stopping(asyncio.sleep(delay), None)
@@ -683,8 +688,10 @@ class Worker:
             running = set(claims)
             for task in running:
                 task.cancel()
-            if running:
-                await asyncio.wait(running)
+            while running:  # (cancelled again meanwhile: still waited for, so none returns after us)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait(running)
+                running = {t for t in running if not t.done()}
             raise
         for outcome in came_back:
             if isinstance(outcome, BaseException):
