@@ -104,6 +104,35 @@ def worker_for(rt: Runtime, receives: int = 2) -> Worker:
     return worker
 
 
+async def opened(
+    sql_db: Any, total: int, gate: asyncio.Semaphore | None = None
+) -> tuple[Counter[int], dict[str, int], SqlProvider, Runtime]:
+    """The jobs' app on a provider of its own, opened, with ``total`` jobs enqueued: what ran (by
+    job), the handlers running (now and at most), the provider and the runtime."""
+    ran: Counter[int] = Counter()
+    app, running = job_app(ran, gate)
+    prov = sql_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    await app.enqueue_many([Job(n=i) for i in range(total)])
+    return ran, running, prov, rt
+
+
+def holding_after_the_first(
+    release: asyncio.Event,
+) -> tuple[dict[str, int], Callable[[int], Awaitable[None]]]:
+    """A claim hook that holds every claim after the first until ``release`` is set, and the count of
+    claims it holds now."""
+    held = {"now": 0}
+
+    async def hold(call: int) -> None:
+        if call > 1:  # the first comes back full, so the next ones run ahead
+            held["now"] += 1
+            await release.wait()
+
+    return held, hold
+
+
 async def statuses(prov: SqlProvider) -> Counter[str]:
     m = prov.tables.messages
     async with prov.engine.connect() as conn:
@@ -114,12 +143,7 @@ async def statuses(prov: SqlProvider) -> Counter[str]:
 async def test_a_second_claim_runs_while_the_first_is_on_its_way(sql_db):
     """The first claim comes back full; the next is held after its commit until another starts beside
     it (or 5 s pass): with one receive at a time the second never starts, and the test fails."""
-    ran: Counter[int] = Counter()
-    app, running = job_app(ran)
-    prov = sql_db.provider()
-    rt = Runtime(app, prov)
-    await rt.open()
-    await app.enqueue_many([Job(n=i) for i in range(40)])
+    ran, running, prov, rt = await opened(sql_db, 40)
     worker = worker_for(rt)
     claims = Claims(prov, worker)
     beside = asyncio.Event()
@@ -149,14 +173,9 @@ async def test_claims_never_take_more_than_the_free_slots(sql_db):
     """Handlers block until the test lets one finish at a time: however the claims overlap, the
     handlers running plus the slots reserved by claims in flight never exceed the capacity, and no more
     than ``max_concurrency`` handlers run at once."""
-    ran: Counter[int] = Counter()
     gate = asyncio.Semaphore(0)
-    app, running = job_app(ran, gate)
-    prov = sql_db.provider()
-    rt = Runtime(app, prov)
-    await rt.open()
     total = 30
-    await app.enqueue_many([Job(n=i) for i in range(total)])
+    ran, running, prov, rt = await opened(sql_db, total, gate)
     worker = worker_for(rt)
     claims = Claims(prov, worker)
     await worker.start()
@@ -185,23 +204,12 @@ async def test_a_stop_with_two_claims_in_flight_loses_nothing(sql_db):
     """Two claims committed and held on their way back when the worker is told to stop: the stop
     waits for them, and their messages are given back at once as any not started at a stop are (none
     left leased until the lease runs out); a second worker finishes the rest, each exactly once."""
-    ran: Counter[int] = Counter()
-    app, _ = job_app(ran)
-    prov = sql_db.provider()
-    rt = Runtime(app, prov)
-    await rt.open()
     total = 40
-    await app.enqueue_many([Job(n=i) for i in range(total)])
+    ran, _, prov, rt = await opened(sql_db, total)
     worker = worker_for(rt)
     claims = Claims(prov, worker)
     release = asyncio.Event()
-    held = {"now": 0}
-
-    async def hold_after_the_first(call: int) -> None:
-        if call > 1:  # the first comes back full, so the next ones run ahead
-            held["now"] += 1
-            await release.wait()
-
+    held, hold_after_the_first = holding_after_the_first(release)
     claims.after_commit = hold_after_the_first
     await worker.start()
     stopping: asyncio.Task[None] | None = None
@@ -237,13 +245,8 @@ async def test_a_claim_that_returns_beside_a_failed_one_runs_at_once(sql_db):
     """Claim 2 waits until claim 3 has committed, then fails: claim 3's messages start (and their
     leases are renewed) at once, not after the pause that claim 2's failure brings (20 s here, beyond
     the 10 s the test waits)."""
-    ran: Counter[int] = Counter()
-    app, _ = job_app(ran)
-    prov = sql_db.provider()
-    rt = Runtime(app, prov)
-    await rt.open()
     total = 40
-    await app.enqueue_many([Job(n=i) for i in range(total)])
+    ran, _, prov, rt = await opened(sql_db, total)
     worker = worker_for(rt)
     # a failed claim pauses the loop for 20 s (``PollBackoff.failure`` doubles the current 10 s)
     worker.poll_min = worker.poll_max = 10.0
@@ -283,23 +286,12 @@ async def test_a_consumer_cancelled_while_stopping_leaves_no_claim_behind(sql_db
     while it waits for them: both claims are cancelled and waited for, so none claims rows after the
     consumer is gone and no row is left leased until its lease runs out (a claim the consumer dropped
     would commit and its batch be thrown away)."""
-    ran: Counter[int] = Counter()
-    app, _ = job_app(ran)
-    prov = sql_db.provider()
-    rt = Runtime(app, prov)
-    await rt.open()
     total = 40
-    await app.enqueue_many([Job(n=i) for i in range(total)])
+    ran, _, prov, rt = await opened(sql_db, total)
     worker = worker_for(rt)
     claims = Claims(prov, worker)
     release = asyncio.Event()
-    held = {"now": 0}
-
-    async def hold_after_the_first(call: int) -> None:
-        if call > 1:  # the first comes back full, so the next ones run ahead
-            held["now"] += 1
-            await release.wait()
-
+    held, hold_after_the_first = holding_after_the_first(release)
     claims.before_claim = hold_after_the_first
     await worker.start()
     stopping: asyncio.Task[None] | None = None
