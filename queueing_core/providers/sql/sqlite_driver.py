@@ -6,9 +6,9 @@ settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot 
 (``driver.DriverPath.run``) holds with one hop per call:
 
 - **one source of SQL**: the statements are still the SQLAlchemy Core objects of ``statements``,
-  compiled once per provider for SQLite with named parameters (``driver.Compiled``, the same values,
-  bind processors and result processors SQLAlchemy would use, so the rows read and written are the
-  same as on the SQLAlchemy path);
+  compiled once per provider for SQLite with named parameters (:class:`SqliteCompiled`: the same
+  values, bind processors and result processors SQLAlchemy would use, so the rows written are the same
+  as on the SQLAlchemy path, and the rows read too, but for timestamps, read as aware UTC times);
 - **the same connection**: each call borrows the provider's one pooled connection (SQLite has one
   writer: calls queue on the pool, in asyncio), and runs one function on aiosqlite's own thread against
   its ``sqlite3`` connection, so in-memory databases and the connection's PRAGMAs are those of the rest
@@ -26,16 +26,52 @@ them as it maps SQLAlchemy's wrapping of them ("database is locked" -> unavailab
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
+from ...clock import as_utc
 from .driver import Compiled, Result
 from .engine import RETURNED_CLEAN
 from .errors import db_boundary
+
+
+class SqliteCompiled(Compiled):
+    """A hot-path statement for ``sqlite3``: as :class:`Compiled`, but a returned timestamp comes back
+    timezone-aware in UTC, as psycopg returns it on the PostgreSQL hot path. SQLite keeps timestamps as
+    UTC text without an offset; SQLAlchemy reads them as naive times, which every reader then marks as
+    UTC (``clock.as_utc``): the claimed envelopes' validation did it for each of their timestamps, and
+    ``datetime.replace(tzinfo=...)`` costs several times the parse itself."""
+
+    def result_processor(self, type_: Any, dialect: sa.Dialect) -> Callable[[Any], Any] | None:
+        process = super().result_processor(type_, dialect)
+        if process is None or not isinstance(type_, sa.DateTime):
+            return process
+        return _utc_reader(process)
+
+
+def _utc_reader(fallback: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Reads SQLite's timestamp text as an aware UTC datetime: the text SQLAlchemy writes
+    (``2026-01-02 03:04:05.123456``) parsed with its offset added, in C; anything else (none written by
+    the kit) through SQLAlchemy's own reading, then marked UTC as every reader did."""
+
+    def read(value: Any) -> datetime | None:
+        if value is None:
+            return None
+        try:
+            read = datetime.fromisoformat(value + "+00:00")
+            if read.tzinfo is UTC:  # (a date alone would take the offset for a time of day)
+                return read
+        except (TypeError, ValueError):
+            pass
+        parsed = fallback(value)
+        return None if parsed is None else as_utc(parsed)
+
+    return read
 
 
 def named_dialect(engine: AsyncEngine) -> sa.Dialect:
