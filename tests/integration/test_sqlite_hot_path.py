@@ -9,6 +9,7 @@ import asyncio
 import sqlite3
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from uuid import UUID
 
 import pytest
 import sqlalchemy as sa
@@ -169,11 +170,12 @@ async def test_the_hot_path_writes_and_reads_the_rows_the_sqlalchemy_path_does(t
     assert lease_until.tzinfo is not None
 
 
-async def test_a_claim_reads_its_timestamps_as_utc_times(tmp_path):
+async def test_a_claim_reads_its_timestamps_as_utc_times_and_leaves_uuids_to_the_envelope(tmp_path):
     """The claimed rows' timestamps come back aware, in UTC (as psycopg gives them), and are the times
-    that were written: the envelope validation no longer marks each of them UTC itself."""
+    that were written: the envelope validation no longer marks each of them UTC itself. Their UUIDs
+    stay text, which the envelope's validation parses: the delivery carries the ids that were sent."""
     prov, a, rt = await opened(str(tmp_path / "q.db"))
-    await a.enqueue(Job(n=1))
+    sent = await a.enqueue(Job(n=1))
     hot = prov._hot
     assert hot is not None
     now = prov.clock()
@@ -187,6 +189,14 @@ async def test_a_claim_reads_its_timestamps_as_utc_times(tmp_path):
     [stored] = rows_of(str(tmp_path / "q.db"))
     assert row["created_at"] == datetime.fromisoformat(stored["created_at"]).replace(tzinfo=UTC)
     assert row["locked_until"] == now + a.subscription("Job").options.lease_duration
+    assert row["message_id"] == sent.message_id.hex == stored["message_id"]
+    # through the provider's claim: the envelope of the message that was sent
+    await a.enqueue(Job(n=2))
+    [delivery] = await prov.receive(a.subscription("Job"), 10)
+    assert delivery.envelope is not None
+    assert delivery.envelope.body == {"n": 2}
+    assert isinstance(delivery.envelope.message_id, UUID)
+    assert delivery.envelope.created_at.tzinfo is UTC
     await rt.close()
 
 
