@@ -111,15 +111,12 @@ def _round_trip(db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any
             rows: list[dict[str, Any]] = []
             if cur.description is not None:
                 names = [d[0] for d in cur.description]
-                processors = [stmt.results.get(name) for name in names]
-                if any(processors):
-                    columns = list(zip(names, processors, strict=True))
-                    rows = [
-                        {n: v if p is None else p(v) for (n, p), v in zip(columns, r, strict=True)}
-                        for r in cur.fetchall()
-                    ]
-                else:
-                    rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+                rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+                # then only the columns that have a processor (a claim's timestamps), in place
+                processed = [(name, stmt.results[name]) for name in names if name in stmt.results]
+                for row in rows:
+                    for name, process in processed:
+                        row[name] = process(row[name])
             results.append(Result(cur.rowcount, rows))
             cur.close()
         db.execute("COMMIT")
