@@ -73,9 +73,9 @@ def _utc_reader(fallback: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if value is None:
             return None
         try:
-            read = datetime.fromisoformat(value + "+00:00")
-            if read.tzinfo is UTC:  # (a date alone would take the offset for a time of day)
-                return read
+            aware = datetime.fromisoformat(value + "+00:00")
+            if aware.tzinfo is UTC:  # (a date alone would take the offset for a time of day)
+                return aware
         except (TypeError, ValueError):
             pass
         parsed = fallback(value)
