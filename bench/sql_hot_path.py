@@ -1,4 +1,4 @@
-"""The PostgreSQL hot path alone: the worker process's CPU per message for claim + settle cycles.
+"""The SQL hot path alone: the worker process's CPU per message for claim + settle cycles.
 
 A throughput figure on a shared 2-core machine mostly measures the other sessions; the CPU time this
 process spends per message does not depend on them much. One provider claims batches of ``--batch``
@@ -6,18 +6,21 @@ rows and settles each batch as succeeded (plus, with ``--mixed``, every tenth as
 handler in between, until ``--messages`` rows are done. With ``--combined`` each batch is settled
 together with the claim of the next (``settle_and_receive``: one round trip, one commit), as the worker
 does with durable claims. Printed per round: process CPU µs per message, wall µs per message, and the
-load average.
+load average. PostgreSQL by default; ``--sqlite`` runs the same on a SQLite file (a new one per
+round, in the temp directory), where the process CPU includes aiosqlite's thread.
 
 Usage: .venv/bin/python bench/sql_hot_path.py [--messages 10000] [--batch 10] [--rounds 3] [--mixed]
-           [--combined]
+           [--combined] [--sqlite]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import common
 
@@ -33,7 +36,7 @@ class Hot(QueueMessage):
     n: int
 
 
-async def one_round(args: argparse.Namespace, schema: str) -> tuple[float, float]:
+async def one_round(args: argparse.Namespace, schema: str | None, url: str) -> tuple[float, float]:
     a = QueueingApp("bench")
 
     @a.handler()
@@ -41,7 +44,7 @@ async def one_round(args: argparse.Namespace, schema: str) -> tuple[float, float
         return None
 
     prov = SqlProvider(
-        args.url, schema=schema, listen=False, pool_size=2, max_overflow=0, settle_with_claims=args.combined
+        url, schema=schema, listen=False, pool_size=2, max_overflow=0, settle_with_claims=args.combined
     )
     rt = Runtime(a, prov)
     await rt.open()
@@ -78,12 +81,18 @@ async def main() -> None:
     p.add_argument("--batch", type=int, default=10)
     p.add_argument("--mixed", action="store_true", help="every batch also has one retry (pipeline)")
     p.add_argument("--combined", action="store_true", help="settle each batch with the next claim")
+    p.add_argument("--sqlite", action="store_true", help="a SQLite file instead of PostgreSQL")
     args = p.parse_args()
-    common.header("SQL hot path: CPU per message, claim + settle (PostgreSQL)", args)
+    database = "SQLite" if args.sqlite else "PostgreSQL"
+    common.header(f"SQL hot path: CPU per message, claim + settle ({database})", args)
     cpus, walls = [], []
     for r in range(args.rounds):
-        with common.throwaway_schema(args.url, "bench_hot") as schema:
-            cpu, wall = await one_round(args, schema)
+        if args.sqlite:
+            with tempfile.TemporaryDirectory(prefix="bench_hot_") as tmp:
+                cpu, wall = await one_round(args, None, f"sqlite:///{Path(tmp) / 'queue.db'}")
+        else:
+            with common.throwaway_schema(args.url, "bench_hot") as schema:
+                cpu, wall = await one_round(args, schema, args.url)
         cpus.append(cpu)
         walls.append(wall)
         shown = f"cpu {cpu:7.1f} µs/msg  wall {wall:7.1f} µs/msg"

@@ -55,7 +55,9 @@ class _Keep:
 
 
 def _row(d: Delivery) -> dict[str, Any]:
-    """The claimed row ``delivery_from_row`` would get for ``d`` (as SQLite returns it: naive times)."""
+    """The claimed row ``delivery_from_row`` gets for ``d`` from the SQLite hot path: its timestamps
+    aware in UTC, its UUIDs as the text SQLite keeps (see ``sqlite_driver.SqliteCompiled``; before
+    that, naive times and ``uuid.UUID`` objects, which cost the decoding about 2 µs more)."""
     env = d.envelope
     assert env is not None
     return {
@@ -65,12 +67,12 @@ def _row(d: Delivery) -> dict[str, Any]:
         "attempt": env.attempt,
         "type": env.type,
         "queue": env.queue,
-        "message_id": env.message_id,
-        "tracking_id": env.tracking_id,
+        "message_id": env.message_id.hex,
+        "tracking_id": env.tracking_id.hex,
         "correlation_id": env.correlation_id,
-        "created_at": env.created_at.replace(tzinfo=None),
+        "created_at": env.created_at,
         "not_before": None,
-        "expires_at": env.expires_at.replace(tzinfo=None) if env.expires_at else None,
+        "expires_at": env.expires_at,
         "headers_text": "{}",
         "body_text": d.raw if isinstance(d.raw, str) else '{"n": 0}',
         "raw": None,

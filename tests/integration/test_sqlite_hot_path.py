@@ -9,6 +9,7 @@ import asyncio
 import sqlite3
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from uuid import UUID
 
 import pytest
 import sqlalchemy as sa
@@ -167,6 +168,60 @@ async def test_the_hot_path_writes_and_reads_the_rows_the_sqlalchemy_path_does(t
     lease_until = results["hot"][1][0][2]
     assert lease_until is not None
     assert lease_until.tzinfo is not None
+
+
+async def test_a_claim_reads_its_timestamps_as_utc_times_and_leaves_uuids_to_the_envelope(tmp_path):
+    """The claimed rows' timestamps come back aware, in UTC (as psycopg gives them), and are the times
+    that were written: the envelope validation no longer marks each of them UTC itself. Their UUIDs
+    stay text, which the envelope's validation parses: the delivery carries the ids that were sent."""
+    prov, a, rt = await opened(str(tmp_path / "q.db"))
+    sent = await a.enqueue(Job(n=1))
+    hot = prov._hot
+    assert hot is not None
+    now = prov.clock()
+    [claimed] = await prov._driver.run(
+        prov.claims, "a claim", [(hot.claim, prov._claim_params(a.subscription("Job"), 10, now))]
+    )
+    [row] = claimed.rows
+    for column in ("created_at", "expires_at", "locked_until"):
+        assert row[column].tzinfo is UTC, column
+    assert row["not_before"] is None
+    [stored] = rows_of(str(tmp_path / "q.db"))
+    assert row["created_at"] == datetime.fromisoformat(stored["created_at"]).replace(tzinfo=UTC)
+    assert row["locked_until"] == now + a.subscription("Job").options.lease_duration
+    assert row["message_id"] == sent.message_id.hex == stored["message_id"]
+    # through the provider's claim: the envelope of the message that was sent
+    await a.enqueue(Job(n=2))
+    [delivery] = await prov.receive(a.subscription("Job"), 10)
+    assert delivery.envelope is not None
+    assert delivery.envelope.body == {"n": 2}
+    assert isinstance(delivery.envelope.message_id, UUID)
+    assert delivery.envelope.created_at.tzinfo is UTC
+    await rt.close()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2026-01-02 03:04:05.123456",  # what SQLAlchemy writes
+        "2026-01-02 03:04:05",  # a whole second
+        "2026-01-02T03:04:05.123456",
+        "2026-01-02 03:04:05.123456+00:00",  # not the kit's: SQLAlchemy's reading, then UTC
+        "2026-01-02",
+    ],
+)
+def test_the_utc_reader_reads_what_sqlalchemy_reads(text):
+    from sqlalchemy.dialects.sqlite import aiosqlite
+
+    from queueing_core.providers.sql.sqlite_driver import _utc_reader
+
+    dialect = aiosqlite.dialect(paramstyle="named")
+    sqlalchemys = sa.DateTime(timezone=True)._cached_result_processor(dialect, None)
+    assert sqlalchemys is not None
+    read = _utc_reader(sqlalchemys)
+    assert read(text) == sqlalchemys(text).replace(tzinfo=UTC)
+    assert read(text).tzinfo is UTC
+    assert read(None) is None
 
 
 async def test_a_failing_statement_rolls_back_the_whole_batch(tmp_path):

@@ -71,9 +71,14 @@ class Compiled:
         #: stored as text on SQLite); psycopg returns those types itself, so its path needs none
         self.results: dict[str, Callable[[Any], Any]] = {}
         for column in compiled._result_columns:
-            process = column.type._cached_result_processor(dialect, None)
+            process = self.result_processor(column.type, dialect)
             if process is not None:
                 self.results[column.keyname] = process
+
+    def result_processor(self, type_: Any, dialect: sa.Dialect) -> Callable[[Any], Any] | None:
+        """What turns the driver's value of a returned column of ``type_`` into the row's value."""
+        process: Callable[[Any], Any] | None = type_._cached_result_processor(dialect, None)
+        return process
 
     def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
         if not self.required <= values.keys():
@@ -147,12 +152,12 @@ async def _result(cur: psycopg.AsyncCursor[dict[str, Any]]) -> Result:
 
 class HotStatements:
     """The hot path's statements of a provider (``statements.Statements``), compiled for its driver
-    (``dialect``: psycopg's, or SQLite's with named parameters, see ``sqlite_driver``)."""
+    (``dialect``: psycopg's, or SQLite's with named parameters and ``sqlite_driver.SqliteCompiled``)."""
 
-    def __init__(self, statements: Any, dialect: sa.Dialect) -> None:
-        self.claim = Compiled(statements.claim, dialect)
-        self.claim_head = Compiled(statements.claim_head, dialect)
-        self.complete_many = Compiled(statements.complete_many, dialect)
-        self.settle = {shape: Compiled(stmt, dialect) for shape, stmt in statements.settle.items()}
-        self.renew = Compiled(statements.renew, dialect)
-        self.notify = Compiled(statements.notify, dialect)
+    def __init__(self, statements: Any, dialect: sa.Dialect, compiled: type[Compiled] = Compiled) -> None:
+        self.claim = compiled(statements.claim, dialect)
+        self.claim_head = compiled(statements.claim_head, dialect)
+        self.complete_many = compiled(statements.complete_many, dialect)
+        self.settle = {shape: compiled(stmt, dialect) for shape, stmt in statements.settle.items()}
+        self.renew = compiled(statements.renew, dialect)
+        self.notify = compiled(statements.notify, dialect)

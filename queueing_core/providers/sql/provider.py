@@ -54,7 +54,7 @@ from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
 from .schema import DONE_PREFIX, LATEST, Tables, current_version, done_channel_for, migrate
-from .sqlite_driver import SqliteDriverPath, named_dialect
+from .sqlite_driver import SqliteCompiled, SqliteDriverPath, named_dialect
 from .statements import Statements, bind, leases_of
 from .statements import notify_statement as notify_statement  # the outbox's wake-ups
 from .tracker import SqlTracker
@@ -291,7 +291,7 @@ class SqlProvider:
                 # only on the kit's own SQLite engine: its pool hands a connection to one user at a
                 # time and resets it as the hot path expects; an engine of the caller's (a static pool
                 # shared by every user, the pool's own rollback on return) keeps SQLAlchemy's path
-                self._hot = HotStatements(self.statements, named_dialect(self._engine))
+                self._hot = HotStatements(self.statements, named_dialect(self._engine), SqliteCompiled)
             await self._wait_for_database()
             if self.auto_migrate:
                 applied = await migrate(self.engine, self.tables, now=self.clock)
