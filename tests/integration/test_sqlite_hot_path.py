@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
+from queueing_core.clock import as_utc
 from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
 from queueing_core.errors import ProviderError, ProviderUnavailable
 from queueing_core.providers.sql import SqlProvider
@@ -200,6 +201,34 @@ async def test_a_claim_reads_its_timestamps_as_utc_times_and_leaves_uuids_to_the
     await rt.close()
 
 
+async def test_a_damaged_row_is_dead_lettered_alone_and_the_rest_of_its_claim_runs(tmp_path):
+    """A row whose stored id or time no longer reads (damaged outside the kit) is claimed as a malformed
+    delivery and dead-lettered, fenced by its own lease, with its text kept; the other rows of the same
+    claim run. Neither fails the claim: before, a bad time failed every claim of the queue, reported as
+    a closed connection."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=i) for i in range(3)])
+    first, second, _ = rows_of(file)
+    with sqlite3.connect(file) as db:
+        db.execute("UPDATE queueing_messages SET message_id = 'not-a-uuid' WHERE id = ?", (first["id"],))
+        db.execute("UPDATE queueing_messages SET created_at = 'garbage' WHERE id = ?", (second["id"],))
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert len(got) == 3
+    damaged = [d for d in got if d.envelope is None]
+    assert sorted(d.handle.row for d in damaged) == sorted([first["id"], second["id"]])
+    assert all(d.malformed is not None for d in damaged)
+    for delivery in got:
+        await rt.process_and_settle(delivery)
+    by_id = {r["id"]: r for r in rows_of(file)}
+    assert [r["status"] for r in by_id.values()].count(str(MessageStatus.SUCCEEDED)) == 1
+    for row_id in (first["id"], second["id"]):
+        assert by_id[row_id]["status"] == str(MessageStatus.DEAD_LETTERED), by_id[row_id]
+    # nothing is left to claim, and nothing is lost: every row is settled
+    assert await prov.receive(a.subscription("Job"), 10) == []
+    await rt.close()
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -207,6 +236,7 @@ async def test_a_claim_reads_its_timestamps_as_utc_times_and_leaves_uuids_to_the
         "2026-01-02 03:04:05",  # a whole second
         "2026-01-02T03:04:05.123456",
         "2026-01-02 03:04:05.123456+00:00",  # not the kit's: SQLAlchemy's reading, then UTC
+        "2026-01-02 05:04:05.123456+02:00",  # an offset: the same instant, in UTC
         "2026-01-02",
     ],
 )
@@ -219,9 +249,20 @@ def test_the_utc_reader_reads_what_sqlalchemy_reads(text):
     sqlalchemys = sa.DateTime(timezone=True)._cached_result_processor(dialect, None)
     assert sqlalchemys is not None
     read = _utc_reader(sqlalchemys)
-    assert read(text) == sqlalchemys(text).replace(tzinfo=UTC)
+    assert read(text) == as_utc(sqlalchemys(text))
     assert read(text).tzinfo is UTC
     assert read(None) is None
+
+
+def test_the_utc_reader_leaves_text_that_does_not_read_to_the_envelope():
+    """A damaged time is handed on as it is (the envelope's validation refuses that row alone)."""
+    from sqlalchemy.dialects.sqlite import aiosqlite
+
+    from queueing_core.providers.sql.sqlite_driver import _utc_reader
+
+    sqlalchemys = sa.DateTime(timezone=True)._cached_result_processor(aiosqlite.dialect(), None)
+    assert sqlalchemys is not None
+    assert _utc_reader(sqlalchemys)("garbage") == "garbage"
 
 
 async def test_a_failing_statement_rolls_back_the_whole_batch(tmp_path):

@@ -67,9 +67,11 @@ class SqliteCompiled(Compiled):
 def _utc_reader(fallback: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Reads SQLite's timestamp text as an aware UTC datetime: the text SQLAlchemy writes
     (``2026-01-02 03:04:05.123456``) parsed with its offset added, in C; anything else (none written by
-    the kit) through SQLAlchemy's own reading, then marked UTC as every reader did."""
+    the kit) through SQLAlchemy's own reading, then marked UTC as every reader did. Text that neither
+    reads (a damaged row) comes back as it is: the envelope's validation then refuses that one row,
+    which is dead-lettered as malformed, instead of an error here failing every claim of its queue."""
 
-    def read(value: Any) -> datetime | None:
+    def read(value: Any) -> datetime | str | None:
         if value is None:
             return None
         try:
@@ -78,7 +80,10 @@ def _utc_reader(fallback: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 return aware
         except (TypeError, ValueError):
             pass
-        parsed = fallback(value)
+        try:
+            parsed = fallback(value)
+        except (TypeError, ValueError):
+            return value  # type: ignore[no-any-return]
         return None if parsed is None else as_utc(parsed)
 
     return read
