@@ -345,6 +345,9 @@ SERVER_COLUMNS = {
     "upd": 2,
     "hot_upd": 2,
     "del": 2,
+    "server_cpu": 0,
+    "background_cpu": 0,
+    "client_cpu": 0,
 }
 
 
@@ -364,8 +367,9 @@ def server_table(results: dict[str, list[Burn]]) -> None:
                 ]
             )
     if rows:
-        print("\nThe server per message, medians of the rounds (WAL is the whole server's; the last column")
-        print("is every other database's commits in the same windows, the noise in it):")
+        print("\nThe server per message, medians of the rounds (WAL is the whole server's; others' commits")
+        print("are every other database's in the same windows, the noise in it; CPU in µs: the backends of")
+        print("the run's database, the server's background processes, this process):")
         common.print_table(["contender", *SERVER_COLUMNS, "others' commits"], rows)
 
 
