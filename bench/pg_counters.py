@@ -16,9 +16,11 @@ server processes that serve the benchmark's database (backends, whose process ti
 from ``/proc`` every 0.1 s so the ones that exit are counted too), of the server's own background
 processes (WAL writer, checkpointer, background writer: the whole server's), and of this process.
 
-A backend reports its counters when it goes idle, at most once a second, and when it exits, so a
-snapshot is taken only after the connections under test have been idle (``settle``) or closed for
-longer than that. The snapshots' own transactions are subtracted (to within one commit).
+A backend reports its counters when it exits, and while it lives when it goes idle, but no more
+often than once a second: an idle backend that reported less than a second ago reports again only 10
+seconds later. So the first snapshot waits that long after the set-up (its enqueue's connections
+stay open, idle), and the second is taken after the connections under test have been closed. The
+snapshots' own transactions are subtracted (to within one commit).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import common
 import psycopg
 from sqlalchemy.engine import make_url
 
-#: a backend flushes its pending counters when idle, no more often than once a second (PostgreSQL 15)
-REPORT_INTERVAL = 1.1
+#: an idle backend reports what it has not reported yet within 10 s (PostgreSQL 15's
+#: PGSTAT_IDLE_INTERVAL), and one that exits at once: the waits before the two snapshots
+IDLE_REPORT = 11.0
+EXIT_REPORT = 1.1
 
 _SNAPSHOT = """
 SELECT
@@ -160,7 +164,7 @@ class Window:
     client: float = 0.0
 
     async def start(self) -> None:
-        await asyncio.sleep(REPORT_INTERVAL)  # the set-up's connections have reported
+        await asyncio.sleep(IDLE_REPORT)  # the set-up's connections, idle now, have reported
         self.before = snapshot(self.url, self.schema)
         self.cpu = ServerCpu(postmaster_pid(self.url), str(make_url(self.url).database))
         self.cpu.start()
@@ -170,7 +174,7 @@ class Window:
         assert self.cpu is not None
         client = time.process_time() - self.client
         backends, background = await self.cpu.stop()
-        await asyncio.sleep(REPORT_INTERVAL)  # the connections under test have exited or reported
+        await asyncio.sleep(EXIT_REPORT)  # the connections under test have exited, and reported
         after = snapshot(self.url, self.schema)
         self.delta = {k: after[k] - self.before[k] for k in FIELDS}
         # the snapshots' own transactions: two each (its connection's start-up and its query), and

@@ -38,7 +38,7 @@ prints what the server did per message from the worker's start until its connect
 (``pg_counters``): commits and rollbacks of that database, transactions that wrote, WAL records,
 full-page images, bytes, writes and syncs (the whole server's), and the rows the contender's tables
 inserted, updated (how many HOT) and deleted; the medians follow the rates. Each such round waits
-about a second before and after its burn-down for the server's counters to be reported (outside the
+11 s before its burn-down and 1 s after it for the server's counters to be reported (outside the
 clock).
 
 Usage: .venv/bin/python bench/sql_burndown.py [--quick] [--messages 20000] [--rounds 5]
