@@ -139,8 +139,9 @@ def postmaster_pid(url: str) -> int:
     """The server's main process (the parent of a backend): when the server is on this machine."""
     with psycopg.connect(common.libpq_conninfo(url), autocommit=True) as conn:
         row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    assert row is not None
-    stat = Path(f"/proc/{row[0]}/stat").read_text()
+        assert row is not None
+        # read while the backend lives (it exits with the connection)
+        stat = Path(f"/proc/{row[0]}/stat").read_text()
     return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
