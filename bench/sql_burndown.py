@@ -33,8 +33,16 @@ N pre-enqueued no-op jobs, and one in-process worker with the same shape:
 With ``--cpu`` each kit round also prints the CPU the worker's process used per message during the
 burn-down, its event loop's thread and the whole process (the database server's CPU is not in it).
 
+With ``--server-counters`` the run takes a database of its own, and each kit and pgqueuer round also
+prints what the server did per message from the worker's start until its connections were closed
+(``pg_counters``): commits and rollbacks of that database, transactions that wrote, WAL records,
+full-page images, bytes, writes and syncs (the whole server's), and the rows the contender's tables
+inserted, updated (how many HOT) and deleted; the medians follow the rates. Each such round waits
+11 s before its burn-down and 1 s after it for the server's counters to be reported (outside the
+clock).
+
 Usage: .venv/bin/python bench/sql_burndown.py [--quick] [--messages 20000] [--rounds 5]
-           [--connections 3] [--only kit,procrastinate] [--cpu]
+           [--connections 3] [--only kit,procrastinate] [--cpu] [--server-counters]
 """
 
 from __future__ import annotations
@@ -51,7 +59,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import common
+import pg_counters
 from psycopg import sql
+from sqlalchemy.engine import make_url
 
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.providers.sql import SqlProvider
@@ -69,6 +79,7 @@ class Burn:
     elapsed: float  # worker start -> N-th handler has run
     startup: float  # worker start -> first handler has run
     kept: str  # what the tool left in the database afterwards
+    server: dict[str, float] | None = None  # the server's counters per message (--server-counters)
 
     @property
     def rate(self) -> float:
@@ -76,7 +87,13 @@ class Burn:
 
     def __str__(self) -> str:
         first = self.startup * 1000
-        return f"{self.rate:8,.0f} msg/s  ({self.elapsed:.2f} s, first handler after {first:.0f} ms)"
+        line = f"{self.rate:8,.0f} msg/s  ({self.elapsed:.2f} s, first handler after {first:.0f} ms)"
+        return line if self.server is None else f"{line}\n      {pg_counters.describe(self.server)}"
+
+
+def window(args: Options, schema: str) -> pg_counters.Window | None:
+    """The server's counters around a round's burn-down, when asked for (--server-counters)."""
+    return pg_counters.Window(args.url, schema) if getattr(args, "server_counters", False) else None
 
 
 def finished(done: common.Done, started: float) -> tuple[float, float]:
@@ -94,9 +111,17 @@ def kit_provider(args: Options, schema: str, *, durable: bool, combined: bool = 
     return SqlProvider(args.url, schema=schema, durable_claims=durable, settle_with_claims=combined, **pools)
 
 
-async def kit_burn(args: Options, provider: SqlProvider, messages: int, *, receives: int = 1) -> Burn:
+async def kit_burn(
+    args: Options,
+    provider: SqlProvider,
+    messages: int,
+    *,
+    receives: int = 1,
+    counters: pg_counters.Window | None = None,
+) -> Burn:
     """Enqueue ``messages`` no-ops through ``provider`` (its schema may already hold rows), then time
-    one worker of the benchmark's shape until the last of them has run."""
+    one worker of the benchmark's shape until the last of them has run; ``counters`` spans the worker
+    from its start until the provider's connections are closed."""
     app = QueueingApp("bench")
     done = common.Done(messages)
 
@@ -112,6 +137,8 @@ async def kit_burn(args: Options, provider: SqlProvider, messages: int, *, recei
         common.analyze(
             args.url, sql.Identifier(provider.tables.messages.schema or "public", "queueing_messages")
         )
+        if counters is not None:
+            await counters.start()
         thread_cpu, process_cpu = time.thread_time(), time.process_time()
         started = await common.kit_burn_down(rt, args, done, receives_in_flight=receives)
         thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
@@ -125,13 +152,16 @@ async def kit_burn(args: Options, provider: SqlProvider, messages: int, *, recei
             )
     finally:
         await rt.close()
-    return Burn(messages, elapsed, startup, "")
+    if counters is None:
+        return Burn(messages, elapsed, startup, "")
+    await counters.stop()
+    return Burn(messages, elapsed, startup, "", counters.per_message(messages))
 
 
 async def kit(args: Options, *, durable: bool, combined: bool = False, receives: int = 1) -> Burn:
     with common.throwaway_schema(args.url, "bench_kit") as schema:
         provider = kit_provider(args, schema, durable=durable, combined=combined)
-        burn = await kit_burn(args, provider, args.messages, receives=receives)
+        burn = await kit_burn(args, provider, args.messages, receives=receives, counters=window(args, schema))
         kept = common.scalar(
             args.url,
             sql.SQL("SELECT count(*) FROM {}.queueing_messages WHERE status = 'Succeeded'").format(
@@ -182,6 +212,9 @@ async def pgqueuer(args: Options, driver: str) -> Burn:
                 payloads: list[bytes | None] = [json.dumps({"n": j}).encode() for j in range(i, i + count)]
                 await queries.enqueue(["noop"] * count, payloads, [0] * count)
             common.analyze(args.url, sql.Identifier(schema, "pgqueuer"))
+            counters = window(args, schema)
+            if counters is not None:
+                await counters.start()
             qm = QueueManager(queries, channel=Channel(settings.channel))
             done = common.Done(args.messages)
             slots = asyncio.Semaphore(args.concurrency)
@@ -207,6 +240,10 @@ async def pgqueuer(args: Options, driver: str) -> Burn:
             elapsed, startup = finished(done, started)
         finally:
             await close()
+        server = None
+        if counters is not None:
+            await counters.stop()
+            server = counters.per_message(args.messages)
         left = common.scalar(
             args.url, sql.SQL("SELECT count(*) FROM {}.pgqueuer").format(sql.Identifier(schema))
         )
@@ -214,7 +251,7 @@ async def pgqueuer(args: Options, driver: str) -> Burn:
             args.url,
             sql.SQL("SELECT count(*) FROM {}.pgqueuer_log").format(sql.Identifier(schema)),
         )
-        return Burn(args.messages, elapsed, startup, f"{left} job rows left; {logged} log rows")
+        return Burn(args.messages, elapsed, startup, f"{left} job rows left; {logged} log rows", server)
 
 
 async def procrastinate(args: Options) -> Burn:
@@ -282,6 +319,7 @@ class Options:
     quick: bool
     procrastinate_messages: int
     cpu: bool
+    server_counters: bool
 
 
 RETAINED = {
@@ -291,6 +329,48 @@ RETAINED = {
     "procrastinate": "keeps the job row as 'succeeded' (delete_jobs=never, its default) plus one "
     "procrastinate_events row per status change (deferred, started, succeeded)",
 }
+
+
+#: the server's per-message figures in the summary, and the decimals each is shown with
+SERVER_COLUMNS = {
+    "commits": 3,
+    "xids": 3,
+    "rollbacks": 3,
+    "wal_sync": 3,
+    "wal_write": 3,
+    "wal_records": 1,
+    "wal_fpi": 2,
+    "wal_bytes": 0,
+    "ins": 2,
+    "upd": 2,
+    "hot_upd": 2,
+    "del": 2,
+    "server_cpu": 0,
+    "background_cpu": 0,
+    "client_cpu": 0,
+}
+
+
+def server_table(results: dict[str, list[Burn]]) -> None:
+    """The medians of the server's per-message figures, for the contenders that measured them."""
+    rows = []
+    for name, burns in results.items():
+        measured = [b.server for b in burns if b.server is not None]
+        if measured:
+            medians = [common.median([m[k] for m in measured]) for k in SERVER_COLUMNS]
+            others = common.median([m["other_commits"] for m in measured])
+            rows.append(
+                [
+                    name,
+                    *[f"{v:,.{d}f}" for v, d in zip(medians, SERVER_COLUMNS.values(), strict=True)],
+                    f"{others:,.0f}",
+                ]
+            )
+    if rows:
+        print("\nThe server per message, medians of the rounds (WAL is the whole server's; others' commits")
+        print("are every other database's in the same windows, the noise in it; CPU in µs: the backends of")
+        print("the run's database, the server's background processes, this process):")
+        common.print_table(["contender", *SERVER_COLUMNS, "others' commits"], rows)
 
 
 def version(dist: str) -> str:
@@ -314,6 +394,11 @@ async def main() -> None:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--only", default="", help="comma-separated subset of contenders")
     p.add_argument("--cpu", action="store_true", help="print the kit's CPU per message in each round")
+    p.add_argument(
+        "--server-counters",
+        action="store_true",
+        help="in a database of its own: the server's commits, WAL and row writes per message, per round",
+    )
     args = p.parse_args(namespace=Options())
     if args.quick:
         args.messages, args.rounds = 2_000, 1
@@ -321,6 +406,16 @@ async def main() -> None:
         p.error("--connections must be at least 3 (the relaxed kit: LISTEN, a claims pool and a pool)")
     if args.in_hand % args.concurrency or args.in_hand < 2 * args.batch:
         p.error("--in-hand must be a multiple of --concurrency (kit prefetch) and >= 2x --batch (pgqueuer)")
+    if args.server_counters:
+        # commits are counted per database: this run's alone, not the other sessions' on the shared one
+        with common.throwaway_database(args.url, "bench_counters") as db:
+            args.url = make_url(args.url).set(database=db).render_as_string(hide_password=False)
+            await run(args)
+    else:
+        await run(args)
+
+
+async def run(args: Options) -> None:
     logging.basicConfig(level=logging.WARNING)
     # it warns that the App lives in __main__ (only matters for its CLI's task discovery)
     logging.getLogger("procrastinate.blueprints").setLevel(logging.ERROR)
@@ -356,6 +451,7 @@ async def main() -> None:
     common.print_table(
         ["contender", "median msg/s", "per round", "first handler ms", "rows afterwards"], rows
     )
+    server_table(results)
     for mine in [n for n in medians if n.startswith("kit")]:
         for name, m in medians.items():
             if not name.startswith("kit"):

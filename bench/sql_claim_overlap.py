@@ -17,17 +17,10 @@ import time
 from typing import Any
 
 import common
-import psycopg
 import sql_burndown as sb
+from pg_counters import wal_syncs
 
 from queueing_core.providers.sql import SqlProvider
-
-
-def wal_syncs(url: str) -> int:
-    with psycopg.connect(common.libpq_conninfo(url)) as conn:
-        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
-        assert row is not None
-        return int(row[0])
 
 
 async def run(args: sb.Options, receives: int) -> str:
