@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .engine import borrowed
 from .errors import db_boundary
 
 if TYPE_CHECKING:
@@ -42,11 +43,25 @@ if TYPE_CHECKING:
 
 
 @functools.cache
-def _reusable() -> frozenset[Any]:
-    """Where a connection may go back to the pool: between statements (the pool's reset rolls back)."""
-    from psycopg.pq import TransactionStatus
+def _idle() -> tuple[Any, Any]:
+    """psycopg's words for a connection out of any transaction and out of pipeline mode."""
+    from psycopg.pq import PipelineStatus, TransactionStatus
 
-    return frozenset({TransactionStatus.IDLE, TransactionStatus.INTRANS, TransactionStatus.INERROR})
+    return TransactionStatus.IDLE, PipelineStatus.OFF
+
+
+def _out_of_transaction(pg: psycopg.AsyncConnection[Any]) -> bool:
+    """Certainly out of any transaction and any statement: usable by the pool's next borrower as it is.
+    (Inside a statement, a transaction or a pipeline, or broken: a cancellation mid-round-trip, an
+    error psycopg could not get out of; its state is not worth guessing.)"""
+    idle, off = _idle()
+    pgconn = pg.pgconn
+    return (
+        not pg.broken
+        and not pg.closed
+        and pgconn.transaction_status == idle
+        and pgconn.pipeline_status == off
+    )
 
 
 class Compiled:
@@ -105,17 +120,24 @@ class DriverPath:
 
     @contextlib.asynccontextmanager
     async def connection(self, engine: AsyncEngine) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        async with engine.connect() as conn:
-            raw = await conn.get_raw_connection()
-            pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
+        """A psycopg connection of ``engine``'s pool, in autocommit for the call (see the module)."""
+        async with borrowed(engine) as lent:
+            pg: psycopg.AsyncConnection[Any] = lent.driver
+            # as SQLAlchemy left it (its reset of the autocommit engine's isolation level turns
+            # autocommit off); neither change is a round trip, nor a pause, on an idle connection
+            left = pg.autocommit
             try:
+                if not left:
+                    await pg.set_autocommit(True)
                 yield pg
-            except BaseException:
-                # broken, or left inside a statement (a cancellation mid-round-trip): not reusable, so
-                # out of the pool, as SQLAlchemy does itself on a disconnect
-                if pg.broken or pg.closed or pg.info.transaction_status not in _reusable():
-                    await conn.invalidate()
-                raise
+            finally:
+                # whatever happened (an error, a cancelled caller): back to the pool only as it was
+                # lent, out of any transaction with autocommit as it was; else ``borrowed`` takes it
+                # out of the pool (psycopg refuses to change autocommit inside a transaction anyway)
+                if _out_of_transaction(pg):
+                    if pg.autocommit != left:
+                        await pg.set_autocommit(left)
+                    lent.clean = True
 
     async def run(
         self, engine: AsyncEngine, action: str, work: Sequence[tuple[Compiled, Mapping[str, Any]]]
