@@ -402,3 +402,39 @@ async def test_the_hot_paths_connections_keep_their_engines_settings(pg_db, dura
             setting = (await (await pg.execute("SHOW synchronous_commit")).fetchone())[0]
             seen[name] = (pg.autocommit, setting)
     assert seen == {"claims": (True, "on" if durable else "off"), "settlements": (True, "on")}
+
+
+@pytest.mark.parametrize("left", ["in a transaction", "inside a statement"])
+async def test_a_connection_left_in_use_goes_out_of_the_pool_and_the_cancellation_through(pg_db, left):
+    """A hot-path call interrupted (here, cancelled) with its connection inside a transaction or inside
+    a statement: that connection is closed and out of the pool, never given back with autocommit on nor
+    marked clean, and the caller sees its own cancellation, not psycopg's refusal to change autocommit
+    there."""
+    from psycopg.pq import TransactionStatus
+
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
+    a = app()
+    await Runtime(a, prov).open()
+    await a.enqueue_many([Job(n=1)])
+    lent = []
+
+    async def interrupted() -> None:
+        async with prov._driver.connection(prov.auto) as pg:
+            lent.append(pg)
+            if left == "in a transaction":
+                await pg.execute("BEGIN")
+                await pg.execute("SELECT 1")
+            else:
+                pg.pgconn.send_query(b"SELECT pg_sleep(0.2)")  # (sent; its result never read)
+            assert pg.info.transaction_status != TransactionStatus.IDLE
+            raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        await interrupted()
+    [pg] = lent
+    assert pg.closed
+    status, autocommit, marked = await pooled_state(prov)
+    assert (status, autocommit, marked) == (TransactionStatus.IDLE, False, False)
+    await a_transaction_still_rolls_back(prov)
+    got = await asyncio.wait_for(prov.receive(a.subscription("Job"), 10), 30)
+    assert [d.envelope.body["n"] for d in got if d.envelope is not None] == [1]
