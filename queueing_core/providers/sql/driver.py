@@ -10,7 +10,19 @@ was a quarter of the worker's CPU. Here the same statements run on the psycopg c
 - **the same connections**: each call borrows a connection from the provider's SQLAlchemy pool (the
   ``claims`` engine for claims and renewals, the autocommit engine for settlements), so the pools'
   sizes, the Entra token sign-in of each new connection and ``synchronous_commit=off`` on relaxed
-  claims are exactly those of the rest of the provider;
+  claims (a setting of their own pool's connections) are exactly those of the rest of the provider;
+- **straight from the pool** (``engine.borrowed``, shared with the SQLite hot path): not through a
+  SQLAlchemy ``Connection``, which on both engines (each in ``AUTOCOMMIT``) set the isolation level on
+  the way out and reset it on the way back, and whose pool then rolled back even an idle connection.
+  Here psycopg's autocommit (what ``AUTOCOMMIT`` is to SQLAlchemy's psycopg dialect) is turned on for
+  the call and put back before the connection returns, neither a round trip nor a pause on an idle
+  connection, so SQLAlchemy's users of the pool find it as SQLAlchemy left it. It returns marked clean
+  (``engine.RETURNED_CLEAN``: the kit's engines have ``pool_reset_on_return=None`` and a ``reset``
+  listener that rolls back every connection not so marked) only when it is certainly out of any
+  transaction, statement and pipeline; otherwise (a call cancelled mid-statement that psycopg could
+  not get out of, a broken connection) it is invalidated: its state is not worth a guess, and it is
+  rare. An engine passed in by the caller has no such listener: its connections are not marked, and
+  its pool's own reset runs;
 - **prepared statements**: each statement is prepared on the server at its first use on a connection
   (off when the provider's ``prepared_statements`` is false: poolers that cannot keep them);
 - **pipeline mode**: a settlement batch (every kind of outcome and its wake-ups), a settlement batch
@@ -20,7 +32,9 @@ was a quarter of the worker's CPU. Here the same statements run on the psycopg c
   nothing and fails nothing, and its own row count says which one it was.
 
 Errors of psycopg go through the provider's one translation (``errors.db_boundary``); a connection
-psycopg reports broken is invalidated in SQLAlchemy's pool, as SQLAlchemy does on a disconnect.
+psycopg reports broken is invalidated in SQLAlchemy's pool, as SQLAlchemy does on a disconnect. A
+statement's error leaves the connection idle (autocommit, or the pipeline's sync, ends its implicit
+transaction): it goes back to the pool as any other.
 """
 
 from __future__ import annotations
@@ -113,7 +127,7 @@ class Result:
 
 
 class DriverPath:
-    """Runs compiled statements on the psycopg connection under a SQLAlchemy pooled connection."""
+    """Runs compiled statements on the psycopg connection of a SQLAlchemy pooled connection."""
 
     def __init__(self, *, prepare: bool) -> None:
         self.prepare = prepare
