@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core import QueueingApp, QueueMessage, queue, retry_policy
 from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, RetryAfter
 from queueing_core.errors import ProviderUnavailable
 from queueing_core.providers.sql.driver import DriverPath
@@ -320,6 +320,7 @@ async def test_a_settlement_cancelled_in_a_lock_wait_leaves_the_pool_clean_and_s
     try:
         with blocker.connect() as lock:
             lock.execute(sa.select(m.c.id).where(m.c.id == got[0].handle.row).with_for_update())
+            lock_pid = lock.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
             batch = [
                 Settlement(got[0], Complete()),
                 Settlement(got[1], RetryAfter(delay=timedelta(seconds=60), error="once")),
@@ -327,8 +328,14 @@ async def test_a_settlement_cancelled_in_a_lock_wait_leaves_the_pool_clean_and_s
             task = asyncio.create_task(prov.settle(batch))
             for _ in range(300):  # until the settlement waits for the lock (30 s at most)
                 with blocker.connect() as conn:
+                    # this test's settlement alone (the server is shared: another session's lock
+                    # wait must not pass for it): a lock wait on this schema's table, not the blocker
                     waiting = conn.execute(
-                        sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+                        sa.text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                            " AND pid <> :blocker AND query LIKE :table"
+                        ),
+                        {"blocker": lock_pid, "table": f"%{m.schema}%{m.name}%"},
                     ).scalar_one()
                 if waiting:
                     break
@@ -400,8 +407,14 @@ async def test_the_hot_paths_connections_keep_their_engines_settings(pg_db, dura
     for name, engine in (("claims", prov.claims), ("settlements", prov.auto)):
         async with prov._driver.connection(engine) as pg:
             setting = (await (await pg.execute("SHOW synchronous_commit")).fetchone())[0]
-            seen[name] = (pg.autocommit, setting)
-    assert seen == {"claims": (True, "on" if durable else "off"), "settlements": (True, "on")}
+            # (the kit's connect timeout too: the relaxed claims' own settings add to it)
+            timeout = pg.info.get_parameters().get("connect_timeout")
+            seen[name] = (pg.autocommit, setting, timeout)
+    limit = str(retry_policy.PG_CONNECT_TIMEOUT)
+    assert seen == {
+        "claims": (True, "on" if durable else "off", limit),
+        "settlements": (True, "on", limit),
+    }
 
 
 @pytest.mark.parametrize("left", ["in a transaction", "inside a statement"])

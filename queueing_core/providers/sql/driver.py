@@ -15,8 +15,8 @@ was a quarter of the worker's CPU. Here the same statements run on the psycopg c
   SQLAlchemy ``Connection``, which on both engines (each in ``AUTOCOMMIT``) set the isolation level on
   the way out and reset it on the way back, and whose pool then rolled back even an idle connection.
   Here psycopg's autocommit (what ``AUTOCOMMIT`` is to SQLAlchemy's psycopg dialect) is turned on for
-  the call and put back before the connection returns, neither a round trip nor a pause on an idle
-  connection, so SQLAlchemy's users of the pool find it as SQLAlchemy left it. It returns marked clean
+  the call and put back before the connection returns, neither a round trip on an idle connection,
+  so SQLAlchemy's users of the pool find it as SQLAlchemy left it. It returns marked clean
   (``engine.RETURNED_CLEAN``: the kit's engines have ``pool_reset_on_return=None`` and a ``reset``
   listener that rolls back every connection not so marked) only when it is certainly out of any
   transaction, statement and pipeline; otherwise (a call cancelled mid-statement that psycopg could
@@ -138,7 +138,7 @@ class DriverPath:
         async with borrowed(engine) as lent:
             pg: psycopg.AsyncConnection[Any] = lent.driver
             # as SQLAlchemy left it (its reset of the autocommit engine's isolation level turns
-            # autocommit off); neither change is a round trip, nor a pause, on an idle connection
+            # autocommit off); neither change is a round trip on an idle connection
             left = pg.autocommit
             try:
                 if not left:
@@ -149,9 +149,14 @@ class DriverPath:
                 # lent, out of any transaction with autocommit as it was; else ``borrowed`` takes it
                 # out of the pool (psycopg refuses to change autocommit inside a transaction anyway)
                 if _out_of_transaction(pg):
-                    if pg.autocommit != left:
-                        await pg.set_autocommit(left)
-                    lent.clean = True
+                    try:
+                        if pg.autocommit != left:
+                            await pg.set_autocommit(left)
+                    finally:
+                        # (psycopg's wait may yield once to a loop that has been busy for a while:
+                        # a cancellation there finds autocommit already put back, and the connection
+                        # is as good as any; only one not as it was lent leaves the pool)
+                        lent.clean = pg.autocommit == left and _out_of_transaction(pg)
 
     async def run(
         self, engine: AsyncEngine, action: str, work: Sequence[tuple[Compiled, Mapping[str, Any]]]

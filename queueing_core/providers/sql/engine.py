@@ -92,7 +92,9 @@ def create_engine(
         sa.event.listen(engine.sync_engine, "reset", _rollback_unless_clean)
         return engine
     # No pre-ping (a round trip per transaction): when a statement meets a dead connection, SQLAlchemy
-    # sees the disconnect, invalidates the whole pool, and the worker's next attempt reconnects.
+    # sees the disconnect, invalidates the whole pool, and the worker's next attempt reconnects (on
+    # the hot path, which runs on psycopg's connection, only that connection leaves the pool: each of
+    # the others fails its next call once, and the caller retries).
     opts: dict[str, Any] = {
         "pool_size": 5,
         "max_overflow": 10,
@@ -103,7 +105,10 @@ def create_engine(
         # connections come back known clean, and the rest are rolled back as SQLAlchemy's own reset does
         "pool_reset_on_return": None,
     }
-    opts.update(kwargs)
+    # a caller's ``connect_args`` (the relaxed claims' ``synchronous_commit=off``) add to the kit's
+    # own, the connect timeout included, instead of replacing them
+    connect_args = {**opts["connect_args"], **kwargs.pop("connect_args", {})}
+    opts.update(kwargs, connect_args=connect_args)
     if not prepared_statements:
         # a pooler that cannot keep server-side prepared statements (PgBouncer in transaction mode
         # before 1.21, or without max_prepared_statements): psycopg never prepares on these connections
