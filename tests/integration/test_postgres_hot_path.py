@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core import QueueingApp, QueueMessage, queue, retry_policy
 from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, RetryAfter
 from queueing_core.errors import ProviderUnavailable
 from queueing_core.providers.sql.driver import DriverPath
@@ -208,3 +208,246 @@ async def test_the_prepared_claims_generic_plan_reads_no_whole_table(pg_db):
     text = "\n".join(plan)
     assert "Seq Scan on queueing_messages" not in text, text
     assert "queueing_messages_pkey" in text, text
+
+
+# -- the pooled connection the hot path borrows: straight from the pool, back as it was lent ----------
+
+
+async def pooled_state(prov) -> tuple[object, bool, bool]:
+    """Of the provider's one pooled connection, as an ordinary SQLAlchemy user gets it: psycopg's
+    transaction status, its autocommit, and whether it still carries the hot path's clean mark."""
+    from queueing_core.providers.sql.engine import RETURNED_CLEAN
+
+    async with prov.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        pg = raw.driver_connection
+        return pg.info.transaction_status, pg.autocommit, RETURNED_CLEAN in raw.info
+
+
+async def a_transaction_still_rolls_back(prov) -> None:
+    """An ordinary SQLAlchemy transaction on the pool's connection: what it rolls back is not kept (it
+    would be, committed statement by statement, on a connection left in autocommit)."""
+    m = prov.tables.messages
+    async with prov.engine.connect() as conn:
+        async with conn.begin() as tx:
+            await conn.execute(sa.update(m).values(reason="rolled back"))
+            await tx.rollback()
+        assert (
+            await conn.execute(sa.select(sa.func.count()).where(m.c.reason == "rolled back"))
+        ).scalar() == 0
+
+
+async def test_the_hot_path_returns_its_connection_idle_unmarked_and_as_sqlalchemy_left_it(
+    pg_db, monkeypatch
+):
+    """The hot path borrows straight from the pool and gives its connection back out of any
+    transaction, with autocommit as SQLAlchemy left it, marked clean for the pool's reset (which then
+    rolls nothing back) and that mark gone after the return."""
+    from psycopg.pq import TransactionStatus
+    from sqlalchemy.dialects.postgresql.psycopg import AsyncAdapt_psycopg_connection
+
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
+    a = app()
+    rt = Runtime(a, prov)
+    await rt.open()
+    await a.enqueue_many([Job(n=i) for i in range(3)])
+    rollbacks: list[object] = []
+    original = AsyncAdapt_psycopg_connection.rollback
+
+    def counted(self):
+        rollbacks.append(self)
+        return original(self)
+
+    monkeypatch.setattr(AsyncAdapt_psycopg_connection, "rollback", counted)
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert await prov.renew(got) == []
+    await prov.settle(
+        [
+            Settlement(got[0], Complete()),
+            Settlement(got[1], RetryAfter(delay=timedelta(seconds=60), error="x")),
+        ]
+    )
+    await prov.settle([Settlement(got[2], Complete())])
+    # claim, renewal, two settlements: no rollback on their returns (the pool's reset listener found
+    # them marked clean; SQLAlchemy's own reset would roll each back)
+    assert rollbacks == []
+    monkeypatch.undo()
+    status, autocommit, marked = await pooled_state(prov)
+    assert (status, autocommit, marked) == (TransactionStatus.IDLE, False, False)
+    await a_transaction_still_rolls_back(prov)
+
+
+async def test_a_connection_returned_inside_a_transaction_is_still_rolled_back(pg_db):
+    """The kit's engines leave the pool's rollback on return to their ``reset`` listener (the hot
+    path's connections come back marked clean): any other connection returned inside a transaction is
+    rolled back by it, as SQLAlchemy's own reset would."""
+    from psycopg.pq import TransactionStatus
+
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
+    a = app()
+    await Runtime(a, prov).open()
+    await a.enqueue_many([Job(n=1)])
+    m = prov.tables.messages
+    async with prov.engine.connect() as conn:
+        # a transaction SQLAlchemy does not know of: its Connection ends none on its close
+        pg = (await conn.get_raw_connection()).driver_connection
+        await pg.execute(f"UPDATE {m.fullname} SET reason = 'left behind'")
+        assert pg.info.transaction_status == TransactionStatus.INTRANS
+    status, autocommit, marked = await pooled_state(prov)
+    assert (status, autocommit, marked) == (TransactionStatus.IDLE, False, False)
+    async with prov.engine.connect() as conn:  # (the same connection: a pool of one)
+        assert (
+            await conn.execute(sa.select(sa.func.count()).where(m.c.reason == "left behind"))
+        ).scalar() == 0
+    # and the hot path takes it as it takes any: a claim in autocommit, committed
+    assert len(await prov.receive(a.subscription("Job"), 10)) == 1
+
+
+async def test_a_settlement_cancelled_in_a_lock_wait_leaves_the_pool_clean_and_settles_once(pg_db):
+    """A settlement batch (one pipeline) cancelled while the server waits for a row lock: the
+    connection goes back out of any transaction and with autocommit as SQLAlchemy left it, or out of
+    the pool; the batch is not half applied, and settled again it applies once."""
+    from psycopg.pq import TransactionStatus
+
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
+    a = app()
+    await Runtime(a, prov).open()
+    await a.enqueue_many([Job(n=i) for i in range(2)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert len(got) == 2
+    m = prov.tables.messages
+    blocker = pg_db.sync_engine()
+    try:
+        with blocker.connect() as lock:
+            lock.execute(sa.select(m.c.id).where(m.c.id == got[0].handle.row).with_for_update())
+            lock_pid = lock.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+            batch = [
+                Settlement(got[0], Complete()),
+                Settlement(got[1], RetryAfter(delay=timedelta(seconds=60), error="once")),
+            ]
+            task = asyncio.create_task(prov.settle(batch))
+            for _ in range(300):  # until the settlement waits for the lock (30 s at most)
+                with blocker.connect() as conn:
+                    # this test's settlement alone (the server is shared: another session's lock
+                    # wait must not pass for it): a lock wait on this schema's table, not the blocker
+                    waiting = conn.execute(
+                        sa.text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                            " AND pid <> :blocker AND query LIKE :table"
+                        ),
+                        {"blocker": lock_pid, "table": f"%{m.schema}%{m.name}%"},
+                    ).scalar_one()
+                if waiting:
+                    break
+                await asyncio.sleep(0.1)
+            assert waiting, "the settlement never waited for the lock"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            lock.rollback()
+    finally:
+        blocker.dispose()
+    status, autocommit, marked = await pooled_state(prov)
+    assert (status, autocommit, marked) == (TransactionStatus.IDLE, False, False)
+    await a_transaction_still_rolls_back(prov)
+    async with prov.engine.connect() as conn:
+        rows = (
+            await conn.execute(sa.select(m.c.status, m.c.attempt, m.c.lease_token).order_by(m.c.id))
+        ).all()
+    assert [r.status for r in rows] == ["Leased", "Leased"]  # nothing of the cancelled batch applied
+    for d in got:
+        d.refused = False
+    await prov.settle(batch)
+    assert not any(d.refused for d in got)
+    await prov.settle(batch)  # a second time: refused, row by row (its leases are gone)
+    assert all(d.refused for d in got)
+    async with prov.engine.connect() as conn:
+        after = (
+            await conn.execute(sa.select(m.c.status, m.c.attempt, m.c.last_error).order_by(m.c.id))
+        ).all()
+    assert [(r.status, r.attempt) for r in after] == [
+        ("Succeeded", rows[0].attempt + 1),  # (one attempt counted per settled message)
+        ("Failed", rows[1].attempt + 1),
+    ]
+    assert after[1].last_error == "once"
+
+
+async def test_an_engine_of_the_callers_keeps_sqlalchemys_reset_and_no_mark(pg_db):
+    """An engine the caller built has no ``reset`` listener of the kit's: the hot path does not mark
+    its connections (a mark nobody pops would outlive the return) and its pool's own rollback runs."""
+    from psycopg.pq import TransactionStatus
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from queueing_core.providers.sql import SqlProvider
+    from queueing_core.providers.sql.engine import normalize_url
+
+    engine = create_async_engine(normalize_url(pg_db.url), pool_size=1, max_overflow=0)
+    prov = SqlProvider(pg_db.url, schema=pg_db.schema, engine=engine, listen=False)
+    pg_db.providers.append(prov)
+    try:
+        a = app()
+        await Runtime(a, prov).open()
+        await a.enqueue_many([Job(n=1)])
+        got = await prov.receive(a.subscription("Job"), 10)
+        await prov.settle([Settlement(got[0], Complete())])
+        assert not got[0].refused
+        status, autocommit, marked = await pooled_state(prov)
+        assert (status, autocommit, marked) == (TransactionStatus.IDLE, False, False)
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize("durable", [True, False])
+async def test_the_hot_paths_connections_keep_their_engines_settings(pg_db, durable):
+    """Claims and settlements run in autocommit (a statement, or a pipeline, commits at its end), the
+    claims of relaxed providers with ``synchronous_commit=off`` (their own pool), the rest durable."""
+    prov = pg_db.provider(durable_claims=durable, listen=False)
+    await Runtime(app(), prov).open()
+    seen = {}
+    for name, engine in (("claims", prov.claims), ("settlements", prov.auto)):
+        async with prov._driver.connection(engine) as pg:
+            setting = (await (await pg.execute("SHOW synchronous_commit")).fetchone())[0]
+            # (the kit's connect timeout too: the relaxed claims' own settings add to it)
+            timeout = pg.info.get_parameters().get("connect_timeout")
+            seen[name] = (pg.autocommit, setting, timeout)
+    limit = str(retry_policy.PG_CONNECT_TIMEOUT)
+    assert seen == {
+        "claims": (True, "on" if durable else "off", limit),
+        "settlements": (True, "on", limit),
+    }
+
+
+@pytest.mark.parametrize("left", ["in a transaction", "inside a statement"])
+async def test_a_connection_left_in_use_goes_out_of_the_pool_and_the_cancellation_through(pg_db, left):
+    """A hot-path call interrupted (here, cancelled) with its connection inside a transaction or inside
+    a statement: that connection is closed and out of the pool, never given back with autocommit on nor
+    marked clean, and the caller sees its own cancellation, not psycopg's refusal to change autocommit
+    there."""
+    from psycopg.pq import TransactionStatus
+
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
+    a = app()
+    await Runtime(a, prov).open()
+    await a.enqueue_many([Job(n=1)])
+    lent = []
+
+    async def interrupted() -> None:
+        async with prov._driver.connection(prov.auto) as pg:
+            lent.append(pg)
+            if left == "in a transaction":
+                await pg.execute("BEGIN")
+                await pg.execute("SELECT 1")
+            else:
+                pg.pgconn.send_query(b"SELECT pg_sleep(0.2)")  # (sent; its result never read)
+            assert pg.info.transaction_status != TransactionStatus.IDLE
+            raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        await interrupted()
+    [pg] = lent
+    assert pg.closed
+    status, autocommit, marked = await pooled_state(prov)
+    assert (status, autocommit, marked) == (TransactionStatus.IDLE, False, False)
+    await a_transaction_still_rolls_back(prov)
+    got = await asyncio.wait_for(prov.receive(a.subscription("Job"), 10), 30)
+    assert [d.envelope.body["n"] for d in got if d.envelope is not None] == [1]

@@ -10,7 +10,19 @@ was a quarter of the worker's CPU. Here the same statements run on the psycopg c
 - **the same connections**: each call borrows a connection from the provider's SQLAlchemy pool (the
   ``claims`` engine for claims and renewals, the autocommit engine for settlements), so the pools'
   sizes, the Entra token sign-in of each new connection and ``synchronous_commit=off`` on relaxed
-  claims are exactly those of the rest of the provider;
+  claims (a setting of their own pool's connections) are exactly those of the rest of the provider;
+- **straight from the pool** (``engine.borrowed``, shared with the SQLite hot path): not through a
+  SQLAlchemy ``Connection``, which on both engines (each in ``AUTOCOMMIT``) set the isolation level on
+  the way out and reset it on the way back, and whose pool then rolled back even an idle connection.
+  Here psycopg's autocommit (what ``AUTOCOMMIT`` is to SQLAlchemy's psycopg dialect) is turned on for
+  the call and put back before the connection returns, neither a round trip on an idle connection,
+  so SQLAlchemy's users of the pool find it as SQLAlchemy left it. It returns marked clean
+  (``engine.RETURNED_CLEAN``: the kit's engines have ``pool_reset_on_return=None`` and a ``reset``
+  listener that rolls back every connection not so marked) only when it is certainly out of any
+  transaction, statement and pipeline; otherwise (a call cancelled mid-statement that psycopg could
+  not get out of, a broken connection) it is invalidated: its state is not worth a guess, and it is
+  rare. An engine passed in by the caller has no such listener: its connections are not marked, and
+  its pool's own reset runs;
 - **prepared statements**: each statement is prepared on the server at its first use on a connection
   (off when the provider's ``prepared_statements`` is false: poolers that cannot keep them);
 - **pipeline mode**: a settlement batch (every kind of outcome and its wake-ups), a settlement batch
@@ -20,7 +32,9 @@ was a quarter of the worker's CPU. Here the same statements run on the psycopg c
   nothing and fails nothing, and its own row count says which one it was.
 
 Errors of psycopg go through the provider's one translation (``errors.db_boundary``); a connection
-psycopg reports broken is invalidated in SQLAlchemy's pool, as SQLAlchemy does on a disconnect.
+psycopg reports broken is invalidated in SQLAlchemy's pool, as SQLAlchemy does on a disconnect. A
+statement's error leaves the connection idle (autocommit, or the pipeline's sync, ends its implicit
+transaction): it goes back to the pool as any other.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from typing import TYPE_CHECKING, Any, cast
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .engine import borrowed
 from .errors import db_boundary
 
 if TYPE_CHECKING:
@@ -42,11 +57,25 @@ if TYPE_CHECKING:
 
 
 @functools.cache
-def _reusable() -> frozenset[Any]:
-    """Where a connection may go back to the pool: between statements (the pool's reset rolls back)."""
-    from psycopg.pq import TransactionStatus
+def _idle() -> tuple[Any, Any]:
+    """psycopg's words for a connection out of any transaction and out of pipeline mode."""
+    from psycopg.pq import PipelineStatus, TransactionStatus
 
-    return frozenset({TransactionStatus.IDLE, TransactionStatus.INTRANS, TransactionStatus.INERROR})
+    return TransactionStatus.IDLE, PipelineStatus.OFF
+
+
+def _out_of_transaction(pg: psycopg.AsyncConnection[Any]) -> bool:
+    """Certainly out of any transaction and any statement: usable by the pool's next borrower as it is.
+    (Inside a statement, a transaction or a pipeline, or broken: a cancellation mid-round-trip, an
+    error psycopg could not get out of; its state is not worth guessing.)"""
+    idle, off = _idle()
+    pgconn = pg.pgconn
+    return (
+        not pg.broken
+        and not pg.closed
+        and pgconn.transaction_status == idle
+        and pgconn.pipeline_status == off
+    )
 
 
 class Compiled:
@@ -98,24 +127,36 @@ class Result:
 
 
 class DriverPath:
-    """Runs compiled statements on the psycopg connection under a SQLAlchemy pooled connection."""
+    """Runs compiled statements on the psycopg connection of a SQLAlchemy pooled connection."""
 
     def __init__(self, *, prepare: bool) -> None:
         self.prepare = prepare
 
     @contextlib.asynccontextmanager
     async def connection(self, engine: AsyncEngine) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        async with engine.connect() as conn:
-            raw = await conn.get_raw_connection()
-            pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
+        """A psycopg connection of ``engine``'s pool, in autocommit for the call (see the module)."""
+        async with borrowed(engine) as lent:
+            pg: psycopg.AsyncConnection[Any] = lent.driver
+            # as SQLAlchemy left it (its reset of the autocommit engine's isolation level turns
+            # autocommit off); neither change is a round trip on an idle connection
+            left = pg.autocommit
             try:
+                if not left:
+                    await pg.set_autocommit(True)
                 yield pg
-            except BaseException:
-                # broken, or left inside a statement (a cancellation mid-round-trip): not reusable, so
-                # out of the pool, as SQLAlchemy does itself on a disconnect
-                if pg.broken or pg.closed or pg.info.transaction_status not in _reusable():
-                    await conn.invalidate()
-                raise
+            finally:
+                # whatever happened (an error, a cancelled caller): back to the pool only as it was
+                # lent, out of any transaction with autocommit as it was; else ``borrowed`` takes it
+                # out of the pool (psycopg refuses to change autocommit inside a transaction anyway)
+                if _out_of_transaction(pg):
+                    try:
+                        if pg.autocommit != left:
+                            await pg.set_autocommit(left)
+                    finally:
+                        # (psycopg's wait may yield once to a loop that has been busy for a while:
+                        # a cancellation there finds autocommit already put back, and the connection
+                        # is as good as any; only one not as it was lent leaves the pool)
+                        lent.clean = pg.autocommit == left and _out_of_transaction(pg)
 
     async def run(
         self, engine: AsyncEngine, action: str, work: Sequence[tuple[Compiled, Mapping[str, Any]]]

@@ -1,17 +1,21 @@
-"""Engines for the SQL provider: URL normalization, SQLite tuning, password-free URLs for logs, and
-a password asked for on every new connection (an Entra access token, see ``entra``)."""
+"""Engines for the SQL provider: URL normalization, SQLite tuning, password-free URLs for logs, a
+password asked for on every new connection (an Entra access token, see ``entra``), and the hot paths'
+way to a pooled connection (:func:`borrowed`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import sqlite3
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.util import greenlet_spawn
 
 from ... import retry_policy
 from ...errors import ConfigurationError
@@ -80,29 +84,40 @@ def create_engine(
         # one connection per process: SQLite has one writer, and transactions queued on the pool wait
         # in asyncio instead of in SQLite's busy handler (which sleeps in steps of up to 100 ms)
         single: dict[str, Any] = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 120, **kwargs}
-        # (the pool's rollback of a returned connection is ``on_reset``'s, below)
+        # (the pool's rollback of a returned connection is ``_rollback_unless_clean``'s, below)
         engine = create_async_engine(
             u, async_creator=_sqlite_connector(u), pool_reset_on_return=None, **single
         )
         _tune_sqlite(engine)
+        sa.event.listen(engine.sync_engine, "reset", _rollback_unless_clean)
         return engine
     # No pre-ping (a round trip per transaction): when a statement meets a dead connection, SQLAlchemy
-    # sees the disconnect, invalidates the whole pool, and the worker's next attempt reconnects.
+    # sees the disconnect, invalidates the whole pool, and the worker's next attempt reconnects (on
+    # the hot path, which runs on psycopg's connection, only that connection leaves the pool: each of
+    # the others fails its next call once, and the caller retries).
     opts: dict[str, Any] = {
         "pool_size": 5,
         "max_overflow": 10,
         "pool_recycle": 1800,
         # a server that does not answer fails the connection in seconds (the caller retries)
         "connect_args": {"connect_timeout": retry_policy.PG_CONNECT_TIMEOUT},
+        # the rollback of a returned connection is ``_rollback_unless_clean``'s (below): the hot path's
+        # connections come back known clean, and the rest are rolled back as SQLAlchemy's own reset does
+        "pool_reset_on_return": None,
     }
-    opts.update(kwargs)
+    # a caller's ``connect_args`` (the relaxed claims' ``synchronous_commit=off``) add to the kit's
+    # own, the connect timeout included, instead of replacing them
+    connect_args = {**opts["connect_args"], **kwargs.pop("connect_args", {})}
+    opts.update(kwargs, connect_args=connect_args)
     if not prepared_statements:
         # a pooler that cannot keep server-side prepared statements (PgBouncer in transaction mode
         # before 1.21, or without max_prepared_statements): psycopg never prepares on these connections
         opts["connect_args"] = {**opts.get("connect_args", {}), "prepare_threshold": None}
     if password is not None:
         opts["async_creator"] = _connector(u, password, opts.pop("connect_args", {}))
-    return create_async_engine(u, **opts)
+    engine = create_async_engine(u, **opts)
+    sa.event.listen(engine.sync_engine, "reset", _rollback_unless_clean)
+    return engine
 
 
 def _sqlite_connector(url: URL) -> Callable[[], Awaitable[Any]]:
@@ -151,8 +166,69 @@ def _connector(url: URL, password: PasswordSource, connect_args: dict[str, Any])
 
 
 #: set on a pooled connection's ``info`` by whoever returns it out of any transaction for certain (the
-#: SQLite hot path, see ``sqlite_driver``): the pool skips its rollback, a hop to aiosqlite's thread
+#: hot paths, see :func:`borrowed`): the pool's reset skips its rollback, work for nothing (a hop to
+#: aiosqlite's thread on SQLite, a call through SQLAlchemy's adapter on PostgreSQL)
 RETURNED_CLEAN = "queueing_returned_clean"
+
+
+def _rollback_unless_clean(dbapi_conn: Any, record: Any, state: Any) -> None:
+    """The pool's ``reset`` listener on the kit's engines, which have ``pool_reset_on_return=None``:
+    SQLAlchemy's own reset (``pool_reset_on_return="rollback"``), but for connections known clean.
+
+    SQLAlchemy dispatches ``reset`` before it looks at ``pool_reset_on_return``, on every return: with
+    ``None`` this is the only rollback a connection left in a transaction gets. The mark is popped on
+    every return, so it holds for one return only, never for the connection's next borrower."""
+    clean = record is not None and record.info.pop(RETURNED_CLEAN, False)
+    if not clean and state.asyncio_safe and not state.transaction_was_reset:
+        dbapi_conn.rollback()
+
+
+def skips_reset(engine: AsyncEngine) -> bool:
+    """Whether ``engine``'s pool takes the clean mark (:func:`_rollback_unless_clean` listens to it):
+    the kit's own engines, not necessarily one a caller built, which keeps SQLAlchemy's own reset."""
+    # (the pool's own list of listeners: what it will call; ``sa.event.contains`` of the pool does not
+    # see a listener registered on its engine, and costs four times as much)
+    return _rollback_unless_clean in engine.sync_engine.pool.dispatch.reset
+
+
+@dataclass
+class Lent:
+    """A connection of a pool, lent by :func:`borrowed`: its driver's own connection, and whether its
+    borrower leaves it out of any transaction and as the pool lent it, for certain (``clean``)."""
+
+    driver: Any
+    clean: bool = False
+
+
+@contextlib.asynccontextmanager
+async def borrowed(engine: AsyncEngine) -> AsyncIterator[Lent]:
+    """A connection straight from ``engine``'s pool, for the hot paths.
+
+    A SQLAlchemy ``Connection`` around it (``engine.connect()``) would apply the engine's execution
+    options on the way (the autocommit engine's isolation level, set on borrow and reset on return)
+    and its pool would roll back on return, even a connection out of any transaction: work for
+    nothing on every call. The pool's own events still run (the Entra sign-in of a new connection,
+    the dialect's set-up), and its size and timeouts hold.
+
+    On the way back the connection is marked clean (no rollback) when its borrower says so
+    (``Lent.clean``) and the pool takes the mark (:func:`skips_reset`); when not clean it is
+    invalidated (closed and out of the pool): its state is unknown, a connection inside a statement
+    or a transaction, broken, or one whose settings could not be put back."""
+    pooled = await greenlet_spawn(engine.sync_engine.pool.connect)
+    pooled.info.pop(RETURNED_CLEAN, None)  # (only its own borrower marks it, and only on its return)
+    lent = Lent(pooled.driver_connection)
+    try:
+        yield lent
+    finally:
+        try:
+            if not pooled.is_valid:
+                pass  # (already out of the pool: nothing to mark or invalidate)
+            elif not lent.clean:
+                await greenlet_spawn(pooled.invalidate)
+            elif skips_reset(engine):
+                pooled.info[RETURNED_CLEAN] = True
+        finally:
+            await greenlet_spawn(pooled.close)
 
 
 def _tune_sqlite(engine: AsyncEngine) -> None:
@@ -166,13 +242,6 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
         cur.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; safe with WAL
         cur.execute("PRAGMA busy_timeout=30000")
         cur.close()
-
-    @sa.event.listens_for(engine.sync_engine, "reset")
-    def on_reset(dbapi_conn: Any, record: Any, state: Any) -> None:
-        # SQLAlchemy's own reset (``pool_reset_on_return="rollback"``), but for connections known clean
-        clean = record is not None and record.info.pop(RETURNED_CLEAN, False)
-        if not clean and state.asyncio_safe and not state.transaction_was_reset:
-            dbapi_conn.rollback()
 
     @sa.event.listens_for(engine.sync_engine, "begin")
     def on_begin(conn: sa.Connection) -> None:

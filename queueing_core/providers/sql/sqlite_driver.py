@@ -13,8 +13,9 @@ settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot 
 - **the same connection**: each call borrows the provider's one pooled connection (SQLite has one
   writer: calls queue on the pool, in asyncio), and runs one function on aiosqlite's own thread against
   its ``sqlite3`` connection, so in-memory databases and the connection's PRAGMAs are those of the rest
-  of the provider. The connection goes back to the pool marked clean (``engine.RETURNED_CLEAN``): the
-  pool's rollback on its return would be one more hop for nothing;
+  of the provider. It is borrowed straight from the pool and goes back marked clean
+  (``engine.borrowed``, as on the PostgreSQL hot path): the pool's rollback on its return would be one
+  more hop for nothing;
 - **one transaction**: the statements run between ``BEGIN IMMEDIATE`` and ``COMMIT`` (one WAL
   append), rolled back as a whole on any error, in the thread: a caller cancelled mid-call leaves no
   transaction open, since the function still ends it. A statement whose lease guard refuses its row
@@ -33,11 +34,10 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.util import greenlet_spawn
 
 from ...clock import as_utc
 from .driver import Compiled, Result
-from .engine import RETURNED_CLEAN
+from .engine import borrowed
 from .errors import db_boundary
 
 
@@ -145,26 +145,23 @@ class SqliteDriverPath:
         # the values are processed here, where a missing one fails before the connection is borrowed
         bound = [(stmt, stmt.params(values)) for stmt, values in work]
         with db_boundary(action):
-            # straight from the pool: a SQLAlchemy connection of the autocommit engine would set and
-            # reset its isolation level on the way, three more hops to the thread
-            pooled = await greenlet_spawn(engine.sync_engine.pool.connect)
-            try:
-                return await self.round_trip(pooled.driver_connection, bound)
-            except _Unusable as broken:
-                await greenlet_spawn(pooled.invalidate)
-                raise broken.error from None
-            except ValueError as closed:
-                # aiosqlite's words for a connection (or its thread) that is gone: out of the pool, and
-                # a retryable error, as SQLAlchemy's adapter treats them
-                await greenlet_spawn(pooled.invalidate)
-                raise sqlite3.OperationalError(f"the SQLite connection is closed: {closed}") from closed
-            finally:
-                if pooled.is_valid:
-                    # whatever happened here (an error, a cancelled caller), the function that runs
-                    # in aiosqlite's thread ends its own transaction, and anything later queued there
-                    # runs after it: no rollback needed on the way back to the pool
-                    pooled.info[RETURNED_CLEAN] = True
-                await greenlet_spawn(pooled.close)
+            # straight from the pool (``engine.borrowed``): a SQLAlchemy connection of the autocommit
+            # engine would set and reset its isolation level on the way, three more hops to the thread
+            async with borrowed(engine) as lent:
+                # whatever happens here (an error, a cancelled caller), the function that runs in
+                # aiosqlite's thread ends its own transaction, and anything later queued there runs
+                # after it: back to the pool clean, no rollback needed, but in the two cases below
+                lent.clean = True
+                try:
+                    return await self.round_trip(lent.driver, bound)
+                except _Unusable as broken:
+                    lent.clean = False  # (out of the pool)
+                    raise broken.error from None
+                except ValueError as closed:
+                    # aiosqlite's words for a connection (or its thread) that is gone: out of the pool,
+                    # and a retryable error, as SQLAlchemy's adapter treats them
+                    lent.clean = False
+                    raise sqlite3.OperationalError(f"the SQLite connection is closed: {closed}") from closed
 
     async def round_trip(self, aio: Any, bound: list[tuple[Compiled, dict[str, Any]]]) -> list[Result]:
         """The one hop: ``_round_trip`` in the thread of ``aio`` (an ``aiosqlite.Connection``)."""
