@@ -373,3 +373,75 @@ async def test_a_middleware_swapped_for_an_equal_but_different_one_is_the_one_th
     app.handle_middleware[0] = second
     await pipe.process(delivery(prod, Job(n=2)))
     assert (first.seen, second.seen) == ([1], [2])
+
+
+async def test_a_worker_whose_slots_are_all_taken_stops_at_its_deadline():
+    # the consumer of a full worker waits on its slot event alone (no task to watch for the stop):
+    # the shutdown has to wake it, or it would wait for a handler that never ends
+    from queueing_core.providers.inprocess import InProcessProvider
+    from queueing_core.runtime import Runtime
+    from queueing_core.worker import Worker
+
+    app = QueueingApp()
+    started, never = asyncio.Event(), asyncio.Event()
+
+    @app.handler(max_concurrency=1)
+    async def handle(msg: Job) -> None:
+        started.set()
+        await never.wait()
+
+    rt = Runtime(app, InProcessProvider())
+    await rt.open()
+    try:
+        await app.enqueue(Job(n=1))
+        worker = Worker(rt, shutdown_timeout=0.1, prefetch=1, schedules=False)
+        await worker.start()
+        await asyncio.wait_for(started.wait(), 10)
+        await asyncio.sleep(0.05)  # the consumer is in its wait for a slot now
+        # (a bound so a broken wake-up fails the test instead of hanging it)
+        await asyncio.wait_for(worker.shutdown(), 10)
+        assert worker.in_flight == 0
+    finally:
+        await rt.close()
+
+
+async def test_hooks_run_in_order_and_the_pipeline_waits_for_one_that_returns_an_awaitable():
+    # the pipeline only awaits when a hook returned something to await (``Hooks.notify``)
+    app = QueueingApp()
+    pipe, prod = make(app)
+    trail: list[str] = []
+
+    @app.handler()
+    async def handle(msg: Job) -> None:
+        trail.append("handler")
+
+    @app.hooks.on(Event.BEGAN, Event.SUCCEEDED)
+    def first(obs):
+        trail.append(f"first {obs.event.value}")
+
+    @app.hooks.on(Event.BEGAN, Event.SUCCEEDED)
+    def slow(obs):
+        async def later() -> None:
+            await asyncio.sleep(0.01)
+            trail.append(f"slow {obs.event.value}")
+
+        return later()
+
+    @app.hooks.on(Event.BEGAN, Event.SUCCEEDED)
+    def broken(obs):
+        raise RuntimeError("a hook that fails is logged and ignored")
+
+    @app.hooks.on(Event.BEGAN, Event.SUCCEEDED)
+    def last(obs):
+        trail.append(f"last {obs.event.value}")
+
+    assert await pipe.process(delivery(prod, Job(n=1))) == Complete(None)
+    assert trail == [
+        "first began",
+        "slow began",
+        "last began",
+        "handler",
+        "first succeeded",
+        "slow succeeded",
+        "last succeeded",
+    ]
