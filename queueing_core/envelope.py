@@ -19,7 +19,7 @@ from uuid import NAMESPACE_OID, UUID, uuid5
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from .clock import as_utc
+from .clock import to_utc
 from .errors import MalformedEnvelope, UnsupportedEnvelopeVersion
 
 ENVELOPE_VERSION = 1
@@ -43,8 +43,10 @@ REPEATED_FORWARD = "queueing-repeated-forward"
 
 #: a time in UTC (naive taken as UTC). On the type rather than a validator of the model's fields: an
 #: absent ``not_before`` / ``expires_at`` (most envelopes) is then never handed to Python, and every
-#: message the worker claims is validated into an envelope
-_Utc = Annotated[datetime, AfterValidator(as_utc)]
+#: message the worker claims is validated into an envelope. A time valid as written but outside the
+#: years 1-9999 in UTC (``0001-01-01T00:00:00+05:00``) is a validation error, so a malformed envelope
+#: dead-lettered alone, not an ``OverflowError`` that fails every receive of its queue
+_Utc = Annotated[datetime, AfterValidator(to_utc)]
 
 
 class Envelope(BaseModel):

@@ -96,11 +96,24 @@ class Hooks:
         return None
 
     async def _then(self, obs: Observation, fn: Hook, pending: Awaitable[Any], i: int) -> None:
-        """Await what ``fn`` returned, then call the hooks after it (from index ``i``)."""
-        try:
-            await pending
-        except Exception:
-            log.exception("hook %r failed on %s; ignored", fn, obs.event.value)
-        rest = self._notify_from(obs, i)
-        if rest is not None:
-            await rest
+        """Await what ``fn`` returned, then call the hooks after it (from index ``i``), awaiting each
+        awaitable in turn: a loop, not a coroutine per awaitable hook (no depth that grows with them)."""
+        hooks = self._hooks[obs.event]
+        while True:
+            try:
+                await pending
+            except Exception:
+                log.exception("hook %r failed on %s; ignored", fn, obs.event.value)
+            while i < len(hooks):
+                fn = hooks[i]
+                i += 1
+                try:
+                    result = fn(obs)
+                except Exception:
+                    log.exception("hook %r failed on %s; ignored", fn, obs.event.value)
+                    continue
+                if result is not None and inspect.isawaitable(result):
+                    pending = result
+                    break
+            else:
+                return

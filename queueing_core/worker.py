@@ -532,11 +532,12 @@ class Worker:
         finally:
             freed.cancel()
 
-    @staticmethod
-    async def _slot_freed(state: _SubState) -> None:
+    async def _slot_freed(self, state: _SubState) -> None:
         """Wait until a handler slot frees up or the worker stops, on the slot's event alone (``shutdown``
         sets it as it stops): a full worker waits here before every claim, and a task and a wait on two
         things each time would cost more than the claim's own bookkeeping."""
+        if self._stopping.is_set():
+            return  # (shutdown's wake-up already came: cleared here, it would never come again)
         state.slot_freed.clear()
         await state.slot_freed.wait()
 

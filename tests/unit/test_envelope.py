@@ -96,6 +96,17 @@ def test_every_time_of_the_envelope_is_held_in_utc_and_an_absent_one_stays_absen
     assert env.expires_at is None
 
 
+@pytest.mark.parametrize("field", ["created_at", "not_before", "expires_at"])
+@pytest.mark.parametrize("value", ["0001-01-01T00:00:00+05:00", "9999-12-31T23:00:00-05:00"])
+def test_a_time_out_of_range_once_in_utc_is_a_malformed_envelope(field, value):
+    # valid as written, out of datetime's years in UTC: the message is malformed (dead-lettered with
+    # its reason), not an OverflowError that fails the whole receive of its queue on every poll
+    doc = json.loads(make().encode())
+    doc[field] = value
+    with pytest.raises(MalformedEnvelope, match=field):
+        Envelope.decode(json.dumps(doc))
+
+
 @given(st.binary(max_size=300))
 def test_any_bytes_either_decode_or_raise_malformed(raw):
     with contextlib.suppress(MalformedEnvelope):

@@ -4,6 +4,7 @@ pipeline used to do for every message, and each test here pins down the case whe
 a pause, a provider that settles with its claims only sometimes, an outcome line at a level)."""
 
 import asyncio
+import json
 import logging
 from datetime import UTC, datetime, timedelta
 
@@ -20,7 +21,7 @@ from queueing_core import (
 )
 from queueing_core.control import CachedControlStore, MemoryControlStore
 from queueing_core.decisions import DeadLetter, DeadLetterReason
-from queueing_core.pipeline import Pipeline, fit_result
+from queueing_core.pipeline import Pipeline, decode_message, fit_result
 from queueing_core.producer import Producer
 from queueing_core.runtime import log_outcome
 from queueing_core.transport import Capabilities, Delivery, Settlement
@@ -445,3 +446,63 @@ async def test_hooks_run_in_order_and_the_pipeline_waits_for_one_that_returns_an
         "slow succeeded",
         "last succeeded",
     ]
+
+
+async def test_many_hooks_that_return_awaitables_run_one_after_another_without_nesting():
+    # each awaitable hook is awaited in one loop: a chain of them does not grow the stack (a thousand
+    # once raised RecursionError out of the pipeline, and the message never ran)
+    app = QueueingApp()
+    pipe, prod = make(app)
+    ran: list[int] = []
+
+    @app.handler()
+    async def handle(msg: Job) -> None:
+        ran.append(-1)
+
+    def awaitable_hook(n: int):
+        def hook(obs):
+            async def later() -> None:
+                ran.append(n)
+
+            return later()
+
+        return hook
+
+    for n in range(3000):
+        app.hooks.on(Event.BEGAN)(awaitable_hook(n))
+    assert await pipe.process(delivery(prod, Job(n=1))) == Complete(None)
+    assert ran == [*range(3000), -1]
+
+
+def test_a_body_that_carries_base_fields_gets_the_envelopes_instead():
+    # a body the kit writes has none (copied whole); one that has them (written by hand, or by an older
+    # sender) has them replaced by the envelope's own values
+    app = QueueingApp()
+
+    @app.handler()
+    async def handle(msg: Job) -> None: ...
+
+    _, prod = make(app)
+    env = prod.envelope_for(Job(n=7))
+    forged = env.model_copy(
+        update={
+            "body": {**env.body, "message_id": "not-an-id", "properties": {"x": "y"}, "correlation_id": "z"}
+        }
+    )
+    msg = decode_message(app.subscription("Job"), forged)
+    assert (msg.n, msg.message_id, msg.properties, msg.correlation_id) == (
+        7,
+        env.message_id,
+        env.headers,
+        env.correlation_id,
+    )
+
+
+def test_a_time_out_of_range_in_utc_makes_a_malformed_delivery_not_a_failed_receive():
+    app = QueueingApp()
+    _, prod = make(app)
+    doc = json.loads(prod.envelope_for(Job(n=1)).encode())
+    doc["created_at"] = "0001-01-01T00:00:00+05:00"
+    got = Delivery.of(json.dumps(doc).encode(), queue="shortcut-jobs")
+    assert got.envelope is None
+    assert got.malformed is not None
