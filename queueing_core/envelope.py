@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from uuid import NAMESPACE_OID, UUID, uuid5
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from .clock import as_utc
+from .clock import to_utc
 from .errors import MalformedEnvelope, UnsupportedEnvelopeVersion
 
 ENVELOPE_VERSION = 1
@@ -41,6 +41,14 @@ def dead_letter_marks(reason: str, description: str, now: datetime) -> dict[str,
 REPEATED_FORWARD = "queueing-repeated-forward"
 
 
+#: a time in UTC (naive taken as UTC). On the type rather than a validator of the model's fields: an
+#: absent ``not_before`` / ``expires_at`` (most envelopes) is then never handed to Python, and every
+#: message the worker claims is validated into an envelope. A time valid as written but outside the
+#: years 1-9999 in UTC (``0001-01-01T00:00:00+05:00``) is a validation error, so a malformed envelope
+#: dead-lettered alone, not an ``OverflowError`` that fails every receive of its queue
+_Utc = Annotated[datetime, AfterValidator(to_utc)]
+
+
 class Envelope(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -51,16 +59,11 @@ class Envelope(BaseModel):
     tracking_id: UUID
     correlation_id: str | None = Field(default=None, max_length=256)
     attempt: int = Field(default=0, ge=0)
-    created_at: datetime
-    not_before: datetime | None = None
-    expires_at: datetime | None = None
+    created_at: _Utc
+    not_before: _Utc | None = None
+    expires_at: _Utc | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     body: dict[str, Any]
-
-    @field_validator("created_at", "not_before", "expires_at")
-    @classmethod
-    def _utc(cls, value: datetime | None) -> datetime | None:
-        return None if value is None else as_utc(value)
 
     def encode(self) -> bytes:
         return self.model_dump_json().encode()

@@ -70,10 +70,50 @@ class Hooks:
         return bool(self._hooks[event])
 
     async def emit(self, obs: Observation) -> None:
-        for fn in self._hooks[obs.event]:
+        pending = self.notify(obs)
+        if pending is not None:
+            await pending
+
+    def notify(self, obs: Observation) -> Awaitable[None] | None:
+        """Call the hooks of ``obs.event`` in order; an awaitable one returns is awaited before the next
+        is called. None when every hook returned without one (the usual case: counters, log lines),
+        else what is left to await. The worker tells of two events per message: a message whose hooks
+        are all plain functions costs no coroutine here."""
+        return self._notify_from(obs, 0)
+
+    def _notify_from(self, obs: Observation, i: int) -> Awaitable[None] | None:
+        hooks = self._hooks[obs.event]
+        while i < len(hooks):  # by index, as a list's iterator goes: a hook added meanwhile is called
+            fn = hooks[i]
+            i += 1
             try:
                 result = fn(obs)
-                if result is not None and inspect.isawaitable(result):  # most hooks return None
-                    await result
             except Exception:
                 log.exception("hook %r failed on %s; ignored", fn, obs.event.value)
+                continue
+            if result is not None and inspect.isawaitable(result):  # most hooks return None
+                return self._then(obs, fn, result, i)
+        return None
+
+    async def _then(self, obs: Observation, fn: Hook, pending: Awaitable[Any], i: int) -> None:
+        """Await what ``fn`` returned, then call the hooks after it (from index ``i``), awaiting each
+        awaitable in turn: a loop, not a coroutine per awaitable hook (no depth that grows with them)."""
+        hooks = self._hooks[obs.event]
+        while True:
+            try:
+                await pending
+            except Exception:
+                log.exception("hook %r failed on %s; ignored", fn, obs.event.value)
+            while i < len(hooks):
+                fn = hooks[i]
+                i += 1
+                try:
+                    result = fn(obs)
+                except Exception:
+                    log.exception("hook %r failed on %s; ignored", fn, obs.event.value)
+                    continue
+                if result is not None and inspect.isawaitable(result):
+                    pending = result
+                    break
+            else:
+                return

@@ -138,13 +138,18 @@ SupersedeCheck = Callable[[Subscription, QueueMessage], Awaitable[UUID | None]]
 
 def decode_message(sub: Subscription, env: Envelope) -> QueueMessage:
     """Rebuild the user's model: body fields plus the base fields from the envelope."""
-    data: dict[str, Any] = {k: v for k, v in env.body.items() if k not in BASE_FIELDS}
-    data.update(
-        message_id=env.message_id,
-        created_at=env.created_at,
-        correlation_id=env.correlation_id,
-        properties=env.headers,
+    body = env.body
+    # a body without base fields (every body the kit writes) is copied whole, in C, instead of being
+    # filtered key by key; one that carries them still has them dropped (the envelope's values win)
+    data: dict[str, Any] = (
+        dict(body)
+        if BASE_FIELDS.isdisjoint(body)
+        else {k: v for k, v in body.items() if k not in BASE_FIELDS}
     )
+    data["message_id"] = env.message_id
+    data["created_at"] = env.created_at
+    data["correlation_id"] = env.correlation_id
+    data["properties"] = env.headers
     return sub.message_type.model_validate(data)
 
 
@@ -213,7 +218,10 @@ class Pipeline:
 
     def _chain(self, sub: Subscription) -> Callable[[HandlerContext], Awaitable[Any]]:
         middleware = self.app.handle_middleware
-        if not same_middleware(self._chains_middleware, middleware):  # changed since: build them again
+        # asked for every message: with no middleware then and now (the usual case) the chains still fit,
+        # without the element-wise comparison
+        built = self._chains_middleware
+        if (middleware or built) and not same_middleware(built, middleware):
             self._chains.clear()
             self._chains_middleware = list(middleware)
         chain = self._chains.get(sub.type_name)
@@ -221,8 +229,10 @@ class Pipeline:
             spec = sub.handler
             assert spec is not None
 
-            async def terminal(ctx: HandlerContext) -> Any:
-                return await spec.call(ctx.message, ctx)
+            # a plain function handing on the handler's awaitable: awaited by the pipeline (or the
+            # innermost middleware) directly, without a coroutine of its own per message
+            def terminal(ctx: HandlerContext) -> Awaitable[Any]:
+                return spec.call(ctx.message, ctx)
 
             chain = self._chains[sub.type_name] = compose_handle(self._chains_middleware, terminal)
         return chain
@@ -264,7 +274,8 @@ class Pipeline:
         state = self._fresh_state() if self._fresh_state is not None else None
         if state is None:
             state = await self.control.state()
-        if env.message_id in state.cancelled:
+        # (a UUID hashes in Python: the usual empty set is not asked)
+        if state.cancelled and env.message_id in state.cancelled:
             return await self._emit_final(delivery, Complete(None, cancelled=True))
         if state.is_paused(sub.queue, sub.type_name):
             what = f"queue {sub.queue!r}" if sub.queue in state.paused_queues else f"type {sub.type_name!r}"
@@ -354,7 +365,9 @@ class Pipeline:
         )
         hooks = self.app.hooks
         if hooks.wants(Event.BEGAN):
-            await hooks.emit(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
+            pending = hooks.notify(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
+            if pending is not None:  # (a coroutine only for a hook that returned an awaitable)
+                await pending
         chain = self._chain(sub)  # before the slot: nothing that may raise runs between it and the try
         limiter = self.limiter(sub)
         if not limiter.locked() and (closing is None or not closing.is_set()):
@@ -414,8 +427,11 @@ class Pipeline:
                 else:
                     decision = Complete(fit_result(result, ctx.log))
             finally:
-                if self.running.get(env.message_id) is run:
-                    del self.running[env.message_id]
+                # one lookup (a UUID hashes in Python); another run of the same id (a duplicate delivery
+                # running beside this one) that took the entry meanwhile keeps it
+                other = self.running.pop(env.message_id, run)
+                if other is not run:
+                    self.running[env.message_id] = other
                 if run.timer is not None:
                     run.timer.cancel()
         finally:
@@ -425,7 +441,9 @@ class Pipeline:
             decision = Complete(decision.result if isinstance(decision, Complete) else None, cancelled=True)
         if ctx.progress is not None:  # a report not stored yet is stored now
             await ctx.flush_progress()
-        await self._emit(delivery, decision, error, started)
+        pending = self._emit(delivery, decision, error, started)
+        if pending is not None:
+            await pending
         return decision
 
     def _failure(self, sub: Subscription, attempt: int, error: str, after: timedelta | None) -> Decision:
@@ -455,22 +473,24 @@ class Pipeline:
             log.exception("could not record the circuit outcome for %s", sub.type_name)
 
     async def _emit_final(self, delivery: Delivery, decision: Decision) -> Decision:
-        await self._emit(delivery, decision, None, None)
+        pending = self._emit(delivery, decision, None, None)
+        if pending is not None:
+            await pending
         return decision
 
-    async def _emit(
+    def _emit(
         self, delivery: Delivery, decision: Decision, error: BaseException | None, started: float | None
-    ) -> None:
-        """Tell the hooks of ``decision`` (the handler's run took from ``started`` until now)."""
+    ) -> Awaitable[None] | None:
+        """Tell the hooks of ``decision`` (the handler's run took from ``started`` until now); what is
+        left to await, if a hook returned an awaitable (see :meth:`Hooks.notify`)."""
         event = _EVENT_OF[type(decision)]
         hooks = self.app.hooks
-        if hooks.wants(event):
-            duration = None if started is None else timedelta(seconds=perf_counter() - started)
-            await hooks.emit(
-                Observation(
-                    event, delivery.envelope, delivery.queue, delivery.attempt, decision, error, duration
-                )
-            )
+        if not hooks.wants(event):
+            return None
+        duration = None if started is None else timedelta(seconds=perf_counter() - started)
+        return hooks.notify(
+            Observation(event, delivery.envelope, delivery.queue, delivery.attempt, decision, error, duration)
+        )
 
 
 async def _take_slot(limiter: asyncio.Semaphore, closing: asyncio.Event | None) -> bool:

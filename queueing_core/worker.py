@@ -456,6 +456,8 @@ class Worker:
         if self._stopping.is_set() and not self._consumers:
             return
         self._stopping.set()
+        for state in self._subs.values():
+            state.slot_freed.set()  # a consumer waiting for a free slot (see ``_slot_freed``) sees the stop
         await asyncio.gather(*self._consumers, return_exceptions=True)
         self._consumers.clear()
         pending = set(self._tasks)
@@ -529,6 +531,15 @@ class Worker:
             await asyncio.wait({*claims, freed, self._stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             freed.cancel()
+
+    async def _slot_freed(self, state: _SubState) -> None:
+        """Wait until a handler slot frees up or the worker stops, on the slot's event alone (``shutdown``
+        sets it as it stops): a full worker waits here before every claim, and a task and a wait on two
+        things each time would cost more than the claim's own bookkeeping."""
+        if self._stopping.is_set():
+            return  # (shutdown's wake-up already came: cleared here, it would never come again)
+        state.slot_freed.clear()
+        await state.slot_freed.wait()
 
     def _dispatch(self, sub: Subscription, state: _SubState, batch: list[Delivery]) -> None:
         if batch:
@@ -627,11 +638,10 @@ class Worker:
                     await self._claim_done_or_slot_freed(state, claims)
                     continue
                 if short:
-                    state.slot_freed.clear()
                     # the claim comes once enough of the running handlers finish: their settlements may
                     # wait for it (the settler bounds how long)
                     with self.settler.expecting(combined):
-                        await self._until_stopping(state.slot_freed.wait(), None)
+                        await self._slot_freed(state)
                     continue
                 try:
                     want = min(free, self.batch_size)

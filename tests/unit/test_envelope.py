@@ -2,7 +2,7 @@
 
 import contextlib
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from uuid import uuid4
 
 import pytest
@@ -78,6 +78,33 @@ def test_naive_datetimes_are_read_as_utc():
     env = Envelope.decode(json.dumps(doc))
     assert env.created_at.tzinfo is not None
     assert env.created_at.utcoffset().total_seconds() == 0
+
+
+def test_every_time_of_the_envelope_is_held_in_utc_and_an_absent_one_stays_absent():
+    # (the conversion sits on the times' type: the optional ones get it as well, None passes by)
+    naive, offset = (
+        datetime(2026, 1, 2, 3, 4, 5),
+        datetime(2026, 1, 2, 5, 4, 5, tzinfo=timezone(timedelta(hours=2))),
+    )
+    for value in (naive, offset):
+        env = make(created_at=value, not_before=value, expires_at=value)
+        for got in (env.created_at, env.not_before, env.expires_at):
+            assert got == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+            assert got.tzinfo is UTC
+    env = make(not_before=None, expires_at=None)
+    assert env.not_before is None
+    assert env.expires_at is None
+
+
+@pytest.mark.parametrize("field", ["created_at", "not_before", "expires_at"])
+@pytest.mark.parametrize("value", ["0001-01-01T00:00:00+05:00", "9999-12-31T23:00:00-05:00"])
+def test_a_time_out_of_range_once_in_utc_is_a_malformed_envelope(field, value):
+    # valid as written, out of datetime's years in UTC: the message is malformed (dead-lettered with
+    # its reason), not an OverflowError that fails the whole receive of its queue on every poll
+    doc = json.loads(make().encode())
+    doc[field] = value
+    with pytest.raises(MalformedEnvelope, match=field):
+        Envelope.decode(json.dumps(doc))
 
 
 @given(st.binary(max_size=300))

@@ -4,6 +4,7 @@ pipeline used to do for every message, and each test here pins down the case whe
 a pause, a provider that settles with its claims only sometimes, an outcome line at a level)."""
 
 import asyncio
+import json
 import logging
 from datetime import UTC, datetime, timedelta
 
@@ -20,7 +21,7 @@ from queueing_core import (
 )
 from queueing_core.control import CachedControlStore, MemoryControlStore
 from queueing_core.decisions import DeadLetter, DeadLetterReason
-from queueing_core.pipeline import Pipeline, fit_result
+from queueing_core.pipeline import Pipeline, decode_message, fit_result
 from queueing_core.producer import Producer
 from queueing_core.runtime import log_outcome
 from queueing_core.transport import Capabilities, Delivery, Settlement
@@ -373,3 +374,135 @@ async def test_a_middleware_swapped_for_an_equal_but_different_one_is_the_one_th
     app.handle_middleware[0] = second
     await pipe.process(delivery(prod, Job(n=2)))
     assert (first.seen, second.seen) == ([1], [2])
+
+
+async def test_a_worker_whose_slots_are_all_taken_stops_at_its_deadline():
+    # the consumer of a full worker waits on its slot event alone (no task to watch for the stop):
+    # the shutdown has to wake it, or it would wait for a handler that never ends
+    from queueing_core.providers.inprocess import InProcessProvider
+    from queueing_core.runtime import Runtime
+    from queueing_core.worker import Worker
+
+    app = QueueingApp()
+    started, never = asyncio.Event(), asyncio.Event()
+
+    @app.handler(max_concurrency=1)
+    async def handle(msg: Job) -> None:
+        started.set()
+        await never.wait()
+
+    rt = Runtime(app, InProcessProvider())
+    await rt.open()
+    try:
+        await app.enqueue(Job(n=1))
+        worker = Worker(rt, shutdown_timeout=0.1, prefetch=1, schedules=False)
+        await worker.start()
+        await asyncio.wait_for(started.wait(), 10)
+        await asyncio.sleep(0.05)  # the consumer is in its wait for a slot now
+        # (a bound so a broken wake-up fails the test instead of hanging it)
+        await asyncio.wait_for(worker.shutdown(), 10)
+        assert worker.in_flight == 0
+    finally:
+        await rt.close()
+
+
+async def test_hooks_run_in_order_and_the_pipeline_waits_for_one_that_returns_an_awaitable():
+    # the pipeline only awaits when a hook returned something to await (``Hooks.notify``)
+    app = QueueingApp()
+    pipe, prod = make(app)
+    trail: list[str] = []
+
+    @app.handler()
+    async def handle(msg: Job) -> None:
+        trail.append("handler")
+
+    @app.hooks.on(Event.BEGAN, Event.SUCCEEDED)
+    def first(obs):
+        trail.append(f"first {obs.event.value}")
+
+    @app.hooks.on(Event.BEGAN, Event.SUCCEEDED)
+    def slow(obs):
+        async def later() -> None:
+            await asyncio.sleep(0.01)
+            trail.append(f"slow {obs.event.value}")
+
+        return later()
+
+    @app.hooks.on(Event.BEGAN, Event.SUCCEEDED)
+    def broken(obs):
+        raise RuntimeError("a hook that fails is logged and ignored")
+
+    @app.hooks.on(Event.BEGAN, Event.SUCCEEDED)
+    def last(obs):
+        trail.append(f"last {obs.event.value}")
+
+    assert await pipe.process(delivery(prod, Job(n=1))) == Complete(None)
+    assert trail == [
+        "first began",
+        "slow began",
+        "last began",
+        "handler",
+        "first succeeded",
+        "slow succeeded",
+        "last succeeded",
+    ]
+
+
+async def test_many_hooks_that_return_awaitables_run_one_after_another_without_nesting():
+    # each awaitable hook is awaited in one loop: a chain of them does not grow the stack (a thousand
+    # once raised RecursionError out of the pipeline, and the message never ran)
+    app = QueueingApp()
+    pipe, prod = make(app)
+    ran: list[int] = []
+
+    @app.handler()
+    async def handle(msg: Job) -> None:
+        ran.append(-1)
+
+    def awaitable_hook(n: int):
+        def hook(obs):
+            async def later() -> None:
+                ran.append(n)
+
+            return later()
+
+        return hook
+
+    for n in range(3000):
+        app.hooks.on(Event.BEGAN)(awaitable_hook(n))
+    assert await pipe.process(delivery(prod, Job(n=1))) == Complete(None)
+    assert ran == [*range(3000), -1]
+
+
+def test_a_body_that_carries_base_fields_gets_the_envelopes_instead():
+    # a body the kit writes has none (copied whole); one that has them (written by hand, or by an older
+    # sender) has them replaced by the envelope's own values
+    app = QueueingApp()
+
+    @app.handler()
+    async def handle(msg: Job) -> None: ...
+
+    _, prod = make(app)
+    env = prod.envelope_for(Job(n=7))
+    forged = env.model_copy(
+        update={
+            "body": {**env.body, "message_id": "not-an-id", "properties": {"x": "y"}, "correlation_id": "z"}
+        }
+    )
+    msg = decode_message(app.subscription("Job"), forged)
+    assert (msg.n, msg.message_id, msg.properties, msg.correlation_id) == (
+        7,
+        env.message_id,
+        env.headers,
+        env.correlation_id,
+    )
+
+
+def test_a_time_out_of_range_in_utc_makes_a_malformed_delivery_not_a_failed_receive():
+    app = QueueingApp()
+    _, prod = make(app)
+    doc = json.loads(prod.envelope_for(Job(n=1)).encode())
+    doc["created_at"] = "0001-01-01T00:00:00+05:00"
+    got = Delivery.of(json.dumps(doc).encode(), queue="shortcut-jobs")
+    assert got.envelope is None
+    assert got.malformed is not None
