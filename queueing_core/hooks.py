@@ -79,9 +79,12 @@ class Hooks:
         is called. None when every hook returned without one (the usual case: counters, log lines),
         else what is left to await. The worker tells of two events per message: a message whose hooks
         are all plain functions costs no coroutine here."""
-        return self._notify_from(obs, 0)
+        step = self._call_from(obs, 0)
+        return None if step is None else self._then(obs, step)
 
-    def _notify_from(self, obs: Observation, i: int) -> Awaitable[None] | None:
+    def _call_from(self, obs: Observation, i: int) -> tuple[Hook, Awaitable[Any], int] | None:
+        """Call the hooks of ``obs.event`` from index ``i`` until one returns an awaitable: that hook,
+        its awaitable and the index after it; None once every hook was called."""
         hooks = self._hooks[obs.event]
         while i < len(hooks):  # by index, as a list's iterator goes: a hook added meanwhile is called
             fn = hooks[i]
@@ -92,28 +95,17 @@ class Hooks:
                 log.exception("hook %r failed on %s; ignored", fn, obs.event.value)
                 continue
             if result is not None and inspect.isawaitable(result):  # most hooks return None
-                return self._then(obs, fn, result, i)
+                return fn, result, i
         return None
 
-    async def _then(self, obs: Observation, fn: Hook, pending: Awaitable[Any], i: int) -> None:
-        """Await what ``fn`` returned, then call the hooks after it (from index ``i``), awaiting each
-        awaitable in turn: a loop, not a coroutine per awaitable hook (no depth that grows with them)."""
-        hooks = self._hooks[obs.event]
-        while True:
+    async def _then(self, obs: Observation, step: tuple[Hook, Awaitable[Any], int]) -> None:
+        """Await each awaitable a hook returned, then call the hooks after it, in one loop: not a
+        coroutine per awaitable hook (no depth that grows with them)."""
+        next_step: tuple[Hook, Awaitable[Any], int] | None = step
+        while next_step is not None:
+            fn, pending, i = next_step
             try:
                 await pending
             except Exception:
                 log.exception("hook %r failed on %s; ignored", fn, obs.event.value)
-            while i < len(hooks):
-                fn = hooks[i]
-                i += 1
-                try:
-                    result = fn(obs)
-                except Exception:
-                    log.exception("hook %r failed on %s; ignored", fn, obs.event.value)
-                    continue
-                if result is not None and inspect.isawaitable(result):
-                    pending = result
-                    break
-            else:
-                return
+            next_step = self._call_from(obs, i)

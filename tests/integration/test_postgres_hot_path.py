@@ -43,6 +43,16 @@ async def prepared(prov) -> list[str]:
         return [str(r[0]) for r in rows]
 
 
+async def until_the_server_shows(engine: sa.Engine, count_sql: str, params: dict, failure: str) -> None:
+    """Polls ``count_sql`` (a count of server sessions) until it is not zero: 30 s at most."""
+    for _ in range(300):
+        with engine.connect() as conn:
+            if conn.execute(sa.text(count_sql), params).scalar_one():
+                return
+        await asyncio.sleep(0.1)
+    raise AssertionError(failure)
+
+
 async def test_claim_renew_and_settle_run_prepared_on_the_driver_connection(pg_db, monkeypatch):
     # one connection in all: the statements prepared on it are the hot path's (SQLAlchemy's own
     # statements would need psycopg's threshold of 5 executions first)
@@ -154,15 +164,12 @@ async def test_a_round_trip_cancelled_midway_leaves_the_pool_usable(pg_db):
     task = asyncio.create_task(prov._driver.run(prov.auto, "a slow statement", [(slow, {})]))
     engine = pg_db.sync_engine()
     try:
-        for _ in range(300):  # until the server runs it (30 s at most)
-            with engine.connect() as conn:
-                running = conn.execute(
-                    sa.text("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%'")
-                ).scalar_one()
-            if running:
-                break
-            await asyncio.sleep(0.1)
-        assert running, "the slow statement never started"
+        await until_the_server_shows(
+            engine,
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%'",
+            {},
+            "the slow statement never started",
+        )
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -326,21 +333,15 @@ async def test_a_settlement_cancelled_in_a_lock_wait_leaves_the_pool_clean_and_s
                 Settlement(got[1], RetryAfter(delay=timedelta(seconds=60), error="once")),
             ]
             task = asyncio.create_task(prov.settle(batch))
-            for _ in range(300):  # until the settlement waits for the lock (30 s at most)
-                with blocker.connect() as conn:
-                    # this test's settlement alone (the server is shared: another session's lock
-                    # wait must not pass for it): a lock wait on this schema's table, not the blocker
-                    waiting = conn.execute(
-                        sa.text(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                            " AND pid <> :blocker AND query LIKE :table"
-                        ),
-                        {"blocker": lock_pid, "table": f"%{m.schema}%{m.name}%"},
-                    ).scalar_one()
-                if waiting:
-                    break
-                await asyncio.sleep(0.1)
-            assert waiting, "the settlement never waited for the lock"
+            # this test's settlement alone (the server is shared: another session's lock wait must
+            # not pass for it): a lock wait on this schema's table, not the blocker
+            await until_the_server_shows(
+                blocker,
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND pid <> :blocker AND query LIKE :table",
+                {"blocker": lock_pid, "table": f"%{m.schema}%{m.name}%"},
+                "the settlement never waited for the lock",
+            )
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
