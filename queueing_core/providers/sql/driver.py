@@ -25,6 +25,11 @@ was a quarter of the worker's CPU. Here the same statements run on the psycopg c
   its pool's own reset runs;
 - **prepared statements**: each statement is prepared on the server at its first use on a connection
   (off when the provider's ``prepared_statements`` is false: poolers that cannot keep them);
+- **rows in binary, as tuples**: results come in PostgreSQL's binary format (a timestamp, a UUID or an
+  integer is read from its bytes, not parsed from text; the values are the same, times in the
+  session's time zone as in text) and as plain tuples, zipped with the statement's column names
+  (read once per statement: its text, hence its columns, never changes) into the rows the callers
+  read; psycopg's own dict rows would describe every column of every result again;
 - **pipeline mode**: a settlement batch (every kind of outcome and its wake-ups), a settlement batch
   with the next claim, or a renewal of several queues is one round trip. The statements between two
   syncs run in one implicit transaction, so the batch commits (one WAL flush) or fails as a whole, as
@@ -89,6 +94,8 @@ class Compiled:
             # an expanding IN has a new text per number of values: not one statement to prepare
             raise ValueError("a hot-path statement must have one text for any values (no expanding IN)")
         self.sql: str = compiled.string
+        #: the names of the columns it returns, in order: read from its first result (see ``_result``)
+        self.names: tuple[str, ...] | None = None
         self.defaults: dict[str, Any] = dict(compiled.params)
         #: the values each execution must bring (a forgotten one must not run as NULL)
         self.required = frozenset(name for name, bp in compiled.binds.items() if bp.required)
@@ -170,25 +177,34 @@ class DriverPath:
         self, pg: psycopg.AsyncConnection[Any], work: Sequence[tuple[Compiled, Mapping[str, Any]]]
     ) -> list[Result]:
         """One statement alone, or several in a pipeline (one implicit transaction, one sync)."""
-        from psycopg.rows import dict_row
+        from psycopg.rows import tuple_row
 
         if len(work) == 1:
             stmt, values = work[0]
-            cur = pg.cursor(row_factory=dict_row)
-            await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare)
-            return [await _result(cur)]
-        cursors = []
+            cur = pg.cursor(row_factory=tuple_row)
+            await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare, binary=True)
+            return [await _result(cur, stmt)]
+        sent = []
         async with pg.pipeline():
             for stmt, values in work:
-                cur = pg.cursor(row_factory=dict_row)
-                await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare)
-                cursors.append(cur)
-        return [await _result(cur) for cur in cursors]
+                cur = pg.cursor(row_factory=tuple_row)
+                await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare, binary=True)
+                sent.append((cur, stmt))
+        return [await _result(cur, stmt) for cur, stmt in sent]
 
 
-async def _result(cur: psycopg.AsyncCursor[dict[str, Any]]) -> Result:
-    rows = await cur.fetchall() if cur.description is not None else []
-    return Result(cur.rowcount, rows)
+async def _result(cur: psycopg.AsyncCursor[tuple[Any, ...]], stmt: Compiled) -> Result:
+    """What ``stmt`` did on ``cur``: its row count, and its rows as dicts by column name."""
+    from psycopg.pq import ExecStatus
+
+    res = cur.pgresult
+    if res is None or res.status != ExecStatus.TUPLES_OK:
+        return Result(cur.rowcount, [])  # (no rows to read: an UPDATE without RETURNING)
+    names = stmt.names
+    if names is None:
+        # (``description`` builds an object per column on every call: once per statement is enough)
+        names = stmt.names = tuple(column.name for column in cur.description or ())
+    return Result(cur.rowcount, [dict(zip(names, row, strict=True)) for row in await cur.fetchall()])
 
 
 class HotStatements:
