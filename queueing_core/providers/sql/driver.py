@@ -26,10 +26,16 @@ was a quarter of the worker's CPU. Here the same statements run on the psycopg c
 - **prepared statements**: each statement is prepared on the server at its first use on a connection
   (off when the provider's ``prepared_statements`` is false: poolers that cannot keep them);
 - **rows in binary, as tuples**: results come in PostgreSQL's binary format (a timestamp, a UUID or an
-  integer is read from its bytes, not parsed from text; the values are the same, times in the
-  session's time zone as in text) and as plain tuples, zipped with the statement's column names
-  (read once per statement: its text, hence its columns, never changes) into the rows the callers
-  read; psycopg's own dict rows would describe every column of every result again;
+  integer is read from its bytes, not parsed from text, whatever the session's ``DateStyle``) and as
+  plain tuples, zipped with the statement's column names (read once per statement: its text, hence
+  its columns, never changes) into the rows the callers read; psycopg's own dict rows would describe
+  every column of every result again;
+- **times in UTC**: a ``timestamptz`` read in binary on these connections comes back in UTC (the same
+  instant), not converted to the session's time zone: the kit works in UTC, and converting each time
+  to the session's zone and back cost more than the rest of reading it, once per time and again at
+  every use; and a time late in year 9999 stays readable in a session ahead of UTC (there it would be
+  in year 10000, which no ``datetime`` holds, and the claim carrying it failed as a whole). Only
+  binary reads change (SQLAlchemy reads in text), on the connections the hot path borrows;
 - **pipeline mode**: a settlement batch (every kind of outcome and its wake-ups), a settlement batch
   with the next claim, or a renewal of several queues is one round trip. The statements between two
   syncs run in one implicit transaction, so the batch commits (one WAL flush) or fails as a whole, as
@@ -48,6 +54,8 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from struct import Struct
 from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
@@ -81,6 +89,46 @@ def _out_of_transaction(pg: psycopg.AsyncConnection[Any]) -> bool:
         and pgconn.transaction_status == idle
         and pgconn.pipeline_status == off
     )
+
+
+#: PostgreSQL's ``timestamptz``: its OID, the instant its binary value counts microseconds from, and that
+#: value's layout (a signed 64-bit integer, network order)
+_TIMESTAMPTZ_OID = 1184
+_PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+_INT8 = Struct("!q")
+
+
+@functools.cache
+def _utc_timestamptz() -> type[Any]:
+    """psycopg's loader of a binary ``timestamptz``, but for the zone of the time it returns: UTC, not the
+    session's (see the module). Out of range (infinity, a year outside 1-9999 in UTC) it fails as
+    psycopg's does, with a ``DataError``."""
+    from psycopg import DataError
+    from psycopg.adapt import Loader
+    from psycopg.pq import Format
+
+    class UtcTimestamptzLoader(Loader):
+        format = Format.BINARY
+
+        def load(self, data: Any) -> datetime:
+            micros: int = _INT8.unpack(data)[0]
+            try:
+                return _PG_EPOCH + timedelta(0, 0, micros)
+            except OverflowError:
+                when = "too small (before year 1)" if micros < 0 else "too large (after year 10K)"
+                raise DataError(f"timestamp {when}") from None
+
+    return UtcTimestamptzLoader
+
+
+def _read_times_in_utc(pg: psycopg.AsyncConnection[Any]) -> None:
+    """The binary ``timestamptz`` loader of ``pg`` made :func:`_utc_timestamptz`'s, once per connection
+    (its cursors copy the connection's loaders when they are made)."""
+    from psycopg.pq import Format
+
+    loader = _utc_timestamptz()
+    if pg.adapters.get_loader(_TIMESTAMPTZ_OID, Format.BINARY) is not loader:
+        pg.adapters.register_loader(_TIMESTAMPTZ_OID, loader)
 
 
 class Compiled:
@@ -179,6 +227,7 @@ class DriverPath:
         """One statement alone, or several in a pipeline (one implicit transaction, one sync)."""
         from psycopg.rows import tuple_row
 
+        _read_times_in_utc(pg)
         if len(work) == 1:
             stmt, values = work[0]
             cur = pg.cursor(row_factory=tuple_row)
