@@ -68,7 +68,8 @@ async def claim_and_check(pg_db, session: str | None, expires_at: datetime) -> N
         }
 
     got = await prov.receive(a.subscription("Note"), 10)
-    assert len(got) == 2 and all(d.malformed is None for d in got)
+    assert len(got) == 2
+    assert all(d.malformed is None for d in got)
     with engine.connect() as conn:
         locked = dict(conn.execute(sa.select(m.c.id, m.c.locked_until)).all())
     engine.dispose()
@@ -76,16 +77,25 @@ async def claim_and_check(pg_db, session: str | None, expires_at: datetime) -> N
         env = d.envelope
         assert env is not None
         row = stored[env.body["text"]]
-        assert isinstance(env.message_id, UUID) and env.message_id == row.message_id
-        assert isinstance(env.tracking_id, UUID) and env.tracking_id == row.tracking_id
-        assert env.created_at == row.created_at and env.created_at.utcoffset() == timedelta(0)
-        assert d.lease_until == locked[d.handle.row] and d.lease_until.utcoffset() == timedelta(0)
-        assert d.attempt == 1 and env.attempt == 0
+        assert isinstance(env.message_id, UUID)
+        assert env.message_id == row.message_id
+        assert isinstance(env.tracking_id, UUID)
+        assert env.tracking_id == row.tracking_id
+        assert env.created_at == row.created_at
+        assert env.created_at.utcoffset() == timedelta(0)
+        assert d.lease_until == locked[d.handle.row]
+        assert d.lease_until.utcoffset() == timedelta(0)
+        assert d.attempt == 1
+        assert env.attempt == 0
     big, small = sorted(got, key=lambda d: len(d.envelope.body["text"]), reverse=True)
-    assert big.envelope.body == {"text": BIG} and big.envelope.headers == {}
-    assert small.envelope.not_before == not_before and small.envelope.not_before.utcoffset() == timedelta(0)
-    assert small.envelope.expires_at == expires_at and small.envelope.expires_at.utcoffset() == timedelta(0)
-    assert small.envelope.headers == {"k": "v"} and small.envelope.correlation_id == "c-1"
+    assert big.envelope.body == {"text": BIG}
+    assert big.envelope.headers == {}
+    assert small.envelope.not_before == not_before
+    assert small.envelope.not_before.utcoffset() == timedelta(0)
+    assert small.envelope.expires_at == expires_at
+    assert small.envelope.expires_at.utcoffset() == timedelta(0)
+    assert small.envelope.headers == {"k": "v"}
+    assert small.envelope.correlation_id == "c-1"
 
     await prov.settle([Settlement(d, Complete()) for d in got])
     assert not any(d.refused for d in got)
@@ -133,9 +143,12 @@ async def test_rows_damaged_outside_the_kit_are_claimed_malformed_each_alone(pg_
     assert sorted(by_row) == sorted(ids.values())
     for text in damage:
         d = by_row[ids[text]]
-        assert d.envelope is None and d.malformed is not None, text
+        assert d.envelope is None, text
+        assert d.malformed is not None, text
         assert f"stored row {ids[text]} does not decode" in d.malformed.reason
     assert by_row[ids["n1"]].raw == '{"text": "n1"}'  # the stored body kept as the malformed text
     assert by_row[ids["n0"]].raw == "[1, 2]"
     fine = by_row[ids["n4"]]
-    assert fine.malformed is None and fine.envelope is not None and fine.envelope.body == {"text": "n4"}
+    assert fine.malformed is None
+    assert fine.envelope is not None
+    assert fine.envelope.body == {"text": "n4"}
