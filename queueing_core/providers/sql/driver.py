@@ -25,6 +25,18 @@ was a quarter of the worker's CPU. Here the same statements run on the psycopg c
   its pool's own reset runs;
 - **prepared statements**: each statement is prepared on the server at its first use on a connection
   (off when the provider's ``prepared_statements`` is false: poolers that cannot keep them);
+- **rows in binary, as tuples**: results come in PostgreSQL's binary format (a timestamp, a UUID or an
+  integer is read from its bytes, not parsed from text, whatever the session's ``DateStyle``) and as
+  plain tuples, zipped with the statement's column names (read once per statement: its text, hence
+  its columns, never changes) into the rows the callers read; psycopg's own dict rows would describe
+  every column of every result again;
+- **times in UTC**: a ``timestamptz`` read in binary on these connections comes back in UTC (the same
+  instant), not converted to the session's time zone: the kit works in UTC, and converting each time
+  to the session's zone (a ``ZoneInfo``) and back, once per time read and again at every use, was
+  about 7 % of the hot path's instructions; and a time late in year 9999 stays readable in a session
+  ahead of UTC (there it would be in year 10000, which no ``datetime`` holds, and the claim carrying
+  it failed as a whole). Only binary reads change (SQLAlchemy reads in text), on the connections the
+  hot path borrows;
 - **pipeline mode**: a settlement batch (every kind of outcome and its wake-ups), a settlement batch
   with the next claim, or a renewal of several queues is one round trip. The statements between two
   syncs run in one implicit transaction, so the batch commits (one WAL flush) or fails as a whole, as
@@ -43,6 +55,8 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from struct import Struct
 from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
@@ -78,6 +92,46 @@ def _out_of_transaction(pg: psycopg.AsyncConnection[Any]) -> bool:
     )
 
 
+#: PostgreSQL's ``timestamptz``: its OID, the instant its binary value counts microseconds from, and that
+#: value's layout (a signed 64-bit integer, network order)
+_TIMESTAMPTZ_OID = 1184
+_PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+_INT8 = Struct("!q")
+
+
+@functools.cache
+def _utc_timestamptz() -> type[Any]:
+    """psycopg's loader of a binary ``timestamptz``, but for the zone of the time it returns: UTC, not the
+    session's (see the module). Out of range (infinity, a year outside 1-9999 in UTC) it fails as
+    psycopg's does, with a ``DataError``."""
+    from psycopg import DataError
+    from psycopg.adapt import Loader
+    from psycopg.pq import Format
+
+    class UtcTimestamptzLoader(Loader):
+        format = Format.BINARY
+
+        def load(self, data: Any) -> datetime:
+            micros: int = _INT8.unpack(data)[0]
+            try:
+                return _PG_EPOCH + timedelta(0, 0, micros)
+            except OverflowError:
+                when = "too small (before year 1)" if micros < 0 else "too large (after year 10K)"
+                raise DataError(f"timestamp {when}") from None
+
+    return UtcTimestamptzLoader
+
+
+def _read_times_in_utc(pg: psycopg.AsyncConnection[Any]) -> None:
+    """The binary ``timestamptz`` loader of ``pg`` made :func:`_utc_timestamptz`'s, once per connection
+    (its cursors copy the connection's loaders when they are made)."""
+    from psycopg.pq import Format
+
+    loader = _utc_timestamptz()
+    if pg.adapters.get_loader(_TIMESTAMPTZ_OID, Format.BINARY) is not loader:
+        pg.adapters.register_loader(_TIMESTAMPTZ_OID, loader)
+
+
 class Compiled:
     """One statement as the driver receives it (psycopg, or ``sqlite3`` on the SQLite hot path): SQL
     text with named placeholders, its constant values, the processors SQLAlchemy would apply to the
@@ -89,6 +143,8 @@ class Compiled:
             # an expanding IN has a new text per number of values: not one statement to prepare
             raise ValueError("a hot-path statement must have one text for any values (no expanding IN)")
         self.sql: str = compiled.string
+        #: the names of the columns it returns, in order: read from its first result (see ``_result``)
+        self.names: tuple[str, ...] | None = None
         self.defaults: dict[str, Any] = dict(compiled.params)
         #: the values each execution must bring (a forgotten one must not run as NULL)
         self.required = frozenset(name for name, bp in compiled.binds.items() if bp.required)
@@ -170,25 +226,35 @@ class DriverPath:
         self, pg: psycopg.AsyncConnection[Any], work: Sequence[tuple[Compiled, Mapping[str, Any]]]
     ) -> list[Result]:
         """One statement alone, or several in a pipeline (one implicit transaction, one sync)."""
-        from psycopg.rows import dict_row
+        from psycopg.rows import tuple_row
 
+        _read_times_in_utc(pg)
         if len(work) == 1:
             stmt, values = work[0]
-            cur = pg.cursor(row_factory=dict_row)
-            await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare)
-            return [await _result(cur)]
-        cursors = []
+            cur = pg.cursor(row_factory=tuple_row)
+            await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare, binary=True)
+            return [await _result(cur, stmt)]
+        sent = []
         async with pg.pipeline():
             for stmt, values in work:
-                cur = pg.cursor(row_factory=dict_row)
-                await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare)
-                cursors.append(cur)
-        return [await _result(cur) for cur in cursors]
+                cur = pg.cursor(row_factory=tuple_row)
+                await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare, binary=True)
+                sent.append((cur, stmt))
+        return [await _result(cur, stmt) for cur, stmt in sent]
 
 
-async def _result(cur: psycopg.AsyncCursor[dict[str, Any]]) -> Result:
-    rows = await cur.fetchall() if cur.description is not None else []
-    return Result(cur.rowcount, rows)
+async def _result(cur: psycopg.AsyncCursor[tuple[Any, ...]], stmt: Compiled) -> Result:
+    """What ``stmt`` did on ``cur``: its row count, and its rows as dicts by column name."""
+    from psycopg.pq import ExecStatus
+
+    res = cur.pgresult
+    if res is None or res.status != ExecStatus.TUPLES_OK:
+        return Result(cur.rowcount, [])  # (no rows to read: an UPDATE without RETURNING)
+    names = stmt.names
+    if names is None:
+        # (``description`` builds an object per column on every call: once per statement is enough)
+        names = stmt.names = tuple(column.name for column in cur.description or ())
+    return Result(cur.rowcount, [dict(zip(names, row, strict=True)) for row in await cur.fetchall()])
 
 
 class HotStatements:
