@@ -152,3 +152,32 @@ async def test_rows_damaged_outside_the_kit_are_claimed_malformed_each_alone(pg_
     assert fine.malformed is None
     assert fine.envelope is not None
     assert fine.envelope.body == {"text": "n4"}
+
+
+@pytest.mark.parametrize("column", ["expires_at", "not_before", "created_at"])
+@pytest.mark.parametrize("value", ["infinity", "-infinity"])
+async def test_a_time_no_datetime_holds_makes_its_row_malformed_alone(pg_db, column, value):
+    # PostgreSQL stores ``infinity``; a claim reading it must not fail for every row of the queue
+    prov = pg_db.provider(listen=False)
+    a = app()
+    rt = Runtime(a, prov)
+    await rt.open()
+    await a.enqueue_many([Note(text="bad"), Note(text="fine")])
+    m = prov.tables.messages
+    engine = pg_db.sync_engine()
+    with engine.begin() as conn:
+        conn.execute(sa.update(m).where(TEXT == "bad").values({column: sa.text(f"'{value}'::timestamptz")}))
+        ids = dict(conn.execute(sa.select(TEXT, m.c.id)).all())
+    engine.dispose()
+
+    got = await prov.receive(a.subscription("Note"), 10)
+    by_row = {d.handle.row: d for d in got}
+    assert sorted(by_row) == sorted(ids.values())
+    bad = by_row[ids["bad"]]
+    assert bad.envelope is None
+    assert bad.malformed is not None
+    assert f"stored row {ids['bad']} does not decode" in bad.malformed.reason
+    fine = by_row[ids["fine"]]
+    assert fine.malformed is None
+    assert fine.envelope is not None
+    assert fine.envelope.body == {"text": "fine"}

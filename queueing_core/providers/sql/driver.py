@@ -97,27 +97,31 @@ def _out_of_transaction(pg: psycopg.AsyncConnection[Any]) -> bool:
 _TIMESTAMPTZ_OID = 1184
 _PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 _INT8 = Struct("!q")
+#: how PostgreSQL stores ``infinity`` and ``-infinity`` in a ``timestamptz``
+_INFINITIES = {2**63 - 1: "infinity", -(2**63): "-infinity"}
 
 
 @functools.cache
 def _utc_timestamptz() -> type[Any]:
     """psycopg's loader of a binary ``timestamptz``, but for the zone of the time it returns: UTC, not the
-    session's (see the module). Out of range (infinity, a year outside 1-9999 in UTC) it fails as
-    psycopg's does, with a ``DataError``."""
-    from psycopg import DataError
+    session's (see the module). A time no ``datetime`` holds (``infinity``, a year outside 1-9999 in UTC)
+    is read as text naming it, not raised as psycopg's loader does: raised, it failed the whole claim, so
+    one row damaged outside the kit stopped its queue; as text, that row's envelope does not decode and
+    it is dead-lettered alone as malformed, like any other damaged row."""
     from psycopg.adapt import Loader
     from psycopg.pq import Format
 
     class UtcTimestamptzLoader(Loader):
         format = Format.BINARY
 
-        def load(self, data: Any) -> datetime:
+        def load(self, data: Any) -> datetime | str:
             micros: int = _INT8.unpack(data)[0]
             try:
                 return _PG_EPOCH + timedelta(0, 0, micros)
             except OverflowError:
-                when = "too small (before year 1)" if micros < 0 else "too large (after year 10K)"
-                raise DataError(f"timestamp {when}") from None
+                if micros in _INFINITIES:
+                    return _INFINITIES[micros]
+                return f"timestamp out of range ({micros} microseconds from 2000-01-01 UTC)"
 
     return UtcTimestamptzLoader
 
