@@ -8,9 +8,16 @@
   partial batch, doubling up to ``poll_max`` while idle; a provider with push wake-ups (NOTIFY,
   in-memory) cuts the sleep short when work arrives.
 - Settles in small batches (one round-trip for many completions) and renews leases while handlers run.
-- Shuts down gracefully: on SIGTERM/SIGINT it stops receiving, lets in-flight work finish until
-  ``shutdown_timeout``, then cancels what is left and releases those leases so another worker can take
-  them at once. A second signal skips the wait.
+- Shuts down gracefully, and within a bound: on SIGTERM/SIGINT it stops receiving, lets claims in
+  flight come back (their messages are given back, not run) and running handlers finish until
+  ``shutdown_timeout`` from the stop, then cancels what is left and releases those leases so another
+  worker can take them at once. A second signal skips the wait. A claim still waiting on the database
+  at the deadline gets ``CLAIM_GRACE`` (10 s) more: what it brings then is given back at once, through
+  the same fenced release as a cancelled handler's message; if it never comes back the stop goes on
+  without it and its rows come back when their lease lapses. The final settlement flush and the
+  provider's close each get what is left of the deadline, at least ``CLOSE_FLOOR`` (5 s); a settlement
+  not committed by then comes back when its lease lapses (at-least-once). So a stop takes at most
+  ``shutdown_timeout`` + 20 s, whatever the database does.
 """
 
 from __future__ import annotations
@@ -562,18 +569,22 @@ class Worker:
             consumer.add_done_callback(_ignored)  # (one held by the database is left behind)
         self._consumers.clear()
         await self.settler.close_within(max(0.0, deadline - loop.time()) + self.close_floor)
+        if self._stop_waiter is not None:
+            self._stop_waiter.cancel()
+        within = max(0.0, deadline - loop.time()) + self.close_floor
+        if not await _within(self._close_up(), within):
+            log.warning("closing the provider did not finish within %.1fs: the stop goes on", within)
+        log.info("worker %s stopped", self.worker_id)
+
+    async def _close_up(self) -> None:
+        """End the background tasks (renewals, cancellation watch, maintenance, schedules) and close
+        the runtime if this worker opened it."""
         helpers = [t for t in (self._renewer, self._canceller, self._maintainer, *self._background) if t]
         for task in helpers:
             task.cancel()
-        if helpers and not await _within(asyncio.gather(*helpers, return_exceptions=True), self.close_floor):
-            log.warning("background tasks did not end within %.1fs of being cancelled", self.close_floor)
-        if self._stop_waiter is not None:
-            self._stop_waiter.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
         if self._owns_runtime:
-            within = max(0.0, deadline - loop.time()) + self.close_floor
-            if not await _within(self.runtime.close(), within):
-                log.warning("closing the provider did not finish within %.1fs: the stop goes on", within)
-        log.info("worker %s stopped", self.worker_id)
+            await self.runtime.close()
 
     async def _drain_until(self, deadline: float) -> None:
         """Until ``deadline`` (or a second stop request): the consumers leave their loops, claims in
