@@ -450,7 +450,8 @@ class Worker:
         self._handler_stop = asyncio.Event()  # what handlers see as ``ctx.cancelled``
         self._consumers: list[asyncio.Task[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        #: every claim running, in every consumer: a stop waits for them, for a bounded time
+        #: the claims running beside the consumer loops (``receives_in_flight=2``): a stop waits for them,
+        #: for a bounded time, as it waits for a consumer awaiting a claim of its own
         self._claims: set[asyncio.Task[list[Delivery]]] = set()
         #: the stop's deadline has passed: a claim that comes back now has its messages given back
         self._cut_off = False
@@ -894,8 +895,9 @@ class Worker:
             # for the claims (``shutdown``, bounded), not this loop.
         except asyncio.CancelledError:
             if self._stopping.is_set():
-                # cancelled by the stop past its deadline and the claims' grace: the stop cancels and
-                # leaves the claims beside this loop itself (waiting for them could hang it)
+                # cancelled while stopping (by the stop, past its deadline and the claims' grace): the
+                # claims beside this loop are the stop's to wait for, bounded, and then to cancel and
+                # leave (waiting here for a claim held by the database could hang the stop)
                 raise
             # the consumer itself cancelled (not a stop): its claims go with it, as a claim it awaited
             # would; one that returned anyway has its messages dispatched by its callback. Waited for, so

@@ -348,3 +348,34 @@ async def test_a_claim_waiting_on_a_postgresql_lock_does_not_hold_the_stop(pg_db
     assert not ran
     await run_the_rest(pg_db, Job, ran, total)
     assert set(ran.values()) == {1}
+
+
+async def test_a_consumer_cancelled_while_waiting_for_work_cancels_that_wait(sql_db):
+    """A consumer cancelled (not stopped) while it waits for work between polls: the wait it started
+    is cancelled with it, not left running behind it (on the provider, until its timeout)."""
+    ran: Counter[int] = Counter()
+    prov = sql_db.provider()
+    rt = Runtime(job_app("stop-bounded", Job, ran), prov)
+    await rt.open()
+    waiting, cancelled = asyncio.Event(), asyncio.Event()
+    wait_for_work = prov.wait_for_work
+
+    async def watched(sub: Any, timeout: float) -> None:
+        waiting.set()
+        try:
+            await wait_for_work(sub, timeout)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    prov.wait_for_work = watched  # type: ignore[method-assign]
+    worker = Worker(rt, poll_min=30.0, poll_max=30.0, schedules=False)
+    await worker.start()
+    try:
+        await wait_until(waiting.is_set, what="the consumer to wait for work")
+        consumer = worker._consumers[0]
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await wait_until(cancelled.is_set, timeout=10, what="the wait for work to be cancelled")
+    finally:
+        await asyncio.wait_for(worker.shutdown(), STOP_BOUND)
