@@ -108,8 +108,9 @@ class QueueingSettings(BaseSettings):
     shutdown_timeout: float = Field(
         default=30.0,
         ge=0,
-        description="Seconds a stopping worker lets running handlers finish before it cancels them and "
-        "gives their messages back.",
+        description="Seconds a stopping worker lets claims in flight come back and running handlers "
+        "finish before it cancels them and gives their messages back; the whole stop takes at most this "
+        "plus 20 s, even when the database stops answering.",
     )
     poll_min: float = Field(
         default=0.05, gt=0, description="Seconds a worker waits before polling again after a partial batch."
