@@ -82,7 +82,7 @@ async def matching(ops: OpsService, filters: Filters) -> tuple[list[UUID], bool]
     cursor = None
     while True:
         page = await ops.list_messages(filters.query(), limit=500, cursor=cursor)
-        ids += [m.message_id for m in page.items]
+        ids += [m.message_id for m in page.items if m.message_id is not None]
         if len(ids) > MAX_BULK:
             return ids[:MAX_BULK], True
         if page.next_cursor is None:
