@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import sqlite3
 
+import httpx
 import sqlalchemy as sa
 
 from queueing_core import jobs
@@ -138,8 +139,10 @@ async def test_every_listing_and_lookup_answers_with_the_damaged_rows_marked(api
 
 
 async def test_the_dashboard_lists_and_shows_a_damaged_row(api, sql_db):
-    client, rt, _ = api
+    api_client, rt, _ = api
     store = await damaged_store(sql_db, rt)
+    # a browser: the session cookie, not the key
+    client = httpx.AsyncClient(transport=api_client._transport, base_url=str(api_client.base_url))
     signed = await client.post("/ui/sign-in", content=f"key={KEY}", headers=FORM)
     assert signed.status_code == 303
     listing = await client.get("/ui/messages")
@@ -154,6 +157,19 @@ async def test_the_dashboard_lists_and_shows_a_damaged_row(api, sql_db):
     assert detail.status_code == 200, detail.text
     assert "malformed" in detail.text.lower()
     assert re.search(r"infinity|garbage", detail.text)
+
+    # bulk actions count the damaged row with the rest: a retry refuses it, a purge deletes it
+    csrf = re.search(r'"X-CSRF-Token": "([^"]+)"', (await client.get("/ui/")).text).group(1)
+    headers = {**FORM, "X-CSRF-Token": csrf, "HX-Request": "true"}
+    form = "step=run&expected=3&status=Pending&action="
+    retried = await client.post("/ui/bulk", content=form + "retry", headers=headers)
+    assert retried.status_code == 200, retried.text
+    assert "Retried 0 message(s); 3 refused" in retried.text
+    purged = await client.post("/ui/bulk", content=form + "purge", headers=headers)
+    assert purged.status_code == 200, purged.text
+    assert "Deleted 3 message(s)" in purged.text
+    assert (await api_client.get("/messages/stats")).json()["total"] == 1
+    await client.aclose()
 
 
 async def test_actions_on_a_damaged_row_work_by_its_key_or_are_refused(api, sql_db):

@@ -76,13 +76,14 @@ async def overview_context(ops: OpsService, window: ActivityWindow) -> dict[str,
     return {"summary": summary, "rows": [queue_row(q, activity, now) for q in summary.queues]}
 
 
-async def matching(ops: OpsService, filters: Filters) -> tuple[list[UUID], bool]:
-    """The ids of the messages the filters select (at most MAX_BULK), and whether there are more."""
-    ids: list[UUID] = []
+async def matching(ops: OpsService, filters: Filters) -> tuple[list[UUID | None], bool]:
+    """The ids of the messages the filters select (at most MAX_BULK), and whether there are more; None
+    for a damaged row whose id does not read (counted: a purge deletes it too)."""
+    ids: list[UUID | None] = []
     cursor = None
     while True:
         page = await ops.list_messages(filters.query(), limit=500, cursor=cursor)
-        ids += [m.message_id for m in page.items if m.message_id is not None]
+        ids += [m.message_id for m in page.items]
         if len(ids) > MAX_BULK:
             return ids[:MAX_BULK], True
         if page.next_cursor is None:
@@ -257,6 +258,9 @@ def add_pages(ui: Dashboard) -> None:
             return page(request, "_bulk.html", **context)
         retried, refused = 0, []
         for message_id in ids:
+            if message_id is None:
+                refused.append("a damaged row whose message id does not read cannot be retried: purge it")
+                continue
             try:
                 await service.retry(message_id)
                 retried += 1
