@@ -517,7 +517,7 @@ def show(
     from . import jobs
 
     async def look(ops: OpsService) -> MessageDetail:
-        return await ops.message((await jobs.find(ops.runtime, tracking_id)).message_id)
+        return ops.detail_of(await jobs.find(ops.runtime, tracking_id))
 
     d = _ops_call(app, look)
     out.print(f"message   {d.message_id}\ntracking  {d.tracking_id}", highlight=False)
@@ -529,6 +529,10 @@ def show(
         of = f" of {p['total']}" if p.get("total") is not None else ""
         text = f": {p['text']}" if p.get("text") else ""
         out.print(f"progress  {p.get('step')}{of}{text}", highlight=False)
+    if d.malformed:  # a row damaged outside the kit: what does not read, and its stored text
+        out.print(f"malformed {d.malformed}", highlight=False)
+        for name, text in sorted((d.stored or {}).items()):
+            out.print(f"stored    {name}: {text[:200]}", highlight=False)
     for label, value in (("reason", d.reason), ("error", d.last_error), ("detail", d.description)):
         if value:
             out.print(f"{label:<9} {value.splitlines()[0]}", highlight=False)

@@ -81,6 +81,11 @@ async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
     """A message not yet running never runs; a running one is told (``ctx.cancelled``) and cancelled
     after its type's ``cancel_grace``. Either way it ends Cancelled. A finished message is refused."""
     r = await find(runtime, tracking_id)
+    if not r.readable("message_id"):  # found by its tracking id, but nothing can name its row
+        raise InvalidOperation(
+            f"cannot cancel message with tracking id {tracking_id}: its stored row is damaged "
+            f"({r.malformed}); purge it by a filter (queue, status, tracking id)"
+        )
     if r.status in TERMINAL or r.archived:
         why = _FINISHED.get(r.status, "it is archived")
         raise InvalidOperation(f"cannot cancel message {r.message_id}: {why}")

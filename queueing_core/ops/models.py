@@ -77,19 +77,30 @@ class SubscriptionInfo(_Model):
     json_schema: dict[str, Any] = Field(description="JSON schema of the message body")
 
 
+_UNREADABLE = " (null only on a damaged row whose stored value does not read: see `malformed`)"
+
+
 class MessageSummary(_Model):
-    message_id: UUID
-    tracking_id: UUID
+    message_id: UUID | None = Field(description="the message's id" + _UNREADABLE)
+    tracking_id: UUID | None = Field(description="the id shared by every run of the message" + _UNREADABLE)
     type: str
     queue: str
     status: str
     attempt: int
     correlation_id: str | None
-    created_at: datetime
-    updated_at: datetime
+    created_at: datetime | None = Field(description="when it was enqueued (UTC)" + _UNREADABLE)
+    updated_at: datetime | None = Field(description="its last change (UTC)" + _UNREADABLE)
     not_before: datetime | None
     archived: bool
     reason: str | None
+    malformed: str | None = Field(
+        default=None,
+        description="set on a row damaged outside the kit: which of its fields do not read and why, "
+        'e.g. "message id is not a UUID"; those fields are null or empty here',
+    )
+    stored: dict[str, str] | None = Field(
+        default=None, description="a damaged row's stored text of each field that does not read"
+    )
 
 
 class MessageDetail(MessageSummary):

@@ -130,19 +130,22 @@ class RemovesMessages(Protocol):
 
 
 def summary_of(r: MessageRecord) -> MessageSummary:
+    """What the views show of ``r``; a damaged record's stand-ins show as null."""
     return MessageSummary(
-        message_id=r.message_id,
-        tracking_id=r.tracking_id,
+        message_id=r.message_id if r.readable("message_id") else None,
+        tracking_id=r.tracking_id if r.readable("tracking_id") else None,
         type=r.type,
         queue=r.queue,
         status=r.status,
         attempt=r.attempt,
         correlation_id=r.correlation_id,
-        created_at=r.created_at,
-        updated_at=r.updated_at,
+        created_at=r.created_at if r.readable("created_at") else None,
+        updated_at=r.updated_at if r.readable("updated_at") else None,
         not_before=r.not_before,
         archived=r.archived,
         reason=r.reason,
+        malformed=r.malformed,
+        stored=r.stored,
     )
 
 
@@ -291,7 +294,10 @@ class OpsService:
         return MessagePage(items=[summary_of(r) for r in page.items], next_cursor=page.next_cursor)
 
     async def message(self, message_id: UUID) -> MessageDetail:
-        r = await self.record(message_id)
+        return self.detail_of(await self.record(message_id))
+
+    @staticmethod
+    def detail_of(r: MessageRecord) -> MessageDetail:
         return MessageDetail(
             **summary_of(r).model_dump(),
             expires_at=r.expires_at,
@@ -368,6 +374,11 @@ class OpsService:
                 S.LEASED: f"; a worker ({r.locked_by}) is processing it",
             }.get(MessageStatus(r.status), "; it is already waiting to be processed")
             raise self._refuse(r, "retry", why)
+        if r.malformed is not None:
+            raise InvalidOperation(
+                f"cannot retry message {r.message_id}: its stored row is damaged ({r.malformed}); "
+                "archive or purge it, and enqueue its work again if it is still wanted"
+            )
         if r.body is None:
             raise InvalidOperation(
                 f"cannot retry message {r.message_id}: its body could not be decoded; purge it"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
 
@@ -15,6 +15,12 @@ from ..errors import InvalidArgument
 from ..messages import MessageStatus
 
 T = TypeVar("T")
+
+
+#: what a damaged record (see ``MessageRecord.malformed``) holds where a required id or time does not
+#: read; the operator's views show null there
+UNREADABLE_ID = UUID(int=0)
+UNREADABLE_TIME = datetime(1, 1, 1, tzinfo=UTC)
 
 
 class MessageRecord(BaseModel):
@@ -53,6 +59,15 @@ class MessageRecord(BaseModel):
     copied_from: str | None = None
     #: deliveries recognised as duplicates and completed without running the handler
     duplicates: int | None = None
+    #: why the stored record does not read in full (damaged outside the kit), e.g. ``message id is not
+    #: a UUID``; the fields named hold no value (or a stand-in) and their stored text is in ``stored``
+    malformed: str | None = None
+    #: the stored text of each field of a damaged record that does not read
+    stored: dict[str, str] | None = None
+
+    def readable(self, name: str) -> bool:
+        """Whether the field ``name`` holds what was stored (not a damaged record's stand-in)."""
+        return self.stored is None or name not in self.stored
 
 
 class MessageQuery(BaseModel):

@@ -221,14 +221,25 @@ def sqlite(tmp_dir: str) -> Harness:
     from queueing_core.providers.sql import SqlProvider
 
     url = f"sqlite:///{tmp_dir}/contract-{uuid.uuid4().hex[:8]}.db"
+    made: list[SqlProvider] = []
 
     async def make() -> Provider:
-        return SqlProvider(url, maintenance_interval=0.2)
+        prov = SqlProvider(url, maintenance_interval=0.2)
+        made.append(prov)
+        return prov
+
+    async def cleanup() -> None:
+        # closed on the test's own event loop: a provider left to the garbage collector stops its
+        # aiosqlite thread from there, and that thread then reports to a loop already closed
+        # (PytestUnhandledThreadExceptionWarning "Event loop is closed", in whichever test is running)
+        for prov in made:
+            await prov.close()
 
     return Harness(
         "sqlite",
         make_provider=make,
         inject_raw=_sql_inject("sqlite"),
+        cleanup=cleanup,
         lose_lease=operator_release,
         dead_letters=history_dead_letters,
     )

@@ -76,9 +76,10 @@ async def overview_context(ops: OpsService, window: ActivityWindow) -> dict[str,
     return {"summary": summary, "rows": [queue_row(q, activity, now) for q in summary.queues]}
 
 
-async def matching(ops: OpsService, filters: Filters) -> tuple[list[UUID], bool]:
-    """The ids of the messages the filters select (at most MAX_BULK), and whether there are more."""
-    ids: list[UUID] = []
+async def matching(ops: OpsService, filters: Filters) -> tuple[list[UUID | None], bool]:
+    """The ids of the messages the filters select (at most MAX_BULK), and whether there are more; None
+    for a damaged row whose id does not read (counted: a purge deletes it too)."""
+    ids: list[UUID | None] = []
     cursor = None
     while True:
         page = await ops.list_messages(filters.query(), limit=500, cursor=cursor)
@@ -257,6 +258,9 @@ def add_pages(ui: Dashboard) -> None:
             return page(request, "_bulk.html", **context)
         retried, refused = 0, []
         for message_id in ids:
+            if message_id is None:
+                refused.append("a damaged row whose message id does not read cannot be retried: purge it")
+                continue
             try:
                 await service.retry(message_id)
                 retried += 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -13,46 +12,40 @@ from uuid import UUID
 
 import sqlalchemy as sa
 
-from ...clock import as_utc, opt_utc
+from ...clock import as_utc
 from ...messages import MessageStatus
 from ...tracking.base import Activity, MessageQuery, MessageRecord, Page, invalid_cursor
+from .records import read_record
 from .schema import claimable
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
 
 
-def _loads(text: str | None) -> tuple[Any, str | None]:
-    """Parsed JSON, or (None, text) when the stored text is not JSON (kept for the operator)."""
-    if text is None:
-        return None, None
-    try:
-        return json.loads(text), None
-    except ValueError:
-        return None, text
+def encode_cursor(created_at: datetime | None, row_id: int) -> str:
+    """The position after the row ``row_id`` created at ``created_at``; a row whose time does not read
+    (damaged) is named by its id alone (``@|<id>``), and the next page compares with its stored time."""
+    at = "@" if created_at is None else as_utc(created_at).isoformat()
+    return base64.urlsafe_b64encode(f"{at}|{row_id}".encode()).decode()
 
 
-def encode_cursor(created_at: datetime, row_id: int) -> str:
-    return base64.urlsafe_b64encode(f"{as_utc(created_at).isoformat()}|{row_id}".encode()).decode()
-
-
-#: what :func:`encode_cursor` writes: an ISO 8601 time with its offset, a bar, a row id
-_CURSOR = re.compile(r"(?P<at>[0-9][0-9T:.+-]{9,39})\|(?P<id>[0-9]{1,19})")
+#: what :func:`encode_cursor` writes: an ISO 8601 time with its offset (or ``@``), a bar, a row id
+_CURSOR = re.compile(r"(?P<at>[0-9][0-9T:.+-]{9,39}|@)\|(?P<id>[0-9]{1,19})")
 #: row ids are BIGINT (INTEGER on SQLite): a larger number must never reach the database
 MAX_ROW_ID = 2**63 - 1
 
 
-def decode_cursor(cursor: str) -> tuple[datetime, int]:
+def decode_cursor(cursor: str) -> tuple[datetime | None, int]:
     """The position a cursor from :func:`encode_cursor` names. A cursor comes from a URL, so every part
     is checked here before it meets the database; anything else is :class:`InvalidArgument`."""
     try:
         m = _CURSOR.fullmatch(base64.urlsafe_b64decode(cursor.encode("ascii")).decode("ascii"))
         if m is None:
             raise ValueError("not <time>|<id>")
-        at, row_id = datetime.fromisoformat(m["at"]), int(m["id"])
-        if at.tzinfo is None or not 0 < row_id <= MAX_ROW_ID:
+        at, row_id = None if m["at"] == "@" else datetime.fromisoformat(m["at"]), int(m["id"])
+        if (at is not None and at.tzinfo is None) or not 0 < row_id <= MAX_ROW_ID:
             raise ValueError("out of range")
-        return as_utc(at), row_id
+        return None if at is None else as_utc(at), row_id
     except (ValueError, binascii.Error, OverflowError):  # UnicodeError is a ValueError
         raise invalid_cursor() from None
 
@@ -66,9 +59,29 @@ class SqlTracker:
         return self.provider.tables.messages
 
     def columns(self) -> list[Any]:
+        """What the listings select. JSON columns come as text; so do, on SQLite, the ids and times
+        (a damaged one would fail the whole fetch in the driver); on PostgreSQL, whose columns refuse a
+        non-UUID or non-time, a time the driver cannot hold (``infinity``, a year past 9999 or before 1)
+        comes as NULL with its text beside it. :func:`read_record` reads each of them."""
         m, text = self._m, sa.Text()
         skip = {"body", "headers", "result", "progress"}
-        return [c for c in m.c if c.name not in skip] + [
+        postgres = self.provider.backend == "postgresql"
+        out: list[Any] = []
+        for c in m.c:
+            if c.name in skip:
+                continue
+            if isinstance(c.type, sa.DateTime) and postgres:
+                utc = sa.func.timezone("UTC", c)
+                readable = sa.and_(sa.func.isfinite(c), sa.extract("year", utc).between(1, 9999))
+                out.append(sa.case((readable, c), else_=None).label(c.name))
+                stored = sa.case((sa.or_(c.is_(None), readable), None), else_=sa.cast(c, text))
+                out.append(stored.label(f"{c.name}_stored"))
+            elif isinstance(c.type, (sa.DateTime, sa.Uuid)) and not postgres:
+                out.append(sa.cast(c, text).label(c.name))
+            else:
+                out.append(c)
+        return [
+            *out,
             sa.cast(m.c.body, text).label("body_text"),
             sa.cast(m.c.headers, text).label("headers_text"),
             sa.cast(m.c.result, text).label("result_text"),
@@ -77,36 +90,7 @@ class SqlTracker:
 
     @staticmethod
     def record(row: Any) -> MessageRecord:
-        body, bad_body = _loads(row.body_text)
-        headers, _ = _loads(row.headers_text)
-        result, _ = _loads(row.result_text)
-        progress, _ = _loads(row.progress_text)
-        return MessageRecord(
-            message_id=row.message_id,
-            tracking_id=row.tracking_id,
-            type=row.type,
-            queue=row.queue,
-            status=row.status,
-            attempt=row.attempt,
-            correlation_id=row.correlation_id,
-            created_at=as_utc(row.created_at),
-            updated_at=as_utc(row.updated_at),
-            not_before=opt_utc(row.not_before),
-            expires_at=opt_utc(row.expires_at),
-            locked_by=row.locked_by,
-            locked_until=opt_utc(row.locked_until),
-            last_error=row.last_error,
-            reason=row.reason,
-            description=row.description,
-            archived=row.archived,
-            archived_at=opt_utc(row.archived_at),
-            headers=headers if isinstance(headers, dict) else {},
-            body=body if isinstance(body, dict) else None,
-            raw=row.raw or bad_body,
-            result=result,
-            progress=progress if isinstance(progress, dict) else None,
-            duplicates=getattr(row, "duplicates", None),  # a history column only
-        )
+        return read_record(row)
 
     def where(self, q: MessageQuery) -> list[sa.ColumnElement[bool]]:
         m = self._m
@@ -154,8 +138,13 @@ class SqlTracker:
         cond = self.where(query)
         if cursor:
             at, row_id = decode_cursor(cursor)
-            # keyset paging, newest first: stable under inserts, no OFFSET scans
-            cond.append(sa.or_(m.c.created_at < at, sa.and_(m.c.created_at == at, m.c.id < row_id)))
+            # keyset paging, newest first: stable under inserts, no OFFSET scans. After a damaged row
+            # its stored time is compared in the database, as the ordering did (if that row is gone by
+            # then, the listing ends there)
+            after: Any = (
+                at if at is not None else sa.select(m.c.created_at).where(m.c.id == row_id).scalar_subquery()
+            )
+            cond.append(sa.or_(m.c.created_at < after, sa.and_(m.c.created_at == after, m.c.id < row_id)))
         stmt = (
             sa.select(*self.columns())
             .where(*cond)
@@ -167,8 +156,12 @@ class SqlTracker:
             rows = (await conn.execute(stmt)).all()
         more = len(rows) > limit
         rows = rows[:limit]
-        nxt = encode_cursor(rows[-1].created_at, rows[-1].id) if more and rows else None
-        return Page[MessageRecord](items=[self.record(r) for r in rows], next_cursor=nxt)
+        items = [self.record(r) for r in rows]
+        last = items[-1] if items else None
+        nxt = None
+        if more and last is not None:
+            nxt = encode_cursor(last.created_at if last.readable("created_at") else None, rows[-1].id)
+        return Page[MessageRecord](items=items, next_cursor=nxt)
 
     async def counts(self) -> dict[tuple[str, str], int]:
         """Unarchived messages per (queue, status): from the trigger-kept counters on PostgreSQL (no
