@@ -3,7 +3,8 @@
 Each round uses a new temp file per contender (same directory, so the same disk), N pre-enqueued
 no-op jobs, and the clock runs from the worker's start to the moment the N-th handler has run
 (enqueue time excluded). Every contender writes with WAL and `synchronous=NORMAL` (the kit's setting;
-huey's own default would be FULL, which would make it slower, so it is given the kit's):
+huey's own default would be FULL, which would make it slower, so it is given the kit's); each round
+reads both back from the contender's own connection and prints them with its concurrency:
 
   kit      10 handlers at once, up to 20 claimed, claims of up to 10 rows (max_concurrency=10,
            prefetch=2, batch_size=10: the defaults' shape; --batch 100 --in-hand 200 for larger claims)
@@ -14,6 +15,15 @@ huey's own default would be FULL, which would make it slower, so it is given the
 
 Every contender keeps what it keeps: the kit a Succeeded row per message, the bare loop a 'done'
 row, huey nothing (it deletes the task when it dequeues it).
+
+huey's rate has two modes at 10 threads (about 5,000-11,000 and 14,000-19,000 msg/s here), and a run
+can move from one to the other midway. Its 10 threads share one ``sqlite3`` connection under one
+``threading.Lock`` (three passes per task: the quick check, the exclusive dequeue transaction, the
+revocation read), and ``sqlite3`` lets go of the GIL inside every statement: either the threads hand
+the lock and the GIL to each other at almost every pass (a convoy, each hand-off a sleep and a wake-up
+in the kernel: about 5 voluntary context switches per task, about 110 µs of CPU per task) or one thread
+keeps both for a run of tasks (about 0.5 switches and 50 µs per task). Each huey round prints its
+voluntary context switches per task and the mode they show, so a ratio says which huey it beat.
 
 With ``--cpu`` each kit round also prints the CPU its event loop's thread and the whole process
 used per message during the burn-down (the rest of the process is aiosqlite's thread).
@@ -28,6 +38,7 @@ import asyncio
 import importlib.util
 import inspect
 import logging
+import resource
 import sqlite3
 import tempfile
 import threading
@@ -45,6 +56,17 @@ from queueing_core.worker import Worker
 TARGET = 2_000  # messages/s
 TARGET_HUEY = 1.5  # kit / SqliteHuey
 TARGET_BARE = 1.0  # kit / bare sqlite3 loop
+#: above this many voluntary context switches per task, huey's threads were in their convoy (slow
+#: mode: about 5 a task); below it, in their fast mode (about 0.5): see the module's docstring
+CONVOY_SWITCHES = 2.0
+PRAGMAS = ("journal_mode", "synchronous")
+SYNCHRONOUS = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+
+
+def print_terms(who: str, journal_mode: object, synchronous: object, concurrency: str) -> None:
+    """The durability and concurrency a contender ran with, read back from its own connection."""
+    sync = SYNCHRONOUS.get(synchronous, synchronous) if isinstance(synchronous, int) else synchronous
+    print(f"    {who}: journal_mode={journal_mode}, synchronous={sync}; {concurrency}", flush=True)
 
 
 @queue("bench_noop")
@@ -75,9 +97,13 @@ async def kit_round(args: Options, *, settle_with_claims: bool = False, receives
         async def handle(msg: Noop) -> None:
             done.hit()
 
-        rt = Runtime(app, SqlProvider(f"sqlite:///{path}", settle_with_claims=settle_with_claims))
+        provider = SqlProvider(f"sqlite:///{path}", settle_with_claims=settle_with_claims)
+        rt = Runtime(app, provider)
         await rt.open()
         try:
+            async with provider.engine.connect() as conn:  # (the kit's one pooled connection)
+                terms = [(await conn.exec_driver_sql(f"PRAGMA {p}")).scalar() for p in PRAGMAS]
+            print_terms("kit", *terms, f"{args.concurrency} handlers at once, claims of {args.batch}")
             for i in range(0, args.messages, 1000):
                 await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, args.messages))])
             thread_cpu, process_cpu = time.thread_time(), time.process_time()
@@ -133,6 +159,8 @@ def huey_round(args: Options) -> float:
 
         for i in range(args.messages):
             noop(i)
+        terms = [huey.storage.conn.execute(f"PRAGMA {p}").fetchone()[0] for p in PRAGMAS]
+        print_terms("huey", *terms, f"{args.concurrency} worker threads on one shared connection")
         consumer = huey.create_consumer(
             workers=args.concurrency,
             worker_type="thread",
@@ -141,13 +169,19 @@ def huey_round(args: Options) -> float:
             max_delay=0.1,
             check_worker_health=False,
         )
+        before = resource.getrusage(resource.RUSAGE_SELF)
         started = common.now()
         consumer.start()
         try:
             if not finished.wait(args.timeout):
                 raise TimeoutError(f"huey handled {count} of {args.messages}")
+            after = resource.getrusage(resource.RUSAGE_SELF)
         finally:
             consumer.stop(graceful=True)
+        switches = (after.ru_nvcsw - before.ru_nvcsw) / args.messages
+        cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / args.messages * 1e6
+        mode = "convoy (slow mode)" if switches > CONVOY_SWITCHES else "no convoy (fast mode)"
+        print(f"    huey: {switches:.2f} voluntary context switches and {cpu:.0f} µs CPU per task: {mode}")
         return args.messages / (marks["last"] - started)
 
 
@@ -163,6 +197,8 @@ def bare_round(args: Options) -> float:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(BARE_SCHEMA)
+        terms = [conn.execute(f"PRAGMA {p}").fetchone()[0] for p in PRAGMAS]
+        print_terms("bare loop", *terms, "one loop, one row at a time")
         conn.execute("BEGIN")
         conn.executemany(
             "INSERT INTO jobs (status, body) VALUES ('pending', ?)",

@@ -327,6 +327,11 @@ class Settler:
                     continue
                 chunk, self._buf = self._buf[: self.batch], self._buf[self.batch :]
                 await self._flush(chunk)
+                if self.linger and self._buf and len(self._buf) < self.batch and not self._closing:
+                    # what came in during that flush lingers as the first did: flushed at once, the
+                    # batches would shrink to what arrives during one settle call, so the faster the
+                    # call the more commits (on SQLite a batch of 10 costs about as much as one of 50)
+                    await asyncio.sleep(self.linger)
                 if self._held():
                     # what came in meanwhile goes round again, under the bounded hold: a claim is
                     # coming for it

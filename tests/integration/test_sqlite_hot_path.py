@@ -476,6 +476,90 @@ async def test_a_closed_aiosqlite_connection_is_retryable_and_leaves_the_pool(tm
     await rt.close()
 
 
+async def test_a_call_on_the_idle_pooled_connection_is_not_borrowed_from_the_pool(tmp_path, monkeypatch):
+    """With the provider's one connection idle in its pool, a claim, a renewal or a settlement is
+    queued in aiosqlite's thread straight away (one hop, as before) without borrowing the connection:
+    the borrowing (two greenlets and the pool's bookkeeping) cost as much of the event loop as the hop."""
+    from queueing_core.providers.sql import sqlite_driver
+
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=i) for i in range(4)])
+    first = await prov.receive(a.subscription("Job"), 2)  # (the first call borrows: nothing known yet)
+    borrows: list[object] = []
+    original = sqlite_driver.borrowed
+
+    def counted(engine):
+        borrows.append(engine)
+        return original(engine)
+
+    monkeypatch.setattr(sqlite_driver, "borrowed", counted)
+    rest = await prov.receive(a.subscription("Job"), 10)
+    assert await prov.renew([*first, *rest]) == []
+    await prov.settle([Settlement(d, Complete()) for d in [*first, *rest]])
+    assert borrows == []
+    assert [r["status"] for r in rows_of(file)] == ["Succeeded"] * 4
+    await rt.close()
+
+
+async def test_a_call_waits_for_another_users_transaction_on_the_pooled_connection(tmp_path):
+    """A call while another user of the provider's one connection has a transaction open on it (the
+    SQLAlchemy path's, several hops long) borrows the connection, so it runs once that transaction has
+    ended: never inside it (its BEGIN would fail there, or its statements would join the other user's
+    transaction and go with its rollback)."""
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=i) for i in range(2)])
+    [first] = await prov.receive(a.subscription("Job"), 1)  # (the hot path knows the connection)
+    async with prov.engine.connect() as conn:
+        await conn.begin()  # BEGIN IMMEDIATE on the pooled connection, as the SQLAlchemy path does
+        await conn.execute(sa.text("UPDATE queueing_messages SET description = 'held' WHERE id = 2"))
+        claiming = asyncio.create_task(prov.receive(a.subscription("Job"), 10))
+        for _ in range(20):
+            await asyncio.sleep(0)  # (the claim runs up to its wait)
+        # a round trip on the open transaction: a claim queued in aiosqlite's thread before it, bypassing
+        # the pool, would have run (and ended) by the time this returns
+        await conn.execute(sa.text("SELECT 1"))
+        assert not claiming.done()
+        await conn.rollback()
+    got = await asyncio.wait_for(claiming, 60)
+    assert [d.envelope.body["n"] for d in got if d.envelope] == [1]
+    await prov.settle([Settlement(d, Complete()) for d in [first, *got]])
+    rows = rows_of(file)
+    assert [r["status"] for r in rows] == ["Succeeded", "Succeeded"]
+    assert [r["description"] for r in rows] == [None, None]  # (the other user's update rolled back)
+    await rt.close()
+
+
+async def test_an_unusable_idle_connection_leaves_the_pool(tmp_path, monkeypatch):
+    """A call on the idle connection whose transaction could not even be rolled back: that connection's
+    state is unknown, so it leaves the pool as a borrowed one would; the next call opens a new one."""
+    from queueing_core.providers.sql import sqlite_driver
+
+    file = str(tmp_path / "q.db")
+    prov, a, rt = await opened(file)
+    await a.enqueue_many([Job(n=1)])
+    got = await prov.receive(a.subscription("Job"), 10)
+    assert isinstance(prov._driver, SqliteDriverPath)
+    before = prov._driver.idle(prov.engine)  # (the next call will not borrow it)
+    assert before is not None
+    original = sqlite_driver._round_trip
+
+    def broken(db, work):
+        raise sqlite_driver._Unusable(sqlite3.OperationalError("disk I/O error"))
+
+    monkeypatch.setattr(sqlite_driver, "_round_trip", broken)
+    with pytest.raises(ProviderUnavailable, match="disk I/O error"):
+        await prov.settle([Settlement(got[0], Complete())])
+    monkeypatch.setattr(sqlite_driver, "_round_trip", original)
+    assert not before._running  # (closed: out of the pool)
+    await prov.settle([Settlement(got[0], Complete())])
+    async with prov.engine.connect() as conn:
+        assert (await conn.get_raw_connection()).driver_connection is not before
+    assert [r["status"] for r in rows_of(file)] == ["Succeeded"]
+    await rt.close()
+
+
 def test_the_aiosqlite_internals_the_hot_path_uses_are_there():
     """The one hop uses aiosqlite's own way to run a function in its thread (``_execute``) and its
     ``sqlite3`` connection (``_conn``): an aiosqlite that renames them must fail here, not in a worker."""
@@ -483,6 +567,10 @@ def test_the_aiosqlite_internals_the_hot_path_uses_are_there():
 
     assert callable(aiosqlite.Connection._execute)
     assert isinstance(aiosqlite.Connection.__dict__.get("_conn"), property)
+    # and whether a connection is still running, not closed or closing (``SqliteDriverPath.idle``)
+    unopened = aiosqlite.Connection(lambda: sqlite3.connect(":memory:"), 64)
+    assert unopened._running is True
+    assert unopened._connection is None
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file:q?mode=memory&uri=true"])
