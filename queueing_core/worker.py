@@ -327,6 +327,11 @@ class Settler:
                     continue
                 chunk, self._buf = self._buf[: self.batch], self._buf[self.batch :]
                 await self._flush(chunk)
+                if self._held():
+                    # a claim is coming for what came in meanwhile: round again, to the bounded hold
+                    # (which the linger before it would only delay)
+                    self._ready.set()
+                    break
                 if self.linger and self._buf and len(self._buf) < self.batch and not self._closing:
                     # what came in during that flush lingers as the first did: flushed at once, the
                     # batches would shrink to what arrives during one settle call, so the faster the

@@ -653,3 +653,15 @@ async def test_a_sqlite_worker_settling_with_claims_runs_each_message_once(tmp_p
     assert Counter(r["status"] for r in rows_of(file)) == Counter({"Succeeded": n})
     assert carried > 0
     await rt.close()
+
+
+async def test_a_closed_aiosqlite_connection_is_not_taken_for_idle(tmp_path):
+    """``SqliteDriverPath.idle`` trusts ``_running`` and ``_connection`` to tell a closed connection: an
+    aiosqlite whose ``close`` left both as they were would send calls to a closed database."""
+    import aiosqlite
+
+    conn = await aiosqlite.connect(tmp_path / "q.db")
+    assert conn._running is True
+    assert conn._connection is not None
+    await conn.close()
+    assert not conn._running or conn._connection is None

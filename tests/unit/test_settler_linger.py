@@ -49,3 +49,37 @@ async def test_settlements_that_arrive_during_a_flush_linger_for_company():
     await wait_until(lambda: len(p.settled) == 2, what="the second batch's settle call")
     assert p.settled == [["s1"], ["s2", "s3"]]
     await st.close()
+
+
+async def test_settlements_held_for_a_coming_claim_linger_once(monkeypatch):
+    """s2 arrives during the first flush while a consumer is about to claim: it lingers once and is
+    then held for the claim (bounded), not lingered again on the way to the hold."""
+    real_sleep = asyncio.sleep
+    lingers: list[float] = []
+    linger = 0.0123  # (told apart from any other sleep by its value)
+
+    async def counting(delay: float, *args: Any) -> Any:
+        if delay == linger:
+            lingers.append(delay)
+        return await real_sleep(delay, *args)
+
+    monkeypatch.setattr(asyncio, "sleep", counting)
+    p = Provider()
+    finished: list[list[str]] = []
+    st = Settler(
+        Runtime(p),  # type: ignore[arg-type]
+        linger=linger,
+        hold=0.05,
+        on_settled=lambda chunk: finished.append([s.name for s in chunk]),  # type: ignore[attr-defined]
+    )
+    st.start()
+    st.add(Done("s1"))  # type: ignore[arg-type]
+    await wait_until(lambda: p.settled == [["s1"]], what="the first batch's settle call")
+    assert lingers == [linger]  # (s1 alone lingered before its flush)
+    with st.expecting():
+        st.add(Done("s2"))  # type: ignore[arg-type]  # (while s1's call is in flight)
+        p.gate.set()
+        await wait_until(lambda: len(p.settled) == 2, what="s2 settled after the bounded hold")
+    assert p.settled == [["s1"], ["s2"]]
+    assert lingers == [linger, linger]
+    await st.close()

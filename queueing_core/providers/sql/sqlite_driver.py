@@ -27,6 +27,8 @@ them as it maps SQLAlchemy's wrapping of them ("database is locked" -> unavailab
 
 from __future__ import annotations
 
+import contextlib
+
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
@@ -130,6 +132,11 @@ def _round_trip(db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any
             try:
                 db.execute("ROLLBACK")
             except BaseException:
+                # closed here, in the thread, before anything queued behind this call runs: a call on
+                # the idle connection is not borrowed (see ``SqliteDriverPath.idle``), so its next
+                # user may already be queued, and would run inside this transaction or commit it
+                with contextlib.suppress(BaseException):
+                    db.close()
                 raise _Unusable(exc) from exc
         raise
     return results
@@ -179,8 +186,10 @@ class SqliteDriverPath:
                 except (_Unusable, ValueError) as failed:
                     # its state is unknown, or it is gone: out of the pool, as a borrowed one would be
                     self._known = None
-                    async with borrowed(engine):
-                        pass  # (not marked clean: invalidated on its return)
+                    async with borrowed(engine) as lent:
+                        # (not marked clean: invalidated on its return; unless the pool already holds
+                        # another connection, which another call's failure replaced)
+                        lent.clean = lent.driver is not aio
                     if isinstance(failed, _Unusable):
                         raise failed.error from None
                     raise sqlite3.OperationalError(f"the SQLite connection is closed: {failed}") from failed
