@@ -28,7 +28,6 @@ them as it maps SQLAlchemy's wrapping of them ("database is locked" -> unavailab
 from __future__ import annotations
 
 import contextlib
-
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
