@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from .errors import ConfigurationError
 from .settings import QueueingSettings
-from .worker import Worker
+from .worker import Worker, _within
 
 log = logging.getLogger("queueing.serve")
 
@@ -70,7 +70,17 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
         def capture_signals(self) -> Iterator[None]:  # the worker owns SIGTERM/SIGINT
             yield
 
-    server = Server(uvicorn.Config(api, log_level="warning", lifespan="off", access_log=False))
+    # the worker owns SIGINT, so uvicorn's "press CTRL+C again to force quit" cannot end a request
+    # that never finishes: its graceful shutdown is bounded instead (then its requests are cancelled)
+    server = Server(
+        uvicorn.Config(
+            api,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=worker.close_floor,
+        )
+    )
     if key is None:
         log.warning(
             "QUEUEING_API_KEY is not set: the ops API answers requests without a key sent to %s:%d "
@@ -91,4 +101,14 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
         await worker.run()
     finally:
         server.should_exit = True
-        await api_task
+        await _api_stopped(api_task, worker.close_floor)
+
+
+async def _api_stopped(api_task: asyncio.Task[None], grace: float) -> None:
+    """Wait for the API server to stop: its requests get ``grace`` (uvicorn's bounded graceful
+    shutdown), and the server as much again to notice the stop and close; then it is cancelled and
+    left, not awaited (a request that ignores its cancellation must not hold the host)."""
+    # (uvicorn looks at ``should_exit`` every 0.1 s, and waits 0.1 s for its connections to close)
+    within = 2 * grace + 1.0
+    if not await _within(api_task, within):
+        log.warning("the ops API did not stop within %.1fs: the stop goes on without it", within)
