@@ -523,7 +523,8 @@ async def test_serve_returns_with_a_request_that_never_finishes(sql_db, monkeypa
     rt = Runtime(job_app("stop-bounded", Job, Counter()), sql_db.provider())
     worker = worker_for(rt, shutdown_timeout=0.2)
     port = free_port()
-    serving = asyncio.create_task(serve_worker_and_api(worker, QueueingSettings(api_key=None), "127.0.0.1", port))
+    cfg = QueueingSettings(api_key=None)
+    serving = asyncio.create_task(serve_worker_and_api(worker, cfg, "127.0.0.1", port))
     writer = None
     try:
         await wait_until(worker.started.is_set, what="the worker to start")
@@ -611,7 +612,9 @@ async def test_claims_beside_the_loop_are_given_back_or_left_behind(sql_db, logg
 
 
 @pytest.mark.parametrize("swallows_cancel", [False, True], ids=["cancelled", "swallows-cancel"])
-async def test_settlements_riding_in_a_claim_left_behind_are_flushed_or_counted(sql_db, logged, swallows_cancel):
+async def test_settlements_riding_in_a_claim_left_behind_are_flushed_or_counted(
+    sql_db, logged, swallows_cancel
+):
     """With settlements carried by the next claim (``settle_with_claims``), that claim never comes
     back: the stop goes on without it. Cancelled, the claim gives its settlement back and the final
     flush commits it; a provider that swallows the cancel keeps it, and the stop counts it as not
