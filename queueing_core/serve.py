@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import math
 import socket
 from collections.abc import Iterator
 
 from .errors import ConfigurationError
 from .settings import QueueingSettings
-from .worker import Worker
+from .worker import Worker, _within
 
 log = logging.getLogger("queueing.serve")
 
@@ -70,7 +71,19 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
         def capture_signals(self) -> Iterator[None]:  # the worker owns SIGTERM/SIGINT
             yield
 
-    server = Server(uvicorn.Config(api, log_level="warning", lifespan="off", access_log=False))
+    # the worker owns SIGINT, so uvicorn's "press CTRL+C again to force quit" cannot end a request
+    # that never finishes: its graceful shutdown is bounded instead (then its requests are cancelled;
+    # uvicorn takes whole seconds)
+    grace = max(1, math.ceil(worker.close_floor))
+    server = Server(
+        uvicorn.Config(
+            api,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=grace,
+        )
+    )
     if key is None:
         log.warning(
             "QUEUEING_API_KEY is not set: the ops API answers requests without a key sent to %s:%d "
@@ -91,4 +104,15 @@ async def serve_worker_and_api(worker: Worker, cfg: QueueingSettings, host: str 
         await worker.run()
     finally:
         server.should_exit = True
-        await api_task
+        await _api_stopped(api_task, grace)
+
+
+async def _api_stopped(api_task: asyncio.Task[None], grace: int) -> None:
+    """Wait for the API server to stop: its requests get ``grace`` (uvicorn's bounded graceful
+    shutdown: then it cancels them and returns), and the server a second more to notice the stop
+    and close; then it is cancelled and left, not awaited (a request that ignores its cancellation
+    must not hold the host)."""
+    # (uvicorn looks at ``should_exit`` every 0.1 s, and waits 0.1 s for its connections to close)
+    within = grace + 1.0
+    if not await _within(api_task, within):
+        log.warning("the ops API did not stop within %.1fs: the stop goes on without it", within)

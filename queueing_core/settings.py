@@ -110,7 +110,7 @@ class QueueingSettings(BaseSettings):
         ge=0,
         description="Seconds a stopping worker lets claims in flight come back and running handlers "
         "finish before it cancels them and gives their messages back; the whole stop takes at most this "
-        "plus 20 s, even when the database stops answering.",
+        "plus 20 s (26 s for `queueing serve` with its ops API), even when the database stops answering.",
     )
     poll_min: float = Field(
         default=0.05, gt=0, description="Seconds a worker waits before polling again after a partial batch."

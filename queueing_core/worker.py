@@ -408,7 +408,8 @@ class Settler:
         if left:
             log.warning(
                 "%d settlement(s) not committed by the stop (the database did not answer within "
-                "%.1fs): their messages are delivered again once their leases lapse (at-least-once)",
+                "%.1fs, or they ride in a claim the stop went on without): their messages are "
+                "delivered again once their leases lapse (at-least-once)",
                 left,
                 timeout,
             )
@@ -482,6 +483,8 @@ class Worker:
         self.schedule_grace = schedule_grace
         self._owns_runtime = False
         self._stop_waiter: asyncio.Future[Any] | None = None
+        #: the stop, once begun (``shutdown``): a later call waits for it
+        self._shutting_down: asyncio.Future[None] | None = None
         self.started = asyncio.Event()
         #: monotonic time of the last message received or finished (for hosts that stop when idle)
         self.last_activity = time.monotonic()
@@ -567,9 +570,18 @@ class Worker:
         still running gets :data:`CLAIM_GRACE` more (what it brings then is given back at once, not
         run), then the stop goes on without it (its rows come back when their leases lapse). The final
         settlement flush and the provider's close each get what is left of the deadline, and at least
-        :data:`CLOSE_FLOOR`; a settlement they could not commit comes back when its lease lapses."""
-        if self._stopping.is_set() and not self._consumers:
+        :data:`CLOSE_FLOOR`; a settlement they could not commit comes back when its lease lapses.
+
+        A second call while the first runs waits for the first to finish (bounded as it is): one stop,
+        one close of the runtime, and no caller returns before the provider is closed."""
+        if self._shutting_down is None:
+            self._shutting_down = asyncio.ensure_future(self._shutdown())
+            await self._shutting_down  # (cancelled, the first caller cancels the stop, as before)
             return
+        # a later caller: the first call's stop, not a second one; cancelled, it leaves that stop running
+        await asyncio.wait({self._shutting_down})
+
+    async def _shutdown(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.shutdown_timeout
         self._stopping.set()
@@ -847,6 +859,8 @@ class Worker:
                     want = min(free, self.batch_size)
                     if sub.options.circuit_breaker is not None or not provider.capabilities.filters_paused:
                         now_state = await control.state()
+                        if self._stopping.is_set():
+                            break  # the stop came while the control store answered: no claim starts
                         held = not provider.capabilities.filters_paused and _held(now_state, sub)
                         probe = _admission(now_state, sub) is circuit.Admission.PROBE
                         if (held or probe) and claims:
@@ -891,6 +905,10 @@ class Worker:
                     full = False
                     await self._until_stopping(asyncio.sleep(self._receive_failed(sub, backoff, exc)), None)
                     continue
+                if self._left_behind:
+                    # the stop went on without this claim (its provider returned it even so, cancelled):
+                    # the settler is closed; its rows come back when their leases lapse
+                    break
                 if self._cut_off:
                     self._give_back(sub, state, batch)  # (it came back after the stop's deadline)
                     break

@@ -1,9 +1,9 @@
 """Two receives in flight per queue (``Worker(receives_in_flight=2)``), on SQLite and PostgreSQL: a
 second claim runs while the first is on its way, the slots a claim in flight may fill count as taken
 (handlers running plus slots reserved never exceed ``max_concurrency x prefetch``), a stop while two
-claims are in flight loses nothing and settles nothing twice (nor does a consumer cancelled during
-that stop), a claim that returns beside a failed one runs its messages at once, and a circuit's probe
-still claims one message with no claim beside it."""
+claims are in flight loses nothing and settles nothing twice, a consumer cancelled while its claims
+are out waits for them, a claim that returns beside a failed one runs its messages at once, and a
+circuit's probe still claims one message with no claim beside it."""
 
 from __future__ import annotations
 
@@ -281,37 +281,49 @@ async def test_a_claim_that_returns_beside_a_failed_one_runs_at_once(sql_db):
     assert counts == Counter({"Succeeded": sum(ran.values()), "Pending": total - sum(ran.values())}), counts
 
 
-async def test_a_consumer_cancelled_while_stopping_leaves_no_claim_behind(sql_db):
-    """Two claims held before their transaction when the worker stops, and the consumer is cancelled
-    while it waits for them: both claims are cancelled and waited for, so none claims rows after the
-    consumer is gone and no row is left leased until its lease runs out (a claim the consumer dropped
-    would commit and its batch be thrown away)."""
+async def test_a_cancelled_consumer_leaves_no_claim_behind(sql_db):
+    """Two claims beside the consumer loop, held before their transaction, when the consumer is
+    cancelled (not stopped: at a stop the consumer leaves at once and the claims beside it are the
+    stop's to wait for, bounded; see test_worker_stop_bounded.py): both claims are cancelled and
+    waited for before the consumer ends, so none claims rows after it is gone and no row is left
+    leased until its lease runs out (a claim the consumer dropped would commit and its batch be
+    thrown away)."""
     total = 40
     ran, _, prov, rt = await opened(sql_db, total)
     worker = worker_for(rt)
     claims = Claims(prov, worker)
     release = asyncio.Event()
-    held, hold_after_the_first = holding_after_the_first(release)
+    held = {"now": 0}
+
+    async def hold_after_the_first(call: int) -> None:
+        if call > 1:  # the first comes back full, so the next ones run beside the loop
+            held["now"] += 1
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                # a cancelled database call takes a moment to end (its connection is rolled back):
+                # a consumer that did not wait would be gone before it
+                await asyncio.sleep(0.2)
+                raise
+
     claims.before_claim = hold_after_the_first
     await worker.start()
-    stopping: asyncio.Task[None] | None = None
     try:
         await wait_until(lambda: held["now"] == 2, timeout=10, what="two claims in flight")
+        beside = set(worker._claims)
+        assert len(beside) == 2
         consumer = worker._consumers[0]
-        stopping = asyncio.create_task(worker.shutdown())
-        await wait_until(lambda: worker._stopping.is_set(), what="the stop to begin")
-        await asyncio.sleep(0.1)  # the consumer is waiting for its claims
         consumer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await consumer
+        # waited for, not only cancelled: neither runs on after the consumer is gone
+        assert all(claim.done() for claim in beside)
+        assert claims.active == 0
         release.set()
-        await stopping
-        # a claim left running would go on after the release: let it end before counting
-        await wait_until(lambda: claims.active == 0, what="every claim to end")
     finally:
         release.set()
-        if stopping is None:
-            await worker.shutdown()
+        await asyncio.wait_for(worker.shutdown(), 60)
+    assert claims.calls == 3  # no claim after the two held
     counts = await statuses(prov)
     assert "Leased" not in counts, counts
     assert counts == Counter({"Succeeded": sum(ran.values()), "Pending": total - sum(ran.values())}), counts
