@@ -427,3 +427,4 @@ async def test_a_purge_of_a_history_with_a_damaged_row_deletes_what_it_counts(hi
     with engine.connect() as db:
         assert db.execute(sa.text("SELECT count(*) FROM queueing_history")).scalar() == 0
     assert rt.provider.depth("emails") == 1  # the good one left the queue; the other is still there
+    assert await rt.tracker.get(good.message_id) is None
