@@ -520,7 +520,10 @@ def show(
         return ops.detail_of(await jobs.find(ops.runtime, tracking_id))
 
     d = _ops_call(app, look)
-    out.print(f"message   {d.message_id}\ntracking  {d.tracking_id}", highlight=False)
+    unreadable = "does not read (see stored)"  # a row damaged outside the kit
+    out.print(
+        f"message   {d.message_id or unreadable}\ntracking  {d.tracking_id or unreadable}", highlight=False
+    )
     out.print(
         f"type      {d.type} on queue {d.queue}\nstatus    {d.status} (attempt {d.attempt})", highlight=False
     )

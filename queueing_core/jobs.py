@@ -14,7 +14,7 @@ from uuid import UUID
 
 from .errors import InvalidOperation, JobCancelled, JobFailed, MessageNotFound
 from .messages import MessageStatus
-from .tracking import MessageQuery, MessageRecord
+from .tracking import MessageQuery, MessageRecord, record_change
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -57,6 +57,10 @@ POLL = 0.2
 WOKEN_POLL = 5.0
 
 
+#: how many of a tracking id's newest messages ``find`` looks through for one whose row reads
+FIND_AMONG = 20
+
+
 @dataclass(frozen=True, slots=True)
 class CancelReceipt:
     message_id: UUID
@@ -67,11 +71,13 @@ class CancelReceipt:
 
 
 async def find(runtime: Runtime, tracking_id: UUID) -> MessageRecord:
-    """The message with this tracking id (or message id)."""
+    """The message with this tracking id (or message id): the newest whose stored row reads, else the
+    newest. A row damaged outside the kit may share the tracking id, and its time, which does not read,
+    may sort first (SQLite's ``garbage``, PostgreSQL's ``infinity``): an action must not land on it."""
     rec = await runtime.tracker.get(tracking_id)
     if rec is None:
-        page = await runtime.tracker.query(MessageQuery(tracking_id=tracking_id), limit=1)
-        rec = page.items[0] if page.items else None
+        page = await runtime.tracker.query(MessageQuery(tracking_id=tracking_id), limit=FIND_AMONG)
+        rec = next((r for r in page.items if r.malformed is None), page.items[0] if page.items else None)
     if rec is None:
         raise MessageNotFound(f"no message with tracking id {tracking_id}")
     return rec
@@ -101,9 +107,7 @@ async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
                 )
             # it was claimed meanwhile: the request reaches the run
         elif not provider.capabilities.durable_history:
-            await runtime.tracker.upsert(
-                [r.model_copy(update={"status": S.CANCELLED.value, "updated_at": now})]
-            )
+            await record_change(runtime.tracker, r, {"status": S.CANCELLED.value, "updated_at": now})
             return CancelReceipt(
                 r.message_id,
                 r.tracking_id,

@@ -3,12 +3,14 @@
 from .base import (
     Activity,
     ActivitySource,
+    ChangesInPlace,
     MessageQuery,
     MessageRecord,
     Page,
     Reopen,
     Tracker,
     nothing_to_reopen,
+    record_change,
     record_from_envelope,
 )
 from .memory import MemoryTracker
@@ -16,6 +18,7 @@ from .memory import MemoryTracker
 __all__ = [
     "Activity",
     "ActivitySource",
+    "ChangesInPlace",
     "MemoryTracker",
     "MessageQuery",
     "MessageRecord",
@@ -23,5 +26,6 @@ __all__ = [
     "Reopen",
     "Tracker",
     "nothing_to_reopen",
+    "record_change",
     "record_from_envelope",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..clock import to_utc
 from ..envelope import Envelope
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, InvalidOperation
 from ..messages import MessageStatus
 
 T = TypeVar("T")
@@ -64,10 +64,12 @@ class MessageRecord(BaseModel):
     malformed: str | None = None
     #: the stored text of each field of a damaged record that does not read
     stored: dict[str, str] | None = None
+    #: the fields of a damaged record that do not read, stored text or not (an empty one has none)
+    unreadable: frozenset[str] = Field(default=frozenset(), exclude=True)
 
     def readable(self, name: str) -> bool:
         """Whether the field ``name`` holds what was stored (not a damaged record's stand-in)."""
-        return self.stored is None or name not in self.stored
+        return name not in self.unreadable
 
 
 class MessageQuery(BaseModel):
@@ -154,6 +156,28 @@ class Tracker(Protocol):
         """Write ``record`` whatever the stored status says (an operator's retry of a finished
         message); a plain upsert may refuse to overwrite a finished message."""
         ...
+
+
+@runtime_checkable
+class ChangesInPlace(Protocol):
+    """A tracker that can change some fields of a stored record by its message id and leave the rest as
+    stored (the SQL history, whose rows may be damaged outside the kit)."""
+
+    async def change(self, message_id: UUID, changes: Mapping[str, Any]) -> None: ...
+
+
+async def record_change(tracker: Tracker, r: MessageRecord, changes: Mapping[str, Any]) -> None:
+    """Write ``changes`` (an action's) to ``r``'s record: as a rule the whole record, changed; a damaged
+    one (see ``MessageRecord.malformed``) only those fields, by its message id, so its stand-ins (a zero
+    id, the year 1, no headers) never replace the stored text, which the operator still needs."""
+    if r.malformed is None:
+        await tracker.upsert([r.model_copy(update=dict(changes))])
+    elif r.readable("message_id") and isinstance(tracker, ChangesInPlace):
+        await tracker.change(r.message_id, changes)
+    else:  # (the SQL history is the only tracker that reads damaged rows, and it changes them in place)
+        raise InvalidOperation(
+            f"cannot record a change of message {r.message_id}: its stored row is damaged ({r.malformed})"
+        )
 
 
 class Activity(BaseModel):

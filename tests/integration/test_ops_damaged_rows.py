@@ -10,6 +10,7 @@ import re
 import sqlite3
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from queueing_core import jobs
@@ -153,10 +154,16 @@ async def test_the_dashboard_lists_and_shows_a_damaged_row(api, sql_db):
     dead_letters = await client.get("/ui/messages", params={"status": "DeadLettered"})
     assert dead_letters.status_code == 200
     assert str(store["dead"].message_id) in dead_letters.text
+    if not store["pg"]:  # (PostgreSQL's uuid column refuses that)
+        with sql_db.sync_engine().begin() as db:
+            set_row(db, "queueing_messages", store["dead"].message_id.hex, tracking_id="nope")
     detail = await client.get(f"/ui/messages/{store['dead'].message_id}")
     assert detail.status_code == 200, detail.text
     assert "malformed" in detail.text.lower()
     assert re.search(r"infinity|garbage", detail.text)
+    if not store["pg"]:
+        assert "None" not in detail.text
+        assert 'id="tracking-unreadable"' in detail.text
 
     # bulk actions count the damaged row with the rest: a retry refuses it, a purge deletes it
     csrf = re.search(r'"X-CSRF-Token": "([^"]+)"', (await client.get("/ui/")).text).group(1)
@@ -226,6 +233,198 @@ def test_the_cli_shows_a_damaged_row_by_its_tracking_id(cli, tmp_path):  # noqa:
     shown = cli("show", str(receipt.tracking_id))
     assert shown.returncode == 0, shown.stderr
     assert "status    Pending" in shown.stdout
+    assert "message   does not read (see stored)" in shown.stdout
     assert "malformed message id is not a UUID; updated_at does not read as a time" in shown.stdout
     assert "stored    message_id: not-a-uuid" in shown.stdout
     assert cli("stats").returncode == 0
+
+
+def set_row(db, table: str, key: str, **values: object) -> None:
+    """Write ``values`` into the row whose stored message id is ``key``, as an outside hand would."""
+    assignments = ", ".join(f"{name} = :{name}" for name in values)
+    db.execute(sa.text(f"UPDATE {table} SET {assignments} WHERE message_id = :key"), {**values, "key": key})
+
+
+async def page_through(client, limit: int = 1, **params) -> list[dict]:
+    """Every item of the listing, ``limit`` a page, following the cursors (bounded: a loop fails)."""
+    seen, cursor = [], None
+    for _ in range(100):
+        page = await client.get(
+            "/messages", params={"limit": limit, **params} | ({"cursor": cursor} if cursor else {})
+        )
+        assert page.status_code == 200, page.text
+        seen += page.json()["items"]
+        cursor = page.json()["next_cursor"]
+        if cursor is None:
+            return seen
+    raise AssertionError(f"still paging after 100 pages ({len({i['tracking_id'] for i in seen})} rows seen)")
+
+
+@pytest.mark.parametrize("sql_db", ["sqlite"], indirect=True)
+async def test_sqlite_paging_through_times_not_stored_as_the_kit_writes_them(api, sql_db):
+    """SQLite orders times by their stored text: a time that reads but is stored in another form (an ISO
+    ``T``, no fraction as CURRENT_TIMESTAMP writes, an offset) must not move a page's cursor off that
+    order; nor must damaged times tied among themselves and with good rows in the middle of it."""
+    client, rt, _ = api
+    sent = [await rt.app.enqueue(Email(to=f"{i}@x.io", subject="s")) for i in range(12)]
+    times = [
+        "2026-01-02T03:04:05",
+        "2026-01-02 03:04:05",
+        "2026-01-02 05:00:00+05:00",
+        "2026-01-02 03:04:05.000000",
+        "2026-01-02 03:04:05.000000",
+        "2026-01-02 03:04:05.000000 junk",
+        "2026-01-02 03:04:05.000000 junk",
+        "2026-01-02 03:04:04.000000",
+        "2026-01-02 03:04:05Z",
+        "2026-01-02T03:04:05.000000",
+    ]
+    with sql_db.sync_engine().begin() as db:
+        for receipt, at in zip(sent, times, strict=False):
+            set_row(db, "queueing_messages", receipt.message_id.hex, created_at=at)
+    expected = sorted(str(r.tracking_id) for r in sent)
+    for limit in (1, 2, 3):
+        seen = await page_through(client, limit)
+        assert sorted(i["tracking_id"] for i in seen) == expected, limit
+
+
+@pytest.mark.parametrize("sql_db", ["sqlite"], indirect=True)
+async def test_sqlite_an_id_that_reads_but_is_not_stored_as_the_kit_writes_it_is_damaged(api, sql_db):
+    """SQLite keeps whatever text was written: a dead letter whose id is another message's in capitals
+    reads as that message's id, but the kit's lookups never reach it by that id. It is shown damaged,
+    with no id an action could take (which would act on the other message)."""
+    client, rt, _ = api
+    good, other = [await rt.app.enqueue(Email(to=f"{i}@x.io", subject="s")) for i in range(2)]
+    with sql_db.sync_engine().begin() as db:
+        set_row(db, "queueing_messages", good.message_id.hex, status="Succeeded")
+        set_row(
+            db,
+            "queueing_messages",
+            other.message_id.hex,
+            status="DeadLettered",
+            message_id=good.message_id.hex.upper(),
+        )
+    [dead] = (await client.get("/messages", params={"status": "DeadLettered"})).json()["items"]
+    assert dead["message_id"] is None
+    assert dead["malformed"] == "message id is not stored as the kit writes it"
+    assert dead["stored"] == {"message_id": good.message_id.hex.upper()}
+    assert dead["tracking_id"] == str(other.tracking_id)
+    detail = (await client.get(f"/messages/{good.message_id}")).json()
+    assert (detail["status"], detail["malformed"]) == ("Succeeded", None)
+
+
+async def test_find_by_tracking_id_prefers_a_readable_row(api, sql_db):
+    """A damaged row sharing a message's tracking id, whose time sorts first (``garbage`` on SQLite,
+    ``infinity`` on PostgreSQL): a cancel by that tracking id acts on the message, not on it."""
+    client, rt, _ = api
+    real, damaged = [await rt.app.enqueue(Email(to=f"{i}@x.io", subject="s")) for i in range(2)]
+    pg = sql_db.backend == "postgresql"
+    with sql_db.sync_engine().begin() as db:
+        set_row(
+            db,
+            "queueing_messages",
+            damaged.message_id if pg else damaged.message_id.hex,
+            tracking_id=real.tracking_id if pg else real.tracking_id.hex,
+            created_at="infinity" if pg else "garbage",
+        )
+    found = await jobs.find(rt, real.tracking_id)
+    assert (found.message_id, found.malformed) == (real.message_id, None)
+    cancel = await client.post(f"/messages/{real.tracking_id}/cancel")
+    assert cancel.status_code == 200, cancel.text
+    assert cancel.json()["message_id"] == str(real.message_id)
+    assert (await client.get(f"/messages/{damaged.message_id}")).json()["status"] == "Pending"
+
+
+@pytest.fixture
+async def history_rt(tmp_path):
+    """A transport without history of its own (in process) over the SQL history (SQLite): the runtime
+    and the history database's engine, where rows are damaged by hand."""
+    from queueing_core.providers.inprocess import InProcessProvider
+    from queueing_core.providers.sql.history import SideStores
+    from queueing_core.runtime import Runtime
+
+    from .test_ops_api import build_app
+
+    stores = SideStores(f"sqlite:///{tmp_path}/history.db")
+    rt = Runtime(build_app()[0], InProcessProvider(), tracker=stores.history)
+    await rt.open()
+    await stores.open()
+    yield rt, sa.create_engine(f"sqlite:///{tmp_path}/history.db")
+    await rt.close()
+    await stores.close()
+
+
+async def history_record(rt, status: str, **fields):
+    from datetime import UTC, datetime
+    from uuid import uuid4
+
+    from queueing_core.tracking import MessageRecord
+
+    now = datetime.now(UTC)
+    rec = MessageRecord(
+        message_id=uuid4(),
+        tracking_id=uuid4(),
+        type="Email",
+        queue="emails",
+        status=status,
+        created_at=now,
+        updated_at=now,
+        body={"to": "a@x.io", "subject": "s"},
+        **fields,
+    )
+    await rt.tracker.upsert([rec])
+    return rec
+
+
+def stored_row(engine, message_id) -> dict:
+    with engine.connect() as db:
+        row = db.execute(
+            sa.text("SELECT * FROM queueing_history WHERE message_id = :id"), {"id": message_id.hex}
+        ).first()
+    return dict(row._mapping)
+
+
+async def test_actions_on_a_damaged_history_row_keep_what_is_stored(history_rt):
+    """With the history beside the transport, archive and cancel write the history themselves: on a
+    damaged row they change the columns they act on, by the row's key, and leave the stored text (and
+    the damage) as it was, never the record's stand-ins."""
+    rt, engine = history_rt
+    dead = await history_record(rt, "DeadLettered", reason="MaxAttemptsExceeded")
+    waiting = await history_record(rt, "Pending")
+    with engine.begin() as db:
+        for rec in (dead, waiting):
+            set_row(db, "queueing_history", rec.message_id.hex, created_at="garbage", headers="not json {")
+    ops = OpsService(rt)
+    assert "created_at" in ((await ops.record(dead.message_id)).malformed or "")
+    await ops.archive(dead.message_id)
+    done = await jobs.cancel(rt, waiting.tracking_id)
+    assert done.status == "Cancelled"
+    for rec, changed in ((dead, {"archived": 1}), (waiting, {"status": "Cancelled"})):
+        row = stored_row(engine, rec.message_id)
+        assert (row["created_at"], row["headers"], row["tracking_id"]) == (
+            "garbage",
+            "not json {",
+            rec.tracking_id.hex,
+        )
+        assert {k: row[k] for k in changed} == changed
+        assert "created_at" in ((await ops.record(rec.message_id)).malformed or "")
+
+
+async def test_a_purge_of_a_history_with_a_damaged_row_deletes_what_it_counts(history_rt):
+    """A damaged history row whose message id does not read matches a purge like any other: the
+    transport cannot be asked for a message by an id that is not one, so its history goes with the
+    status's others (a message the transport still holds writes its history again when it runs), and
+    the count says so."""
+    from queueing_core.tracking import MessageQuery
+
+    rt, engine = history_rt
+    good, damaged = [await rt.app.enqueue(Email(to=f"{i}@x.io", subject="s")) for i in range(2)]
+    assert await rt.tracker.get(damaged.message_id) is not None
+    with engine.begin() as db:
+        set_row(db, "queueing_history", damaged.message_id.hex, message_id="not-a-uuid")
+    result = await OpsService(rt).purge(MessageQuery(queue="emails", status=("Pending",)))
+    assert result.deleted == 2
+    with engine.connect() as db:
+        assert db.execute(sa.text("SELECT count(*) FROM queueing_history")).scalar() == 0
+    assert rt.provider.depth("emails") == 1  # the good one left the queue; the other is still there
+    assert await rt.tracker.get(good.message_id) is None

@@ -17,7 +17,7 @@ same message concurrently cannot interleave a read and a write):
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("queueing.sql")
 
 TERMINAL = tuple(sorted(s.value for s in MessageStatus.terminal()))
+#: the columns holding JSON text
+_JSON = frozenset({"headers", "body", "result", "progress"})
 #: rows deleted per statement by :meth:`SqlHistoryTracker.prune` (short transactions, no long locks)
 PRUNE_CHUNK = 5000
 
@@ -159,6 +161,20 @@ class SqlHistoryTracker(SqlTracker):
         await self.provider.ensure_open()
         async with self.provider.engine.begin() as conn:
             await conn.execute(self._upsert_statement(keep_outcomes=False, if_newer=True), rows)
+
+    async def change(self, message_id: UUID, changes: Mapping[str, Any]) -> None:
+        """Set these fields of ``message_id``'s row and leave the rest as stored: an action on a row
+        damaged outside the kit (an upsert would write the record's stand-ins over its stored text)."""
+        t = self._m
+        values = {
+            name: _json(v) if name in _JSON else as_utc(v) if isinstance(v, datetime) else v
+            for name, v in changes.items()
+        }
+        if not set(values) <= {c.name for c in t.c} - {"id", "message_id"}:
+            raise ValueError(f"not a column a change may set: {sorted(values)}")
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            await conn.execute(sa.update(t).where(t.c.message_id == message_id).values(**values))
 
     async def note_duplicate(self, message_id: UUID) -> None:
         """Count one delivery of ``message_id`` completed as a known duplicate."""

@@ -10,6 +10,7 @@ read is left empty (or a stand-in where the record needs a value), its stored te
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -22,6 +23,18 @@ from ...tracking.base import UNREADABLE_ID, UNREADABLE_TIME, MessageRecord
 
 #: the most of a damaged value kept for the operator
 MAX_STORED = 2000
+#: how SQLAlchemy writes a time on SQLite (UTC, no offset), which orders as text in time order: a time
+#: stored in any other form (an ISO ``T``, no fraction, an offset) may read, but sorts elsewhere
+SQLITE_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}")
+
+
+def stored_in_order(value: Any) -> bool:
+    """Whether a time as selected (:meth:`SqlTracker.columns`) sorts among the others as the time it
+    reads as: always on PostgreSQL (a ``timestamptz``), on SQLite only in the form the kit writes. A page
+    cursor may carry such a time; after any other row it names the row alone."""
+    return not isinstance(value, str) or SQLITE_TIME.fullmatch(value) is not None
+
+
 _STAND_INS: dict[str, Any] = {
     "message_id": UNREADABLE_ID,
     "tracking_id": UNREADABLE_ID,
@@ -41,9 +54,11 @@ class _Reading:
         self.row = row
         self.problems: list[str] = []
         self.stored: dict[str, str] = {}
+        self.unreadable: set[str] = set()
 
     def bad(self, name: str, value: Any, why: str) -> None:
         self.problems.append(why)
+        self.unreadable.add(name)
         if value is not None:
             self.stored[name] = str(value)[:MAX_STORED]
 
@@ -52,10 +67,17 @@ class _Reading:
         if value is None or isinstance(value, UUID):
             return value
         try:
-            return UUID(str(value))
+            parsed = UUID(str(value))
         except ValueError:
             self.bad(name, value, f"{_WHAT[name]} is not a UUID")
             return None
+        if parsed.hex != value:
+            # SQLite keeps the text written, and the kit writes 32 lower-case hex digits: the kit looks a
+            # row up by that text, so one stored otherwise (``A1B2…``, dashed) is never the message its
+            # id reads as. Shown with that id, an action on it would act on that other message.
+            self.bad(name, value, f"{_WHAT[name]} is not stored as the kit writes it")
+            return None
+        return parsed
 
     def time(self, name: str) -> datetime | None:
         stored = self.row.get(f"{name}_stored")  # PostgreSQL: a time out of the years 1-9999
@@ -141,6 +163,7 @@ def read_record(row: Any) -> MessageRecord:
     if r.problems:
         record.malformed = "; ".join(r.problems)
         record.stored = r.stored
+        record.unreadable = frozenset(r.unreadable)
     return record
 
 

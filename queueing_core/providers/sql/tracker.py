@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from ...clock import as_utc
 from ...messages import MessageStatus
 from ...tracking.base import Activity, MessageQuery, MessageRecord, Page, invalid_cursor
-from .records import read_record
+from .records import read_record, stored_in_order
 from .schema import claimable
 
 if TYPE_CHECKING:
@@ -160,7 +160,9 @@ class SqlTracker:
         last = items[-1] if items else None
         nxt = None
         if more and last is not None:
-            nxt = encode_cursor(last.created_at if last.readable("created_at") else None, rows[-1].id)
+            # the time only where the database orders the row by it (see stored_in_order)
+            in_order = last.readable("created_at") and stored_in_order(rows[-1].created_at)
+            nxt = encode_cursor(last.created_at if in_order else None, rows[-1].id)
         return Page[MessageRecord](items=items, next_cursor=nxt)
 
     async def counts(self) -> dict[tuple[str, str], int]:
