@@ -71,13 +71,16 @@ class CancelReceipt:
 
 
 async def find(runtime: Runtime, tracking_id: UUID) -> MessageRecord:
-    """The message with this tracking id (or message id): the newest whose stored row reads, else the
-    newest. A row damaged outside the kit may share the tracking id, and its time, which does not read,
-    may sort first (SQLite's ``garbage``, PostgreSQL's ``infinity``): an action must not land on it."""
+    """The message with this tracking id (or message id): the newest whose creation time reads, else
+    the newest. A row damaged outside the kit may share the tracking id, and its time, which does not
+    read, may sort first (SQLite's ``garbage``, PostgreSQL's ``infinity``): an action must not land on
+    it. Only the time decides: the newest message damaged elsewhere (its progress, say) is still the
+    newest, and an action on it is refused by name, not moved to an older message."""
     rec = await runtime.tracker.get(tracking_id)
     if rec is None:
         page = await runtime.tracker.query(MessageQuery(tracking_id=tracking_id), limit=FIND_AMONG)
-        rec = next((r for r in page.items if r.malformed is None), page.items[0] if page.items else None)
+        dated = (r for r in page.items if r.readable("created_at"))
+        rec = next(dated, page.items[0] if page.items else None)
     if rec is None:
         raise MessageNotFound(f"no message with tracking id {tracking_id}")
     return rec

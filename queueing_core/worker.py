@@ -576,10 +576,11 @@ class Worker:
         one close of the runtime, and no caller returns before the provider is closed."""
         if self._shutting_down is None:
             self._shutting_down = asyncio.ensure_future(self._shutdown())
-            await self._shutting_down  # (cancelled, the first caller cancels the stop, as before)
-            return
-        # a later caller: the first call's stop, not a second one; cancelled, it leaves that stop running
-        await asyncio.wait({self._shutting_down})
+        # every caller waits for the one stop, and a caller cancelled (a ``wait_for`` that timed out)
+        # leaves it running: cancelled half-way, it would leave the handlers, the settler and the
+        # provider open, and every later call would find it done and return at once. It is bounded
+        # (see the docstring); its own error reaches every caller
+        await asyncio.shield(self._shutting_down)
 
     async def _shutdown(self) -> None:
         loop = asyncio.get_running_loop()

@@ -335,6 +335,24 @@ async def test_find_by_tracking_id_prefers_a_readable_row(api, sql_db):
     assert (await client.get(f"/messages/{damaged.message_id}")).json()["status"] == "Pending"
 
 
+@pytest.mark.parametrize("sql_db", ["sqlite"], indirect=True)
+async def test_find_by_tracking_id_takes_the_newest_message_when_its_time_reads(api, sql_db):
+    """A tracking id used again: the newer message, damaged in a field other than its time, is still
+    the one found, not the older one (a cancel must not answer "already succeeded" for the old one
+    while the new one runs)."""
+    _, rt, _ = api
+    older = await rt.app.enqueue(Email(to="old@x.io", subject="s"))
+    newer = await rt.app.enqueue(Email(to="new@x.io", subject="s"))
+    with sql_db.sync_engine().begin() as db:
+        set_row(db, "queueing_messages", older.message_id.hex, status="Succeeded")
+        set_row(
+            db, "queueing_messages", newer.message_id.hex, tracking_id=older.tracking_id.hex, headers="[1]"
+        )
+    found = await jobs.find(rt, older.tracking_id)
+    assert found.message_id == newer.message_id
+    assert found.malformed is not None
+
+
 @pytest.fixture
 async def history_rt(tmp_path):
     """A transport without history of its own (in process) over the SQL history (SQLite): the runtime

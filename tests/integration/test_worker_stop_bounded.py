@@ -500,6 +500,41 @@ async def test_a_second_shutdown_waits_for_the_first(sql_db):
     assert events == ["close", "closed", "second returned"], events
 
 
+async def test_a_first_shutdown_cancelled_leaves_the_stop_to_finish(sql_db):
+    """The first ``shutdown()``'s caller cancelled mid-stop (a ``wait_for`` that timed out): the stop
+    goes on to the provider's close, and a later call waits for it, not returning at once over a
+    worker left half stopped."""
+    prov = sql_db.provider()
+    rt = Runtime(job_app("stop-bounded", Job, Counter()), prov)
+    close, closing, finish = prov.close, asyncio.Event(), asyncio.Event()
+    events: list[str] = []
+
+    async def slow_close() -> None:
+        closing.set()
+        await finish.wait()
+        await close()
+        events.append("closed")
+
+    prov.close = slow_close  # type: ignore[method-assign]
+    worker = worker_for(rt, shutdown_timeout=0.2)
+    worker.close_floor = STOP_BOUND  # the test ends the close itself
+    await worker.start()
+    first = asyncio.create_task(worker.shutdown())
+    try:
+        await wait_until(closing.is_set, what="the first stop to close the provider")
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        assert first.cancelled()
+        later = asyncio.create_task(worker.shutdown())
+        await asyncio.wait({later}, timeout=0.5)
+        assert not later.done()  # (the stop is still closing the provider: the later call waits)
+        finish.set()
+        await asyncio.wait_for(later, STOP_BOUND)
+    finally:
+        finish.set()
+    assert events == ["closed"]
+
+
 async def test_serve_returns_with_a_request_that_never_finishes(sql_db, monkeypatch):
     """``queueing serve`` with the ops API: a request is held open by a handler that never finishes
     when the worker is asked to stop; the API's shutdown is bounded, so serving returns."""
@@ -560,7 +595,9 @@ async def test_claims_beside_the_loop_are_given_back_or_left_behind(sql_db, logg
     worker runs every message exactly once."""
     total = 40
     ran: Counter[int] = Counter()
-    # no sweep in this worker: the claim left behind keeps its rows leased until the second worker's
+    # no sweep in this worker (its maintainer is stopped below: its first sweep comes at a random
+    # moment within the interval, and one within the stop would mark the left claim's rows Failed):
+    # the claim left behind keeps its rows leased until the second worker's
     prov = sql_db.provider(maintenance_interval=STOP_BOUND)
     assert prov.capabilities.overlapping_receives
     rt = Runtime(job_app("stop-bounded", Ahead, ran), prov)
@@ -583,6 +620,8 @@ async def test_claims_beside_the_loop_are_given_back_or_left_behind(sql_db, logg
 
     claims.after_commit = hold_after_commit
     await worker.start()
+    assert worker._maintainer is not None
+    worker._maintainer.cancel()
     stopping = None
     try:
         await wait_until(lambda: len(held) == 2, what="two claims committed and held")
