@@ -517,8 +517,8 @@ class OpsService:
         for status in sorted({r.status for r in records}):
             matches = [r for r in records if r.status == status]
             if all(r.message_id in removed for r in matches if r.readable("message_id")):
-                await self.runtime.tracker.delete(query.model_copy(update={"status": (status,)}))
-                deleted += len(matches)
+                # (what the tracker deleted: rows that arrived after the listing was read go too)
+                deleted += await self.runtime.tracker.delete(query.model_copy(update={"status": (status,)}))
         return PurgeResult(deleted=deleted, skipped_leased=0)
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
