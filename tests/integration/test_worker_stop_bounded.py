@@ -162,6 +162,24 @@ async def timed(stop: Any) -> float:
     return loop.time() - began
 
 
+async def stop_with_the_claim_held_past_the_deadline(worker: Worker, held: HeldClaims, logged: Any) -> None:
+    """Start ``worker``, stop it once its claim is committed and held, and let the claim return only
+    after the stop's deadline has passed with it out (within its grace); the stop is waited for."""
+    await worker.start()
+    stopping = None
+    try:
+        await wait_until(held.held.is_set, what="the claim to commit and be held")
+        stopping = asyncio.create_task(worker.shutdown())
+        cut_off = logged.on("claim(s) still running at the shutdown deadline")
+        await wait_until(cut_off.is_set, what="the stop's deadline to pass with the claim out")
+        held.release.set()
+        await asyncio.wait_for(stopping, STOP_BOUND)
+    finally:
+        held.release.set()
+        if stopping is None or not stopping.done():
+            await asyncio.wait_for(worker.shutdown(), STOP_BOUND)
+
+
 async def opened(
     sql_db: Any, message: type[QueueMessage], total: int
 ) -> tuple[Counter[int], SqlProvider, Runtime]:
@@ -205,19 +223,7 @@ async def test_a_claim_held_past_the_deadline_is_given_back(sql_db, logged):
     held = HeldClaims(prov)
     worker = worker_for(rt, shutdown_timeout=0.2)
     worker.claim_grace = STOP_BOUND  # the test releases the claim inside it
-    await worker.start()
-    stopping = None
-    try:
-        await wait_until(held.held.is_set, what="the claim to commit and be held")
-        stopping = asyncio.create_task(worker.shutdown())
-        cut_off = logged.on("claim(s) still running at the shutdown deadline")
-        await wait_until(cut_off.is_set, what="the stop's deadline to pass with the claim out")
-        held.release.set()
-        await asyncio.wait_for(stopping, STOP_BOUND)
-    finally:
-        held.release.set()
-        if stopping is None or not stopping.done():
-            await asyncio.wait_for(worker.shutdown(), STOP_BOUND)
+    await stop_with_the_claim_held_past_the_deadline(worker, held, logged)
     assert held.claimed
     assert set(held.claimed) <= set(range(total))
     assert not ran
@@ -237,19 +243,7 @@ async def test_a_malformed_delivery_in_a_late_claim_is_dead_lettered_not_release
     held.damage_first = True
     worker = worker_for(rt, shutdown_timeout=0.2)
     worker.claim_grace = STOP_BOUND
-    await worker.start()
-    stopping = None
-    try:
-        await wait_until(held.held.is_set, what="the claim to commit and be held")
-        stopping = asyncio.create_task(worker.shutdown())
-        cut_off = logged.on("claim(s) still running at the shutdown deadline")
-        await wait_until(cut_off.is_set, what="the stop's deadline to pass with the claim out")
-        held.release.set()
-        await asyncio.wait_for(stopping, STOP_BOUND)
-    finally:
-        held.release.set()
-        if stopping is None or not stopping.done():
-            await asyncio.wait_for(worker.shutdown(), STOP_BOUND)
+    await stop_with_the_claim_held_past_the_deadline(worker, held, logged)
     assert not ran
     assert await statuses(prov) == Counter({"DeadLettered": 1, "Pending": total - 1})
 
@@ -334,19 +328,7 @@ async def test_a_stop_with_no_wait_gives_back_a_claim_in_flight_quietly(sql_db, 
     held = HeldClaims(prov)
     worker = worker_for(rt, shutdown_timeout=0)
     worker.claim_grace = STOP_BOUND
-    await worker.start()
-    stopping = None
-    try:
-        await wait_until(held.held.is_set, what="the claim to commit and be held")
-        stopping = asyncio.create_task(worker.shutdown())
-        cut_off = logged.on("claim(s) still running at the shutdown deadline")
-        await wait_until(cut_off.is_set, what="the stop to reach its deadline")
-        held.release.set()
-        await asyncio.wait_for(stopping, STOP_BOUND)
-    finally:
-        held.release.set()
-        if stopping is None or not stopping.done():
-            await asyncio.wait_for(worker.shutdown(), STOP_BOUND)
+    await stop_with_the_claim_held_past_the_deadline(worker, held, logged)
     assert logged.warnings() == []
     assert not ran
     assert await statuses(prov) == Counter({"Pending": total})
