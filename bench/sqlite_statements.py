@@ -13,7 +13,7 @@ Variants change one thing against ``kit`` (the statements the kit compiles for S
 an index dropped or narrowed, a filter of the claim left out or rewritten, the claim's shape, the
 columns it returns, the settlement's shape and batch size.
 
-Usage: .venv/bin/python bench/sqlite_statements.py [--messages 20000] [--rounds 5] [--only kit,...]
+Usage: .venv/bin/python bench/sqlite_statements.py [--messages 20000] [--rounds 5] [--only "variant|..."]
 """
 
 from __future__ import annotations
@@ -233,13 +233,13 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=20_000)
     p.add_argument("--batch", type=int, default=10, help="rows a claim takes")
     p.add_argument("--settle", type=int, default=50, help="rows a settlement takes")
-    p.add_argument("--only", default="", help="comma-separated variants (kit always runs)")
+    p.add_argument("--only", default="", help="variants separated by | (kit always runs)")
     p.add_argument("--dir", default=None)
     args = p.parse_args()
     common.header("SQLite statements alone: claim and settlement µs per message", args)
     all_variants = variants()
     if args.only:
-        wanted = {"kit", *(w.strip() for w in args.only.split(","))}
+        wanted = {"kit", *(w.strip() for w in args.only.split("|"))}
         all_variants = [v for v in all_variants if v.name in wanted]
     results: dict[str, list[tuple[float, float]]] = {v.name: [] for v in all_variants}
     with tempfile.TemporaryDirectory(prefix="bench_sqlite_stmt_", dir=args.dir) as tmp:
