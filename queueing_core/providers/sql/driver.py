@@ -147,8 +147,6 @@ class Compiled:
             # an expanding IN has a new text per number of values: not one statement to prepare
             raise ValueError("a hot-path statement must have one text for any values (no expanding IN)")
         self.sql: str = compiled.string
-        #: whether its generic plan is the one it is written for (see :data:`GENERIC_PLANS`)
-        self.generic = True
         #: the names of the columns it returns, in order: read from its first result (see ``_result``)
         self.names: tuple[str, ...] | None = None
         self.defaults: dict[str, Any] = dict(compiled.params)
@@ -189,17 +187,16 @@ class Result:
 
 
 #: The first statement of every prepared round trip: the hot path's statements run on their generic
-#: plans (planned once per connection), for this transaction only. Left to itself, the server's plan
+#: plan (planned once per connection), for this transaction only. Left to itself, the server's plan
 #: cache compares the generic plan's estimate with the plans made for each call's values and keeps
 #: planning anew: a claim's generic plan cannot know its ``LIMIT`` (it assumes a tenth of the due
 #: rows), so it is always estimated dearer, and the claim and the settlement were planned again on
 #: every call, a fifth of the server's CPU per message. The generic plans are the ones these
-#: statements are written for (the claimed ids as one array fetched by primary key, the settled rows
-#: by primary key, the claim on the partial index whose predicate its text repeats); the ordered
-#: claim is left out (see ``HotStatements``). Local to the transaction (``is_local``): the pipeline's
-#: implicit transaction ends at its sync, so what runs on the pooled connection afterwards
-#: (SQLAlchemy's statements, which psycopg prepares too) is planned as before. One more statement in
-#: the same round trip, prepared once.
+#: statements are written for (the claimed ids as one array fetched by primary key, the settlement's
+#: rows by primary key, the claim on its partial index whose predicate the text repeats). Local to
+#: the transaction (``is_local``): the pipeline's implicit transaction ends at its sync, so nothing
+#: else that runs on the pooled connection afterwards (SQLAlchemy's statements, which psycopg
+#: prepares too) is planned otherwise. One more statement in the same round trip, prepared once.
 GENERIC_PLANS = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
 
 
@@ -247,20 +244,18 @@ class DriverPath:
         self, pg: psycopg.AsyncConnection[Any], work: Sequence[tuple[Compiled, Mapping[str, Any]]]
     ) -> list[Result]:
         """One statement alone, or several in a pipeline (one implicit transaction, one sync). With
-        prepared statements whose generic plans are theirs (all but the ordered claim), the pipeline
-        opens with :data:`GENERIC_PLANS` (see there)."""
+        prepared statements, the pipeline opens with :data:`GENERIC_PLANS` (see there)."""
         from psycopg.rows import tuple_row
 
         _read_times_in_utc(pg)
-        generic = self.prepare and all(stmt.generic for stmt, _ in work)
-        if len(work) == 1 and not generic:
+        if len(work) == 1 and not self.prepare:
             stmt, values = work[0]
             cur = pg.cursor(row_factory=tuple_row)
-            await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare, binary=True)
+            await cur.execute(stmt.sql, stmt.params(values), prepare=False, binary=True)
             return [await _result(cur, stmt)]
         sent = []
         async with pg.pipeline():
-            if generic:
+            if self.prepare:
                 await pg.cursor().execute(GENERIC_PLANS, prepare=True)
             for stmt, values in work:
                 cur = pg.cursor(row_factory=tuple_row)
@@ -290,10 +285,6 @@ class HotStatements:
     def __init__(self, statements: Any, dialect: sa.Dialect, compiled: type[Compiled] = Compiled) -> None:
         self.claim = compiled(statements.claim, dialect)
         self.claim_head = compiled(statements.claim_head, dialect)
-        # the head of an ordered queue may reach a partial index only when the planner sees the statuses
-        # it holds as values (the generic plan has them as parameters); its plans were not measured, so
-        # it keeps the server's own choice
-        self.claim_head.generic = False
         self.complete_many = compiled(statements.complete_many, dialect)
         self.settle = {shape: compiled(stmt, dialect) for shape, stmt in statements.settle.items()}
         self.renew = compiled(statements.renew, dialect)
