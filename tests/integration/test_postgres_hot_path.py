@@ -217,36 +217,6 @@ async def test_the_prepared_claims_generic_plan_reads_no_whole_table(pg_db):
     assert "queueing_messages_pkey" in text, text
 
 
-async def test_claims_and_settlements_run_on_their_generic_plans_for_the_call_only(pg_db):
-    """The hot path's prepared statements are planned once per connection (their generic plans), not
-    again for every call: the server's plan cache, left to itself, estimated the claim's generic plan
-    dearer (it cannot know the LIMIT) and planned the claim and the settlement anew each time. The
-    setting is the call's own: the pooled connection then plans SQLAlchemy's statements as before."""
-    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
-    a = app()
-    rt = Runtime(a, prov)
-    await rt.open()
-    await a.enqueue_many([Job(n=i) for i in range(20)])
-    for _ in range(10):  # past the plan cache's five first calls, planned for their values
-        got = await prov.receive(a.subscription("Job"), 2)
-        assert len(got) == 2
-        await prov.settle([Settlement(d, Complete()) for d in got])
-    async with prov.engine.connect() as conn:
-        mode = (await conn.execute(sa.text("SHOW plan_cache_mode"))).scalar_one()
-        rows = (
-            await conn.execute(
-                sa.text("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements")
-            )
-        ).all()
-    claims = [(g, c) for t, g, c in rows if "FOR UPDATE SKIP LOCKED" in t]
-    settlements = [(g, c) for t, g, c in rows if "unnest" in t and "settled_at" in t]
-    assert claims == [(10, 0)], rows
-    assert settlements == [(10, 0)], rows
-    assert mode == "auto"  # as the server's default left it
-    statuses = {r.status for r in (await rt.tracker.query(MessageQuery(queue="hot"))).items}
-    assert statuses == {"Succeeded"}
-
-
 # -- the pooled connection the hot path borrows: straight from the pool, back as it was lent ----------
 
 

@@ -186,20 +186,6 @@ class Result:
     rows: list[dict[str, Any]]
 
 
-#: The first statement of every prepared round trip: the hot path's statements run on their generic
-#: plan (planned once per connection), for this transaction only. Left to itself, the server's plan
-#: cache compares the generic plan's estimate with the plans made for each call's values and keeps
-#: planning anew: a claim's generic plan cannot know its ``LIMIT`` (it assumes a tenth of the due
-#: rows), so it is always estimated dearer, and the claim and the settlement were planned again on
-#: every call, a fifth of the server's CPU per message. The generic plans are the ones these
-#: statements are written for (the claimed ids as one array fetched by primary key, the settlement's
-#: rows by primary key, the claim on its partial index whose predicate the text repeats). Local to
-#: the transaction (``is_local``): the pipeline's implicit transaction ends at its sync, so nothing
-#: else that runs on the pooled connection afterwards (SQLAlchemy's statements, which psycopg
-#: prepares too) is planned otherwise. One more statement in the same round trip, prepared once.
-GENERIC_PLANS = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
-
-
 class DriverPath:
     """Runs compiled statements on the psycopg connection of a SQLAlchemy pooled connection."""
 
@@ -243,20 +229,17 @@ class DriverPath:
     async def round_trip(
         self, pg: psycopg.AsyncConnection[Any], work: Sequence[tuple[Compiled, Mapping[str, Any]]]
     ) -> list[Result]:
-        """One statement alone, or several in a pipeline (one implicit transaction, one sync). With
-        prepared statements, the pipeline opens with :data:`GENERIC_PLANS` (see there)."""
+        """One statement alone, or several in a pipeline (one implicit transaction, one sync)."""
         from psycopg.rows import tuple_row
 
         _read_times_in_utc(pg)
-        if len(work) == 1 and not self.prepare:
+        if len(work) == 1:
             stmt, values = work[0]
             cur = pg.cursor(row_factory=tuple_row)
-            await cur.execute(stmt.sql, stmt.params(values), prepare=False, binary=True)
+            await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare, binary=True)
             return [await _result(cur, stmt)]
         sent = []
         async with pg.pipeline():
-            if self.prepare:
-                await pg.cursor().execute(GENERIC_PLANS, prepare=True)
             for stmt, values in work:
                 cur = pg.cursor(row_factory=tuple_row)
                 await cur.execute(stmt.sql, stmt.params(values), prepare=self.prepare, binary=True)
