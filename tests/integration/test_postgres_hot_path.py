@@ -217,6 +217,35 @@ async def test_the_prepared_claims_generic_plan_reads_no_whole_table(pg_db):
     assert "queueing_messages_pkey" in text, text
 
 
+async def test_claims_and_settlements_keep_their_generic_plans(pg_db):
+    """PostgreSQL plans a prepared statement's first five calls for their values, then keeps its
+    generic plan (planned once) while that plan is estimated no dearer. The claim's generic plan read
+    a bare LIMIT parameter as a tenth of the due rows, and the settlement's the ``Leased`` status as an
+    unknown value: both lost to every call's own plan, and were planned again on every call."""
+    prov = pg_db.provider(pool_size=1, max_overflow=0, listen=False)
+    a = app()
+    rt = Runtime(a, prov)
+    await rt.open()
+    for _ in range(3):
+        await a.enqueue_many([Job(n=i) for i in range(1000)])
+    async with prov.engine.connect() as conn:
+        await conn.execute(sa.text(f"ANALYZE {pg_db.schema}.queueing_messages"))
+    for _ in range(12):
+        got = await prov.receive(a.subscription("Job"), 10)
+        assert len(got) == 10
+        await prov.settle([Settlement(d, Complete()) for d in got])
+    async with prov.engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                sa.text("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements")
+            )
+        ).all()
+    claims = [(g, c) for t, g, c in rows if "FOR UPDATE SKIP LOCKED" in t]
+    settlements = [(g, c) for t, g, c in rows if "unnest" in t and "settled_at" in t]
+    assert claims == [(7, 5)], rows
+    assert settlements == [(7, 5)], rows
+
+
 # -- the pooled connection the hot path borrows: straight from the pool, back as it was lent ----------
 
 
