@@ -175,10 +175,17 @@ class Statements:
         # in the same process. Many rows at once: ``id IN (...)`` finds them on the primary key and
         # the (id, token) pairs fence them.
         # (``Leased`` as a literal, not a bound value: a settlement's generic plan then sees the status
-        # its call's plan sees, and PostgreSQL keeps the generic plan rather than planning every call)
+        # its call's plan sees, and PostgreSQL keeps the generic plan rather than planning every call.
+        # There the status is compared as ``status || ''``, which no index matches: a generic plan made
+        # while the statistics saw no Leased row would otherwise walk an index of every leased row, of
+        # every worker, and filter by id, for as long as the connection lives; the rows are found by
+        # id, on the primary key. Exact: status is NOT NULL.)
         leased = constants([LEASED])[0]
+        status: sa.ColumnElement[str] = m.c.status
+        if backend == "postgresql":
+            status = m.c.status.concat(sa.literal_column("''"))
         owned = sa.and_(
-            m.c.id == P("id"), m.c.lease_token == P("token"), m.c.locked_by == worker_id, m.c.status == leased
+            m.c.id == P("id"), m.c.lease_token == P("token"), m.c.locked_by == worker_id, status == leased
         )
         # On PostgreSQL the rows and tokens are two arrays: the statement's text is the same for any
         # number of rows, so the server keeps one prepared plan for it (an expanded ``IN (...)`` would be
@@ -203,7 +210,7 @@ class Statements:
                 m.c.id.in_(sa.select(lease_id)),
                 sa.tuple_(m.c.id, m.c.lease_token).in_(sa.select(lease_id, lease_token)),
             )
-        owned_many = sa.and_(fence, m.c.locked_by == worker_id, m.c.status == leased)
+        owned_many = sa.and_(fence, m.c.locked_by == worker_id, status == leased)
         released: dict[str, Any] = {"locked_by": None, "locked_until": None, "updated_at": now}
         settled = {**released, "settled_at": now}
         self.complete_many = (
