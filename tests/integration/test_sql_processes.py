@@ -117,20 +117,33 @@ async def test_killing_a_worker_mid_run_loses_nothing_and_duplicates_only_what_i
         while await count_status(rt, "Succeeded") < 1000:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
+        # the kill must find the victim holding claims: it is frozen (SIGSTOP) while the test looks, so
+        # what it holds cannot change between the look and the kill; one caught between two claims (a
+        # loaded machine left it there once) runs on for a moment and is looked at again
+        m = rt.provider.tables.messages
+        held: set[str] = set()
+        deadline = time.monotonic() + 60
+        while True:
+            victim.send_signal(signal.SIGSTOP)
+            async with rt.provider.engine.connect() as conn:
+                held = {
+                    str(i)
+                    for i in (
+                        await conn.execute(
+                            sa.select(m.c.message_id).where(m.c.locked_by == "w0", m.c.status == "Leased")
+                        )
+                    ).scalars()
+                }
+            if held or time.monotonic() > deadline:
+                break
+            victim.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.05)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
-        m = rt.provider.tables.messages
-        async with rt.provider.engine.connect() as conn:
-            held = {
-                str(i)
-                for i in (
-                    await conn.execute(
-                        sa.select(m.c.message_id).where(m.c.locked_by == "w0", m.c.status == "Leased")
-                    )
-                ).scalars()
-            }
         await wait_all(rt, 3000, timeout=120)
     finally:
+        if victim.poll() is None:
+            victim.send_signal(signal.SIGCONT)  # a frozen victim would not hear stop()'s SIGTERM
         stop(procs)
     assert held, "the kill happened while the victim held nothing; the test proved nothing"
     seen = handled(logs)
