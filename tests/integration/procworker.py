@@ -3,7 +3,10 @@
 Handles ``Tick`` messages; each handling appends the message id to a log file with one unbuffered
 O_APPEND write, so even a ``kill -9`` loses no record of a handler that ran.
 
-    python -m tests.integration.procworker DB_URL SCHEMA WORKER_ID LOG_PATH HANDLER_SECONDS
+    python -m tests.integration.procworker DB_URL SCHEMA WORKER_ID LOG_PATH HANDLER_SECONDS [GATE N]
+
+With ``GATE N``, handlers of messages numbered N and up wait until the file GATE exists: the run
+cannot end before the test lets it, however fast the machine or late the test's look.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Tick(QueueMessage):
 
 def main() -> None:
     url, schema, worker_id, log_path, seconds = sys.argv[1:6]
+    gate, gated_from = (sys.argv[6], int(sys.argv[7])) if len(sys.argv) > 7 else (None, 0)
     configure_logging("WARNING")
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     pause = float(seconds)
@@ -37,6 +41,8 @@ def main() -> None:
 
     @app.handler()
     async def handle(msg: Tick) -> None:
+        while gate is not None and msg.n >= gated_from and not os.path.exists(gate):
+            await asyncio.sleep(0.05)
         os.write(fd, f"{msg.message_id}\n".encode())
         if pause:
             await asyncio.sleep(pause)

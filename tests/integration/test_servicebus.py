@@ -190,8 +190,10 @@ async def test_pausing_never_burns_the_entitys_delivery_count():
 
 
 async def test_long_handlers_keep_their_lock_by_renewal():
-    # renewed every second: two seconds of slack against a stalled event loop on a loaded machine
-    @queue("long-jobs", lease_duration=timedelta(seconds=3))
+    # the renewer looks every lease/3 (2 s) and renews what has less than 2 x that left: a renewal
+    # comes with 2-4 s of the lease left (a 3 s lease left 1-2 s, and a stalled event loop on a
+    # loaded machine lost it)
+    @queue("long-jobs", lease_duration=timedelta(seconds=6))
     class Long(QueueMessage):
         pass
 
@@ -201,7 +203,7 @@ async def test_long_handlers_keep_their_lock_by_renewal():
     @app.handler()
     async def h(msg: Long, ctx) -> None:
         ran.append(ctx.attempt)
-        await asyncio.sleep(7.5)  # 2.5 x the lock duration
+        await asyncio.sleep(7.5)  # past the 6 s lock: only renewal keeps it
 
     rt = in_memory_servicebus(app, provider_options={"receive_wait": 0.1})
     r = await app.enqueue(Long())

@@ -167,14 +167,16 @@ class SlowSettlement(SqlProvider):
         await super().settle(settlements)
 
 
-# renewed every second: two seconds of slack against a stalled event loop on a loaded machine
-@queue("brief-lease", lease_duration=timedelta(seconds=3), max_attempts=50, max_concurrency=20)
+# the renewer looks every lease/3 (2 s) and renews what has less than 2 x that left: a renewal
+# comes with 2-4 s of the lease left (a 3 s lease left 1-2 s, and a stalled event loop on a
+# loaded machine lost it)
+@queue("brief-lease", lease_duration=timedelta(seconds=6), max_attempts=50, max_concurrency=20)
 class Brief(QueueMessage):
     n: int
 
 
 async def test_the_lease_is_renewed_until_the_settlement_is_committed(sql_db):
-    """A 3 s lease and a settlement that takes 7.5 s to commit: the sweeper must not take back a
+    """A 6 s lease and a settlement that takes 7.5 s to commit: the sweeper must not take back a
     message whose success is being written, so each of the 20 messages runs exactly once."""
     runs: Counter[int] = Counter()
     app = QueueingApp("renewal")

@@ -22,7 +22,14 @@ from .procworker import Tick
 pytestmark = pytest.mark.slow
 
 
-def spawn(db, worker_id: str, log: Path, seconds: float = 0.0, lease: float = 2.0) -> subprocess.Popen:
+def spawn(
+    db,
+    worker_id: str,
+    log: Path,
+    seconds: float = 0.0,
+    lease: float = 2.0,
+    gate: tuple[Path, int] | None = None,
+) -> subprocess.Popen:
     args = [
         sys.executable,
         "-m",
@@ -33,7 +40,7 @@ def spawn(db, worker_id: str, log: Path, seconds: float = 0.0, lease: float = 2.
         str(log),
     ]
     proc = subprocess.Popen(
-        [*args, str(seconds)],
+        [*args, str(seconds), *([str(gate[0]), str(gate[1])] if gate else [])],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -110,27 +117,45 @@ async def test_killing_a_worker_mid_run_loses_nothing_and_duplicates_only_what_i
     # a 10 s lease: the victim's messages come back soon after the kill, while the survivors' leases,
     # renewed every 3.3 s, do not lapse under contention on a loaded machine (a lapse there would be a
     # duplicate the kill did not cause)
-    procs = [spawn(pg_db, f"w{i}", logs[i], seconds=0.01, lease=10) for i in range(3)]
+    # the messages from 1000 on wait for a gate the test opens after the kill: the run cannot end before
+    # the test looks (a loaded machine once let all 3000 finish before its first look)
+    gate = tmp_path / "gate"
+    procs = [spawn(pg_db, f"w{i}", logs[i], seconds=0.01, lease=10, gate=(gate, 1000)) for i in range(3)]
     victim = procs[0]
     try:
         deadline = time.monotonic() + 60
         while await count_status(rt, "Succeeded") < 1000:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
+        # the kill must find the victim holding claims: it is frozen (SIGSTOP) while the test looks, so
+        # what it holds cannot change between the look and the kill; one caught between two claims (a
+        # loaded machine left it there once) runs on for a moment and is looked at again
+        m = rt.provider.tables.messages
+        held: set[str] = set()
+        deadline = time.monotonic() + 60
+        while True:
+            victim.send_signal(signal.SIGSTOP)
+            async with rt.provider.engine.connect() as conn:
+                held = {
+                    str(i)
+                    for i in (
+                        await conn.execute(
+                            sa.select(m.c.message_id).where(m.c.locked_by == "w0", m.c.status == "Leased")
+                        )
+                    ).scalars()
+                }
+            if held or time.monotonic() > deadline:
+                break
+            victim.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.05)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
-        m = rt.provider.tables.messages
-        async with rt.provider.engine.connect() as conn:
-            held = {
-                str(i)
-                for i in (
-                    await conn.execute(
-                        sa.select(m.c.message_id).where(m.c.locked_by == "w0", m.c.status == "Leased")
-                    )
-                ).scalars()
-            }
+        gate.touch()
         await wait_all(rt, 3000, timeout=120)
     finally:
+        gate.touch()
+        if victim.poll() is None:
+            victim.send_signal(signal.SIGCONT)  # a frozen victim would not hear stop()'s SIGTERM
         stop(procs)
     assert held, "the kill happened while the victim held nothing; the test proved nothing"
     seen = handled(logs)
