@@ -105,30 +105,33 @@ async def test_four_processes_handle_ten_thousand_messages_each_exactly_once(sql
 
 
 async def test_killing_a_worker_mid_run_loses_nothing_and_duplicates_only_what_it_held(pg_db, tmp_path):
-    ids, rt = await enqueue(pg_db, 3000)
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
     # a 10 s lease: the victim's messages come back soon after the kill, while the survivors' leases,
     # renewed every 3.3 s, do not lapse under contention on a loaded machine (a lapse there would be a
-    # duplicate the kill did not cause)
+    # duplicate the kill did not cause). All three are started before the work arrives: each start
+    # waits for the process to be ready, and on a loaded machine the first one started ran through
+    # most of the work while the others were still starting
     procs = [spawn(pg_db, f"w{i}", logs[i], seconds=0.01, lease=10) for i in range(3)]
     victim = procs[0]
+
+    async def victim_holds() -> set[str]:
+        m = rt.provider.tables.messages
+        async with rt.provider.engine.connect() as conn:
+            rows = await conn.execute(
+                sa.select(m.c.message_id).where(m.c.locked_by == "w0", m.c.status == "Leased")
+            )
+            return {str(i) for i in rows.scalars()}
+
     try:
-        deadline = time.monotonic() + 60
-        while await count_status(rt, "Succeeded") < 1000:
-            assert time.monotonic() < deadline
+        ids, rt = await enqueue(pg_db, 3000)
+        # killed mid-run, once a thousand are done and the victim is seen holding rows
+        deadline = time.monotonic() + 120
+        while await count_status(rt, "Succeeded") < 1000 or not await victim_holds():
+            assert time.monotonic() < deadline, "the victim never held a row mid-run"
             await asyncio.sleep(0.05)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
-        m = rt.provider.tables.messages
-        async with rt.provider.engine.connect() as conn:
-            held = {
-                str(i)
-                for i in (
-                    await conn.execute(
-                        sa.select(m.c.message_id).where(m.c.locked_by == "w0", m.c.status == "Leased")
-                    )
-                ).scalars()
-            }
+        held = await victim_holds()
         await wait_all(rt, 3000, timeout=120)
     finally:
         stop(procs)
