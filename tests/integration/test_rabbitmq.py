@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import aio_pika
 import pytest
@@ -49,7 +50,7 @@ class Invoice(QueueMessage):
 
 
 #: the downstream's state: tests "fix" it to show a retried dead letter succeeding
-downstream = {"declines": True, "slow": 0.05, "later": True}
+downstream: dict[str, Any] = {"declines": True, "slow": 0.05, "later": True, "free_runs": None, "gate": None}
 
 
 def make(tmp_path, *, concurrency: int = 4, stores: SideStores | None = None, **provider_kw):
@@ -62,10 +63,15 @@ def make(tmp_path, *, concurrency: int = 4, stores: SideStores | None = None, **
     @app.handler(max_concurrency=concurrency)
     async def handle(msg: Invoice, ctx) -> None:
         calls.append((msg.n, ctx.attempt))
+        run = len(calls)
         if msg.mode == "fatal" and downstream["declines"]:
             raise NonRetryableError(f"invoice {msg.n} declined")
         if msg.mode == "slow":
             await asyncio.sleep(downstream["slow"])
+            # a test that needs work left holds the runs after the first ``free_runs`` until it opens
+            # the gate
+            if downstream["free_runs"] is not None and run > downstream["free_runs"]:
+                await downstream["gate"].wait()
         if msg.mode == "later" and downstream["later"]:
             raise Retry(after=timedelta(hours=1))
 
@@ -348,6 +354,10 @@ async def test_a_broker_restart_mid_run_loses_nothing(tmp_path, caplog):
         pytest.skip("needs rabbitmqctl as root to stop and start the broker")
     app, rt, calls = make(tmp_path, concurrency=2)
     downstream["slow"] = 0.1
+    # at most 10 of the 40 finish before the gate opens: the stop lands mid-run however slowly
+    # rabbitmqctl stops the broker on a loaded machine
+    gate = asyncio.Event()
+    downstream["free_runs"], downstream["gate"] = 10, gate
     receipts = await app.enqueue_many([Invoice(n=i, mode="slow") for i in range(40)], wait=True)
     ids = [r.message_id for r in receipts]
 
@@ -361,12 +371,14 @@ async def test_a_broker_restart_mid_run_loses_nothing(tmp_path, caplog):
                 await wait_until(lambda: _at_least(done, 4), what="some work done")
                 await asyncio.to_thread(_rabbitmqctl, "stop_app")
                 assert await done() < len(ids)  # stopped mid-run
+                gate.set()  # the held runs finish while the broker is down (their acks go nowhere)
                 await asyncio.sleep(1.0)
                 await asyncio.to_thread(_rabbitmqctl, "start_app")
                 await wait_until(lambda: all_have(rt, ids, MessageStatus.SUCCEEDED), timeout=60, what="all")
     finally:
         await asyncio.to_thread(_rabbitmqctl, "start_app")  # idempotent: never leave the broker down
-        downstream["slow"] = 0.05
+        gate.set()
+        downstream["slow"], downstream["free_runs"], downstream["gate"] = 0.05, None, None
     assert {n for n, _ in calls} == set(range(40))
     messages = [r.getMessage() for r in caplog.records if r.name == "queueing.rabbitmq"]
     assert sum("lost the connection to RabbitMQ" in m for m in messages) == 1

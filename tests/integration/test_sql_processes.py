@@ -112,50 +112,40 @@ async def test_four_processes_handle_ten_thousand_messages_each_exactly_once(sql
 
 
 async def test_killing_a_worker_mid_run_loses_nothing_and_duplicates_only_what_it_held(pg_db, tmp_path):
-    ids, rt = await enqueue(pg_db, 3000)
     logs = [tmp_path / f"w{i}.log" for i in range(3)]
     # a 10 s lease: the victim's messages come back soon after the kill, while the survivors' leases,
     # renewed every 3.3 s, do not lapse under contention on a loaded machine (a lapse there would be a
-    # duplicate the kill did not cause)
-    # the messages from 1000 on wait for a gate the test opens after the kill: the run cannot end before
-    # the test looks (a loaded machine once let all 3000 finish before its first look)
+    # duplicate the kill did not cause). All three are started before the work arrives: each start
+    # waits for the process to be ready, and on a loaded machine the first one started ran through
+    # most of the work while the others were still starting. The messages from 1000 on wait for a gate
+    # the test opens after the kill: however fast the machine or late the test's look, the run cannot
+    # end before it, and the victim holds gated rows until it is killed
     gate = tmp_path / "gate"
     procs = [spawn(pg_db, f"w{i}", logs[i], seconds=0.01, lease=10, gate=(gate, 1000)) for i in range(3)]
     victim = procs[0]
-    try:
-        deadline = time.monotonic() + 60
-        while await count_status(rt, "Succeeded") < 1000:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        # the kill must find the victim holding claims: it is frozen (SIGSTOP) while the test looks, so
-        # what it holds cannot change between the look and the kill; one caught between two claims (a
-        # loaded machine left it there once) runs on for a moment and is looked at again
+
+    async def victim_holds() -> set[str]:
         m = rt.provider.tables.messages
-        held: set[str] = set()
-        deadline = time.monotonic() + 60
-        while True:
-            victim.send_signal(signal.SIGSTOP)
-            async with rt.provider.engine.connect() as conn:
-                held = {
-                    str(i)
-                    for i in (
-                        await conn.execute(
-                            sa.select(m.c.message_id).where(m.c.locked_by == "w0", m.c.status == "Leased")
-                        )
-                    ).scalars()
-                }
-            if held or time.monotonic() > deadline:
-                break
-            victim.send_signal(signal.SIGCONT)
+        async with rt.provider.engine.connect() as conn:
+            rows = await conn.execute(
+                sa.select(m.c.message_id).where(m.c.locked_by == "w0", m.c.status == "Leased")
+            )
+            return {str(i) for i in rows.scalars()}
+
+    try:
+        ids, rt = await enqueue(pg_db, 3000)
+        # killed mid-run, once a thousand are done and the victim is seen holding rows
+        deadline = time.monotonic() + 120
+        while await count_status(rt, "Succeeded") < 1000 or not await victim_holds():
+            assert time.monotonic() < deadline, "the victim never held a row mid-run"
             await asyncio.sleep(0.05)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
+        held = await victim_holds()
         gate.touch()
         await wait_all(rt, 3000, timeout=120)
     finally:
         gate.touch()
-        if victim.poll() is None:
-            victim.send_signal(signal.SIGCONT)  # a frozen victim would not hear stop()'s SIGTERM
         stop(procs)
     assert held, "the kill happened while the victim held nothing; the test proved nothing"
     seen = handled(logs)
