@@ -179,10 +179,24 @@ async def test_a_round_trip_cancelled_midway_leaves_the_pool_usable(pg_db):
     assert [d.envelope.body["n"] for d in got if d.envelope is not None] == [1]
 
 
+def positional(sql: str) -> tuple[str, list[str]]:
+    """A statement compiled for psycopg (``%(name)s``) with ``$n`` parameters, for ``PREPARE``, and the
+    names in their order."""
+    import re
+
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match[1] not in names:
+            names.append(match[1])
+        return f"${names.index(match[1]) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, sql), names
+
+
 async def test_the_prepared_claims_generic_plan_reads_no_whole_table(pg_db):
     """The server keeps a generic plan (no values) for a prepared statement once it costs no more than
     planning each time. The claim's must fetch the claimed rows by key, not hash a scan of the table."""
-    import re
 
     import psycopg
 
@@ -192,14 +206,7 @@ async def test_the_prepared_claims_generic_plan_reads_no_whole_table(pg_db):
     for _ in range(5):
         await a.enqueue_many([Job(n=i) for i in range(1000)])
     assert prov._hot is not None
-    names: list[str] = []
-
-    def positional(m: re.Match[str]) -> str:
-        if m[1] not in names:
-            names.append(m[1])
-        return f"${names.index(m[1]) + 1}"
-
-    sql = re.sub(r"%\((\w+)\)s", positional, prov._hot.claim.sql)
+    sql, names = positional(prov._hot.claim.sql)
     async with await psycopg.AsyncConnection.connect(
         pg_db.url.replace("+psycopg", ""), autocommit=True
     ) as pg:
@@ -223,7 +230,6 @@ async def test_a_settlements_generic_plan_finds_its_rows_by_key_when_the_statist
     looked cheapest on an index of leased rows, and every settlement then walked every leased row of
     every worker and filtered by id (10,000 leased rows: 9-13 ms a settlement). It must find its rows
     on the primary key whatever the statistics say."""
-    import re
 
     import psycopg
 
@@ -234,14 +240,7 @@ async def test_a_settlements_generic_plan_finds_its_rows_by_key_when_the_statist
         await a.enqueue_many([Job(n=i) for i in range(1000)])
     m = f"{pg_db.schema}.queueing_messages"
     assert prov._hot is not None
-    names: list[str] = []
-
-    def positional(match: re.Match[str]) -> str:
-        if match[1] not in names:
-            names.append(match[1])
-        return f"${names.index(match[1]) + 1}"
-
-    sql = re.sub(r"%\((\w+)\)s", positional, prov._hot.complete_many.sql)
+    sql, names = positional(prov._hot.complete_many.sql)
     async with await psycopg.AsyncConnection.connect(
         pg_db.url.replace("+psycopg", ""), autocommit=True
     ) as pg:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -347,15 +347,11 @@ async def test_a_stop_with_no_wait_gives_back_a_claim_in_flight_quietly(sql_db, 
     assert set(ran.values()) == {1}
 
 
-async def test_a_claim_waiting_on_a_postgresql_lock_does_not_hold_the_stop(pg_db, logged):
-    """Another connection holds the messages table locked, so the worker's claim waits in the server:
-    the stop returns after the claim's grace, and once the lock goes a second worker runs every
-    message once. The claim left behind is cancelled in the server, but the cancel may arrive after the
-    lock went (it travels on a connection of its own, late on a loaded machine): the claim then commits
-    and its rows stay leased to the stopped worker until the lease lapses (``Lapsing``: the second worker
-    is given that lapse), never run by it and never lost."""
-    total = 3
-    ran, prov, rt = await opened(pg_db, Lapsing, total)
+async def stop_while_the_claim_waits_on_a_lock(
+    pg_db: Any, prov: Any, rt: Runtime, then: Callable[[], object] = lambda: None
+) -> Worker:
+    """Another connection locks the messages table, so the worker's claim waits in the server; the
+    worker is stopped while it waits, then the lock goes (and ``then`` is called)."""
     locker = await prov.engine.connect()
     locked = await locker.begin()
     table = f"{pg_db.schema}.{prov.tables.messages.name}"
@@ -379,6 +375,20 @@ async def test_a_claim_waiting_on_a_postgresql_lock_does_not_hold_the_stop(pg_db
     finally:
         await locked.rollback()
         await locker.close()
+        then()
+    return worker
+
+
+async def test_a_claim_waiting_on_a_postgresql_lock_does_not_hold_the_stop(pg_db, logged):
+    """Another connection holds the messages table locked, so the worker's claim waits in the server:
+    the stop returns after the claim's grace, and once the lock goes a second worker runs every
+    message once. The claim left behind is cancelled in the server, but the cancel may arrive after the
+    lock went (it travels on a connection of its own, late on a loaded machine): the claim then commits
+    and its rows stay leased to the stopped worker until the lease lapses (``Lapsing``: the second worker
+    is given that lapse), never run by it and never lost."""
+    total = 3
+    ran, prov, rt = await opened(pg_db, Lapsing, total)
+    await stop_while_the_claim_waits_on_a_lock(pg_db, prov, rt)
     assert any("did not come back" in w for w in logged.warnings()), logged.warnings()
     assert not ran
     await run_the_rest(pg_db, Lapsing, ran, total)
@@ -411,29 +421,7 @@ async def test_a_claim_left_waiting_on_a_lock_that_goes_through_after_the_stop_l
         await cancel_safe(self, timeout=timeout)
 
     monkeypatch.setattr(psycopg.AsyncConnection, "cancel_safe", lost_until_released)
-    locker = await prov.engine.connect()
-    locked = await locker.begin()
-    table = f"{pg_db.schema}.{prov.tables.messages.name}"
-    await locker.execute(sa.text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
-    worker = worker_for(rt, shutdown_timeout=0.2)
-    try:
-        await worker.start()
-
-        async def claim_waiting() -> bool:
-            result = await locker.execute(
-                sa.text(
-                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = CAST(:t AS regclass)"
-                ),
-                {"t": table},
-            )
-            return bool(result.scalar()) and worker._claims_out() > 0
-
-        await wait_until(claim_waiting, what="the claim to wait on the lock")
-        await asyncio.wait_for(worker.shutdown(), STOP_BOUND)
-    finally:
-        await locked.rollback()
-        await locker.close()
-        released.set()
+    worker = await stop_while_the_claim_waits_on_a_lock(pg_db, prov, rt, then=released.set)
     assert any("did not come back" in w for w in logged.warnings()), logged.warnings()
     m = prov.tables.messages
 
