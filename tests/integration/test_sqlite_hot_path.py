@@ -1,7 +1,8 @@
-"""The SQLite hot path runs on sqlite3 itself, in aiosqlite's thread: claims, renewals and settlements
-go through none of SQLAlchemy's execute, a settlement batch is one hop to that thread and one
-transaction (all of it or none of it), a stale lease is refused, and sqlite3's errors become the kit's
-as SQLAlchemy's wrapping of them does. Real SQLite files throughout."""
+"""The SQLite hot path runs on sqlite3 itself: claims, renewals and settlements go through none of
+SQLAlchemy's execute, a settlement batch is one call and one transaction (all of it or none of it), on
+the event loop's thread or in one hop to aiosqlite's (see test_sqlite_inline.py for which), a stale lease
+is refused, and sqlite3's errors become the kit's as SQLAlchemy's wrapping of them does. Real SQLite
+files throughout."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from queueing_core.clock import as_utc
 from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
 from queueing_core.errors import ProviderError, ProviderUnavailable
 from queueing_core.providers.sql import SqlProvider
+from queueing_core.providers.sql.engine import BUSY_TIMEOUT_MS
 from queueing_core.providers.sql.errors import db_boundary
 from queueing_core.providers.sql.rows import Lease
 from queueing_core.providers.sql.sqlite_driver import SqliteDriverPath
@@ -81,8 +83,10 @@ def batch(got: list[Delivery], until: datetime) -> list[Settlement]:
     ]
 
 
-async def test_claim_renew_and_settle_run_on_sqlite3_one_hop_per_call(tmp_path, monkeypatch):
+async def test_claim_renew_and_settle_run_on_sqlite3_one_transaction_per_call(tmp_path, monkeypatch):
     import aiosqlite
+
+    from queueing_core.providers.sql import sqlite_driver
 
     prov, a, rt = await opened(str(tmp_path / "q.db"))
     await a.enqueue_many([Job(n=i) for i in range(8)])
@@ -100,16 +104,27 @@ async def test_claim_renew_and_settle_run_on_sqlite3_one_hop_per_call(tmp_path, 
         hops.append(getattr(fn, "__name__", repr(fn)))
         return await original_hop(self, fn, *args, **kwargs)
 
+    transactions: list[int] = []
+    original_call = sqlite_driver._round_trip
+
+    def one(db, work):
+        transactions.append(len(work))
+        return original_call(db, work)
+
     monkeypatch.setattr(AsyncConnection, "execute", spy)
     monkeypatch.setattr(aiosqlite.Connection, "_execute", count)
+    monkeypatch.setattr(sqlite_driver, "_round_trip", one)
     got = await prov.receive(a.subscription("Job"), 10)
     assert len(got) == 8
     assert await prov.renew(got) == []
     hops.clear()
+    transactions.clear()
     await prov.settle(batch(got, prov.clock() + timedelta(hours=1)))
-    # the whole batch, seven statements, is one call in aiosqlite's thread, and that is all: no
-    # rollback on the connection's return to the pool, no isolation level set and reset
-    assert hops == ["_round_trip"]
+    # the whole batch, seven statements, is one transaction, and that is all: no rollback on the
+    # connection's return to the pool, no isolation level set and reset, and (the connection being
+    # free) not even the hop to aiosqlite's thread (see test_sqlite_inline.py)
+    assert transactions == [7]
+    assert hops == []
     assert through_sqlalchemy == []  # claim, renewal and settlement: none through SQLAlchemy
     monkeypatch.undo()
     assert not any(d.refused for d in got)
@@ -285,6 +300,11 @@ async def test_a_failing_statement_rolls_back_the_whole_batch(tmp_path):
     with pytest.raises(ProviderError, match="refused by a trigger"):
         await prov.settle(settlements)
     assert [r["status"] for r in rows_of(file)] == ["Leased", "Leased", "Leased"]
+    # the call ran on the event loop's thread, which changes two settings for its span: both are the
+    # connection's own again for its next user (see test_sqlite_inline.py)
+    async with prov.engine.connect() as conn:
+        assert (await conn.exec_driver_sql("PRAGMA busy_timeout")).scalar() == BUSY_TIMEOUT_MS
+        assert (await conn.exec_driver_sql("PRAGMA wal_autocheckpoint")).scalar() == 1000
     # the connection is usable and out of any transaction: the same batch settles once allowed
     with sqlite3.connect(file) as db:
         db.execute("DROP TRIGGER refuse")

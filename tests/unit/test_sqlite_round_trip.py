@@ -1,5 +1,6 @@
-"""The SQLite hot path's one function in aiosqlite's thread, on a real ``sqlite3`` connection: a
-transaction it cannot roll back is never left open for the connection's next user."""
+"""The SQLite hot path's one transaction, on a real ``sqlite3`` connection: a transaction it cannot roll
+back is never left open for the connection's next user, and a call on the event loop's thread that meets
+another connection's lock leaves nothing behind and hands the work on whole."""
 
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ import pytest
 from queueing_core.providers.sql import sqlite_driver
 
 
-class RollbackFails:
-    """A real connection whose ROLLBACK fails (as a disk I/O error would make it)."""
+class FailsOnce:
+    """A real connection on which one statement (``sql``) fails once, with ``error``: a ROLLBACK that a
+    disk I/O error fails, a COMMIT that finds the database locked."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
+    def __init__(self, db: sqlite3.Connection, sql: str, error: sqlite3.Error) -> None:
+        self.db, self.sql, self.error = db, sql, error
+        self.failed = False
 
     def execute(self, sql: str, *params: Any) -> sqlite3.Cursor:
-        if sql == "ROLLBACK":
-            raise sqlite3.OperationalError("disk I/O error")
+        if sql == self.sql and not self.failed:
+            self.failed = True
+            raise self.error
         return self.db.execute(sql, *params)
 
     @property
@@ -35,19 +39,25 @@ def statement(sql: str) -> Any:
     return SimpleNamespace(sql=sql, results={})
 
 
+def opened(path: Any, *schema: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    for sql in schema:
+        db.execute(sql)
+    return db
+
+
 def test_a_transaction_that_cannot_be_rolled_back_is_closed_before_anyone_else_runs(tmp_path):
     path = tmp_path / "q.db"
-    setup = sqlite3.connect(path, isolation_level=None)
-    setup.execute("CREATE TABLE t (v TEXT)")
-    setup.close()
-    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    opened(path, "CREATE TABLE t (v TEXT)").close()
+    db = opened(path)
     work = [
         (statement("INSERT INTO t (v) VALUES ('partial')"), {}),
         (statement("INSERT INTO nope VALUES (1)"), {}),
     ]
 
     with pytest.raises(sqlite_driver._Unusable):
-        sqlite_driver._round_trip(RollbackFails(db), work)
+        sqlite_driver._round_trip(FailsOnce(db, "ROLLBACK", sqlite3.OperationalError("disk I/O error")), work)  # type: ignore[arg-type]
 
     # the next user of that connection cannot join (or, in autocommit, commit) the half-done transaction
     with pytest.raises(sqlite3.ProgrammingError):
@@ -55,3 +65,23 @@ def test_a_transaction_that_cannot_be_rolled_back_is_closed_before_anyone_else_r
     reader = sqlite3.connect(path)
     assert reader.execute("SELECT v FROM t").fetchall() == []
     reader.close()
+
+
+def test_a_lock_met_at_commit_rolls_the_call_back_and_hands_it_on(tmp_path):
+    """A call on the event loop's thread that meets the lock after its statements ran (at COMMIT)
+    leaves nothing behind: its transaction is rolled back, None hands it to aiosqlite's thread, and the
+    connection's settings are put back."""
+    db = opened(tmp_path / "q.db", "CREATE TABLE t (v TEXT)")
+    state = sqlite_driver._settings(db)
+    work = [(statement("INSERT INTO t (v) VALUES ('once')"), {})]
+    busy = sqlite3.OperationalError("database is locked")
+    busy.sqlite_errorcode = sqlite3.SQLITE_BUSY  # type: ignore[attr-defined]
+    assert sqlite_driver._inline(FailsOnce(db, "COMMIT", busy), work, state) is None  # type: ignore[arg-type]
+    assert not db.in_transaction
+    assert db.execute("SELECT count(*) FROM t").fetchone() == (0,)
+    assert db.execute("PRAGMA busy_timeout").fetchone() == (state.busy_timeout,)
+    assert db.execute("PRAGMA wal_autocheckpoint").fetchone() == (state.autocheckpoint,)
+    # the same work again (in aiosqlite's thread, as the caller does): once
+    sqlite_driver._round_trip(db, work)
+    assert db.execute("SELECT count(*) FROM t").fetchone() == (1,)
+    db.close()

@@ -19,6 +19,11 @@ from sqlalchemy.util import greenlet_spawn
 
 from ... import retry_policy
 from ...errors import ConfigurationError
+from .sqlite_thread import count_calls
+
+#: how long a statement on the kit's SQLite connections waits for another connection's write lock
+#: (SQLite's busy timeout), in milliseconds
+BUSY_TIMEOUT_MS = 30_000
 
 #: the async driver the kit uses for each database family
 _ASYNC_DRIVERS = {
@@ -133,7 +138,9 @@ def _sqlite_connector(url: URL) -> Callable[[], Awaitable[Any]]:
 
     # (the file and options of the URL as SQLAlchemy's own aiosqlite connect would pass them)
     args, kwargs = sa_aiosqlite.dialect().create_connect_args(url)
-    kwargs = {**kwargs, "timeout": 30}
+    # (``check_same_thread``: the hot path also runs on the event loop's thread, when aiosqlite's
+    # thread has nothing of the connection's queued or running: see ``sqlite_thread``)
+    kwargs = {**kwargs, "timeout": BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}
 
     def close_unclaimed(opening: asyncio.Future[aiosqlite.Connection]) -> None:
         if not opening.cancelled() and opening.exception() is None:
@@ -142,6 +149,7 @@ def _sqlite_connector(url: URL) -> Callable[[], Awaitable[Any]]:
     async def connect() -> aiosqlite.Connection:
         conn = aiosqlite.connect(*args, **kwargs)
         conn._thread.daemon = True  # as SQLAlchemy's own aiosqlite connect does
+        count_calls(conn)  # (before its thread starts)
         opening: asyncio.Future[aiosqlite.Connection] = asyncio.ensure_future(conn)
         try:
             return await asyncio.shield(opening)
@@ -240,7 +248,7 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
         cur.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; safe with WAL
-        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         cur.close()
 
     @sa.event.listens_for(engine.sync_engine, "begin")

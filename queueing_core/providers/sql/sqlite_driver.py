@@ -1,9 +1,9 @@
-"""The SQLite hot path: claims, lease renewals and settlements on ``sqlite3`` itself, in aiosqlite's thread.
+"""The SQLite hot path: claims, lease renewals and settlements on ``sqlite3`` itself.
 
 Through SQLAlchemy, every statement on SQLite crosses its greenlet bridge and its result machinery, and
 every call of aiosqlite (begin, execute, fetch, commit) is a hop to aiosqlite's thread and back: a
 settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot path
-(``driver.DriverPath.run``) holds with one hop per call:
+(``driver.DriverPath.run``) holds with one hop per call at most:
 
 - **one source of SQL**: the statements are still the SQLAlchemy Core objects of ``statements``,
   compiled once per provider for SQLite with named parameters (:class:`SqliteCompiled`: the same
@@ -19,7 +19,18 @@ settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot 
 - **one transaction**: the statements run between ``BEGIN IMMEDIATE`` and ``COMMIT`` (one WAL
   append), rolled back as a whole on any error, in the thread: a caller cancelled mid-call leaves no
   transaction open, since the function still ends it. A statement whose lease guard refuses its row
-  changes nothing and says so by its row count.
+  changes nothing and says so by its row count;
+- **on the event loop's thread when nothing else can use the connection** (``round_trip``): with no
+  call of the connection's queued or running in aiosqlite's thread (``sqlite_thread.Calls``, which
+  counts them) and nobody else holding it, the same function runs on the event loop's thread, and so
+  without the hop there and back and the GIL's hand-overs between the two threads at every statement
+  and row, which made SQLite's work and the event loop's take turns rather than overlap (measured: the
+  process's CPU per message -20 to -25 %, see bench/RESULTS.md). It never waits there: SQLite's busy
+  timeout is 0 for its span, so another connection's write lock sends the call to aiosqlite's thread,
+  which waits; and no commit there checkpoints (a checkpoint copies the WAL into the database and
+  waits for the disk's flushes): checkpoints run in aiosqlite's thread, queued after about as many
+  write transactions as make SQLite's own threshold of WAL pages. Outside WAL mode (where every commit
+  waits for the disk) every call goes to aiosqlite's thread.
 
 Errors of ``sqlite3`` go through the provider's one translation (``errors.db_boundary``), which maps
 them as it maps SQLAlchemy's wrapping of them ("database is locked" -> unavailable, worth a retry).
@@ -28,8 +39,11 @@ them as it maps SQLAlchemy's wrapping of them ("database is locked" -> unavailab
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,6 +54,9 @@ from ...clock import as_utc
 from .driver import Compiled, Result
 from .engine import borrowed
 from .errors import db_boundary
+from .sqlite_thread import Calls, calls_of
+
+log = logging.getLogger("queueing.sql")
 
 
 class SqliteCompiled(Compiled):
@@ -141,6 +158,95 @@ def _round_trip(db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any
     return results
 
 
+@dataclass
+class Inline:
+    """What the hot path keeps of a connection on which it runs calls on the event loop's thread: the
+    settings it puts back after each (read from the connection the first time), whether the database
+    is in WAL mode at all (outside it every commit would wait for the disk on the event loop), and the
+    write transactions since the last checkpoint, which it has run off that thread (see
+    ``sqlite_driver``)."""
+
+    wal: bool
+    busy_timeout: int
+    autocheckpoint: int
+    #: write transactions committed on the event loop's thread since the last checkpoint was queued
+    written: int = 0
+    #: how many such transactions make a checkpoint due: about ``autocheckpoint`` pages of WAL, as
+    #: SQLite's own automatic checkpoint would have it, from what the last checkpoint found
+    checkpoint_every: int = 100
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    """SQLite's "database is locked": another connection has the write lock (or is recovering the WAL)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF == sqlite3.SQLITE_BUSY
+
+
+def _settings(db: sqlite3.Connection) -> Inline:
+    """Read once per connection: its journal mode and the two settings a call on the event loop's
+    thread changes for its span and puts back."""
+    (mode,) = db.execute("PRAGMA journal_mode").fetchone()
+    (busy,) = db.execute("PRAGMA busy_timeout").fetchone()
+    (pages,) = db.execute("PRAGMA wal_autocheckpoint").fetchone()
+    return Inline(wal=str(mode).lower() == "wal", busy_timeout=int(busy), autocheckpoint=int(pages))
+
+
+def _put_back(db: sqlite3.Connection, state: Inline) -> None:
+    """The connection's own busy timeout and automatic checkpoint, for its next user (the SQLAlchemy
+    path, or a call in aiosqlite's thread); a connection whose settings cannot be put back is closed
+    (:class:`_Unusable`): its next user would meet "database is locked" at once instead of waiting."""
+    try:
+        db.execute(f"PRAGMA busy_timeout = {state.busy_timeout}")
+        db.execute(f"PRAGMA wal_autocheckpoint = {state.autocheckpoint}")
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            db.close()
+        raise _Unusable(exc) from exc
+
+
+def _inline(
+    db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any]]], state: Inline
+) -> list[Result] | None:
+    """``_round_trip`` on the event loop's own thread, never waiting there: SQLite's busy timeout is 0
+    for its span, so a write lock held by another connection fails it at once ("database is locked",
+    its transaction rolled back as any error's), and None says so (the caller goes to aiosqlite's
+    thread, which waits for the lock); and the automatic checkpoint is off, so that no commit here
+    copies the WAL into the database and waits for the disk's flushes (:func:`_checkpoint` runs in
+    aiosqlite's thread instead). With ``synchronous=NORMAL`` in WAL mode a commit writes the WAL and
+    does not flush it, so nothing here waits for the disk."""
+    db.execute("PRAGMA busy_timeout = 0")
+    db.execute("PRAGMA wal_autocheckpoint = 0")
+    try:
+        results = _round_trip(db, work)
+    except _Unusable:
+        raise  # (closed: nothing to put back)
+    except sqlite3.OperationalError as exc:
+        _put_back(db, state)
+        if _busy(exc):
+            return None  # (nothing changed: no transaction began, or it was rolled back)
+        raise
+    except BaseException:
+        _put_back(db, state)
+        raise
+    _put_back(db, state)
+    return results
+
+
+def _checkpoint(db: sqlite3.Connection, state: Inline, transactions: int) -> None:
+    """In aiosqlite's thread: a passive checkpoint (it copies what it can of the WAL into the database
+    and waits for no reader or writer), due after ``transactions`` write transactions on the event
+    loop's thread; the next one is due after as many as make about the connection's
+    ``wal_autocheckpoint`` pages of WAL, by what this one found."""
+    try:
+        frames = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+    except sqlite3.Error as exc:  # (the next one is due as soon: the WAL only waits longer)
+        log.debug("SQLite checkpoint failed: %s", exc)
+        return
+    if frames > 0 and transactions > 0:
+        per = frames / transactions
+        state.checkpoint_every = max(1, min(10_000, round(state.autocheckpoint / per)))
+
+
 class SqliteDriverPath:
     """Runs compiled statements on the ``sqlite3`` connection under the provider's pooled connection."""
 
@@ -216,7 +322,41 @@ class SqliteDriverPath:
                     raise sqlite3.OperationalError(f"the SQLite connection is closed: {closed}") from closed
 
     async def round_trip(self, aio: Any, bound: list[tuple[Compiled, dict[str, Any]]]) -> list[Result]:
-        """The one hop: ``_round_trip`` in the thread of ``aio`` (an ``aiosqlite.Connection``)."""
+        """The call on ``aio`` (an ``aiosqlite.Connection`` nobody else has now): on the event loop's own
+        thread when nothing is queued or running in aiosqlite's thread and SQLite's write lock is free at
+        once (:func:`_inline`), else the one hop, ``_round_trip`` in that thread, which waits for the lock.
+
+        On the event loop's thread the call skips the hop there and back (the queue, the future, the
+        wake-up of the event loop through its self-pipe) and every hand-over of the GIL between the two
+        threads, which each statement and row of the call needed; it holds the event loop for the
+        statements' own time, as long as the hop's work held the GIL before (a claim or a settlement
+        batch: about 0.3-3 ms)."""
+        calls = calls_of(aio)
+        if calls is not None and calls.idle:
+            results = self._inline(aio._conn, bound, calls)
+            if results is not None:
+                return results
         # (aiosqlite's one way to run a function in its thread: what its own calls use)
-        results: list[Result] = await aio._execute(_round_trip, aio._conn, bound)
+        hopped: list[Result] = await aio._execute(_round_trip, aio._conn, bound)
+        return hopped
+
+    def _inline(
+        self, db: sqlite3.Connection, bound: list[tuple[Compiled, dict[str, Any]]], calls: Calls
+    ) -> list[Result] | None:
+        """The call on the event loop's thread, or None: the write lock is another connection's, or the
+        database is not in WAL mode (a commit there waits for the disk); then a checkpoint in
+        aiosqlite's thread when one is due."""
+        state = calls.inline
+        if state is None:
+            state = calls.inline = _settings(db)
+        if not state.wal:
+            return None
+        results = _inline(db, bound, state)
+        if results is not None and any(r.rowcount > 0 or r.rows for r in results):
+            state.written += 1
+            if state.written >= state.checkpoint_every:
+                # queued while nothing else is (calls.idle): it runs next, outside any transaction, and
+                # the calls after it go to aiosqlite's thread until it has ended
+                calls.put_nowait((None, functools.partial(_checkpoint, db, state, state.written)))
+                state.written = 0
         return results
