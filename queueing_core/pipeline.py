@@ -53,6 +53,7 @@ from .errors import NonRetryableError, Retry
 from .hooks import Event, Observation
 from .messages import BASE_FIELDS, MessageStatus, QueueMessage
 from .middleware import HandleMiddleware, compose_handle, same_middleware
+from .throughput import Throughput
 from .transport import Delivery
 
 log = logging.getLogger("queueing.pipeline")
@@ -184,6 +185,8 @@ class Pipeline:
         self.progress_sink: ProgressSink | None = None
         self.previous_lookup: PreviousLookup | None = None
         self.supersede_check: SupersedeCheck | None = None
+        #: this process's handled messages and waiting times (``GET metrics``), the app's one tally
+        self.tally = Throughput.of(app.hooks)
 
     # -- cancellation by message id --------------------------------------------------------------
     def cancel_running(self, message_id: UUID) -> bool:
@@ -318,7 +321,7 @@ class Pipeline:
                     delivery, Defer(until, MessageStatus.PAUSED, f"circuit for {sub.type_name!r} is open")
                 )
 
-        decision = await self._run(delivery, sub, env, message, stopping, closing)
+        decision = await self._run(delivery, sub, env, message, stopping, closing, now)
         if cb is not None and not isinstance(decision, Release):
             await self._track_circuit(sub, decision, state.circuit(sub.type_name), probing, cb)
         return decision
@@ -348,6 +351,7 @@ class Pipeline:
         message: QueueMessage,
         stopping: asyncio.Event | None,
         closing: asyncio.Event | None,
+        now: datetime,
     ) -> Decision:
         run = _Run(asyncio.Event(), asyncio.current_task(), sub.options.cancel_grace.total_seconds())
         if stopping is not None and stopping.is_set():
@@ -363,6 +367,7 @@ class Pipeline:
             log=_MessageLog(env, sub.queue),
             producer=self.producer,
         )
+        self.tally.began(sub.queue, env, now)
         hooks = self.app.hooks
         if hooks.wants(Event.BEGAN):
             pending = hooks.notify(Observation(Event.BEGAN, env, sub.queue, delivery.attempt))
@@ -484,6 +489,7 @@ class Pipeline:
         """Tell the hooks of ``decision`` (the handler's run took from ``started`` until now); what is
         left to await, if a hook returned an awaitable (see :meth:`Hooks.notify`)."""
         event = _EVENT_OF[type(decision)]
+        self.tally.count(delivery.queue, event)
         hooks = self.app.hooks
         if not hooks.wants(event):
             return None

@@ -187,9 +187,12 @@ def test_the_same_flows_are_refused_without_the_key(server: Served, page):
     # signed in, a change without the page's anti-forgery token is refused: nothing paused
     sign_in(page, server)
     assert page.request.post(ui + "queues/ui-orders/pause", data="", **form).status == 401
-    assert page.request.post(
-        ui + "queues/ui-orders/pause", data="", headers={**form["headers"], "X-CSRF-Token": "forged"}
-    ).status == 401
+    assert (
+        page.request.post(
+            ui + "queues/ui-orders/pause", data="", headers={**form["headers"], "X-CSRF-Token": "forged"}
+        ).status
+        == 401
+    )
     assert server.paused() == {"ui-orders": False, "ui-reports": False}
     assert server.counts("ui-orders") == {"DeadLettered": 1}
 
@@ -257,12 +260,16 @@ def test_screenshots_of_the_main_pages(server: Served, browser, tmp_path: Path):
         page = context.new_page()
         sign_in(page, server)
         expect(card(page, "ui-orders").locator("[data-status='DeadLettered'] .n")).to_have_text("4")
-        pages = [("overview", "")] if name == "phone" else [
-            ("overview", ""),
-            ("messages", "messages?queue=ui-orders&status=DeadLettered"),
-            ("message", f"messages/{mid}"),
-            ("enqueue", "enqueue/ui-orders"),
-        ]
+        pages = (
+            [("overview", "")]
+            if name == "phone"
+            else [
+                ("overview", ""),
+                ("messages", "messages?queue=ui-orders&status=DeadLettered"),
+                ("message", f"messages/{mid}"),
+                ("enqueue", "enqueue/ui-orders"),
+            ]
+        )
         for what, path in pages:
             page.goto(server.ui + path)
             file = out / f"dashboard-{what}{'-phone' if name == 'phone' else ''}.png"

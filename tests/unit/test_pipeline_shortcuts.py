@@ -506,3 +506,44 @@ def test_a_time_out_of_range_in_utc_makes_a_malformed_delivery_not_a_failed_rece
     got = Delivery.of(json.dumps(doc).encode(), queue="shortcut-jobs")
     assert got.envelope is None
     assert got.malformed is not None
+
+
+async def test_the_tally_counts_every_outcome_and_wait_without_a_hook_of_its_own():
+    """``GET metrics``' handled messages and waiting times are counted by the pipeline itself: an app
+    whose hooks observe nothing costs no hook event per message, and every outcome is still counted,
+    those decided before a handler runs included; a hook registered by the user still sees each event."""
+    from queueing_core.throughput import Throughput
+
+    @queue("shortcut-tally", max_attempts=1, expiration=timedelta(hours=1))
+    class Tallied(QueueMessage):
+        fail: bool = False
+
+    app = QueueingApp()
+    pipe, prod = make(app)
+
+    @app.handler()
+    async def handle(msg: Tallied) -> None:
+        if msg.fail:
+            raise RuntimeError("boom")
+
+    tally = Throughput.of(app.hooks)  # (what a runtime of the app reads for ``GET metrics``)
+    assert pipe.tally is tally
+    assert not any(app.hooks.wants(e) for e in Event)  # (nothing observes: no Observation per message)
+    sent = prod.envelope_for(Tallied()).model_copy(update={"created_at": T0 - timedelta(seconds=3)})
+    await pipe.process(Delivery(sent.queue, sent.encode(), sent, None, 1))
+    failing = prod.envelope_for(Tallied(fail=True))
+    await pipe.process(Delivery(failing.queue, failing.encode(), failing, None, 1))
+    stale = prod.envelope_for(Tallied()).model_copy(update={"expires_at": T0 - timedelta(seconds=1)})
+    await pipe.process(Delivery(stale.queue, stale.encode(), stale, None, 1))
+    assert dict(tally.handled) == {
+        ("shortcut-tally", "succeeded"): 1,
+        ("shortcut-tally", "dead_lettered"): 1,
+        ("shortcut-tally", "expired"): 1,
+    }
+    lag = tally.lag["shortcut-tally"]
+    assert (lag.count, lag.total, lag.last) == (2, 3.0, 0.0)  # (waited 3 s, then none: created at T0)
+    seen: list[Event] = []
+    app.hooks.on()(lambda obs: seen.append(obs.event))
+    await pipe.process(Delivery(sent.queue, sent.encode(), sent, None, 1))
+    assert seen == [Event.BEGAN, Event.SUCCEEDED]
+    assert tally.handled[("shortcut-tally", "succeeded")] == 2
