@@ -1,0 +1,72 @@
+"""A claimed row's JSON (its body, its headers) is read with pydantic-core's parser: held here against
+``json.loads``, which read it before, on every JSON text ``json.dumps`` writes (what the SQL provider
+stores through SQLAlchemy's JSON type): the same values, and for text that is not JSON the same
+refusal, so a damaged row is still dead-lettered alone as malformed."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from queueing_core.providers.sql.rows import delivery_from_row, json_value
+
+_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_values, st.booleans())
+def test_every_text_json_dumps_writes_reads_as_json_loads_reads_it(value: Any, ascii_only: bool) -> None:
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    assert json_value(text) == json.loads(text)
+
+
+def test_what_pydantic_core_refuses_json_reads_and_nan_and_large_numbers_alike() -> None:
+    lone = json.dumps({"s": "\ud800"})  # (json.dumps escapes a lone surrogate; pydantic-core refuses it)
+    assert json_value(lone) == {"s": "\ud800"}
+    assert math.isnan(json_value('{"x": NaN}')["x"])
+    assert json_value('{"x": 1e400, "n": 123456789012345678901234567890}') == {
+        "x": math.inf,
+        "n": 123456789012345678901234567890,
+    }
+    for broken in ("{", '{"a": }', "not json", ""):
+        with pytest.raises(json.JSONDecodeError):  # (json's own error, as before)
+            json_value(broken)
+
+
+def test_a_row_whose_body_is_not_json_is_a_malformed_delivery() -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    row = {
+        "id": 7,
+        "lease_token": 1,
+        "locked_until": now,
+        "attempt": 0,
+        "type": "Job",
+        "queue": "jobs",
+        "message_id": "0" * 32,
+        "tracking_id": "1" * 32,
+        "correlation_id": None,
+        "created_at": now,
+        "not_before": None,
+        "expires_at": None,
+        "headers_text": "{}",
+        "body_text": '{"n": 1',
+        "raw": None,
+    }
+    bad = delivery_from_row(row)
+    assert bad.envelope is None
+    assert bad.malformed is not None
+    assert "stored row 7 does not decode" in str(bad.malformed)
+    good = delivery_from_row({**row, "body_text": '{"n": 1}', "headers_text": '{"h": "v"}'})
+    assert good.envelope is not None
+    assert (good.envelope.body, good.envelope.headers) == ({"n": 1}, {"h": "v"})
