@@ -15,9 +15,9 @@ from queueing_core.providers.sql import sqlite_driver
 
 class FailsOnce:
     """A real connection on which one statement (``sql``) fails once, with ``error``: a ROLLBACK that a
-    disk I/O error fails, a COMMIT that finds the database locked."""
+    disk I/O error fails, a COMMIT that finds the database locked, an interrupt between two PRAGMAs."""
 
-    def __init__(self, db: sqlite3.Connection, sql: str, error: sqlite3.Error) -> None:
+    def __init__(self, db: sqlite3.Connection, sql: str, error: BaseException) -> None:
         self.db, self.sql, self.error = db, sql, error
         self.failed = False
 
@@ -84,4 +84,58 @@ def test_a_lock_met_at_commit_rolls_the_call_back_and_hands_it_on(tmp_path):
     # the same work again (in aiosqlite's thread, as the caller does): once
     sqlite_driver._round_trip(db, work)
     assert db.execute("SELECT count(*) FROM t").fetchone() == (1,)
+    db.close()
+
+
+def test_an_interrupt_between_the_two_settings_still_puts_both_back(tmp_path):
+    """A ``KeyboardInterrupt`` (a signal's, where no handler catches it) after the busy timeout went to
+    0 and before anything else: the connection's own settings are back before it propagates."""
+    db = opened(tmp_path / "q.db", "CREATE TABLE t (v TEXT)")
+    settings = sqlite_driver._settings(db)
+    work = [(statement("INSERT INTO t (v) VALUES ('never')"), {})]
+    interrupted = FailsOnce(db, "PRAGMA wal_autocheckpoint = 0", KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        sqlite_driver._inline(interrupted, work, settings)  # type: ignore[arg-type]
+    assert db.execute("PRAGMA busy_timeout").fetchone() == (settings.busy_timeout,)
+    assert db.execute("PRAGMA wal_autocheckpoint").fetchone() == (settings.autocheckpoint,)
+    assert db.execute("SELECT count(*) FROM t").fetchone() == (0,)
+    db.close()
+
+
+def test_the_next_checkpoint_is_due_after_as_many_transactions_as_make_sqlites_threshold(tmp_path):
+    """After ``n`` write transactions the checkpoint finds F frames of WAL (counted here from the WAL
+    file's own size: a 32-byte header, then each frame a 24-byte header and a page): the next one is
+    due after as many transactions as write ``wal_autocheckpoint`` pages at that rate."""
+    path = tmp_path / "q.db"
+    db = opened(path, "CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.execute("PRAGMA wal_autocheckpoint = 0")
+    for _ in range(40):  # (each: a row of half a page, so some transactions write two pages)
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("INSERT INTO t (v) VALUES (?)", ("x" * 2000,))
+        db.execute("COMMIT")
+    (page,) = db.execute("PRAGMA page_size").fetchone()
+    frames = (path.with_name("q.db-wal").stat().st_size - 32) // (24 + page)
+    db.execute("PRAGMA wal_autocheckpoint = 1000")
+    state = sqlite_driver.Inline(thread=0, settings=sqlite_driver._settings(db))
+    sqlite_driver._checkpoint(db, state, 40)
+    assert frames > 40
+    assert state.checkpoint_every == round(1000 / (frames / 40))
+    assert state.restart  # (nothing read or wrote meanwhile: it copied the whole WAL)
+    db.close()
+
+
+def test_a_call_from_another_thread_than_the_first_goes_to_aiosqlites_thread(tmp_path):
+    """The calls on the event loop's thread rely on there being one such thread: a call from another
+    (a second event loop sharing the engine, which SQLAlchemy forbids) is handed on, never run."""
+    import threading
+
+    from queueing_core.providers.sql.sqlite_thread import Calls
+
+    db = opened(tmp_path / "q.db", "CREATE TABLE t (v TEXT)")
+    calls = Calls(queue=None)
+    calls.inline = sqlite_driver.Inline(thread=threading.get_ident() + 1)
+    work = [(statement("INSERT INTO t (v) VALUES ('never')"), {})]
+    assert sqlite_driver.SqliteDriverPath()._inline(db, work, calls) is None  # type: ignore[arg-type]
+    assert db.execute("SELECT count(*) FROM t").fetchone() == (0,)
     db.close()

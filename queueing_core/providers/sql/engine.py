@@ -19,7 +19,7 @@ from sqlalchemy.util import greenlet_spawn
 
 from ... import retry_policy
 from ...errors import ConfigurationError
-from .sqlite_thread import count_calls
+from .sqlite_thread import another_user_returned, count_calls
 
 #: how long a statement on the kit's SQLite connections waits for another connection's write lock
 #: (SQLite's busy timeout), in milliseconds
@@ -187,6 +187,8 @@ def _rollback_unless_clean(dbapi_conn: Any, record: Any, state: Any) -> None:
     ``None`` this is the only rollback a connection left in a transaction gets. The mark is popped on
     every return, so it holds for one return only, never for the connection's next borrower."""
     clean = record is not None and record.info.pop(RETURNED_CLEAN, False)
+    if not clean:
+        another_user_returned(dbapi_conn)  # (SQLite: the hot path reads the settings again)
     if not clean and state.asyncio_safe and not state.transaction_was_reset:
         dbapi_conn.rollback()
 

@@ -42,6 +42,7 @@ import contextlib
 import functools
 import logging
 import sqlite3
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -158,46 +159,74 @@ def _round_trip(db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any
     return results
 
 
-@dataclass
-class Inline:
-    """What the hot path keeps of a connection on which it runs calls on the event loop's thread: the
-    settings it puts back after each (read from the connection the first time), whether the database
-    is in WAL mode at all (outside it every commit would wait for the disk on the event loop), and the
-    write transactions since the last checkpoint, which it has run off that thread (see
-    ``sqlite_driver``)."""
+@dataclass(frozen=True)
+class Settings:
+    """A connection's settings as a call on the event loop's thread needs them: whether its commits
+    write without waiting for the disk (WAL mode, ``synchronous`` OFF or NORMAL: a commit appends to
+    the WAL and flushes nothing), and the two settings such a call changes for its span and puts back."""
 
-    wal: bool
+    inline: bool
     busy_timeout: int
     autocheckpoint: int
+
+
+@dataclass
+class Inline:
+    """What the hot path keeps of a connection on which it runs calls on the event loop's thread."""
+
+    #: the one thread those calls run on (the event loop's that made the first): a call from any other
+    #: thread goes to aiosqlite's, whose queue keeps calls apart
+    thread: int
+    #: read at the first call, and again after any other user of the connection has given it back (it
+    #: may have changed them: see ``engine._rollback_unless_clean``)
+    settings: Settings | None = None
     #: write transactions committed on the event loop's thread since the last checkpoint was queued
     written: int = 0
     #: how many such transactions make a checkpoint due: about ``autocheckpoint`` pages of WAL, as
     #: SQLite's own automatic checkpoint would have it, from what the last checkpoint found
     checkpoint_every: int = 100
+    #: the last checkpoint copied the whole WAL: the next write starts the WAL over, and with it
+    #: flushes the WAL's header to disk, so that write goes to aiosqlite's thread (set there)
+    restart: bool = False
 
 
-def _busy(exc: sqlite3.OperationalError) -> bool:
+def _busy(exc: BaseException) -> bool:
     """SQLite's "database is locked": another connection has the write lock (or is recovering the WAL)."""
     code = getattr(exc, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF == sqlite3.SQLITE_BUSY
+    return (
+        isinstance(exc, sqlite3.OperationalError) and code is not None and code & 0xFF == sqlite3.SQLITE_BUSY
+    )
 
 
-def _settings(db: sqlite3.Connection) -> Inline:
-    """Read once per connection: its journal mode and the two settings a call on the event loop's
-    thread changes for its span and puts back."""
+def _settings(db: sqlite3.Connection) -> Settings:
     (mode,) = db.execute("PRAGMA journal_mode").fetchone()
+    (sync,) = db.execute("PRAGMA synchronous").fetchone()
     (busy,) = db.execute("PRAGMA busy_timeout").fetchone()
     (pages,) = db.execute("PRAGMA wal_autocheckpoint").fetchone()
-    return Inline(wal=str(mode).lower() == "wal", busy_timeout=int(busy), autocheckpoint=int(pages))
+    # (synchronous: 0 OFF, 1 NORMAL; FULL and EXTRA flush the WAL at every commit)
+    inline = str(mode).lower() == "wal" and int(sync) <= 1
+    return Settings(inline=inline, busy_timeout=int(busy), autocheckpoint=int(pages))
 
 
-def _put_back(db: sqlite3.Connection, state: Inline) -> None:
+class _Committed(Exception):
+    """The call committed, but the connection's settings could not be put back: it leaves the pool
+    (its next user would meet "database is locked" at once instead of waiting), and the caller has
+    its results all the same (reported failed, a settlement would be retried and refused by its own
+    fence as a lease that passed to another run)."""
+
+    def __init__(self, results: list[Result], error: BaseException) -> None:
+        super().__init__(str(error))
+        self.results = results
+        self.error = error
+
+
+def _put_back(db: sqlite3.Connection, settings: Settings) -> None:
     """The connection's own busy timeout and automatic checkpoint, for its next user (the SQLAlchemy
     path, or a call in aiosqlite's thread); a connection whose settings cannot be put back is closed
-    (:class:`_Unusable`): its next user would meet "database is locked" at once instead of waiting."""
+    (:class:`_Unusable`)."""
     try:
-        db.execute(f"PRAGMA busy_timeout = {state.busy_timeout}")
-        db.execute(f"PRAGMA wal_autocheckpoint = {state.autocheckpoint}")
+        db.execute(f"PRAGMA busy_timeout = {settings.busy_timeout}")
+        db.execute(f"PRAGMA wal_autocheckpoint = {settings.autocheckpoint}")
     except BaseException as exc:
         with contextlib.suppress(BaseException):
             db.close()
@@ -205,30 +234,29 @@ def _put_back(db: sqlite3.Connection, state: Inline) -> None:
 
 
 def _inline(
-    db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any]]], state: Inline
+    db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any]]], settings: Settings
 ) -> list[Result] | None:
-    """``_round_trip`` on the event loop's own thread, never waiting there: SQLite's busy timeout is 0
-    for its span, so a write lock held by another connection fails it at once ("database is locked",
-    its transaction rolled back as any error's), and None says so (the caller goes to aiosqlite's
-    thread, which waits for the lock); and the automatic checkpoint is off, so that no commit here
-    copies the WAL into the database and waits for the disk's flushes (:func:`_checkpoint` runs in
-    aiosqlite's thread instead). With ``synchronous=NORMAL`` in WAL mode a commit writes the WAL and
-    does not flush it, so nothing here waits for the disk."""
-    db.execute("PRAGMA busy_timeout = 0")
-    db.execute("PRAGMA wal_autocheckpoint = 0")
+    """``_round_trip`` on the event loop's own thread, without waiting for another connection: SQLite's
+    busy timeout is 0 for its span, so a write lock held by another connection fails it at once
+    ("database is locked", its transaction rolled back as any error's), and None says so (the caller
+    goes to aiosqlite's thread, which waits for the lock); and the automatic checkpoint is off, so
+    that no commit here copies the WAL into the database and waits for the disk's flushes
+    (:func:`_checkpoint` runs in aiosqlite's thread instead). Every way out puts both settings back."""
     try:
+        db.execute("PRAGMA busy_timeout = 0")
+        db.execute("PRAGMA wal_autocheckpoint = 0")
         results = _round_trip(db, work)
     except _Unusable:
         raise  # (closed: nothing to put back)
-    except sqlite3.OperationalError as exc:
-        _put_back(db, state)
+    except BaseException as exc:
+        _put_back(db, settings)
         if _busy(exc):
             return None  # (nothing changed: no transaction began, or it was rolled back)
         raise
-    except BaseException:
-        _put_back(db, state)
-        raise
-    _put_back(db, state)
+    try:
+        _put_back(db, settings)
+    except _Unusable as unusable:
+        raise _Committed(results, unusable.error) from None
     return results
 
 
@@ -238,13 +266,19 @@ def _checkpoint(db: sqlite3.Connection, state: Inline, transactions: int) -> Non
     loop's thread; the next one is due after as many as make about the connection's
     ``wal_autocheckpoint`` pages of WAL, by what this one found."""
     try:
-        frames = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+        _, frames, copied = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     except sqlite3.Error as exc:  # (the next one is due as soon: the WAL only waits longer)
         log.debug("SQLite checkpoint failed: %s", exc)
         return
-    if frames > 0 and transactions > 0:
+    settings = state.settings
+    if frames > 0 and transactions > 0 and settings is not None:
         per = frames / transactions
-        state.checkpoint_every = max(1, min(10_000, round(state.autocheckpoint / per)))
+        state.checkpoint_every = max(1, min(10_000, round(settings.autocheckpoint / per)))
+    state.restart = frames > 0 and copied == frames
+
+
+def _wrote(results: Sequence[Result]) -> bool:
+    return any(r.rowcount > 0 or r.rows for r in results)
 
 
 class SqliteDriverPath:
@@ -288,13 +322,15 @@ class SqliteDriverPath:
                 try:
                     # (no await between ``idle`` and the function queued in the thread)
                     return await self.round_trip(aio, bound)
-                except (_Unusable, ValueError) as failed:
+                except (_Unusable, _Committed, ValueError) as failed:
                     # its state is unknown, or it is gone: out of the pool, as a borrowed one would be
                     self._known = None
                     async with borrowed(engine) as lent:
                         # (not marked clean: invalidated on its return; unless the pool already holds
                         # another connection, which another call's failure replaced)
                         lent.clean = lent.driver is not aio
+                    if isinstance(failed, _Committed):
+                        return failed.results
                     if isinstance(failed, _Unusable):
                         raise failed.error from None
                     raise sqlite3.OperationalError(f"the SQLite connection is closed: {failed}") from failed
@@ -310,6 +346,10 @@ class SqliteDriverPath:
                 lent.clean = True
                 try:
                     return await self.round_trip(lent.driver, bound)
+                except _Committed as done:
+                    lent.clean = False  # (out of the pool)
+                    self._known = None
+                    return done.results
                 except _Unusable as broken:
                     lent.clean = False  # (out of the pool)
                     self._known = None
@@ -338,21 +378,32 @@ class SqliteDriverPath:
                 return results
         # (aiosqlite's one way to run a function in its thread: what its own calls use)
         hopped: list[Result] = await aio._execute(_round_trip, aio._conn, bound)
+        if calls is not None and calls.inline is not None and calls.inline.restart and _wrote(hopped):
+            calls.inline.restart = False  # (this write started the WAL over, in aiosqlite's thread)
         return hopped
 
     def _inline(
         self, db: sqlite3.Connection, bound: list[tuple[Compiled, dict[str, Any]]], calls: Calls
     ) -> list[Result] | None:
-        """The call on the event loop's thread, or None: the write lock is another connection's, or the
-        database is not in WAL mode (a commit there waits for the disk); then a checkpoint in
-        aiosqlite's thread when one is due."""
+        """The call on the event loop's thread, or None: it goes to aiosqlite's thread, which waits for
+        what the event loop must not: another connection's write lock, the disk (a database whose
+        commits flush, or the first write after a checkpoint that copied the whole WAL, which flushes
+        the WAL's new header), or another thread's call. Then a checkpoint in aiosqlite's thread when
+        one is due."""
         state = calls.inline
         if state is None:
-            state = calls.inline = _settings(db)
-        if not state.wal:
+            state = calls.inline = Inline(thread=threading.get_ident())
+        elif state.thread != threading.get_ident():
             return None
-        results = _inline(db, bound, state)
-        if results is not None and any(r.rowcount > 0 or r.rows for r in results):
+        if state.restart:
+            return None
+        settings = state.settings
+        if settings is None:
+            settings = state.settings = _settings(db)
+        if not settings.inline:
+            return None
+        results = _inline(db, bound, settings)
+        if results is not None and _wrote(results):
             state.written += 1
             if state.written >= state.checkpoint_every:
                 # queued while nothing else is (calls.idle): it runs next, outside any transaction, and

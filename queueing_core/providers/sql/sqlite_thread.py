@@ -56,8 +56,17 @@ class Calls:
         return self._queued == self._ended
 
     def __getattr__(self, name: str) -> Any:
-        # (anything else of the queue, as aiosqlite's thread or a test would read it)
-        return getattr(self._queue, name)
+        # only the queue's reading side is handed on: a way of queuing other than ``put_nowait`` (in a
+        # later aiosqlite) would go uncounted, and the hot path would take a busy connection for idle
+        if name in _READING:
+            return getattr(self._queue, name)
+        raise AttributeError(
+            f"the counted queue of aiosqlite's calls has no {name!r} (only put_nowait queues)"
+        )
+
+
+#: what of aiosqlite's queue the counted one hands on: its reading side
+_READING = frozenset({"get", "get_nowait", "empty", "qsize"})
 
 
 def count_calls(conn: Any) -> None:
@@ -70,3 +79,12 @@ def calls_of(conn: Any) -> Calls | None:
     """The counted queue of ``conn``, if the kit's connector made it (a caller's engine's is not)."""
     calls = getattr(conn, "_tx", None)
     return calls if isinstance(calls, Calls) else None
+
+
+def another_user_returned(adapted: Any) -> None:
+    """A user other than the hot path gave the pooled connection back (``adapted``: SQLAlchemy's
+    adapter of the aiosqlite connection): what the hot path read of its settings may have changed
+    (a ``PRAGMA`` through the engine), so it is read again before its next call on the event loop."""
+    calls = calls_of(getattr(adapted, "_connection", None))
+    if calls is not None and calls.inline is not None:
+        calls.inline.settings = None
