@@ -145,8 +145,8 @@ def _postgres_points() -> list[CallPoint]:
 
 
 def _sqlite_points() -> list[CallPoint]:
-    """SQLAlchemy's statements, and the hot path's calls in aiosqlite's thread (claims, renewals,
-    settlements), which fail with sqlite3's own error."""
+    """SQLAlchemy's statements, and the hot path's calls (claims, renewals, settlements: on the event
+    loop's thread or in aiosqlite's), which fail with sqlite3's own error."""
     from queueing_core.providers.sql.sqlite_driver import SqliteDriverPath
 
     point = CallPoint("sqlite.round_trip", lambda rt: SqliteDriverPath, "round_trip", _sqlite_error)

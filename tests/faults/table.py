@@ -207,7 +207,9 @@ def cases() -> list[object]:
 UNCALLED = {
     "sqlite": "commit: a crash before it rolls the transaction back as a crash at its last statement "
     "does (covered); a failed commit is the driver's error on that last round trip (a hot-path call in "
-    "aiosqlite's thread, ``sqlite.round_trip``, is one transaction: begun, run and ended in that call)",
+    "aiosqlite's thread or on the event loop's, ``sqlite.round_trip``, is one transaction: begun, run and "
+    "ended in that call; a call on the event loop's thread that finds the write lock taken is rolled back "
+    "and made again in aiosqlite's thread, within the same call)",
     "postgres": "commit: as for SQLite; the provider's statements are one transaction per step (a hot-path "
     "round trip on psycopg's connection, ``pg.round_trip``, is one pipeline: one implicit transaction)",
 }

@@ -10,10 +10,11 @@ settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot 
   values, bind processors and result processors SQLAlchemy would use, so the rows written are the same
   as on the SQLAlchemy path, and the rows read too, but for timestamps (aware UTC times) and UUIDs
   (their text), read for the claimed envelope's validation);
-- **the same connection**: each call runs one function on aiosqlite's own thread against the
-  provider's one pooled connection's ``sqlite3`` connection, so the connection's PRAGMAs are those of
-  the rest of the provider. When another user has that connection borrowed (a transaction of the
-  SQLAlchemy path may be open on it) the call borrows it too, and so queues on the pool, in asyncio:
+- **the same connection**: each call runs one function against the provider's one pooled
+  connection's ``sqlite3`` connection (on aiosqlite's thread, or on the event loop's: below), so the
+  connection's PRAGMAs are those of the rest of the provider. When another user has that connection
+  borrowed (a transaction of the SQLAlchemy path may be open on it) the call borrows it too, and so
+  queues on the pool, in asyncio:
   straight from the pool, back marked clean (``engine.borrowed``, as on the PostgreSQL hot path). When
   it sits idle in the pool, the call is not borrowed at all: see :meth:`SqliteDriverPath.idle`;
 - **one transaction**: the statements run between ``BEGIN IMMEDIATE`` and ``COMMIT`` (one WAL
@@ -25,12 +26,16 @@ settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot 
   counts them) and nobody else holding it, the same function runs on the event loop's thread, and so
   without the hop there and back and the GIL's hand-overs between the two threads at every statement
   and row, which made SQLite's work and the event loop's take turns rather than overlap (measured: the
-  process's CPU per message -20 to -25 %, see bench/RESULTS.md). It never waits there: SQLite's busy
-  timeout is 0 for its span, so another connection's write lock sends the call to aiosqlite's thread,
-  which waits; and no commit there checkpoints (a checkpoint copies the WAL into the database and
-  waits for the disk's flushes): checkpoints run in aiosqlite's thread, queued after about as many
-  write transactions as make SQLite's own threshold of WAL pages. Outside WAL mode (where every commit
-  waits for the disk) every call goes to aiosqlite's thread.
+  process's CPU per message -20 to -25 %, see bench/RESULTS.md). What can wait goes to aiosqlite's
+  thread instead: SQLite's busy timeout is 0 for the call's span, so another connection's write lock
+  sends the call there; no commit on the event loop checkpoints (a checkpoint copies the WAL into the
+  database and waits for the disk's flushes): checkpoints run in aiosqlite's thread, queued after
+  about as many write transactions as make SQLite's own threshold of WAL pages, and the first write
+  after one that copied the whole WAL (it starts the WAL over and flushes its new header) goes there
+  too; a database whose commits flush (not in WAL mode, or ``synchronous`` FULL) has every call there.
+  Left on the event loop, and rare: the WAL's restart after a checkpoint another process (or this
+  one's SQLAlchemy path) made, one flush of its header; and SQLite's own short sleeps when a reader
+  meets a checkpointer of another process at the WAL's index.
 
 Errors of ``sqlite3`` go through the provider's one translation (``errors.db_boundary``), which maps
 them as it maps SQLAlchemy's wrapping of them ("database is locked" -> unavailable, worth a retry).
@@ -124,7 +129,8 @@ class _Unusable(Exception):
 
 
 def _round_trip(db: sqlite3.Connection, work: list[tuple[Compiled, dict[str, Any]]]) -> list[Result]:
-    """Runs in aiosqlite's thread: the statements in one transaction, rows as dicts."""
+    """The statements in one transaction, rows as dicts (in aiosqlite's thread, or on the event loop's
+    through :func:`_inline`)."""
     # explicit, even for one statement: SQLAlchemy's reset of an autocommit connection hands sqlite3
     # its implicit transactions again (``isolation_level = ""``), which a lone UPDATE would leave open
     db.execute("BEGIN IMMEDIATE")
@@ -293,10 +299,11 @@ class SqliteDriverPath:
         None: then a call needs no borrowing, which costs two greenlets and the pool's bookkeeping
         (about 45 µs of the event loop's CPU a call, as much as the hop itself).
 
-        A call is one function in aiosqlite's thread, whole transaction included, and that thread runs
+        A call is one function, whole transaction included, on the event loop's thread (nothing of the
+        connection's queued in aiosqlite's: see :meth:`round_trip`) or in aiosqlite's thread, which runs
         its queue in order. What the pool's lending adds is that nobody else's transaction is open on
         the connection meanwhile. Idle in the pool, nobody has it; whoever borrows it after this call
-        is queued runs its own statements in the same thread, after this call's COMMIT. So a call
+        runs its own statements after this call's COMMIT (in the same thread, queued behind it). So a call
         that finds it idle is queued there straight away, and only then (on the kit's own one-connection
         pool, the one this path is built for; the pool this path last borrowed from, still the
         engine's; that connection still running, not closed since): anything else borrows."""
