@@ -444,6 +444,10 @@ class SqsProvider(SideStoreOps):
         out: list[Delivery] = []
         wait = self.receive_wait
         while len(out) < max_messages:
+            # the visibility timeout starts when SQS hands the message over, somewhere in this call: a
+            # lease counted from the clock after it would overstate what is left by the call's time
+            # (a stalled process would renew too late); counted from before, it errs the safe way
+            sent_at = self.clock()
             resp = await self._call(
                 f"receiving from {physical}",
                 self.client.receive_message,
@@ -455,10 +459,9 @@ class SqsProvider(SideStoreOps):
                 MessageAttributeNames=["All"],
             )
             messages = resp.get("Messages") or []
-            now = self.clock()
             # the side store learns of this receive before any handler runs: from now on an earlier
             # receive of the same message can no longer settle it
-            tokens = await self.leases.take([m["MessageId"] for m in messages], now + lease)
+            tokens = await self.leases.take([m["MessageId"] for m in messages], sent_at + lease)
             for m, token in zip(messages, tokens, strict=True):
                 out.append(
                     Delivery.of(
@@ -466,7 +469,7 @@ class SqsProvider(SideStoreOps):
                         queue=sub.queue,
                         delivery_count=int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1)),
                         handle=_Handle(url, m["ReceiptHandle"], physical, token),
-                        lease_until=now + lease,
+                        lease_until=sent_at + lease,
                     )
                 )
             if len(messages) < 10:
@@ -577,6 +580,7 @@ class SqsProvider(SideStoreOps):
                             "VisibilityTimeout": whole_seconds(lease, MAX_VISIBILITY),
                         }
                     )
+                sent_at = self.clock()  # (as for a receive: the new timeout starts within the call)
                 try:
                     resp = await self._call(
                         "renewing leases",
@@ -588,12 +592,11 @@ class SqsProvider(SideStoreOps):
                     lost += part
                     continue
                 failed = {f["Id"] for f in resp.get("Failed") or []}
-                now = self.clock()
                 for j, d in enumerate(part):
                     if str(j) in failed:
                         lost.append(d)
                     else:
-                        d.lease_until = now + leases[str(j)]
+                        d.lease_until = sent_at + leases[str(j)]
         return lost
 
     # -- ops ---------------------------------------------------------------------------------------

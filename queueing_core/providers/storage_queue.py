@@ -342,6 +342,11 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         c = await self._ensure(self.physical(sub.queue))
         lease = min(sub.options.lease_duration, MAX_VISIBILITY)
         out: list[Delivery] = []
+        # the visibility timeout starts when the service hands each message over, within this call: a
+        # lease counted from the clock once a message is here would overstate what is left by the call's
+        # time (a stalled process would renew too late); counted from before the call, it errs the safe
+        # way (the messages of a later page are renewed a little early)
+        sent_at = utcnow()
         with _boundary(f"receiving from {sub.queue}"):
             pages = c.receive_messages(
                 messages_per_page=min(32, max_messages),
@@ -357,7 +362,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                         queue=sub.queue,
                         delivery_count=count,
                         handle=handle,
-                        lease_until=utcnow() + lease,
+                        lease_until=sent_at + lease,
                     )
                 )
         return out
@@ -480,8 +485,9 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                     if h.settled:
                         return
                     async with self._limit:
+                        sent_at = utcnow()  # (as for a receive: the new timeout starts within the call)
                         await self._hide(h, lease)
-                d.lease_until = utcnow() + lease
+                d.lease_until = sent_at + lease
             except ProviderError:
                 lost.append(d)
 

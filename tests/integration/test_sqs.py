@@ -424,3 +424,55 @@ async def test_an_unreachable_endpoint_is_provider_unavailable(tmp_path):
     with pytest.raises(ProviderUnavailable, match="SQS unreachable"):
         await provider.open(app)  # creates the type's queues
     await provider.close()
+
+
+class StepClock:
+    """A clock that stands still unless a slow call moves it."""
+
+    def __init__(self) -> None:
+        self.now = utcnow()
+
+    def __call__(self) -> Any:
+        return self.now
+
+
+class SlowCalls:
+    """The provider's client, whose receive and visibility change take ``seconds`` on ``clock``."""
+
+    SLOW = frozenset({"receive_message", "change_message_visibility_batch"})
+
+    def __init__(self, client: Any, clock: StepClock, seconds: float) -> None:
+        self._client, self._clock, self._seconds = client, clock, seconds
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if name not in self.SLOW:
+            return attr
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            result = attr(*args, **kwargs)
+            self._clock.now += timedelta(seconds=self._seconds)  # (the answer arrives this much later)
+            return result
+
+        return slow
+
+
+async def test_a_lease_counts_from_before_the_call_that_took_it(tmp_path):
+    """The visibility timeout starts while the receive (or the renewal) is on its way: a lease counted
+    from the clock once the answer is here would be that call's time longer than the one SQS keeps, and
+    a process stalled that long would renew after its message had gone to another receive."""
+    clock = StepClock()
+    app, rt, _calls = make(tmp_path, clock=clock, message=RenewedLease)
+    await rt.open()
+    rt.provider.client = SlowCalls(rt.provider.client, clock, seconds=7)
+    await app.enqueue(RenewedLease(n=1))
+    sub = app.subscription("RenewedLease")
+    assert sub is not None
+    sent = clock.now
+    [d] = await rt.provider.receive(sub, 1)
+    assert clock.now == sent + timedelta(seconds=7)  # (the call took 7 s)
+    assert d.lease_until == sent + timedelta(seconds=10)
+    sent = clock.now
+    assert await rt.provider.renew([d]) == []
+    assert d.lease_until == sent + timedelta(seconds=10)
+    await rt.close()

@@ -309,3 +309,46 @@ async def test_an_unreachable_service_is_retried_with_a_clear_line_not_a_crash(n
     assert "unreachable" in lines[0]
     assert "Traceback" not in lines[0]
     await rt.close()
+
+
+async def test_a_lease_counts_from_before_the_call_that_took_it(azurite, names, monkeypatch):
+    """The visibility timeout starts while the receive (or the update that renews it) is on its way: a
+    lease counted from the clock once the answer is here would be that call's time longer than the one
+    the service keeps, and a process stalled that long would renew too late."""
+    from queueing_core.providers import storage_queue
+
+    now = [utcnow()]
+    monkeypatch.setattr(storage_queue, "utcnow", lambda: now[0])
+    app, _ = make_app(names["prefix"])
+    rt = Runtime(app, provider(azurite, names))
+    await rt.open()
+    await app.enqueue(InvoiceReady(invoice="INV-9"))
+    receive, hide = QueueClient.receive_messages, storage_queue.StorageQueueProvider._hide
+
+    def slow_receive(self, *args, **kwargs):  # (the page arrives 7 s after it was asked for)
+        pages = receive(self, *args, **kwargs)
+
+        async def arriving():
+            async for msg in pages:
+                now[0] += timedelta(seconds=7)
+                yield msg
+
+        return arriving()
+
+    async def slow_hide(self, h, delay):
+        await hide(self, h, delay)
+        now[0] += timedelta(seconds=7)
+
+    monkeypatch.setattr(QueueClient, "receive_messages", slow_receive)
+    monkeypatch.setattr(storage_queue.StorageQueueProvider, "_hide", slow_hide)
+    sub = app.subscription("InvoiceReady")
+    lease = sub.options.lease_duration
+    sent = now[0]
+    [d] = await rt.provider.receive(sub, 1)
+    assert now[0] == sent + timedelta(seconds=7)
+    assert d.lease_until == sent + lease
+    sent = now[0]
+    assert await rt.provider.renew([d]) == []
+    assert now[0] == sent + timedelta(seconds=7)
+    assert d.lease_until == sent + lease
+    await rt.close()
