@@ -10,7 +10,9 @@ A :class:`CallPoint` names one call (``QueueClient.delete_message``, ``AsyncConn
   ``test_sigkill.py``);
 - ``crash`` mode: the n-th call raises :class:`Crash` (a ``BaseException``, so no ``except Exception``
   catches it) and so does every later call point: the process is dead from that step on, nothing it
-  would still send or write reaches a store.
+  would still send or write reaches a store;
+- ``lost`` mode: the n-th call runs (a commit is made, a message sent), then raises the SDK's exception
+  as if its answer had been lost on the way back (a connection dropped after the server committed).
 """
 
 from __future__ import annotations
@@ -52,16 +54,19 @@ class Injector:
     crashed: bool = False
     fired: bool = False
 
-    def _before(self, point: CallPoint) -> None:
+    def _before(self, point: CallPoint) -> bool:
+        """Before the call: True when its answer is to be lost once it has run (``lost`` mode)."""
         if not self.armed:
-            return
+            return False
         if self.crashed:
             raise Crash(f"already crashed; {point.name} never runs")
         index = len(self.calls)
         self.calls.append(point.name)
         if index != self.at or self.mode is None:
-            return
+            return False
         self.fired = True
+        if self.mode == "lost":
+            return True
         if self.mode == "kill":  # the real thing: the kernel stops the process at this step
             os.kill(os.getpid(), signal.SIGKILL)
         if self.mode == "crash":
@@ -70,21 +75,32 @@ class Injector:
         assert point.error is not None
         raise point.error()
 
+    @staticmethod
+    def _lost(point: CallPoint) -> BaseException:
+        assert point.error is not None
+        return point.error()
+
     def _wrap(self, point: CallPoint, original: Any) -> Any:
         injector = self
         if inspect.iscoroutinefunction(original):
 
             @functools.wraps(original)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                injector._before(point)
-                return await original(*args, **kwargs)
+                lose = injector._before(point)
+                result = await original(*args, **kwargs)
+                if lose:
+                    raise injector._lost(point)
+                return result
 
             return async_wrapper
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            injector._before(point)
-            return original(*args, **kwargs)
+            lose = injector._before(point)
+            result = original(*args, **kwargs)
+            if lose:
+                raise injector._lost(point)
+            return result
 
         return wrapper
 

@@ -143,6 +143,10 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 MODES = ("error", "crash")
+#: steps whose call is also made to lose its answer after it ran (``lost`` mode): the SQL transports'
+#: hot-path calls, each one transaction that the server may have committed when the connection drops
+#: (a settlement or a claim reported failed after its commit)
+ANSWER_LOST = {"sqlite.round_trip", "pg.round_trip"}
 
 #: steps expected to break the invariant, by (sequence, step prefix), with the defect named: a case
 #: listed here is a strict xfail, so it turns red the day it is fixed and the row must go. None today:
@@ -195,7 +199,7 @@ def cases() -> list[object]:
             if kit.no_faults:
                 continue
             for i, step in enumerate(STEPS.get((seq.name, provider), ())):
-                for mode in MODES:
+                for mode in (*MODES, "lost") if step in ANSWER_LOST else MODES:
                     case = Case(seq.name, provider, i, step, mode)
                     reason = expected_failure(seq.name, step)
                     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
@@ -211,7 +215,8 @@ UNCALLED = {
     "ended in that call; a call on the event loop's thread that finds the write lock taken is rolled back "
     "and made again in aiosqlite's thread, within the same call)",
     "postgres": "commit: as for SQLite; the provider's statements are one transaction per step (a hot-path "
-    "round trip on psycopg's connection, ``pg.round_trip``, is one pipeline: one implicit transaction)",
+    "round trip on psycopg's connection, ``pg.round_trip``, is one pipeline: one implicit transaction); "
+    "a commit made whose answer never came back is the ``lost`` cases of both",
 }
 
 
