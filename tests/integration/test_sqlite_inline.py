@@ -253,10 +253,11 @@ async def test_the_first_write_after_a_checkpoint_that_copied_the_whole_wal_goes
     calls = calls_of(await pooled(prov))
     assert calls is not None
     assert calls.inline is not None
-    for _ in range(100):
+    for _ in range(3000):  # (the checkpoint runs in aiosqlite's thread: up to 30 s on a loaded machine)
         if calls.idle:
             break
         await asyncio.sleep(0.01)
+    assert calls.idle
     assert calls.inline.restart  # (nothing else wrote meanwhile: the checkpoint copied the whole WAL)
     seen = Seen(monkeypatch)
     await prov.settle([Settlement(d, Complete()) for d in got])

@@ -14,9 +14,9 @@ settlement batch was a dozen hops. Here the same contract as the PostgreSQL hot 
   connection's ``sqlite3`` connection (on aiosqlite's thread, or on the event loop's: below), so the
   connection's PRAGMAs are those of the rest of the provider. When another user has that connection
   borrowed (a transaction of the SQLAlchemy path may be open on it) the call borrows it too, and so
-  queues on the pool, in asyncio:
-  straight from the pool, back marked clean (``engine.borrowed``, as on the PostgreSQL hot path). When
-  it sits idle in the pool, the call is not borrowed at all: see :meth:`SqliteDriverPath.idle`;
+  queues on the pool, in asyncio: straight from the pool, back marked clean (``engine.borrowed``, as
+  on the PostgreSQL hot path). When it sits idle in the pool, the call is not borrowed at all: see
+  :meth:`SqliteDriverPath.idle`;
 - **one transaction**: the statements run between ``BEGIN IMMEDIATE`` and ``COMMIT`` (one WAL
   append), rolled back as a whole on any error, in the thread: a caller cancelled mid-call leaves no
   transaction open, since the function still ends it. A statement whose lease guard refuses its row
