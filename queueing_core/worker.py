@@ -520,6 +520,14 @@ class Worker:
             self._maintainer = asyncio.create_task(
                 self._maintain_loop(self.runtime.provider), name="queueing-maintain"
             )
+        if self.receives_in_flight > 1 and _combined(self.runtime.provider):
+            # (one claim at a time carries the settler's buffer: the second claim asked for never runs)
+            log.warning(
+                "receives_in_flight=%d has no effect: the provider settles with its claims, one claim at "
+                "a time; QUEUEING_SETTLE_WITH_CLAIMS=false (SqlProvider(settle_with_claims=False)) for "
+                "two claims in flight",
+                self.receives_in_flight,
+            )
         log.info(
             "worker %s started on %s: %s",
             self.worker_id,

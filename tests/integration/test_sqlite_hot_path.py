@@ -7,6 +7,7 @@ files throughout."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -636,7 +637,8 @@ async def test_settling_with_claims_on_sqlite_is_one_transaction(tmp_path):
     await rt.close()
 
 
-async def test_a_sqlite_worker_settling_with_claims_runs_each_message_once(tmp_path):
+async def test_a_sqlite_worker_settles_with_its_claims_by_default_and_runs_each_message_once(tmp_path):
+    """SQLite's default (``settle_with_claims`` unset): the worker's claims carry its settlements."""
     from collections import Counter
 
     from tests.contract.harness import wait_until
@@ -649,9 +651,10 @@ async def test_a_sqlite_worker_settling_with_claims_runs_each_message_once(tmp_p
         ran[msg.n] += 1
 
     file = str(tmp_path / "q.db")
-    prov = SqlProvider(f"sqlite:///{file}", settle_with_claims=True)
+    prov = SqlProvider(f"sqlite:///{file}")
     rt = Runtime(a, prov)
     await rt.open()
+    assert prov.settles_with_claims()
     carried = 0
     original = SqlProvider.settle_and_receive
 
@@ -673,6 +676,36 @@ async def test_a_sqlite_worker_settling_with_claims_runs_each_message_once(tmp_p
     assert Counter(r["status"] for r in rows_of(file)) == Counter({"Succeeded": n})
     assert carried > 0
     await rt.close()
+
+
+async def test_two_claims_in_flight_asked_for_beside_settling_with_claims_are_named_in_the_log(
+    tmp_path, caplog
+):
+    """A worker asked for a second claim in flight on a provider that settles with claims (SQLite's
+    default) keeps one claim at a time: it says so at start, with what to change, and still runs."""
+    from queueing_core.worker import Worker
+
+    a = QueueingApp("lite-two")
+
+    @a.handler()
+    async def handle(msg: Job) -> None:
+        pass
+
+    rt = Runtime(a, SqlProvider(f"sqlite:///{tmp_path / 'q.db'}"))
+    await rt.open()
+    caplog.set_level(logging.WARNING, logger="queueing.worker")
+    async with Worker(rt, poll_min=0.01, poll_max=0.1, receives_in_flight=2):
+        pass
+    [said] = [r.getMessage() for r in caplog.records if "receives_in_flight" in r.getMessage()]
+    assert "settle_with_claims=False" in said
+    caplog.clear()
+    apart = Runtime(a, SqlProvider(f"sqlite:///{tmp_path / 'q2.db'}", settle_with_claims=False))
+    await apart.open()
+    async with Worker(apart, poll_min=0.01, poll_max=0.1, receives_in_flight=2):
+        pass
+    assert not [r for r in caplog.records if "receives_in_flight" in r.getMessage()]
+    await rt.close()
+    await apart.close()
 
 
 async def test_a_closed_aiosqlite_connection_is_not_taken_for_idle(tmp_path):
