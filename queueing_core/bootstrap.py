@@ -43,7 +43,7 @@ def make_provider(settings: QueueingSettings) -> Provider:
             database_auth=settings.database_auth,
             client_id=settings.database_client_id,
             durable_claims=settings.durable_claims,
-            settle_with_claims=_settle_with_claims(settings),
+            settle_with_claims=settings.settle_with_claims,
             prepared_statements=settings.database_prepared_statements,
         )
     if name == "storage_queue":
@@ -99,15 +99,6 @@ def make_provider(settings: QueueingSettings) -> Provider:
         f"{name!r} is not a provider",
         "inprocess, sql, storage_queue, servicebus, rabbitmq, sqs",
     )
-
-
-def _settle_with_claims(settings: QueueingSettings) -> bool | None:
-    """``QUEUEING_SETTLE_WITH_CLAIMS`` as set, or, unset, the SQL provider's default for its database,
-    unless the worker is to keep two claims in flight: a claim carrying settlements is one at a time,
-    so the setting asked for (``QUEUEING_RECEIVES_IN_FLIGHT=2``) would otherwise do nothing."""
-    if settings.settle_with_claims is None and settings.receives_in_flight > 1:
-        return False
-    return settings.settle_with_claims
 
 
 def bootstrap(app: QueueingApp, settings: QueueingSettings | None = None) -> Runtime:

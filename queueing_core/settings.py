@@ -69,15 +69,13 @@ class QueueingSettings(BaseSettings):
         "own: faster, and a database crash just after a claim only hands its messages out again "
         "(a second delivery, never a loss).",
     )
-    settle_with_claims: bool | None = Field(
-        default=None,
+    settle_with_claims: bool = Field(
+        default=False,
         description="SQL (PostgreSQL with durable claims, or SQLite): a worker settles the messages "
         "that finished and claims its next batch in one transaction (one commit instead of two). "
-        "Unset: on for SQLite (less work in the one process that runs the database; off when "
-        "`QUEUEING_RECEIVES_IN_FLIGHT` is `2`, whose second claim needs settlements apart), off for "
-        "PostgreSQL. There it means fewer commits and WAL flushes per message, but the settlement "
-        "then waits on the claim's path: it pays where the server's flush is the limit (slow disks, "
-        "a synchronous standby, many workers), not where its CPU is.",
+        "Fewer commits and WAL flushes per message, but the settlement then waits on the claim's "
+        "path: it pays where the server's flush is the limit (slow disks, a synchronous standby, "
+        "many workers), not where its CPU is.",
     )
     database_prepared_statements: bool = Field(
         default=True,
@@ -137,8 +135,7 @@ class QueueingSettings(BaseSettings):
         "full, a second claim starts while the first is on its way, for the slots left free (SQL only; "
         "other transports and ordered queues keep one). Measured on PostgreSQL with durable claims: faster "
         "on a loaded machine, not on a calm one (the claims' commits wait for the same WAL flushes), "
-        "slower on SQLite; so it stays `1`. `2` with `QUEUEING_SETTLE_WITH_CLAIMS` unset keeps "
-        "settlements apart from claims (SQLite's default otherwise carries them on one claim at a time).",
+        "slower on SQLite; so it stays `1`.",
     )
     cancel_poll: float = Field(
         default=1.0,

@@ -146,7 +146,7 @@ async def _settle_with_claim(ctx: Ctx) -> None:
     settler's buffered settlement into the claim's transaction; a claim that fails gives it back to
     the settler (the consumer backs off), which settles it on its own as it closes."""
     assert ctx.settlement is not None
-    ctx.rt.provider.settle_with_claims = True  # type: ignore[attr-defined]  # (off by default on PostgreSQL)
+    ctx.rt.provider.settle_with_claims = True  # type: ignore[attr-defined]  # (off by default)
     sub = ctx.rt.app.subscription("Work")
     assert sub is not None
     settler = Settler(ctx.rt, linger=0)

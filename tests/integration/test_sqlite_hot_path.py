@@ -637,8 +637,7 @@ async def test_settling_with_claims_on_sqlite_is_one_transaction(tmp_path):
     await rt.close()
 
 
-async def test_a_sqlite_worker_settles_with_its_claims_by_default_and_runs_each_message_once(tmp_path):
-    """SQLite's default (``settle_with_claims`` unset): the worker's claims carry its settlements."""
+async def test_a_sqlite_worker_settling_with_claims_runs_each_message_once(tmp_path):
     from collections import Counter
 
     from tests.contract.harness import wait_until
@@ -651,10 +650,9 @@ async def test_a_sqlite_worker_settles_with_its_claims_by_default_and_runs_each_
         ran[msg.n] += 1
 
     file = str(tmp_path / "q.db")
-    prov = SqlProvider(f"sqlite:///{file}")
+    prov = SqlProvider(f"sqlite:///{file}", settle_with_claims=True)
     rt = Runtime(a, prov)
     await rt.open()
-    assert prov.settles_with_claims()
     carried = 0
     original = SqlProvider.settle_and_receive
 
@@ -681,8 +679,8 @@ async def test_a_sqlite_worker_settles_with_its_claims_by_default_and_runs_each_
 async def test_two_claims_in_flight_asked_for_beside_settling_with_claims_are_named_in_the_log(
     tmp_path, caplog
 ):
-    """A worker asked for a second claim in flight on a provider that settles with claims (SQLite's
-    default) keeps one claim at a time: it says so at start, with what to change, and still runs."""
+    """A worker asked for a second claim in flight on a provider that settles with its claims keeps one
+    claim at a time: it says so at start, with what to change, and still runs."""
     from queueing_core.worker import Worker
 
     a = QueueingApp("lite-two")
@@ -691,15 +689,15 @@ async def test_two_claims_in_flight_asked_for_beside_settling_with_claims_are_na
     async def handle(msg: Job) -> None:
         pass
 
-    rt = Runtime(a, SqlProvider(f"sqlite:///{tmp_path / 'q.db'}"))
+    rt = Runtime(a, SqlProvider(f"sqlite:///{tmp_path / 'q.db'}", settle_with_claims=True))
     await rt.open()
     caplog.set_level(logging.WARNING, logger="queueing.worker")
     async with Worker(rt, poll_min=0.01, poll_max=0.1, receives_in_flight=2):
         pass
     [said] = [r.getMessage() for r in caplog.records if "receives_in_flight" in r.getMessage()]
-    assert "settle_with_claims=False" in said
+    assert "QUEUEING_SETTLE_WITH_CLAIMS=false" in said
     caplog.clear()
-    apart = Runtime(a, SqlProvider(f"sqlite:///{tmp_path / 'q2.db'}", settle_with_claims=False))
+    apart = Runtime(a, SqlProvider(f"sqlite:///{tmp_path / 'q2.db'}"))
     await apart.open()
     async with Worker(apart, poll_min=0.01, poll_max=0.1, receives_in_flight=2):
         pass

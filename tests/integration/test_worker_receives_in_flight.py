@@ -111,7 +111,7 @@ async def opened(
     job), the handlers running (now and at most), the provider and the runtime."""
     ran: Counter[int] = Counter()
     app, running = job_app(ran, gate)
-    prov = sql_db.provider(settle_with_claims=False)  # (two claims in flight: settlements apart)
+    prov = sql_db.provider()
     rt = Runtime(app, prov)
     await rt.open()
     await app.enqueue_many([Job(n=i) for i in range(total)])
@@ -351,7 +351,7 @@ async def test_the_probe_claims_one_message_alone(sql_db):
         calls.append(msg.n)
         raise ConnectionError("payment gateway down")
 
-    prov = sql_db.provider(settle_with_claims=False)  # (two claims in flight: settlements apart)
+    prov = sql_db.provider()
     rt = Runtime(app, prov, control_ttl=0.05)
     await rt.open()
     await app.enqueue_many([Charge(n=i) for i in range(200)])
@@ -414,7 +414,7 @@ async def test_no_probe_claim_starts_beside_a_full_claim_in_flight(sql_db):
     async def refund(msg: Refund) -> None:
         ran[msg.n] += 1
 
-    prov = sql_db.provider(settle_with_claims=False)  # (two claims in flight: settlements apart)
+    prov = sql_db.provider()
     rt = Runtime(app, prov, control_ttl=0.05)
     await rt.open()
     total = 40

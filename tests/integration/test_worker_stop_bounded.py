@@ -649,7 +649,7 @@ async def test_claims_beside_the_loop_are_given_back_or_left_behind(sql_db, logg
     # no sweep in this worker (its maintainer is stopped below: its first sweep comes at a random
     # moment within the interval, and one within the stop would mark the left claim's rows Failed):
     # the claim left behind keeps its rows leased until the second worker's
-    prov = sql_db.provider(maintenance_interval=STOP_BOUND, settle_with_claims=False)
+    prov = sql_db.provider(maintenance_interval=STOP_BOUND)
     assert prov.capabilities.overlapping_receives
     rt = Runtime(job_app("stop-bounded", Ahead, ran), prov)
     await rt.open()

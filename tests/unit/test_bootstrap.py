@@ -42,28 +42,3 @@ def test_storage_queues_use_the_sql_delayed_store_only_when_asked(monkeypatch, t
     stored = make_provider(cfg)
     assert stored.delayed is not None
     assert len(stored.background_tasks()) == 1
-
-
-@pytest.mark.parametrize(
-    ("url", "setting", "receives", "expected"),
-    [
-        # unset: the database's default, on for SQLite and off for PostgreSQL
-        ("sqlite:///{tmp}/kit.db", None, 1, True),
-        ("postgresql://kit@192.0.2.1/kit", None, 1, False),
-        # unset with two claims in flight asked for: apart, or the second claim would never run
-        ("sqlite:///{tmp}/kit.db", None, 2, False),
-        # set: as set, whatever else is
-        ("sqlite:///{tmp}/kit.db", False, 1, False),
-        ("sqlite:///{tmp}/kit.db", True, 2, True),
-        ("postgresql://kit@192.0.2.1/kit", True, 1, True),
-    ],
-)
-def test_settling_with_claims_follows_the_database_unless_set(url, setting, receives, expected, tmp_path):
-    cfg = QueueingSettings(
-        provider="sql",
-        database_url=url.format(tmp=tmp_path),
-        settle_with_claims=setting,
-        receives_in_flight=receives,
-    )
-    provider = make_provider(cfg)
-    assert provider.settle_with_claims is expected  # type: ignore[attr-defined]

@@ -149,7 +149,7 @@ class SqlProvider:
         max_overflow: int = 10,
         claim_pool_size: int = 2,
         prepared_statements: bool = True,
-        settle_with_claims: bool | None = None,
+        settle_with_claims: bool = False,
     ) -> None:
         self.url = normalize_url(url)
         self.backend = self.url.get_backend_name()
@@ -185,15 +185,11 @@ class SqlProvider:
         #: only makes its messages claimable again (a second delivery, never a loss)
         self.durable_claims = durable_claims
         #: a worker's claim carries the settlements waiting for it (``settle_and_receive``): one commit
-        #: for both instead of two. ``None`` (the default) is the backend's measured choice: on for
-        #: SQLite, where the whole call runs in this process and one transaction a batch less is simply
-        #: less work (faster in every burn-down pair but a few); off for PostgreSQL, where it halves the
-        #: commits (and WAL flushes) per batch but puts the settlement's server work on the claim's
-        #: critical path, where the separate settlement ran beside it on another connection: measured
-        #: slower where the server's CPU, not its flush, limits (see bench/RESULTS.md)
-        self.settle_with_claims = (
-            self.backend == "sqlite" if settle_with_claims is None else settle_with_claims
-        )
+        #: for both instead of two. Off by default: it halves the commits (and WAL flushes) per batch,
+        #: but it puts the settlement's server work on the claim's critical path, where the separate
+        #: settlement ran beside it on another connection; measured slower in the burn-down where the
+        #: server's CPU, not its flush, limits (see bench/RESULTS.md)
+        self.settle_with_claims = settle_with_claims
         #: connections of the provider's own engine, and of the claims' pool when claims are relaxed
         #: (it may overflow by twice its size, never by more than ``max_overflow``); LISTEN adds one
         self.pool_size, self.max_overflow, self.claim_pool_size = pool_size, max_overflow, claim_pool_size
