@@ -30,8 +30,9 @@ N pre-enqueued no-op jobs, and one in-process worker with the same shape:
 - Rounds are interleaved (A, B, C, ... then again, rotated), the load average is printed with each
   round, and medians are reported.
 
-With ``--cpu`` each kit round also prints the CPU the worker's process used per message during the
-burn-down, its event loop's thread and the whole process (the database server's CPU is not in it).
+With ``--cpu`` each kit and pgqueuer round also prints the CPU the worker's process used per message
+during the burn-down (from the worker's start until it has stopped), its event loop's thread and the
+whole process (the database server's CPU is not in it).
 
 With ``--server-counters`` the run takes a database of its own, and each kit and pgqueuer round also
 prints what the server did per message from the worker's start until its connections were closed
@@ -91,6 +92,16 @@ class Burn:
         return line if self.server is None else f"{line}\n      {pg_counters.describe(self.server)}"
 
 
+def print_cpu(who: str, thread_cpu: float, process_cpu: float, messages: int) -> None:
+    """The CPU a contender's worker used per message during its burn-down (--cpu)."""
+    per = 1e6 / messages
+    print(
+        f"    {who} CPU per message: event loop's thread {thread_cpu * per:.1f} µs, "
+        f"process {process_cpu * per:.1f} µs",
+        flush=True,
+    )
+
+
 def window(args: Options, schema: str) -> pg_counters.Window | None:
     """The server's counters around a round's burn-down, when asked for (--server-counters)."""
     return pg_counters.Window(args.url, schema) if getattr(args, "server_counters", False) else None
@@ -144,12 +155,7 @@ async def kit_burn(
         thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
         elapsed, startup = finished(done, started)
         if getattr(args, "cpu", False):  # (bench/sql_history.py burns down through here too)
-            per = 1e6 / messages
-            print(
-                f"    kit CPU per message: event loop's thread {thread_cpu * per:.1f} µs, "
-                f"process {process_cpu * per:.1f} µs",
-                flush=True,
-            )
+            print_cpu("kit", thread_cpu, process_cpu, messages)
     finally:
         await rt.close()
     if counters is None:
@@ -224,6 +230,7 @@ async def pgqueuer(args: Options, driver: str) -> Burn:
                 async with slots:
                     done.hit()
 
+            thread_cpu, process_cpu = time.thread_time(), time.process_time()
             started = common.now()
             run = asyncio.create_task(
                 qm.run(
@@ -238,6 +245,13 @@ async def pgqueuer(args: Options, driver: str) -> Burn:
                 qm.shutdown.set()
                 await run
             elapsed, startup = finished(done, started)
+            if getattr(args, "cpu", False):  # (its worker runs in this process and thread, as the kit's does)
+                print_cpu(
+                    f"pgqueuer ({driver})",
+                    time.thread_time() - thread_cpu,
+                    time.process_time() - process_cpu,
+                    args.messages,
+                )
         finally:
             await close()
         server = None
@@ -393,7 +407,7 @@ async def main() -> None:
     p.add_argument("--in-hand", type=int, default=20, help="most jobs claimed but not finished")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--only", default="", help="comma-separated subset of contenders")
-    p.add_argument("--cpu", action="store_true", help="print the kit's CPU per message in each round")
+    p.add_argument("--cpu", action="store_true", help="print the workers' CPU per message in each round")
     p.add_argument(
         "--server-counters",
         action="store_true",
