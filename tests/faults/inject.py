@@ -72,11 +72,11 @@ class Injector:
         if self.mode == "crash":
             self.crashed = True
             raise Crash(f"crash at step {index} ({point.name})")
-        assert point.error is not None
-        raise point.error()
+        raise self._error(point)
 
     @staticmethod
-    def _lost(point: CallPoint) -> BaseException:
+    def _error(point: CallPoint) -> BaseException:
+        """The SDK's exception of ``point``: raised before the call (``error``) or after it (``lost``)."""
         assert point.error is not None
         return point.error()
 
@@ -89,7 +89,7 @@ class Injector:
                 lose = injector._before(point)
                 result = await original(*args, **kwargs)
                 if lose:
-                    raise injector._lost(point)
+                    raise injector._error(point)
                 return result
 
             return async_wrapper
@@ -99,7 +99,7 @@ class Injector:
             lose = injector._before(point)
             result = original(*args, **kwargs)
             if lose:
-                raise injector._lost(point)
+                raise injector._error(point)
             return result
 
         return wrapper
