@@ -12,6 +12,8 @@ import sqlalchemy as sa
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.providers.sql.schema import HOT_TABLE_SETTINGS
 
+from .history_rows import fill
+
 
 @queue("hist")
 class Job(QueueMessage):
@@ -32,23 +34,9 @@ async def test_the_claim_reads_its_partial_index_under_a_large_history(pg_db):
     app.message(Job)
     await prov.open(app)
     m = prov.tables.messages
-    # the same queue as the claim: 50,000 settled rows (a tenth dead-lettered) and 50 waiting ones,
-    # so a plan on the queue's other indexes, or a scan of the table, would be there to choose
-    async with prov.engine.begin() as conn:
-        await conn.execute(
-            sa.text(f"""
-            INSERT INTO {m.fullname} (message_id, tracking_id, queue, type, status, attempt, created_at,
-                updated_at, available_at, settled_at, headers, body, archived)
-            SELECT gen_random_uuid(), gen_random_uuid(), 'hist', 'Job',
-                   CASE WHEN i % 1000 = 0 THEN 'Pending' WHEN i % 10 = 0 THEN 'DeadLettered'
-                        ELSE 'Succeeded' END,
-                   1, now() - i * interval '1 second', now(), now() - i * interval '1 second',
-                   CASE WHEN i % 1000 <> 0 THEN now() END, '{{}}'::jsonb, '{{}}'::jsonb, false
-            FROM generate_series(1, 50050) AS i""")
-        )
-    async with prov.engine.connect() as conn:
-        await conn.execution_options(isolation_level="AUTOCOMMIT")
-        await conn.execute(sa.text(f"ANALYZE {m.fullname}"))
+    # the same queue as the claim: 100,000 rows of history and 100 waiting ones, so a plan on the
+    # queue's other indexes, or a scan of the table, would be there to choose
+    await fill(prov, ("hist",))
     now = prov.clock()
     text, params = prov.claim_sql("hist", 10, now, now + timedelta(seconds=30))
     async with prov.engine.connect() as conn:  # values bound by the driver, as when workers claim

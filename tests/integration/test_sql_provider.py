@@ -15,6 +15,7 @@ from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
 from queueing_core.decisions import Complete, RetryAfter
 from queueing_core.errors import ConfigurationError, ProviderUnavailable
 from queueing_core.providers.sql import RetentionPolicy, SqlOutbox, SqlProvider
+from queueing_core.providers.sql.maintenance import run_maintenance
 from queueing_core.runtime import Runtime
 from queueing_core.transport import Settlement
 from tests.contract.harness import running, wait_until
@@ -238,6 +239,48 @@ async def test_retention_archives_deletes_and_keeps_processed_for(sql_db):
     await asyncio.sleep(2.1)
     assert (await prov.maintain(app))["deleted_archived"] == 5
     assert await prov.tracker().get(jobs[0].message_id) is None
+
+
+async def test_a_queue_that_keeps_its_successes_a_while_has_them_deleted_on_time_not_archived(sql_db):
+    """Kept longer than the archive's age, a success stays where it is until its queue's time is up
+    (archived first, it would have outlived it by the archive's age); one archived by hand goes once
+    it has been archived that long, which is never before it has been settled that long."""
+
+    @queue("kept-a-while", keep_processed_for=timedelta(hours=3))
+    class KeptAWhile(QueueMessage):
+        pass
+
+    app = QueueingApp()
+    app.handler(Job)(lambda m: None)
+    app.handler(KeptAWhile)(lambda m: None)
+    prov = sql_db.provider(
+        retention=RetentionPolicy(archive_after=timedelta(hours=1), delete_archived_after=None)
+    )
+    rt = Runtime(app, prov)
+    job = await app.enqueue(Job(n=1))
+    kept, by_hand = [await app.enqueue(KeptAWhile()) for _ in range(2)]
+    async with running(rt):
+        for sent in (job, kept, by_hand):
+            await wait_until(lambda s=sent: _is(rt, s.message_id, "Succeeded"), what="processing")
+    settled = prov.clock()
+    record = await prov.tracker().get(by_hand.message_id)
+    assert record is not None
+    assert await prov.ops_archive(record, settled + timedelta(hours=1))  # an hour after it settled
+
+    done = await run_maintenance(prov, app, settled + timedelta(hours=2))
+    assert done["archived"] == 1  # the other queue's success
+    assert (await prov.tracker().get(job.message_id)).archived
+    assert not (await prov.tracker().get(kept.message_id)).archived
+    assert done["deleted_processed"] == 0
+    # three hours after settling: the kept success goes; the one archived an hour later stays an hour more
+    done = await run_maintenance(prov, app, settled + timedelta(hours=3, minutes=1))
+    assert done["deleted_processed"] == 1
+    assert await prov.tracker().get(kept.message_id) is None
+    assert await prov.tracker().get(by_hand.message_id) is not None
+    done = await run_maintenance(prov, app, settled + timedelta(hours=4, minutes=1))
+    assert done["deleted_processed"] == 1
+    assert await prov.tracker().get(by_hand.message_id) is None
+    assert await prov.tracker().get(job.message_id) is not None  # archived, not the kept queue's
 
 
 async def test_unreachable_database_retries_then_fails_with_one_clear_error(caplog):

@@ -16,6 +16,8 @@ from queueing_core.providers.sql.statements import bind
 from queueing_core.runtime import Runtime
 from queueing_core.tracking import MessageQuery
 
+from .history_rows import fill
+
 BY_STATUS = ("ix_queueing_messages_status", "ix_queueing_messages_queue_status")
 #: what the versions before the migration that drops them created on SQLite, as on PostgreSQL
 OLD_DDL = (
@@ -77,23 +79,8 @@ async def test_a_sqlite_database_of_the_previous_version_loses_them_and_keeps_it
 async def test_listings_by_status_and_the_claim_read_an_index_on_100k_rows(tmp_path):
     prov = SqlProvider(f"sqlite:///{tmp_path}/big.db", listen=False)
     await prov.open(QueueingApp("idx"))
+    await fill(prov, ("idx0", "idx1"))
     m = prov.tables.messages
-    # 100,000 rows over two queues: mostly Succeeded, some dead-lettered, leased and waiting
-    async with prov.engine.begin() as conn:
-        await conn.exec_driver_sql(f"""
-            WITH RECURSIVE i(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM i WHERE n < 100000)
-            INSERT INTO {m.name} (message_id, tracking_id, queue, type, status, attempt, created_at,
-                updated_at, available_at, settled_at, locked_until, headers, body, archived, awaited,
-                lease_token)
-            SELECT lower(hex(randomblob(16))), lower(hex(randomblob(16))), 'idx' || (n % 2), 'Job',
-                   CASE WHEN n % 1000 = 0 THEN 'Pending' WHEN n % 997 = 0 THEN 'Leased'
-                        WHEN n % 10 = 0 THEN 'DeadLettered' ELSE 'Succeeded' END,
-                   1, datetime('2026-01-01', '+' || n || ' seconds'), '2026-01-01 00:00:00.000000',
-                   datetime('2026-01-01', '+' || n || ' seconds'), '2026-02-01 00:00:00.000000',
-                   '2026-03-01 00:00:00.000000', '{{}}', '{{}}', 0, 0, 1
-            FROM i""")
-    async with prov.engine.connect() as conn:
-        assert (await conn.exec_driver_sql(f"SELECT count(*) FROM {m.name}")).scalar() == 100_000
     seen: list[tuple[str, Any]] = []
 
     def record(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool) -> None:

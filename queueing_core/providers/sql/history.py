@@ -31,6 +31,7 @@ from ...messages import MessageStatus
 from ...tracking.base import OUTCOMES, MessageRecord, is_enqueue_record, newest_per_message
 from .control import SqlControlStore
 from .provider import SqlProvider
+from .schema import archived, by_id
 from .tracker import SqlTracker
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ class SqlHistoryTracker(SqlTracker):
     async def counts(self) -> dict[tuple[str, str], int]:
         """Unarchived records per (queue, status), from the partial counting index."""
         m = self._m
-        stmt = sa.select(m.c.queue, m.c.status, sa.func.count()).where(~m.c.archived)
+        stmt = sa.select(m.c.queue, m.c.status, sa.func.count()).where(archived(m, False))
         await self.provider.ensure_open()
         async with self.provider.engine.connect() as conn:
             rows = (await conn.execute(stmt.group_by(m.c.queue, m.c.status))).all()
@@ -217,13 +218,12 @@ class SqlHistoryTracker(SqlTracker):
             sa.select(m.c.id)
             .where(m.c.status.in_(TERMINAL), m.c.updated_at < cutoff)
             .limit(PRUNE_CHUNK)
-            .scalar_subquery()
         )
         total = 0
         await self.provider.ensure_open()
         while True:
             async with self.provider.engine.begin() as conn:
-                res = await conn.execute(sa.delete(m).where(m.c.id.in_(doomed)))
+                res = await conn.execute(sa.delete(m).where(by_id(m, doomed, self.provider.backend)))
             n = res.rowcount or 0
             total += n
             if n < PRUNE_CHUNK:

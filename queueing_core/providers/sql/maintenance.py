@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 from ...decisions import DeadLetterReason
 from ...messages import MessageStatus
-from .schema import claimable
+from .schema import archived, by_id, claimable
 
 if TYPE_CHECKING:
     from ...app import QueueingApp
@@ -106,42 +106,59 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
     m = provider.tables.messages
     policy = provider.retention
     out = {"archived": 0, "deleted_processed": 0, "deleted_archived": 0}
-    # a queue's own keep_processed_for goes first: those rows are deleted, not archived
-    for sub in app.subscriptions() if app is not None else []:
-        keep = sub.options.keep_processed_for
-        if keep is None:
-            continue
+    succeeded = MessageStatus.SUCCEEDED.value
+    # a queue's own keep_processed_for goes first: those rows are deleted, not archived. Every
+    # statement here finds its rows on a partial index (settled and not archived, or archived), so a
+    # long history costs a range of an index, not a read of the table per batch
+    kept_for = {
+        sub.queue: sub.options.keep_processed_for
+        for sub in (app.subscriptions() if app is not None else [])
+        if sub.options.keep_processed_for is not None
+    }
+    for queue, keep in kept_for.items():
         cutoff_p = now - keep
 
-        def drop_processed(q: str = sub.queue, c: datetime = cutoff_p) -> sa.Delete:
+        def drop_processed(q: str = queue, c: datetime = cutoff_p) -> sa.Delete:
             ids = (
                 sa.select(m.c.id)
-                .where(m.c.queue == q, m.c.status == MessageStatus.SUCCEEDED.value, m.c.settled_at < c)
+                .where(archived(m, False), m.c.settled_at < c, m.c.queue == q, m.c.status == succeeded)
                 .limit(policy.batch)
-                .scalar_subquery()
             )
-            return sa.delete(m).where(m.c.id.in_(ids))
+            return sa.delete(m).where(by_id(m, ids, provider.backend))
+
+        def drop_archived_processed(q: str = queue, c: datetime = cutoff_p) -> sa.Delete:
+            # archived by hand (or before their queue kept them for a while): an archive follows the
+            # settlement, so archived before the cutoff means settled before it, never deleted early
+            ids = (
+                sa.select(m.c.id)
+                .where(archived(m), m.c.archived_at < c, m.c.queue == q, m.c.status == succeeded)
+                .limit(policy.batch)
+            )
+            return sa.delete(m).where(by_id(m, ids, provider.backend))
 
         out["deleted_processed"] += await _batched(provider, drop_processed)
+        out["deleted_processed"] += await _batched(provider, drop_archived_processed)
     if policy.archive_after is not None:
         cutoff = now - policy.archive_after
         statuses = sorted(policy.archive_statuses)
+        # a queue that keeps its successes for a while has them deleted on time, not archived first
+        kept = sa.and_(m.c.queue.in_(sorted(kept_for)), m.c.status == succeeded)
+        others = [sa.not_(kept)] if kept_for else []
 
         def archive() -> sa.Update:
             ids = (
                 sa.select(m.c.id)
-                .where(~m.c.archived, m.c.status.in_(statuses), m.c.settled_at < cutoff)
+                .where(archived(m, False), m.c.settled_at < cutoff, m.c.status.in_(statuses))
+                .where(*others)
                 .limit(policy.batch)
-                .scalar_subquery()
             )
-            return sa.update(m).where(m.c.id.in_(ids)).values(archived=True, archived_at=now)
+            return sa.update(m).where(by_id(m, ids, provider.backend)).values(archived=True, archived_at=now)
 
         out["archived"] = await _batched(provider, archive)
     if policy.delete_archived_after is not None:
         cutoff_a = now - policy.delete_archived_after
         # the last success of each identity of an idempotent type is its handler's ctx.previous: kept
         newer = m.alias("newer")
-        succeeded = MessageStatus.SUCCEEDED.value
         previous = sa.and_(
             m.c.identity.is_not(None),
             m.c.status == succeeded,
@@ -156,11 +173,10 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
         def drop_archived() -> sa.Delete:
             ids = (
                 sa.select(m.c.id)
-                .where(m.c.archived, m.c.archived_at < cutoff_a, sa.not_(previous))
+                .where(archived(m), m.c.archived_at < cutoff_a, sa.not_(previous))
                 .limit(policy.batch)
-                .scalar_subquery()
             )
-            return sa.delete(m).where(m.c.id.in_(ids))
+            return sa.delete(m).where(by_id(m, ids, provider.backend))
 
         out["deleted_archived"] = await _batched(provider, drop_archived)
     return out

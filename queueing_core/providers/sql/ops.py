@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from ...envelope import Envelope
 from ...messages import MessageStatus
 from ...tracking import MessageQuery, MessageRecord
+from .schema import archived
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
@@ -23,7 +24,7 @@ async def retry(p: SqlProvider, record: MessageRecord, envelope: Envelope, now: 
     async with p.engine.begin() as conn:
         res = await conn.execute(
             sa.update(m)
-            .where(m.c.message_id == record.message_id, m.c.status == record.status, ~m.c.archived)
+            .where(m.c.message_id == record.message_id, m.c.status == record.status, archived(m, False))
             .values(
                 status=MessageStatus.PENDING.value,
                 attempt=0,
@@ -52,7 +53,7 @@ async def cancel(p: SqlProvider, record: MessageRecord, now: datetime) -> bool:
                 m.c.message_id == record.message_id,
                 m.c.status == record.status,
                 m.c.status != LEASED,
-                ~m.c.archived,
+                archived(m, False),
             )
             .values(status=MessageStatus.CANCELLED.value, settled_at=now, updated_at=now)
         )
@@ -97,7 +98,7 @@ async def archive(p: SqlProvider, record: MessageRecord, now: datetime) -> bool:
     async with p.engine.begin() as conn:
         res = await conn.execute(
             sa.update(m)
-            .where(m.c.message_id == record.message_id, m.c.status == record.status, ~m.c.archived)
+            .where(m.c.message_id == record.message_id, m.c.status == record.status, archived(m, False))
             .values(archived=True, archived_at=now)
         )
     return res.rowcount == 1

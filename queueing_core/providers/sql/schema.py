@@ -17,6 +17,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.types import NullType
 
 from ...errors import ConfigurationError
 from ...messages import MessageStatus
@@ -45,6 +49,36 @@ CLAIMABLE_SQL = "status IN ({}) AND NOT archived".format(", ".join(f"'{s}'" for 
 
 def claimable() -> sa.TextClause:
     return sa.text(CLAIMABLE_SQL)
+
+
+class _Bare(FunctionElement[Any]):
+    """A boolean column said bare: ``archived`` and ``NOT archived`` on every dialect."""
+
+    inherit_cache = True
+    type = NullType()  # (a Boolean type would be written ``= 1`` again on SQLite)
+
+
+@compiles(_Bare)
+def _bare(element: _Bare, compiler: SQLCompiler, **kw: Any) -> str:
+    return compiler.process(element.clauses, **kw)
+
+
+def archived(table: sa.Table | sa.Alias, flag: bool = True) -> sa.ColumnElement[bool]:
+    """``archived`` (or ``NOT archived``) as the partial indexes' predicates say it. SQLAlchemy writes a
+    boolean column as ``archived = 1`` / ``archived = 0`` on SQLite, from which SQLite's planner cannot
+    prove an index's ``WHERE archived`` / ``WHERE NOT archived``: it reads the whole table instead
+    (every retention batch did, on every upkeep pass, under SQLite's one write lock)."""
+    said: sa.ColumnElement[bool] = _Bare(table.c.archived)
+    return said if flag else sa.not_(said)
+
+
+def by_id(table: sa.Table, ids: sa.Select[Any], backend: str) -> sa.ColumnElement[bool]:
+    """The rows whose ``id`` ``ids`` selects, fetched by primary key. PostgreSQL is given the ids as one
+    array: with ``id IN (subquery)`` (or a join) it may hash a scan of the whole table to match them,
+    and a prepared statement's generic plan, planned for a LIMIT of unknown size, always does."""
+    if backend == "postgresql":
+        return table.c.id == sa.any_(sa.func.array(ids.scalar_subquery()))
+    return table.c.id.in_(ids.scalar_subquery())
 
 
 def partial_index(name: str, *columns: str, where: str | sa.TextClause) -> sa.Index:

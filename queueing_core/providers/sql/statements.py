@@ -15,7 +15,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 
 from ...decisions import DeadLetterReason
 from ...messages import MessageStatus
-from .schema import CLAIMABLE, Tables, claimable
+from .schema import CLAIMABLE, Tables, archived, by_id, claimable
 
 LEASED = MessageStatus.LEASED.value
 
@@ -123,11 +123,7 @@ class Statements:
         # PostgreSQL: the claimed ids as one array, so the plan the server keeps for the prepared claim
         # (a generic plan, with no values) fetches those rows by primary key; a join with the CTE is
         # planned for a LIMIT of unknown size and hashes a scan of the whole table
-        taken = (
-            m.c.id == sa.any_(sa.func.array(sa.select(due.c.id).scalar_subquery()))
-            if backend == "postgresql"
-            else m.c.id == due.c.id
-        )
+        taken = by_id(m, sa.select(due.c.id), backend) if backend == "postgresql" else m.c.id == due.c.id
         self.claim = sa.update(m).where(taken).values(**take).returning(*claim_columns(m))
 
         # ordered queues: the oldest message that holds the line, and only if it is due
@@ -140,7 +136,7 @@ class Statements:
         )
         head = (
             sa.select(m.c.id)
-            .where(m.c.queue == P("queue"), ~m.c.archived, holds)
+            .where(m.c.queue == P("queue"), archived(m, False), holds)
             .order_by(m.c.id)
             .limit(1)
             .scalar_subquery()
@@ -162,9 +158,9 @@ class Statements:
             sa.update(m)
             .where(
                 m.c.queue == P("queue"),
+                claimable(),  # (the claim index's predicate: its rows are found there)
                 m.c.status == MessageStatus.PENDING.value,
                 m.c.available_at <= now,
-                ~m.c.archived,
             )
             .values(status=MessageStatus.WAITING_FOR_HANDLER.value, updated_at=now)
         )

@@ -16,7 +16,7 @@ from ...clock import as_utc
 from ...messages import MessageStatus
 from ...tracking.base import Activity, MessageQuery, MessageRecord, Page, invalid_cursor
 from .records import read_record, stored_in_order
-from .schema import claimable
+from .schema import archived, claimable
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
@@ -103,14 +103,14 @@ class SqlTracker:
             plain = [s for s in q.status if s != MessageStatus.ARCHIVED.value]
             parts: list[sa.ColumnElement[bool]] = [m.c.status.in_(plain)] if plain else []
             if len(plain) != len(q.status):
-                parts.append(m.c.archived)
+                parts.append(archived(m))
             cond.append(sa.or_(*parts))
         if q.created_from is not None:
             cond.append(m.c.created_at >= q.created_from)
         if q.created_to is not None:
             cond.append(m.c.created_at < q.created_to)
         if q.archived is not None:
-            cond.append(m.c.archived == q.archived)
+            cond.append(archived(m, q.archived))
         if q.correlation_id is not None:
             cond.append(m.c.correlation_id == q.correlation_id)
         if q.tracking_id is not None:
@@ -182,7 +182,7 @@ class SqlTracker:
         else:
             stmt = (
                 sa.select(m.c.queue, m.c.status, sa.func.count())
-                .where(~m.c.archived)
+                .where(archived(m, False))
                 .group_by(m.c.queue, m.c.status)
             )
         await self.provider.ensure_open()

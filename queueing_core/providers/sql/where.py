@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from ...messages import MessageStatus
-from .schema import CLAIMABLE
+from .schema import CLAIMABLE, archived
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
@@ -86,7 +86,7 @@ async def update_status(
     m = p.tables.messages
     where = [
         m.c.queue == queue,
-        ~m.c.archived,
+        archived(m, False),
         m.c.status != MessageStatus.LEASED.value,
         condition(p, steps, op, value),
     ]
