@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-for script in sql_burndown sql_history sql_scaleout latency sqlite_burndown storage_queue; do
+for script in sql_burndown sql_history sql_scaleout latency sqlite_burndown sqlite_history storage_queue; do
     echo
     echo "######## bench/$script.py $*"
     "$PY" "bench/$script.py" "$@"
