@@ -74,11 +74,16 @@ async def test_upkeep_reads_an_index_under_a_long_history(sql_db):
             said = " ".join(statement.split())
             if sql_db.backend == "sqlite":
                 rows = await conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", values)
-                assert not sqlite_reads([str(r[3]) for r in rows], m.name), said
+                plan = [str(r[3]) for r in rows]
+                assert not sqlite_reads(plan, m.name), said
+                # a batch of retention: its rows taken by primary key, not by a second range of an index
+                assert " IN (SELECT" not in said or "PRIMARY KEY" in plan[0], (said, plan)
             else:
                 raw = (await conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", values)).scalar_one()
                 plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
                 used = [n for n in nodes(plan) if n.get("Relation Name") == m.name]
                 assert used, said
                 assert not [n for n in used if n["Node Type"] == "Seq Scan"], (said, json.dumps(plan))
+                by_key = [n for n in used if str(n.get("Index Name", "")).endswith("_pkey")]
+                assert "ANY (ARRAY(" not in said.upper() or by_key, (said, json.dumps(plan))
         await conn.rollback()

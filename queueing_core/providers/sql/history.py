@@ -31,7 +31,7 @@ from ...messages import MessageStatus
 from ...tracking.base import OUTCOMES, MessageRecord, is_enqueue_record, newest_per_message
 from .control import SqlControlStore
 from .provider import SqlProvider
-from .schema import archived, by_id
+from .schema import archived, first_rows
 from .tracker import SqlTracker
 
 if TYPE_CHECKING:
@@ -214,16 +214,13 @@ class SqlHistoryTracker(SqlTracker):
         """Delete finished records last updated before ``now - retention``; returns how many."""
         m = self._m
         cutoff = as_utc(now) - self.retention
-        doomed = (
-            sa.select(m.c.id)
-            .where(m.c.status.in_(TERMINAL), m.c.updated_at < cutoff)
-            .limit(PRUNE_CHUNK)
-        )
+        finished = [m.c.status.in_(TERMINAL), m.c.updated_at < cutoff]
+        doomed = sa.delete(m).where(*first_rows(m, finished, PRUNE_CHUNK, self.provider.backend))
         total = 0
         await self.provider.ensure_open()
         while True:
             async with self.provider.engine.begin() as conn:
-                res = await conn.execute(sa.delete(m).where(by_id(m, doomed, self.provider.backend)))
+                res = await conn.execute(doomed)
             n = res.rowcount or 0
             total += n
             if n < PRUNE_CHUNK:

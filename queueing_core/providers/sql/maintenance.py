@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 from ...decisions import DeadLetterReason
 from ...messages import MessageStatus
-from .schema import archived, by_id, claimable
+from .schema import archived, claimable, first_rows
 
 if TYPE_CHECKING:
     from ...app import QueueingApp
@@ -91,7 +91,7 @@ async def expire_waiting(provider: SqlProvider, now: datetime) -> int:
 
 
 async def _batched(provider: SqlProvider, build: Any) -> int:
-    """Run ``build(ids_subquery)`` until a batch touches fewer rows than the batch size."""
+    """Run ``build()`` until a batch touches fewer rows than the batch size."""
     total = 0
     while True:
         async with provider.engine.begin() as conn:
@@ -107,6 +107,10 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
     policy = provider.retention
     out = {"archived": 0, "deleted_processed": 0, "deleted_archived": 0}
     succeeded = MessageStatus.SUCCEEDED.value
+
+    def batch(where: list[sa.ColumnElement[bool]]) -> list[sa.ColumnElement[bool]]:
+        return first_rows(m, where, policy.batch, provider.backend)
+
     # a queue's own keep_processed_for goes first: those rows are deleted, not archived. Every
     # statement here finds its rows on a partial index (settled and not archived, or archived), so a
     # long history costs a range of an index, not a read of the table per batch
@@ -119,22 +123,16 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
         cutoff_p = now - keep
 
         def drop_processed(q: str = queue, c: datetime = cutoff_p) -> sa.Delete:
-            ids = (
-                sa.select(m.c.id)
-                .where(archived(m, False), m.c.settled_at < c, m.c.queue == q, m.c.status == succeeded)
-                .limit(policy.batch)
+            return sa.delete(m).where(
+                *batch([archived(m, False), m.c.settled_at < c, m.c.queue == q, m.c.status == succeeded])
             )
-            return sa.delete(m).where(by_id(m, ids, provider.backend))
 
         def drop_archived_processed(q: str = queue, c: datetime = cutoff_p) -> sa.Delete:
             # archived by hand (or before their queue kept them for a while): an archive follows the
             # settlement, so archived before the cutoff means settled before it, never deleted early
-            ids = (
-                sa.select(m.c.id)
-                .where(archived(m), m.c.archived_at < c, m.c.queue == q, m.c.status == succeeded)
-                .limit(policy.batch)
+            return sa.delete(m).where(
+                *batch([archived(m), m.c.archived_at < c, m.c.queue == q, m.c.status == succeeded])
             )
-            return sa.delete(m).where(by_id(m, ids, provider.backend))
 
         out["deleted_processed"] += await _batched(provider, drop_processed)
         out["deleted_processed"] += await _batched(provider, drop_archived_processed)
@@ -146,13 +144,8 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
         others = [sa.not_(kept)] if kept_for else []
 
         def archive() -> sa.Update:
-            ids = (
-                sa.select(m.c.id)
-                .where(archived(m, False), m.c.settled_at < cutoff, m.c.status.in_(statuses))
-                .where(*others)
-                .limit(policy.batch)
-            )
-            return sa.update(m).where(by_id(m, ids, provider.backend)).values(archived=True, archived_at=now)
+            due = [archived(m, False), m.c.settled_at < cutoff, m.c.status.in_(statuses), *others]
+            return sa.update(m).where(*batch(due)).values(archived=True, archived_at=now)
 
         out["archived"] = await _batched(provider, archive)
     if policy.delete_archived_after is not None:
@@ -171,12 +164,7 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
         )
 
         def drop_archived() -> sa.Delete:
-            ids = (
-                sa.select(m.c.id)
-                .where(archived(m), m.c.archived_at < cutoff_a, sa.not_(previous))
-                .limit(policy.batch)
-            )
-            return sa.delete(m).where(by_id(m, ids, provider.backend))
+            return sa.delete(m).where(*batch([archived(m), m.c.archived_at < cutoff_a, sa.not_(previous)]))
 
         out["deleted_archived"] = await _batched(provider, drop_archived)
     return out

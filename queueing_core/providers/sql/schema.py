@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,18 @@ def by_id(table: sa.Table, ids: sa.Select[Any], backend: str) -> sa.ColumnElemen
     if backend == "postgresql":
         return table.c.id == sa.any_(sa.func.array(ids.scalar_subquery()))
     return table.c.id.in_(ids.scalar_subquery())
+
+
+def first_rows(
+    table: sa.Table, where: Sequence[sa.ColumnElement[bool]], limit: int, backend: str
+) -> list[sa.ColumnElement[bool]]:
+    """The WHERE of an UPDATE or DELETE of the first ``limit`` rows ``where`` selects (a batch of
+    retention): the rows fetched by primary key, and ``where`` said again. A row another transaction
+    changed while this one waited for its lock is then left alone: PostgreSQL checks only the
+    statement's own WHERE against the row's new version, so an operator's retry of a Succeeded message,
+    committed meanwhile, would otherwise be deleted (or a retried dead letter archived, never to run)."""
+    ids = sa.select(table.c.id).where(*where).limit(limit)
+    return [by_id(table, ids, backend), *where]
 
 
 def partial_index(name: str, *columns: str, where: str | sa.TextClause) -> sa.Index:
