@@ -197,6 +197,12 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         # v6: job control looks messages up by tracking id, and idempotent types by identity
         sa.Index("ix_queueing_messages_tracking", "tracking_id"),
         partial_index("ix_queueing_messages_identity", "type", "identity", where="identity IS NOT NULL"),
+        # SQLite: ids never reused (v12). Without AUTOINCREMENT a new row takes the highest id left
+        # plus one, so deleting the newest row hands its id to the next message, whose first claim
+        # gets the same lease token (1) as the deleted row's first claim: the fence on (id, token)
+        # then let a run of the deleted message settle or renew the new one. PostgreSQL's sequence
+        # never gives an id twice.
+        sqlite_autoincrement=True,
     )
     sa.Table(
         "queueing_pauses",
@@ -608,6 +614,39 @@ def _v11(conn: sa.Connection, tables: Tables) -> None:
         conn.exec_driver_sql(f"DROP INDEX IF EXISTS {prefix}{name}")
 
 
+def _v12(conn: sa.Connection, tables: Tables) -> None:
+    """SQLite: message ids are never given twice (``AUTOINCREMENT``; see the table's definition).
+
+    SQLite cannot add AUTOINCREMENT to a table, so the table is made again: its indexes dropped, the
+    table renamed, the new one created from the metadata (with its indexes), the rows copied with
+    their ids, the old one dropped; one transaction, so a failure leaves the table as it was. The
+    copy takes a few seconds a million rows, under the write lock. The next id is then above every id
+    in the table; an id deleted before this migration above the highest left may still be given once.
+    A database made at this version has the keyword from v1 and is left alone."""
+    if conn.dialect.name != "sqlite":
+        return
+    m = tables.messages
+    prefix = f"{m.schema}." if m.schema else ""
+    master = f"{prefix}sqlite_master"
+    # names from the metadata, the schema name validated by Tables.build: nothing from input
+    ddl = conn.exec_driver_sql(
+        f"SELECT sql FROM {master} WHERE type = 'table' AND name = '{m.name}'"
+    ).scalar()
+    if ddl is None or "AUTOINCREMENT" in ddl.upper():
+        return
+    old = f"{m.name}_v11"
+    indexes = conn.exec_driver_sql(
+        f"SELECT name FROM {master} WHERE type = 'index' AND tbl_name = '{m.name}' AND sql IS NOT NULL"
+    ).scalars()
+    for name in list(indexes):
+        conn.exec_driver_sql(f'DROP INDEX {prefix}"{name}"')
+    conn.exec_driver_sql(f'ALTER TABLE {m.fullname} RENAME TO "{old}"')
+    m.create(conn)
+    columns = ", ".join(f'"{c.name}"' for c in m.columns)
+    conn.exec_driver_sql(f'INSERT INTO {m.fullname} ({columns}) SELECT {columns} FROM {prefix}"{old}"')
+    conn.exec_driver_sql(f'DROP TABLE {prefix}"{old}"')
+
+
 #: (version, description, migration). Append only: a released migration never changes.
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "messages, pauses, circuits", _v1),
@@ -621,6 +660,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (9, "history counts the duplicates completed without running", _v9),
     (10, "idempotent identities for the brokers; result waiters woken by NOTIFY (PostgreSQL)", _v10),
     (11, "SQLite: no listing indexes by status, which its planner never used", _v11),
+    (12, "SQLite: message ids never given twice (AUTOINCREMENT)", _v12),
 ]
 LATEST = MIGRATIONS[-1][0]
 
