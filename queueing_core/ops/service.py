@@ -54,6 +54,8 @@ SETTABLE = frozenset({S.PENDING.value, S.CANCELLED.value})
 ARCHIVABLE = {S.SUCCEEDED, S.DEAD_LETTERED, S.EXPIRED, S.CANCELLED, S.ABANDONED}
 WAITING = (S.PENDING.value, S.FAILED.value, S.SLEEPING.value, S.WAITING_FOR_HANDLER.value, S.PAUSED.value)
 KNOWN = frozenset(s.value for s in MessageStatus)
+#: history records a purge deletes by id in one statement (SQLite takes at most 32,766 bound values)
+PURGE_HISTORY_BATCH = 500
 _ORDER = {Health.HEALTHY: 0, Health.DEGRADED: 1, Health.UNHEALTHY: 2}
 
 
@@ -507,18 +509,26 @@ class OpsService:
                 break
             cursor = page.next_cursor
         # a row damaged outside the kit whose message id does not read names nothing the transport
-        # could be asked for: it is not passed on, and its history goes with its status's others (a
+        # could be asked for: it is not passed on, and its history goes by its stored id text (a
         # message the transport still holds writes its history again when it runs)
         removed = await actions.ops_remove(query, [r for r in records if r.readable("message_id")])
-        # the history is a record: only messages the transport no longer holds leave it. The tracker
-        # deletes by filter, so a status goes only when all its matches are gone (the rest stay until
-        # a repeated purge finds them gone too)
+        # the history is a record: only messages the transport no longer holds leave it, by their ids.
+        # Never by the filter alone: a message that matched it after the listing was read (a dead
+        # letter written meanwhile) would lose its history while the transport still holds it, and a
+        # dead letter that no listing shows can never be retried
+        gone: list[UUID | str] = [
+            r.message_id for r in records if r.readable("message_id") and r.message_id in removed
+        ]
+        gone += [
+            r.stored["message_id"]
+            for r in records
+            if not r.readable("message_id") and r.stored and "message_id" in r.stored
+        ]
         deleted = 0
-        for status in sorted({r.status for r in records}):
-            matches = [r for r in records if r.status == status]
-            if all(r.message_id in removed for r in matches if r.readable("message_id")):
-                # (what the tracker deleted: rows that arrived after the listing was read go too)
-                deleted += await self.runtime.tracker.delete(query.model_copy(update={"status": (status,)}))
+        for start in range(0, len(gone), PURGE_HISTORY_BATCH):
+            deleted += await self.runtime.tracker.delete(
+                query, only=gone[start : start + PURGE_HISTORY_BATCH]
+            )
         return PurgeResult(deleted=deleted, skipped_leased=0)
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:

@@ -212,8 +212,11 @@ class InProcessProvider:
         return True  # archiving is a flag in the history; the message left the queue when it finished
 
     async def ops_remove(self, query: MessageQuery, records: Sequence[MessageRecord]) -> set[Any]:
-        """Queued copies and dead letters of these messages go; returns the ids of those it held."""
-        return self._forget({r.message_id for r in records})
+        """Queued copies and dead letters of these messages go; returns every id given, none of
+        which it holds now (a finished message's history goes with the rest)."""
+        ids = {r.message_id for r in records}
+        self._forget(ids)
+        return ids
 
     # -- test and ops helpers ------------------------------------------------------------------
     def depth(self, queue: str) -> int:

@@ -20,7 +20,7 @@ import json
 import random
 import re
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final, Self, cast
@@ -1056,10 +1056,14 @@ class TablesTracker(_OnTable):
                 found[(str(e["Queue"]), str(e["Status"]))] += 1
         return dict(found)
 
-    async def delete(self, query: MessageQuery) -> int:
-        if query.status == ():
+    async def delete(self, query: MessageQuery, only: Collection[UUID | str] | None = None) -> int:
+        if query.status == () or (only is not None and not only):
             return 0
-        return await self._delete_where(_query_filter(query), lambda e: _entity_matches(query, e))
+        keys = None if only is None else {str(i) for i in only}
+        return await self._delete_where(
+            _query_filter(query),
+            lambda e: _entity_matches(query, e) and (keys is None or str(e.get("MessageId")) in keys),
+        )
 
     async def prune(self, now: datetime) -> int:
         """Delete terminal records last updated before ``now - retention``; returns how many."""

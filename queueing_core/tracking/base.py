@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
@@ -150,7 +150,10 @@ class Tracker(Protocol):
         """Number of messages per (queue, status)."""
         ...
 
-    async def delete(self, query: MessageQuery) -> int: ...
+    async def delete(self, query: MessageQuery, only: Collection[UUID | str] | None = None) -> int:
+        """Delete the records that match ``query`` and, when given, whose message id is one of
+        ``only`` (the stored text of a damaged record's id that does not read is a ``str``)."""
+        ...
 
     async def reopen(self, record: MessageRecord) -> None:
         """Write ``record`` whatever the stored status says (an operator's retry of a finished

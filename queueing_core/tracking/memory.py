@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from uuid import UUID
 
 from .base import OUTCOMES, MessageQuery, MessageRecord, Page, invalid_cursor, is_enqueue_record
@@ -83,8 +83,8 @@ class MemoryTracker:
     async def counts(self) -> dict[tuple[str, str], int]:
         return dict(Counter((r.queue, r.status) for r in self._items.values()))
 
-    async def delete(self, query: MessageQuery) -> int:
-        doomed = [k for k, r in self._items.items() if query.matches(r)]
+    async def delete(self, query: MessageQuery, only: Collection[UUID | str] | None = None) -> int:
+        doomed = [k for k, r in self._items.items() if query.matches(r) and (only is None or k in only)]
         for k in doomed:
             del self._items[k]
         return len(doomed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -190,10 +190,16 @@ class SqlTracker:
             rows = (await conn.execute(stmt)).all()
         return {(str(r[0]), str(r[1])): int(r[2]) for r in rows}
 
-    async def delete(self, query: MessageQuery) -> int:
+    async def delete(self, query: MessageQuery, only: Collection[UUID | str] | None = None) -> int:
+        m, where = self._m, self.where(query)
+        if only is not None:
+            ids = [i for i in only if isinstance(i, UUID)]
+            # a damaged row's id, by its stored text (only SQLite can store an id that is not a UUID)
+            texts = [i for i in only if isinstance(i, str)]
+            where.append(sa.or_(m.c.message_id.in_(ids), sa.cast(m.c.message_id, sa.Text()).in_(texts)))
         await self.provider.ensure_open()
         async with self.provider.engine.begin() as conn:
-            res = await conn.execute(sa.delete(self._m).where(*self.where(query)))
+            res = await conn.execute(sa.delete(m).where(*where))
         return res.rowcount or 0
 
     async def activity(
