@@ -294,6 +294,28 @@ async def test_update_status_where_on_sql_and_a_clear_refusal_elsewhere(harness)
     assert calls == ["leave-me"]  # a custom status holds the message out of processing
 
 
+async def test_a_cancelled_message_put_back_to_pending_runs(harness):
+    """Setting Pending on a cancelled message is the operator asking for it to run: its cancellation
+    request (kept a day, read by every host) goes with it, as with a retry; before, the worker settled
+    it Cancelled again without running it (found in review)."""
+    if harness.name not in SQL:
+        pytest.skip("update-status-where needs the SQL provider (the refusal is tested above)")
+    app, calls, _ = task_app(harness)
+    rt = await harness.runtime(app)
+    await rt.control.set_paused("queue", "tasks", True)
+    sent = await app.enqueue(Task(key="again"))
+    assert (await app.cancel(sent.tracking_id)).status == MessageStatus.CANCELLED
+    change = {"where": {"path": "key", "op": "eq", "value": "again"}, "set": "Pending"}
+    async with ops_client(rt) as client:
+        res = await client.post("/queues/tasks/status", json=change)
+        assert res.status_code == 200, res.text
+        assert res.json()["updated"] == 1
+    await rt.control.set_paused("queue", "tasks", False)
+    async with running(rt):
+        await wait_until(lambda: _status_is(rt, sent.message_id, MessageStatus.SUCCEEDED), what="it ran")
+    assert calls == ["again"]
+
+
 @pytest.mark.parametrize(
     ("mode", "step"),
     [("error", 0), ("crash", 0), ("error", 1), ("crash", 1)],

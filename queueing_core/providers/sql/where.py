@@ -71,6 +71,10 @@ def condition(p: SqlProvider, steps: Sequence[str | int], op: str, value: Scalar
     return test
 
 
+#: cancellation requests deleted in one statement (SQLite takes at most 32,766 bound values)
+CANCELS_BATCH = 500
+
+
 async def update_status(
     p: SqlProvider,
     queue: str,
@@ -97,8 +101,16 @@ async def update_status(
         values.update(available_at=now, settled_at=None)
     elif new_status in {s.value for s in MessageStatus.terminal()}:
         values["settled_at"] = now
+    update = sa.update(m).where(*where).values(**values)
     async with p.engine.begin() as conn:
-        res = await conn.execute(sa.update(m).where(*where).values(**values))
-        if new_status in CLAIMABLE:
-            await p.notify_statements(conn, {queue})
-    return res.rowcount or 0
+        if new_status not in CLAIMABLE:
+            return (await conn.execute(update)).rowcount or 0
+        # put back to run: a cancellation asked for earlier (kept a day) would have the worker settle
+        # it Cancelled again without running it, so those requests go with it, in the same transaction
+        # and for exactly the rows changed (as an operator's retry of a cancelled message clears its own)
+        changed = list((await conn.execute(update.returning(m.c.message_id))).scalars())
+        x = p.tables.cancels
+        for start in range(0, len(changed), CANCELS_BATCH):
+            await conn.execute(x.delete().where(x.c.message_id.in_(changed[start : start + CANCELS_BATCH])))
+        await p.notify_statements(conn, {queue})
+    return len(changed)
