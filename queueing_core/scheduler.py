@@ -58,6 +58,7 @@ class Scheduler:
         self.store = store or tick_store_for(runtime)
         self.grace = grace
         self.poll = poll
+        self._unwakeable: set[str] = set()  # schedules whose next tick failed (warned once each)
 
     @property
     def schedules(self) -> list[Schedule]:
@@ -115,10 +116,24 @@ class Scheduler:
 
     def next_wake(self, now: datetime) -> float:
         """Seconds until the next tick of any schedule (at most ``poll``: pauses and lapsed claims)."""
-        nearest = min((s.next_after(now) for s in self.schedules), default=None)
+        nearest: datetime | None = None
+        for s in self.schedules:
+            try:
+                tick = s.next_after(now)
+            except Exception as exc:  # one schedule's bad arithmetic must not stop the others' wakes
+                self._warn_once(s.name, exc)
+                continue
+            self._unwakeable.discard(s.name)
+            nearest = tick if nearest is None else min(nearest, tick)
         if nearest is None:
             return self.poll
         return max(0.0, min(self.poll, (nearest - now).total_seconds()))
+
+    def _warn_once(self, name: str, exc: Exception) -> None:
+        # next_wake runs about every second: warn once per schedule, not once a second
+        level = logging.DEBUG if name in self._unwakeable else logging.WARNING
+        self._unwakeable.add(name)
+        log.log(level, "schedule %s: cannot compute its next tick: %s: %s", name, type(exc).__name__, exc)
 
     async def run(self) -> None:
         """Until cancelled (a worker background task)."""
@@ -134,7 +149,12 @@ class Scheduler:
                     await self.prune()
             except Exception as exc:
                 log.warning("schedules: %s: %s; will try again", type(exc).__name__, exc)
-            await asyncio.sleep(self.next_wake(utcnow()) + 0.01)  # just past the tick
+            try:
+                wake = self.next_wake(utcnow())
+            except Exception as exc:  # nothing may end this task: every schedule of the host lives in it
+                log.warning("schedules: %s: %s; will try again", type(exc).__name__, exc)
+                wake = self.poll
+            await asyncio.sleep(wake + 0.01)  # just past the tick
 
 
 def describe(schedule: Schedule, last: datetime | None, paused: bool, now: datetime) -> dict[str, Any]:

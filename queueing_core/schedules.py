@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from .clock import utcnow
 from .errors import RegistrationError
 from .messages import QueueMessage
 
@@ -41,7 +42,7 @@ _TICK_IDS = uuid.UUID("6f1c3a52-9a59-4d55-9c0f-5a5c4d1e0b18")
 #: the headers a scheduled message carries: which schedule made it, and for which tick
 SCHEDULE_HEADER = "queueing-schedule"
 TICK_HEADER = "queueing-schedule-tick"
-_WALK_LIMIT = 100_000  # on-time ticks walked back at most (a 1-second schedule with a day of grace)
+_WALK_LIMIT = 100_000  # on-time ticks walked at most (a 1-second schedule with a day of grace)
 
 
 def _second(when: datetime) -> datetime:
@@ -70,20 +71,69 @@ class Schedule:
         """The latest tick at or before ``when``."""
         if self.every is not None:
             return _second(EPOCH + ((when - EPOCH) // self.every) * self.every)
-        from croniter import croniter
-
-        assert self.cron is not None
-        start = when.astimezone(ZoneInfo(self.timezone)) + timedelta(microseconds=1)
-        return _second(croniter(self.cron, start).get_prev(datetime))
+        # Derived from forward steps so that it always agrees with next_after: croniter's get_prev
+        # drops the fold in a repeated (fall-back) hour and lands on the first occurrence, so due()
+        # would skip the ticks of the second occurrence (or run a fixed-time tick twice, the second
+        # time as a late catch-up). get_prev only gives the starting point; a start is accepted once a
+        # tick lies between it and ``when``, and if none does (the hint was late) it moves back.
+        start = self._cron_prev_hint(when) - timedelta(seconds=1)
+        back = timedelta(hours=3)  # more than any daylight-saving shift
+        tick = self.next_after(start)
+        while tick > when:
+            start -= back
+            back *= 2  # a sparse schedule (yearly, 29 February) may need years: a few dozen steps
+            tick = self.next_after(start)
+        while (following := self.next_after(tick)) <= when:
+            tick = following
+        return tick
 
     def next_after(self, when: datetime) -> datetime:
         """The first tick strictly after ``when``."""
         if self.every is not None:
             return self.at_or_before(when) + self.every
+        tick = self._cron_next(when)
+        if not _interval_like(self._cron):
+            # a job at a fixed wall-clock time runs once when the clock goes back: at the first of the
+            # two instants that read that time, as Vixie cron does
+            while _second_occurrence(tick, self._zone):
+                tick = self._cron_next(tick)
+        return tick
+
+    @property
+    def _cron(self) -> str:
+        assert self.cron is not None
+        return self.cron
+
+    @property
+    def _zone(self) -> ZoneInfo:
+        return ZoneInfo(self.timezone)
+
+    def _cron_next(self, when: datetime) -> datetime:
         from croniter import croniter
 
-        assert self.cron is not None
-        return _second(croniter(self.cron, when.astimezone(ZoneInfo(self.timezone))).get_next(datetime))
+        zone = self._zone
+        tick = _second(croniter(self._cron, when.astimezone(zone)).get_next(datetime))
+        if _offset(tick, zone) < _offset(when, zone):
+            # The clocks went back in between. croniter steps over a repeated stretch that is not a
+            # whole hour (Australia/Lord_Howe goes back 30 minutes) when it starts before it, yet is
+            # right from inside it: look again from the first instant of the repeated stretch.
+            back = _fall_back(when, tick, zone)
+            local = back.astimezone(zone)
+            if croniter.match(self._cron, local.replace(tzinfo=None)):
+                return back
+            tick = min(tick, _second(croniter(self._cron, local).get_next(datetime)))
+        return tick
+
+    def _cron_prev_hint(self, when: datetime) -> datetime:
+        """Where at_or_before starts: croniter's get_prev, read in both folds of its wall-clock time
+        (the later instant that is not after ``when``), so that in the repeated hour the search starts
+        at the tick rather than an hour before it (3,600 steps for a once-a-second expression)."""
+        from croniter import croniter
+
+        start = when.astimezone(self._zone) + timedelta(microseconds=1)
+        prev = croniter(self._cron, start).get_prev(datetime)
+        readings = {_second(prev.replace(fold=0)), _second(prev.replace(fold=1))}
+        return max((t for t in readings if t <= when), default=min(readings))
 
     def due(self, last: datetime | None, now: datetime, grace: timedelta) -> list[datetime]:
         """Ticks to run now, oldest first, given the last tick claimed (``None``: never ran)."""
@@ -92,14 +142,16 @@ class Schedule:
             return []
         if last is None:  # a new schedule starts with its current tick, if that is on time
             return [latest] if now - latest <= grace else []
+        # Walked forward with next_after, the one source of ticks (a walk back would call at_or_before,
+        # itself a forward search, once per tick). On time means ``now - tick <= grace``.
+        missed = self.at_or_before(now - grace - timedelta(microseconds=1))  # the newest tick too old
         on_time: list[datetime] = []
-        tick = latest
-        while tick > last and now - tick <= grace and len(on_time) < _WALK_LIMIT:
+        tick = max(missed, last)
+        while (tick := self.next_after(tick)) <= now and len(on_time) < _WALK_LIMIT:
             on_time.append(tick)
-            tick = self.at_or_before(tick - timedelta(seconds=1))
-        if tick > last and self.catch_up == "once":
-            on_time.append(tick)  # the newest missed tick, once; older missed ones are dropped
-        return on_time[::-1]
+        if missed > last and self.catch_up == "once":
+            on_time.insert(0, missed)  # the newest missed tick, once; older missed ones are dropped
+        return on_time
 
     async def messages(self, tick: datetime) -> list[QueueMessage]:
         produced = self.produce(tick) if self._takes_tick else self.produce()
@@ -112,6 +164,40 @@ class Schedule:
             if not isinstance(item, QueueMessage):
                 raise TypeError(f"schedule {self.name!r} produced {item!r}, which is not a QueueMessage")
         return items
+
+
+def _interval_like(cron: str) -> bool:
+    """A cron expression whose minute or hour field is ``*`` or a step (``*/15 * * * *``,
+    ``0 */2 * * *``, ``@hourly``) repeats through the day: it keeps running in both occurrences of a
+    repeated (fall-back) hour, so an hourly job still runs once per real hour. Any other expression
+    names wall-clock times (``30 2 * * *``) and runs once at such a time."""
+    fields = {"@hourly": "0 * * * *"}.get(cron.strip().lower(), cron).split()
+    return any("*" in f or "/" in f for f in fields[:2])
+
+
+def _second_occurrence(tick: datetime, zone: ZoneInfo) -> bool:
+    """Whether ``tick`` reads a local time the clock already showed once that night (fall-back)."""
+    local = tick.astimezone(zone)
+    return local.fold == 1 and local.replace(fold=0).utcoffset() != local.utcoffset()
+
+
+def _offset(when: datetime, zone: ZoneInfo) -> timedelta:
+    offset = when.astimezone(zone).utcoffset()
+    assert offset is not None
+    return offset
+
+
+def _fall_back(after: datetime, until: datetime, zone: ZoneInfo) -> datetime:
+    """The instant in (after, until] at which the zone's UTC offset drops, to the second."""
+    # whole seconds throughout (zone transitions fall on whole seconds), so the halving always ends
+    low, high, offset = _second(after), _second(until), _offset(after, zone)
+    while high - low > timedelta(seconds=1):
+        middle = low + timedelta(seconds=(high - low).total_seconds() // 2)
+        if _offset(middle, zone) < offset:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def tick_message_id(schedule: str, tick: datetime, index: int) -> uuid.UUID:
@@ -134,6 +220,20 @@ def _check_zone(tz: str) -> None:
         ZoneInfo(tz)
     except (ZoneInfoNotFoundError, ValueError) as exc:
         raise RegistrationError(f"unknown time zone {tz!r}: {exc}") from None
+
+
+def _check_matches(schedule: Schedule) -> None:
+    """croniter accepts expressions that name no real date (``0 0 30 2 *``, 30 February); such a
+    schedule would fail at every wake of every host, so it fails here instead."""
+    from croniter import CroniterError
+
+    try:
+        schedule.next_after(utcnow())
+    except CroniterError as exc:
+        raise RegistrationError(
+            f"schedule {schedule.name!r}: the cron expression {schedule.expression!r} never matches "
+            f"a time to come (a day its month does not have?): {exc}"
+        ) from None
 
 
 def _default_name(func: Callable[..., Any]) -> str:
@@ -174,18 +274,17 @@ class ScheduleBook:
         if not isinstance(cron, str) or not croniter.is_valid(cron):
             raise RegistrationError(f"{cron!r} is not a cron expression (five fields, e.g. '*/5 * * * *')")
         _check_zone(timezone)
-        sched_name = name or _default_name(func)
-        return self._add(
-            Schedule(
-                validate_name(sched_name),
-                func,
-                cron=cron,
-                timezone=timezone,
-                catch_up=_policy(catch_up),
-                origin=origin,
-                _takes_tick=_takes_tick(func),
-            )
+        schedule = Schedule(
+            validate_name(name or _default_name(func)),
+            func,
+            cron=cron,
+            timezone=timezone,
+            catch_up=_policy(catch_up),
+            origin=origin,
+            _takes_tick=_takes_tick(func),
         )
+        _check_matches(schedule)
+        return self._add(schedule)
 
     def add_every(
         self,
