@@ -134,7 +134,11 @@ class SqlControlStore:
                     await conn.execute(sa.select(p.c.name).where(p.c.kind == kind, p.c.name == name))
                 ).first()
                 if exists is None:
-                    await conn.execute(p.insert().values(kind=kind, name=name, paused_at=now))
+                    try:
+                        async with conn.begin_nested():
+                            await conn.execute(p.insert().values(kind=kind, name=name, paused_at=now))
+                    except sa.exc.IntegrityError:
+                        pass  # another pause of it committed meanwhile (two operators at once): paused
                 return
             await conn.execute(p.delete().where(p.c.kind == kind, p.c.name == name))
             if kind == "schedule":
