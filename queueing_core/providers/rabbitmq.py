@@ -27,6 +27,15 @@
 - ``connect_robust`` reconnects after a broker restart; consumers are restored. Settling a message
   received on a connection that has since died is skipped (the broker requeued it): nothing acked
   is lost, and what was not acked is delivered again.
+- **A settlement that cannot be completed gives the message back** (``basic.nack`` with requeue)
+  ``give_back_after`` seconds after its first failed try, if no later try completed it meanwhile.
+  RabbitMQ has no lease that lapses: an unacked delivery stays with its consumer's open channel until
+  the process ends, so a retry whose copy to the delayed store failed (the side database down, its
+  breaker open) or a dead letter the broker did not confirm would otherwise never run again while
+  the worker runs. The give-back plays the part of a lapsed lease: the worker's settler still retries
+  meanwhile (a brief outage costs nothing), and once the message is given back every later try of
+  that settlement is refused before it copies or acks anything (its outcome is not applied; the
+  redelivery, which counts one attempt, decides).
 
 Pause/circuit state, history and the delayed store live in the SQL database of ``SideStores``.
 """
@@ -156,6 +165,15 @@ class _QuietReconnects(logging.Filter):
 class _Handle:
     message: AbstractIncomingMessage
     physical: str
+    #: one settlement try at a time, and the give-back waits for a try under way (the settler may try
+    #: the same settlement again while the give-back timer runs)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: acked, found stale or given back: no longer counted in flight; nothing more to do
+    done: bool = False
+    #: nacked back to the broker after its settlement failed: every later try is refused
+    given_back: bool = False
+    #: the give-back timer, armed by the first failed try
+    timer: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -211,6 +229,7 @@ class RabbitMQProvider(SideStoreOps):
         reconnect_interval: float = retry_policy.AMQP_RECONNECT,
         connect_retries: int = 8,
         idle_timeout: float = 10.0,
+        give_back_after: float = 30.0,
         delayed_retries: int = 3,
         dispatcher_options: dict[str, Any] | None = None,
         clock: Clock = utcnow,
@@ -225,6 +244,11 @@ class RabbitMQProvider(SideStoreOps):
         self.reconnect_interval = reconnect_interval
         self.connect_retries = connect_retries
         self.idle_timeout = idle_timeout
+        #: seconds after a settlement's first failed try before the message goes back to the broker
+        #: (a lease's part: longer than the worker's settle retries, ~6 s, so a brief outage of the
+        #: side database is ridden out without a redelivery)
+        self.give_back_after = give_back_after
+        self._give_backs: set[asyncio.Task[None]] = set()
         self.capabilities = Capabilities(
             max_delay=timedelta(0),
             lock_renewal=False,
@@ -357,6 +381,11 @@ class RabbitMQProvider(SideStoreOps):
             self._janitor.cancel()
             await asyncio.gather(self._janitor, return_exceptions=True)
             self._janitor = None
+        # the channels close next, and the broker requeues every unacked message itself
+        for task in list(self._give_backs):
+            task.cancel()
+        await asyncio.gather(*self._give_backs, return_exceptions=True)
+        self._give_backs.clear()
         for c in list(self._consumers.values()):
             with contextlib.suppress(Exception):
                 await self._stop_consumer(c)
@@ -603,27 +632,80 @@ class RabbitMQProvider(SideStoreOps):
     async def _settle_one(self, s: Settlement) -> None:
         d, decision = s.delivery, s.decision
         h: _Handle = d.handle
-        c = self._consumers.get(h.physical)
-        try:
+        # the settler may try the same settlement again (after a failure) while the give-back timer
+        # runs: one at a time, and never after the message was given back
+        async with h.lock:
+            if h.given_back:
+                d.refuse("given back to the broker when its settlement could not be completed")
+                return
+            if h.done:
+                return  # acked by an earlier try
             if _stale(h.message):
                 d.refuse("the channel that received it closed; the broker delivers it again")
+                self._resolved(h)
                 return
-            now = self.clock()
-            if isinstance(decision, Complete):
-                pass
-            elif isinstance(decision, Expire | DeadLetter):
-                reason, description = dead_letter_of(decision)
-                await self._dead_letter(d, h.physical, d.attempts_used(decision), reason.value, description)
-            else:
-                assert d.envelope is not None, "malformed messages are always dead-lettered"
-                # the copy first: if the ack fails afterwards, a duplicate beats a loss
-                copy = d.envelope.with_attempt(d.attempts_used(decision))
-                await self.send_at(h.physical, copy, due_at(decision, now))
-            with _boundary("acknowledging a message"):
-                await h.message.ack()
-        finally:
-            if c is not None:
-                c.in_flight = max(0, c.in_flight - 1)
+            try:
+                now = self.clock()
+                if isinstance(decision, Complete):
+                    pass
+                elif isinstance(decision, Expire | DeadLetter):
+                    reason, description = dead_letter_of(decision)
+                    await self._dead_letter(
+                        d, h.physical, d.attempts_used(decision), reason.value, description
+                    )
+                else:
+                    assert d.envelope is not None, "malformed messages are always dead-lettered"
+                    # the copy first: if the ack fails afterwards, a duplicate beats a loss
+                    copy = d.envelope.with_attempt(d.attempts_used(decision))
+                    await self.send_at(h.physical, copy, due_at(decision, now))
+                with _boundary("acknowledging a message"):
+                    await h.message.ack()
+            except Exception:
+                # no lease lapses on RabbitMQ: unless a later try completes it, the message goes back
+                # to the broker, or it would sit unacked on this open channel until the process ends
+                self._give_back_later(h)
+                raise
+            self._resolved(h)
+
+    def _resolved(self, h: _Handle) -> None:
+        """Nothing more to do for ``h``: no longer in flight (counted once, however many tries)."""
+        if h.done:
+            return
+        h.done = True
+        if h.timer is not None and h.timer is not asyncio.current_task():
+            h.timer.cancel()
+        c = self._consumers.get(h.physical)
+        if c is not None:
+            c.in_flight = max(0, c.in_flight - 1)
+
+    def _give_back_later(self, h: _Handle) -> None:
+        if h.timer is None and not h.done:
+            h.timer = asyncio.create_task(self._give_back(h), name="queueing-rabbitmq-give-back")
+            self._give_backs.add(h.timer)
+            h.timer.add_done_callback(self._give_backs.discard)
+
+    async def _give_back(self, h: _Handle) -> None:
+        """``give_back_after`` seconds after a settlement's first failed try: if no try completed it
+        meanwhile, nack it with requeue so the broker delivers it again (a lapsed lease's part)."""
+        await asyncio.sleep(self.give_back_after)
+        async with h.lock:  # a try under way finishes first (and may complete it)
+            if h.done:
+                return
+            h.given_back = True  # from here every try of its settlement is refused
+            self._resolved(h)
+            if _stale(h.message):
+                return  # its channel closed: the broker has it back already
+            try:
+                await h.message.nack(requeue=True)
+            except Exception as exc:  # a closed channel returns it all the same
+                log.warning("could not give a message back to %s: %s", h.physical, first_line(exc))
+                return
+        log.warning(
+            "gave a message back to %s: its settlement did not complete within %.0fs; it is delivered again",
+            h.physical,
+            self.give_back_after,
+            extra={"message_id": h.message.message_id},
+        )
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)

@@ -3,8 +3,12 @@ never on the event loop (boto3 clients are thread-safe; the pool bounds the conc
 
 - A standard queue per type (sanitized: 80 characters of letters, digits, ``-`` and ``_``) and its
   dead-letter queue ``<queue>-dlq``, created on open with a redrive policy (``maxReceiveCount`` = the
-  type's max attempts), the lease as ``VisibilityTimeout`` and a ``MessageRetentionPeriod`` of the
-  type's expiration plus ``ttl_grace`` (14 days, SQS's maximum, without one).
+  type's max attempts), the lease as ``VisibilityTimeout`` and SQS's longest
+  ``MessageRetentionPeriod`` (14 days): the kit records expiry itself, and a message's own ``ttl`` may
+  outlast its type's expiration. A queue that exists with other settings (an older version's shorter
+  retention) is brought to these on open. SQS still deletes a message that waits *unreceived in the
+  queue* for 14 days, whatever its ``ttl`` (a delay beyond 15 minutes waits in the delayed store, whose
+  rows SQS does not count: the 14 days start when it is forwarded; a retry or pause sends a new copy).
 - The lease is the visibility timeout; long handlers extend it (``ChangeMessageVisibilityBatch``).
   ``ApproximateReceiveCount`` counts deliveries on top of the envelope's attempts.
 - Retries, pauses, waits and releases send a copy carrying the attempts used (``DelaySeconds`` up to
@@ -37,9 +41,16 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..clock import Clock, utcnow
-from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
-from ..envelope import DESCRIPTION, REASON, Envelope, dead_letter_marks
-from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
+from ..decisions import Complete, DeadLetter, DeadLetterReason, Expire, dead_letter_of, due_at
+from ..envelope import DESCRIPTION, REASON, Envelope, dead_letter_marks, malformed_identity
+from ..errors import (
+    ConfigurationError,
+    InvalidOperation,
+    MalformedEnvelope,
+    ProviderError,
+    ProviderUnavailable,
+)
+from ..messages import MessageStatus
 from ..naming import QueueNaming, Transport
 from ..options import QueueOptions
 from ..tracking import MessageRecord
@@ -262,12 +273,14 @@ class SqsProvider(SideStoreOps):
         """The queue attributes a logical queue's type asks for, and its max attempts."""
         sub = self._app.by_queue().get(queue) if self._app is not None else None
         o = sub.options if sub is not None else QueueOptions()
-        retention = MAX_RETENTION
-        if o.expiration is not None:
-            retention = int((o.expiration + self.ttl_grace).total_seconds())
         attributes = {
             "VisibilityTimeout": str(whole_seconds(o.lease_duration, MAX_VISIBILITY)),
-            "MessageRetentionPeriod": str(max(MIN_RETENTION, min(MAX_RETENTION, retention))),
+            # always SQS's longest: the kit records expiry itself (the run sees it and dead-letters the
+            # message as expired), and one message's own ttl (``enqueue(ttl=...)``) may be longer than
+            # its type's expiration: a retention cut to the type's would let SQS delete it unreceived,
+            # with no run, no dead letter and its history still Pending. Set on queues an older version
+            # created shorter too (``_create`` updates the attributes of a queue that exists)
+            "MessageRetentionPeriod": str(MAX_RETENTION),
         }
         return attributes, o.max_attempts
 
@@ -420,16 +433,62 @@ class SqsProvider(SideStoreOps):
 
     async def forward_delayed(self, item: DelayedMessage) -> None:
         """Send a due message from the delayed store to its queue."""
+        try:
+            env = Envelope.decode(item.envelope)
+        except MalformedEnvelope as exc:
+            # no run could read it: straight to the dead-letter queue, as the receive path sends a
+            # message that is not an envelope (a failed decode here would fail every forward, and then
+            # the dead letter, and leave the row due for ever)
+            await self._dead_letter_stored_text(item, f"a delayed message is not an envelope: {exc}")
+            return
         url = await self._url_of_physical(item.destination)
-        env = Envelope.decode(item.envelope)
         await self._send_entries(url, [self._entry(env, 0)])
 
     async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
         now = self.clock()
-        env = Envelope.decode(item.envelope)
+        try:
+            env = Envelope.decode(item.envelope)
+        except MalformedEnvelope:
+            await self._dead_letter_stored_text(item, description)
+            return
         dlq = await self._url_of_physical(self.dead_letter_name(item.destination))
         await self._send_entries(dlq, [self._dead_entry(env, FORWARD_FAILED, description, now)])
         await self.stores.history.upsert([forward_failed_record(env, description, now)])
+
+    async def _dead_letter_stored_text(self, item: DelayedMessage, description: str) -> None:
+        """A delayed-store row whose text is not an envelope: the text as it was stored goes to the
+        dead-letter queue with the reason ``malformed-envelope`` (as the receive path sends one), under
+        the message id the row was stored with, and the history says so under that id."""
+        now = self.clock()
+        reason = DeadLetterReason.MALFORMED_ENVELOPE.value
+        dlq = await self._url_of_physical(self.dead_letter_name(item.destination))
+        entry = {
+            "MessageBody": item.envelope,
+            "MessageAttributes": {
+                MESSAGE_ID: _attr(str(item.message_id)),
+                REASON: _attr(reason),
+                DESCRIPTION: _attr(description[:1000]),
+            },
+        }
+        await self._send_entries(dlq, [entry])
+        _, tracking_id, type_name = malformed_identity(item.envelope)
+        queue = next(
+            (q for q in (self._app.by_queue() if self._app else {}) if self.physical(q) == item.destination),
+            item.destination,
+        )
+        record = MessageRecord(
+            message_id=item.message_id,
+            tracking_id=tracking_id,
+            type=type_name,
+            queue=queue,
+            status=MessageStatus.DEAD_LETTERED.value,
+            created_at=item.created_at,
+            updated_at=now,
+            reason=reason,
+            description=description,
+            raw=item.envelope[:65536],
+        )
+        await self.stores.history.upsert([record])
 
     def _dead_entry(self, env: Envelope, reason: str, description: str, now: datetime) -> dict[str, Any]:
         marks = dead_letter_marks(reason, description, now)
@@ -459,15 +518,30 @@ class SqsProvider(SideStoreOps):
                 MessageAttributeNames=["All"],
             )
             messages = resp.get("Messages") or []
+            counts = [int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1)) for m in messages]
             # the side store learns of this receive before any handler runs: from now on an earlier
-            # receive of the same message can no longer settle it
-            tokens = await self.leases.take([m["MessageId"] for m in messages], sent_at + lease)
-            for m, token in zip(messages, tokens, strict=True):
+            # receive of the same message can no longer settle it. The receive count orders the
+            # receives, not the order their writes land in (see sql/leases.py)
+            tokens = await self.leases.take(
+                [(m["MessageId"], n) for m, n in zip(messages, counts, strict=True)], sent_at + lease
+            )
+            for m, n, token in zip(messages, counts, tokens, strict=True):
+                if token is None:
+                    # a later receive of this message (its visibility ran out while this receive's
+                    # write was on the way) holds it now: this one is stale and must not run
+                    log.warning(
+                        "dropped a stale receive of SQS message %s from %s (receive %d): a later "
+                        "receive holds it",
+                        m["MessageId"],
+                        physical,
+                        n,
+                    )
+                    continue
                 out.append(
                     Delivery.of(
                         m["Body"],
                         queue=sub.queue,
-                        delivery_count=int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1)),
+                        delivery_count=n,
                         handle=_Handle(url, m["ReceiptHandle"], physical, token),
                         lease_until=sent_at + lease,
                     )

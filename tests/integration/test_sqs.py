@@ -141,7 +141,9 @@ async def test_queues_are_created_with_redrive_visibility_and_retention(tmp_path
     assert physical(rt).endswith("Billing-Invoice")  # '.' is not allowed in SQS names
     attrs = sqs_client().get_queue_attributes(QueueUrl=url(rt), AttributeNames=["All"])["Attributes"]
     assert attrs["VisibilityTimeout"] == "20"  # the lease
-    assert attrs["MessageRetentionPeriod"] == str(3 * 3600)  # expiration (2 h) + ttl_grace (1 h)
+    # SQS's longest, whatever the type's expiration (2 h here): the kit records expiry itself, and a
+    # message given a longer ttl must not be dropped unreceived by the queue
+    assert attrs["MessageRetentionPeriod"] == str(14 * 24 * 3600)
     redrive = json.loads(attrs["RedrivePolicy"])
     assert int(redrive["maxReceiveCount"]) == 3  # max attempts: the crash safety net
     assert redrive["deadLetterTargetArn"].endswith(f":{physical(rt)}-dlq")

@@ -6,10 +6,26 @@ same message, so a run whose visibility timeout ran out could still settle a mes
 receive now holds. Each receive therefore writes a fresh token per message here (the latest receive
 wins), and a settlement or renewal goes ahead only for the messages whose token is still its own:
 the check and the removal are one statement, so two runs can never both pass it.
+
+"The latest receive" is the one SQS handed the message to last, not the one whose write landed
+last: a receive whose write stalls (a paused process, a slow database) past its visibility timeout
+would otherwise overwrite the token of the receive that holds the message now, and the stale run
+would settle while the live one is refused. So a token carries the receive's count (SQS's
+``ApproximateReceiveCount``, which grows with each receive of a message) in its top 48 bits: a
+UUIDv8 (RFC 9562's layout for custom contents) whose remaining bits are random, so tokens compare,
+as PostgreSQL's ``uuid`` and the 32 hex digits SQLite stores both do, by receive count first. The
+upsert replaces a token only with a greater one; a receive whose write is not applied is stale and
+must not run (``take`` returns None for it). No column was added for the count: the token is opaque
+everywhere else, and a fencing token that grows with each claim is what it is for.
+
+A row an older version wrote holds a random (version 4) token, which need not compare below a new
+one: such a row is replaced as before (the last write wins, compared and swapped in the same
+transaction), so a message received before an upgrade is not refused for ever.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -26,9 +42,29 @@ if TYPE_CHECKING:
 KEEP_LAPSED = timedelta(days=1)
 
 
+#: the token's bits below the receive count: version, variant and 74 random bits
+_COUNT_SHIFT = 80
+_MAX_COUNT = (1 << 48) - 1
+#: RFC 9562's version for custom layouts: a token that carries a receive count
+COUNTED = 8
+
+
 class LeaseToken(NamedTuple):
     key: str  # the transport's own id of the message
     token: uuid.UUID
+
+
+def counted_token(receive_count: int) -> uuid.UUID:
+    """A fresh token that compares above every token of a lower receive count (and is unique)."""
+    low = int.from_bytes(os.urandom(10), "big")
+    low = (low & ~(0xF << 76)) | (COUNTED << 76)  # the version nibble
+    low = (low & ~(0x3 << 62)) | (0x2 << 62)  # the RFC 4122/9562 variant
+    return uuid.UUID(int=(max(0, min(receive_count, _MAX_COUNT)) << _COUNT_SHIFT) | low)
+
+
+def receive_count_of(token: uuid.UUID) -> int | None:
+    """The receive count a token carries; None for an older version's random token."""
+    return token.int >> _COUNT_SHIFT if token.version == COUNTED else None
 
 
 class SqlLeaseStore:
@@ -42,9 +78,24 @@ class SqlLeaseStore:
         else:
             from sqlalchemy.dialects.sqlite import insert as dialect_insert
         ins = dialect_insert(t)
+        # only a later receive replaces a token (see the module's text); RETURNING names the rows this
+        # statement wrote, inserted or replaced, so the receives whose write was not applied are known
         self._take = ins.on_conflict_do_update(
             index_elements=[t.c.transport, t.c.message_key],
             set_={"token": ins.excluded.token, "until": ins.excluded.until},
+            where=t.c.token < ins.excluded.token,
+        ).returning(t.c.message_key, t.c.token)
+        self._held = sa.select(t.c.message_key, t.c.token).where(
+            t.c.transport == transport, t.c.message_key.in_(sa.bindparam("keys", expanding=True))
+        )
+        self._swap = (
+            sa.update(t)
+            .where(
+                t.c.transport == transport,
+                t.c.message_key == sa.bindparam("key"),
+                t.c.token == sa.bindparam("held"),
+            )
+            .values(token=sa.bindparam("token"), until=sa.bindparam("until"))
         )
         mine = sa.and_(
             t.c.transport == transport,
@@ -54,18 +105,32 @@ class SqlLeaseStore:
         self._release = sa.delete(t).where(mine).returning(t.c.message_key)
         self._extend = sa.update(t).where(mine).values(until=sa.bindparam("until")).returning(t.c.message_key)
 
-    async def take(self, keys: Sequence[str], until: datetime) -> list[LeaseToken]:
-        """A new token for each message just received; an older receive's token stops counting."""
-        tokens = [LeaseToken(k, uuid.uuid4()) for k in keys]
-        if tokens:
-            rows = [
-                {"transport": self.transport, "message_key": k, "token": t, "until": as_utc(until)}
-                for k, t in tokens
-            ]
-            await self.sql.ensure_open()
-            async with self.sql.engine.begin() as conn:
-                await conn.execute(self._take, rows)
-        return tokens
+    async def take(self, received: Sequence[tuple[str, int]], until: datetime) -> list[LeaseToken | None]:
+        """A new token for each message just received, as ``(key, receive count)``: an earlier
+        receive's token stops counting. None for a receive that is itself stale: a receive with a
+        higher count (SQS handed the message on since) wrote its token first. It must not run."""
+        tokens = [LeaseToken(k, counted_token(n)) for k, n in received]
+        if not tokens:
+            return []
+        rows = [
+            {"transport": self.transport, "message_key": k, "token": t, "until": as_utc(until)}
+            for k, t in tokens
+        ]
+        await self.sql.ensure_open()
+        async with self.sql.engine.begin() as conn:
+            written = {(k, t) for k, t in (await conn.execute(self._take, rows)).all()}
+            refused = [x for x in tokens if tuple(x) not in written]
+            if refused:
+                keys = [x.key for x in refused]
+                held = dict((await conn.execute(self._held, {"keys": keys})).all())
+                for x in refused:
+                    old = held.get(x.key)
+                    if old is not None and receive_count_of(old) is None:
+                        # an older version's random token: replaced as it was before, last write wins
+                        swap = {"key": x.key, "held": old, "token": x.token, "until": as_utc(until)}
+                        if (await conn.execute(self._swap, swap)).rowcount:
+                            written.add((x.key, x.token))
+        return [x if tuple(x) in written else None for x in tokens]
 
     async def release(self, leases: Sequence[LeaseToken]) -> set[str]:
         """End these leases; returns the keys that were still ours (the others went to a newer run)."""

@@ -1,0 +1,284 @@
+"""SQS, on moto's server with real side stores (SQLite, and PostgreSQL for the lease ordering):
+
+- queues keep messages for SQS's longest retention (14 days), whatever the type's expiration: a
+  message's own ``ttl`` may be longer, and SQS would delete it unreceived (no run, no dead letter,
+  history still Pending); a queue an older version created with a shorter retention is brought up;
+- the lease token of a receive that SQS handed the message to later wins, whatever order the token
+  writes land in: a stale receive whose write stalled past its visibility timeout is dropped, and the
+  live holder settles;
+- a delayed-store row whose text is not an envelope is dead-lettered as it was stored (reason
+  ``malformed-envelope``), not left due for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from queueing_core import MessageStatus, QueueingApp, QueueMessage, QueueNaming, queue
+from queueing_core.decisions import Complete
+from queueing_core.naming import Transport
+from queueing_core.providers.delayed import DelayedMessage
+from queueing_core.providers.sql.history import SideStores
+from queueing_core.providers.sql.leases import SqlLeaseStore
+from queueing_core.providers.sqs import DESCRIPTION, MESSAGE_ID, REASON, SqsProvider
+from queueing_core.runtime import Runtime
+from queueing_core.transport import Settlement
+from tests.contract.harness import wait_until
+from tests.contract.harness_sqs import sqs_client
+from tests.services import POSTGRES_URL, drop_schema, fresh_prefix, require
+
+FOURTEEN_DAYS = 14 * 24 * 3600
+
+
+@queue("Keep.Short", expiration=timedelta(seconds=20), lease_duration=timedelta(seconds=1))
+class Short(QueueMessage):
+    n: int
+
+
+async def make(tmp_path) -> tuple[QueueingApp, Runtime, SqsProvider]:
+    prefix = fresh_prefix()
+    app = QueueingApp("sqsfix", naming=QueueNaming(prefix=prefix))
+
+    @app.handler()
+    async def handle(msg: Short) -> None:
+        pass
+
+    prov = SqsProvider(
+        sqs_client(), stores=SideStores(f"sqlite:///{tmp_path}/{prefix}side.db"), receive_wait=0
+    )
+    return app, Runtime(app, prov), prov
+
+
+async def cleanup(rt: Runtime, prov: SqsProvider) -> None:
+    urls = [await prov._url("Keep.Short", dead=dead) for dead in (False, True)]
+    await rt.close()
+    client = sqs_client()
+    for url in urls:
+        client.delete_queue(QueueUrl=url)
+
+
+def retention(url: str) -> int:
+    attrs = sqs_client().get_queue_attributes(QueueUrl=url, AttributeNames=["MessageRetentionPeriod"])
+    return int(attrs["Attributes"]["MessageRetentionPeriod"])
+
+
+# -- retention ---------------------------------------------------------------------------------------
+async def test_queues_keep_messages_for_the_longest_retention_whatever_the_types_expiration(tmp_path):
+    _app, rt, prov = await make(tmp_path)
+    await rt.open()
+    try:
+        # before the fix: the type's expiration (20 s) plus ttl_grace (1 h); enqueue(ttl=1 day) outlived it
+        assert retention(await prov._url("Keep.Short")) == FOURTEEN_DAYS
+        assert retention(await prov._url("Keep.Short", dead=True)) == FOURTEEN_DAYS
+    finally:
+        await cleanup(rt, prov)
+
+
+async def test_a_queue_an_older_version_created_with_a_shorter_retention_is_brought_up(tmp_path):
+    _app, rt, prov = await make(tmp_path)
+    # as an older version created it: retention = the type's expiration + ttl_grace
+    sqs_client().create_queue(
+        QueueName=prov.physical("Keep.Short"), Attributes={"MessageRetentionPeriod": str(20 + 3600)}
+    )
+    await rt.open()
+    try:
+        assert retention(await prov._url("Keep.Short")) == FOURTEEN_DAYS
+    finally:
+        await cleanup(rt, prov)
+
+
+# -- the lease token: the later receive wins ------------------------------------------------------------
+async def test_a_stale_receive_whose_token_write_lands_late_is_dropped_and_the_live_holder_settles(
+    tmp_path,
+):
+    app, rt, prov = await make(tmp_path)
+    await rt.open()
+    try:
+        await app.enqueue(Short(n=1))
+        sub = app.subscription("Short")
+        assert sub is not None
+        real_take = prov.leases.take
+        gate = asyncio.Event()
+        takes = 0
+
+        async def first_take_stalls(received: Any, until: datetime) -> Any:
+            nonlocal takes
+            takes += 1
+            if takes == 1:
+                await gate.wait()  # receive A's write is held until the test lets it go
+            return await real_take(received, until)
+
+        prov.leases.take = first_take_stalls  # type: ignore[method-assign]
+        a_task = asyncio.create_task(prov.receive(sub, 1))  # A: SQS hands it over at once
+        await wait_until(lambda: takes == 1, timeout=10, what="receive A's token write")
+        b: list[Any] = []
+
+        async def b_received() -> bool:  # B: once A's one-second visibility timeout has run out
+            b.extend(await prov.receive(sub, 1))
+            return bool(b)
+
+        await wait_until(b_received, timeout=15, what="receive B")
+        gate.set()  # A's write lands after B's
+        a = await a_task
+        # before the fix: A's write replaced B's token, B was refused and the lapsed A settled
+        assert a == [], "the stale receive A was handed to a handler"
+        await prov.settle([Settlement(b[0], Complete())])
+        assert not b[0].refused, "the live holder B was refused"
+        depth = await prov.depth("Keep.Short")
+        assert depth["ready"] + depth["in_flight"] + depth["delayed"] == 0
+    finally:
+        await cleanup(rt, prov)
+
+
+async def test_a_token_an_older_version_wrote_does_not_refuse_a_new_receive(tmp_path):
+    app, rt, prov = await make(tmp_path)
+    await rt.open()
+    try:
+        await app.enqueue(Short(n=2))
+        sub = app.subscription("Short")
+        assert sub is not None
+        msg_id = sqs_client().receive_message(
+            QueueUrl=await prov._url("Keep.Short"), VisibilityTimeout=0, WaitTimeSeconds=1
+        )["Messages"][0]["MessageId"]
+        # an older version's receive (a random token) held it, and its process died
+        leases = prov.leases.sql.tables.leases
+        async with prov.leases.sql.engine.begin() as conn:
+            await conn.execute(
+                leases.insert(),
+                [
+                    {
+                        "transport": "sqs",
+                        "message_key": msg_id,
+                        "token": uuid.UUID("ffffffff-ffff-4fff-bfff-ffffffffffff"),
+                        "until": datetime.now(UTC),
+                    }
+                ],
+            )
+        [d] = await prov.receive(sub, 1)
+        await prov.settle([Settlement(d, Complete())])
+        assert not d.refused
+    finally:
+        await cleanup(rt, prov)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def lease_store(request, tmp_path):
+    if request.param == "sqlite":
+        stores = SideStores(f"sqlite:///{tmp_path}/leases.db")
+        schema = None
+    else:
+        require("PostgreSQL", "127.0.0.1", 5432)
+        schema = f"sqsfence_{uuid.uuid4().hex[:10]}"
+        stores = SideStores(POSTGRES_URL, schema=schema)
+    await stores.open()
+    try:
+        yield SqlLeaseStore(stores.sql, "sqs")
+    finally:
+        await stores.close()
+        if schema is not None:
+            await drop_schema(schema)
+
+
+async def test_tokens_compare_by_receive_count_in_the_database(lease_store):
+    """The store's own ordering, on both databases: a token write of a lower receive count never
+    replaces a higher one; a higher one always does; a replaced token neither renews nor settles."""
+    until = datetime.now(UTC) + timedelta(minutes=1)
+    for n in range(20):  # random low bits: the count alone must decide, every time
+        key = f"m-{n}"
+        [second] = await lease_store.take([(key, 2)], until)
+        assert second is not None
+        assert await lease_store.take([(key, 1)], until) == [None]
+        # an equal count (SQS's rare duplicate delivery): the random bits pick one; only it settles
+        [twin] = await lease_store.take([(key, 2)], until)
+        [third] = await lease_store.take([(key, 3)], until)
+        assert third is not None
+        stale = [second] if twin is None else [second, twin]
+        assert await lease_store.extend(stale, until) == set()
+        assert await lease_store.release(stale) == set()
+        assert await lease_store.release([third]) == {key}
+    # a batch where some writes apply and some do not
+    await lease_store.take([("x", 5)], until)
+    got = await lease_store.take([("x", 4), ("y", 1)], until)
+    assert got[0] is None
+    assert got[1] is not None
+
+
+# -- a delayed row that is not an envelope ----------------------------------------------------------------
+async def _store_raw_row(prov: SqsProvider, text: str) -> DelayedMessage:
+    now = datetime.now(UTC)
+    row = {
+        "id": uuid.uuid4(),
+        "message_id": uuid.uuid4(),
+        "transport": Transport.SQS.value,
+        "destination": prov.physical("Keep.Short"),
+        "due_at": now,
+        "envelope": text,
+        "failures": 0,
+        "created_at": now,
+    }
+    async with prov.delayed.sql.engine.begin() as conn:  # damaged, or written by another version
+        await conn.execute(prov.delayed._t.insert(), [row])
+    return DelayedMessage(
+        row["id"],
+        row["message_id"],
+        row["destination"],
+        now,
+        text,
+        0,
+        now,  # type: ignore[arg-type]
+    )
+
+
+def dead_letters(prov: SqsProvider, url: str) -> list[dict[str, Any]]:
+    resp = sqs_client().receive_message(
+        QueueUrl=url, MaxNumberOfMessages=10, VisibilityTimeout=0, MessageAttributeNames=["All"]
+    )
+    return list(resp.get("Messages") or [])
+
+
+async def test_a_delayed_row_that_is_not_an_envelope_is_dead_lettered_as_it_was_stored(tmp_path):
+    _app, rt, prov = await make(tmp_path)
+    await rt.open()
+    try:
+        text = '{"not": "an envelope"}'
+        item = await _store_raw_row(prov, text)
+        await prov.dispatcher.dispatch_once()
+        # before the fix: the forward failed to decode, then the dead letter did too: due for ever
+        async with prov.delayed.sql.engine.connect() as conn:
+            left = (await conn.execute(sa.select(prov.delayed._t.c.id))).all()
+        assert left == [], "the row is still in the delayed store"
+        [letter] = dead_letters(prov, await prov._url("Keep.Short", dead=True))
+        assert letter["Body"] == text
+        attrs = letter["MessageAttributes"]
+        assert attrs[REASON]["StringValue"] == "malformed-envelope"
+        assert attrs[MESSAGE_ID]["StringValue"] == str(item.message_id)
+        assert "not an envelope" in attrs[DESCRIPTION]["StringValue"]
+        rec = await rt.tracker.get(item.message_id)
+        assert rec is not None
+        assert rec.status == MessageStatus.DEAD_LETTERED
+        assert rec.reason == "malformed-envelope"
+        assert rec.queue == "Keep.Short"
+        assert rec.raw == text
+    finally:
+        await cleanup(rt, prov)
+
+
+async def test_dead_lettering_a_delayed_row_that_is_not_an_envelope_keeps_its_text(tmp_path):
+    """The dispatcher's give-up path on its own (a forward that failed for another reason)."""
+    _app, rt, prov = await make(tmp_path)
+    await rt.open()
+    try:
+        item = await _store_raw_row(prov, "not json at all")
+        await prov.dead_letter_delayed(item, "4 forward(s) failed; last: throttled")
+        [letter] = dead_letters(prov, await prov._url("Keep.Short", dead=True))
+        assert letter["Body"] == "not json at all"
+        assert letter["MessageAttributes"][REASON]["StringValue"] == "malformed-envelope"
+        assert "throttled" in letter["MessageAttributes"][DESCRIPTION]["StringValue"]
+    finally:
+        await cleanup(rt, prov)
