@@ -20,8 +20,9 @@
   and are republished when due. A copy carries the attempts used in its envelope (and ``x-attempt``),
   so a pause or a wait never burns attempts; a redelivery (the consumer died holding the message)
   counts one attempt.
-- Copies, dead letters and forwarded delayed messages use publisher confirms before the original is
-  acked; ``enqueue_and_wait`` uses them too; a plain ``enqueue`` does not wait for the broker.
+- Every publish waits for the broker's confirm: an enqueue returns once the broker has the message
+  (``enqueue`` and ``enqueue_and_wait`` alike), and copies, dead letters and forwarded delayed
+  messages are confirmed before the original is acked.
 - The AMQP ``expiration`` is the envelope's expiry plus ``ttl_grace``, so the kit records "Expired"
   first (and puts the message in the dead-letter queue with the reason ``expired``).
 - ``connect_robust`` reconnects after a broker restart; consumers are restored. Settling a message
@@ -257,8 +258,7 @@ class RabbitMQProvider(SideStoreOps):
             max_message_bytes=MAX_MESSAGE_BYTES,
         )
         self._conn: AbstractRobustConnection | None = None
-        self._publisher: AbstractChannel | None = None  # fire-and-forget (plain enqueue)
-        self._confirmed: AbstractChannel | None = None  # publisher confirms (wait, copies, dead letters)
+        self._confirmed: AbstractChannel | None = None  # every publish, with publisher confirms
         self._admin: AbstractChannel | None = None  # declarations: a refused one closes only this channel
         self._declared: set[str] = set()
         self._declare_lock = asyncio.Lock()
@@ -335,7 +335,6 @@ class RabbitMQProvider(SideStoreOps):
         conn.reconnect_callbacks.add(self._on_restored)
         self._conn = conn
         with _boundary("opening channels"):
-            self._publisher = await conn.channel(publisher_confirms=False)
             self._confirmed = await conn.channel(publisher_confirms=True, on_return_raises=True)
             self._admin = await conn.channel(publisher_confirms=False)
 
@@ -393,7 +392,7 @@ class RabbitMQProvider(SideStoreOps):
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 await self._conn.close()
-        self._conn = self._publisher = self._confirmed = self._admin = None
+        self._conn = self._confirmed = self._admin = None
         self._declared.clear()
         await self.stores.close()
 
@@ -440,20 +439,19 @@ class RabbitMQProvider(SideStoreOps):
             headers={ATTEMPT: env.attempt, TYPE: env.type, **(headers or {})},
         )
 
-    async def _publish(
-        self, physical: str, message: aio_pika.Message, *, confirm: bool, dead: bool = False
-    ) -> None:
-        """Publish to ``physical`` (its dead-letter queue with ``dead``), declaring both first."""
+    async def _publish(self, physical: str, message: aio_pika.Message, *, dead: bool = False) -> None:
+        """Publish to ``physical`` (its dead-letter queue with ``dead``), declaring both first, and wait
+        for the broker's confirm."""
         self._connected()
         await self._declare(physical)
-        channel = self._confirmed if confirm else self._publisher
+        channel = self._confirmed
         assert channel is not None
         target = self.dead_letter_name(physical) if dead else physical
         try:
             with _boundary(f"publishing to {target}"):
                 async with asyncio.timeout(self.publish_timeout):
                     # mandatory: an unroutable message (its queue deleted) is returned, not dropped
-                    await channel.default_exchange.publish(message, routing_key=target, mandatory=confirm)
+                    await channel.default_exchange.publish(message, routing_key=target, mandatory=True)
         except ProviderError:
             self._declared.discard(physical)  # declare again next time, in case it was deleted
             raise
@@ -464,7 +462,7 @@ class RabbitMQProvider(SideStoreOps):
         if due is not None and due > now:
             await self.delayed.store(env, physical, due)
         else:
-            await self._publish(physical, self._message(env, now), confirm=True)
+            await self._publish(physical, self._message(env, now))
 
     async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
         now = self.clock()
@@ -481,7 +479,10 @@ class RabbitMQProvider(SideStoreOps):
                 await self._declare(physical)
             await self.delayed.store_many(later)
         await asyncio.gather(
-            *(self._publish(self.physical(e.queue), self._message(e, now), confirm=wait) for e in ready)
+            # confirmed, as every publish: once enqueue returns the broker has the message (``wait``
+            # asks nothing more here); unconfirmed, a broker that failed before writing it would lose a
+            # message the caller was told was sent
+            *(self._publish(self.physical(e.queue), self._message(e, now)) for e in ready)
         )
 
     async def forward_delayed(self, item: DelayedMessage) -> None:
@@ -491,7 +492,7 @@ class RabbitMQProvider(SideStoreOps):
             message = self._message(Envelope.decode(item.envelope), now)
         except MalformedEnvelope:
             message = aio_pika.Message(item.envelope.encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
-        await self._publish(item.destination, message, confirm=True)
+        await self._publish(item.destination, message)
 
     async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
         now = self.clock()
@@ -505,7 +506,7 @@ class RabbitMQProvider(SideStoreOps):
         marks = dead_letter_marks(reason, description, now)
         # no expiry in the dead-letter queue: a dead letter waits for an operator, not for a TTL
         copy = env.model_copy(update={"headers": {**env.headers, **marks}, "expires_at": None})
-        await self._publish(physical, self._message(copy, now, marks), confirm=True, dead=True)
+        await self._publish(physical, self._message(copy, now, marks), dead=True)
 
     async def _dead_letter(
         self, d: Delivery, physical: str, attempts: int, reason: str, description: str
@@ -524,7 +525,7 @@ class RabbitMQProvider(SideStoreOps):
             timestamp=now,
             headers={**dead_letter_marks(reason, description, now)},
         )
-        await self._publish(physical, message, confirm=True, dead=True)
+        await self._publish(physical, message, dead=True)
 
     # -- consuming ---------------------------------------------------------------------------------
     async def _consumer(self, sub: Subscription) -> _Consumer:
@@ -622,7 +623,7 @@ class RabbitMQProvider(SideStoreOps):
         try:
             if env is None:
                 raise ProviderError("not an envelope")
-            await self._publish(physical, self._message(env, self.clock()), confirm=True)
+            await self._publish(physical, self._message(env, self.clock()))
             await m.ack()
         except (ProviderError, AMQPError, ChannelInvalidStateError):
             with contextlib.suppress(AMQPError, ChannelInvalidStateError):

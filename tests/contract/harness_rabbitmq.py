@@ -39,7 +39,7 @@ def make_harness() -> Harness:
 
         prov = rt.provider
         assert isinstance(prov, RabbitMQProvider)
-        await prov._publish(prov.physical(queue), aio_pika.Message(raw), confirm=True)
+        await prov._publish(prov.physical(queue), aio_pika.Message(raw))
 
     async def cleanup() -> None:
         for prov in made:

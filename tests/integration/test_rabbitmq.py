@@ -158,11 +158,12 @@ async def test_bytes_that_are_not_an_envelope_go_to_the_dead_letter_queue_as_the
     await rt.close()
 
 
-async def test_enqueue_and_wait_returns_only_once_the_broker_confirmed(tmp_path):
+async def test_every_enqueue_returns_only_once_the_broker_confirmed(tmp_path):
     app, rt, _ = make(tmp_path)
     await app.enqueue_and_wait(Invoice(n=1))
+    await app.enqueue(Invoice(n=2))
     # confirmed means queued: visible to another channel at once
-    assert await rt.provider.depth(physical(rt)) == 1
+    assert await rt.provider.depth(physical(rt)) == 2
     await rt.close()
 
     # a queue that refuses every message: the broker nacks; only the confirmed enqueue can tell
@@ -174,7 +175,10 @@ async def test_enqueue_and_wait_returns_only_once_the_broker_confirmed(tmp_path)
         )
         with pytest.raises(ProviderError, match="refused"):
             await app2.enqueue_and_wait(Invoice(n=2))
-        await app2.enqueue(Invoice(n=3))  # fire-and-forget: the refusal goes unnoticed
+        # a plain enqueue too: it used to return without the confirm, and the refused message was
+        # lost though its sender was told it was sent
+        with pytest.raises(ProviderError, match="refused"):
+            await app2.enqueue(Invoice(n=3))
         with pytest.raises(ProviderError, match="refused"):
             await app2.enqueue_many([Invoice(n=4)], wait=True)
     await rt2.close()
