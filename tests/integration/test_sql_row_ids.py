@@ -129,8 +129,17 @@ async def test_an_older_sqlite_table_is_rebuilt_with_its_rows_ids_and_indexes(tm
             sync.exec_driver_sql("DROP TABLE made_now")
             for ddl in indexes.values():
                 sync.exec_driver_sql(ddl)
+            # what a user may have added on the table: a view, a trigger, an index of their own
+            sync.exec_driver_sql(
+                f"CREATE VIEW waiting AS SELECT id, status FROM {m.name} WHERE status = 'Pending'"
+            )
+            sync.exec_driver_sql("CREATE TABLE gone (id INTEGER)")
+            sync.exec_driver_sql(
+                f"CREATE TRIGGER audit AFTER DELETE ON {m.name} BEGIN INSERT INTO gone VALUES (old.id); END"
+            )
+            sync.exec_driver_sql(f"CREATE INDEX mine ON {m.name} (type)")
             sync.execute(sa.delete(versions).where(versions.c.version == version))
-            return indexes
+            return {**indexes, "mine": f"CREATE INDEX mine ON {m.name} (type)"}
 
         async with prov.engine.begin() as conn:
             indexes = await conn.run_sync(make_old)
@@ -160,15 +169,20 @@ async def test_an_older_sqlite_table_is_rebuilt_with_its_rows_ids_and_indexes(tm
             )
             left = (
                 await conn.exec_driver_sql(
-                    "SELECT count(*) FROM sqlite_master WHERE name = 'queueing_messages_v11'"
+                    "SELECT count(*) FROM sqlite_master WHERE name LIKE 'queueing_messages_v1%'"
                 )
             ).scalar()
+            waiting = (await conn.exec_driver_sql("SELECT count(*) FROM waiting")).scalar()
         assert after == {k: v for k, v in ids.items() if v != newest or k == reused.message_id}
-        assert set(now_indexes) == set(indexes)
+        assert {k: v.replace('"', "") for k, v in now_indexes.items()} == indexes  # the same, each
         assert left == 0
-        # the newest row deleted again: its id is not given to the next message
+        assert waiting == 5  # the user's view reads the new table
+        # the newest row deleted again: its id is not given to the next message (and the user's
+        # trigger, made again, saw the delete)
         async with prov.engine.begin() as conn:
+            await conn.exec_driver_sql("DELETE FROM gone")  # (the delete before the migration)
             await conn.execute(sa.delete(m).where(m.c.id == newest))
+            assert (await conn.exec_driver_sql("SELECT id FROM gone")).scalars().all() == [newest]
         later = (await app.enqueue_many([Job(n=6)]))[0]
         async with prov.engine.begin() as conn:
             got = (await conn.execute(sa.select(m.c.id).where(m.c.message_id == later.message_id))).scalar()

@@ -617,34 +617,47 @@ def _v11(conn: sa.Connection, tables: Tables) -> None:
 def _v12(conn: sa.Connection, tables: Tables) -> None:
     """SQLite: message ids are never given twice (``AUTOINCREMENT``; see the table's definition).
 
-    SQLite cannot add AUTOINCREMENT to a table, so the table is made again: its indexes dropped, the
-    table renamed, the new one created from the metadata (with its indexes), the rows copied with
-    their ids, the old one dropped; one transaction, so a failure leaves the table as it was. The
-    copy takes a few seconds a million rows, under the write lock. The next id is then above every id
-    in the table; an id deleted before this migration above the highest left may still be given once.
+    SQLite cannot add AUTOINCREMENT to a table, so the table is made again, in SQLite's documented
+    order: the new table is created beside the old one, the rows copied with their ids, the old table
+    dropped and the new one renamed into its place (the legacy rename, so that views naming the table
+    keep working), then the kit's indexes made, and the triggers and indexes of the user's own on the
+    table made again from their stored SQL. One transaction: a failure leaves the table as it was. The copy
+    takes about 13 seconds a million rows, under the write lock. The next id is then above every id in
+    the table; an id deleted before this migration above the highest left may still be given once.
     A database made at this version has the keyword from v1 and is left alone."""
     if conn.dialect.name != "sqlite":
         return
-    m = tables.messages
-    prefix = f"{m.schema}." if m.schema else ""
-    master = f"{prefix}sqlite_master"
-    # names from the metadata, the schema name validated by Tables.build: nothing from input
+    m = tables.messages  # (SQLite takes no schema name: the provider refuses one)
+    # names from the metadata: nothing from input
     ddl = conn.exec_driver_sql(
-        f"SELECT sql FROM {master} WHERE type = 'table' AND name = '{m.name}'"
+        f"SELECT sql FROM sqlite_master WHERE type = 'table' AND name = '{m.name}'"
     ).scalar()
     if ddl is None or "AUTOINCREMENT" in ddl.upper():
         return
-    old = f"{m.name}_v11"
-    indexes = conn.exec_driver_sql(
-        f"SELECT name FROM {master} WHERE type = 'index' AND tbl_name = '{m.name}' AND sql IS NOT NULL"
-    ).scalars()
-    for name in list(indexes):
-        conn.exec_driver_sql(f'DROP INDEX {prefix}"{name}"')
-    conn.exec_driver_sql(f'ALTER TABLE {m.fullname} RENAME TO "{old}"')
-    m.create(conn)
+    ours = {i.name for i in m.indexes}
+    theirs = conn.exec_driver_sql(
+        f"SELECT type, name, sql FROM sqlite_master WHERE tbl_name = '{m.name}' AND sql IS NOT NULL "
+        "AND type IN ('index', 'trigger')"
+    ).all()
+    for kind, name, _ in theirs:
+        if kind == "index":  # the new table's indexes take these names
+            conn.exec_driver_sql(f'DROP INDEX "{name}"')
+    new = m.to_metadata(sa.MetaData(), name=f"{m.name}_v12")
+    conn.execute(sa.schema.CreateTable(new))  # its indexes once it has its name (and its rows)
     columns = ", ".join(f'"{c.name}"' for c in m.columns)
-    conn.exec_driver_sql(f'INSERT INTO {m.fullname} ({columns}) SELECT {columns} FROM {prefix}"{old}"')
-    conn.exec_driver_sql(f'DROP TABLE {prefix}"{old}"')
+    conn.exec_driver_sql(f'INSERT INTO "{new.name}" ({columns}) SELECT {columns} FROM "{m.name}"')
+    conn.exec_driver_sql(f'DROP TABLE "{m.name}"')
+    legacy = conn.exec_driver_sql("PRAGMA legacy_alter_table").scalar()
+    conn.exec_driver_sql("PRAGMA legacy_alter_table = ON")  # views naming the table are left as written
+    try:
+        conn.exec_driver_sql(f'ALTER TABLE "{new.name}" RENAME TO "{m.name}"')
+    finally:
+        conn.exec_driver_sql(f"PRAGMA legacy_alter_table = {'ON' if legacy else 'OFF'}")
+    for index in m.indexes:
+        index.create(conn)  # (not those made on PostgreSQL only)
+    for kind, name, sql in theirs:
+        if kind == "trigger" or name not in ours:
+            conn.exec_driver_sql(sql)
 
 
 #: (version, description, migration). Append only: a released migration never changes.
