@@ -189,16 +189,19 @@ async def test_tokens_compare_by_receive_count_in_the_database(lease_store):
     """The store's own ordering, on both databases: a token write of a lower receive count never
     replaces a higher one; a higher one always does; a replaced token neither renews nor settles."""
     until = datetime.now(UTC) + timedelta(minutes=1)
-    for n in range(20):  # random low bits: the count alone must decide, every time
+    for n in range(20):  # the count decides first, every time
         key = f"m-{n}"
         [second] = await lease_store.take([(key, 2)], until)
         assert second is not None
         assert await lease_store.take([(key, 1)], until) == [None]
-        # an equal count (SQS's rare duplicate delivery): the random bits pick one; only it settles
+        # an equal count (SQS's rare duplicate delivery): the receive that came back later holds it
         [twin] = await lease_store.take([(key, 2)], until)
+        assert twin is not None
+        assert await lease_store.extend([second], until) == set()
+        assert await lease_store.extend([twin], until) == {key}
         [third] = await lease_store.take([(key, 3)], until)
         assert third is not None
-        stale = [second] if twin is None else [second, twin]
+        stale = [second, twin]
         assert await lease_store.extend(stale, until) == set()
         assert await lease_store.release(stale) == set()
         assert await lease_store.release([third]) == {key}

@@ -12,8 +12,9 @@ last: a receive whose write stalls (a paused process, a slow database) past its 
 would otherwise overwrite the token of the receive that holds the message now, and the stale run
 would settle while the live one is refused. So a token carries the receive's count (SQS's
 ``ApproximateReceiveCount``, which grows with each receive of a message) in its top 48 bits: a
-UUIDv8 (RFC 9562's layout for custom contents) whose remaining bits are random, so tokens compare,
-as PostgreSQL's ``uuid`` and the 32 hex digits SQLite stores both do, by receive count first. The
+UUIDv8 (RFC 9562's layout for custom contents) whose remaining bits are the time it was made and a
+few random ones (see :func:`counted_token`), so tokens compare, as PostgreSQL's ``uuid`` and the 32
+hex digits SQLite stores both do, by receive count first and then by when the receive came back. The
 upsert replaces a token only with a greater one; a receive whose write is not applied is stale and
 must not run (``take`` returns None for it). No column was added for the count: the token is opaque
 everywhere else, and a fencing token that grows with each claim is what it is for.
@@ -26,6 +27,7 @@ transaction), so a message received before an upgrade is not refused for ever.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 KEEP_LAPSED = timedelta(days=1)
 
 
-#: the token's bits below the receive count: version, variant and 74 random bits
+#: the token's bits below the receive count: version, variant, the time and 12 random bits
 _COUNT_SHIFT = 80
 _MAX_COUNT = (1 << 48) - 1
 #: RFC 9562's version for custom layouts: a token that carries a receive count
@@ -55,10 +57,17 @@ class LeaseToken(NamedTuple):
 
 
 def counted_token(receive_count: int) -> uuid.UUID:
-    """A fresh token that compares above every token of a lower receive count (and is unique)."""
-    low = int.from_bytes(os.urandom(10), "big")
-    low = (low & ~(0xF << 76)) | (COUNTED << 76)  # the version nibble
-    low = (low & ~(0x3 << 62)) | (0x2 << 62)  # the RFC 4122/9562 variant
+    """A fresh token that compares above every token of a lower receive count, and among tokens of
+    the same count above those made earlier (and is unique).
+
+    Below the count: the version nibble, then the time in microseconds (62 bits, split around the
+    variant bits) and 12 random bits. Two receives SQS reports with the same count (its rare duplicate
+    delivery) are then ordered by when they came back, the later one holding the message, as the last
+    write did before counts were compared; random bits there would drop the later receive half the
+    time and leave the fence with the earlier one."""
+    micros = time.time_ns() // 1000 & ((1 << 62) - 1)
+    low = (COUNTED << 76) | ((micros >> 50) << 64) | (0x2 << 62)  # version, time's top 12, variant
+    low |= (micros & ((1 << 50) - 1)) << 12 | int.from_bytes(os.urandom(2), "big") & 0xFFF
     return uuid.UUID(int=(max(0, min(receive_count, _MAX_COUNT)) << _COUNT_SHIFT) | low)
 
 
