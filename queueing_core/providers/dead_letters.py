@@ -6,6 +6,10 @@ SQS) so the next read returns the letters after it, and hands them all back once
 letter is matched by its exact message id (the broker's id attribute or the envelope's own field),
 never by searching its text: the id of one message may appear in the body of another.
 
+An operator's retry locates before it sends: the letters of the message are found and held, the
+copy is sent, and only the letters held are removed (by their transport keys, never by id again), so
+a copy that runs and is dead-lettered again meanwhile keeps its new letter.
+
 A transport supplies a :class:`DeadLetterPages`; :func:`scan_dead_letters` does the rest.
 """
 
@@ -13,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Hashable, Sequence
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from ..envelope import malformed_id
 from ..messages import MessageStatus
@@ -43,7 +49,13 @@ def is_whole_queue(query: MessageQuery) -> bool:
 
 
 class DeadLetterPages(Protocol, Generic[T]):
-    """A transport's dead-letter queue, read page by page."""
+    """A transport's dead-letter queue, read page by page.
+
+    A transport whose :meth:`key` stays with its letter for good, also once a hold lapsed and the
+    letter was read again (a sequence number, a queue message id; not a delivery tag), says so with
+    a class attribute ``keys_outlive_holds = True``: an operator's retry then finds a located letter
+    whose hold lapsed during its send again by that key (without it, the retry reports the failure
+    and leaves the letter, a duplicate)."""
 
     async def next_page(self) -> list[T]:
         """The next dead letters, held so the following call moves on; empty at the end."""
@@ -69,58 +81,166 @@ class DeadLetterPages(Protocol, Generic[T]):
         ...
 
 
+@dataclass
+class _Pass(Generic[T]):
+    """One read of a dead-letter queue from its head."""
+
+    #: to hand back when the pass ends: letters passed over, or found and not removed
+    held: list[T] = field(default_factory=list)
+    #: found and held for removal later (an operator's retry removes them after its copy is sent)
+    located: list[T] = field(default_factory=list)
+    found: set[str] = field(default_factory=set)
+    seen: int = 0
+    removed: int = 0
+    complete: bool = False
+
+
+async def _read(
+    pages: DeadLetterPages[T],
+    picked: Callable[[T], bool],
+    how: Literal["find", "locate", "remove"],
+    run: _Pass[T],
+    limit: int,
+    enough: Callable[[], bool] = lambda: False,
+) -> None:
+    """Read to the end of the queue (or ``limit`` letters, or until ``enough``): each letter
+    ``picked`` is only found, located (held for later) or removed at once; the others are held."""
+    keys: set[Hashable] = set()
+    while run.seen < limit and not enough():
+        # a hold that lapsed during a long scan brings a letter back: the scan has come round
+        page = [item for item in await pages.next_page() if pages.key(item) not in keys]
+        if not page:
+            run.complete = True
+            return
+        keys.update(pages.key(item) for item in page)
+        run.seen += len(page)
+        for item in page:
+            if not picked(item):
+                run.held.append(item)
+                continue
+            if how == "locate":
+                run.located.append(item)
+            else:
+                run.held.append(item)  # handed back unless removed, also when removing it fails
+                if how == "remove":
+                    await pages.remove(item)
+                    run.held.pop()
+                    run.removed += 1
+            run.found.add(pages.message_id(item))
+
+
 async def scan_dead_letters(
-    pages: DeadLetterPages[T], wanted: set[str] | None, *, remove: bool = True, limit: int = SCAN_LIMIT
+    pages: DeadLetterPages[T],
+    wanted: set[str] | None,
+    *,
+    remove: bool = True,
+    limit: int = SCAN_LIMIT,
+    before_removing: Callable[[], Awaitable[None]] | None = None,
 ) -> set[str]:
     """Remove (or, with ``remove=False``, only find) the dead letters whose message id is in
     ``wanted`` (``None``: every one), reading the whole queue.
 
+    With ``before_removing`` (an operator's retry sends its copy there) the scan only *locates*: the
+    letters found stay held while it reads on; once it has read to the end it hands back the letters
+    passed over, awaits ``before_removing``, and then removes exactly the letters it located, by
+    their transport keys. A copy that runs and is dead-lettered again in the meantime leaves a new
+    letter the scan never read, and that letter stays (removing by id after the send would take it
+    too, and the message would be nowhere). A located letter whose hold lapsed meanwhile (a short
+    peek-lock) is read again and removed by its key where that key outlives a hold (see
+    :func:`_remove_again`); where it cannot be told again, the error is raised and the letter stays:
+    a duplicate, never a loss.
+
     Returns the ids found; when removing, also the wanted ids the queue does not hold at all (the
     scan read every letter and none was out of its sight, held by an earlier reader that died), so
     a history that still lists them can let them go."""
-    found: set[str] = set()
-    held: list[T] = []
-    keys: set[Hashable] = set()
-    seen = removed = 0
-    complete = False
+    run: _Pass[T] = _Pass()
+    how: Literal["find", "locate", "remove"] = (
+        "find" if not remove else "remove" if before_removing is None else "locate"
+    )
     try:
-        while seen < limit:
-            # a hold that lapsed during a long scan brings a letter back: the scan has come round
-            page = [item for item in await pages.next_page() if pages.key(item) not in keys]
-            if not page:
-                complete = True
-                break
-            keys.update(pages.key(item) for item in page)
-            seen += len(page)
-            for item in page:
-                mid = pages.message_id(item)
-                held.append(item)  # handed back unless removed, also when removing it fails
-                if wanted is not None and mid not in wanted:
-                    continue
-                if remove:
+        await _read(pages, lambda item: wanted is None or pages.message_id(item) in wanted, how, run, limit)
+        if not run.complete:
+            log.warning("dead-letter scan stopped after %d letters; repeat the action for the rest", run.seen)
+        if before_removing is not None:
+            # the letters passed over need not wait for the copy; the located ones stay held
+            passed, run.held = run.held, run.located
+            with contextlib.suppress(Exception):
+                await pages.hand_back(passed)
+            await before_removing()
+            lapsed: list[T] = []
+            failure: Exception | None = None
+            for item in run.located:
+                try:
                     await pages.remove(item)
-                    held.pop()
-                    removed += 1
-                found.add(mid)
-        if not complete:
-            log.warning("dead-letter scan stopped after %d letters; repeat the action for the rest", seen)
-        elif remove and wanted is not None:
+                    run.removed += 1
+                except Exception as exc:
+                    lapsed.append(item)
+                    failure = failure or exc
+            run.held = lapsed
+            if lapsed:
+                if not getattr(pages, "keys_outlive_holds", False):
+                    assert failure is not None
+                    raise failure
+                run.held = []  # their holds are gone: nothing of theirs to hand back
+                run.removed += await _remove_again(pages, {pages.key(item) for item in lapsed}, limit)
+        if run.complete and remove and wanted is not None:
             total = await pages.total()
-            if total is not None and total <= seen - removed:  # no letter was out of the scan's sight
-                found |= wanted
+            if total is not None and total <= run.seen - run.removed:  # no letter was out of sight
+                run.found |= wanted
     finally:
         with contextlib.suppress(Exception):
-            await pages.hand_back(held)
-    return found
+            await pages.hand_back(run.held)
+    return run.found
+
+
+async def _remove_again(pages: DeadLetterPages[T], keys: set[Hashable], limit: int) -> int:
+    """Remove the letters with these keys, located earlier, whose hold lapsed before they could be
+    removed (a peek-lock shorter than the scan's last wait and the copy's send). Only a transport
+    whose key stays with its letter for good (a sequence number, a queue message id: not a delivery
+    tag, which each channel numbers afresh) says so with ``keys_outlive_holds``; the copy's own
+    new letter has a key of its own, so it stays. Letters not met again (another reader holds them)
+    stay too, as duplicates."""
+    again: _Pass[T] = _Pass()
+    try:
+        await _read(
+            pages,
+            lambda item: pages.key(item) in keys,
+            "remove",
+            again,
+            limit,
+            lambda: again.removed >= len(keys),
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            await pages.hand_back(again.held)
+    if again.removed < len(keys):
+        log.warning(
+            "%d dead letter(s) of a retried message were not met again and stay as duplicates",
+            len(keys) - again.removed,
+        )
+    return again.removed
 
 
 class DeadLetterOps:
-    """The ops side of a transport with a dead-letter queue and a separate history."""
+    """The ops side of a transport with a dead-letter queue and a separate history. A transport
+    supplies :meth:`_dead_letter_pages`; reading and removing are :func:`scan_dead_letters`'s."""
 
-    async def _dead_letters(self, queue: str, wanted: set[str] | None, *, remove: bool = True) -> set[str]:
-        """Remove (or only find) the dead letters of ``queue`` with these message ids (None: all);
-        returns the ids found."""
+    def _dead_letter_pages(self, queue: str) -> AbstractAsyncContextManager[DeadLetterPages[Any]]:
+        """``queue``'s dead-letter queue, read page by page (its transport's errors translated)."""
         raise NotImplementedError
+
+    async def _dead_letters(
+        self,
+        queue: str,
+        wanted: set[str] | None,
+        *,
+        remove: bool = True,
+        before_removing: Callable[[], Awaitable[None]] | None = None,
+    ) -> set[str]:
+        """Remove (or only find) the dead letters of ``queue`` with these message ids (None: all);
+        returns the ids found. ``before_removing``: see :func:`scan_dead_letters`."""
+        async with self._dead_letter_pages(queue) as pages:
+            return await scan_dead_letters(pages, wanted, remove=remove, before_removing=before_removing)
 
     async def ops_held(self, record: MessageRecord) -> str | None:
         """DeadLettered while the dead-letter queue still holds the message whatever its history says

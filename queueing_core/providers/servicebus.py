@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -66,7 +66,7 @@ from ..errors import InvalidOperation, MissingPermission, ProviderError, Provide
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, Reopen, Tracker, nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
-from .dead_letters import DeadLetterOps, id_in_text, is_whole_queue, scan_dead_letters
+from .dead_letters import DeadLetterOps, id_in_text, is_whole_queue
 from .names import PhysicalNames
 
 if TYPE_CHECKING:
@@ -148,6 +148,10 @@ def _text(message: Any) -> str:
 class _DeadLetterPages:
     """A dead-letter sub-queue read under peek-lock: letters passed over stay locked (so the next
     receive returns the ones after them) until the scan hands them back."""
+
+    #: a letter's sequence number is its own for good: a letter whose lock lapsed (a lock duration
+    #: shorter than an operator's retry takes) can be found again by it and no other letter matches
+    keys_outlive_holds = True
 
     def __init__(self, receiver: Any, admin: Any, physical: str) -> None:
         self.receiver, self.admin, self.physical = receiver, admin, physical
@@ -530,16 +534,14 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 return None
         return found
 
-    async def _dead_letters(self, queue: str, wanted: set[str] | None, *, remove: bool = True) -> set[str]:
-        """Remove (or find) the dead letters of ``queue`` with these message ids (None: all)."""
+    @contextlib.asynccontextmanager
+    async def _dead_letter_pages(self, queue: str) -> AsyncIterator[_DeadLetterPages]:
         receiver = self.client.get_queue_receiver(
             self.physical(queue), sub_queue=ServiceBusSubQueue.DEAD_LETTER
         )
         with _boundary(f"reading dead letters of {queue}"):
             async with receiver:
-                return await scan_dead_letters(
-                    _DeadLetterPages(receiver, self.admin, self.physical(queue)), wanted, remove=remove
-                )
+                yield _DeadLetterPages(receiver, self.admin, self.physical(queue))
 
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
@@ -549,11 +551,19 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 f"message {record.message_id} is scheduled on Service Bus for {record.not_before}: "
                 "a scheduled message cannot be brought forward (it runs then)"
             )
+
         # the copy is sent before the original leaves: a failure in between leaves two, never none
-        await reopen()
-        await self.send_copy(record.queue, envelope, None)
+        async def send() -> None:
+            await reopen()
+            await self.send_copy(record.queue, envelope, None)
+
         if record.status in ("DeadLettered", "Expired"):
-            await self._dead_letters(record.queue, {str(record.message_id)})
+            # the letters are found and locked before the copy is sent, and only those are completed
+            # after: the copy may run and be dead-lettered again meanwhile, and its new letter stays
+            # (a lock that lapsed during the send leaves the old letter, a duplicate, never a loss)
+            await self._dead_letters(record.queue, {str(record.message_id)}, before_removing=send)
+        else:
+            await send()
         return True
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen
-from .dead_letters import DeadLetterOps, DeadLetterPages, is_whole_queue, scan_dead_letters
+from .dead_letters import DeadLetterOps, is_whole_queue
 from .names import PhysicalNames
 
 if TYPE_CHECKING:
@@ -59,9 +58,6 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         )
 
     # -- the transport steps -------------------------------------------------------------------------
-    def _dead_letter_pages(self, queue: str) -> AbstractAsyncContextManager[DeadLetterPages[Any]]:
-        raise NotImplementedError
-
     async def _send_now(self, queue: str, envelope: Envelope) -> None:
         raise NotImplementedError
 
@@ -100,25 +96,29 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         return {"history_pruned": await self.stores.history.prune(self.clock())}
 
     # -- ops -----------------------------------------------------------------------------------------
-    async def _dead_letters(self, queue: str, wanted: set[str] | None, *, remove: bool = True) -> set[str]:
-        """Remove (or find) the dead letters of ``queue`` with these message ids (None: all)."""
-        async with self._dead_letter_pages(queue) as pages:
-            return await scan_dead_letters(pages, wanted, remove=remove)
-
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
     ) -> bool:
-        if record.status in LATER_STATES and not await self.delayed.holds(record.message_id):
-            raise InvalidOperation(
-                f"message {record.message_id} cannot be brought forward: {self.left_store_text}"
-            )
-        # the copy is sent before the original leaves: a failure in between leaves two, never none
-        await reopen()
-        await self._send_now(record.queue, envelope)
+        # the copy is sent before the original leaves: a failure in between leaves two, never none.
+        # The original is found *before* the copy is sent and only what was found is removed after:
+        # the copy may run, fail and be stored (or dead-lettered) again under the same message id in
+        # between, and removing by id then would take the copy's own new place too.
+        async def send() -> None:
+            await reopen()
+            await self._send_now(record.queue, envelope)
+
         if record.status in LATER_STATES:
-            await self.delayed.take_message(record.message_id)
+            rows = await self.delayed.copies(record.message_id)
+            if not rows:
+                raise InvalidOperation(
+                    f"message {record.message_id} cannot be brought forward: {self.left_store_text}"
+                )
+            await send()
+            await self.delayed.take_message(record.message_id, rows=rows)
         elif record.status in DEAD_STATES:
-            await self._dead_letters(record.queue, {str(record.message_id)})
+            await self._dead_letters(record.queue, {str(record.message_id)}, before_removing=send)
+        else:
+            await send()
         return True
 
     async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:

@@ -10,8 +10,9 @@
   of the envelope; bytes that are not an envelope are wrapped with their raw text kept.
 - Bodies are base64 text, what the Functions queue trigger reads by default; the kit decodes each
   message itself, so one bad body is a poison message, not a failed receive. Plain JSON is read too.
-- The storage TTL is the envelope's expiry plus ``ttl_grace``, so the kit records "Expired" before
-  the service drops the message. Delays beyond the 7-day visibility limit wait in the SQL delayed
+- The storage TTL is the envelope's expiry plus ``ttl_grace``, and at least ``ttl_grace`` past the
+  moment the message becomes visible (a copy sent past its expiry too), so the kit records "Expired"
+  before the service drops the message. Delays beyond the 7-day visibility limit wait in the SQL delayed
   store when one is configured (``QUEUEING_STORAGE_DELAYED_STORE``), else are re-hidden for up to
   7 more days on each arrival, without using an attempt.
 
@@ -24,11 +25,12 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import hashlib
 import json
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -47,12 +49,12 @@ from .. import retry_policy
 from ..clock import utcnow
 from ..connections import STORAGE, StorageConnection
 from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
-from ..envelope import Envelope, dead_letter_marks
+from ..envelope import Envelope, dead_letter_marks, malformed_identity
 from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
 from ..naming import QueueNaming, Transport
 from ..tracking.base import nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
-from .dead_letters import HOLD_SECONDS, DeadLetterOps, id_in_text, is_whole_queue, scan_dead_letters
+from .dead_letters import HOLD_SECONDS, DeadLetterOps, id_in_text, is_whole_queue
 from .names import PhysicalNames, companion_name
 from .storage_errors import refusal
 from .tables import TablesControlStore, TablesTracker, tables_from_connection
@@ -67,8 +69,12 @@ log = logging.getLogger("queueing.storage_queue")
 
 POISON_SUFFIX = "-poison"
 MAX_VISIBILITY = timedelta(days=7)  # the service's limit on a visibility timeout
-#: 64 KiB of base64 text carries 48 KiB of envelope
-MAX_ENVELOPE_BYTES = 48 * 1024
+#: 64 KiB of base64 text carries 48 KiB of text: what one queue message (and a poison copy) holds
+MAX_TEXT_BYTES = 48 * 1024
+#: room a message keeps for the marks its dead-letter copy adds (reason, time, a cut description)
+DEAD_LETTER_ROOM = 1024
+#: the largest envelope the kit sends: its dead-letter copy must fit in the poison queue too
+MAX_ENVELOPE_BYTES = MAX_TEXT_BYTES - DEAD_LETTER_ROOM
 
 
 def whole_seconds(delay: timedelta) -> int:
@@ -86,6 +92,61 @@ class _Handle:
     #: and a delete sent with the receipt a renewal in flight is about to replace would fail
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     settled: bool = False
+
+
+def _fits(text: str) -> bool:
+    return len(text.encode()) <= MAX_TEXT_BYTES
+
+
+def poison_text(d: Delivery, decision: DeadLetter, now: datetime) -> str:
+    """The text of ``d``'s dead-letter copy, never more than one queue message holds: a copy the
+    service refused (413) would fail every settlement of the message, which would come back and run
+    again for ever. An envelope keeps its body whole and carries the reason; its description is cut
+    to the room left. Text that is not an envelope (or an envelope too large even so, sent by
+    another producer) is kept in a wrapper under the id the history gives it, its text cut when it
+    does not fit (with its length and SHA-256, and the history keeps the text it was received with)."""
+    description = decision.description
+    if d.envelope is not None:
+        while True:
+            marks = dead_letter_marks(decision.reason.value, description, now)
+            env = d.envelope.model_copy(
+                update={"attempt": d.attempts_used(decision), "headers": {**d.envelope.headers, **marks}}
+            )
+            text = env.encode_text()
+            if _fits(text) or not description:
+                break
+            description = description[: len(description) // 2]
+        if _fits(text):
+            return text
+    raw = d.text()
+    message_id, tracking_id, type_name = malformed_identity(raw)
+    wrapper: dict[str, Any] = {
+        # the ids the history lists the message under: the dead-letter locator reads them here
+        "message_id": str(message_id),
+        "tracking_id": str(tracking_id),
+        # every field but the text bounded in bytes (at most 256 and 4,000 characters, 4 bytes each
+        # in UTF-8), so the wrapper with no text at all always fits and the cut below ends
+        "type": type_name,
+        "dead_letter": {
+            "reason": decision.reason.value,
+            "description": description[:4000],
+            "at": now.isoformat(),
+        },
+        "raw": raw,
+    }
+    text = _json(wrapper)
+    if not _fits(text):
+        digest = hashlib.sha256(raw.encode()).hexdigest()
+        wrapper.update(raw_length=len(raw), raw_sha256=digest, raw_truncated=True)
+        keep = len(raw)
+        while not _fits(text := _json({**wrapper, "raw": raw[:keep]})) and keep:
+            keep //= 2
+    return text
+
+
+def _json(doc: dict[str, Any]) -> str:
+    # as UTF-8, not \u escapes: a character beyond the BMP is 4 bytes, not 12 (the limit is in bytes)
+    return json.dumps(doc, ensure_ascii=False)
 
 
 def encode_body(text: str) -> str:
@@ -143,6 +204,10 @@ def _receipt_held() -> Iterator[None]:
 class _PoisonPages:
     """A poison queue read page by page: letters passed over stay hidden (so the next receive
     returns the ones after them) until the scan makes them visible again."""
+
+    #: a queue message id is the letter's own for good (its pop receipt is not): a letter whose hold
+    #: lapsed and was received again can be found again by it and no other letter matches
+    keys_outlive_holds = True
 
     def __init__(self, poison: QueueClient) -> None:
         self.poison = poison
@@ -312,7 +377,10 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         hide = min(max(visible_in, timedelta(0)), MAX_VISIBILITY)
         ttl = self._ttl(env, now)
         if ttl != -1:
-            ttl = max(ttl, whole_seconds(hide) + 1)  # a message must outlive its own delay
+            # a message must outlive its own delay, and stay visible long enough to be received: a
+            # worker then records it Expired (a copy forwarded or sent past its expiry, say). Kept for a
+            # second, the service would drop it unseen, its history left Sleeping or Pending
+            ttl = max(ttl, whole_seconds(hide) + math.ceil(self.ttl_grace.total_seconds()))
         with _boundary(f"sending to {c.queue_name}"):
             await c.send_message(
                 encode_body(env.encode_text()), visibility_timeout=whole_seconds(hide), time_to_live=ttl
@@ -417,7 +485,6 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         h: _Handle = d.handle
         now = utcnow()
         async with h.turn, self._limit:
-            h.settled = True  # a renewal waiting for its turn has nothing left to renew
             try:
                 if isinstance(decision, Complete | Expire):
                     await self._delete(h)
@@ -441,32 +508,15 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                     await self._delete(h)
             except _ReceiptLost as exc:
                 d.refuse(str(exc))
+            # only once it is done (or refused) does a renewal waiting for its turn have nothing left to
+            # renew: a settlement that failed is tried again by the worker, and until then the lease is
+            # renewed as the handler's was (a lease that ran out meanwhile would run the message again)
+            h.settled = True
 
     async def dead_letter(self, d: Delivery, decision: DeadLetter, now: datetime) -> None:
         """Put ``d`` in ``<queue>-poison`` with the reason (the original is settled by the caller)."""
         poison = await self._ensure(self.poison_name(d.queue))
-        if d.envelope is not None:
-            env = d.envelope.model_copy(
-                update={
-                    "attempt": d.attempts_used(decision),
-                    "headers": {
-                        **d.envelope.headers,
-                        **dead_letter_marks(decision.reason.value, decision.description, now),
-                    },
-                }
-            )
-            text = env.encode_text()
-        else:  # not an envelope: keep the raw text, say why
-            text = json.dumps(
-                {
-                    "dead_letter": {
-                        "reason": decision.reason.value,
-                        "description": decision.description,
-                        "at": now.isoformat(),
-                    },
-                    "raw": d.text(),
-                }
-            )
+        text = poison_text(d, decision, now)
         with _boundary(f"dead-lettering to {poison.queue_name}"):
             await poison.send_message(encode_body(text), time_to_live=-1)
 
@@ -495,11 +545,11 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         return lost
 
     # -- ops actions -------------------------------------------------------------------------------
-    async def _dead_letters(self, queue: str, wanted: set[str] | None, *, remove: bool = True) -> set[str]:
-        """Remove (or find) the poison messages of ``queue`` with these message ids (None: all)."""
+    @contextlib.asynccontextmanager
+    async def _dead_letter_pages(self, queue: str) -> AsyncIterator[_PoisonPages]:
         poison = await self._ensure(self.poison_name(queue))
         with _boundary(f"scanning {poison.queue_name}"):
-            return await scan_dead_letters(_PoisonPages(poison), wanted, remove=remove)
+            yield _PoisonPages(poison)
 
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
@@ -509,12 +559,21 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                 f"message {record.message_id} is hidden in its queue until {record.not_before}: "
                 "Storage Queues cannot bring a scheduled message forward (it runs then)"
             )
+
         # the copy is sent before the original leaves: a failure in between leaves two, never none
-        await reopen()
-        await self.put(record.queue, envelope, timedelta(0), now)
-        self._wake(record.queue)
+        async def send() -> None:
+            await reopen()
+            await self.put(record.queue, envelope, timedelta(0), now)
+            self._wake(record.queue)
+
         if record.status == "DeadLettered":
-            await self._dead_letters(record.queue, {str(record.message_id)})
+            # the poison letters are found (and hidden) before the copy is sent, and only those are
+            # deleted after, by id and pop receipt: the copy may run and be dead-lettered again
+            # meanwhile, and its new letter stays (a hold that lapsed and was taken by another reader
+            # leaves the old letter, a duplicate, never a loss)
+            await self._dead_letters(record.queue, {str(record.message_id)}, before_removing=send)
+        else:
+            await send()
         return True
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:

@@ -90,7 +90,7 @@ def _sql_side_stores() -> list[CallPoint]:
     from queueing_core.providers.delayed.store import SqlDelayedStore
     from queueing_core.providers.sql.history import SqlHistoryTracker
 
-    delayed = ["store_many", "fetch_due", "remove", "holds", "take_message", "purge", "release"]
+    delayed = ["store_many", "fetch_due", "remove", "holds", "copies", "take_message", "purge", "release"]
     return [
         *_methods("history", lambda rt: SqlHistoryTracker, ["upsert", "reopen", "delete"], _sql_error),
         *_methods("delayed", lambda rt: SqlDelayedStore, delayed, _sql_error),

@@ -83,27 +83,33 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("operator_retry", "inprocess"): ("history.reopen", "memory._forget", "memory.send"),
     ("operator_retry", "sqlite"): ("sql.execute", "sql.execute"),
     ("operator_retry", "postgres"): ("sql.execute", "sql.execute", "sql.execute"),
+    # the dead letters are found (and held) first, then the history reopened, the copy sent and only
+    # the letters found removed: a copy dead-lettered again meanwhile keeps its new letter
     ("operator_retry", "storage_queue"): (
+        "queue.receive_messages",
+        "queue.receive_messages",
         "history.reopen",
         "queue.send_message",
-        "queue.receive_messages",
         "queue.delete_message",
-        "queue.receive_messages",
     ),
+    # the fault app's lock (1 s) lapses while the scan waits for the end of the queue: the first
+    # complete is refused and the letter is found again by its sequence number
     ("operator_retry", "servicebus"): (
+        "sb.receive_messages",
+        "sb.receive_messages",
         "history.reopen",
         "sb.send_messages",
-        "sb.receive_messages",
         "sb.complete_message",
         "sb.receive_messages",
+        "sb.complete_message",
     ),
-    ("operator_retry", "rabbitmq"): ("history.reopen", "amqp.publish", "amqp.get", "amqp.ack", "amqp.get"),
+    ("operator_retry", "rabbitmq"): ("amqp.get", "amqp.get", "history.reopen", "amqp.publish", "amqp.ack"),
     ("operator_retry", "sqs"): (
+        "sqs.receive_message",
+        "sqs.receive_message",
         "history.reopen",
         "sqs.send_message_batch",
-        "sqs.receive_message",
         "sqs.delete_message",
-        "sqs.receive_message",
     ),
     ("purge", "inprocess"): ("memory._forget", "history.delete"),
     ("purge", "sqlite"): ("sql.execute", "sql.execute"),

@@ -16,7 +16,7 @@ import pytest
 
 from queueing_core import MessageStatus
 from queueing_core.clock import utcnow
-from queueing_core.envelope import Envelope
+from queueing_core.envelope import REPEATED_FORWARD, Envelope
 from queueing_core.errors import ProviderError, ProviderUnavailable
 from queueing_core.naming import Transport
 from queueing_core.providers.delayed import (
@@ -311,6 +311,28 @@ async def test_an_unreachable_destination_does_not_use_up_the_messages_retries(d
     assert target.dead == []  # retries=0, yet the outage was not the message's fault
     assert target.calls == 6
     assert target.forwarded[0][0].failures == 0
+
+
+async def test_a_forward_after_failed_ones_is_marked_as_a_possible_repeat(db):
+    """A forward that raised may have reached the transport all the same (RabbitMQ: the broker took
+    the publish and the confirm was lost): the next forward is marked, so a host that finds the
+    outcome already recorded completes it without running the handler again. The claims used to be
+    cleared on such a failure, and the repeat went unmarked (found in review)."""
+    store = db.stores().delayed_store(Transport.RABBITMQ)
+    errors = [ProviderUnavailable("confirm lost"), ProviderError("answer lost")]
+    target = Target(fail=lambda: errors.pop(0) if errors else None)
+    dispatcher = DelayedDispatcher(
+        store, target, retries=3, retry_delay=timedelta(milliseconds=10), open_backoff=0.01
+    )
+    async with dispatching(dispatcher):
+        sent = envelope()
+        await store.store(sent, "q", utcnow())
+        await wait_until(lambda: target.forwarded, timeout=30, what="the forward after two failures")
+    [(item, _)] = target.forwarded
+    forwarded = Envelope.decode(item.envelope)
+    assert forwarded.message_id == sent.message_id
+    assert forwarded.headers[REPEATED_FORWARD] == "2"
+    assert dispatcher.repeated == 2  # the second try was marked too
 
 
 async def test_dispatch_breaker_opens_after_continuous_failures_and_closes_on_recovery(db, caplog):

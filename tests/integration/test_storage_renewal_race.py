@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
+
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.decisions import Complete
+from queueing_core.errors import ProviderError
 from queueing_core.providers.storage_queue import StorageConnection, StorageQueueProvider
 from queueing_core.runtime import Runtime
 from queueing_core.transport import Settlement
@@ -107,6 +110,44 @@ async def test_a_delete_whose_answer_was_lost_is_not_taken_for_a_lost_lease(azur
         rec = await rt.tracker.get(receipt.message_id)
         assert rec is not None
         assert rec.status == MessageStatus.SUCCEEDED
+    finally:
+        for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
+            await provider.client(q).delete_queue()
+        await rt.close()
+
+
+async def test_a_settlement_that_failed_leaves_the_lease_renewed_until_it_is_tried_again(azurite):
+    """The lease is renewed until the settlement is committed: a delete that failed (the service did
+    not answer) left the handle marked settled, so the renewals while the worker tried again were
+    skipped and the message could come back and run again (found in review)."""
+    from azure.core.exceptions import ServiceRequestError
+
+    rt = await _runtime(azurite)
+    provider = rt.provider
+    app = rt.app
+    try:
+        await app.enqueue(Job(n=3))
+        sub = app.subscription(Job.type_name())
+        assert sub is not None
+        [d] = await provider.receive(sub, 1)
+        client = d.handle.queue_client
+        real_delete = client.delete_message
+
+        async def unreachable(*args, **kwargs):
+            raise ServiceRequestError("connection refused")  # never sent
+
+        client.delete_message = unreachable
+        with pytest.raises(ProviderError):  # the worker's settler tries it again
+            await provider.settle([Settlement(d, Complete())])
+        before = d.lease_until
+        await asyncio.sleep(0.01)
+        assert await provider.renew([d]) == []
+        assert d.lease_until > before, "the lease was not renewed while the settlement waits to be tried"
+        client.delete_message = real_delete
+        await provider.settle([Settlement(d, Complete())])
+        assert not d.refused
+        props = await client.get_queue_properties()
+        assert props.approximate_message_count == 0
     finally:
         for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
             await provider.client(q).delete_queue()

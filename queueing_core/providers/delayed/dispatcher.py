@@ -141,11 +141,13 @@ class DelayedDispatcher:
     async def _forward(self, item: DelayedMessage) -> bool:
         """True when the message left the store's care (forwarded or dead-lettered)."""
         if item.claims > 1:
-            # an earlier fetch never reported back: its forward may have reached the transport
+            # an earlier fetch's forward may have reached the transport: its dispatcher stopped, or
+            # the forward raised after the transport took it (a lost confirm or answer)
             self.repeated += 1
             log.warning(
-                "delayed message %s forwarded again: a dispatcher stopped after fetching it %d time(s) "
-                "and may have forwarded it already (the handler may run twice)",
+                "delayed message %s forwarded again: %d earlier forward(s) may have reached the "
+                "transport (a dispatcher stopped, or a forward failed without an answer); the handler "
+                "may run twice",
                 item.message_id,
                 item.claims - 1,
                 extra={"message_id": str(item.message_id)},

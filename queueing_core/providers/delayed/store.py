@@ -12,8 +12,10 @@ across a broker round trip. A dispatcher that dies between fetch and :meth:`remo
 message by ``lease``; then another dispatcher forwards it (at least once: a forward is never
 undone, so a crash after it and before :meth:`remove` sends it twice). The dispatcher removes each
 row as soon as its own forward is accepted, so a crash repeats at most the forwards in flight; each
-fetch counts a claim on the row (cleared when a forward is known not to have happened), so such a
-repeat is known: the row comes back with ``claims`` > 1 and its forward is marked and logged.
+fetch counts a claim on the row, never cleared while the row is kept (a forward that failed may have
+reached the transport all the same: a publish the broker took whose confirm was lost, a send whose
+answer never came), so such a repeat is known: the row comes back with ``claims`` > 1 and its
+forward is marked and logged.
 
 Each :meth:`store` wakes the dispatchers of this process at once and, on PostgreSQL, those of other
 processes through ``NOTIFY`` on the store's own channel.
@@ -60,8 +62,8 @@ class DelayedMessage:
     failures: int
     created_at: datetime
     last_error: str | None = None
-    #: fetches of this row that did not report back, this one included (> 1: an earlier forward of
-    #: it may have reached the transport before its dispatcher stopped)
+    #: fetches of this row, this one included (> 1: an earlier forward of it may have reached the
+    #: transport, before its dispatcher stopped or though it raised)
     claims: int = 1
 
 
@@ -197,7 +199,8 @@ class SqlDelayedStore:
     ) -> bool:
         """Count a failed forward (and make it due again at ``retry_at``); False if it is gone."""
         t = self._t
-        values: dict[str, Any] = {"failures": t.c.failures + 1, "claims": 0}
+        # the claims stay: the forward that failed may have reached the transport (see the module)
+        values: dict[str, Any] = {"failures": t.c.failures + 1}
         if error is not None:
             values["last_error"] = error[:4000]
         if retry_at is not None:
@@ -215,7 +218,8 @@ class SqlDelayedStore:
             await self.sql.ensure_open()
             async with self.sql.engine.begin() as conn:
                 res = await conn.execute(
-                    sa.update(t).where(t.c.id == id).values(due_at=as_utc(due), claims=0)
+                    # the claims stay: the forward given up may have reached the transport
+                    sa.update(t).where(t.c.id == id).values(due_at=as_utc(due))
                 )
         return res.rowcount == 1
 
@@ -230,19 +234,33 @@ class SqlDelayedStore:
         return opt_utc(value)
 
     # -- for the ops actions -----------------------------------------------------------------------
-    async def take_message(self, message_id: uuid.UUID) -> list[DelayedMessage]:
-        """Remove and return every stored copy of a message (an operator brings it forward)."""
+    async def take_message(
+        self, message_id: uuid.UUID, *, rows: Sequence[uuid.UUID] | None = None
+    ) -> list[DelayedMessage]:
+        """Remove and return the stored copies of a message (an operator brings it forward): only the
+        rows ``rows`` when given (those :meth:`copies` found before the copy was sent: a row stored
+        since, the copy's own retry, must stay), else every one."""
         t = self._t
-        stmt = (
-            sa.delete(t)
-            .where(t.c.message_id == message_id, t.c.transport == self.transport.value)
-            .returning(*t.c)
-        )
+        cond = [t.c.message_id == message_id, t.c.transport == self.transport.value]
+        if rows is not None:
+            if not rows:
+                return []
+            cond.append(t.c.id.in_(list(rows)))
+        stmt = sa.delete(t).where(*cond).returning(*t.c)
         with db_boundary("taking a delayed message"):
             await self.sql.ensure_open()
             async with self.sql.engine.begin() as conn:
-                rows = (await conn.execute(stmt)).all()
-        return [_message(r) for r in rows]
+                found = (await conn.execute(stmt)).all()
+        return [_message(r) for r in found]
+
+    async def copies(self, message_id: uuid.UUID) -> list[uuid.UUID]:
+        """The ids of the rows that hold a copy of the message now (none: it is not waiting here)."""
+        t = self._t
+        stmt = sa.select(t.c.id).where(t.c.message_id == message_id, t.c.transport == self.transport.value)
+        with db_boundary("looking for a delayed message"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.connect() as conn:
+                return [r[0] for r in (await conn.execute(stmt)).all()]
 
     async def holds(self, message_id: uuid.UUID) -> bool:
         """Whether a copy of the message waits here."""

@@ -1,0 +1,173 @@
+"""An operator's retry races the copy it sends, on every transport where a retry is a copy followed by
+a removal (a dead-letter queue or a delayed store apart from the history).
+
+The copy is sent first and the original removed after. If the copy runs in between and ends where the
+original was (dead-lettered again; failed again and stored in the delayed store), its new place has
+the same message id. The removal must take only what was there before the copy left: removing by
+message id takes the copy's own new place too, and the message is then nowhere.
+
+The race is made deterministic: the transport step that sends the copy is wrapped so that it returns
+only once the copy has run and settled in its new place, i.e. the removal always comes after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from queueing_core import NonRetryableError, QueueMessage, RetryPolicy, queue
+from queueing_core.ops import OpsService
+from queueing_core.providers.dead_letters import DeadLetterOps
+from queueing_core.runtime import Runtime
+
+from .harness import Harness, record, running, wait_until
+
+#: the provider method that sends an operator's copy, per harness (the step between copy and removal)
+COPY_STEP = {
+    "rabbitmq": "_send_now",
+    "sqs": "_send_now",
+    "servicebus": "send_copy",
+    "servicebus_live": "send_copy",
+    "storage_queue": "put",
+}
+ONE_STEP = "the retry is one step there (the message is one row, or one item in memory): nothing to race"
+
+
+@queue("opsrace-dead", max_attempts=3)
+class Doomed(QueueMessage):
+    n: int
+
+
+#: a retry due in 20 minutes waits in the delayed store on RabbitMQ (any delay) and SQS (over 15 min)
+@queue(
+    "opsrace-later",
+    max_attempts=5,
+    retry=RetryPolicy(base=timedelta(minutes=20), max_delay=timedelta(minutes=20), jitter=0),
+)
+class Later(QueueMessage):
+    n: int
+
+
+def _copy_settles_first(rt: Runtime, harness: Harness, settled: Callable[[], Awaitable[bool]]) -> list[str]:
+    """Wrap the provider's copy step (once): after the copy is sent it waits until ``settled`` says the
+    copy ran and took its new place, so the retry's removal comes after that. Returns a list that gets
+    one entry when the wrapper ran."""
+    name = COPY_STEP[harness.name]
+    prov: Any = rt.provider
+    real = getattr(prov, name)
+    fired: list[str] = []
+
+    async def send_then_wait(*args: Any, **kwargs: Any) -> Any:
+        result = await real(*args, **kwargs)
+        if not fired:
+            fired.append(name)
+            await wait_until(settled, what="the copy ran and settled before the removal")
+        return result
+
+    setattr(prov, name, send_then_wait)
+    return fired
+
+
+async def test_operator_retry_keeps_the_copys_own_new_dead_letter(harness: Harness) -> None:
+    if harness.name not in COPY_STEP:
+        pytest.skip(ONE_STEP)
+    assert harness.dead_letters is not None
+    app = harness.app()
+    runs: list[int] = []
+    fatal = [True]
+
+    @app.handler()
+    async def handle(msg: Doomed) -> None:
+        runs.append(msg.n)
+        if fatal[0]:
+            raise NonRetryableError("the invoice is void")
+
+    rt = await harness.runtime(app)
+    assert isinstance(rt.provider, DeadLetterOps)
+    try:
+        r = await app.enqueue(Doomed(n=1))
+        mid = r.message_id
+        async with running(rt):
+            await wait_until(lambda: _status(rt, mid, "DeadLettered"), what="dead-lettered")
+
+            async def copy_dead_lettered_again() -> bool:
+                return len(runs) == 2 and await _status(rt, mid, "DeadLettered")
+
+            fired = _copy_settles_first(rt, harness, copy_dead_lettered_again)
+            await OpsService(rt).retry(mid)
+            assert fired, "the copy step was not reached"
+            assert len(runs) == 2
+
+        # the original letter is gone, the copy's new one stays: exactly one, and the history agrees
+        assert (await record(rt, mid)).status == "DeadLettered"
+        await wait_until(
+            lambda: _dead_letters_are(rt, harness, 1),
+            what="one dead letter (the copy's own; the original removed)",
+            timeout=15,
+        )
+
+        # and an operator can still bring it back
+        fatal[0] = False
+        async with running(rt):
+            await OpsService(rt).retry(mid)
+            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the second retry ran")
+        await wait_until(lambda: _dead_letters_are(rt, harness, 0), what="no dead letter left", timeout=15)
+    finally:
+        await rt.close()
+
+
+async def test_operator_retry_of_a_delayed_message_keeps_the_copys_own_retry(harness: Harness) -> None:
+    if harness.name not in COPY_STEP:
+        pytest.skip(ONE_STEP)
+    app = harness.app()
+    runs: list[int] = []
+
+    @app.handler()
+    async def handle(msg: Later) -> None:
+        runs.append(msg.n)
+        raise RuntimeError("downstream still down")
+
+    rt = await harness.runtime(app)
+    prov: Any = rt.provider
+    if getattr(prov, "delayed", None) is None:
+        await rt.close()
+        pytest.skip(
+            "no delayed store: the transport holds a retry's delay itself (it cannot be brought forward)"
+        )
+    physical = prov.physical("opsrace-later")
+    try:
+        r = await app.enqueue(Later(n=1))
+        mid = r.message_id
+        async with running(rt):
+            await wait_until(lambda: _status(rt, mid, "Failed"), what="the first failure")
+            assert await prov.delayed.counts() == {physical: 1}  # its retry waits in the store
+
+            async def copy_failed_and_stored_again() -> bool:
+                return len(runs) == 2 and await prov.delayed.counts() == {physical: 2}
+
+            fired = _copy_settles_first(rt, harness, copy_failed_and_stored_again)
+            await OpsService(rt).retry(mid)
+            assert fired, "the copy step was not reached"
+            await wait_until(lambda: _status(rt, mid, "Failed"), what="the copy's failure recorded")
+
+        # the original row is gone, the copy's own retry waits in the store
+        assert await prov.delayed.counts() == {physical: 1}, "the retry took the copy's own new row too"
+        assert await prov.delayed.holds(mid)
+        assert len(runs) == 2
+    finally:
+        await rt.close()
+
+
+async def _status(rt: Runtime, mid: Any, status: str) -> bool:
+    rec = await rt.tracker.get(mid)
+    return rec is not None and rec.status == status
+
+
+async def _dead_letters_are(rt: Runtime, harness: Harness, n: int) -> bool:
+    assert harness.dead_letters is not None
+    await asyncio.sleep(0.05)
+    return await harness.dead_letters(rt, "opsrace-dead") == n
