@@ -162,14 +162,16 @@ async def scan_dead_letters(
         if not run.complete:
             log.warning("dead-letter scan stopped after %d letters; repeat the action for the rest", run.seen)
         if before_removing is not None:
-            # the letters passed over need not wait for the copy; the located ones stay held
-            passed, run.held = run.held, run.located
+            # the letters passed over need not wait for the copy; the located ones stay held (and
+            # are handed back with the rest if the read fails before this: see ``finally``)
+            located, run.located = run.located, []
+            passed, run.held = run.held, located
             with contextlib.suppress(Exception):
                 await pages.hand_back(passed)
             await before_removing()
             lapsed: list[T] = []
             failure: Exception | None = None
-            for item in run.located:
+            for item in located:
                 try:
                     await pages.remove(item)
                     run.removed += 1
@@ -189,7 +191,7 @@ async def scan_dead_letters(
                 run.found |= wanted
     finally:
         with contextlib.suppress(Exception):
-            await pages.hand_back(run.held)
+            await pages.hand_back(run.held + run.located)
     return run.found
 
 

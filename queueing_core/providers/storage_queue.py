@@ -221,7 +221,16 @@ class _PoisonPages:
         ]
 
     def message_id(self, item: Any) -> str:
-        return id_in_text(decode_body(item.content))
+        text = decode_body(item.content)
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and "message_id" not in doc and isinstance(doc.get("raw"), str):
+            # the wrapper of a body that was not an envelope, as versions before wrote it (no id of its
+            # own): the id is the one the history gave the text it keeps
+            return id_in_text(doc["raw"])
+        return id_in_text(text)
 
     def key(self, item: Any) -> Any:
         return item.id

@@ -134,9 +134,13 @@ async def test_an_older_sqlite_table_is_rebuilt_with_its_rows_ids_and_indexes(tm
                 f"CREATE VIEW waiting AS SELECT id, status FROM {m.name} WHERE status = 'Pending'"
             )
             sync.exec_driver_sql("CREATE TABLE gone (id INTEGER)")
+            # (its ON clause in another case: SQLite keeps the name as written for a trigger)
             sync.exec_driver_sql(
-                f"CREATE TRIGGER audit AFTER DELETE ON {m.name} BEGIN INSERT INTO gone VALUES (old.id); END"
+                "CREATE TRIGGER audit AFTER DELETE ON Queueing_Messages "
+                "BEGIN INSERT INTO gone VALUES (old.id); END"
             )
+            # and what a try of this migration that failed part-way on a caller's engine left behind
+            sync.exec_driver_sql(f"CREATE TABLE {m.name}_v12 (id INTEGER)")
             sync.exec_driver_sql(f"CREATE INDEX mine ON {m.name} (type)")
             sync.execute(sa.delete(versions).where(versions.c.version == version))
             return {**indexes, "mine": f"CREATE INDEX mine ON {m.name} (type)"}

@@ -146,3 +146,20 @@ def test_a_poison_copy_of_a_message_of_wide_characters_ends_and_fits():
     out = poison_text(d, decision, datetime.now(UTC))
     assert len(out.encode()) <= MAX_TEXT_BYTES
     assert json.loads(out)["message_id"] == str(malformed_id(raw))
+
+
+async def test_a_malformed_letter_an_older_version_wrapped_without_an_id_is_found_by_its_text(azurite):
+    rt = _runtime(azurite, [])
+    await rt.open()
+    p = rt.provider
+    try:
+        raw = "not an envelope, from before"
+        old = {"dead_letter": {"reason": "malformed-envelope", "description": "?", "at": "x"}, "raw": raw}
+        poison = await p._ensure(p.poison_name("Fit.Big"))
+        await poison.send_message(base64.b64encode(json.dumps(old).encode()).decode(), time_to_live=-1)
+        mid = malformed_id(raw)
+        assert await p._dead_letters("Fit.Big", {str(mid)}, remove=False) == {str(mid)}
+        assert await p._dead_letters("Fit.Big", {str(mid)}) == {str(mid)}
+        assert await p.depth("Fit.Big", poison=True) == 0
+    finally:
+        await _cleanup(rt)

@@ -635,8 +635,12 @@ def _v12(conn: sa.Connection, tables: Tables) -> None:
     if ddl is None or "AUTOINCREMENT" in ddl.upper():
         return
     ours = {i.name for i in m.indexes}
+    # a try that failed part-way on an engine whose driver commits DDL as it goes (one a caller made;
+    # the kit's own begins every transaction itself) left the new table behind: start again
+    conn.exec_driver_sql(f'DROP TABLE IF EXISTS "{m.name}_v12"')
+    # (a trigger's tbl_name is the name as its ON clause spelled it, in any case)
     theirs = conn.exec_driver_sql(
-        f"SELECT type, name, sql FROM sqlite_master WHERE tbl_name = '{m.name}' AND sql IS NOT NULL "
+        f"SELECT type, name, sql FROM sqlite_master WHERE lower(tbl_name) = '{m.name}' AND sql IS NOT NULL "
         "AND type IN ('index', 'trigger')"
     ).all()
     for kind, name, _ in theirs:

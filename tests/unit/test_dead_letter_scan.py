@@ -1,0 +1,89 @@
+"""The dead-letter locator's order when an operator retries: find and hold, hand back what it passed,
+send the copy, remove only what it found. Its failure paths, on pages that record every call (the
+transports' own pages are run by tests/contract/test_ops_retry_races.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from queueing_core.providers.dead_letters import scan_dead_letters
+
+
+class Pages:
+    """A dead-letter queue of (key, message id) letters, one a page; ``fail_on_page`` makes that read
+    raise (a link detached mid-scan)."""
+
+    keys_outlive_holds = True
+
+    def __init__(self, letters: list[tuple[int, str]], fail_on_page: int | None = None) -> None:
+        self.letters, self.fail_on_page = list(letters), fail_on_page
+        self.pos = self.reads = 0
+        self.handed: list[Any] = []
+        self.removed: list[Any] = []
+
+    async def next_page(self) -> list[tuple[int, str]]:
+        self.reads += 1
+        if self.reads == self.fail_on_page:
+            raise RuntimeError("link detached")
+        page = self.letters[self.pos : self.pos + 1]
+        self.pos += 1
+        return page
+
+    def message_id(self, item: tuple[int, str]) -> str:
+        return item[1]
+
+    def key(self, item: tuple[int, str]) -> int:
+        return item[0]
+
+    async def remove(self, item: tuple[int, str]) -> None:
+        self.removed.append(item)
+
+    async def total(self) -> int | None:
+        return None
+
+    async def hand_back(self, items: list[Any]) -> None:
+        self.handed.extend(items)
+
+
+async def test_a_letter_found_before_the_read_fails_is_handed_back_and_no_copy_is_sent():
+    """It stayed hidden until its hold lapsed, out of sight of a retry repeated meanwhile (found in
+    review)."""
+    pages = Pages([(1, "a"), (2, "b"), (3, "c")], fail_on_page=3)
+    sent: list[int] = []
+
+    async def send() -> None:
+        sent.append(1)
+
+    with pytest.raises(RuntimeError):
+        await scan_dead_letters(pages, {"a"}, before_removing=send)
+    assert sorted(pages.handed) == [(1, "a"), (2, "b")]
+    assert sent == []
+    assert pages.removed == []
+
+
+async def test_the_copy_is_sent_after_the_read_and_only_the_letters_found_go():
+    pages = Pages([(1, "a"), (2, "b"), (3, "a")])
+    order: list[str] = []
+
+    async def send() -> None:
+        order.append(f"send after {len(pages.handed)} handed back")
+        pages.letters.append((4, "a"))  # the copy, dead-lettered again meanwhile: a letter of its own
+
+    found = await scan_dead_letters(pages, {"a"}, before_removing=send)
+    assert found == {"a"}
+    assert order == ["send after 1 handed back"]  # (2, "b") went back before the send
+    assert pages.removed == [(1, "a"), (3, "a")]  # not (4, "a")
+
+
+async def test_a_failed_send_hands_the_letters_found_back_and_removes_none():
+    pages = Pages([(1, "a"), (2, "b")])
+
+    async def send() -> None:
+        raise RuntimeError("the copy was not sent")
+
+    with pytest.raises(RuntimeError):
+        await scan_dead_letters(pages, {"a"}, before_removing=send)
+    assert pages.removed == []
+    assert sorted(pages.handed) == [(1, "a"), (2, "b")]
