@@ -54,8 +54,6 @@ SETTABLE = frozenset({S.PENDING.value, S.CANCELLED.value})
 ARCHIVABLE = {S.SUCCEEDED, S.DEAD_LETTERED, S.EXPIRED, S.CANCELLED, S.ABANDONED}
 WAITING = (S.PENDING.value, S.FAILED.value, S.SLEEPING.value, S.WAITING_FOR_HANDLER.value, S.PAUSED.value)
 KNOWN = frozenset(s.value for s in MessageStatus)
-#: history records a purge deletes by id in one statement (SQLite takes at most 32,766 bound values)
-PURGE_HISTORY_BATCH = 500
 _ORDER = {Health.HEALTHY: 0, Health.DEGRADED: 1, Health.UNHEALTHY: 2}
 
 
@@ -524,11 +522,7 @@ class OpsService:
             for r in records
             if not r.readable("message_id") and r.stored and "message_id" in r.stored
         ]
-        deleted = 0
-        for start in range(0, len(gone), PURGE_HISTORY_BATCH):
-            deleted += await self.runtime.tracker.delete(
-                query, only=gone[start : start + PURGE_HISTORY_BATCH]
-            )
+        deleted = await self.runtime.tracker.delete(query, only=gone) if gone else 0
         return PurgeResult(deleted=deleted, skipped_leased=0)
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:

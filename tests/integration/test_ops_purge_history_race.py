@@ -74,3 +74,34 @@ async def test_a_dead_letter_that_arrives_during_a_purge_keeps_its_history(sql_d
 
 async def _is(status, mid, want) -> bool:
     return await status(mid) == want
+
+
+async def test_a_purge_deletes_the_history_of_many_messages_by_id_in_batches(sql_db):
+    """Thousands of ids: deleted a batch of bound values at a time (SQLite takes 32,766 at most)."""
+    from datetime import UTC, datetime
+    from uuid import uuid4
+
+    from queueing_core.tracking import MessageRecord
+
+    history = SqlHistoryTracker(sql_db.provider(listen=False))
+    now = datetime.now(UTC)
+    records = [
+        MessageRecord(
+            message_id=uuid4(),
+            tracking_id=uuid4(),
+            type="Letter",
+            queue="hist_purge",
+            status="DeadLettered",
+            created_at=now,
+            updated_at=now,
+        )
+        for _ in range(1_200)
+    ]
+    await history.upsert(records)
+    gone = [r.message_id for r in records[:1_100]]
+    query = MessageQuery(queue="hist_purge", status=("DeadLettered",))
+    assert await history.delete(query, only=gone) == 1_100
+    left = await history.query(query, limit=500)
+    assert sorted(r.message_id for r in left.items) == sorted(r.message_id for r in records[1_100:])
+    assert await history.delete(query, only=[]) == 0
+    await history.provider.close()

@@ -41,6 +41,9 @@ CLAIMABLE = (
 )
 
 
+#: ids bound in one statement's ``IN (...)`` list, at most (SQLite takes at most 32,766 bound values)
+IN_LIST_BATCH = 500
+
 #: the claim index's predicate, as text. Queries must repeat it word for word: a planner uses a
 #: partial index only when it can prove the query implies the predicate, and bound parameters or
 #: ``archived = 0`` (SQLAlchemy's SQLite rendering of ``NOT archived``) defeat that proof.

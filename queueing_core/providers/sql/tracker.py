@@ -16,7 +16,7 @@ from ...clock import as_utc
 from ...messages import MessageStatus
 from ...tracking.base import Activity, MessageQuery, MessageRecord, Page, invalid_cursor
 from .records import read_record, stored_in_order
-from .schema import archived, claimable
+from .schema import IN_LIST_BATCH, archived, claimable
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
@@ -192,15 +192,24 @@ class SqlTracker:
 
     async def delete(self, query: MessageQuery, only: Collection[UUID | str] | None = None) -> int:
         m, where = self._m, self.where(query)
-        if only is not None:
-            ids = [i for i in only if isinstance(i, UUID)]
-            # a damaged row's id, by its stored text (only SQLite can store an id that is not a UUID)
-            texts = [i for i in only if isinstance(i, str)]
-            where.append(sa.or_(m.c.message_id.in_(ids), sa.cast(m.c.message_id, sa.Text()).in_(texts)))
+        if only is None:
+            batches: list[list[sa.ColumnElement[bool]]] = [where]
+        else:
+            batches = []
+            given = list(only)
+            for start in range(0, len(given), IN_LIST_BATCH):  # bound values per statement: bounded
+                part = given[start : start + IN_LIST_BATCH]
+                ids = [i for i in part if isinstance(i, UUID)]
+                # a damaged row's id, by its stored text (only SQLite can store an id that is not one)
+                texts = [i for i in part if isinstance(i, str)]
+                by_id = sa.or_(m.c.message_id.in_(ids), sa.cast(m.c.message_id, sa.Text()).in_(texts))
+                batches.append([*where, by_id])
         await self.provider.ensure_open()
-        async with self.provider.engine.begin() as conn:
-            res = await conn.execute(sa.delete(m).where(*where))
-        return res.rowcount or 0
+        deleted = 0
+        for conditions in batches:
+            async with self.provider.engine.begin() as conn:
+                deleted += (await conn.execute(sa.delete(m).where(*conditions))).rowcount or 0
+        return deleted
 
     async def activity(
         self, queues: Sequence[str], since: datetime, slot_seconds: int, slots: int, now: datetime

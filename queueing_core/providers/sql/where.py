@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from ...messages import MessageStatus
-from .schema import CLAIMABLE, archived
+from .schema import CLAIMABLE, IN_LIST_BATCH, archived
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
@@ -71,10 +71,6 @@ def condition(p: SqlProvider, steps: Sequence[str | int], op: str, value: Scalar
     return test
 
 
-#: cancellation requests deleted in one statement (SQLite takes at most 32,766 bound values)
-CANCELS_BATCH = 500
-
-
 async def update_status(
     p: SqlProvider,
     queue: str,
@@ -110,7 +106,7 @@ async def update_status(
         # and for exactly the rows changed (as an operator's retry of a cancelled message clears its own)
         changed = list((await conn.execute(update.returning(m.c.message_id))).scalars())
         x = p.tables.cancels
-        for start in range(0, len(changed), CANCELS_BATCH):
-            await conn.execute(x.delete().where(x.c.message_id.in_(changed[start : start + CANCELS_BATCH])))
+        for start in range(0, len(changed), IN_LIST_BATCH):
+            await conn.execute(x.delete().where(x.c.message_id.in_(changed[start : start + IN_LIST_BATCH])))
         await p.notify_statements(conn, {queue})
     return len(changed)
