@@ -90,6 +90,7 @@ async def upgrade(rows: int) -> tuple[float, float]:
     """Seconds (wall, CPU) migration 12 takes on ``rows`` rows of an older table."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tests.integration.history_rows as history
+    from tests.integration.older_schema import without_autoincrement
 
     history.ROWS = rows
     version = next(n for n, text, _ in MIGRATIONS if "AUTOINCREMENT" in text)
@@ -100,21 +101,7 @@ async def upgrade(rows: int) -> tuple[float, float]:
         m = prov.tables.messages
 
         def make_old(sync: Any) -> None:
-            indexes = dict(
-                sync.exec_driver_sql(
-                    "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL "
-                    f"AND tbl_name = '{m.name}'"
-                ).all()
-            )
-            table = sync.exec_driver_sql(f"SELECT sql FROM sqlite_master WHERE name = '{m.name}'").scalar()
-            sync.exec_driver_sql(f"ALTER TABLE {m.name} RENAME TO made_now")
-            for name in indexes:
-                sync.exec_driver_sql(f"DROP INDEX {name}")
-            sync.exec_driver_sql(table.replace("AUTOINCREMENT", ""))
-            sync.exec_driver_sql(f"INSERT INTO {m.name} SELECT * FROM made_now")
-            sync.exec_driver_sql("DROP TABLE made_now")
-            for sql in indexes.values():
-                sync.exec_driver_sql(sql)
+            without_autoincrement(sync, m.name)
             sync.exec_driver_sql(f"DELETE FROM queueing_schema WHERE version = {version}")
 
         async with prov.engine.begin() as conn:

@@ -74,7 +74,6 @@ T = TypeVar("T")
 MAX_NATIVE_DELAY = timedelta(minutes=15)  # DelaySeconds is at most 900
 MAX_VISIBILITY = timedelta(hours=12)
 MAX_RETENTION = 14 * 24 * 3600
-MIN_RETENTION = 60
 #: SQS accepts 256 KiB per message and per batch, message attributes included
 MAX_BATCH_BYTES = 256 * 1024
 MAX_ENVELOPE_BYTES = 250 * 1024

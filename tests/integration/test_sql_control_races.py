@@ -12,19 +12,12 @@ from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.runtime import Runtime
 from tests.contract.harness import wait_until
 
+from .pg_locks import waiting_for_a_lock
+
 
 @queue("pause_race")
 class Job(QueueMessage):
     n: int
-
-
-async def waiting_on_the_pause(prov, schema: str) -> bool:
-    async with prov.engine.connect() as conn:
-        waiting = await conn.execute(
-            sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE :q"),
-            {"q": f"%{schema}.queueing_pauses%"},
-        )
-        return bool(waiting.scalar())
 
 
 async def test_two_pauses_of_one_queue_at_once_both_succeed(pg_db):
@@ -39,7 +32,9 @@ async def test_two_pauses_of_one_queue_at_once_both_succeed(pg_db):
             await first.begin()
             await first.execute(p.insert().values(kind="queue", name="pause_race", paused_at=prov.clock()))
             second = asyncio.create_task(rt.control.set_paused("queue", "pause_race", True))
-            await wait_until(lambda: waiting_on_the_pause(prov, pg_db.schema), what="the second pause")
+            await wait_until(
+                lambda: waiting_for_a_lock(prov, f"{pg_db.schema}.queueing_pauses"), what="the second pause"
+            )
             await first.commit()
         await asyncio.wait_for(second, 10)  # raised IntegrityError before
         async with prov.engine.connect() as conn:

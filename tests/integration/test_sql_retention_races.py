@@ -18,6 +18,8 @@ from queueing_core.providers.sql.maintenance import retain
 from queueing_core.runtime import Runtime
 from tests.contract.harness import running, wait_until
 
+from .pg_locks import waiting_for_a_lock
+
 
 @queue("race_archived")
 class Archived(QueueMessage):
@@ -27,16 +29,6 @@ class Archived(QueueMessage):
 @queue("race_kept", keep_processed_for=timedelta(hours=1))
 class Kept(QueueMessage):
     n: int
-
-
-async def blocked_on_a_row(prov, schema: str) -> bool:
-    """Some statement on this schema's messages waits for a row lock (retention, behind the retry)."""
-    async with prov.engine.connect() as conn:
-        waiting = await conn.execute(
-            sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE :q"),
-            {"q": f"%{schema}.queueing_messages%"},
-        )
-        return bool(waiting.scalar())
 
 
 @pytest.mark.parametrize("kind", [Archived, Kept], ids=["archive", "keep_processed_for"])
@@ -63,7 +55,10 @@ async def test_a_message_retried_while_retention_waited_for_it_is_left_to_run(pg
         )
         assert took.rowcount == 1
         upkeep = asyncio.create_task(retain(prov, app, later))
-        await wait_until(lambda: blocked_on_a_row(prov, pg_db.schema), what="retention waiting for the row")
+        await wait_until(
+            lambda: waiting_for_a_lock(prov, f"{pg_db.schema}.queueing_messages"),
+            what="retention waiting for the row",
+        )
         await operator.commit()
     done = await asyncio.wait_for(upkeep, 10)
     record = await prov.tracker().get(retried.message_id)

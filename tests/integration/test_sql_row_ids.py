@@ -21,6 +21,8 @@ from queueing_core.runtime import Runtime
 from queueing_core.tracking import MessageQuery
 from queueing_core.transport import Settlement
 
+from .older_schema import without_autoincrement
+
 
 @queue("row_ids")
 class Job(QueueMessage):
@@ -112,23 +114,7 @@ async def test_an_older_sqlite_table_is_rebuilt_with_its_rows_ids_and_indexes(tm
         m, versions = prov.tables.messages, prov.tables.schema_versions
 
         def make_old(sync: sa.Connection) -> dict[str, str]:
-            # the table as versions before this one made it: the same, without AUTOINCREMENT
-            indexes = dict(
-                sync.exec_driver_sql(
-                    "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL "
-                    f"AND tbl_name = '{m.name}'"
-                ).all()
-            )
-            table = _table_sql(sync, m.name)
-            assert "AUTOINCREMENT" in table
-            sync.exec_driver_sql(f"ALTER TABLE {m.name} RENAME TO made_now")
-            for name in indexes:
-                sync.exec_driver_sql(f"DROP INDEX {name}")
-            sync.exec_driver_sql(table.replace("AUTOINCREMENT", ""))
-            sync.exec_driver_sql(f"INSERT INTO {m.name} SELECT * FROM made_now")
-            sync.exec_driver_sql("DROP TABLE made_now")
-            for ddl in indexes.values():
-                sync.exec_driver_sql(ddl)
+            indexes = without_autoincrement(sync, m.name)  # the table as versions before this one made it
             # what a user may have added on the table: a view, a trigger, an index of their own
             sync.exec_driver_sql(
                 f"CREATE VIEW waiting AS SELECT id, status FROM {m.name} WHERE status = 'Pending'"
