@@ -130,7 +130,9 @@ class _MessageLog(logging.LoggerAdapter[logging.Logger]):
 
 
 #: (envelope, progress) -> None: stores a running handler's progress report
-ProgressSink = Callable[[Envelope, dict[str, Any]], Awaitable[None]]
+#: where a running handler's progress goes: given the delivery, so that a provider can fence the
+#: write by the run's own lease (a run whose lease passed on must not write over the live run's)
+ProgressSink = Callable[[Delivery, dict[str, Any]], Awaitable[None]]
 #: (subscription, message) -> the last successfully processed version of its identity
 PreviousLookup = Callable[[Subscription, QueueMessage], Awaitable[QueueMessage | None]]
 #: the newer version that superseded an idempotent message, if one did
@@ -363,7 +365,7 @@ class Pipeline:
             subscription=sub,
             message=message,
             cancelled=run.cancelled,
-            store_progress=(lambda progress: sink(env, progress)) if sink is not None else None,
+            store_progress=(lambda progress: sink(delivery, progress)) if sink is not None else None,
             log=_MessageLog(env, sub.queue),
             producer=self.producer,
         )

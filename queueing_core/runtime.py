@@ -56,9 +56,10 @@ class ProvidesTracker(Protocol):
 
 @runtime_checkable
 class StoresProgress(Protocol):
-    """A provider that keeps a running message's progress on its own row (the SQL provider)."""
+    """A provider that keeps a running message's progress on its own row (the SQL provider), written
+    only while the delivery's own lease holds it."""
 
-    async def store_progress(self, envelope: Envelope, progress: dict[str, Any]) -> None: ...
+    async def store_progress(self, delivery: Delivery, progress: dict[str, Any]) -> None: ...
 
 
 @runtime_checkable
@@ -139,14 +140,14 @@ class Runtime:
         self.control.invalidate()  # the next state read (a message about to start) sees it too
         self.pipeline.cancel_running(message_id)
 
-    async def store_progress(self, envelope: Envelope, progress: dict[str, Any]) -> None:
+    async def store_progress(self, delivery: Delivery, progress: dict[str, Any]) -> None:
         """Keep a running handler's progress report with its message."""
         now = self.clock()
         stamped = {**progress, "at": now.isoformat()}
         if isinstance(self.provider, StoresProgress):
-            await self.provider.store_progress(envelope, stamped)
-        else:
-            rec = record_from_envelope(envelope, MessageStatus.LEASED.value, now, progress=stamped)
+            await self.provider.store_progress(delivery, stamped)
+        elif delivery.envelope is not None:  # (always: only a decoded message's handler runs)
+            rec = record_from_envelope(delivery.envelope, MessageStatus.LEASED.value, now, progress=stamped)
             await self.tracker.upsert([rec])
 
     @property

@@ -84,6 +84,25 @@ async def test_a_released_run_cannot_settle_once_the_same_process_claimed_again(
     await rt.close()
 
 
+async def test_a_released_run_cannot_write_over_the_live_runs_progress(sql_db):
+    """Progress is fenced like a settlement: once the row is claimed again, the first run's reports
+    are refused and the live run's stay, even in the same process (same worker id)."""
+    app, prov, rt = await _one_worker(sql_db)
+    r = await app.enqueue(Fenced())
+    stale = await _one(prov, app)
+    await rt.store_progress(stale, {"step": 1, "by": "stale"})
+    assert (await _row(prov, r.message_id)).progress["by"] == "stale"  # its own lease: written
+    await OpsService(rt).release_lease(r.message_id)
+    live = await _one(prov, app)
+    await rt.store_progress(live, {"step": 1, "by": "live"})
+    await rt.store_progress(stale, {"step": 9, "by": "stale"})
+    assert (await _row(prov, r.message_id)).progress["by"] == "live"
+    await prov.settle([Settlement(live, Complete())])
+    await rt.store_progress(live, {"step": 2, "by": "late"})  # after its settlement: refused too
+    assert (await rt.tracker.get(r.message_id)).progress["by"] == "live"
+    await rt.close()
+
+
 async def test_in_a_batch_only_the_stale_settlement_is_refused(sql_db):
     """Settlements of one kind go together; the one whose lease passed on is refused, the rest apply."""
     app, prov, rt = await _one_worker(sql_db)

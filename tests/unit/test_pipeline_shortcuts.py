@@ -184,7 +184,7 @@ async def test_the_last_progress_report_is_stored_when_the_run_ends_and_none_wit
     pipe, prod = make(app)
     stored: list[dict] = []
 
-    async def sink(env, progress) -> None:
+    async def sink(delivery, progress) -> None:
         stored.append(progress)
 
     pipe.progress_sink = sink

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from ...envelope import Envelope
 from ...messages import MessageStatus
 from ...tracking import MessageQuery, MessageRecord
+from .rows import Lease
 from .schema import archived
 
 if TYPE_CHECKING:
@@ -60,13 +61,20 @@ async def cancel(p: SqlProvider, record: MessageRecord, now: datetime) -> bool:
     return res.rowcount == 1
 
 
-async def store_progress(p: SqlProvider, envelope: Envelope, progress: dict[str, Any]) -> None:
-    """A running handler's progress, on its row while a worker holds it."""
+async def store_progress(p: SqlProvider, lease: Lease, progress: dict[str, Any]) -> None:
+    """A running handler's progress, on its row while its own lease holds it: fenced by the claim's
+    token like a settlement, so a run whose lease was released or swept (the row claimed again, by this
+    process or another) never writes over the progress of the run that holds it now."""
     m = p.tables.messages
     async with p.claims.connect() as conn:
         await conn.execute(
             sa.update(m)
-            .where(m.c.message_id == envelope.message_id, m.c.status == LEASED)
+            .where(
+                m.c.id == lease.row,
+                m.c.lease_token == lease.token,
+                m.c.locked_by == p.worker_id,  # (as a settlement's: a claim by an older version)
+                m.c.status == LEASED,
+            )
             .values(progress=progress)
         )
 

@@ -753,9 +753,9 @@ class SqlProvider:
         await self.ensure_open()
         return await sql_ops.cancel(self, record, now)
 
-    async def store_progress(self, envelope: Envelope, progress: dict[str, Any]) -> None:
+    async def store_progress(self, delivery: Delivery, progress: dict[str, Any]) -> None:
         await self.ensure_open()
-        await sql_ops.store_progress(self, envelope, progress)
+        await sql_ops.store_progress(self, delivery.handle, progress)
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
         await self.ensure_open()
