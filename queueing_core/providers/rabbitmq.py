@@ -661,9 +661,10 @@ class RabbitMQProvider(SideStoreOps):
                     await self.send_at(h.physical, copy, due_at(decision, now))
                 with _boundary("acknowledging a message"):
                     await h.message.ack()
-            except Exception:
+            except BaseException:
                 # no lease lapses on RabbitMQ: unless a later try completes it, the message goes back
                 # to the broker, or it would sit unacked on this open channel until the process ends
+                # (a try cancelled half-way too: its consumer would count it in flight for ever)
                 self._give_back_later(h)
                 raise
             self._resolved(h)

@@ -179,3 +179,40 @@ async def test_a_brief_outage_is_ridden_out_without_a_give_back(tmp_path):
         assert all(c.in_flight == 0 for c in prov._consumers.values())
     finally:
         await cleanup(rt, prov)
+
+
+async def test_a_settlement_cancelled_half_way_is_given_back_and_leaves_nothing_in_flight(tmp_path):
+    """A try cancelled while its copy to the delayed store is under way (a settler stopped at its
+    deadline, a caller's timeout): the message is given back like a failed try's, and its consumer no
+    longer counts it in flight."""
+    app, rt, prov, _ = await make(tmp_path)
+    started, never = asyncio.Event(), asyncio.Event()
+    real = prov.delayed.store_many
+
+    async def hangs(items: Any) -> Any:
+        started.set()
+        await never.wait()
+        return await real(items)
+
+    prov.delayed.store_many = hangs  # type: ignore[method-assign]
+    try:
+        await app.enqueue(Job(n=4))
+        d = await receive_one(rt, prov)
+        settlement = await rt.process(d)
+        assert settlement.decision.status == MessageStatus.FAILED
+        task = asyncio.create_task(prov.settle([settlement]))
+        await asyncio.wait_for(started.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        prov.delayed.store_many = real  # type: ignore[method-assign]
+        again = await receive_one(rt, prov, timeout=10)  # before the fix: never (unacked for ever)
+        assert again.envelope is not None
+        assert d.envelope is not None
+        assert again.envelope.message_id == d.envelope.message_id
+        await prov.settle([Settlement(again, Complete())])
+        assert not again.refused
+        assert all(c.in_flight == 0 for c in prov._consumers.values())
+    finally:
+        never.set()
+        await cleanup(rt, prov)
