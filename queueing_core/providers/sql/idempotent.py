@@ -5,67 +5,100 @@ its identity is discarded; one with a changed body replaces the waiting body; th
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Generator, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 
 from ...messages import MessageStatus, QueueMessage
 from .rows import row_for
-from .schema import claimable
+from .schema import Tables, claimable
 
 if TYPE_CHECKING:
-    from ...app import Subscription
+    from ...app import QueueingApp, Subscription
     from ...envelope import Envelope
     from ...producer import IdempotentOutcome
     from .provider import SqlProvider
+
+T = TypeVar("T")
+
+
+#: one statement to run and its parameters (None: run it bare); the plan is sent what it answered
+Step = tuple[sa.Executable, Any]
+
+
+def plan(
+    tables: Tables, backend: str, app: QueueingApp | None, env: Envelope, key: str, now: datetime
+) -> Generator[Step, Any, IdempotentOutcome]:
+    """The statements that send one envelope of an idempotent type, in order, inside a transaction
+    the driver holds: discard it if the waiting message of its identity has the same JSON, replace the
+    waiting body if it differs, else insert it with its identity. One plan for the provider's own
+    transaction (:func:`send`) and the caller's (the outbox), sync or async: a row written without its
+    identity would be invisible to the next enqueue of that identity and to ``ctx.previous``."""
+    from ...producer import IdempotentOutcome
+    from .provider import initial_status, insert_statement
+
+    m = tables.messages
+    if backend == "postgresql":
+        # one enqueuer per identity at a time, to the commit: two cannot both find none and both insert
+        yield sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"{env.type}\x1f{key}"))), None
+    find = (
+        sa.select(m.c.id, m.c.message_id, m.c.tracking_id, sa.cast(m.c.body, sa.Text()).label("b"))
+        .where(m.c.type == env.type, m.c.identity == key, claimable())
+        .order_by(m.c.id)
+        .limit(1)
+    )
+    waiting = (yield find, None).first()
+    if waiting is not None and _same(waiting.b, env.body):
+        return IdempotentOutcome("discarded", waiting.message_id, waiting.tracking_id)
+    if waiting is not None:
+        replace = (
+            sa.update(m)
+            .where(m.c.id == waiting.id, claimable())
+            .values(body=env.body, headers=env.headers, updated_at=now)
+        )
+        if (yield replace, None).rowcount == 1:
+            return IdempotentOutcome("replaced", waiting.message_id, waiting.tracking_id)
+    row = {**row_for(env, initial_status(app, env), now), "identity": key}
+    yield insert_statement(tables, backend), [row]
+    return IdempotentOutcome("enqueued", env.message_id, env.tracking_id)
+
+
+def run_plan(conn: Any, steps: Generator[Step, Any, T]) -> T:
+    """Run a plan's statements on a sync connection or session; its result."""
+    try:
+        stmt, params = next(steps)
+        while True:
+            stmt, params = steps.send(conn.execute(stmt) if params is None else conn.execute(stmt, params))
+    except StopIteration as done:
+        result: T = done.value
+        return result
+
+
+async def run_plan_async(conn: Any, steps: Generator[Step, Any, T]) -> T:
+    """Run a plan's statements on an async connection or session; its result."""
+    try:
+        stmt, params = next(steps)
+        while True:
+            answer = await (conn.execute(stmt) if params is None else conn.execute(stmt, params))
+            stmt, params = steps.send(answer)
+    except StopIteration as done:
+        result: T = done.value
+        return result
 
 
 async def send(
     p: SqlProvider, envelopes: Sequence[Envelope], identities: Sequence[str]
 ) -> list[IdempotentOutcome]:
     """One transaction: per envelope, discard, replace the waiting body, or insert."""
-    from ...producer import IdempotentOutcome
-    from .provider import initial_status, insert_statement
-
-    m = p.tables.messages
     now = p.clock()
     out: list[IdempotentOutcome] = []
-    queues: set[str] = set()
     async with p.engine.begin() as conn:
         for env, key in zip(envelopes, identities, strict=True):
-            if p.backend == "postgresql":
-                # one enqueuer per identity at a time: two hosts cannot both find none and both insert
-                await conn.execute(
-                    sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"{env.type}\x1f{key}")))
-                )
-            waiting = (
-                await conn.execute(
-                    sa.select(
-                        m.c.id, m.c.message_id, m.c.tracking_id, sa.cast(m.c.body, sa.Text()).label("b")
-                    )
-                    .where(m.c.type == env.type, m.c.identity == key, claimable())
-                    .order_by(m.c.id)
-                    .limit(1)
-                )
-            ).first()
-            if waiting is not None and _same(waiting.b, env.body):
-                out.append(IdempotentOutcome("discarded", waiting.message_id, waiting.tracking_id))
-                continue
-            if waiting is not None:
-                res = await conn.execute(
-                    sa.update(m)
-                    .where(m.c.id == waiting.id, claimable())
-                    .values(body=env.body, headers=env.headers, updated_at=now)
-                )
-                if res.rowcount == 1:
-                    out.append(IdempotentOutcome("replaced", waiting.message_id, waiting.tracking_id))
-                    continue
-            row = {**row_for(env, initial_status(p._app, env), now), "identity": key}
-            await conn.execute(insert_statement(p.tables, p.backend), [row])
-            out.append(IdempotentOutcome("enqueued", env.message_id, env.tracking_id))
-            queues.add(env.queue)
-        await p.notify_statements(conn, queues)
+            out.append(await run_plan_async(conn, plan(p.tables, p.backend, p._app, env, key, now)))
+        sent = zip(envelopes, out, strict=True)
+        await p.notify_statements(conn, {e.queue for e, o in sent if o.outcome == "enqueued"})
     return out
 
 

@@ -13,10 +13,9 @@ same commit. Works with SQLAlchemy ``Connection``/``Session`` and ``AsyncConnect
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
-import sqlalchemy as sa
 from typing_extensions import Unpack
 
 from ...app import QueueingApp
@@ -24,10 +23,20 @@ from ...clock import Clock, utcnow
 from ...envelope import Envelope
 from ...messages import QueueMessage
 from ...middleware import compose_enqueue
-from ...producer import EnqueueOptions, EnqueueReceipt, build_envelope, check_sendable
+from ...producer import (
+    EnqueueOptions,
+    EnqueueReceipt,
+    IdempotentOutcome,
+    build_envelope,
+    check_sendable,
+    identity_of,
+)
+from . import idempotent as sql_idempotent
 from .provider import channel_for, initial_status, insert_statement, notify_statement
 from .rows import row_for
 from .schema import Tables
+
+_Plan = Generator[sql_idempotent.Step, Any, list[EnqueueReceipt]]
 
 DEFAULT_MAX_BYTES = 1024 * 1024
 
@@ -47,12 +56,21 @@ class SqlOutbox:
         self.clock = clock
         self.max_message_bytes = max_message_bytes
 
-    def _build(
-        self, messages: QueueMessage | Iterable[QueueMessage], options: EnqueueOptions
-    ) -> list[Envelope]:
-        items = [messages] if isinstance(messages, QueueMessage) else list(messages)
+    def _items(self, messages: QueueMessage | Iterable[QueueMessage]) -> list[QueueMessage]:
+        return [messages] if isinstance(messages, QueueMessage) else list(messages)
+
+    def _build(self, items: list[QueueMessage], options: EnqueueOptions) -> list[Envelope]:
         now = self.clock()
         return [build_envelope(self.app, m, now, **options) for m in items]
+
+    def _identities(self, items: list[QueueMessage]) -> list[str | None]:
+        """Each message's identity when its type is idempotent (None otherwise), as the producer keys
+        it: the outbox must find and keep the same waiting message an ``enqueue`` would."""
+        keys: list[str | None] = []
+        for m in items:
+            opts = self.app.options_for(type(m))
+            keys.append(identity_of(opts, m) if opts.idempotent else None)
+        return keys
 
     async def _through_middleware(self, envs: list[Envelope]) -> list[Envelope]:
         chain = compose_enqueue(self.app.enqueue_middleware)
@@ -60,38 +78,49 @@ class SqlOutbox:
         check_sendable(out, self.max_message_bytes, "sql")
         return out
 
-    def _statements(
-        self, backend: str, envs: list[Envelope]
-    ) -> tuple[sa.Insert, list[dict[str, Any]], list[sa.Select[Any]]]:
+    def _plan(self, backend: str, envs: list[Envelope], keys: Sequence[str | None]) -> _Plan:
+        """The statements of one outbox enqueue, in order, on the caller's connection. An idempotent
+        type's message goes as ``enqueue`` sends it on SQL (the same plan), inside the caller's
+        transaction; on PostgreSQL its identity's lock is then held to the caller's commit."""
         now = self.clock()
-        rows = [row_for(e, initial_status(self.app, e), now) for e in envs]
-        notes = (
-            [notify_statement(self.channel, q) for q in sorted({e.queue for e in envs})]
-            if backend == "postgresql"
-            else []
-        )
-        return insert_statement(self.tables, backend), rows, notes
+        plain = [(i, e) for i, e in enumerate(envs) if keys[i] is None]
+        receipts: dict[int, EnqueueReceipt] = {i: self._receipt(e) for i, e in plain}
+        queues = {e.queue for _, e in plain}
+        if plain:
+            rows = [row_for(e, initial_status(self.app, e), now) for _, e in plain]
+            yield insert_statement(self.tables, backend), rows
+        for i, env in enumerate(envs):
+            key = keys[i]
+            if key is not None:
+                outcome = yield from sql_idempotent.plan(self.tables, backend, self.app, env, key, now)
+                receipts[i] = self._receipt(env, outcome)
+                if outcome.outcome == "enqueued":
+                    queues.add(env.queue)
+        if backend == "postgresql":
+            for q in sorted(queues):
+                yield notify_statement(self.channel, q), None
+        return [receipts[i] for i in range(len(envs))]
 
-    @staticmethod
-    def _receipts(envs: list[Envelope], app: QueueingApp) -> list[EnqueueReceipt]:
-        return [
-            EnqueueReceipt(
-                e.message_id,
-                e.tracking_id,
-                e.type,
-                e.queue,
-                initial_status(app, e),
-                e.not_before,
-                e.expires_at,
-            )
-            for e in envs
-        ]
+    def _receipt(self, e: Envelope, sent: IdempotentOutcome | None = None) -> EnqueueReceipt:
+        """As ``Producer.sent`` makes it: when not ``enqueued``, the ids are the waiting message's."""
+        return EnqueueReceipt(
+            sent.message_id if sent is not None else e.message_id,
+            sent.tracking_id if sent is not None else e.tracking_id,
+            e.type,
+            e.queue,
+            initial_status(self.app, e),
+            e.not_before,
+            e.expires_at,
+            sent.outcome if sent is not None else "enqueued",
+        )
 
     def enqueue(
         self, conn: Any, messages: QueueMessage | Iterable[QueueMessage], **options: Unpack[EnqueueOptions]
     ) -> list[EnqueueReceipt]:
         """On a sync ``Connection`` or ``Session``, inside its current transaction (not committed here)."""
-        envs = self._build(messages, options)
+        items = self._items(messages)
+        envs = self._build(items, options)
+        keys = self._identities(items)
         if self.app.enqueue_middleware:
             # enqueue middleware is async: run it on a private loop (not possible on a loop's thread)
             try:
@@ -104,22 +133,16 @@ class SqlOutbox:
                 )
         else:
             check_sendable(envs, self.max_message_bytes, "sql")
-        stmt, rows, notes = self._statements(_dialect(conn), envs)
-        conn.execute(stmt, rows)
-        for note in notes:
-            conn.execute(note)
-        return self._receipts(envs, self.app)
+        return sql_idempotent.run_plan(conn, self._plan(_dialect(conn), envs, keys))
 
     async def enqueue_async(
         self, conn: Any, messages: QueueMessage | Iterable[QueueMessage], **options: Unpack[EnqueueOptions]
     ) -> list[EnqueueReceipt]:
         """On an ``AsyncConnection`` or ``AsyncSession``, inside its current transaction."""
-        envs = await self._through_middleware(self._build(messages, options))
-        stmt, rows, notes = self._statements(_dialect(conn), envs)
-        await conn.execute(stmt, rows)
-        for note in notes:
-            await conn.execute(note)
-        return self._receipts(envs, self.app)
+        items = self._items(messages)
+        keys = self._identities(items)
+        envs = await self._through_middleware(self._build(items, options))
+        return await sql_idempotent.run_plan_async(conn, self._plan(_dialect(conn), envs, keys))
 
 
 def _dialect(conn: Any) -> str:
