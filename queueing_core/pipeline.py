@@ -9,7 +9,9 @@ Order of the checks (each is a decision the transports only settle):
 5. circuit open                 -> Defer(Paused) until the cooldown ends; then one probe goes
 6. no handler / unknown type   -> Defer(WaitingForHandler), no attempt counted
 7. body invalid for the model   -> DeadLetter(invalid-body)
-8. run the handler through the middleware, under the type's concurrency and time limits:
+8. attempts used up already     -> DeadLetter(max-attempts-exceeded), never run: earlier runs ended
+   unsettled (their worker died, their lease lapsed), so a message that kills every worker ends
+9. run the handler through the middleware, under the type's concurrency and time limits:
    success -> Complete (or Defer(Sleeping) if it returned a time to run again);
    ``Retry(after=)`` / exception / time limit -> RetryAfter(backoff) until max attempts, then
    DeadLetter(max-attempts-exceeded); ``NonRetryableError`` -> DeadLetter(non-retryable);
@@ -306,6 +308,17 @@ class Pipeline:
                 return await self._emit_final(
                     delivery, Complete(None, cancelled=True, reason=f"superseded by {newer}")
                 )
+        if delivery.attempt > sub.options.max_attempts:
+            # every counted attempt was used by runs that never settled (a worker that died or hung
+            # past its lease counts one); another run could only end the same way
+            return await self._emit_final(
+                delivery,
+                DeadLetter(
+                    DeadLetterReason.MAX_ATTEMPTS,
+                    f"{delivery.attempt - 1} attempts of {sub.options.max_attempts} were used by runs that "
+                    "ended without a settlement (the worker stopped or its lease lapsed); not run again",
+                ),
+            )
         # after the superseded check: a message settled without running must not hold a circuit probe
         cb = sub.options.circuit_breaker
         probing = False

@@ -15,6 +15,7 @@ from queueing_core.decisions import Complete, DeadLetter, Release, RetryAfter
 from queueing_core.ops import OpsService
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.providers.sql import schema as sql_schema
+from queueing_core.providers.sql.maintenance import UNREGISTERED_GRACE
 from queueing_core.runtime import Runtime
 from queueing_core.transport import Settlement
 from tests.contract.harness import running, wait_until
@@ -40,14 +41,16 @@ async def _one(prov: SqlProvider, app: QueueingApp, type_name: str = "Fenced"):
     return d
 
 
-async def _leased_by_a_dead_worker(prov: SqlProvider, message_id, worker: str) -> None:
-    """The row as a worker that died holding it leaves it: Leased, its lease run out."""
+async def _leased_by_a_dead_worker(
+    prov: SqlProvider, message_id, worker: str, ago: timedelta = timedelta(seconds=1)
+) -> None:
+    """The row as a worker that died holding it leaves it: Leased, its lease run out ``ago``."""
     m = prov.tables.messages
     async with prov.engine.begin() as conn:
         await conn.execute(
             sa.update(m)
             .where(m.c.message_id == message_id)
-            .values(status="Leased", locked_by=worker, locked_until=prov.clock() - timedelta(seconds=1))
+            .values(status="Leased", locked_by=worker, locked_until=prov.clock() - ago)
         )
 
 
@@ -223,7 +226,8 @@ async def test_the_lease_is_renewed_until_the_settlement_is_committed(sql_db):
 
 async def test_the_sweeper_and_expiry_cover_queues_no_longer_registered(sql_db):
     """A type removed from the app while one of its rows was leased (its worker died): the sweeper
-    still takes the lease back, and its overdue waiting rows still expire."""
+    still takes the lease back (once the grace for queues it does not register is over: a host that
+    registers it would have gone first), and its overdue waiting rows still expire."""
 
     @queue("retired", lease_duration=timedelta(seconds=30))
     class Retired(QueueMessage):
@@ -236,7 +240,7 @@ async def test_the_sweeper_and_expiry_cover_queues_no_longer_registered(sql_db):
     await rt.open()
     held, waiting = await before.enqueue_many([Retired(), Retired()])
     await before.enqueue(Retired(), ttl=timedelta(milliseconds=1))
-    await _leased_by_a_dead_worker(prov, held.message_id, "gone")
+    await _leased_by_a_dead_worker(prov, held.message_id, "gone", UNREGISTERED_GRACE + timedelta(seconds=1))
     after = QueueingApp("removal")
     after.handler(Fenced)(lambda msg: None)  # Retired is no longer registered
     done = await prov.maintain(after)

@@ -143,3 +143,27 @@ async def test_leased_rows_are_left_alone_and_kit_statuses_are_refused(sql_db):
         back = await set_where(client, "customer.country", "eq", "NO", to="Pending", status=["Hold"])
         assert back.json()["updated"] == 1
         assert (await statuses(rt))["o2"] == "Pending"
+
+
+async def test_a_message_whose_run_had_ended_gets_its_attempts_back_and_one_held_keeps_its_count(sql_db):
+    """Put back to Pending, a message dead-lettered at its last attempt runs again (its attempts are
+    reset, as an operator's retry resets them; with its attempts used up the worker would dead-letter
+    it again unrun), while one held mid-retries (a custom status) keeps the attempts it used."""
+    async with api(sql_db) as (client, rt):
+        m = rt.provider.tables.messages
+        async with rt.provider.engine.begin() as conn:
+            await conn.execute(
+                sa.update(m)
+                .where(m.c.body["ref"].as_string() == "o1")
+                .values(status="DeadLettered", attempt=5, reason="max-attempts-exceeded")
+            )
+            await conn.execute(
+                sa.update(m).where(m.c.body["ref"].as_string() == "o2").values(status="Hold", attempt=2)
+            )
+        back = await set_where(client, "customer.country", "eq", "NO", to="Pending")
+        assert back.json()["updated"] == 2
+        async with rt.provider.engine.connect() as conn:
+            rows = (await conn.execute(sa.select(m.c.body, m.c.status, m.c.attempt))).all()
+        got = {(b if isinstance(b, dict) else __import__("json").loads(b))["ref"]: (s, a) for b, s, a in rows}
+        assert got["o1"] == ("Pending", 0)
+        assert got["o2"] == ("Pending", 2)

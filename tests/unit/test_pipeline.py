@@ -116,6 +116,22 @@ async def test_failure_retries_with_backoff_then_dead_letters_at_max_attempts():
     assert "boom" in last.description
 
 
+async def test_a_message_whose_attempts_were_used_by_runs_that_never_settled_is_dead_lettered_unrun():
+    """Runs that end without a settlement (the worker killed, its lease lapsed) count attempts on every
+    transport, yet no failure reaches the pipeline: a message that kills each worker would run for
+    ever. Once its attempts are used up it is dead-lettered with a reason, the handler not called."""
+    app, pipe, *_, prod = make()
+    calls = with_handler(app)
+    last = await pipe.process(delivery(prod, Work(), attempt=3))  # the last attempt still runs
+    assert last == Complete({"done": "ok"})
+    over = await pipe.process(delivery(prod, Work(), attempt=4))
+    assert isinstance(over, DeadLetter)
+    assert over.reason is DeadLetterReason.MAX_ATTEMPTS
+    assert "3 attempts of 3" in over.description
+    assert "without a settlement" in over.description
+    assert calls == [("ok", 3)]
+
+
 async def test_retry_after_and_non_retryable_and_run_again_later():
     app, pipe, *_, prod = make()
     with_handler(app)

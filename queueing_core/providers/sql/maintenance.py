@@ -3,7 +3,7 @@ host (or one Functions timer) may run it; batches keep each transaction short.""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -18,20 +18,38 @@ if TYPE_CHECKING:
 
 LEASED = MessageStatus.LEASED.value
 
+#: how long after its lease lapsed a row of a queue this app does not register is swept: the hosts
+#: that register it (every 5 s in a worker, every 30 s on Functions) sweep it first, by its own options
+UNREGISTERED_GRACE = timedelta(minutes=5)
+
 
 async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -> dict[str, int]:
     """Leases that lapsed (a worker died or hung): count the attempt, then retry, dead-letter at
-    max attempts, or mark Abandoned where the queue asks a person to look."""
+    max attempts, or mark Abandoned where the queue asks a person to look. Rows of queues the app
+    does not register are only counted and retried, ``UNREGISTERED_GRACE`` late (see below)."""
     m = provider.tables.messages
     out = {"leases_retried": 0, "leases_abandoned": 0}
     woke: set[str] = set()
     registered = app.by_queue()
     async with provider.engine.begin() as conn:
-        for queue, opts in [*((q, s.options) for q, s in registered.items()), (None, app.defaults)]:
+        for queue, opts in [*((q, s.options) for q, s in registered.items()), (None, None)]:
             # None: every queue in the table that the app does not register (its rows would stay
-            # leased for good otherwise), under the app's default options
-            which = m.c.queue == queue if queue is not None else m.c.queue.not_in(sorted(registered))
-            lapsed = sa.and_(which, m.c.status == LEASED, m.c.locked_until < now)
+            # leased for good otherwise). Its options are not known here: a type removed, or one that
+            # a newer version mid-rollout or another app on the same table registers, perhaps with
+            # more attempts than the defaults or lease_expired="abandon". So the attempt is counted
+            # and the row made claimable, never dead-lettered or abandoned on this app's defaults:
+            # a host that registers the queue decides that by its own options: its sweeper, which goes
+            # first (the grace), or its pipeline, which dead-letters a message whose attempts were used
+            # up before it runs (so a message that kills every worker that runs it still ends); a
+            # removed type's row waits, Failed, for its expiry or a person
+            if queue is not None:
+                lapsed = sa.and_(m.c.queue == queue, m.c.status == LEASED, m.c.locked_until < now)
+            else:
+                lapsed = sa.and_(
+                    m.c.queue.not_in(sorted(registered)),
+                    m.c.status == LEASED,
+                    m.c.locked_until < now - UNREGISTERED_GRACE,
+                )
             note = sa.func.coalesce(m.c.locked_by, "?")
             error = sa.literal("lease expired: worker ") + note + sa.literal(" stopped renewing it")
             common: dict[str, Any] = {
@@ -41,6 +59,14 @@ async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -
                 "updated_at": now,
                 "last_error": error,
             }
+            if opts is None:
+                res = await conn.execute(
+                    sa.update(m)
+                    .where(lapsed)
+                    .values(status=MessageStatus.FAILED.value, available_at=now, **common)
+                )
+                out["leases_retried"] += res.rowcount or 0
+                continue
             if opts.lease_expired == "abandon":
                 res = await conn.execute(
                     sa.update(m)
