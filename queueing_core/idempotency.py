@@ -28,7 +28,8 @@ import hashlib
 import json
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from uuid import UUID
 
 from .control.identities import KeepsIdentities
@@ -50,6 +51,26 @@ MAX_SUPERSEDED = 64
 _CAS_TRIES = 20
 _WAITING = frozenset(s.value for s in MessageStatus.runnable())
 _FINAL = frozenset(s.value for s in MessageStatus.terminal())
+
+
+@runtime_checkable
+class SendsCopies(Protocol):
+    """A transport that drops a message whose id it has seen (Service Bus with duplicate detection, as
+    the queues of idempotent types have it) and can send one under a transport id of its own."""
+
+    async def send_copy(self, queue: str, env: Envelope, at: datetime | None) -> None: ...
+
+
+def _names(doc: dict[str, Any], message_id: UUID) -> bool:
+    """Whether the identity's document names ``message_id`` (it was sent before)."""
+    mid = str(message_id)
+    return (
+        (doc.get("waiting") or [None])[0] == mid
+        or mid in (doc.get("superseded") or {})
+        or mid in (doc.get("superseded") or {}).values()
+        or doc.get("started") == mid
+        or mid in (doc.get("succeeded") or [])
+    )
 
 
 def body_hash(body: dict[str, Any]) -> str:
@@ -105,7 +126,14 @@ class IdentityGuard:
                 return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
             found = await self.store.identity_doc(env.type, key)
         # the newest version is durably queued before any older one is marked superseded
-        await self.provider.send([env], wait=True)
+        if found is not None and _names(found[0], env.message_id) and isinstance(self.provider, SendsCopies):
+            # sent before under this id (an outbox replaying it): a transport that drops a message id
+            # it has seen (Service Bus's duplicate detection) would drop it, while the document then
+            # marks the version in between superseded by it, and neither would run. A copy goes under
+            # a transport id of its own; the envelope, and so the message id, are the same
+            await self.provider.send_copy(env.queue, env, env.not_before)
+        else:
+            await self.provider.send([env], wait=True)
         replaced = await self._point_at(env, key, digest, found, sent)
         return IdempotentOutcome("enqueued", env.message_id, env.tracking_id, supersedes=replaced)
 
