@@ -27,11 +27,17 @@ other invocations of the process share.
 
 =============  ==========================================================================
 Complete       ``message_actions.complete``
-RetryAfter     a copy scheduled for now + backoff (attempts in its envelope), then complete
+RetryAfter     renew the lock, a copy scheduled for now + backoff (attempts in its envelope),
+               then complete
 Defer/Release  the same, without counting an attempt
 DeadLetter     ``message_actions.deadletter(reason=MaxDeliveryAttemptsExceeded|NonRetryable|...)``
 Expire         ``message_actions.deadletter(reason=Expired)``
 =============  ==========================================================================
+
+As in the worker's settlement: the lock is renewed before a copy is sent, so a run whose lock lapsed
+(the host's renewal failed and the message went to another instance) sends none and records nothing;
+and when completing fails after the copy went out, the original's sequence number is noted in the
+history (``copied_from``), so its return is completed as a known duplicate instead of running again.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 from queueing_core.app import QueueingApp, Subscription
 from queueing_core.bootstrap import instrumented, make_provider
 from queueing_core.clock import utcnow
-from queueing_core.decisions import DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from queueing_core.errors import first_line
 from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings
 from queueing_core.transport import Delivery, Settlement
@@ -118,10 +125,12 @@ class FunctionsHost:
 
         rt = await self.runtime()
         delivery = Delivery.of(_text(msg), queue=sub.queue, delivery_count=delivery_number(msg))
+        if await _known_duplicate(rt.tracker, delivery, msg, actions):
+            return Settlement(delivery, Complete())
         settlement = await rt.process(delivery, cancel_poll=self.settings.cancel_poll)
         ahead = rt.history_ahead([settlement])  # a crash after the settlement still leaves the history
         try:
-            await settle_servicebus(rt.provider, settlement, msg, actions)
+            await settle_servicebus(rt.provider, settlement, msg, actions, tracker=rt.tracker)
         except BaseException:
             rt.history_not_settled(ahead)
             raise
@@ -188,7 +197,12 @@ class FunctionsHost:
             assert isinstance(provider, SqlProvider)
             return {**await retain(provider, self.app, utcnow()), **pruned}
         maintain = getattr(provider, "maintain", None)
-        return {**(await maintain(self.app) if maintain is not None else {}), **pruned}
+        if maintain is not None:
+            return {**await maintain(self.app), **pruned}
+        # Service Bus has no upkeep of its own, but its history is in Tables too: without this the
+        # history table would grow for ever (nothing else prunes it in Functions)
+        prune = getattr(rt.tracker, "prune", None)
+        return {**({"history_pruned": await prune(utcnow())} if prune is not None else {}), **pruned}
 
 
 async def settle_storage(provider: Any, s: Settlement) -> None:
@@ -203,7 +217,9 @@ async def settle_storage(provider: Any, s: Settlement) -> None:
         await provider.put(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), due - now, now)
 
 
-async def settle_servicebus(provider: Any, s: Settlement, msg: Any, actions: Any) -> None:
+async def settle_servicebus(
+    provider: Any, s: Settlement, msg: Any, actions: Any, *, tracker: Any = None
+) -> None:
     # ServiceBusMessageActions blocks on a gRPC call to the host: in a thread, so the event loop (and
     # every other invocation on it) keeps running meanwhile
     d, decision = s.delivery, s.decision
@@ -223,13 +239,58 @@ async def settle_servicebus(provider: Any, s: Settlement, msg: Any, actions: Any
         )
     elif isinstance(decision, RetryAfter | Defer | Release):
         assert d.envelope is not None, "malformed messages are always dead-lettered"
+        # Renewing the lock first proves this run still holds the message: a run whose lock lapsed must
+        # send no copy, or the message runs again after the run that holds it now has settled it.
+        # (A renewal that failed for another reason leaves the message locked until its lock lapses:
+        # it comes back, nothing is lost.)
+        try:
+            await asyncio.to_thread(actions.renew_message_lock, msg)
+        except Exception as exc:
+            d.refuse(f"renewing the lock failed: {first_line(exc)}")
+            return
         # the copy first: if completing fails after it, a duplicate beats a loss
         await provider.send_copy(
             d.queue, d.envelope.with_attempt(d.attempts_used(decision)), _due(decision, utcnow())
         )
-        await asyncio.to_thread(actions.complete, msg)
+        try:
+            await asyncio.to_thread(actions.complete, msg)
+        except Exception as exc:
+            # The copy is out and carries the outcome on; the original comes back (its lock lapses).
+            # Its sequence number goes into the history at once, where its return is recognised
+            # (_known_duplicate), rather than run again beside the copy.
+            sequence = getattr(msg, "sequence_number", None)
+            d.left_behind = None if sequence is None else str(sequence)
+            log.warning(
+                "completing message %s on %s after sending its copy failed (%s): the original will come "
+                "back and is then completed as a duplicate",
+                d.envelope.message_id,
+                d.queue,
+                first_line(exc),
+            )
+            note = getattr(tracker, "note_copied", None)
+            if note is not None and d.left_behind is not None:
+                try:
+                    await note(d.envelope.message_id, d.left_behind)
+                except Exception as note_exc:  # the history write after settling carries it too
+                    log.warning("could not note the copy of %s: %s", d.envelope.message_id, note_exc)
     else:
         await asyncio.to_thread(actions.complete, msg)
+
+
+async def _known_duplicate(tracker: Any, d: Delivery, msg: Any, actions: Any) -> bool:
+    """As the worker's receive asks (``known_duplicate``): an original that came back after its copy was
+    sent (see ``settle_servicebus``) is completed without running the handler."""
+    from queueing_core.providers.servicebus import known_duplicate  # (only a Service Bus app loads it)
+
+    from .servicebus_delivery import delivery_number
+
+    return await known_duplicate(
+        tracker,
+        d,
+        getattr(msg, "sequence_number", None),
+        delivery_number(msg) - 1,  # earlier deliveries, as the SDK's own count says (0: the first)
+        lambda: asyncio.to_thread(actions.complete, msg),
+    )
 
 
 def _due(decision: RetryAfter | Defer | Release, now: datetime) -> datetime:

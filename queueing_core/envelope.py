@@ -98,7 +98,7 @@ def malformed_identity(raw_text: str) -> tuple[UUID, UUID, str]:
     an id derived from the text (the same text always gets the same id) and ``(unknown)``."""
     try:
         doc = json.loads(raw_text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (JSON nested deeper than the interpreter's stack goes)
         doc = None
     fields: dict[str, Any] = doc if isinstance(doc, dict) else {}
     message_id = _uuid_or_none(fields.get("message_id")) or uuid5(NAMESPACE_OID, raw_text)
@@ -127,7 +127,7 @@ def _uuid_or_none(value: object) -> UUID | None:
 def _version_of(raw: bytes | str) -> object | None:
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # (see malformed_identity)
         return None
     return doc.get("v") if isinstance(doc, dict) else None
 

@@ -149,3 +149,9 @@ class ProcessAgainAt(Exception):
     def __init__(self, when: datetime) -> None:
         super().__init__(f"process again at {when.isoformat()}")
         self.when = when
+
+
+def first_line(exc: BaseException) -> str:
+    """One wording of an error in a log line: its type and the first line of its text."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -180,6 +180,45 @@ class _DeadLetterPages:
         for m in items:
             with contextlib.suppress(ServiceBusError):  # a lapsed lock hands it back by itself
                 await self.receiver.abandon_message(m)
+
+
+
+async def known_duplicate(
+    tracker: Any,
+    d: Delivery,
+    sequence_number: int | None,
+    delivery_count: int | None,
+    complete: Callable[[], Awaitable[None]],
+) -> bool:
+    """A redelivered original whose outcome already went on in a copy (the copy was sent, completing
+    the original failed, and the history noted its sequence number in ``copied_from``): ``complete``
+    it without running the handler, and count it in the history. The worker's receive and the
+    Functions host ask the same question of every message that came back."""
+    if d.envelope is None or not delivery_count or sequence_number is None:
+        return False  # only a message that came back can be one
+    try:
+        rec = await tracker.get(d.envelope.message_id)
+    except Exception as exc:  # history unreachable: run it (a duplicate run beats a lost message)
+        log.warning("could not look for a duplicate of %s: %s", d.envelope.message_id, _first_line(exc))
+        return False
+    if rec is None or rec.copied_from != str(sequence_number):
+        return False
+    d.duplicate = True
+    log.warning(
+        "message %s on %s came back after its copy was sent: completed as a duplicate, not run",
+        d.envelope.message_id,
+        d.queue,
+    )
+    try:
+        await complete()
+    except Exception as exc:  # it comes back once more and is recognised again
+        log.warning("completing duplicate %s failed: %s", d.envelope.message_id, _first_line(exc))
+        return True
+    note = getattr(tracker, "note_duplicate", None)
+    if note is not None:
+        with contextlib.suppress(Exception):  # a count, not an outcome
+            await note(d.envelope.message_id)
+    return True
 
 
 class ServiceBusProvider(DeadLetterOps, PhysicalNames):
@@ -374,34 +413,11 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         return [d for d in deliveries if not await self._known_duplicate(d)]
 
     async def _known_duplicate(self, d: Delivery) -> bool:
-        """A redelivered original whose outcome already went on in a copy (the copy was sent, completing
-        the original failed): complete it without running the handler, and count it in the history."""
         h: _Handle = d.handle
         m = h.message
-        if d.envelope is None or not m.delivery_count:
-            return False  # only a message that came back can be one
-        try:
-            rec = await self._tracker.get(d.envelope.message_id)
-        except Exception as exc:  # history unreachable: run it (a duplicate run beats a lost message)
-            log.warning("could not look for a duplicate of %s: %s", d.envelope.message_id, exc)
-            return False
-        if rec is None or rec.copied_from != str(m.sequence_number):
-            return False
-        log.warning(
-            "message %s on %s came back after its copy was sent: completed as a duplicate, not run",
-            d.envelope.message_id,
-            d.queue,
+        return await known_duplicate(
+            self._tracker, d, m.sequence_number, m.delivery_count, lambda: h.receiver.complete_message(m)
         )
-        try:
-            await h.receiver.complete_message(m)
-        except Exception as exc:  # it comes back once more and is recognised again
-            log.warning("completing duplicate %s failed: %s", d.envelope.message_id, _first_line(exc))
-            return True
-        note = getattr(self._tracker, "note_duplicate", None)
-        if note is not None:
-            with contextlib.suppress(Exception):
-                await note(d.envelope.message_id)
-        return True
 
     async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
         return None  # receive already waited (up to receive_wait) for work to arrive

@@ -224,7 +224,7 @@ class _PoisonPages:
         text = decode_body(item.content)
         try:
             doc = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # (JSON nested deeper than the interpreter's stack goes)
             doc = None
         if isinstance(doc, dict) and "message_id" not in doc and isinstance(doc.get("raw"), str):
             # the wrapper of a body that was not an envelope, as versions before wrote it (no id of its

@@ -164,6 +164,12 @@ class HostActions:
     def abandon(self, message: Any) -> None:
         self._record("abandon", message)
 
+    def renew_message_lock(self, message: Any) -> None:
+        """Nothing to carry out later: the messages it is given hold their locks until ``apply``
+        (``LiveActions`` in test_review_functions_host.py renews on the broker and can be refused)."""
+        if not message.lock_token:
+            raise ValueError("lockToken is required in ServiceBusReceivedMessage.")
+
     def deadletter(
         self,
         message: Any,

@@ -111,3 +111,18 @@ def test_a_time_out_of_range_once_in_utc_is_a_malformed_envelope(field, value):
 def test_any_bytes_either_decode_or_raise_malformed(raw):
     with contextlib.suppress(MalformedEnvelope):
         Envelope.decode(raw)
+
+
+def test_json_nested_deeper_than_the_stack_is_malformed_not_a_crash():
+    """About 2 KB of brackets nest deeper than ``json``'s recursion allows: a RecursionError out of the
+    decode failed every receive batch it came in (and made a Functions trigger raise on every try)."""
+    from queueing_core.envelope import malformed_identity
+
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(MalformedEnvelope):
+        Envelope.decode(deep)
+    with pytest.raises(MalformedEnvelope):
+        Envelope.decode('{"v": ' + deep + "}")
+    message_id, tracking_id, type_name = malformed_identity(deep)
+    assert message_id == tracking_id
+    assert type_name == "(unknown)"

@@ -326,7 +326,7 @@ def _pretty(value: Any) -> str | None:
 def _bodies(text: str) -> list[dict[str, Any]]:
     try:
         value = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (nested deeper than the interpreter's stack goes)
         raise InvalidArgument("body", f"not JSON: {exc}") from None
     items = value if isinstance(value, list) else [value]
     if not items or len(items) > 1000 or not all(isinstance(i, dict) for i in items):

@@ -13,11 +13,7 @@ from collections.abc import Iterator
 import sqlalchemy as sa
 
 from ...errors import ProviderError, ProviderUnavailable
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+from ...errors import first_line as first_line  # (where the delayed store's breaker takes it from)
 
 
 @functools.cache
