@@ -214,6 +214,19 @@ class _DeadLetterPages:
         """Nothing to do: closing the scan's channel returns them in order."""
 
 
+
+#: AMQP's short-string properties (correlation-id, type) hold at most 255 bytes
+SHORTSTR_BYTES = 255
+
+
+def _short(text: str | None) -> str | None:
+    """``text`` for an AMQP short-string property, or None when it does not fit: the envelope in the body
+    carries it whole (the kit reads it from there), while a value too long failed the publish itself, a
+    raw error after a batch's earlier messages had gone (a correlation id may be 256 characters, and
+    each character up to 4 bytes)."""
+    return text if text is None or len(text.encode("utf-8")) <= SHORTSTR_BYTES else None
+
+
 class RabbitMQProvider(SideStoreOps):
     transport = Transport.RABBITMQ
 
@@ -432,8 +445,8 @@ class RabbitMQProvider(SideStoreOps):
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=str(env.message_id),
-            correlation_id=env.correlation_id,
-            type=env.type,
+            correlation_id=_short(env.correlation_id),
+            type=_short(env.type),
             timestamp=now,
             expiration=expiration,
             headers={ATTEMPT: env.attempt, TYPE: env.type, **(headers or {})},

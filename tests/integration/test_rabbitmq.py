@@ -184,6 +184,24 @@ async def test_every_enqueue_returns_only_once_the_broker_confirmed(tmp_path):
     await rt2.close()
 
 
+async def test_a_correlation_id_too_long_for_amqp_goes_in_the_envelope_and_the_batch_is_sent_whole(tmp_path):
+    """AMQP's correlation-id property holds 255 bytes; an envelope's correlation id may be 256
+    characters (up to 1,024 bytes). Before, aio-pika refused such a message with a raw TypeError after
+    the batch's earlier messages had gone, so every retry of the batch duplicated them and the batch
+    never went. The property is left out when it does not fit; the envelope carries the id whole."""
+    app, rt, _ = make(tmp_path)
+    long_id = "é" * 200  # 200 characters, 400 bytes
+    receipts = await app.enqueue_many([Invoice(n=1), Invoice(n=2, correlation_id=long_id)])
+    fits = await app.enqueue(Invoice(n=3, correlation_id="c" * 255))
+    got = {json.loads(m.body)["message_id"]: m for m in await take_all(physical(rt))}
+    assert set(got) == {str(r.message_id) for r in [*receipts, fits]}
+    long_one = got[str(receipts[1].message_id)]
+    assert long_one.correlation_id is None
+    assert json.loads(long_one.body)["correlation_id"] == long_id
+    assert got[str(fits.message_id)].correlation_id == "c" * 255
+    await rt.close()
+
+
 async def test_a_pause_sends_the_message_back_without_using_an_attempt(tmp_path):
     app, rt, calls = make(tmp_path)
     sub = app.subscription("Invoice")
