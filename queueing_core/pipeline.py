@@ -308,15 +308,17 @@ class Pipeline:
                 return await self._emit_final(
                     delivery, Complete(None, cancelled=True, reason=f"superseded by {newer}")
                 )
-        if delivery.attempt > sub.options.max_attempts:
-            # every counted attempt was used by runs that never settled (a worker that died or hung
-            # past its lease counts one); another run could only end the same way
+        if delivery.attempt > sub.options.max_attempts and delivery.runs_counted:
+            # the attempts were used up by deliveries that never settled (a worker that died or hung
+            # past its lease counts one, as does one the host could not process); another run could
+            # only end the same way, and a message that kills every worker would never end
             return await self._emit_final(
                 delivery,
                 DeadLetter(
                     DeadLetterReason.MAX_ATTEMPTS,
-                    f"{delivery.attempt - 1} attempts of {sub.options.max_attempts} were used by runs that "
-                    "ended without a settlement (the worker stopped or its lease lapsed); not run again",
+                    f"delivered {delivery.attempt - 1} times for {sub.options.max_attempts} attempts; the "
+                    "last deliveries ended without a settlement (the worker stopped, its lease lapsed, or "
+                    "the host could not process it): not run again",
                 ),
             )
         # after the superseded check: a message settled without running must not hold a circuit probe

@@ -67,6 +67,11 @@ class Delivery:
     #: set by the runtime when this delivery is a known duplicate (a repeated forward whose outcome is
     #: already recorded): it is completed without running, and counted in history instead of recorded
     duplicate: bool = False
+    #: whether every earlier delivery that ``attempt`` counts was handed to a worker to run (or held
+    #: under a lease that lapsed): then attempts past the last were used by runs that never settled,
+    #: and the pipeline dead-letters the message rather than run it again. RabbitMQ says only
+    #: "redelivered", which a message merely buffered by a consumer whose connection dropped is too
+    runs_counted: bool = True
 
     @classmethod
     def of(

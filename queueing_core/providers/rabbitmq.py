@@ -579,15 +579,16 @@ class RabbitMQProvider(SideStoreOps):
             if _stale(m):
                 continue  # from before a reconnect: the broker requeued it and will deliver it again
             c.in_flight += 1
-            out.append(
-                Delivery.of(
-                    m.body,
-                    queue=sub.queue,
-                    # classic queues count no deliveries: a redelivery means a consumer died holding it
-                    delivery_count=2 if m.redelivered else 1,
-                    handle=_Handle(m, c.physical),
-                )
+            d = Delivery.of(
+                m.body,
+                queue=sub.queue,
+                # classic queues count no deliveries: a redelivery means a consumer died holding it,
+                # perhaps only in its buffer (not a run: see ``runs_counted``)
+                delivery_count=2 if m.redelivered else 1,
+                handle=_Handle(m, c.physical),
             )
+            d.runs_counted = not m.redelivered
+            out.append(d)
         if not c.buffer:
             c.ready.clear()
         return out

@@ -167,3 +167,29 @@ async def test_a_message_whose_run_had_ended_gets_its_attempts_back_and_one_held
         got = {(b if isinstance(b, dict) else __import__("json").loads(b))["ref"]: (s, a) for b, s, a in rows}
         assert got["o1"] == ("Pending", 0)
         assert got["o2"] == ("Pending", 2)
+
+
+async def test_an_ended_message_held_under_a_custom_status_then_put_back_gets_its_attempts_back(sql_db):
+    """Dead-lettered at its last attempt, then held (a custom status), then put back: the second step
+    sees a custom status, yet the message had ended (it was settled), so its attempts come back; with
+    them used up the worker would dead-letter it again without running it (found in review)."""
+    async with api(sql_db) as (client, rt):
+        m = rt.provider.tables.messages
+        async with rt.provider.engine.begin() as conn:  # as its last failed attempt's settlement left it
+            await conn.execute(
+                sa.update(m)
+                .where(m.c.body["ref"].as_string() == "o3")
+                .values(
+                    status="DeadLettered", attempt=5, reason="max-attempts-exceeded", settled_at=sa.func.now()
+                )
+            )
+        for to in ("Hold", "Pending"):
+            res = await set_where(client, "customer.country", "eq", "SE", to=to)
+            assert res.json()["updated"] == 1, res.text
+        async with rt.provider.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(m.c.status, m.c.attempt).where(m.c.body["ref"].as_string() == "o3")
+                )
+            ).one()
+        assert tuple(row) == ("Pending", 0)

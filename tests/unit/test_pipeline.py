@@ -127,9 +127,13 @@ async def test_a_message_whose_attempts_were_used_by_runs_that_never_settled_is_
     over = await pipe.process(delivery(prod, Work(), attempt=4))
     assert isinstance(over, DeadLetter)
     assert over.reason is DeadLetterReason.MAX_ATTEMPTS
-    assert "3 attempts of 3" in over.description
+    assert "delivered 3 times for 3 attempts" in over.description
     assert "without a settlement" in over.description
     assert calls == [("ok", 3)]
+    # a transport that cannot tell a run from a delivery (RabbitMQ's "redelivered") runs it
+    unsure = delivery(prod, Work(), attempt=4)
+    unsure.runs_counted = False
+    assert await pipe.process(unsure) == Complete({"done": "ok"})
 
 
 async def test_retry_after_and_non_retryable_and_run_again_later():

@@ -97,9 +97,12 @@ async def update_status(
         values.update(available_at=now, settled_at=None)
         # a message whose run had ended (dead-lettered at its last attempt, abandoned, ...) gets its
         # attempts back, as an operator's retry gives them: with its attempts used up the worker would
-        # dead-letter it again without running it. One held mid-retries (a custom status) keeps its count
+        # dead-letter it again without running it. Ended: settled, whatever status it was given since
+        # (dead-lettered, then held under a custom status, then put back). One held mid-retries (a
+        # custom status set on a waiting message, never settled) keeps its count
         ended = [s.value for s in (*MessageStatus.terminal(), MessageStatus.ABANDONED)]
-        values["attempt"] = sa.case((m.c.status.in_(sorted(ended)), 0), else_=m.c.attempt)
+        settled = sa.or_(m.c.status.in_(sorted(ended)), m.c.settled_at.is_not(None))
+        values["attempt"] = sa.case((settled, 0), else_=m.c.attempt)
     elif new_status in {s.value for s in MessageStatus.terminal()}:
         values["settled_at"] = now
     update = sa.update(m).where(*where).values(**values)
