@@ -8,6 +8,7 @@
   cannot have come from a web page on another site.
 
 Otherwise it gets 401 (403 for a cross-site refusal) as problem details, having reached nothing else.
+A request that passes but whose query string is not UTF-8 gets 400 (nothing downstream can read it).
 
 A credential is anything that can look at a request and say absent, valid or invalid:
 :class:`ApiKeyHeaders`, and the dashboard's signed-in browser session (a cookie plus an anti-forgery
@@ -123,6 +124,14 @@ class LocalOnly:
 Refusal = Callable[[HTTPConnection, int, str, str], Response | None]
 
 
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def nothing_public(path: str) -> bool:
     return False
 
@@ -162,6 +171,11 @@ class Guard:
             return
         request = HTTPConnection(scope)
         refusal = None if self.public(scope["path"]) else self._refusal(request, scope["method"])
+        if refusal is None and not _utf8(scope.get("query_string", b"")):
+            # (after the credential: who is refused learns nothing more.) Starlette builds the request's
+            # URL by decoding the query string as UTF-8: anything that reads it (an error handler, a
+            # page) would fail with a 500 on a query string a lenient HTTP parser let through raw
+            refusal = 400, "bad-request", "the query string is not UTF-8: percent-encode it"
         if refusal is None:
             await self.app(scope, receive, send)
             return

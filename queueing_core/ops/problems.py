@@ -32,6 +32,7 @@ log = logging.getLogger("queueing.api")
 PROBLEM = "application/problem+json"
 #: problem types are URNs: stable names a client can switch on, with no server behind them
 TYPE_PREFIX = "urn:queueing-kit:problem:"
+NOSNIFF = {"X-Content-Type-Options": "nosniff"}
 #: at most this many validation errors are listed (a 1,000-item batch can have thousands)
 MAX_ERRORS = 50
 
@@ -67,8 +68,13 @@ def problem(
         errors=shown,
         error_count=len(errors) if errors is not None and len(errors) > MAX_ERRORS else None,
     )
+    # `instance` echoes the request's path (unauthenticated too): a browser must never read the
+    # answer as anything but JSON
     return JSONResponse(
-        body.model_dump(exclude_none=True), status_code=status, media_type=PROBLEM, headers=headers
+        body.model_dump(exclude_none=True),
+        status_code=status,
+        media_type=PROBLEM,
+        headers={**NOSNIFF, **(headers or {})},
     )
 
 

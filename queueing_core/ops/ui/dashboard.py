@@ -82,13 +82,19 @@ class Dashboard:
 
     def render(self, request: HTTPConnection, status: int, kind: str, detail: str) -> Response | None:
         """A browser refused on a page is sent to sign in; the API keeps its problem details."""
-        path = request.url.path
+        # the scope, not `request.url`: that decodes the query as UTF-8 and this request is not
+        # authenticated (any bytes may come); whatever is not a safe path is dropped below anyway
+        path = request.scope["path"]
         if status != 401 or not (path.startswith(f"{self.base}/") or path == f"{self.prefix}/docs"):
             return None
         target = f"{self.base}/sign-in"
-        back = path + (f"?{request.url.query}" if request.url.query else "")
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        back = path + (f"?{query}" if query else "")
         if "hx-request" in request.headers:  # back to the page the fragment was for, not the fragment
-            back = urlsplit(request.headers.get("hx-current-url", "")).path
+            try:
+                back = urlsplit(request.headers.get("hx-current-url", "")).path
+            except ValueError:  # `http://[`: not a URL (urlsplit refuses it); sign in, go back nowhere
+                back = ""
         if request.scope["method"] == "GET" and self.safe_next(back) == back:
             target += "?" + urlencode({"next": back})
         if "hx-request" in request.headers:  # htmx follows HX-Redirect with a full page load
@@ -114,6 +120,10 @@ class Dashboard:
 
     def safe_next(self, value: str) -> str:
         ok = value.startswith(f"{self.prefix}/") and SAFE_NEXT.fullmatch(value) and "//" not in value
+        # no `.` or `..` step either (`%2e` is a dot to a browser): it resolves `<prefix>/../../x` to
+        # `/x`, outside the app
+        steps = value.split("?", 1)[0].lower().replace("%2e", ".").split("/")
+        ok = ok and "." not in steps and ".." not in steps
         return value if ok and len(value) < 1024 else f"{self.base}/"
 
     def _routes(self) -> None:
