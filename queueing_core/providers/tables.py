@@ -933,10 +933,14 @@ class TablesTracker(_OnTable):
     async def _write_if_newer(self, client: TableClient, rec: MessageRecord) -> None:
         e = _record_entity(rec)
         newer = as_utc(rec.updated_at)
-        # history that moved on while this record waited is left as it is
-        await self._merge_on_etag(
-            client, e, lambda stored: _plain_utc(stored["UpdatedAt"]) > newer, create=True
-        )
+        fresh = is_enqueue_record(rec)
+
+        def keep(stored: Mapping[str, Any]) -> bool:
+            # history that moved on while this record waited is left as it is, and a producer's record
+            # never replaces an outcome (its clock, read after the send, may be later than the worker's)
+            return _plain_utc(stored["UpdatedAt"]) > newer or (fresh and stored.get("Status") in OUTCOMES)
+
+        await self._merge_on_etag(client, e, keep, create=True)
         await client.upsert_entity(_index_entity(e), mode=UpdateMode.REPLACE)
 
     async def _insert_new(self, client: TableClient, batch: list[dict[str, Any]]) -> None:

@@ -19,7 +19,9 @@ runtime never skips a run on such a record: only a success marks a repeated forw
 Late writes never replace newer history: the backlog writes through the tracker's ``upsert_newer``
 (a record whose ``updated_at`` is older than the stored one is dropped), so a retried "Failed" cannot
 overwrite the "Succeeded" of the retry that ran meanwhile, and a late "Pending" from a producer cannot
-overwrite an outcome.
+overwrite an outcome. The same rule holds while records wait (:func:`replaces`): in the backlog and in
+the journal, a record of a message replaces the waiting one only if it is at least as new, and a
+producer's record never replaces a waiting outcome.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 from uuid import UUID
 
-from .base import MessageRecord, Tracker
+from ..clock import as_utc
+from .base import OUTCOMES, MessageRecord, Tracker, is_enqueue_record
 
 log = logging.getLogger("queueing.history")
 
@@ -88,13 +91,21 @@ def _alive(owner: str) -> bool:
     return pid > 0
 
 
+def replaces(new: MessageRecord, old: MessageRecord) -> bool:
+    """Whether ``new`` may take the place of ``old``, a waiting record of the same message: it is at
+    least as new, and it is not a producer's record over an outcome (which the stores keep too)."""
+    newer = as_utc(new.updated_at) >= as_utc(old.updated_at)
+    return newer and not (old.status in OUTCOMES and is_enqueue_record(new))
+
+
 def default_journal_dir() -> Path:
     return Path(tempfile.gettempdir()) / "queueing-history"
 
 
 class Journal:
     """Records waiting for the history store, in a SQLite file on local disk. One row per message (a
-    later record of the same message replaces the earlier one); rows are keyed by a sequence number so
+    later record of the same message replaces the earlier one, by :func:`replaces`: never an older one,
+    which another process on this machine may journal after it); rows are keyed by a sequence number so
     that deleting a written record never deletes a newer one of the same message."""
 
     def __init__(self, path: Path) -> None:
@@ -113,12 +124,18 @@ class Journal:
             " record TEXT NOT NULL,"
             " added REAL NOT NULL,"
             " owner TEXT NOT NULL,"  # <process id>:<journal>, of the journal that kept the row
-            " settled INTEGER NOT NULL DEFAULT 1)"  # 0: kept before a settlement not yet applied
+            " settled INTEGER NOT NULL DEFAULT 1,"  # 0: kept before a settlement not yet applied
+            " updated REAL NOT NULL DEFAULT 0,"  # the record's updated_at (epoch seconds)
+            " outcome INTEGER NOT NULL DEFAULT 0)"  # 1: the record is an outcome (see replaces())
         )
         columns = {str(c[1]) for c in self._db.execute("PRAGMA table_info(pending)").fetchall()}
-        if "settled" not in columns:  # a journal file of an earlier version of the kit
+        # a journal file of an earlier version of the kit (its rows: replaced by any record, as then)
+        for name, default in (("settled", 1), ("updated", 0), ("outcome", 0)):
+            if name in columns:
+                continue
+            kind = "REAL" if name == "updated" else "INTEGER"
             try:
-                self._db.execute("ALTER TABLE pending ADD COLUMN settled INTEGER NOT NULL DEFAULT 1")
+                self._db.execute(f"ALTER TABLE pending ADD COLUMN {name} {kind} NOT NULL DEFAULT {default}")
             except sqlite3.OperationalError as exc:  # another process upgraded it just now
                 if "duplicate column" not in str(exc):
                     raise
@@ -132,21 +149,36 @@ class Journal:
 
     def add(self, records: Sequence[MessageRecord], *, settled: bool = True) -> dict[UUID, int]:
         """Keep ``records`` (``settled=False``: before their settlement is applied); returns each
-        message's row number (for :meth:`forget` and :meth:`mark_settled`)."""
+        message's row number (for :meth:`forget` and :meth:`mark_settled`). A record older than the row
+        its message has (see :func:`replaces`) is not kept, and has no row number: the row is not its."""
         rows: dict[UUID, int] = {}
         now = time.time()
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
             for r in records:
                 cur = self._db.execute(
-                    "INSERT INTO pending (message_id, record, added, owner, settled) VALUES (?, ?, ?, ?, ?) "
+                    "INSERT INTO pending (message_id, record, added, owner, settled, updated, outcome) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT (message_id) DO UPDATE SET seq = "
                     "(SELECT COALESCE(MAX(seq), 0) + 1 FROM pending), record = excluded.record, "
-                    "added = excluded.added, owner = excluded.owner, settled = excluded.settled "
+                    "added = excluded.added, owner = excluded.owner, settled = excluded.settled, "
+                    "updated = excluded.updated, outcome = excluded.outcome "
+                    "WHERE excluded.updated >= pending.updated AND NOT (pending.outcome = 1 AND ? = 1) "
                     "RETURNING seq",
-                    (str(r.message_id), r.model_dump_json(), now, self.owner, int(settled)),
+                    (
+                        str(r.message_id),
+                        r.model_dump_json(),
+                        now,
+                        self.owner,
+                        int(settled),
+                        as_utc(r.updated_at).timestamp(),
+                        int(r.status in OUTCOMES),
+                        int(is_enqueue_record(r)),
+                    ),
                 )
-                rows[r.message_id] = int(cur.fetchone()[0])
+                row = cur.fetchone()
+                if row is not None:
+                    rows[r.message_id] = int(row[0])
         return rows
 
     def mark_settled(self, rows: Sequence[int]) -> None:
@@ -264,8 +296,7 @@ class HistoryWriter:
             log.warning("history journal cannot be read (%s)", exc)
             return
         for seq, rec in left:
-            if rec.message_id not in self._pending:
-                self._keep(seq, rec)
+            self._keep(seq, rec)
         if left:
             log.warning("%d history record(s) left by a process that is gone: writing them", len(left))
             self._start()
@@ -358,10 +389,11 @@ class HistoryWriter:
             self._queue(records, rows)
             return False
         # Written. Older records of these messages still waiting in the backlog would be dropped by
-        # the late write's rule anyway (a newer record is stored); forget them now.
+        # the late write's rule anyway (a newer record is stored); forget them now. A waiting outcome
+        # stays for a producer's record (the store did not let that replace an outcome either).
         for r in records:
             old = self._pending.get(r.message_id)
-            if old is not None and old[1].updated_at <= r.updated_at:
+            if old is not None and replaces(r, old[1]):
                 del self._pending[r.message_id]
                 rows.setdefault(r.message_id, old[0])
         self.drop([seq for seq in rows.values() if seq])
@@ -376,14 +408,20 @@ class HistoryWriter:
         self._start()
 
     def _keep(self, seq: int, rec: MessageRecord) -> None:
+        """Wait with ``rec`` (journal row ``seq``, 0: none) in place of a waiting record of its message
+        that it :func:`replaces`, else keep that one (with what only ``rec`` knew: its body, its raw
+        text). The journal has one row per message: the latest row number given is the message's."""
         old = self._pending.pop(rec.message_id, None)
-        if old is not None and (rec.body is None or rec.raw is None):
-            rec = rec.model_copy(
-                update={
-                    "body": old[1].body if rec.body is None else rec.body,
-                    "raw": old[1].raw if rec.raw is None else rec.raw,
-                }
-            )
+        if old is not None:
+            keep, other = (rec, old[1]) if replaces(rec, old[1]) else (old[1], rec)
+            if keep.body is None or keep.raw is None:
+                keep = keep.model_copy(
+                    update={
+                        "body": other.body if keep.body is None else keep.body,
+                        "raw": other.raw if keep.raw is None else keep.raw,
+                    }
+                )
+            rec, seq = keep, seq or old[0]
         self._pending[rec.message_id] = (seq, rec)
 
     def _start(self) -> None:

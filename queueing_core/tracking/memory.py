@@ -47,7 +47,8 @@ class MemoryTracker:
         for rec in records:
             old = self._items.get(rec.message_id)
             if old is None or old.updated_at <= rec.updated_at:
-                self._write([rec], keep_outcomes=False)
+                # (a producer's record never replaces an outcome: its clock may read later)
+                self._write([rec], keep_outcomes=True)
 
     async def note_duplicate(self, message_id: UUID) -> None:
         """Count one delivery of ``message_id`` dropped as a known duplicate."""

@@ -134,9 +134,12 @@ class SqlHistoryTracker(SqlTracker):
         # A producer writes its record after the send, so a fast worker may have written first: an
         # enqueue record never replaces an outcome (finished, or failed and waiting for its retry).
         kept: list[sa.ColumnElement[str]] = [sa.literal_column(f"'{s}'") for s in sorted(OUTCOMES)]
-        where = t.c.status.not_in(kept) if keep_outcomes else None
+        conditions: list[sa.ColumnElement[bool]] = []
+        if keep_outcomes:
+            conditions.append(t.c.status.not_in(kept))
         if if_newer:  # a late write (the history backlog) never replaces a newer record
-            where = t.c.updated_at <= ex["updated_at"]
+            conditions.append(t.c.updated_at <= ex["updated_at"])
+        where = sa.and_(*conditions) if conditions else None
         return stmt.on_conflict_do_update(index_elements=[t.c.message_id], set_=changes, where=where)
 
     async def upsert(self, records: Sequence[MessageRecord]) -> None:
@@ -158,10 +161,17 @@ class SqlHistoryTracker(SqlTracker):
         latest = newest_per_message(records)
         if not latest:
             return
-        rows = [self._row(latest[k]) for k in sorted(latest)]
+        plain: list[dict[str, Any]] = []
+        fresh: list[dict[str, Any]] = []
+        for k in sorted(latest):
+            # a producer's record never replaces an outcome here either (its clock may read later)
+            (fresh if is_enqueue_record(latest[k]) else plain).append(self._row(latest[k]))
         await self.provider.ensure_open()
         async with self.provider.engine.begin() as conn:
-            await conn.execute(self._upsert_statement(keep_outcomes=False, if_newer=True), rows)
+            if plain:
+                await conn.execute(self._upsert_statement(keep_outcomes=False, if_newer=True), plain)
+            if fresh:
+                await conn.execute(self._upsert_statement(keep_outcomes=True, if_newer=True), fresh)
 
     async def change(self, message_id: UUID, changes: Mapping[str, Any]) -> None:
         """Set these fields of ``message_id``'s row and leave the rest as stored: an action on a row
