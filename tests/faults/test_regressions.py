@@ -128,6 +128,39 @@ async def test_purge_removes_every_matching_dead_letter_and_only_their_history(h
         await letters.rt.close()
 
 
+async def test_a_large_purge_is_bounded_per_call_and_repeating_it_removes_the_rest(harness, monkeypatch):
+    """A purge holds the matching records while it reads the transport through: on a transport with a
+    separate history one call takes at most PURGE_LIMIT of them and says there are more (SQL deletes
+    in batches, all in one call: tests/integration/test_sql_purge_batches.py). 150 dead letters, a
+    bound of 40."""
+    from queueing_core.ops import service as ops_service
+
+    monkeypatch.setattr(ops_service, "PURGE_LIMIT", 40)
+    letters = await Letters(harness).open()
+    try:
+        ids = await letters.dead_letter([f"k{i}" for i in range(150)])
+        query = MessageQuery(queue="letters", status=("DeadLettered",))
+        deleted, calls = 0, 0
+        while True:
+            done = await letters.ops.purge(query)
+            deleted, calls = deleted + done.deleted, calls + 1
+            if not done.more:
+                break
+            assert done.deleted == 40
+            assert calls < 10, "a purge that says more for ever"
+        assert deleted == 150
+        assert calls == 4
+        assert (await letters.places())["dead"] == 0
+        assert all([await letters.rt.tracker.get(i) is None for i in ids])
+        # purge_all (the CLI's) repeats it in one call
+        more = await letters.dead_letter([f"m{i}" for i in range(90)])
+        done = await letters.ops.purge_all(query)
+        assert (done.deleted, done.more) == (90, False)
+        assert all([await letters.rt.tracker.get(i) is None for i in more])
+    finally:
+        await letters.rt.close()
+
+
 async def test_an_operator_retry_whose_send_fails_keeps_the_dead_letter_and_can_be_repeated(harness):
     letters = await Letters(harness).open()
     try:

@@ -113,12 +113,24 @@ async def archive(p: SqlProvider, record: MessageRecord, now: datetime) -> bool:
 
 
 async def purge(p: SqlProvider, query: MessageQuery) -> tuple[int, int]:
-    """Delete what matches, except messages a worker holds right now (counted, not touched)."""
+    """Delete what matches, except messages a worker holds right now (counted, not touched). In
+    batches of the retention's size, each its own transaction: a purge of a million rows must not hold
+    SQLite's one write lock (or PostgreSQL's row locks) for the whole of it while workers wait."""
     m = p.tables.messages
-    where = p.tracker().where(query)
-    async with p.engine.begin() as conn:
+    where = [*p.tracker().where(query), m.c.status != LEASED]
+    deleted = 0
+    while True:
+        batch = sa.select(m.c.id).where(*where).limit(p.retention.batch)  # (any order: all go)
+        async with p.engine.begin() as conn:
+            res = await conn.execute(sa.delete(m).where(m.c.id.in_(batch.scalar_subquery())))
+        done = res.rowcount or 0
+        deleted += done
+        if done < p.retention.batch:
+            break
+    async with p.engine.connect() as conn:
         held = (
-            await conn.execute(sa.select(sa.func.count()).where(*where, m.c.status == LEASED))
+            await conn.execute(
+                sa.select(sa.func.count()).where(*p.tracker().where(query), m.c.status == LEASED)
+            )
         ).scalar_one()
-        res = await conn.execute(sa.delete(m).where(*where, m.c.status != LEASED))
-    return res.rowcount or 0, int(held)
+    return deleted, int(held)
