@@ -55,3 +55,37 @@ async def test_a_purge_deletes_in_batches_and_leaves_held_and_other_rows(sql_db)
         left = set((await conn.execute(sa.select(m.c.message_id))).scalars())
     assert left == {chores[0].message_id, *(r.message_id for r in kept)}
     await rt.close()
+
+
+async def test_a_row_claimed_while_the_purge_waits_for_it_is_left_alone(pg_db):
+    """PostgreSQL: the purge's batch picked a Pending row that a worker's claim holds, uncommitted;
+    the claim commits (the row is Leased now) and the purge, which waited for the row, must not delete
+    it: the conditions are checked again on the row itself, not only in the batch's subquery."""
+    import asyncio
+
+    from tests.contract.harness import wait_until
+
+    from .pg_locks import waiting_for_a_lock
+
+    app = QueueingApp("purge-batches")
+    app.message(Chore)
+    prov = pg_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    [claimed, other] = await app.enqueue_many([Chore(n=1), Chore(n=2)])
+    m = prov.tables.messages
+    async with prov.engine.connect() as conn:
+        claim = await conn.begin()
+        await conn.execute(
+            sa.update(m).where(m.c.message_id == claimed.message_id).values(status="Leased", locked_by="w")
+        )
+        purge = asyncio.create_task(OpsService(rt).purge(MessageQuery(queue="purge_batches")))
+        await wait_until(lambda: waiting_for_a_lock(prov, f"{pg_db.schema}.queueing_messages"), what="wait")
+        await claim.commit()
+    done = await purge
+    async with prov.engine.connect() as conn:
+        left = set((await conn.execute(sa.select(m.c.message_id))).scalars())
+    assert left == {claimed.message_id}, "the purge deleted a message a worker had just claimed"
+    assert done.deleted == 1
+    assert other.message_id not in left
+    await rt.close()

@@ -122,7 +122,9 @@ async def purge(p: SqlProvider, query: MessageQuery) -> tuple[int, int]:
     while True:
         batch = sa.select(m.c.id).where(*where).limit(p.retention.batch)  # (any order: all go)
         async with p.engine.begin() as conn:
-            res = await conn.execute(sa.delete(m).where(m.c.id.in_(batch.scalar_subquery())))
+            # the conditions again on the rows themselves: PostgreSQL checks those (not the subquery's
+            # answer) against a row a worker claimed while this waited for it, which then stays
+            res = await conn.execute(sa.delete(m).where(m.c.id.in_(batch.scalar_subquery()), *where))
         done = res.rowcount or 0
         deleted += done
         if done < p.retention.batch:
