@@ -91,6 +91,41 @@ def _check_connections(transport: str, env: dict[str, str]) -> None:
         StorageConnection.from_environment(STORAGE_CONNECTION, env)  # queues and/or the Tables
 
 
+#: what a processor run needs after its budget: the worker's stop (at most 10 s) and the final
+#: settlement flush, before the host's functionTimeout ends the invocation mid-settlement
+BUDGET_MARGIN = 30.0
+
+
+def _check_budget(cfg: QueueingSettings, transport: Transport, env: dict[str, str]) -> None:
+    """A processor budget the host's ``functionTimeout`` (host.json) cuts short would stop runs
+    mid-settlement on every busy timer: their leases lapse and the messages run again. Said at indexing."""
+    import json
+    import os
+    import re
+
+    delayed = transport is Transport.STORAGE_QUEUE and cfg.storage_delayed_store
+    if not (transport is Transport.SQL or delayed):
+        return
+    root = env.get("AzureWebJobsScriptRoot") or os.getcwd()
+    try:
+        with open(os.path.join(root, "host.json"), encoding="utf-8") as f:
+            timeout = json.load(f).get("functionTimeout")
+    except (OSError, ValueError, AttributeError):
+        return  # no host.json here (tests, a tool): the host applies its own default
+    found = re.fullmatch(r"(?:(\d+)\.)?(\d{1,2}):(\d{2}):(\d{2})", str(timeout or ""))
+    if found is None:
+        return  # unset or -1 (unbounded): nothing cuts the run short
+    days, hours, minutes, seconds = (int(x or 0) for x in found.groups())
+    limit = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if cfg.functions_processor_budget + BUDGET_MARGIN > limit:
+        raise ConfigurationError(
+            "QUEUEING_FUNCTIONS_PROCESSOR_BUDGET",
+            f"{cfg.functions_processor_budget:g} s leaves a run no time to stop and settle before "
+            f"host.json's functionTimeout ({timeout}) ends it: its messages would run again",
+            f"at most {max(1.0, limit - BUDGET_MARGIN):g}, or a longer functionTimeout",
+        )
+
+
 def _check_shared_state(cfg: QueueingSettings, transport: Transport) -> None:
     """State every instance must share may not live in a SQLite file: on Azure Functions each instance
     has a file of its own, so messages, pauses and delays would scatter between instances."""
@@ -146,6 +181,7 @@ def build_app(
 
         qapp.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
     _check_shared_state(cfg, transport)
+    _check_budget(cfg, transport, dict(os.environ) if env is None else env)
     the_host = host or FunctionsHost(qapp, cfg)
     app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=_http_auth_level(cfg))
     for sub in qapp.subscriptions():

@@ -3,6 +3,7 @@ publish (a host that fails to index reports "0 functions found")."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,6 +113,34 @@ def test_missing_or_wrong_settings_fail_indexing_with_one_line_naming_them(setti
     assert "\n" not in str(info.value)
 
 
+def test_a_processor_budget_that_functiontimeout_would_cut_short_fails_indexing(tmp_path):
+    """A budget the host's functionTimeout ends before the run can stop and settle (at most 10 s to
+    stop, then the settlement flush) would cut every busy run short: its messages run again."""
+    sql = {"provider": "sql", "database_url": "postgresql://h/db"}
+    # this repository's own host.json (10 minutes), found where the host runs the app from
+    with pytest.raises(ConfigurationError) as info:
+        build_app(QueueingSettings(**sql, functions_processor_budget=3600), env={})
+    assert str(info.value).startswith("QUEUEING_FUNCTIONS_PROCESSOR_BUDGET: 3600 s leaves a run no time")
+    assert "functionTimeout (00:10:00)" in str(info.value)
+    assert "at most 570" in str(info.value)
+    build_app(QueueingSettings(**sql), env={})  # the default budget, 50 s
+    host = tmp_path / "host.json"
+    for timeout, budget, refused in [
+        ("00:01:00", 50, True),
+        ("00:01:00", 30, False),
+        ("1.00:00:00", 3600, False),
+        ("-1", 3600, False),
+    ]:
+        host.write_text(json.dumps({"version": "2.0", "functionTimeout": timeout}))
+        cfg = QueueingSettings(**sql, functions_processor_budget=budget)
+        env = {"AzureWebJobsScriptRoot": str(tmp_path)}
+        if refused:
+            with pytest.raises(ConfigurationError, match="PROCESSOR_BUDGET"):
+                build_app(cfg, env=env)
+        else:
+            build_app(cfg, env=env)
+
+
 def run_import(env: dict[str, str], code: str = "import function_app") -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("QUEUEING_", "Queueing"))}
     return subprocess.run(
@@ -166,5 +195,7 @@ def test_import_loads_only_what_the_configuration_needs_and_touches_nothing(env,
     assert done.returncode == 0, done.stderr
     loaded, opened, count = done.stdout.strip().splitlines()
     assert set(eval(loaded)) <= allowed, loaded
-    assert eval(opened) == []
+    # nothing but the app's own host.json (read for its functionTimeout on SQL: see the budget test)
+    host_json = [os.path.join(os.getcwd(), "host.json")] if env["QUEUEING_PROVIDER"] == "sql" else []
+    assert eval(opened) == host_json
     assert int(count) == functions
