@@ -285,7 +285,7 @@ def enqueue(
     else:
         try:
             body = json.loads(json_body or "")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (nested deeper than the interpreter's stack goes)
             fail(f"--json is not JSON: {exc}", 2)
     try:
         sub.message_type.model_validate(body)
@@ -491,8 +491,8 @@ def set_status(
 
     try:
         parsed: Any = json.loads(value)
-    except ValueError:
-        parsed = value  # plain text, unquoted
+    except (ValueError, RecursionError):
+        parsed = value  # plain text, unquoted (the value is then refused as too long or kept as text)
     try:
         change = StatusUpdate.model_validate(
             {"where": {"path": path, "op": op, "value": parsed}, "set": to, "status": only or None}

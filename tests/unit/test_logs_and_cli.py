@@ -158,6 +158,13 @@ def test_counts_in_messages_agree_with_their_number(tmp_path):
         "enqueue", "Ping", "--json", "{}", "--count", "2", "--app", "one:app", env=env, cwd=tmp_path
     )
     assert "enqueued 2 Ping messages" in sent.stdout, sent.stderr
+    # JSON nested deeper than the interpreter's stack: one line and exit 2, not a traceback
+    deep = run_cli(
+        "enqueue", "Ping", "--json", "[" * 5000 + "]" * 5000, "--app", "one:app", env=env, cwd=tmp_path
+    )
+    assert deep.returncode == 2, deep.stderr
+    assert "--json is not JSON" in deep.stderr + deep.stdout
+    assert "Traceback" not in deep.stderr
 
 
 def test_migrate_sets_up_the_side_stores_of_rabbitmq_and_sqs(tmp_path):
