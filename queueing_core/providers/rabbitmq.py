@@ -86,6 +86,7 @@ from .delayed.breaker import first_line
 from .names import companion_name
 from .side_stores import SideStoreOps
 from .sql.history import SideStores, malformed_id
+from .sql.leases import SqlLeaseStore
 
 if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
@@ -215,6 +216,12 @@ class _DeadLetterPages:
 
 
 
+
+def _redelivery_key(d: Delivery) -> str:
+    """A copy of a message: its id and the attempts its envelope carries (each retry is a new copy)."""
+    assert d.envelope is not None
+    return f"{d.envelope.message_id}/{d.envelope.attempt}"
+
 #: AMQP's short-string properties (correlation-id, type) hold at most 255 bytes
 SHORTSTR_BYTES = 255
 
@@ -250,6 +257,8 @@ class RabbitMQProvider(SideStoreOps):
     ) -> None:
         self.url = url
         self._use_stores(stores, delayed_retries, clock, dispatcher_options)
+        #: hand-outs of redelivered copies, per copy (see _count_redeliveries)
+        self.redeliveries = SqlLeaseStore(stores.sql, "rabbitmq-redelivered")
         self.naming = naming
         self.auto_declare = auto_declare
         self.ttl_grace = ttl_grace
@@ -579,19 +588,43 @@ class RabbitMQProvider(SideStoreOps):
             if _stale(m):
                 continue  # from before a reconnect: the broker requeued it and will deliver it again
             c.in_flight += 1
-            d = Delivery.of(
-                m.body,
-                queue=sub.queue,
-                # classic queues count no deliveries: a redelivery means a consumer died holding it,
-                # perhaps only in its buffer (not a run: see ``runs_counted``)
-                delivery_count=2 if m.redelivered else 1,
-                handle=_Handle(m, c.physical),
+            out.append(
+                Delivery.of(
+                    m.body,
+                    queue=sub.queue,
+                    # classic queues count no deliveries: a redelivery means a consumer died holding it
+                    # (running it, or only in its buffer); see _count_redeliveries
+                    delivery_count=2 if m.redelivered else 1,
+                    handle=_Handle(m, c.physical),
+                )
             )
-            d.runs_counted = not m.redelivered
-            out.append(d)
         if not c.buffer:
             c.ready.clear()
+        await self._count_redeliveries([d for d in out if d.handle.message.redelivered])
         return out
+
+    async def _count_redeliveries(self, redelivered: list[Delivery]) -> None:
+        """The broker says only "redelivered": the first redelivery of a copy is taken as one attempt
+        used (its consumer died holding it), but not as proof of a run (it may have sat in a buffer
+        whose connection dropped), so it runs. Every copy this process hands out redelivered is counted
+        in the side database; each one after that counts an attempt more and does prove the attempts
+        used: a message that kills every worker that takes it is dead-lettered once they are used up
+        (without this it went round for ever). A count that cannot be read leaves the first reading."""
+        counted = [d for d in redelivered if d.envelope is not None]
+        for d in redelivered:
+            d.runs_counted = False
+        if not counted:
+            return
+        keys = {id(d): _redelivery_key(d) for d in counted}
+        try:
+            before = await self.redeliveries.count(sorted(set(keys.values())), self.clock())
+        except Exception as exc:  # the side database is down: run it, as before the count
+            log.warning("could not count redeliveries on RabbitMQ: %s", first_line(exc))
+            return
+        for d in counted:
+            handed = before.get(keys[id(d)], 0)  # hand-outs of this copy redelivered, before this one
+            d.attempt += handed
+            d.runs_counted = handed > 0
 
     async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
         c = await self._consumer(sub)
@@ -642,6 +675,11 @@ class RabbitMQProvider(SideStoreOps):
         except (ProviderError, AMQPError, ChannelInvalidStateError):
             with contextlib.suppress(AMQPError, ChannelInvalidStateError):
                 await m.nack(requeue=True)
+
+    async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
+        done = await super().maintain(app)
+        done["redeliveries_pruned"] = await self.redeliveries.prune(self.clock())
+        return done
 
     # -- settling ----------------------------------------------------------------------------------
     async def _settle_one(self, s: Settlement) -> None:

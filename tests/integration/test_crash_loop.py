@@ -34,6 +34,16 @@ def _env(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str,
             "QUEUEING_DATABASE_URL": f"sqlite:///{tmp_path}/crash.db",
             "QUEUEING_MAINTENANCE_INTERVAL": "0.3",
         }
+    if kind == "rabbitmq":
+        from tests.services import RABBITMQ_URL, fresh_prefix, require
+
+        require("RabbitMQ", "127.0.0.1", 5672)
+        return {
+            "QUEUEING_PROVIDER": "rabbitmq",
+            "QUEUEING_RABBITMQ_URL": RABBITMQ_URL,
+            "QUEUEING_DATABASE_URL": f"sqlite:///{tmp_path}/side.db",
+            "QUEUEING_QUEUE_PREFIX": fresh_prefix(),
+        }
     azurite = request.getfixturevalue("azurite")
     tag = uuid.uuid4().hex[:8]
     return {
@@ -59,7 +69,7 @@ def _spawn(env: dict[str, str], log: Path) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "storage_queue"])
+@pytest.mark.parametrize("kind", ["sqlite", "storage_queue", "rabbitmq"])
 async def test_a_message_that_kills_every_worker_is_dead_lettered_after_its_attempts(
     kind, tmp_path, request, monkeypatch
 ):

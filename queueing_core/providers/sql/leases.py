@@ -141,6 +141,29 @@ class SqlLeaseStore:
                             written.add((x.key, x.token))
         return [x if tuple(x) in written else None for x in tokens]
 
+    async def count(self, keys: Sequence[str], now: datetime) -> dict[str, int]:
+        """Count one more for each key, kept as a counted token (see :func:`counted_token`), and return
+        each key's count *before* this one. RabbitMQ counts its hand-outs of redelivered copies here:
+        its classic queues count no deliveries themselves. One holder per key at a time (a message is
+        delivered to one consumer at once); the row is pruned like a lapsed lease's."""
+        if not keys:
+            return {}
+        await self.sql.ensure_open()
+        async with self.sql.engine.begin() as conn:
+            held = dict((await conn.execute(self._held, {"keys": list(keys)})).all())
+            before = {k: receive_count_of(held[k]) or 0 if k in held else 0 for k in keys}
+            rows = [
+                {
+                    "transport": self.transport,
+                    "message_key": k,
+                    "token": counted_token(n + 1),
+                    "until": as_utc(now),
+                }
+                for k, n in before.items()
+            ]
+            await conn.execute(self._take, rows)
+        return before
+
     async def release(self, leases: Sequence[LeaseToken]) -> set[str]:
         """End these leases; returns the keys that were still ours (the others went to a newer run)."""
         return await self._run(self._release, leases)
