@@ -106,15 +106,22 @@ def _check_budget(cfg: QueueingSettings, transport: Transport, env: dict[str, st
     delayed = transport is Transport.STORAGE_QUEUE and cfg.storage_delayed_store
     if not (transport is Transport.SQL or delayed):
         return
-    root = env.get("AzureWebJobsScriptRoot") or os.getcwd()
-    try:
-        with open(os.path.join(root, "host.json"), encoding="utf-8") as f:
-            timeout = json.load(f).get("functionTimeout")
-    except (OSError, ValueError, AttributeError):
-        return  # no host.json here (tests, a tool): the host applies its own default
-    found = re.fullmatch(r"(?:(\d+)\.)?(\d{1,2}):(\d{2}):(\d{2})", str(timeout or ""))
+    # an app setting overrides host.json (AzureFunctionsJobHost__functionTimeout, any case)
+    setting = "azurefunctionsjobhost__functiontimeout"
+    override = next((v for k, v in env.items() if k.lower().replace(":", "__") == setting), None)
+    timeout: object = override
+    if override is None:
+        root = env.get("AzureWebJobsScriptRoot") or os.getcwd()
+        try:
+            with open(os.path.join(root, "host.json"), encoding="utf-8") as f:
+                timeout = json.load(f).get("functionTimeout")
+        except (OSError, ValueError, AttributeError):
+            return  # no host.json here (a test, a tool): not an app the host runs
+        if timeout is None:  # the host's default: 5 minutes on the Consumption plan, else 30
+            timeout = "00:05:00" if env.get("WEBSITE_SKU", "").lower() == "dynamic" else "00:30:00"
+    found = re.fullmatch(r"(?:(\d+)\.)?(\d{1,2}):(\d{2}):(\d{2})(?:\.\d+)?", str(timeout).strip())
     if found is None:
-        return  # unset or -1 (unbounded): nothing cuts the run short
+        return  # -1 (unbounded), or a form the host reads and this does not: nothing said
     days, hours, minutes, seconds = (int(x or 0) for x in found.groups())
     limit = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     if cfg.functions_processor_budget + BUDGET_MARGIN > limit:

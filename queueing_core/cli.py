@@ -582,7 +582,7 @@ def purge(
         await ops.check_filters(query, purging=True)  # a misspelt status fails before the question
         if not yes and not typer.confirm(f"delete {what} (never those a worker holds)?"):
             raise typer.Exit(1)
-        return await ops.purge_all(query)
+        return await ops.purge(query)
 
     result = _ops_call(app, confirmed_purge)
     out.print(

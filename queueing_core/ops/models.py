@@ -150,11 +150,6 @@ class ActionResult(_Model):
 class PurgeResult(_Model):
     deleted: int
     skipped_leased: int = Field(description="matching messages left alone because a worker holds them")
-    more: bool = Field(
-        default=False,
-        description="Service Bus, Storage Queues, RabbitMQ and SQS: more messages match than one purge "
-        "takes (10,000); purge again for the rest",
-    )
 
 
 class ScheduleInfo(_Model):

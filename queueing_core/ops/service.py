@@ -52,8 +52,15 @@ RETRYABLE = {S.DEAD_LETTERED, S.FAILED, S.EXPIRED, S.ABANDONED, S.CANCELLED, S.S
 #: kit statuses an operator may set by a body match (the others carry meaning only the kit gives)
 SETTABLE = frozenset({S.PENDING.value, S.CANCELLED.value})
 ARCHIVABLE = {S.SUCCEEDED, S.DEAD_LETTERED, S.EXPIRED, S.CANCELLED, S.ABANDONED}
-#: messages one purge takes on a transport with a separate history (the dashboard's bulk bound too)
-PURGE_LIMIT = 10_000
+#: a record as a purge holds it: only its ids, queue and status are read
+LIGHT: dict[str, Any] = {
+    "body": None,
+    "raw": None,
+    "result": None,
+    "progress": None,
+    "headers": {},
+    "description": None,
+}
 WAITING = (S.PENDING.value, S.FAILED.value, S.SLEEPING.value, S.WAITING_FOR_HANDLER.value, S.PAUSED.value)
 KNOWN = frozenset(s.value for s in MessageStatus)
 _ORDER = {Health.HEALTHY: 0, Health.DEGRADED: 1, Health.UNHEALTHY: 2}
@@ -502,16 +509,12 @@ class OpsService:
         assert isinstance(actions, RemovesMessages)
         records: list[MessageRecord] = []
         cursor: str | None = None
-        more = False
         while True:  # the tracker's matches, so the provider can drop their queued copies
-            page = await self.runtime.tracker.query(query, limit=min(500, PURGE_LIMIT), cursor=cursor)
-            records += [r for r in page.items if r.status != S.LEASED]
+            page = await self.runtime.tracker.query(query, limit=500, cursor=cursor)
+            # held while the transport is read through, perhaps a million of them: without what the
+            # removal never reads (bodies, raw text, results can be 64 KB each)
+            records += [r.model_copy(update=LIGHT) for r in page.items if r.status != S.LEASED]
             if page.next_cursor is None:
-                break
-            if len(records) >= PURGE_LIMIT:
-                # the records (bodies and all) are held while the transport is read through: a bound
-                # on what one call holds and does; the caller purges again for the rest
-                more = True
                 break
             cursor = page.next_cursor
         # a row damaged outside the kit whose message id does not read names nothing the transport
@@ -531,20 +534,7 @@ class OpsService:
             if not r.readable("message_id") and r.stored and "message_id" in r.stored
         ]
         deleted = await self.runtime.tracker.delete(query, only=gone) if gone else 0
-        return PurgeResult(deleted=deleted, skipped_leased=0, more=more)
-
-    async def purge_all(self, query: MessageQuery) -> PurgeResult:
-        """:meth:`purge` again while it says there are more (a transport with a separate history takes
-        ``PURGE_LIMIT`` per call), until none is left or a call removes nothing more."""
-        result = await self.purge(query)
-        while result.more:
-            step = await self.purge(query)
-            result = PurgeResult(
-                deleted=result.deleted + step.deleted,
-                skipped_leased=result.skipped_leased + step.skipped_leased,
-                more=step.more and step.deleted > 0,  # (a call that removed nothing: what is left stays)
-            )
-        return result
+        return PurgeResult(deleted=deleted, skipped_leased=0)
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
         if kind == "queue":

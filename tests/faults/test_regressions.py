@@ -128,35 +128,32 @@ async def test_purge_removes_every_matching_dead_letter_and_only_their_history(h
         await letters.rt.close()
 
 
-async def test_a_large_purge_is_bounded_per_call_and_repeating_it_removes_the_rest(harness, monkeypatch):
-    """A purge holds the matching records while it reads the transport through: on a transport with a
-    separate history one call takes at most PURGE_LIMIT of them and says there are more (SQL deletes
-    in batches, all in one call: tests/integration/test_sql_purge_batches.py). 150 dead letters, a
-    bound of 40."""
-    from queueing_core.ops import service as ops_service
-
-    monkeypatch.setattr(ops_service, "PURGE_LIMIT", 40)
+async def test_a_purge_reaches_dead_letters_behind_many_newer_waiting_messages(harness):
+    """A purge of dead letters *and* waiting messages: the transport cannot pick a waiting message out
+    of a live queue, so those stay, history and all, while every dead letter goes, however many newer
+    waiting messages the history lists first (a bound per call tried in review stopped there)."""
     letters = await Letters(harness).open()
     try:
-        ids = await letters.dead_letter([f"k{i}" for i in range(150)])
-        query = MessageQuery(queue="letters", status=("DeadLettered",))
-        deleted, calls = 0, 0
-        while True:
-            done = await letters.ops.purge(query)
-            deleted, calls = deleted + done.deleted, calls + 1
-            if not done.more:
-                break
-            assert done.deleted == 40
-            assert calls < 10, "a purge that says more for ever"
-        assert deleted == 150
-        assert calls == 4
+        dead = await letters.dead_letter([f"d{i}" for i in range(5)])
+        for i in range(45):  # newer than the dead letters, no worker runs: they wait in the queue
+            await letters.app.enqueue(Letter(key=f"w{i}"))
+        done = await letters.ops.purge(MessageQuery(queue="letters", status=("DeadLettered", "Pending")))
+        assert done.deleted == 5
         assert (await letters.places())["dead"] == 0
-        assert all([await letters.rt.tracker.get(i) is None for i in ids])
-        # purge_all (the CLI's) repeats it in one call
-        more = await letters.dead_letter([f"m{i}" for i in range(90)])
-        done = await letters.ops.purge_all(query)
-        assert (done.deleted, done.more) == (90, False)
-        assert all([await letters.rt.tracker.get(i) is None for i in more])
+        assert all([await letters.rt.tracker.get(i) is None for i in dead])
+    finally:
+        await letters.rt.close()
+
+
+async def test_a_whole_queue_purge_leaves_no_history_of_the_messages_it_removed(harness):
+    """The whole-queue fast path empties the queue in one go: the history of every message it held
+    goes with it (a bound per call tried in review left the rest listed as Pending)."""
+    letters = await Letters(harness).open()
+    try:
+        ids = [(await letters.app.enqueue(Letter(key=f"w{i}"))).message_id for i in range(50)]
+        await letters.ops.purge(MessageQuery(queue="letters"))
+        assert (await letters.places())["queue"] == 0
+        assert [i for i in ids if await letters.rt.tracker.get(i) is not None] == []
     finally:
         await letters.rt.close()
 

@@ -141,6 +141,30 @@ def test_a_processor_budget_that_functiontimeout_would_cut_short_fails_indexing(
             build_app(cfg, env=env)
 
 
+def test_the_function_timeout_app_setting_and_the_plans_default_are_what_the_budget_is_held_to(tmp_path):
+    """An app setting overrides host.json (AzureFunctionsJobHost__functionTimeout): raised to an hour,
+    a 20-minute budget is right. Without functionTimeout anywhere the plan's default applies (5 minutes
+    on Consumption, 30 elsewhere), not "unbounded" (both found in review)."""
+    sql = {"provider": "sql", "database_url": "postgresql://h/db"}
+    host = tmp_path / "host.json"
+    host.write_text(json.dumps({"version": "2.0", "functionTimeout": "00:10:00"}))
+    root = {"AzureWebJobsScriptRoot": str(tmp_path)}
+    build_app(
+        QueueingSettings(**sql, functions_processor_budget=1200),
+        env={**root, "AzureFunctionsJobHost__functionTimeout": "01:00:00"},
+    )
+    with pytest.raises(ConfigurationError, match="PROCESSOR_BUDGET"):  # lowered by the setting
+        build_app(QueueingSettings(**sql), env={**root, "AzureFunctionsJobHost__functionTimeout": "00:01:00"})
+    host.write_text(json.dumps({"version": "2.0"}))
+    with pytest.raises(ConfigurationError, match="PROCESSOR_BUDGET"):
+        build_app(QueueingSettings(**sql, functions_processor_budget=3600), env=root)
+    build_app(QueueingSettings(**sql, functions_processor_budget=1200), env=root)  # 30 minutes
+    with pytest.raises(ConfigurationError, match="at most 270"):  # Consumption: 5 minutes
+        build_app(
+            QueueingSettings(**sql, functions_processor_budget=1200), env={**root, "WEBSITE_SKU": "Dynamic"}
+        )
+
+
 def run_import(env: dict[str, str], code: str = "import function_app") -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("QUEUEING_", "Queueing"))}
     return subprocess.run(

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from ...errors import InvalidArgument, InvalidOperation, MessageNotFound, MessageTooLarge
 from ...tracking import Activity, ActivitySource
 from ..models import QUEUE_NAME, TYPE_NAME, ActionResult, MessageDetail, QueueSummary
-from ..service import PURGE_LIMIT, BodyInvalid, OpsService
+from ..service import BodyInvalid, OpsService
 from . import charts
 from .activity import ActivityWindow
 from .forms import Filters, one, read_filters, read_form
@@ -27,7 +27,7 @@ SHOWN = (MessageNotFound, InvalidOperation, InvalidArgument, MessageTooLarge)
 SLOTS, SLOT_SECONDS = 12, 300  # the last hour in five-minute slots
 PAGE_SIZE = 50
 #: a bulk action covers at most this many messages; more must be narrowed down (or use the API)
-MAX_BULK = PURGE_LIMIT
+MAX_BULK = 10_000
 QueueName = Annotated[str, Path(pattern=QUEUE_NAME)]
 TypeName = Annotated[str, Path(pattern=TYPE_NAME)]
 

@@ -120,14 +120,17 @@ async def purge(p: SqlProvider, query: MessageQuery) -> tuple[int, int]:
     where = [*p.tracker().where(query), m.c.status != LEASED]
     deleted = 0
     while True:
-        batch = sa.select(m.c.id).where(*where).limit(p.retention.batch)  # (any order: all go)
         async with p.engine.begin() as conn:
-            # the conditions again on the rows themselves: PostgreSQL checks those (not the subquery's
-            # answer) against a row a worker claimed while this waited for it, which then stays
-            res = await conn.execute(sa.delete(m).where(m.c.id.in_(batch.scalar_subquery()), *where))
-        done = res.rowcount or 0
-        deleted += done
-        if done < p.retention.batch:
+            ids = list(
+                (await conn.execute(sa.select(m.c.id).where(*where).limit(p.retention.batch))).scalars()
+            )
+            if ids:
+                # the conditions again on the rows themselves: PostgreSQL checks those against a row a
+                # worker claimed since it was selected (and waited for), which then stays
+                res = await conn.execute(sa.delete(m).where(m.c.id.in_(ids), *where))
+                deleted += res.rowcount or 0
+        # ended by what was selected, not deleted: a batch a claim shortened is not the last one
+        if len(ids) < p.retention.batch:
             break
     async with p.engine.connect() as conn:
         held = (
