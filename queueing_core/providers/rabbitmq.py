@@ -215,12 +215,11 @@ class _DeadLetterPages:
         """Nothing to do: closing the scan's channel returns them in order."""
 
 
-
-
 def _redelivery_key(d: Delivery) -> str:
     """A copy of a message: its id and the attempts its envelope carries (each retry is a new copy)."""
     assert d.envelope is not None
     return f"{d.envelope.message_id}/{d.envelope.attempt}"
+
 
 #: AMQP's short-string properties (correlation-id, type) hold at most 255 bytes
 SHORTSTR_BYTES = 255

@@ -182,7 +182,6 @@ class _DeadLetterPages:
                 await self.receiver.abandon_message(m)
 
 
-
 async def known_duplicate(
     tracker: Any,
     d: Delivery,
