@@ -500,6 +500,24 @@ class SqsProvider(SideStoreOps):
         lease = min(sub.options.lease_duration, MAX_VISIBILITY)
         physical = self.physical(sub.queue)
         out: list[Delivery] = []
+        try:
+            await self._receive_into(out, sub, url, lease, physical, max_messages)
+        except Exception as exc:
+            if not out:
+                raise
+            # a later call failed: what the earlier ones brought is ours, hidden for the lease and its
+            # receive counted. Raising would leave it to come back only when that runs out, an attempt
+            # used unrun (and a message on its last one dead-lettered unrun): run it now
+            log.warning(
+                "receiving from %s stopped after %d message(s): %s", physical, len(out), first_line(exc)
+            )
+        return out
+
+    async def _receive_into(
+        self, out: list[Delivery], sub: Subscription, url: str, lease: timedelta, physical: str, most: int
+    ) -> None:
+        """Receive up to ``most`` messages into ``out``, 10 a call, until a call brings fewer."""
+        max_messages = most
         wait = self.receive_wait
         while len(out) < max_messages:
             # the visibility timeout starts when SQS hands the message over, somewhere in this call: a
@@ -548,7 +566,6 @@ class SqsProvider(SideStoreOps):
             if len(messages) < 10:
                 break
             wait = 0
-        return out
 
     async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
         if not self.receive_wait:

@@ -50,7 +50,7 @@ from ..clock import utcnow
 from ..connections import STORAGE, StorageConnection
 from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
 from ..envelope import Envelope, dead_letter_marks, malformed_identity
-from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable
+from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable, first_line
 from ..naming import QueueNaming, Transport
 from ..tracking.base import nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
@@ -424,24 +424,34 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         # time (a stalled process would renew too late); counted from before the call, it errs the safe
         # way (the messages of a later page are renewed a little early)
         sent_at = utcnow()
-        with _boundary(f"receiving from {sub.queue}"):
-            pages = c.receive_messages(
-                messages_per_page=min(32, max_messages),
-                visibility_timeout=whole_seconds(lease),
-                max_messages=max_messages,
-            )
-            async for msg in pages:
-                count = msg.dequeue_count or 1
-                handle = _Handle(c, msg.id, msg.pop_receipt or "", count)
-                out.append(
-                    Delivery.of(
-                        decode_body(msg.content),
-                        queue=sub.queue,
-                        delivery_count=count,
-                        handle=handle,
-                        lease_until=sent_at + lease,
-                    )
+        try:
+            with _boundary(f"receiving from {sub.queue}"):
+                pages = c.receive_messages(
+                    messages_per_page=min(32, max_messages),
+                    visibility_timeout=whole_seconds(lease),
+                    max_messages=max_messages,
                 )
+                async for msg in pages:
+                    count = msg.dequeue_count or 1
+                    handle = _Handle(c, msg.id, msg.pop_receipt or "", count)
+                    out.append(
+                        Delivery.of(
+                            decode_body(msg.content),
+                            queue=sub.queue,
+                            delivery_count=count,
+                            handle=handle,
+                            lease_until=sent_at + lease,
+                        )
+                    )
+        except ProviderError as exc:
+            if not out:
+                raise
+            # a later page failed: the earlier pages' messages are ours, hidden for the lease and their
+            # dequeue counted. Raising would leave them to come back only when it runs out, an attempt
+            # used unrun (and a message on its last one dead-lettered unrun): run them now
+            log.warning(
+                "receiving from %s stopped after %d message(s): %s", sub.queue, len(out), first_line(exc)
+            )
         return out
 
     def _wake(self, queue: str) -> None:

@@ -478,3 +478,41 @@ async def test_a_lease_counts_from_before_the_call_that_took_it(tmp_path):
     assert await rt.provider.renew([d]) == []
     assert d.lease_until == sent + timedelta(seconds=10)
     await rt.close()
+
+
+async def test_a_receive_whose_later_call_fails_hands_over_what_the_earlier_calls_brought(tmp_path):
+    """SQS hands over 10 messages a call, each hidden for the lease and its receive counted. When a
+    later call fails (the side store's lease write, or SQS itself), what the earlier calls brought is
+    returned to run now; raising lost it until the lease ran out, an attempt used unrun (found in
+    review). A failure with nothing brought is the caller's."""
+    app, rt, calls = make(tmp_path)
+    await rt.open()
+    await app.enqueue_many([Invoice(n=i) for i in range(15)])
+    sub = app.subscription("Invoice")
+    prov = rt.provider
+    real = prov.leases.take
+    taken = 0
+
+    async def second_write_fails(received, until):
+        nonlocal taken
+        taken += 1
+        if taken == 2:
+            raise ConnectionError("side database unreachable")
+        return await real(received, until)
+
+    prov.leases.take = second_write_fails
+    got = await prov.receive(sub, 15)
+    assert len(got) == 10
+    assert {d.attempt for d in got} == {1}
+    await prov.settle([await rt.process(d) for d in got])
+    assert not any(d.refused for d in got)
+    assert len(calls) == 10
+
+    async def fails(received, until):
+        raise ConnectionError("side database unreachable")
+
+    prov.leases.take = fails
+    with pytest.raises(ConnectionError):
+        await prov.receive(sub, 15)
+    prov.leases.take = real
+    await rt.close()

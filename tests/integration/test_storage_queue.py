@@ -17,7 +17,7 @@ from azure.storage.queue.aio import QueueClient
 from queueing_core import Event, MessageStatus, NonRetryableError, QueueingApp, QueueMessage, queue
 from queueing_core.clock import utcnow
 from queueing_core.envelope import DESCRIPTION, REASON
-from queueing_core.errors import ConfigurationError
+from queueing_core.errors import ConfigurationError, ProviderUnavailable
 from queueing_core.providers.storage_queue import (
     StorageConnection,
     StorageQueueProvider,
@@ -383,3 +383,53 @@ async def test_a_message_sent_past_its_expiry_stays_long_enough_to_be_recorded_e
 async def _status(rt: Runtime, message_id, status: str) -> bool:
     record = await rt.tracker.get(message_id)
     return record is not None and record.status == status
+
+
+async def test_a_receive_whose_later_page_fails_hands_over_what_the_earlier_pages_brought(azurite, names):
+    """Storage Queues hands messages over 32 a page, each hidden for the lease and its dequeue counted
+    as it comes. When a later page fails (the service unreachable half-way), the messages of the
+    earlier pages are returned to run now; raising lost them until their lease ran out, an attempt
+    used unrun each (found in review)."""
+    from azure.core.exceptions import ServiceRequestError
+
+    app, seen = make_app(names["prefix"])
+    p = provider(azurite, names)
+    rt = Runtime(app, p)
+    await rt.open()
+    await app.enqueue_many([InvoiceReady(invoice=f"INV-{i}") for i in range(40)])
+    sub = app.subscription("InvoiceReady")
+    c = p.client(p.physical("Billing.Invoice_Ready"))
+    real = c.receive_messages
+
+    def breaks_after_a_page(**kwargs):
+        async def pages():
+            n = 0
+            async for msg in real(**kwargs):
+                if n == 32:
+                    raise ServiceRequestError("connection reset on the second page")
+                n += 1
+                yield msg
+
+        return pages()
+
+    c.receive_messages = breaks_after_a_page  # type: ignore[method-assign]
+    got = await p.receive(sub, 40)
+    c.receive_messages = real  # type: ignore[method-assign]
+    assert len(got) == 32
+    assert {d.attempt for d in got} == {1}
+    settlements = [await rt.process(d) for d in got]
+    await p.settle(settlements)
+    assert not any(d.refused for d in got)
+    assert len(seen) == 32
+    def fails_at_once(**kwargs):
+        async def pages():
+            raise ServiceRequestError("connection reset on the first page")
+            yield  # (an async generator)
+
+        return pages()
+
+    c.receive_messages = fails_at_once  # type: ignore[method-assign]
+    with pytest.raises(ProviderUnavailable):  # nothing brought: the failure is the caller's
+        await p.receive(sub, 40)
+    c.receive_messages = real  # type: ignore[method-assign]
+    await rt.close()
