@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ from yarl import URL
 
 from .. import retry_policy
 from ..clock import Clock, utcnow
-from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
+from ..decisions import Complete, DeadLetter, Expire, counts_attempt, dead_letter_of, due_at
 from ..envelope import Envelope, dead_letter_marks
 from ..errors import (
     InvalidOperation,
@@ -96,6 +97,11 @@ log = logging.getLogger("queueing.rabbitmq")
 
 DEAD_LETTER_SUFFIX = ".dead-letter"
 ATTEMPT = "x-attempt"
+#: a fresh id on every message the kit publishes: a requeued message keeps it, a new copy (a retry, a
+#: deferral, a handler's "run again later", an operator's retry) has its own (see _redelivery_key)
+COPY = "x-queueing-copy"
+#: seconds the redelivery count may wait for the side database before the receive goes on without it
+COUNT_TIMEOUT = 1.0
 TYPE = "x-queueing-type"
 #: the longest wait between two reconnect attempts (the wait doubles from ``reconnect_interval``)
 MAX_RECONNECT_INTERVAL = 30.0
@@ -216,10 +222,21 @@ class _DeadLetterPages:
 
 
 def _redelivery_key(d: Delivery) -> str:
-    """A copy of a message: its id and the attempts its envelope carries (each retry is a new copy)."""
+    """The published copy a delivery is of: the id the kit gave it when it published it (a message
+    from before that header, or another publisher's: its id and the attempts its envelope carries)."""
     assert d.envelope is not None
+    copy = (d.handle.message.headers or {}).get(COPY)
+    if isinstance(copy, str) and copy:
+        return f"copy:{copy}"
     return f"{d.envelope.message_id}/{d.envelope.attempt}"
 
+
+
+def _counted(task: asyncio.Future[dict[str, int]]) -> None:
+    """A redelivery count done: its error (the side database down) read, so none goes unretrieved."""
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        log.debug("a redelivery count failed: %s", first_line(error))  # (its receive said so, if waiting)
 
 #: AMQP's short-string properties (correlation-id, type) hold at most 255 bytes
 SHORTSTR_BYTES = 255
@@ -271,6 +288,8 @@ class RabbitMQProvider(SideStoreOps):
         #: side database is ridden out without a redelivery)
         self.give_back_after = give_back_after
         self._give_backs: set[asyncio.Task[None]] = set()
+        #: redelivery counts that outlived their receive's wait (see _count_redeliveries)
+        self._counts: set[asyncio.Future[dict[str, int]]] = set()
         self.capabilities = Capabilities(
             max_delay=timedelta(0),
             lock_renewal=False,
@@ -406,6 +425,11 @@ class RabbitMQProvider(SideStoreOps):
             task.cancel()
         await asyncio.gather(*self._give_backs, return_exceptions=True)
         self._give_backs.clear()
+        # redelivery counts still on their way (see _count_redeliveries): a few seconds, then dropped
+        if self._counts:
+            await asyncio.wait(set(self._counts), timeout=5)
+        for count in list(self._counts):
+            count.cancel()
         for c in list(self._consumers.values()):
             with contextlib.suppress(Exception):
                 await self._stop_consumer(c)
@@ -457,7 +481,7 @@ class RabbitMQProvider(SideStoreOps):
             type=_short(env.type),
             timestamp=now,
             expiration=expiration,
-            headers={ATTEMPT: env.attempt, TYPE: env.type, **(headers or {})},
+            headers={ATTEMPT: env.attempt, TYPE: env.type, COPY: uuid.uuid4().hex, **(headers or {})},
         )
 
     async def _publish(self, physical: str, message: aio_pika.Message, *, dead: bool = False) -> None:
@@ -599,7 +623,14 @@ class RabbitMQProvider(SideStoreOps):
             )
         if not c.buffer:
             c.ready.clear()
-        await self._count_redeliveries([d for d in out if d.handle.message.redelivered])
+        try:
+            await self._count_redeliveries([d for d in out if d.handle.message.redelivered])
+        except BaseException:  # cancelled while counting: they never reached a handler, back they go
+            for d in reversed(out):
+                c.buffer.appendleft(d.handle.message)
+            c.in_flight = max(0, c.in_flight - len(out))
+            c.ready.set()
+            raise
         return out
 
     async def _count_redeliveries(self, redelivered: list[Delivery]) -> None:
@@ -615,8 +646,20 @@ class RabbitMQProvider(SideStoreOps):
         if not counted:
             return
         keys = {id(d): _redelivery_key(d) for d in counted}
+        # bounded: the broker's receive never waits long on the side database (a write lock held
+        # elsewhere, a connect timeout). The count goes on by itself (a database call in a thread is not
+        # cut short by a cancellation) and is kept for the next redelivery; this one takes the first
+        # reading. A receive cancelled meanwhile leaves it running too
+        task = asyncio.ensure_future(self.redeliveries.count(sorted(set(keys.values())), self.clock()))
+        self._counts.add(task)
+        task.add_done_callback(self._counts.discard)
+        task.add_done_callback(_counted)
+        done, _ = await asyncio.wait({task}, timeout=COUNT_TIMEOUT)
+        if not done:
+            log.warning("counting redeliveries on RabbitMQ took over %.0fs: counted later", COUNT_TIMEOUT)
+            return
         try:
-            before = await self.redeliveries.count(sorted(set(keys.values())), self.clock())
+            before = task.result()
         except Exception as exc:  # the side database is down: run it, as before the count
             log.warning("could not count redeliveries on RabbitMQ: %s", first_line(exc))
             return
@@ -707,8 +750,15 @@ class RabbitMQProvider(SideStoreOps):
                     )
                 else:
                     assert d.envelope is not None, "malformed messages are always dead-lettered"
+                    used = d.attempts_used(decision)
+                    if not d.runs_counted and not counts_attempt(decision):
+                        # a first redelivery's attempt (its consumer died holding it) was never proven
+                        # a run, and this delivery did not run it either (a stop, a pause): the copy
+                        # keeps the attempts its envelope had, or its next delivery would read them
+                        # as used and dead-letter it unrun
+                        used = min(used, d.envelope.attempt)
                     # the copy first: if the ack fails afterwards, a duplicate beats a loss
-                    copy = d.envelope.with_attempt(d.attempts_used(decision))
+                    copy = d.envelope.with_attempt(used)
                     await self.send_at(h.physical, copy, due_at(decision, now))
                 with _boundary("acknowledging a message"):
                     await h.message.ack()
