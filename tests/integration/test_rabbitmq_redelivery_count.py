@@ -67,9 +67,9 @@ async def test_a_sleeping_messages_redeliveries_in_separate_cycles_do_not_add_up
     carries attempt 0 and the same message id, so every cycle's copy has the same redelivery key
     ``<id>/0``. Each cycle here runs fine; only once per cycle a consumer dies holding the copy (the
     broker marks it redelivered, the next consumer runs it and it sleeps again). The counts of the
-    earlier cycles' redeliveries are added to the new cycle's first redelivery, which then reads as
-    proof that the attempts were used by runs: the message is dead-lettered without running, though no
-    copy was ever redelivered more than once."""
+    earlier cycles' redeliveries were added to the new cycle's first redelivery, which then read as
+    proof that the attempts were used by runs: the message was dead-lettered without running, though
+    no copy was ever redelivered more than once. Each copy has its own count now."""
     require("RabbitMQ", "127.0.0.1", 5672)
     prefix = fresh_prefix()
     calls: list = []
@@ -110,11 +110,11 @@ async def test_a_sleeping_messages_redeliveries_in_separate_cycles_do_not_add_up
 async def test_a_buffered_redelivery_released_at_a_stop_still_runs_on_its_next_delivery(
     tmp_path,
 ):
-    """b8e62ee/7b55dda: a first redelivery is not proof of a run (the message may only have sat in the
-    buffer of a consumer whose connection dropped), so a max_attempts=1 message still runs. But when
-    that delivery is released (a stop: the pipeline gives back what has not started) or deferred (a
-    pause), the copy's envelope carries the attempt the redelivery counted, and the copy, delivered
-    fresh, reads as runs counted: attempt 2 of 1, dead-lettered without ever having run."""
+    """A first redelivery is not proof of a run (the message may only have sat in the buffer of a
+    consumer whose connection dropped), so a max_attempts=1 message still runs. When that delivery was
+    released (a stop: the pipeline gives back what has not started) or deferred (a pause), the copy's
+    envelope carried the attempt the redelivery counted, and the copy, delivered fresh, read as runs
+    counted: attempt 2 of 1, dead-lettered without ever having run. The copy keeps the envelope's."""
     require("RabbitMQ", "127.0.0.1", 5672)
     prefix = fresh_prefix()
     calls: list = []
@@ -151,7 +151,7 @@ async def test_an_operator_retry_after_a_crash_loop_runs_after_one_redelivery(tm
     """The same collision by an operator's retry: a message dead-lettered by the crash-loop count (its
     key ``<id>/0`` holds 2) is retried after the fix is deployed; the retry's copy carries attempt 0 and
     the same id. One consumer death (or one dropped connection with it buffered) within the day the
-    count is kept, and its first redelivery inherits the old count: dead-lettered again, unrun."""
+    count was kept, and its first redelivery inherited the old count: dead-lettered again, unrun."""
     from queueing_core.ops import OpsService
 
     require("RabbitMQ", "127.0.0.1", 5672)
@@ -187,12 +187,11 @@ async def test_an_operator_retry_after_a_crash_loop_runs_after_one_redelivery(tm
 
 
 async def test_a_locked_side_database_does_not_hold_up_the_rabbitmq_receive(tmp_path):
-    """7b55dda puts a side-database transaction in RabbitMQ's receive for any batch with a redelivered
+    """The count is a side-database transaction in RabbitMQ's receive for any batch with a redelivered
     message. While another connection holds the database's write lock (SQLite; a row lock or a
-    connection timeout on PostgreSQL alike), the receive waits out the busy timeout (30 s) before it
-    falls back to the uncounted reading, and every message of the batch waits with it: the broker
-    path, which did no database I/O before, now stalls on the side store. (The count is best effort
-    by its own doc: it should be bounded, or done beside the hand-out, not in its way.)"""
+    connection timeout on PostgreSQL alike), the receive waited out the busy timeout (30 s) before it
+    fell back to the uncounted reading, and every message of the batch waited with it. The receive
+    waits a second at most now; the count goes on by itself."""
     import sqlite3
     import time
 
