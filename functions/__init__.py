@@ -128,7 +128,7 @@ def _check_budget(cfg: QueueingSettings, transport: Transport, env: dict[str, st
         raise ConfigurationError(
             "QUEUEING_FUNCTIONS_PROCESSOR_BUDGET",
             f"{cfg.functions_processor_budget:g} s leaves a run no time to stop and settle before "
-            f"host.json's functionTimeout ({timeout}) ends it: its messages would run again",
+            f"the host's functionTimeout ({timeout}) ends it: its messages would run again",
             f"at most {max(1.0, limit - BUDGET_MARGIN):g}, or a longer functionTimeout",
         )
 
