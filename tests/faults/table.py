@@ -112,8 +112,10 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "sqs.delete_message",
     ),
     ("purge", "inprocess"): ("memory._forget", "history.delete"),
-    ("purge", "sqlite"): ("sql.execute", "sql.execute"),
-    ("purge", "postgres"): ("sql.execute", "sql.execute"),
+    # a batch's ids selected, those rows deleted (the batches are short transactions), then the count
+    # of the rows a worker holds, which the purge leaves
+    ("purge", "sqlite"): ("sql.execute", "sql.execute", "sql.execute"),
+    ("purge", "postgres"): ("sql.execute", "sql.execute", "sql.execute"),
     ("purge", "storage_queue"): (
         "queue.receive_messages",
         "queue.delete_message",
