@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -33,6 +32,8 @@ from tests.contract.harness import running, wait_until
 from tests.services import fresh_prefix
 from tests.tcp_proxy import TcpProxy
 
+from .flaky_history import FlakyTracker
+
 ROOT = Path(__file__).resolve().parents[2]
 #: how long history may take to catch up once its store answers again (the backlog retries every 2 s
 #: at most; generous for a loaded machine)
@@ -43,24 +44,6 @@ CONVERGE_WITHIN = 30.0
 class Work(QueueMessage):
     n: int
     child: bool = False
-
-
-class FlakyTracker(MemoryTracker):
-    """A memory tracker whose writes fail while ``down`` (reads still answer)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.down = False
-
-    async def upsert(self, records: Sequence[MessageRecord]) -> None:
-        if self.down:
-            raise ConnectionError("history store unreachable")
-        await super().upsert(records)
-
-    async def upsert_newer(self, records: Sequence[MessageRecord]) -> None:
-        if self.down:
-            raise ConnectionError("history store unreachable")
-        await super().upsert_newer(records)
 
 
 async def statuses(tracker, ids) -> list[str | None]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,8 @@ import pytest
 from queueing_core.tracking import MemoryTracker, MessageRecord, Tracker
 from queueing_core.tracking.backlog import HistoryWriter, Journal
 from tests.contract.harness import wait_until
+
+from .flaky_history import FlakyTracker
 
 T0 = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -41,26 +43,12 @@ def dead_letter(mid: uuid.UUID, seconds: float) -> MessageRecord:
     return record(mid, "DeadLettered", seconds, attempt=1, reason="NonRetryable", description="declined")
 
 
-class FlakyStore(MemoryTracker):
-    """A memory tracker that names its store (so the writer keeps a journal) and fails while down."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.down = False
+class FlakyStore(FlakyTracker):
+    """The flaky tracker of test_history_converges, naming its store (so the writer keeps a journal)."""
 
     @property
     def store_id(self) -> str:
         return "review:flaky"
-
-    async def upsert(self, records: Sequence[MessageRecord]) -> None:
-        if self.down:
-            raise ConnectionError("history store unreachable")
-        await super().upsert(records)
-
-    async def upsert_newer(self, records: Sequence[MessageRecord]) -> None:
-        if self.down:
-            raise ConnectionError("history store unreachable")
-        await super().upsert_newer(records)
 
 
 def _gone_owner() -> str:
