@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 from .app import Subscription
-from .clock import utcnow
+from .clock import Clock, utcnow
 from .control import ControlState, circuit
 from .decisions import Release
 from .runtime import HistoryAhead, Runtime, default_worker_id
@@ -983,9 +983,12 @@ class Worker:
         leases = [s.options.lease_duration for s in self.subscriptions()] or [timedelta(seconds=30)]
         interval = max(0.5, min(leases).total_seconds() / 3)
         provider = self.runtime.provider
+        # a lease's end is on the provider's lease clock where it has one (SQL: the database's time);
+        # compared with this host's clock, a host running behind would renew too late
+        clock: Clock = getattr(provider, "lease_clock", utcnow)
         while True:
             await asyncio.sleep(interval)
-            now = utcnow()
+            now = clock()
             due = [
                 d
                 for d in list(self._in_flight.values())

@@ -15,6 +15,7 @@ from queueing_core import DeadLetterReason, QueueingApp, QueueMessage, queue
 from queueing_core.clock import utcnow
 from queueing_core.decisions import Complete
 from queueing_core.providers.sql import SqlProvider
+from queueing_core.providers.sql.db_clock import DatabaseClock
 from queueing_core.providers.sql.maintenance import UNREGISTERED_GRACE, sweep_leases
 from queueing_core.providers.sql.statements import bind, leases_of
 from queueing_core.runtime import Runtime
@@ -262,20 +263,15 @@ async def test_a_host_that_does_not_register_an_abandon_queue_leaves_it_to_a_hos
 # -- clocks --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the sweeper compares locked_until, written from the claiming host's clock, with its own "
-    "clock: a host running ahead by more than a lease's remaining time (about 10 s of a 30 s lease "
-    "at the worker's renewal cadence) sweeps a live lease. Fix: lease arithmetic on the database's "
-    "clock (claim, renew and sweep), in statements.py, provider.py and maintenance.py together",
-)
 async def test_a_host_whose_clock_runs_ahead_leaves_a_live_lease_alone(sql_db):
     """The worker renews when less than 2/3 of a lease is left, every third of one: a 30 s lease may
-    have 12 s left between renewals. Another host's clock, 15 s ahead, sweeps it: the live run's only
-    attempt is counted as lapsed, the message dead-lettered, and the run's success refused."""
+    have 12 s left between renewals. Another host's clock, 15 s ahead, swept it on its own time: the
+    live run's only attempt was counted as lapsed, the message dead-lettered, and the run's success
+    refused. The provider's default clock (``DatabaseClock``) corrects the host's by the database's."""
     app = _app(LastTry)
     worker = sql_db.provider(worker_id="live-worker")
-    ahead = sql_db.provider(worker_id="fast-clock", clock=lambda: utcnow() + timedelta(seconds=15))
+    fast = DatabaseClock(lambda: utcnow() + timedelta(seconds=15))
+    ahead = sql_db.provider(worker_id="fast-clock", clock=fast)
     rt = Runtime(app, worker)
     await rt.open()
     await ahead.open(app)

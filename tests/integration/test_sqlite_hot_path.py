@@ -197,7 +197,7 @@ async def test_a_claim_reads_its_timestamps_as_utc_times_and_leaves_uuids_to_the
     assert hot is not None
     now = prov.clock()
     [claimed] = await prov._driver.run(
-        prov.claims, "a claim", [(hot.claim, prov._claim_params(a.subscription("Job"), 10, now))]
+        prov.claims, "a claim", [(hot.claim, prov._claim_params(a.subscription("Job"), 10, now, now))]
     )
     [row] = claimed.rows
     for column in ("created_at", "expires_at", "locked_until"):

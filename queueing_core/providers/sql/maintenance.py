@@ -23,10 +23,17 @@ LEASED = MessageStatus.LEASED.value
 UNREGISTERED_GRACE = timedelta(minutes=5)
 
 
-async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -> dict[str, int]:
+async def sweep_leases(
+    provider: SqlProvider, app: QueueingApp, now: datetime, *, lease_now: datetime | None = None
+) -> dict[str, int]:
     """Leases that lapsed (a worker died or hung): count the attempt, then retry, dead-letter at
     max attempts, or mark Abandoned where the queue asks a person to look. Rows of queues the app
-    does not register are only counted and retried, ``UNREGISTERED_GRACE`` late (see below)."""
+    does not register are only counted and retried, ``UNREGISTERED_GRACE`` late (see below).
+
+    A lease has lapsed before ``lease_now``, the database's time (``SqlProvider.lease_time``) that
+    every host's leases are written on; ``now`` (the host's) stamps the rows, as everything else the
+    host writes. Without ``lease_now``, ``now`` is both."""
+    lapsed_before = now if lease_now is None else lease_now
     m = provider.tables.messages
     out = {"leases_retried": 0, "leases_abandoned": 0}
     woke: set[str] = set()
@@ -43,12 +50,12 @@ async def sweep_leases(provider: SqlProvider, app: QueueingApp, now: datetime) -
             # up before it runs (so a message that kills every worker that runs it still ends); a
             # removed type's row waits, Failed, for its expiry or a person
             if queue is not None:
-                lapsed = sa.and_(m.c.queue == queue, m.c.status == LEASED, m.c.locked_until < now)
+                lapsed = sa.and_(m.c.queue == queue, m.c.status == LEASED, m.c.locked_until < lapsed_before)
             else:
                 lapsed = sa.and_(
                     m.c.queue.not_in(sorted(registered)),
                     m.c.status == LEASED,
-                    m.c.locked_until < now - UNREGISTERED_GRACE,
+                    m.c.locked_until < lapsed_before - UNREGISTERED_GRACE,
                 )
             note = sa.func.coalesce(m.c.locked_by, "?")
             error = sa.literal("lease expired: worker ") + note + sa.literal(" stopped renewing it")
@@ -196,10 +203,12 @@ async def retain(provider: SqlProvider, app: QueueingApp | None, now: datetime) 
     return out
 
 
-async def run_maintenance(provider: SqlProvider, app: QueueingApp | None, now: datetime) -> dict[str, int]:
+async def run_maintenance(
+    provider: SqlProvider, app: QueueingApp | None, now: datetime, lease_now: datetime | None = None
+) -> dict[str, int]:
     out: dict[str, int] = {}
     if app is not None:
-        out.update(await sweep_leases(provider, app, now))
+        out.update(await sweep_leases(provider, app, now, lease_now=lease_now))
     out["expired"] = await expire_waiting(provider, now)
     out.update(await retain(provider, app, now))
     return out

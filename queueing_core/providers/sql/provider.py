@@ -33,10 +33,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ...clock import Clock, utcnow
+from ...clock import Clock, as_utc
 from ...decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
 from ...envelope import Envelope
-from ...errors import ConfigurationError, NotConfigured, ProviderUnavailable
+from ...errors import ConfigurationError, NotConfigured, ProviderUnavailable, first_line
 from ...messages import MessageStatus
 from ...naming import Transport
 from ...producer import IdempotentOutcome, identity_of
@@ -46,6 +46,7 @@ from ...transport import Capabilities, Delivery, Settlement
 from . import idempotent as sql_idempotent
 from . import ops as sql_ops
 from .control import CANCEL_PREFIX, SqlControlStore
+from .db_clock import DatabaseClock
 from .driver import Compiled, DriverPath, HotStatements, Result
 from .engine import create_engine, normalize_url, redact
 from .entra import DatabaseAuth, EntraPassword, uses_entra
@@ -139,7 +140,7 @@ class SqlProvider:
         max_message_bytes: int = 1024 * 1024,
         connect_retries: int = 8,
         maintenance_interval: float = 5.0,
-        clock: Clock = utcnow,
+        clock: Clock | None = None,
         engine: AsyncEngine | None = None,
         database_auth: DatabaseAuth = "auto",
         client_id: str | None = None,
@@ -165,7 +166,11 @@ class SqlProvider:
         self.retention = retention or RetentionPolicy()
         self.connect_retries = connect_retries
         self.maintenance_interval = maintenance_interval
-        self.clock = clock
+        # leases on the database's time (db_clock.py), every other time on the host's: a message's
+        # times are stamped by its producer's clock and judged by the pipeline's, which are the host's.
+        # A plain clock passed in is used as it is for both (tests move it to travel in time)
+        self.lease_clock: Clock = DatabaseClock() if clock is None else clock
+        self.clock: Clock = clock.host if isinstance(clock, DatabaseClock) else self.lease_clock
         self.capabilities = Capabilities(
             max_delay=None,
             lock_renewal=True,
@@ -299,6 +304,7 @@ class SqlProvider:
                 # shared by every user, the pool's own rollback on return) keeps SQLAlchemy's path
                 self._hot = HotStatements(self.statements, named_dialect(self._engine), SqliteCompiled)
             await self._wait_for_database()
+            await self._read_database_clock(at_open=True)
             if self.auto_migrate:
                 applied = await migrate(self.engine, self.tables, now=self.clock)
                 if applied:
@@ -404,13 +410,14 @@ class SqlProvider:
     # -- consuming ---------------------------------------------------------------------------------
     async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
         await self.ensure_open()
+        await self._read_database_clock()  # once a minute, also on a host that runs no upkeep
         now = self.clock()
         if sub.handler is None:
             # no handler here: say so on the rows (unleased, untouched otherwise) and take nothing
             async with self.auto.connect() as conn:
                 await conn.execute(self.statements.mark_waiting, bind(queue=sub.queue, now=now))
             return []
-        params = self._claim_params(sub, max_messages, now)
+        params = self._claim_params(sub, max_messages, now, self.lease_clock())
         # ordered queues take the head of the line only (a retried head holds the rest back)
         rows: Sequence[Any]
         if self._hot is not None:
@@ -423,8 +430,10 @@ class SqlProvider:
         return _deliveries(rows)
 
     @staticmethod
-    def _claim_params(sub: Subscription, max_messages: int, now: datetime) -> dict[str, Any]:
-        lease_until = now + sub.options.lease_duration
+    def _claim_params(
+        sub: Subscription, max_messages: int, now: datetime, lease_now: datetime
+    ) -> dict[str, Any]:
+        lease_until = lease_now + sub.options.lease_duration
         return bind(queue=sub.queue, now=now, lease_until=lease_until, limit=max_messages)
 
     def _hot_claim(self, sub: Subscription, params: dict[str, Any]) -> tuple[Compiled, dict[str, Any]]:
@@ -604,7 +613,7 @@ class SqlProvider:
             )
         now = self.clock()
         work, read = self._settle_work(settlements, now) if settlements else ([], _nothing_refused)
-        claim = self._hot_claim(sub, self._claim_params(sub, max_messages, now))
+        claim = self._hot_claim(sub, self._claim_params(sub, max_messages, now, self.lease_clock()))
         results = await self._driver.run(self.auto, "a settlement and a claim", [*work, claim])
         _mark_refused(read(results[: len(work)]))
         return _deliveries(results[-1].rows)
@@ -688,7 +697,7 @@ class SqlProvider:
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         if not deliveries or self._app is None:
             return []
-        now = self.clock()
+        now = self.lease_clock()  # a lease's end only (see __init__)
         by_queue: dict[str, list[Delivery]] = defaultdict(list)
         for d in deliveries:
             by_queue[d.queue].append(d)
@@ -778,4 +787,30 @@ class SqlProvider:
         from .maintenance import run_maintenance
 
         await self.ensure_open()
-        return await run_maintenance(self, app or self._app, self.clock())
+        lease_now = await self.lease_time()
+        return await run_maintenance(self, app or self._app, self.clock(), lease_now)
+
+    async def lease_time(self) -> datetime:
+        """The time leases are written and compared on (a sweep of lapsed leases): the database's,
+        read again first when that is due."""
+        await self._read_database_clock()
+        return self.lease_clock()
+
+    async def _read_database_clock(self, *, at_open: bool = False) -> None:
+        """Correct the lease clock by the database's, when it is a :class:`DatabaseClock` and due. A
+        failed reading keeps the last difference; the next try is a minute later."""
+        clock = self.lease_clock
+        if not isinstance(clock, DatabaseClock) or not (at_open or clock.due()):
+            return
+        try:
+            async with self.auto.connect() as conn:
+                # only the statement is timed: a wait for a pooled connection is no part of it
+                before = clock.host()
+                value = (await conn.execute(self.statements.database_now)).scalar_one()
+                after = clock.host()
+        except Exception as exc:
+            clock.failed()
+            log.warning("could not read the database's clock (%s); will try again", first_line(exc))
+            return
+        database_now = as_utc(value if isinstance(value, datetime) else datetime.fromisoformat(value))
+        clock.correct(database_now, before, after)

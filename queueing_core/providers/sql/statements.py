@@ -75,6 +75,12 @@ class Statements:
     def __init__(self, tables: Tables, worker_id: str, backend: str = "sqlite") -> None:
         m, p, c = tables.messages, tables.pauses, tables.circuits
         now = P("now")
+        # the database's own clock (db_clock.py): SQLite's is the host's, to the millisecond
+        self.database_now: sa.Select[Any] = (
+            sa.select(sa.func.clock_timestamp())
+            if backend == "postgresql"
+            else sa.select(sa.func.strftime("%Y-%m-%d %H:%M:%f", "now"))
+        )
         self.not_paused = ~sa.exists().where(
             sa.or_(
                 sa.and_(p.c.kind == "queue", p.c.name == m.c.queue),
