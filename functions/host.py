@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -159,7 +160,8 @@ class FunctionsHost:
         provider = rt.provider
         assert isinstance(provider, SqlProvider)
         now = utcnow()
-        done = await sweep_leases(provider, self.app, now)
+        # lapsed on the database's time, on which every host writes its leases
+        done = await sweep_leases(provider, self.app, now, lease_now=await provider.lease_time())
         done["expired"] = await expire_waiting(provider, now)
         return done
 
@@ -175,6 +177,9 @@ class FunctionsHost:
 
         rt = await self.runtime()
         grace = timedelta(seconds=self.settings.schedule_grace_seconds)
+        # a tick waits for the next timer run: its grace counts from there, or a run that comes a
+        # little late would read the first ticks of the interval as missed (and drop them)
+        grace += longest_interval(self.settings.functions_schedules_schedule)
         return {"ticks": await Scheduler(rt, grace=grace).run_due()}
 
     async def prune_ticks(self) -> dict[str, int]:
@@ -203,6 +208,27 @@ class FunctionsHost:
         # history table would grow for ever (nothing else prunes it in Functions)
         prune = getattr(rt.tracker, "prune", None)
         return {**({"history_pruned": await prune(utcnow())} if prune is not None else {}), **pruned}
+
+
+@functools.cache
+def longest_interval(ncrontab: str) -> timedelta:
+    """The longest wait between two runs of a six-field NCRONTAB timer (seconds first), over its
+    next 2,000 runs or 400 days. An expression croniter cannot read adds nothing (logged)."""
+    from croniter import croniter
+
+    start = datetime(2026, 1, 1)  # the fires' pattern, not the present, matters: any fixed start
+    try:
+        fires = croniter(ncrontab, start, second_at_beginning=True)
+    except (ValueError, KeyError) as exc:
+        log.warning("could not read the timer %r (%s): the schedules' grace is not widened", ncrontab, exc)
+        return timedelta(0)
+    longest, last = timedelta(0), start
+    for _ in range(2000):
+        fire = fires.get_next(datetime)
+        longest, last = max(longest, fire - last), fire
+        if fire - start > timedelta(days=400):
+            break
+    return longest
 
 
 async def settle_storage(provider: Any, s: Settlement) -> None:

@@ -22,6 +22,11 @@ class PhysicalNames:
         naming = self.naming or (self._app.naming if self._app else QueueNaming())
         return naming.physical(queue, self.transport)
 
+    def logical_of(self, physical: str) -> str:
+        """The app's queue named ``physical`` here, or ``physical`` itself when the app has none."""
+        queues = self._app.by_queue() if self._app else {}
+        return next((q for q in queues if self.physical(q) == physical), physical)
+
 
 def companion_name(physical: str, suffix: str, transport: Transport) -> str:
     """A queue beside ``physical`` (poison, dead-letter): the longer name must still be valid."""

@@ -42,7 +42,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..clock import Clock, utcnow
 from ..decisions import Complete, DeadLetter, DeadLetterReason, Expire, dead_letter_of, due_at
-from ..envelope import DESCRIPTION, REASON, Envelope, dead_letter_marks, malformed_identity
+from ..envelope import DESCRIPTION, REASON, Envelope, dead_letter_marks
 from ..errors import (
     ConfigurationError,
     InvalidOperation,
@@ -50,13 +50,12 @@ from ..errors import (
     ProviderError,
     ProviderUnavailable,
 )
-from ..messages import MessageStatus
 from ..naming import QueueNaming, Transport
 from ..options import QueueOptions
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, Settlement, settled_each
 from .dead_letters import HOLD_SECONDS, id_in_text
-from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
+from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, stored_text_record
 from .delayed.breaker import first_line
 from .names import companion_name
 from .side_stores import SideStoreOps
@@ -470,23 +469,7 @@ class SqsProvider(SideStoreOps):
             },
         }
         await self._send_entries(dlq, [entry])
-        _, tracking_id, type_name = malformed_identity(item.envelope)
-        queue = next(
-            (q for q in (self._app.by_queue() if self._app else {}) if self.physical(q) == item.destination),
-            item.destination,
-        )
-        record = MessageRecord(
-            message_id=item.message_id,
-            tracking_id=tracking_id,
-            type=type_name,
-            queue=queue,
-            status=MessageStatus.DEAD_LETTERED.value,
-            created_at=item.created_at,
-            updated_at=now,
-            reason=reason,
-            description=description,
-            raw=item.envelope[:65536],
-        )
+        record = stored_text_record(item, self.logical_of(item.destination), reason, description, now)
         await self.stores.history.upsert([record])
 
     def _dead_entry(self, env: Envelope, reason: str, description: str, now: datetime) -> dict[str, Any]:

@@ -48,9 +48,16 @@ from azure.storage.queue.aio import QueueClient, QueueServiceClient
 from .. import retry_policy
 from ..clock import utcnow
 from ..connections import STORAGE, StorageConnection
-from ..decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
+from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
 from ..envelope import Envelope, dead_letter_marks, malformed_identity
-from ..errors import ConfigurationError, InvalidOperation, ProviderError, ProviderUnavailable, first_line
+from ..errors import (
+    ConfigurationError,
+    InvalidOperation,
+    MalformedEnvelope,
+    ProviderError,
+    ProviderUnavailable,
+    first_line,
+)
 from ..naming import QueueNaming, Transport
 from ..tracking.base import nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
@@ -118,8 +125,16 @@ def poison_text(d: Delivery, decision: DeadLetter, now: datetime) -> str:
             description = description[: len(description) // 2]
         if _fits(text):
             return text
-    raw = d.text()
-    message_id, tracking_id, type_name = malformed_identity(raw)
+    return raw_poison_text(d.text(), decision.reason.value, description, now)
+
+
+def raw_poison_text(
+    raw: str, reason: str, description: str, now: datetime, message_id: uuid.UUID | None = None
+) -> str:
+    """The dead-letter copy of text that is not an envelope (see :func:`poison_text`), under the id
+    the history lists it by: ``message_id`` where the kit gave it one (a delayed-store row's)."""
+    derived_id, tracking_id, type_name = malformed_identity(raw)
+    message_id = message_id or derived_id
     wrapper: dict[str, Any] = {
         # the ids the history lists the message under: the dead-letter locator reads them here
         "message_id": str(message_id),
@@ -128,7 +143,7 @@ def poison_text(d: Delivery, decision: DeadLetter, now: datetime) -> str:
         # in UTF-8), so the wrapper with no text at all always fits and the cut below ends
         "type": type_name,
         "dead_letter": {
-            "reason": decision.reason.value,
+            "reason": reason,
             "description": description[:4000],
             "at": now.isoformat(),
         },
@@ -631,14 +646,24 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
 
     async def forward_delayed(self, item: DelayedMessage) -> None:
         now = utcnow()
-        env = Envelope.decode(item.envelope)
+        try:
+            env = Envelope.decode(item.envelope)
+        except MalformedEnvelope as exc:
+            # no run could read it: straight to the poison queue with its reason (a failed decode here
+            # would fail every forward, then the dead letter, and leave the row due for ever)
+            await self._dead_letter_stored_text(item, f"a delayed message is not an envelope: {exc}", now)
+            return
         await self._put_physical(await self._ensure(item.destination), env, timedelta(0), now)
 
     async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
         from .delayed import FORWARD_FAILED, forward_failed_record
 
         now = utcnow()
-        env = Envelope.decode(item.envelope)
+        try:
+            env = Envelope.decode(item.envelope)
+        except MalformedEnvelope:
+            await self._dead_letter_stored_text(item, description, now)
+            return
         marked = env.model_copy(
             update={"headers": {**env.headers, **dead_letter_marks(FORWARD_FAILED, description, now)}}
         )
@@ -646,6 +671,19 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         with _boundary(f"dead-lettering to {poison.queue_name}"):
             await poison.send_message(encode_body(marked.encode_text()), time_to_live=-1)
         await self._tracker.upsert([forward_failed_record(env, description, now)])
+
+    async def _dead_letter_stored_text(self, item: DelayedMessage, description: str, now: datetime) -> None:
+        """A delayed-store row whose text is not an envelope: its text to the poison queue in the
+        wrapper the receive path gives such text, with the reason ``malformed-envelope``."""
+        from .delayed import stored_text_record
+
+        reason = DeadLetterReason.MALFORMED_ENVELOPE.value
+        poison = await self._ensure(f"{item.destination}{POISON_SUFFIX}")
+        text = raw_poison_text(item.envelope, reason, description, now, item.message_id)
+        with _boundary(f"dead-lettering to {poison.queue_name}"):
+            await poison.send_message(encode_body(text), time_to_live=-1)
+        queue = self.logical_of(item.destination)
+        await self._tracker.upsert([stored_text_record(item, queue, reason, description, now)])
 
     # -- upkeep ------------------------------------------------------------------------------------
     maintenance_interval = 300.0

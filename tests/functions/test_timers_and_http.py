@@ -60,6 +60,39 @@ async def test_the_sql_processor_timer_drains_the_queue_within_its_budget(tmp_pa
     await rt.close()
 
 
+async def test_the_sweeper_timer_on_a_host_whose_clock_runs_ahead_leaves_a_live_lease_alone(
+    tmp_path, monkeypatch
+):
+    """The sweeper timer compared the leases, written on the database's time, with its host's clock:
+    a Functions instance 15 s ahead swept a live run's lease (12 s left) and took its only attempt."""
+    import functions.host as fhost
+    from queueing_core.clock import utcnow
+    from queueing_core.decisions import Complete
+    from queueing_core.providers.sql.db_clock import DatabaseClock
+    from queueing_core.transport import Settlement
+
+    app, host, fns, _seen = sql_app(tmp_path)
+    rt = await host.runtime()
+    prov = rt.provider
+    sent = await app.enqueue(Timed(n=1))
+    [d] = await prov.receive(app.subscription("Timed"), 1)  # a live run on another host
+    m = prov.tables.messages
+    async with prov.engine.begin() as conn:
+        await conn.execute(sa.update(m).values(locked_until=utcnow() + timedelta(seconds=12)))
+
+    def ahead():
+        return utcnow() + timedelta(seconds=15)
+
+    monkeypatch.setattr(fhost, "utcnow", ahead)  # this instance's clock, everywhere it is read
+    prov.clock, prov.lease_clock = ahead, DatabaseClock(ahead)  # as SqlProvider(clock=DatabaseClock(ahead))
+    await user(fns["queueing_lease_sweeper"])(TimerRequest(past_due=False))
+    rec = await rt.tracker.get(sent.message_id)
+    assert (rec.status, rec.attempt) == ("Leased", 0)
+    await prov.settle([Settlement(d, Complete())])
+    assert not d.refused
+    await rt.close()
+
+
 async def test_the_sweeper_and_retention_timers(tmp_path):
     from queueing_core.providers.sql import RetentionPolicy
 
@@ -81,6 +114,41 @@ async def test_the_sweeper_and_retention_timers(tmp_path):
     assert (await rt.tracker.get(r.message_id)).status == "Succeeded"
     await user(fns["queueing_retention"])(TimerRequest())
     assert (await rt.tracker.get(r.message_id)).archived is True
+    await rt.close()
+
+
+async def test_the_schedules_timer_a_little_late_enqueues_every_tick_of_the_interval(tmp_path):
+    """The timer fires every minute and the grace is 60 s (both defaults): a run 3 s late (a cold
+    start) read the first ticks of the minute, more than 60 s old, as missed, and an every-second
+    schedule never enqueued them. The grace now counts from the timer run the ticks waited for."""
+    from datetime import UTC, datetime
+
+    t0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=UTC)
+    now = [t0 + timedelta(seconds=0.2)]
+    app = QueueingApp("fn-beats")
+    app.every(timedelta(seconds=1), Timed(n=0), name="beat")
+
+    @app.handler()
+    async def handle(msg: Timed) -> None:
+        pass
+
+    cfg = QueueingSettings(
+        provider="sql", database_url=f"sqlite:///{tmp_path}/fn.db", functions_local_sqlite=True
+    )
+    assert (cfg.schedule_grace_seconds, cfg.functions_schedules_schedule) == (60, "0 * * * * *")
+    host = FunctionsHost(app, cfg)
+    fns = functions_of(build_app(cfg, app, host=host, env={}))
+    rt = await host.runtime()
+    rt.clock = lambda: now[0]
+    await user(fns["queueing_schedules"])(TimerRequest(past_due=False))  # the 12:00 run
+    now[0] = t0 + timedelta(seconds=63.2)  # the 12:01 run, 3 s late
+    await user(fns["queueing_schedules"])(TimerRequest(past_due=True))
+    ticks = rt.provider.tables.ticks
+    async with rt.provider.engine.connect() as conn:
+        fired = (await conn.execute(sa.select(ticks.c.tick_at).where(ticks.c.schedule == "beat"))).scalars()
+        seconds = {round((t.replace(tzinfo=UTC) - t0).total_seconds()) for t in fired}
+    assert sorted(set(range(64)) - seconds) == [], "ticks never enqueued (seconds after 12:00)"
+    assert (await rt.tracker.counts()) == {("timed", "Pending"): 64}
     await rt.close()
 
 

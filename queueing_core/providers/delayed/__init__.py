@@ -1,7 +1,13 @@
 """The delayed-message store for transports whose native delay is too short."""
 
 from .breaker import CircuitBreaker
-from .dispatcher import FORWARD_FAILED, DelayedDispatcher, DelayedTarget, forward_failed_record
+from .dispatcher import (
+    FORWARD_FAILED,
+    DelayedDispatcher,
+    DelayedTarget,
+    forward_failed_record,
+    stored_text_record,
+)
 from .store import DelayedMessage, SqlDelayedStore
 
 __all__ = [
@@ -12,4 +18,5 @@ __all__ = [
     "DelayedTarget",
     "SqlDelayedStore",
     "forward_failed_record",
+    "stored_text_record",
 ]

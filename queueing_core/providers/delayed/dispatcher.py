@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
 from ...clock import Clock, utcnow
-from ...envelope import REPEATED_FORWARD, Envelope
+from ...envelope import REPEATED_FORWARD, Envelope, malformed_identity
 from ...errors import ProviderUnavailable
 from ...messages import MessageStatus
 from ...tracking import MessageRecord, record_from_envelope
@@ -43,6 +43,26 @@ def forward_failed_record(env: Envelope, description: str, now: datetime) -> Mes
     """The history of a delayed message the dispatcher gave up on (the transport records it)."""
     return record_from_envelope(
         env, MessageStatus.DEAD_LETTERED.value, now, reason=FORWARD_FAILED, description=description
+    )
+
+
+def stored_text_record(
+    item: DelayedMessage, queue: str, reason: str, description: str, now: datetime
+) -> MessageRecord:
+    """The history of a delayed-store row whose text is not an envelope, dead-lettered as it was
+    stored: under the message id the row was stored with, the text kept (up to 64 KiB)."""
+    _, tracking_id, type_name = malformed_identity(item.envelope)
+    return MessageRecord(
+        message_id=item.message_id,
+        tracking_id=tracking_id,
+        type=type_name,
+        queue=queue,
+        status=MessageStatus.DEAD_LETTERED.value,
+        created_at=item.created_at,
+        updated_at=now,
+        reason=reason,
+        description=description,
+        raw=item.envelope[:65536],
     )
 
 
