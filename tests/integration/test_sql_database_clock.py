@@ -178,6 +178,20 @@ async def test_a_slow_wait_for_a_connection_is_not_read_as_a_clock_difference(sq
     assert abs(clock.offset) <= TOLERANCE, f"a false offset of {clock.offset.total_seconds():.2f} s"
 
 
+def test_by_default_only_leases_are_on_the_databases_clock():
+    """The default's other times stayed on the database-corrected clock too (a review found
+    ``provider.clock`` was the ``DatabaseClock`` itself when no clock was passed), so the claim read a
+    message's ``not_before`` on another clock than the pipeline: the spin above, on every default host."""
+    prov = SqlProvider("sqlite:///unused.db")
+    assert isinstance(prov.lease_clock, DatabaseClock)
+    assert not isinstance(prov.clock, DatabaseClock)
+    assert prov.clock is prov.lease_clock.host
+    own = DatabaseClock(lambda: utcnow() - timedelta(seconds=30))
+    assert SqlProvider("sqlite:///unused.db", clock=own).clock is own.host
+    plain = SqlProvider("sqlite:///unused.db", clock=utcnow)  # a plain clock: as it is, for both
+    assert plain.clock is plain.lease_clock is utcnow
+
+
 # -- the clock's rules ----------------------------------------------------------------------------------
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

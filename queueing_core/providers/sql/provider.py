@@ -170,7 +170,8 @@ class SqlProvider:
         # times are stamped by its producer's clock and judged by the pipeline's, which are the host's.
         # A plain clock passed in is used as it is for both (tests move it to travel in time)
         self.lease_clock: Clock = DatabaseClock() if clock is None else clock
-        self.clock: Clock = clock.host if isinstance(clock, DatabaseClock) else self.lease_clock
+        lease_clock = self.lease_clock
+        self.clock: Clock = lease_clock.host if isinstance(lease_clock, DatabaseClock) else lease_clock
         self.capabilities = Capabilities(
             max_delay=None,
             lock_renewal=True,
