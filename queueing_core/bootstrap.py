@@ -60,7 +60,6 @@ def make_provider(settings: QueueingSettings) -> Provider:
             control_table=settings.control_table,
             tracker_table=settings.tracker_table,
             tracker_retention=timedelta(days=settings.tracker_retention_days),
-            ttl_grace=settings.ttl_grace,
             delayed_stores=delayed_stores,
             delayed_retries=settings.delayed_store_retries,
         )

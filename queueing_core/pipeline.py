@@ -341,6 +341,13 @@ class Pipeline:
         decision = await self._run(delivery, sub, env, message, stopping, closing, now)
         if cb is not None and not isinstance(decision, Release):
             await self._track_circuit(sub, decision, state.circuit(sub.type_name), probing, cb)
+        elif probing and cb is not None:
+            # a probe handed back unrun (the host stopping) says nothing of the downstream: the next
+            # message may probe at once, not after probe_timeout (which is for a probe whose host died)
+            try:
+                await self.control.release_probe(sub.type_name, now + cb.probe_timeout, self.clock())
+            except Exception:
+                log.exception("could not hand back the circuit probe of %s", sub.type_name)
         return decision
 
     async def _previous(self, sub: Subscription, message: QueueMessage) -> QueueMessage | None:
@@ -490,6 +497,13 @@ class Pipeline:
                 await self.control.record_failure(sub.type_name, cb, self.clock())
             elif probing or before.state != "closed" or before.consecutive_failures:
                 await self.control.record_success(sub.type_name)
+            else:
+                # failures counted while this run ran (the state read at its start showed none): the
+                # success resets them too. ``state`` is the cached read (control_ttl), not a round trip
+                # per success
+                current = (await self.control.state()).circuit(sub.type_name)
+                if current.state != "closed" or current.consecutive_failures:
+                    await self.control.record_success(sub.type_name)
         except Exception:
             # the breaker is advisory: a control-store outage must not fail the message
             log.exception("could not record the circuit outcome for %s", sub.type_name)

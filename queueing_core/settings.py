@@ -170,8 +170,9 @@ class QueueingSettings(BaseSettings):
     )
     ttl_grace: timedelta = Field(
         default=timedelta(hours=1),
-        description="The transport's own time-to-live is the message's expiry plus this, so the kit "
-        "records `Expired` before the service drops the message.",
+        description="Service Bus, RabbitMQ: the broker's own time-to-live of a message is its expiry "
+        "plus this, so a worker records `Expired` first (what the broker drops goes to the dead-letter "
+        "queue). Storage Queues keeps every message until a worker reads it.",
     )
     rabbitmq_url: SecretStr = Field(
         default=SecretStr("amqp://guest:guest@127.0.0.1:5672/"),

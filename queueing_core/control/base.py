@@ -70,6 +70,10 @@ class ControlStore(Protocol):
 
     async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool: ...
 
+    async def release_probe(self, type_name: str, held_until: datetime, now: datetime) -> None:
+        """Hand back the probe acquired until ``held_until``, unrun (see ``circuit.release_probe``)."""
+        ...
+
     async def reset_circuit(self, type_name: str) -> None: ...
 
     async def set_cancel(self, message_id: UUID, requested: bool, now: datetime) -> None:
@@ -146,6 +150,10 @@ class CachedControlStore:
         result = await self.inner.acquire_probe(type_name, opts, now)
         self.invalidate()
         return result
+
+    async def release_probe(self, type_name: str, held_until: datetime, now: datetime) -> None:
+        await self.inner.release_probe(type_name, held_until, now)
+        self.invalidate()
 
     async def reset_circuit(self, type_name: str) -> None:
         await self.inner.reset_circuit(type_name)

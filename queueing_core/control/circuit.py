@@ -8,7 +8,7 @@ A probe that never reports (its host died) is replaced after ``probe_timeout``.
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 
 from ..options import CircuitBreakerOptions
@@ -61,3 +61,15 @@ def acquire_probe(state: CircuitState, opts: CircuitBreakerOptions, now: datetim
     if admission(state, now) is not Admission.PROBE:
         return None
     return replace(state, state="half_open", probe_until=now + opts.probe_timeout)
+
+
+def release_probe(state: CircuitState, held_until: datetime, now: datetime) -> CircuitState | None:
+    """The probe acquired until ``held_until`` handed back unrun (its host stopping): the next message
+    may probe at once, rather than after ``probe_timeout``, which is for a probe whose host died. None
+    when that probe is no longer the one out (it reported, or timed out and another took its place:
+    any later probe's time ends at least a ``probe_timeout`` after it)."""
+    if state.state != "half_open" or state.probe_until is None:
+        return None
+    if abs(state.probe_until - held_until) > timedelta(seconds=1) or state.probe_until <= now:
+        return None
+    return replace(state, probe_until=now)

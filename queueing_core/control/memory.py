@@ -81,6 +81,12 @@ class MemoryControlStore:
             self._circuits[type_name] = new
             return True
 
+    async def release_probe(self, type_name: str, held_until: datetime, now: datetime) -> None:
+        async with self._lock:
+            new = circuit.release_probe(self._get(type_name), held_until, now)
+            if new is not None:
+                self._circuits[type_name] = new
+
     async def reset_circuit(self, type_name: str) -> None:
         async with self._lock:
             self._circuits.pop(type_name, None)

@@ -425,8 +425,9 @@ class OpsService:
         async def reopen() -> None:
             await self.runtime.tracker.reopen(pending)
 
-        if r.status == S.CANCELLED:  # the old request would cancel the new run
-            await self.runtime.control.set_cancel(r.message_id, False, now)
+        # an earlier cancel request would cancel the new run: withdrawn whatever the message ended as
+        # (a request that missed its run, which then dead-lettered, is kept for a day otherwise)
+        await self.runtime.control.set_cancel(r.message_id, False, now)
         identities = self.runtime.identities
         if identities is not None and sub is not None and sub.options.idempotent:
             # whatever it ended as (a superseded version that failed its last attempt while running

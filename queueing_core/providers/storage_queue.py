@@ -10,11 +10,13 @@
   of the envelope; bytes that are not an envelope are wrapped with their raw text kept.
 - Bodies are base64 text, what the Functions queue trigger reads by default; the kit decodes each
   message itself, so one bad body is a poison message, not a failed receive. Plain JSON is read too.
-- The storage TTL is the envelope's expiry plus ``ttl_grace``, and at least ``ttl_grace`` past the
-  moment the message becomes visible (a copy sent past its expiry too), so the kit records "Expired"
-  before the service drops the message. Delays beyond the 7-day visibility limit wait in the SQL delayed
-  store when one is configured (``QUEUEING_STORAGE_DELAYED_STORE``), else are re-hidden for up to
-  7 more days on each arrival, without using an attempt.
+- Every message is sent without a storage TTL, expiry or not: the service drops what outlives its
+  TTL without a trace (Storage Queues has no dead-letter for it), and no host may read a message in
+  time (a queue paused past its messages' expiry, every host down). A message past its expiry waits
+  until a worker receives it, which records it "Expired" and deletes it.
+- Delays beyond the 7-day visibility limit wait in the SQL delayed store when one is configured
+  (``QUEUEING_STORAGE_DELAYED_STORE``), else are re-hidden for up to 7 more days on each arrival,
+  without using an attempt.
 
 Pause/circuit state and message history live in Azure Tables (shared by every host and instance).
 """
@@ -271,7 +273,6 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         *,
         naming: QueueNaming | None = None,
         auto_create: bool = True,
-        ttl_grace: timedelta = timedelta(hours=1),
         control_table: str = "queueingcontrol",
         tracker_table: str = "queueinghistory",
         tracker_retention: timedelta = timedelta(days=14),
@@ -282,7 +283,6 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         self.connection = connection
         self.naming = naming
         self.auto_create = auto_create
-        self.ttl_grace = ttl_grace
         self.capabilities = Capabilities(
             max_delay=MAX_VISIBILITY,
             lock_renewal=True,
@@ -381,11 +381,6 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             await self._credential.close()
 
     # -- producing ---------------------------------------------------------------------------------
-    def _ttl(self, env: Envelope, now: datetime) -> int:
-        if env.expires_at is None:
-            return -1  # never expires
-        return max(1, math.ceil((env.expires_at - now + self.ttl_grace).total_seconds()))
-
     async def put(self, queue: str, env: Envelope, visible_in: timedelta, now: datetime) -> None:
         """Send one envelope, hidden for ``visible_in`` (callers hold the concurrency limit)."""
         physical = self.physical(queue)
@@ -399,15 +394,10 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         self, c: QueueClient, env: Envelope, visible_in: timedelta, now: datetime
     ) -> None:
         hide = min(max(visible_in, timedelta(0)), MAX_VISIBILITY)
-        ttl = self._ttl(env, now)
-        if ttl != -1:
-            # a message must outlive its own delay, and stay visible long enough to be received: a
-            # worker then records it Expired (a copy forwarded or sent past its expiry, say). Kept for a
-            # second, the service would drop it unseen, its history left Sleeping or Pending
-            ttl = max(ttl, whole_seconds(hide) + math.ceil(self.ttl_grace.total_seconds()))
         with _boundary(f"sending to {c.queue_name}"):
+            # no TTL (see the module's note): the kit records a message's expiry when it reads it
             await c.send_message(
-                encode_body(env.encode_text()), visibility_timeout=whole_seconds(hide), time_to_live=ttl
+                encode_body(env.encode_text()), visibility_timeout=whole_seconds(hide), time_to_live=-1
             )
 
     async def _limited(self, aw: Awaitable[None]) -> None:

@@ -305,6 +305,9 @@ class TablesControlStore(_OnTable):
         _, changed = await self._transition(type_name, lambda s: circuit.acquire_probe(s, opts, as_utc(now)))
         return changed
 
+    async def release_probe(self, type_name: str, held_until: datetime, now: datetime) -> None:
+        await self._transition(type_name, lambda s: circuit.release_probe(s, as_utc(held_until), as_utc(now)))
+
     def schedule_store(self) -> TablesTickStore:
         """Schedule ticks on the same table (the hosts that share pauses share ticks)."""
         from .tables_schedules import TablesTickStore

@@ -314,6 +314,50 @@ async def test_circuit_counts_only_consecutive_failures(harness):
     assert (state.state, state.consecutive_failures) == ("closed", 4)
 
 
+@queue("flaky_overlap", **_breaker(5))
+class FlakyOverlap(QueueMessage):
+    ok: bool
+    slow: bool = False
+
+
+async def test_a_success_that_overlapped_failures_resets_their_count(harness):
+    """A success resets the count even when the failures came while it ran: the state read at its
+    start showed none, and nothing was recorded, so four more failures opened a breaker of five."""
+    app = harness.app()
+    go = asyncio.Event()
+    slow_started = asyncio.Event()
+
+    @app.handler(FlakyOverlap, max_concurrency=2)
+    async def call(msg: FlakyOverlap) -> None:
+        if msg.slow:
+            slow_started.set()
+            await go.wait()
+        if not msg.ok:
+            raise ConnectionError("down")
+
+    rt = await harness.runtime(app)
+    async with running(rt):
+        slow = await app.enqueue(FlakyOverlap(ok=True, slow=True))
+        await asyncio.wait_for(slow_started.wait(), 30)
+        for ok in [False] * 4:
+            r = await app.enqueue(FlakyOverlap(ok=ok))
+            await wait_until(
+                lambda r=r: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED), what="a failure"
+            )
+        go.set()
+        await wait_until(
+            lambda: all_have(rt, [slow.message_id], MessageStatus.SUCCEEDED), what="the slow success"
+        )
+        for _ in range(4):
+            r = await app.enqueue(FlakyOverlap(ok=False))
+            await wait_until(
+                lambda r=r: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED), what="a failure"
+            )
+    rt.control.invalidate()
+    state = (await rt.control.state()).circuit("FlakyOverlap")
+    assert (state.state, state.consecutive_failures) == ("closed", 4)
+
+
 @queue("leased", lease_duration=timedelta(seconds=1), max_attempts=5, retry=FAST_RETRY)
 class Leased(QueueMessage):
     key: str

@@ -228,6 +228,26 @@ async def test_concurrent_acquire_probe_admits_exactly_one(stores):
     assert (await a.state()).circuit("T").state == "half_open"
 
 
+async def test_a_probe_handed_back_frees_the_circuit_for_the_next_probe_only_if_still_out(stores):
+    """A probe released unrun (its host stopping) lets the next message probe at once; a release that
+    comes after the probe was replaced (it timed out) or reported changes nothing."""
+    a, b = stores
+    for _ in range(3):
+        await a.record_failure("T", OPTS, T0)
+    at = T0 + OPTS.cooldown
+    assert await a.acquire_probe("T", OPTS, at)
+    assert not await b.acquire_probe("T", OPTS, at + timedelta(seconds=1))  # held
+    await a.release_probe("T", at + OPTS.probe_timeout, at + timedelta(seconds=2))
+    assert (await b.state()).circuit("T").probe_until == at + timedelta(seconds=2)
+    assert await b.acquire_probe("T", OPTS, at + timedelta(seconds=2))  # at once, not 5 min later
+    # the first probe released again, after b's probe replaced it: b's stays
+    await a.release_probe("T", at + OPTS.probe_timeout, at + timedelta(seconds=3))
+    assert (await a.state()).circuit("T").probe_until == at + timedelta(seconds=2) + OPTS.probe_timeout
+    await b.record_success("T")
+    await b.release_probe("T", at + timedelta(seconds=2) + OPTS.probe_timeout, at + timedelta(seconds=4))
+    assert (await a.state()).circuit("T").state == "closed"
+
+
 async def test_concurrent_failures_are_all_counted(stores):
     a, b = stores
     many = CircuitBreakerOptions(failure_threshold=1000)

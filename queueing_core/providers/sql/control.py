@@ -206,5 +206,8 @@ class SqlControlStore:
     async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool:
         return (await self._update(type_name, lambda s: circuit.acquire_probe(s, opts, now)))[1]
 
+    async def release_probe(self, type_name: str, held_until: datetime, now: datetime) -> None:
+        await self._update(type_name, lambda s: circuit.release_probe(s, held_until, now))
+
     async def reset_circuit(self, type_name: str) -> None:
         await self._update(type_name, circuit.on_success)
