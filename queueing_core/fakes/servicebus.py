@@ -470,7 +470,12 @@ class _Queue:
         changed = False
         for entry in list(self.active.values()):
             if entry.scheduled and entry.enqueued_at <= now:
+                # "appended to the queue as if it had been enqueued at the current instant, which
+                # includes assigning a new SequenceNumber" (Message sequencing and timestamps)
+                del self.active[entry.sequence_number]
                 entry.scheduled = False
+                entry.sequence_number = next(self._sequence)
+                self.active[entry.sequence_number] = entry
                 changed = True
             if entry.locked_until is not None and entry.locked_until <= now:
                 self.release(entry)
@@ -479,9 +484,11 @@ class _Queue:
                     continue  # dead-lettered at the delivery limit
             # a locked message does not expire under its holder, who may still complete it
             expires_at = entry.expires_at
+            # nor does a deferred one: it waits for a receive by its sequence number (Message deferral)
             if (
                 entry.lock_token is None
                 and not entry.scheduled
+                and not entry.deferred
                 and expires_at is not None
                 and expires_at <= now
             ):

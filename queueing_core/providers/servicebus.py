@@ -40,6 +40,8 @@ from azure.core.exceptions import (
     ClientAuthenticationError,
     ResourceExistsError,
     ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
 )
 from azure.servicebus import (
     ServiceBusMessage,
@@ -52,9 +54,12 @@ from azure.servicebus.exceptions import (
     MessageLockLostError,
     MessageSizeExceededError,
     MessagingEntityNotFoundError,
+    OperationTimeoutError,
     ServiceBusAuthorizationError,
+    ServiceBusCommunicationError,
     ServiceBusConnectionError,
     ServiceBusError,
+    ServiceBusServerBusyError,
 )
 
 from ..clock import utcnow
@@ -82,6 +87,18 @@ TYPE_PROPERTY = "queueing-type"
 PEEK_COUNT_LIMIT = 5000
 CREATE_QUEUES_SETTING = "QUEUEING_SERVICEBUS_CREATE_QUEUES"
 OWNER_ROLE = "Azure Service Bus Data Owner"
+#: what says the service is away or busy for now, not that the request was wrong (the SDK's docstrings
+#: say wait and retry): the data plane's AMQP errors and the administration client's HTTP ones
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    ServiceBusConnectionError,
+    ServiceBusCommunicationError,
+    ServiceBusServerBusyError,
+    OperationTimeoutError,
+    ServiceRequestError,
+    ServiceResponseError,
+    OSError,
+)
+
 #: the right each AMQP refusal names, and the least role that grants it
 _ROLE_OF_CLAIM = {
     "'Send'": ("Send", "Azure Service Bus Data Sender"),
@@ -121,8 +138,8 @@ def _boundary(action: str) -> Any:
         ) from None
     except MessageSizeExceededError as exc:
         raise ProviderError(f"{action}: message too large for Service Bus ({exc})") from None
-    except (ServiceBusConnectionError, OSError) as exc:
-        raise ProviderUnavailable(f"Service Bus unreachable during {action}: {exc}") from None
+    except _UNAVAILABLE as exc:
+        raise ProviderUnavailable(f"Service Bus unreachable or busy during {action}: {exc}") from None
     except (ServiceBusError, AzureError) as exc:
         raise ProviderError(f"{action} failed: {exc}") from None
 
@@ -463,7 +480,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
-        settled_each(settlements, results, "Service Bus")
+        with _boundary("settling messages"):  # every one failed: the first error, in the kit's terms
+            settled_each(settlements, results, "Service Bus")
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         lost: list[Delivery] = []
