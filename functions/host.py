@@ -55,7 +55,7 @@ from queueing_core.clock import utcnow
 from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
 from queueing_core.errors import first_line
 from queueing_core.runtime import Runtime
-from queueing_core.settings import QueueingSettings
+from queueing_core.settings import QueueingSettings, journal_dir
 from queueing_core.transport import Delivery, Settlement
 
 if TYPE_CHECKING:
@@ -87,6 +87,9 @@ class FunctionsHost:
                         make_provider(self.settings),
                         pause_recheck=timedelta(seconds=self.settings.pause_recheck_seconds),
                         waiting_recheck=timedelta(seconds=max(30.0, self.settings.pause_recheck_seconds)),
+                        # history a store outage held back, on the instance's disk: the next invocation
+                        # (or the instance's next process) writes it (it was memory only here)
+                        history_journal=journal_dir(self.settings),
                     )
                 try:
                     await self._runtime.open()

@@ -49,6 +49,7 @@ param trackerTableName string = 'queueinghistory'
 
 @description('Days of message history the app keeps (QUEUEING_TRACKER_RETENTION_DAYS).')
 @minValue(1)
+@maxValue(3650)
 param trackerRetentionDays int = 14
 
 // ---------------------------------------------------------------- the app
@@ -64,10 +65,10 @@ param queueingProvider string = 'servicebus'
 @description('The kit app to host, MODULE:ATTR (QUEUEING_APP).')
 param queueingApp string = 'queueing_core.examples.orders:app'
 
-@description('Prefix composed into queue names (QUEUEING_QUEUE_PREFIX); the queue lists above must already include it.')
+@description('Prefix composed into queue names (QUEUEING_QUEUE_PREFIX). Written by `queueing infra params` with the queue lists, which already include it: set QUEUEING_QUEUE_PREFIX when running it, never pass this alone.')
 param queuePrefix string = ''
 
-@description('Suffix composed into queue names (QUEUEING_QUEUE_SUFFIX); the queue lists above must already include it.')
+@description('Suffix composed into queue names (QUEUEING_QUEUE_SUFFIX). Written by `queueing infra params` with the queue lists, which already include it: set QUEUEING_QUEUE_SUFFIX when running it, never pass this alone.')
 param queueSuffix string = ''
 
 @description('Key for the ops API (QUEUEING_API_KEY). Pass it at deployment time; never commit it.')

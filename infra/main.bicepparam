@@ -41,4 +41,6 @@ param storageQueues = [
   'generate-invoice'
   'order-placed'
 ]
+param queuePrefix = ''
+param queueSuffix = ''
 // END GENERATED QUEUES

@@ -92,6 +92,10 @@ def queues_for(
     return sb, storage
 
 
+def _bicep_string(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def render(app: QueueingApp, ttl_grace: timedelta = timedelta(hours=1)) -> str:
     """The generated block, markers included."""
     sb, storage = queues_for(app, ttl_grace)
@@ -108,7 +112,11 @@ def render(app: QueueingApp, ttl_grace: timedelta = timedelta(hours=1)) -> str:
         ]
     lines += ["]", "param storageQueues = ["]
     lines += [f"  '{name}'" for name in storage]
-    lines += ["]", END]
+    # the prefix and suffix the names above were composed with: the app composes its triggers' queue
+    # names with the same two, so they come from here, never passed apart from the lists
+    naming = app.naming
+    lines += ["]", f"param queuePrefix = {_bicep_string(naming.prefix)}"]
+    lines += [f"param queueSuffix = {_bicep_string(naming.suffix)}", END]
     return "\n".join(lines) + "\n"
 
 

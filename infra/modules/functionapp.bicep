@@ -74,6 +74,7 @@ param trackerTableName string = 'queueinghistory'
 
 @description('Days of message history kept: QUEUEING_TRACKER_RETENTION_DAYS.')
 @minValue(1)
+@maxValue(3650)
 param trackerRetentionDays int = 14
 
 @description('Prefix composed into every queue name: QUEUEING_QUEUE_PREFIX (must match the queue names provisioned).')
@@ -184,6 +185,11 @@ var baseSettings = [
   {
     name: 'QUEUEING_SERVICEBUS_CREATE_QUEUES'
     value: 'false'
+  }
+  // Each look at a paused or held message is a copy and an execution here: once a minute, not every 5 s.
+  {
+    name: 'QUEUEING_PAUSE_RECHECK_SECONDS'
+    value: '60'
   }
   {
     name: 'APPLICATIONINSIGHTS_CONNECTION_STRING'

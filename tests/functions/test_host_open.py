@@ -41,3 +41,21 @@ async def test_a_failed_open_releases_the_provider_and_the_next_invocation_start
     assert rt.is_open
     await host.close()
     assert closed == [made[0], made[1]]
+
+
+async def test_the_runtime_keeps_history_the_store_has_not_taken_in_the_configured_journal(tmp_path):
+    """The Functions host built its runtime without the journal (history held back by a store outage
+    lived in memory only, lost with the instance); it now has the one QUEUEING_HISTORY_JOURNAL names,
+    as `queueing serve` does (found in review)."""
+    cfg = QueueingSettings(
+        provider="sql",
+        database_url=f"sqlite:///{tmp_path}/fn.db",
+        functions_local_sqlite=True,
+        history_journal=str(tmp_path / "journal"),
+    )
+    host = FunctionsHost(QueueingApp("fn-journal"), cfg)
+    rt = await host.runtime()
+    try:
+        assert rt.history._journal_dir == tmp_path / "journal"
+    finally:
+        await rt.close()

@@ -71,7 +71,7 @@ def test_generated_block_is_well_formed(params) -> None:
     text = PARAMS.read_text(encoding="utf-8")
     assert text.count(BEGIN_MARKER) == 1
     assert text.count(END_MARKER) == 1
-    assert set(params.generated) == {"serviceBusQueues", "storageQueues"}
+    assert set(params.generated) == {"serviceBusQueues", "storageQueues", "queuePrefix", "queueSuffix"}
     # the block is self-contained: regenerating it cannot leave parameters half outside
     assert params.generated == {k: params.values[k] for k in params.generated}
 
