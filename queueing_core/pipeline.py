@@ -501,8 +501,10 @@ class Pipeline:
                 # failures counted while this run ran (the state read at its start showed none): the
                 # success resets them too. ``state`` is the cached read (control_ttl), not a round trip
                 # per success
+                # a closed circuit's count only: an open or half-open one is the cooldown's and the
+                # probe's to close (this run started before it opened)
                 current = (await self.control.state()).circuit(sub.type_name)
-                if current.state != "closed" or current.consecutive_failures:
+                if current.state == "closed" and current.consecutive_failures:
                     await self.control.record_success(sub.type_name)
         except Exception:
             # the breaker is advisory: a control-store outage must not fail the message

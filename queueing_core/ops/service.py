@@ -426,16 +426,28 @@ class OpsService:
             await self.runtime.tracker.reopen(pending)
 
         # an earlier cancel request would cancel the new run: withdrawn whatever the message ended as
-        # (a request that missed its run, which then dead-lettered, is kept for a day otherwise)
-        await self.runtime.control.set_cancel(r.message_id, False, now)
-        identities = self.runtime.identities
-        if identities is not None and sub is not None and sub.options.idempotent:
-            # whatever it ended as (a superseded version that failed its last attempt while running
-            # included): the operator wants it run, so it must not be settled superseded
-            await identities.reinstate(sub, envelope)
-
-        if not await self.actions.ops_retry(r, envelope, now, nothing_to_reopen if self._durable else reopen):
-            raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
+        # (a request that missed its run, which then dead-lettered, is kept for a day otherwise), and
+        # before the copy, which may run at once; put back when the retry does not go ahead
+        control = self.runtime.control
+        control.invalidate()
+        requested = r.message_id in (await control.state()).cancelled
+        if requested:
+            await control.set_cancel(r.message_id, False, now)
+        try:
+            identities = self.runtime.identities
+            if identities is not None and sub is not None and sub.options.idempotent:
+                # whatever it ended as (a superseded version that failed its last attempt while running
+                # included): the operator wants it run, so it must not be settled superseded
+                await identities.reinstate(sub, envelope)
+            retried = await self.actions.ops_retry(
+                r, envelope, now, nothing_to_reopen if self._durable else reopen
+            )
+            if not retried:
+                raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
+        except BaseException:
+            if requested:
+                await control.set_cancel(r.message_id, True, now)
+            raise
         return ActionResult(
             message_id=r.message_id,
             status=S.PENDING,

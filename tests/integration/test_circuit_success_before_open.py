@@ -1,0 +1,65 @@
+"""A success whose run began before the breaker opened must not close the open breaker.
+
+The pipeline reads the state at the end of a success whose start-of-run state was clean, to reset the
+failures counted while it ran. A first version reset an open circuit too (a review found it): a slow
+run that started while the circuit was closed, and finished after concurrent failures opened it, closed
+it at once, bypassing the cooldown and the single probe. With ``max_concurrency`` > 1 that is the common
+case when a downstream goes down. (Polly and the like ignore a success placed before the break.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from queueing_core import CircuitBreakerOptions, MessageStatus, QueueingApp, QueueMessage, queue
+from queueing_core.providers.inprocess import InProcessProvider
+from queueing_core.runtime import Runtime
+from tests.contract.harness import all_have, running, wait_until
+
+CB = CircuitBreakerOptions(failure_threshold=2, cooldown=timedelta(minutes=10))
+
+
+@queue("review_r2_stale_success", circuit_breaker=CB, max_attempts=1)
+class Call(QueueMessage):
+    ok: bool
+    slow: bool = False
+
+
+async def test_a_success_begun_before_the_breaker_opened_does_not_close_it():
+    app = QueueingApp("review-r2-stale-success")
+    go = asyncio.Event()
+    slow_started = asyncio.Event()
+
+    @app.handler(Call, max_concurrency=3)
+    async def call(msg: Call) -> None:
+        if msg.slow:
+            slow_started.set()
+            await go.wait()
+        if not msg.ok:
+            raise ConnectionError("downstream down")
+
+    rt = Runtime(app, InProcessProvider(), control_ttl=0.05, pause_recheck=timedelta(milliseconds=200))
+    await rt.open()
+    try:
+        async with running(rt):
+            slow = await app.enqueue(Call(ok=True, slow=True))
+            await asyncio.wait_for(slow_started.wait(), 30)
+            for _ in range(2):
+                r = await app.enqueue(Call(ok=False))
+                await wait_until(
+                    lambda r=r: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED), what="a failure"
+                )
+            rt.control.invalidate()
+            opened = (await rt.control.state()).circuit("Call")
+            assert opened.state == "open"
+            go.set()
+            await wait_until(
+                lambda: all_have(rt, [slow.message_id], MessageStatus.SUCCEEDED), what="the slow success"
+            )
+        rt.control.invalidate()
+        state = (await rt.control.state()).circuit("Call")
+        # the breaker opened by two failures stays open for its cooldown
+        assert state.state == "open", f"a stale success closed the open breaker: {state}"
+    finally:
+        await rt.close()
