@@ -53,10 +53,23 @@ def plan(
     if waiting is not None and _same(waiting.b, env.body):
         return IdempotentOutcome("discarded", waiting.message_id, waiting.tracking_id)
     if waiting is not None:
+        # the new version as it was enqueued, as on every other transport (where it is a message of
+        # its own): its delay, expiry and fresh attempts, not the replaced version's; a row held for
+        # another reason (paused, waiting for a handler) stays held
+        timed = (MessageStatus.PENDING.value, MessageStatus.SLEEPING.value, MessageStatus.FAILED.value)
         replace = (
             sa.update(m)
             .where(m.c.id == waiting.id, claimable())
-            .values(body=env.body, headers=env.headers, updated_at=now)
+            .values(
+                body=env.body,
+                headers=env.headers,
+                updated_at=now,
+                not_before=env.not_before,
+                available_at=env.not_before or now,
+                expires_at=env.expires_at,
+                attempt=env.attempt,
+                status=sa.case((m.c.status.in_(timed), initial_status(app, env)), else_=m.c.status),
+            )
         )
         if (yield replace, None).rowcount == 1:
             return IdempotentOutcome("replaced", waiting.message_id, waiting.tracking_id)
