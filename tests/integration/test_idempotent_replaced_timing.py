@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from queueing_core import MessageStatus, QueueMessage, queue
-from tests.contract.harness import HARNESSES, running, wait_until
+from tests.contract.harness import HARNESSES, running
 
 
 @pytest.fixture(params=sorted(HARNESSES))
@@ -47,9 +47,10 @@ def price_app(harness):
 
 async def test_a_changed_version_without_a_ttl_is_not_expired_with_the_version_it_replaced(harness):
     """docs/concepts/jobs.md: "one with a changed body makes the handler run once, with the latest
-    version ... a requested run is never lost". On SQL the new version only replaces the waiting row's
-    body: the row keeps the old version's expiry, so the new version (enqueued with no ttl of its own: the queue's default, hours away) expires
-    with it and never runs. The other transports send the new version as it was enqueued: it runs."""
+    version ... a requested run is never lost". On SQL the new version only replaced the waiting row's
+    body: the row kept the old version's expiry, so the new version (enqueued with no ttl of its own:
+    the queue's default, hours away) expired with it and never ran. The other transports send the new
+    version as it was enqueued: it runs."""
     app, seen = price_app(harness)
     rt = await harness.runtime(app)
     old = await app.enqueue(Price(sku="T", cents=100), ttl=timedelta(seconds=2))
@@ -60,7 +61,7 @@ async def test_a_changed_version_without_a_ttl_is_not_expired_with_the_version_i
     async with running(rt):
         try:
             got = await app.result(new.tracking_id, timeout=15)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             got = f"{type(exc).__name__}: {exc}"
     assert got == 90, (got, seen, old.message_id)
     assert seen == [90]
