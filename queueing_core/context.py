@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from .envelope import Envelope
+from .storable import storable
 
 if TYPE_CHECKING:
     from .app import Subscription
@@ -76,7 +77,8 @@ class HandlerContext:
         ends); readable by tracking id from code, the ops API and ``queueing show``."""
         if step < 0 or (total is not None and total < 0):
             raise ValueError("progress step and total must not be negative")
-        self.progress = {"step": step, "total": total, "text": (text or "")[:MAX_PROGRESS_TEXT] or None}
+        kept = storable((text or "")[:MAX_PROGRESS_TEXT])[0]  # (storable.py: what no store keeps)
+        self.progress = {"step": step, "total": total, "text": kept or None}
         self._progress_unsaved = True
         now = time.monotonic()
         if now - self._progress_saved_at >= PROGRESS_INTERVAL or (total is not None and step >= total):

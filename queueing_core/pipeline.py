@@ -55,6 +55,7 @@ from .errors import NonRetryableError, Retry
 from .hooks import Event, Observation
 from .messages import BASE_FIELDS, MessageStatus, QueueMessage
 from .middleware import HandleMiddleware, compose_handle, same_middleware
+from .storable import storable
 from .throughput import Throughput
 from .transport import Delivery
 
@@ -75,15 +76,41 @@ def fit_result(value: Any, log_to: logging.LoggerAdapter[logging.Logger] | None 
     The message still succeeds: the work is done, only its result is too large to keep."""
     if value is None:
         return None  # what most handlers return: nothing to dump
-    data = _RESULT.dump_python(value, mode="json", fallback=repr)
+    try:
+        data = _RESULT.dump_python(value, mode="json", fallback=repr)
+    except UnicodeEncodeError:  # a lone surrogate, which JSON mode cannot encode: cleaned first
+        data = _RESULT.dump_python(value, mode="python", fallback=repr)
+        data = _RESULT.dump_python(storable(data)[0], mode="json", fallback=repr)
+        _unstorable_result(log_to)
     if data is None or isinstance(data, bool | int | float):
         return data
     text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    if "\\u0000" in text or not _utf8(text):  # (a raw lone surrogate stays in the text)
+        data, replaced = storable(data)
+        if replaced:
+            _unstorable_result(log_to)
+            text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     if len(text) <= MAX_RESULT_CHARS:
         return data
     if log_to is not None:
         log_to.warning("the handler's result is %d characters of JSON; only a preview is kept", len(text))
     return {"_truncated": True, "_original_chars": len(text), "_preview": text[:RESULT_PREVIEW_CHARS]}
+
+
+def _unstorable_result(log_to: logging.LoggerAdapter[logging.Logger] | None) -> None:
+    if log_to is not None:
+        log_to.warning(
+            "the handler's result holds text no store keeps (U+0000 or a lone surrogate): "
+            "replaced with U+FFFD"
+        )
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def describe_error(exc: BaseException) -> str:

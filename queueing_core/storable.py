@@ -1,0 +1,47 @@
+"""Text every store keeps: what a handler hands back (its result, its progress text) made storable.
+
+PostgreSQL keeps neither JSON nor text with U+0000, and no store takes a lone surrogate (text that is
+not Unicode, from ``"\\ud800"``), which also fails UTF-8 for every transport's history. A message's own
+text is refused at enqueue (``check_sendable``); a handler's result cannot be refused once the work is
+done, so such characters are replaced with U+FFFD and the run still succeeds. Left as they were, the
+settlement failed on every try (the message ran again, then was dead-lettered although its work was
+done) or a history write failed for ever.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+def _clean(text: str) -> str:
+    # UTF-16 pairs what can be paired and replaces lone surrogates; U+0000 is replaced by hand
+    text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text.replace("\x00", REPLACEMENT)
+
+
+def _unstorable(text: str) -> bool:
+    if "\x00" in text:
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def storable(data: Any) -> tuple[Any, bool]:
+    """``data`` (JSON-ready: dicts, lists, strings, numbers) with every string a store keeps, and
+    whether anything was replaced."""
+    if isinstance(data, str):
+        return (_clean(data), True) if _unstorable(data) else (data, False)
+    if isinstance(data, list | tuple):
+        items = [storable(x) for x in data]
+        return ([x for x, _ in items], True) if any(c for _, c in items) else (data, False)
+    if isinstance(data, dict):
+        pairs = [(storable(k), storable(v)) for k, v in data.items()]
+        if not any(kc or vc for (_, kc), (_, vc) in pairs):
+            return data, False
+        return {k: v for (k, _), (v, _) in pairs}, True
+    return data, False
