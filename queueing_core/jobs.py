@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from datetime import datetime
 
     from .runtime import Runtime
+    from .transport import Provider
 
 S = MessageStatus
 TERMINAL = frozenset(s.value for s in MessageStatus.terminal())
@@ -86,6 +87,19 @@ async def find(runtime: Runtime, tracking_id: UUID) -> MessageRecord:
     return rec
 
 
+#: the description of a Cancelled record that is only the request (transports whose history does not
+#: say whether a host runs the message now): the host's settlement, Cancelled or not, replaces it
+CANCEL_REQUESTED = "cancellation requested: settled without running when a host receives it"
+
+
+def _only_requested(r: MessageRecord, provider: Provider) -> bool:
+    return (
+        r.status == S.CANCELLED.value
+        and r.description == CANCEL_REQUESTED
+        and not provider.capabilities.durable_history
+    )
+
+
 async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
     """A message not yet running never runs; a running one is told (``ctx.cancelled``) and cancelled
     after its type's ``cancel_grace``. Either way it ends Cancelled. A finished message is refused."""
@@ -110,12 +124,17 @@ async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
                 )
             # it was claimed meanwhile: the request reaches the run
         elif not provider.capabilities.durable_history:
-            await record_change(runtime.tracker, r, {"status": S.CANCELLED.value, "updated_at": now})
+            # this transport does not say whether a host runs the message now (only SQL records a
+            # claim): Cancelled at once for the operator, marked as the request; a waiter waits for
+            # the host's settlement (Cancelled, or Succeeded by a run that finished first)
+            change = {"status": S.CANCELLED.value, "description": CANCEL_REQUESTED, "updated_at": now}
+            await record_change(runtime.tracker, r, change)
             return CancelReceipt(
                 r.message_id,
                 r.tracking_id,
                 S.CANCELLED.value,
-                "cancelled; it is settled without running when a host receives it",
+                "cancelled: settled without running when a host receives it; a host running it now is "
+                "told (ctx.cancelled) and stops it after its grace, unless it finishes first",
             )
     return CancelReceipt(
         r.message_id,
@@ -149,7 +168,7 @@ async def result(
         while True:
             if r.status == S.SUCCEEDED.value:
                 return r.result
-            if r.status in TERMINAL:
+            if r.status in TERMINAL and not _only_requested(r, provider):
                 error = JobCancelled if r.status == S.CANCELLED.value else JobFailed
                 why = [r.reason or "", (r.description or "").split("\n")[0]]
                 detail = ": " + "; ".join(w for w in why if w) if any(why) else ""

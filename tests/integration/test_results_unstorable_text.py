@@ -17,7 +17,7 @@ from queueing_core.worker import Worker
 from tests.contract.harness import HARNESSES, running, wait_until
 
 
-@queue("review-results", max_attempts=2)
+@queue("unstorable-results-sql", max_attempts=2)
 class Calc(QueueMessage):
     kind: str
 
@@ -82,7 +82,7 @@ async def harness(request, tmp_path):
         await h.cleanup()
 
 
-@queue("review-odd", max_attempts=2)
+@queue("unstorable-results", max_attempts=2)
 class Odd(QueueMessage):
     kind: str
 
@@ -111,8 +111,3 @@ async def test_a_result_with_text_no_store_keeps_still_finishes_the_job(harness,
         status = await app.status(sent.tracking_id)
     assert status.status == MessageStatus.SUCCEEDED, (status.status, runs)
     assert runs == [kind]
-
-
-@queue("review-cancel", cancel_grace=__import__("datetime").timedelta(seconds=5))
-class Slow(QueueMessage):
-    key: str
