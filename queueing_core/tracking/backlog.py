@@ -41,6 +41,7 @@ from typing import Protocol, runtime_checkable
 from uuid import UUID
 
 from ..clock import as_utc
+from ..errors import ProviderUnavailable
 from .base import OUTCOMES, MessageRecord, Tracker, is_enqueue_record
 
 log = logging.getLogger("queueing.history")
@@ -54,6 +55,8 @@ ADOPT_EVERY = 5.0
 JOURNAL_STALE = 10.0
 #: records per write while draining (one request batch)
 DRAIN_CHUNK = 200
+#: refusals of one record, while the store takes the others, before it is dropped (see ``_isolate``)
+POISON_STRIKES = 3
 
 
 @runtime_checkable
@@ -256,6 +259,8 @@ class HistoryWriter:
         self._opened = False
         #: a write failed and no write has succeeded since: new records go straight to the backlog
         self._down = False
+        #: message id -> refusals of its waiting record while the store answered, and the last error's type
+        self._strikes: dict[UUID, tuple[int, type[Exception]]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def open(self) -> None:
@@ -448,18 +453,78 @@ class HistoryWriter:
     async def _drain_once(self) -> None:
         while self._pending:
             chunk = list(self._pending.items())[:DRAIN_CHUNK]
-            records = [rec for _, (_, rec) in chunk]
-            if isinstance(self.tracker, WritesLate):
-                await self.tracker.upsert_newer(records)
-            else:
-                await self.tracker.upsert(records)
+            try:
+                await self._write_late([rec for _, (_, rec) in chunk])
+            except Exception as exc:
+                if not await self._isolate(chunk, exc):
+                    raise
+                continue
             self._down = False  # the store answers: new records are written directly again
-            done: list[int] = []
-            for mid, (seq, rec) in chunk:
-                # a newer record of the same message may have arrived during the write: it stays
-                now = self._pending.get(mid)
-                if now is not None and now[1] is rec:
-                    del self._pending[mid]
-                    if seq:
-                        done.append(seq)
-            self.drop(done)
+            self._forget(chunk)
+
+    async def _write_late(self, records: list[MessageRecord]) -> None:
+        if isinstance(self.tracker, WritesLate):
+            await self.tracker.upsert_newer(records)
+        else:
+            await self.tracker.upsert(records)
+
+    def _forget(self, chunk: Sequence[tuple[UUID, tuple[int, MessageRecord]]]) -> None:
+        done: list[int] = []
+        for mid, (seq, rec) in chunk:
+            # a newer record of the same message may have arrived during the write: it stays
+            now = self._pending.get(mid)
+            if now is not None and now[1] is rec:
+                del self._pending[mid]
+                self._strikes.pop(mid, None)
+                if seq:
+                    done.append(seq)
+        self.drop(done)
+
+    async def _isolate(self, chunk: Sequence[tuple[UUID, tuple[int, MessageRecord]]], exc: Exception) -> bool:
+        """After a failed write of ``chunk``: one record the store can never take (text no store keeps,
+        say) must not hold back every record behind it for ever. The records are written one by one;
+        one refused before another lands (so the store answers) counts a strike, as does a refusal of
+        a record with a strike already, by the same error; after ``POISON_STRIKES`` it is dropped with
+        an error naming it (history only: the transport is not affected). Three refusals in a row end
+        the round: a store that is down costs three tries, and counts nothing against a record no write
+        of the store's vouched for. True when the round made progress."""
+        if isinstance(exc, ProviderUnavailable):
+            return False
+        written: list[tuple[UUID, tuple[int, MessageRecord]]] = []
+        refused: list[tuple[tuple[UUID, tuple[int, MessageRecord]], Exception]] = []
+        vouched: list[tuple[tuple[UUID, tuple[int, MessageRecord]], Exception]] = []
+        for item in chunk:
+            try:
+                await self._write_late([item[1][1]])
+            except ProviderUnavailable:
+                break
+            except Exception as one:
+                refused.append((item, one))
+                if len(refused) >= 3:
+                    break
+            else:
+                written.append(item)
+                vouched += refused  # refused although the store answers: counted
+                refused = []
+        # a record that was refused while the store answered, refused again the same way
+        vouched += [(item, e) for item, e in refused if self._strikes.get(item[0], (0, None))[1] is type(e)]
+        if written:
+            self._down = False
+            self._forget(written)
+        dropped = []
+        for (mid, (seq, rec)), error in vouched:
+            strikes = self._strikes.get(mid, (0, None))[0] + 1
+            self._strikes[mid] = (strikes, type(error))
+            if strikes >= POISON_STRIKES and self._pending.get(mid, (0, None))[1] is rec:
+                log.error(
+                    "history record of message %s (%s) dropped: the store refused it %d times while it "
+                    "took the others (%s: %s); the message itself is not affected",
+                    mid,
+                    rec.status,
+                    strikes,
+                    type(error).__name__,
+                    error,
+                )
+                dropped.append((mid, (seq, rec)))
+        self._forget(dropped)
+        return bool(written or dropped)

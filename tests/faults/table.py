@@ -81,8 +81,9 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "history.upsert",
     ),
     ("operator_retry", "inprocess"): ("history.reopen", "memory._forget", "memory.send"),
-    ("operator_retry", "sqlite"): ("sql.execute", "sql.execute"),
-    ("operator_retry", "postgres"): ("sql.execute", "sql.execute", "sql.execute"),
+    # the control state read first (three tables: a cancel request to withdraw?), then the retry
+    ("operator_retry", "sqlite"): ("sql.execute",) * 5,
+    ("operator_retry", "postgres"): ("sql.execute",) * 6,
     # the dead letters are found (and held) first, then the history reopened, the copy sent and only
     # the letters found removed: a copy dead-lettered again meanwhile keeps its new letter
     ("operator_retry", "storage_queue"): (
