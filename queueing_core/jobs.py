@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from uuid import UUID
 
+from .control.base import CANCEL_KEPT
 from .errors import InvalidOperation, JobCancelled, JobFailed, MessageNotFound
 from .messages import MessageStatus
 from .tracking import MessageQuery, MessageRecord, record_change
@@ -127,6 +128,16 @@ async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
             # this transport does not say whether a host runs the message now (only SQL records a
             # claim): Cancelled at once for the operator, marked as the request; a waiter waits for
             # the host's settlement (Cancelled, or Succeeded by a run that finished first)
+            if r.not_before is not None and r.not_before - now > CANCEL_KEPT:
+                # a host receives it when it is due, after the request has lapsed: it would run then,
+                # so it is not said to be cancelled
+                return CancelReceipt(
+                    r.message_id,
+                    r.tracking_id,
+                    r.status,
+                    f"not cancelled: it is due {r.not_before.isoformat()}, and a cancellation request is "
+                    "kept a day on this transport: cancel it again within a day of that time",
+                )
             change = {"status": S.CANCELLED.value, "description": CANCEL_REQUESTED, "updated_at": now}
             await record_change(runtime.tracker, r, change)
             return CancelReceipt(

@@ -78,9 +78,15 @@ def fit_result(value: Any, log_to: logging.LoggerAdapter[logging.Logger] | None 
         return None  # what most handlers return: nothing to dump
     try:
         data = _RESULT.dump_python(value, mode="json", fallback=repr)
-    except UnicodeEncodeError:  # a lone surrogate, which JSON mode cannot encode: cleaned first
-        data = _RESULT.dump_python(value, mode="python", fallback=repr)
-        data = _RESULT.dump_python(storable(data)[0], mode="json", fallback=repr)
+    except Exception:
+        # text JSON mode cannot encode (a lone surrogate) or bytes that are not UTF-8: the work is
+        # done, so this must not raise (it would run the message again, for ever): cleaned, or kept
+        # as its repr
+        try:
+            data = _RESULT.dump_python(value, mode="python", fallback=repr)
+            data = _RESULT.dump_python(storable(data)[0], mode="json", fallback=repr)
+        except Exception:
+            data = storable(repr(value))[0]
         _unstorable_result(log_to)
     if data is None or isinstance(data, bool | int | float):
         return data

@@ -259,8 +259,8 @@ class HistoryWriter:
         self._opened = False
         #: a write failed and no write has succeeded since: new records go straight to the backlog
         self._down = False
-        #: message id -> refusals of its waiting record while the store answered, and the last error's type
-        self._strikes: dict[UUID, tuple[int, type[Exception]]] = {}
+        #: message id -> refusals of its waiting record while the store answered (see ``_isolate``)
+        self._strikes: dict[UUID, int] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def open(self) -> None:
@@ -324,6 +324,7 @@ class HistoryWriter:
             self.journal.close()
             self.journal = None
         self._pending.clear()
+        self._strikes.clear()
         self._opened = False
         self._down = False
 
@@ -400,6 +401,7 @@ class HistoryWriter:
             old = self._pending.get(r.message_id)
             if old is not None and replaces(r, old[1]):
                 del self._pending[r.message_id]
+                self._strikes.pop(r.message_id, None)
                 rows.setdefault(r.message_id, old[0])
         self.drop([seq for seq in rows.values() if seq])
         return True
@@ -483,11 +485,12 @@ class HistoryWriter:
     async def _isolate(self, chunk: Sequence[tuple[UUID, tuple[int, MessageRecord]]], exc: Exception) -> bool:
         """After a failed write of ``chunk``: one record the store can never take (text no store keeps,
         say) must not hold back every record behind it for ever. The records are written one by one;
-        one refused before another lands (so the store answers) counts a strike, as does a refusal of
-        a record with a strike already, by the same error; after ``POISON_STRIKES`` it is dropped with
-        an error naming it (history only: the transport is not affected). Three refusals in a row end
-        the round: a store that is down costs three tries, and counts nothing against a record no write
-        of the store's vouched for. True when the round made progress."""
+        one refused before another lands (so the store answers) counts a strike, and after
+        ``POISON_STRIKES`` it is dropped with an error naming it (history only: the transport is not
+        affected). Three refusals in a row end the round: a store that is down costs three tries, and
+        counts nothing against a record no write of the store's vouched for. While a refused record
+        waits, new records wait behind it too (so the next round, with them, can vouch). True when
+        the round made progress."""
         if isinstance(exc, ProviderUnavailable):
             return False
         written: list[tuple[UUID, tuple[int, MessageRecord]]] = []
@@ -506,15 +509,11 @@ class HistoryWriter:
                 written.append(item)
                 vouched += refused  # refused although the store answers: counted
                 refused = []
-        # a record that was refused while the store answered, refused again the same way
-        vouched += [(item, e) for item, e in refused if self._strikes.get(item[0], (0, None))[1] is type(e)]
         if written:
-            self._down = False
             self._forget(written)
         dropped = []
         for (mid, (seq, rec)), error in vouched:
-            strikes = self._strikes.get(mid, (0, None))[0] + 1
-            self._strikes[mid] = (strikes, type(error))
+            self._strikes[mid] = strikes = self._strikes.get(mid, 0) + 1
             if strikes >= POISON_STRIKES and self._pending.get(mid, (0, None))[1] is rec:
                 log.error(
                     "history record of message %s (%s) dropped: the store refused it %d times while it "
@@ -527,4 +526,6 @@ class HistoryWriter:
                 )
                 dropped.append((mid, (seq, rec)))
         self._forget(dropped)
+        # refused records still waiting: new ones wait behind them, to vouch for the store next round
+        self._down = len(refused) + len(vouched) > len(dropped)
         return bool(written or dropped)

@@ -4,7 +4,8 @@ The history writer retries what a failed write left in its backlog until it land
 record no store keeps (found in review: a result holding a lone surrogate, on RabbitMQ and SQS) stayed
 at the head of the backlog, and every later record of the host waited behind it, so messages that had
 succeeded read Pending for ever. Now the records are written one by one after such a failure; the one
-the store refuses while it takes the others is dropped after three rounds, with an error naming it.
+the store refuses while it takes the others is dropped after three such rounds, with an error naming
+it (until then, new records wait behind it, so that each round can vouch for the store).
 A store that is down takes none of them, and nothing is dropped however long it stays down.
 """
 
@@ -64,9 +65,15 @@ async def test_a_record_the_store_refuses_is_dropped_and_the_others_land(caplog)
     store = RefusesOne(bad)
     writer = HistoryWriter(store)
     assert not await writer.write([record(bad, "Succeeded")])  # refused: into the backlog
-    good = [uuid.uuid4() for _ in range(5)]
+    good: list[uuid.UUID] = []
     with caplog.at_level(logging.ERROR, logger="queueing.history"):
-        await writer.write([record(m, "Succeeded") for m in good])  # behind it, while the writer is down
+        for n in range(POISON_STRIKES):
+            # behind it (the writer is down while it waits): each round lands them and counts a strike
+            batch = [uuid.uuid4() for _ in range(3)]
+            good += batch
+            await writer.write([record(m, "Succeeded") for m in batch])
+            await wait_until(lambda b=batch: writer.backlog <= 1, timeout=20, what=f"round {n + 1}")
+            assert writer.backlog == (1 if n + 1 < POISON_STRIKES else 0)
         await wait_until(lambda: writer.backlog == 0, timeout=20, what="the backlog to drain")
     for m in good:
         got = await store.get(m)
