@@ -101,6 +101,10 @@ def _only_requested(r: MessageRecord, provider: Provider) -> bool:
     )
 
 
+def _lapses_first(r: MessageRecord, now: datetime) -> bool:
+    return r.not_before is not None and r.not_before - now > CANCEL_KEPT
+
+
 async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
     """A message not yet running never runs; a running one is told (``ctx.cancelled``) and cancelled
     after its type's ``cancel_grace``. Either way it ends Cancelled. A finished message is refused."""
@@ -114,10 +118,22 @@ async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
         why = _FINISHED.get(r.status, "it is archived")
         raise InvalidOperation(f"cannot cancel message {r.message_id}: {why}")
     now = runtime.clock()
+    provider = runtime.provider
+    waiting_elsewhere = r.status != S.LEASED.value and not isinstance(provider, CancelsWaiting)
+    if waiting_elsewhere and not provider.capabilities.durable_history and _lapses_first(r, now):
+        # a host receives it when it is due, after a request would have lapsed: it would run then, so
+        # no request is made and it is not said to be cancelled
+        assert r.not_before is not None
+        return CancelReceipt(
+            r.message_id,
+            r.tracking_id,
+            r.status,
+            f"not cancelled: it is due {r.not_before.isoformat()}, and a cancellation request is kept a "
+            "day on this transport: cancel it again within a day of that time",
+        )
     # the request first: whichever host holds the message now, or receives it later, sees it
     await runtime.control.set_cancel(r.message_id, True, now)
     if r.status != S.LEASED.value:
-        provider = runtime.provider
         if isinstance(provider, CancelsWaiting):
             if await provider.ops_cancel(r, now):
                 return CancelReceipt(
@@ -128,16 +144,6 @@ async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
             # this transport does not say whether a host runs the message now (only SQL records a
             # claim): Cancelled at once for the operator, marked as the request; a waiter waits for
             # the host's settlement (Cancelled, or Succeeded by a run that finished first)
-            if r.not_before is not None and r.not_before - now > CANCEL_KEPT:
-                # a host receives it when it is due, after the request has lapsed: it would run then,
-                # so it is not said to be cancelled
-                return CancelReceipt(
-                    r.message_id,
-                    r.tracking_id,
-                    r.status,
-                    f"not cancelled: it is due {r.not_before.isoformat()}, and a cancellation request is "
-                    "kept a day on this transport: cancel it again within a day of that time",
-                )
             change = {"status": S.CANCELLED.value, "description": CANCEL_REQUESTED, "updated_at": now}
             await record_change(runtime.tracker, r, change)
             return CancelReceipt(

@@ -83,10 +83,10 @@ def fit_result(value: Any, log_to: logging.LoggerAdapter[logging.Logger] | None 
         # done, so this must not raise (it would run the message again, for ever): cleaned, or kept
         # as its repr
         try:
-            data = _RESULT.dump_python(value, mode="python", fallback=repr)
-            data = _RESULT.dump_python(storable(data)[0], mode="json", fallback=repr)
+            data = _RESULT.dump_python(value, mode="python", fallback=_safe_repr)
+            data = _RESULT.dump_python(storable(data)[0], mode="json", fallback=_safe_repr)
         except Exception:
-            data = storable(repr(value))[0]
+            data = storable(_safe_repr(value))[0]
         _unstorable_result(log_to)
     if data is None or isinstance(data, bool | int | float):
         return data
@@ -101,6 +101,13 @@ def fit_result(value: Any, log_to: logging.LoggerAdapter[logging.Logger] | None 
     if log_to is not None:
         log_to.warning("the handler's result is %d characters of JSON; only a preview is kept", len(text))
     return {"_truncated": True, "_original_chars": len(text), "_preview": text[:RESULT_PREVIEW_CHARS]}
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception:  # a __repr__ that raises (an ORM object whose session closed): the type only
+        return f"<{type(value).__name__} object whose repr failed>"
 
 
 def _unstorable_result(log_to: logging.LoggerAdapter[logging.Logger] | None) -> None:

@@ -487,23 +487,27 @@ class HistoryWriter:
         say) must not hold back every record behind it for ever. The records are written one by one;
         one refused before another lands (so the store answers) counts a strike, and after
         ``POISON_STRIKES`` it is dropped with an error naming it (history only: the transport is not
-        affected). Three refusals in a row end the round: a store that is down costs three tries, and
-        counts nothing against a record no write of the store's vouched for. While a refused record
-        waits, new records wait behind it too (so the next round, with them, can vouch). True when
-        the round made progress."""
+        affected). Refusals in a row end the round once they took half a second (a store that is down
+        and slow to say so), or at twenty (one that says so fast); quick refusals of a few records the
+        store cannot keep go on to the records behind them. Nothing is counted against a record no
+        write of the store's vouched for. While a refused record waits, new records wait behind it too
+        (so the next round, with them, can vouch). True when the round made progress."""
         if isinstance(exc, ProviderUnavailable):
             return False
         written: list[tuple[UUID, tuple[int, MessageRecord]]] = []
         refused: list[tuple[tuple[UUID, tuple[int, MessageRecord]], Exception]] = []
         vouched: list[tuple[tuple[UUID, tuple[int, MessageRecord]], Exception]] = []
+        first_refusal = 0.0
         for item in chunk:
             try:
                 await self._write_late([item[1][1]])
             except ProviderUnavailable:
                 break
             except Exception as one:
+                if not refused:
+                    first_refusal = time.monotonic()
                 refused.append((item, one))
-                if len(refused) >= 3:
+                if len(refused) >= 20 or (len(refused) >= 3 and time.monotonic() - first_refusal > 0.5):
                     break
             else:
                 written.append(item)

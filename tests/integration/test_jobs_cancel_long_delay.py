@@ -49,6 +49,9 @@ async def test_a_cancelled_message_delayed_past_a_day_does_not_run(monkeypatch):
     assert receipt.status != MessageStatus.CANCELLED, receipt
     assert receipt.detail.startswith("not cancelled"), receipt.detail
     assert (await app.status(sent.tracking_id)).status != MessageStatus.CANCELLED
+    # and no request is left behind: it would cancel the message were it received within the day
+    rt.control.invalidate()
+    assert sent.message_id not in (await rt.control.state()).cancelled
     # a day and an hour later an operator cancels some other message (any set_cancel prunes)
     shift[0] = timedelta(hours=25)
     await app.cancel(other.tracking_id)
