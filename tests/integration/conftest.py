@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.providers.sql.engine import sync_url
+from tests.contract.conftest import harness  # noqa: F401  (every transport, as the contract suite runs them)
 from tests.services import POSTGRES_URL, drop_schema, require
 
 

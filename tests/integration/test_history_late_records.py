@@ -11,9 +11,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,22 +19,7 @@ from queueing_core.tracking import MemoryTracker, MessageRecord, Tracker
 from queueing_core.tracking.backlog import HistoryWriter, Journal
 from tests.contract.harness import wait_until
 
-from .flaky_history import FlakyTracker
-
-T0 = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
-
-
-def record(mid: uuid.UUID, status: str, seconds: float, **fields: Any) -> MessageRecord:
-    return MessageRecord(
-        message_id=mid,
-        tracking_id=mid,
-        type="Work",
-        queue="hist/work",
-        status=status,
-        created_at=T0,
-        updated_at=T0 + timedelta(seconds=seconds),
-        **fields,
-    )
+from .flaky_history import FlakyTracker, record
 
 
 def dead_letter(mid: uuid.UUID, seconds: float) -> MessageRecord:

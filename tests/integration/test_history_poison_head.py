@@ -6,44 +6,11 @@ later record of the host is queued behind them too (history of settled messages 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
 
-from queueing_core.tracking import MessageRecord
 from queueing_core.tracking.backlog import HistoryWriter
 from tests.contract.harness import wait_until
 
-from .flaky_history import FlakyTracker
-
-T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
-
-
-def record(mid: uuid.UUID) -> MessageRecord:
-    return MessageRecord(
-        message_id=mid, tracking_id=mid, type="Work", queue="hist/work", status="Succeeded",
-        created_at=T0, updated_at=T0 + timedelta(seconds=1),
-    )
-
-
-class RefusesSome(FlakyTracker):
-    """Refuses any write holding one of ``poison`` (e.g. a body over the store's property limit:
-    every message of one type)."""
-
-    def __init__(self, poison: set[uuid.UUID]) -> None:
-        super().__init__()
-        self.poison = poison
-
-    def _check(self, records: Sequence[MessageRecord]) -> None:
-        if any(r.message_id in self.poison for r in records):
-            raise ValueError("the store cannot keep this record")
-
-    async def upsert(self, records: Sequence[MessageRecord]) -> None:
-        self._check(records)
-        await super().upsert(records)
-
-    async def upsert_newer(self, records: Sequence[MessageRecord]) -> None:
-        self._check(records)
-        await super().upsert_newer(records)
+from .flaky_history import RefusesSome, record
 
 
 async def test_three_poison_records_do_not_hold_back_the_others():

@@ -9,22 +9,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
 
 from queueing_core.tracking import MessageRecord
 from queueing_core.tracking.backlog import HistoryWriter
 from tests.contract.harness import wait_until
 
-from .flaky_history import FlakyTracker
-
-T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
-
-
-def record(mid: uuid.UUID, status: str) -> MessageRecord:
-    return MessageRecord(
-        message_id=mid, tracking_id=mid, type="Work", queue="hist/work", status=status,
-        created_at=T0, updated_at=T0 + timedelta(seconds=1),
-    )
+from .flaky_history import FlakyTracker, record
 
 
 class Blip(FlakyTracker):
@@ -38,19 +28,14 @@ class Blip(FlakyTracker):
         self.script = False
         self.blips = 0
 
-    def _gate(self, records: Sequence[MessageRecord]) -> None:
+    def gate(self, records: Sequence[MessageRecord]) -> None:
         if self.down:
             raise ConnectionError("history store unreachable")
         if self.script and any(r.message_id == self.victim for r in records) and self.blips < 2:
             self.blips += 1  # the chunk's write, then the victim's own write: a flaky moment
             raise ConnectionError("history store unreachable")
 
-    async def upsert(self, records: Sequence[MessageRecord]) -> None:
-        self._gate(records)
-        await super().upsert(records)
-
     async def upsert_newer(self, records: Sequence[MessageRecord]) -> None:
-        self._gate(records)
         await super().upsert_newer(records)
         if self.script and self.blips >= 2:
             self.down = True  # the outage proper, right after the other record landed

@@ -14,55 +14,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
 
-from queueing_core.tracking import MessageRecord
 from queueing_core.tracking.backlog import POISON_STRIKES, HistoryWriter
 from tests.contract.harness import wait_until
 
-from .flaky_history import FlakyTracker
-
-T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
-
-
-def record(mid: uuid.UUID, status: str, seconds: float = 0) -> MessageRecord:
-    return MessageRecord(
-        message_id=mid,
-        tracking_id=mid,
-        type="Work",
-        queue="hist/work",
-        status=status,
-        created_at=T0,
-        updated_at=T0 + timedelta(seconds=seconds),
-    )
-
-
-class RefusesOne(FlakyTracker):
-    """Refuses any write that holds the record of ``poison`` (as a store refuses text it cannot keep)."""
-
-    def __init__(self, poison: uuid.UUID) -> None:
-        super().__init__()
-        self.poison = poison
-        self.refused = 0
-
-    def _check(self, records: Sequence[MessageRecord]) -> None:
-        if any(r.message_id == self.poison for r in records):
-            self.refused += 1
-            raise ValueError("the store cannot keep this record")
-
-    async def upsert(self, records: Sequence[MessageRecord]) -> None:
-        self._check(records)
-        await super().upsert(records)
-
-    async def upsert_newer(self, records: Sequence[MessageRecord]) -> None:
-        self._check(records)
-        await super().upsert_newer(records)
+from .flaky_history import FlakyTracker, RefusesSome, record
 
 
 async def test_a_record_the_store_refuses_is_dropped_and_the_others_land(caplog):
     bad = uuid.uuid4()
-    store = RefusesOne(bad)
+    store = RefusesSome({bad})
     writer = HistoryWriter(store)
     assert not await writer.write([record(bad, "Succeeded")])  # refused: into the backlog
     good: list[uuid.UUID] = []

@@ -7,27 +7,9 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 
-import pytest
-
 from queueing_core import MessageStatus, QueueMessage, queue
 from queueing_core.errors import JobCancelled
-from tests.contract.harness import HARNESSES, running, wait_until
-
-
-@pytest.fixture(params=sorted(HARNESSES))
-async def harness(request, tmp_path):
-    make = HARNESSES[request.param]
-    if request.param == "sqlite":
-        h = make(str(tmp_path))
-    elif request.param in ("storage_queue", "servicebus"):
-        h = make(request.getfixturevalue("azurite"))
-    else:
-        h = make()
-    yield h
-    if h.cleanup is not None:
-        await h.cleanup()
-
-
+from tests.contract.harness import running, wait_until
 
 
 @queue("cancel-running", cancel_grace=timedelta(seconds=5))

@@ -14,7 +14,7 @@ import pytest
 from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
 from queueing_core.runtime import Runtime
 from queueing_core.worker import Worker
-from tests.contract.harness import HARNESSES, running, wait_until
+from tests.contract.harness import running, wait_until
 
 
 @queue("unstorable-results-sql", max_attempts=2)
@@ -68,18 +68,6 @@ async def test_a_result_the_store_cannot_keep_still_settles_the_message(sql_db, 
         await rt.close()
 
 
-@pytest.fixture(params=sorted(HARNESSES))
-async def harness(request, tmp_path):
-    make = HARNESSES[request.param]
-    if request.param == "sqlite":
-        h = make(str(tmp_path))
-    elif request.param in ("storage_queue", "servicebus"):
-        h = make(request.getfixturevalue("azurite"))
-    else:
-        h = make()
-    yield h
-    if h.cleanup is not None:
-        await h.cleanup()
 
 
 @queue("unstorable-results", max_attempts=2)

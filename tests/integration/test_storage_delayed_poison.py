@@ -12,49 +12,18 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
-from queueing_core.naming import Transport
-from queueing_core.providers.sql.history import SideStores
-from queueing_core.providers.storage_queue import StorageConnection, StorageQueueProvider
-from queueing_core.runtime import Runtime
-
-from .test_storage_queue import make_app
+from .test_storage_delayed_poison_ops import _setup, _store_row
 
 
 async def test_a_storage_delayed_row_that_is_not_an_envelope_is_dead_lettered(azurite, tmp_path):
-    tag = uuid.uuid4().hex[:8]
-    app, _seen = make_app(f"t{tag}-")
-    p = StorageQueueProvider(
-        StorageConnection(azurite.connection_string),
-        control_table=f"ctl{tag}",
-        tracker_table=f"hist{tag}",
-        delayed_stores=SideStores(f"sqlite:///{tmp_path}/delayed.db"),
-        delayed_retries=0,  # give up (dead-letter) at the first failed forward
-    )
-    rt = Runtime(app, p)
-    await rt.open()
+    _app, p, rt = await _setup(azurite, tmp_path)  # dead-lettered at the first failed forward
     try:
         assert p.delayed is not None
         assert p.dispatcher is not None
         physical = p.physical("Billing.Invoice_Ready")
-        now = datetime.now(UTC)
         text = '{"not": "an envelope"}'
         stored_id = uuid.uuid4()
-        async with p.delayed.sql.engine.begin() as conn:
-            await conn.execute(
-                p.delayed._t.insert(),
-                [
-                    {
-                        "id": uuid.uuid4(),
-                        "message_id": stored_id,
-                        "transport": Transport.STORAGE_QUEUE.value,
-                        "destination": physical,
-                        "due_at": now,
-                        "envelope": text,
-                        "failures": 0,
-                        "created_at": now,
-                    }
-                ],
-            )
+        await _store_row(p, text, stored_id)
         for _ in range(3):  # three dispatcher rounds (the row is made due again each time)
             async with p.delayed.sql.engine.begin() as conn:
                 await conn.execute(sa.update(p.delayed._t).values(due_at=datetime.now(UTC)))
