@@ -11,20 +11,26 @@
    runs the kit's maintenance with retention whose archive cutoff is an hour later than the last
    cycle's (archived rows are deleted at the next cycle), so each cycle archives and deletes 1/120
    of the history (the cutoff moves, not the clock). Per cycle: the rate, rows archived and deleted,
-   the upkeep pass's wall time, the table's live and dead rows, the claim index's size, and how many
-   updates were HOT.
+   the upkeep pass's wall time, the table's live and dead rows, the claim index's size, how many
+   updates were HOT, and the vacuums that ran. On a server with ``autovacuum = off`` (this machine's
+   shared one) a stand-in makes autovacuum's decisions on the kit's tables (``autovacuum.py``: the
+   same thresholds, the kit's per-table settings, autovacuum's throttle, beside the workers), unless
+   ``--no-vacuum`` asks for the worst case of no vacuum at all. After the last cycle, the claim's plan
+   on the churned table is read (``EXPLAIN``): it must still be the claim's partial index.
 
 Usage: .venv/bin/python bench/sql_history.py [--quick] [--history 1000000] [--messages 20000]
-           [--rounds 3] [--cycles 24] [--churn-only]
+           [--rounds 3] [--cycles 24] [--churn-only] [--naptime 15] [--no-vacuum]
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from datetime import timedelta
 from typing import Any
 
+import autovacuum
 import common
 import psycopg
 from psycopg import sql
@@ -41,6 +47,8 @@ class HistoryOptions(Options):
     cycles: int
     churn_messages: int
     churn_only: bool
+    naptime: float
+    no_vacuum: bool
 
 
 def fill_history(url: str, schema: str, succeeded: int, dead: int) -> float:
@@ -110,6 +118,17 @@ async def churn(args: HistoryOptions, schema: str) -> list[float]:
         f"\nchurn: {args.cycles} cycles of one simulated hour, {args.churn_messages:,} messages each "
         "(rate; retention's work; the table afterwards)"
     )
+    vacuum = autovacuum.AutovacuumStandIn(
+        common.libpq_conninfo(args.url), schema, ("queueing_messages", "queueing_counts"), args.naptime
+    )
+    standing_in = not args.no_vacuum and vacuum.start()
+    if standing_in:
+        print(
+            f"   the server's autovacuum is off: a stand-in decides as autovacuum would "
+            f"(naptime {args.naptime:g} s, and after every cycle)"
+        )
+    elif args.no_vacuum:
+        print("   no vacuum at all (--no-vacuum): the worst case")
     rows = []
     for cycle in range(1, args.cycles + 1):
         burn = await kit_burn(args, burning(cycle), args.churn_messages)
@@ -119,6 +138,8 @@ async def churn(args: HistoryOptions, schema: str) -> list[float]:
         done = await maint.maintain()
         upkeep = (common.now() - started) * 1000
         await maint.close()
+        if standing_in:
+            vacuum.nudge()  # (it vacuums beside the next cycle's burn, as autovacuum would)
         state = table_state(args.url, schema)
         rates.append(burn.rate)
         hot = state["hot_updates"] / state["updates"] if state["updates"] else 0.0
@@ -133,7 +154,7 @@ async def churn(args: HistoryOptions, schema: str) -> list[float]:
                 f"{state['dead']:,}",
                 f"{state['claim_index_bytes'] / 1024:,.0f}",
                 f"{hot:.0%}",
-                state["autovacuums"],
+                state["autovacuums"] + (vacuum.ran["queueing_messages"].vacuums if standing_in else 0),
                 common.load(1),
             ]
         )
@@ -149,12 +170,45 @@ async def churn(args: HistoryOptions, schema: str) -> list[float]:
             "dead rows",
             "claim index KiB",
             "HOT updates",
-            "autovacuums",
+            "vacuums",
             "load",
         ],
         rows,
     )
+    if standing_in:
+        vacuum.stop()
+        for table, ran in vacuum.ran.items():
+            print(
+                f"   stand-in on {table}: {ran.vacuums} vacuums, {ran.analyzes} analyzes, "
+                f"{ran.seconds:.1f} s in all"
+            )
+    print(f"   the claim's plan after the churn: {await claim_plan(args, schema)}")
     return rates
+
+
+async def claim_plan(args: HistoryOptions, schema: str) -> str:
+    """The index (or scan) the claim's row source uses on ``schema``'s table, as the server plans it now."""
+    prov = SqlProvider(args.url, schema=schema, listen=False)
+    await prov.open()
+    try:
+        now = prov.clock()
+        text, params = prov.claim_sql(QUEUE, args.batch, now, now + timedelta(seconds=30))
+        async with prov.engine.connect() as conn:
+            raw = (await conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {text}", params)).scalar_one()
+            await conn.rollback()
+    finally:
+        await prov.close()
+    plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
+    found: list[str] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if node.get("Relation Name") == "queueing_messages" and node["Node Type"] != "ModifyTable":
+            found.append(f"{node['Node Type']} on {node.get('Index Name', 'the table')}")
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(plan)
+    return "; ".join(found)
 
 
 async def main() -> None:
@@ -168,6 +222,10 @@ async def main() -> None:
     p.add_argument("--churn-messages", type=int, default=2_000)
     p.add_argument("--connections", type=int, default=3)
     p.add_argument("--churn-only", action="store_true", help="skip the empty-vs-history rounds")
+    p.add_argument(
+        "--naptime", type=float, default=15.0, help="the autovacuum stand-in's naptime (the one recommended)"
+    )
+    p.add_argument("--no-vacuum", action="store_true", help="no vacuum during the churn (the worst case)")
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--batch", type=int, default=10)
     p.add_argument("--in-hand", type=int, default=20)
