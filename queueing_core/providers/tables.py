@@ -617,6 +617,15 @@ async def _merge_unchanged(client: TableClient, e: dict[str, Any], stored: Table
     return True
 
 
+def _producers(e: Mapping[str, Any]) -> bool:
+    """``is_enqueue_record`` of a stored entity, read from its properties (no result outside OUTCOMES,
+    so none is read; an entity damaged outside the kit reads as a run's, which keeps it)."""
+    nulls = set(filter(None, str(e.get("Nulls", "")).split(",")))
+    return e.get("Status") not in OUTCOMES and all(
+        p in nulls or e.get(p) is None for p in ("Reason", "LastError", "LockedBy")
+    )
+
+
 def _index_entity(e: Mapping[str, Any]) -> dict[str, Any]:
     """The id index entry of a record entity (where ``get`` finds it by message id)."""
     return {"PartitionKey": _INDEX_PK, "RowKey": e["MessageId"], "Pk": e["PartitionKey"], "Rk": e["RowKey"]}
@@ -879,10 +888,15 @@ class TablesTracker(_OnTable):
                 await self._write(client, batch, UpdateMode.MERGE)
             for batch in _batches(index):
                 await self._write(client, batch, UpdateMode.REPLACE)
-        for r in folded.values():
-            if r.body is not None or r.message_id in self._written:
-                self._written[r.message_id] = None
-                self._written.move_to_end(r.message_id)
+        self._remember(
+            [r.message_id for r in folded.values() if r.body is not None or r.message_id in self._written]
+        )
+
+    def _remember(self, written: Iterable[UUID]) -> None:
+        """These messages' bodies and index entities are stored (bounded, least recently written go)."""
+        for mid in written:
+            self._written[mid] = None
+            self._written.move_to_end(mid)
         while len(self._written) > _WRITTEN_MEMORY:
             self._written.popitem(last=False)
 
@@ -934,17 +948,25 @@ class TablesTracker(_OnTable):
             await asyncio.gather(*(one(r) for r in latest.values()))
 
     async def _write_if_newer(self, client: TableClient, rec: MessageRecord) -> None:
-        e = _record_entity(rec)
+        # (as ``upsert``: a message this instance wrote needs neither its body nor its index entity again)
+        known = rec.message_id in self._written
+        e = _record_entity(rec.model_copy(update={"body": None}) if known else rec)
         newer = as_utc(rec.updated_at)
         fresh = is_enqueue_record(rec)
 
         def keep(stored: Mapping[str, Any]) -> bool:
-            # history that moved on while this record waited is left as it is, and a producer's record
-            # never replaces an outcome (its clock, read after the send, may be later than the worker's)
-            return _plain_utc(stored["UpdatedAt"]) > newer or (fresh and stored.get("Status") in OUTCOMES)
+            # ``supersedes`` in the table's terms: history that moved on while this record waited is left
+            # as it is, a producer's record never replaces an outcome (its clock, read after the send,
+            # may be later than the worker's), and a run's record always replaces a producer's
+            if fresh:
+                return _plain_utc(stored["UpdatedAt"]) > newer or stored.get("Status") in OUTCOMES
+            return _plain_utc(stored["UpdatedAt"]) > newer and not _producers(stored)
 
         await self._merge_on_etag(client, e, keep, create=True)
-        await client.upsert_entity(_index_entity(e), mode=UpdateMode.REPLACE)
+        if not known:
+            await client.upsert_entity(_index_entity(e), mode=UpdateMode.REPLACE)
+            if rec.body is not None:
+                self._remember([rec.message_id])
 
     async def _insert_new(self, client: TableClient, batch: list[dict[str, Any]]) -> None:
         """Create each entity; where one exists, merge into it unless it holds an outcome."""

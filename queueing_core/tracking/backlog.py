@@ -19,9 +19,11 @@ runtime never skips a run on such a record: only a success marks a repeated forw
 Late writes never replace newer history: the backlog writes through the tracker's ``upsert_newer``
 (a record whose ``updated_at`` is older than the stored one is dropped), so a retried "Failed" cannot
 overwrite the "Succeeded" of the retry that ran meanwhile, and a late "Pending" from a producer cannot
-overwrite an outcome. The same rule holds while records wait (:func:`replaces`): in the backlog and in
-the journal, a record of a message replaces the waiting one only if it is at least as new, and a
-producer's record never replaces a waiting outcome.
+overwrite an outcome. A run's record is not held back by a producer's, whatever their clocks say: a
+producer reads its clock after the send, a worker that ran the message at once may read an earlier
+time. The same rule (:func:`~queueing_core.tracking.base.supersedes`) holds while records wait, in the
+backlog and in the journal, and for records written at once that another host's record may overtake
+(:meth:`HistoryWriter.write`).
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 from uuid import UUID
 
 from ..clock import as_utc
 from ..errors import ProviderUnavailable
-from .base import OUTCOMES, MessageRecord, Tracker, is_enqueue_record
+from ..messages import MessageStatus
+from .base import OUTCOMES, MessageRecord, Tracker, is_enqueue_record, supersedes
 
 log = logging.getLogger("queueing.history")
 
@@ -57,6 +61,10 @@ JOURNAL_STALE = 10.0
 DRAIN_CHUNK = 200
 #: refusals of one record, while the store takes the others, before it is dropped (see ``_isolate``)
 POISON_STRIKES = 3
+#: statuses no run follows
+FINAL = frozenset(s.value for s in MessageStatus.terminal())
+#: a message due again within this of its record may run, and record that run, before the record lands
+OVERTAKE_WINDOW = timedelta(seconds=2)
 
 
 @runtime_checkable
@@ -94,11 +102,14 @@ def _alive(owner: str) -> bool:
     return pid > 0
 
 
-def replaces(new: MessageRecord, old: MessageRecord) -> bool:
-    """Whether ``new`` may take the place of ``old``, a waiting record of the same message: it is at
-    least as new, and it is not a producer's record over an outcome (which the stores keep too)."""
-    newer = as_utc(new.updated_at) >= as_utc(old.updated_at)
-    return newer and not (old.status in OUTCOMES and is_enqueue_record(new))
+def may_be_overtaken(rec: MessageRecord) -> bool:
+    """A run's record after which the message may run again at once (released, or retried or deferred
+    to within :data:`OVERTAKE_WINDOW`): the next run's record may reach the store before it. (Due
+    later, the next run cannot start before this record is written: a write that fails waits in the
+    backlog, which writes by the late write's rule anyway.)"""
+    if rec.status in FINAL or is_enqueue_record(rec):
+        return False
+    return rec.not_before is None or as_utc(rec.not_before) - as_utc(rec.updated_at) <= OVERTAKE_WINDOW
 
 
 def default_journal_dir() -> Path:
@@ -107,7 +118,7 @@ def default_journal_dir() -> Path:
 
 class Journal:
     """Records waiting for the history store, in a SQLite file on local disk. One row per message (a
-    later record of the same message replaces the earlier one, by :func:`replaces`: never an older one,
+    later record of the same message replaces the earlier one, by :func:`supersedes`: never an older one,
     which another process on this machine may journal after it); rows are keyed by a sequence number so
     that deleting a written record never deletes a newer one of the same message."""
 
@@ -129,11 +140,12 @@ class Journal:
             " owner TEXT NOT NULL,"  # <process id>:<journal>, of the journal that kept the row
             " settled INTEGER NOT NULL DEFAULT 1,"  # 0: kept before a settlement not yet applied
             " updated REAL NOT NULL DEFAULT 0,"  # the record's updated_at (epoch seconds)
-            " outcome INTEGER NOT NULL DEFAULT 0)"  # 1: the record is an outcome (see replaces())
+            " outcome INTEGER NOT NULL DEFAULT 0,"  # 1: the record is an outcome (see supersedes())
+            " enqueue INTEGER NOT NULL DEFAULT 0)"  # 1: the record is a producer's (likewise)
         )
         columns = {str(c[1]) for c in self._db.execute("PRAGMA table_info(pending)").fetchall()}
         # a journal file of an earlier version of the kit (its rows: replaced by any record, as then)
-        for name, default in (("settled", 1), ("updated", 0), ("outcome", 0)):
+        for name, default in (("settled", 1), ("updated", 0), ("outcome", 0), ("enqueue", 0)):
             if name in columns:
                 continue
             kind = "REAL" if name == "updated" else "INTEGER"
@@ -153,20 +165,23 @@ class Journal:
     def add(self, records: Sequence[MessageRecord], *, settled: bool = True) -> dict[UUID, int]:
         """Keep ``records`` (``settled=False``: before their settlement is applied); returns each
         message's row number (for :meth:`forget` and :meth:`mark_settled`). A record older than the row
-        its message has (see :func:`replaces`) is not kept, and has no row number: the row is not its."""
+        its message has (see :func:`supersedes`) is not kept, and has no row number: the row is not its."""
         rows: dict[UUID, int] = {}
         now = time.time()
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
             for r in records:
                 cur = self._db.execute(
-                    "INSERT INTO pending (message_id, record, added, owner, settled, updated, outcome) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?) "
+                    "INSERT INTO pending (message_id, record, added, owner, settled, updated, outcome, "
+                    "enqueue) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT (message_id) DO UPDATE SET seq = "
                     "(SELECT COALESCE(MAX(seq), 0) + 1 FROM pending), record = excluded.record, "
                     "added = excluded.added, owner = excluded.owner, settled = excluded.settled, "
-                    "updated = excluded.updated, outcome = excluded.outcome "
-                    "WHERE excluded.updated >= pending.updated AND NOT (pending.outcome = 1 AND ? = 1) "
+                    "updated = excluded.updated, outcome = excluded.outcome, enqueue = excluded.enqueue "
+                    # supersedes(), in the journal's terms
+                    "WHERE CASE WHEN excluded.enqueue = 1 "
+                    "THEN excluded.updated >= pending.updated AND pending.outcome = 0 "
+                    "ELSE excluded.updated >= pending.updated OR pending.enqueue = 1 END "
                     "RETURNING seq",
                     (
                         str(r.message_id),
@@ -383,7 +398,7 @@ class HistoryWriter:
             self._queue(records, rows)
             return False
         try:
-            await self.tracker.upsert(records)
+            await self._write_now(records)
         except Exception as exc:
             if not self._down:
                 log.warning(
@@ -399,12 +414,33 @@ class HistoryWriter:
         # stays for a producer's record (the store did not let that replace an outcome either).
         for r in records:
             old = self._pending.get(r.message_id)
-            if old is not None and replaces(r, old[1]):
+            if old is not None and supersedes(r, old[1]):
                 del self._pending[r.message_id]
                 self._strikes.pop(r.message_id, None)
                 rows.setdefault(r.message_id, old[0])
         self.drop([seq for seq in rows.values() if seq])
         return True
+
+    async def _write_now(self, records: Sequence[MessageRecord]) -> None:
+        """A direct write. A record after which the message may run again at once (released at a stop,
+        retried or deferred to a moment later: :func:`may_be_overtaken`) can land after the record of
+        that next run, which another host wrote first: such records are written by the late write's
+        rule (:func:`~queueing_core.tracking.base.supersedes`), so the next run's record stays. The rest
+        goes as it is, in one write: no run follows an outcome, and the stores keep outcomes from
+        producers' records themselves. (Newer by ``updated_at``, as every late write: a host whose
+        clock runs ahead by more than the time between the two settlements can still put its record
+        over the next run's.)"""
+        tracker = self.tracker
+        if not isinstance(tracker, WritesLate):
+            await tracker.upsert(records)
+            return
+        # a message's records go together, the way its last one goes (the store folds them as before)
+        last = {r.message_id: r for r in records}
+        checked = {mid for mid, r in last.items() if may_be_overtaken(r)}
+        if len(checked) < len(last):
+            await tracker.upsert([r for r in records if r.message_id not in checked])
+        if checked:
+            await tracker.upsert_newer([r for r in records if r.message_id in checked])
 
     def _queue(self, records: Sequence[MessageRecord], rows: dict[UUID, int]) -> None:
         missing = [r for r in records if r.message_id not in rows]
@@ -416,11 +452,11 @@ class HistoryWriter:
 
     def _keep(self, seq: int, rec: MessageRecord) -> None:
         """Wait with ``rec`` (journal row ``seq``, 0: none) in place of a waiting record of its message
-        that it :func:`replaces`, else keep that one (with what only ``rec`` knew: its body, its raw
+        that it :func:`supersedes`, else keep that one (with what only ``rec`` knew: its body, its raw
         text). The journal has one row per message: the latest row number given is the message's."""
         old = self._pending.pop(rec.message_id, None)
         if old is not None:
-            keep, other = (rec, old[1]) if replaces(rec, old[1]) else (old[1], rec)
+            keep, other = (rec, old[1]) if supersedes(rec, old[1]) else (old[1], rec)
             if keep.body is None or keep.raw is None:
                 keep = keep.model_copy(
                     update={

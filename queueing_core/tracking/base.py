@@ -9,7 +9,7 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..clock import to_utc
+from ..clock import as_utc, to_utc
 from ..envelope import Envelope
 from ..errors import InvalidArgument, InvalidOperation
 from ..messages import MessageStatus
@@ -231,12 +231,25 @@ def is_enqueue_record(rec: MessageRecord) -> bool:
     )
 
 
+def supersedes(new: MessageRecord, old: MessageRecord) -> bool:
+    """The rule for records that may arrive out of order (a late write, a record overtaken by the next
+    run's, records waiting for the store): may ``new`` take the place of ``old``? A producer's record
+    never replaces an outcome; a run's record always replaces a producer's (whose clock, read after the
+    send, may be later than that of a worker that ran the message at once); otherwise the later
+    ``updated_at`` wins (the hosts' clocks). The SQL and Tables history stores say the same in their
+    own terms (``upsert_newer``)."""
+    newer = as_utc(new.updated_at) >= as_utc(old.updated_at)
+    if is_enqueue_record(new):
+        return newer and old.status not in OUTCOMES
+    return newer or is_enqueue_record(old)
+
+
 def newest_per_message(records: Sequence[MessageRecord]) -> dict[UUID, MessageRecord]:
-    """The most recently updated record of each message (what a late write may still apply)."""
+    """The record of each message that :func:`supersedes` the others (what a late write may apply)."""
     latest: dict[UUID, MessageRecord] = {}
     for rec in records:
         old = latest.get(rec.message_id)
-        if old is None or rec.updated_at >= old.updated_at:
+        if old is None or supersedes(rec, old):
             latest[rec.message_id] = rec
     return latest
 

@@ -6,7 +6,15 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 from uuid import UUID
 
-from .base import OUTCOMES, MessageQuery, MessageRecord, Page, invalid_cursor, is_enqueue_record
+from .base import (
+    OUTCOMES,
+    MessageQuery,
+    MessageRecord,
+    Page,
+    invalid_cursor,
+    is_enqueue_record,
+    supersedes,
+)
 
 
 class MemoryTracker:
@@ -46,8 +54,7 @@ class MemoryTracker:
         """Write each record unless the stored one was updated later (the history backlog's writes)."""
         for rec in records:
             old = self._items.get(rec.message_id)
-            if old is None or old.updated_at <= rec.updated_at:
-                # (a producer's record never replaces an outcome: its clock may read later)
+            if old is None or supersedes(rec, old):
                 self._write([rec], keep_outcomes=True)
 
     async def note_duplicate(self, message_id: UUID) -> None:

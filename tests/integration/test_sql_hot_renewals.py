@@ -5,6 +5,7 @@ statistics (``n_tup_hot_upd``) and the program SQLite compiles for the renewal (
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 from datetime import UTC, datetime
@@ -132,3 +133,44 @@ async def test_migration_13_keys_the_sweepers_index_by_queue(sql_db):
         ddl = (await conn.exec_driver_sql(query, values)).scalar_one()
     assert "(queue)" in ddl.replace('"', ""), ddl
     assert "locked_until" not in ddl, ddl
+
+
+async def test_migration_13_lets_reads_go_on_while_it_waits_for_the_table(pg_db):
+    """The new index is built before the old one is dropped: while the build waits for a writer's
+    transaction, a claim's read of the table goes on. Dropping first (found in review) asked for the
+    table's exclusive lock at once, and every read queued behind it until the migration committed."""
+    prov = pg_db.provider(listen=False)
+    rt = Runtime(app(), prov)
+    await rt.open()
+    await rt.app.enqueue(Job(n=1))
+    await rt.close()
+    table = f'"{pg_db.schema}".queueing_messages'
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f'DROP INDEX "{pg_db.schema}".ix_queueing_messages_leased')
+        conn.execute(
+            f"CREATE INDEX ix_queueing_messages_leased ON {table} (locked_until) WHERE status = 'Leased'"
+        )
+        conn.execute(f'DELETE FROM "{pg_db.schema}".queueing_schema WHERE version = 13')
+    with psycopg.connect(POSTGRES_URL) as writer, psycopg.connect(POSTGRES_URL, autocommit=True) as reader:
+        writer.execute(f"UPDATE {table} SET updated_at = updated_at")  # (its transaction stays open)
+        migrating = asyncio.create_task(pg_db.provider(listen=False).open(app()))
+        try:
+            deadline = time.monotonic() + 5
+            while not reader.execute(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = %s::regclass", (table,)
+            ).fetchone()[0]:  # type: ignore[index]
+                assert time.monotonic() < deadline, "the migration never waited for the table"
+                await asyncio.sleep(0.05)
+            reader.execute("SET lock_timeout = '1s'")
+            # a read while the migration waits: it would time out behind a waiting exclusive lock
+            assert reader.execute(f"SELECT count(*) FROM {table}").fetchone() == (1,)
+        finally:
+            writer.commit()
+            await migrating
+    with psycopg.connect(POSTGRES_URL) as conn:
+        ddl = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = %s AND indexname = %s",
+            (pg_db.schema, "ix_queueing_messages_leased"),
+        ).fetchone()
+    assert ddl is not None
+    assert "(queue)" in ddl[0], ddl

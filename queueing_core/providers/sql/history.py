@@ -137,8 +137,20 @@ class SqlHistoryTracker(SqlTracker):
         conditions: list[sa.ColumnElement[bool]] = []
         if keep_outcomes:
             conditions.append(t.c.status.not_in(kept))
-        if if_newer:  # a late write (the history backlog) never replaces a newer record
-            conditions.append(t.c.updated_at <= ex["updated_at"])
+        if if_newer:
+            # a late write (the history backlog, a record another host's may overtake) never replaces a
+            # newer record, except that a run's record always replaces a producer's (``supersedes``;
+            # "a producer's" as ``is_enqueue_record`` says it: no result outside OUTCOMES, so none read)
+            newer: sa.ColumnElement[bool] = t.c.updated_at <= ex["updated_at"]
+            if not keep_outcomes:  # (the records written here are a run's)
+                producers = sa.and_(
+                    t.c.status.not_in(kept),
+                    t.c.reason.is_(None),
+                    t.c.last_error.is_(None),
+                    t.c.locked_by.is_(None),
+                )
+                newer = sa.or_(newer, producers)
+            conditions.append(newer)
         where = sa.and_(*conditions) if conditions else None
         return stmt.on_conflict_do_update(index_elements=[t.c.message_id], set_=changes, where=where)
 

@@ -50,6 +50,10 @@ IN_LIST_BATCH = 500
 CLAIMABLE_SQL = "status IN ({}) AND NOT archived".format(", ".join(f"'{s}'" for s in CLAIMABLE))
 
 
+#: the lease sweeper's index's predicate (the rows running now)
+LEASED_SQL = f"status = '{MessageStatus.LEASED.value}'"
+
+
 def claimable() -> sa.TextClause:
     return sa.text(CLAIMABLE_SQL)
 
@@ -169,7 +173,7 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         # that column alone, and with no index holding it a renewal is a HOT update on PostgreSQL (no
         # new index entries; the new version on the same page) and writes no index on SQLite. The
         # sweep then reads a queue's leased rows, which are only the messages running now
-        partial_index("ix_queueing_messages_leased", "queue", where="status = 'Leased'"),
+        partial_index("ix_queueing_messages_leased", "queue", where=LEASED_SQL),
         # Ops listings, newest first. Every status change is a non-HOT update that re-inserts the row
         # into each index whose predicate it matches, so the listing indexes leave out Succeeded (the
         # bulk of the table): settling a success touches few indexes, and a page of Succeeded rows is
@@ -672,13 +676,32 @@ def _v12(conn: sa.Connection, tables: Tables) -> None:
 
 def _v13(conn: sa.Connection, tables: Tables) -> None:
     """The lease sweeper's index keyed by queue, not by the lease's end (see the table's definition): a
-    renewal then changes no indexed column. The index is made again under its name; on PostgreSQL the
-    build reads the table once (about a second a million rows) while writes to it wait."""
-    prefix = f"{tables.metadata.schema}." if tables.metadata.schema else ""
-    # (the name from the metadata, the schema name validated by Tables.build: nothing from input)
-    conn.exec_driver_sql(f"DROP INDEX IF EXISTS {prefix}ix_queueing_messages_leased")
-    [leased] = [i for i in tables.messages.indexes if i.name == "ix_queueing_messages_leased"]
-    leased.create(conn)
+    renewal then changes no indexed column. A database made at this version has it so already.
+
+    On PostgreSQL the new index is built under another name first (the build reads the table once,
+    about a second a million rows, while writes wait and reads go on), then the old one is dropped and
+    the new one takes its name: the drop's exclusive lock is held only from there to the commit. SQLite
+    cannot rename an index: the old one is dropped and the new one made, under its one write lock."""
+    m = tables.messages
+    name = "ix_queueing_messages_leased"
+    [leased] = [i for i in m.indexes if i.name == name]
+    have = {i["name"]: i["column_names"] for i in sa.inspect(conn).get_indexes(m.name, schema=m.schema)}
+    if have.get(name) == ["queue"]:
+        return
+    if conn.dialect.name != "postgresql":
+        if name in have:
+            conn.execute(sa.schema.DropIndex(leased))
+        leased.create(conn)
+        return
+    building = f"{name}_v13"
+    if building in have:  # (a try that failed part-way on a driver that commits DDL as it goes)
+        conn.execute(sa.schema.DropIndex(sa.Index(building, m.c.queue)))
+    sa.Index(building, m.c.queue, postgresql_where=sa.text(LEASED_SQL)).create(conn)
+    if name in have:
+        conn.execute(sa.schema.DropIndex(leased))
+    quote = conn.dialect.identifier_preparer
+    schema = f"{quote.quote_schema(m.schema)}." if m.schema else ""
+    conn.exec_driver_sql(f"ALTER INDEX {schema}{quote.quote(building)} RENAME TO {quote.quote(name)}")
 
 
 #: (version, description, migration). Append only: a released migration never changes.
