@@ -443,10 +443,12 @@ class SqlProvider:
         return (self._hot.claim_head if sub.options.ordered else self._hot.claim), params
 
     def claim_sql(
-        self, queue: str, limit: int, now: datetime, lease_until: datetime
+        self, queue: str, limit: int, now: datetime, lease_until: datetime, *, ordered: bool = False
     ) -> tuple[str, dict[str, Any]]:
-        """The batch claim as the driver receives it (SQL text and bound values), to read its plan."""
-        compiled = self.statements.claim.compile(dialect=self.engine.dialect)
+        """The batch claim (or an ordered queue's claim of its head) as the driver receives it (SQL text
+        and bound values), to read its plan."""
+        stmt = self.statements.claim_head if ordered else self.statements.claim
+        compiled = stmt.compile(dialect=self.engine.dialect)
         params = {**compiled.params, **bind(queue=queue, limit=limit, now=now, lease_until=lease_until)}
         return str(compiled), params
 

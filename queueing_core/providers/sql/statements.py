@@ -15,7 +15,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 
 from ...decisions import DeadLetterReason
 from ...messages import MessageStatus
-from .schema import CLAIMABLE, Tables, archived, by_id, claimable
+from .schema import CLAIMABLE, LEASED_SQL, Tables, archived, by_id, claimable
 
 LEASED = MessageStatus.LEASED.value
 
@@ -132,21 +132,31 @@ class Statements:
         taken = by_id(m, sa.select(due.c.id), backend) if backend == "postgresql" else m.c.id == due.c.id
         self.claim = sa.update(m).where(taken).values(**take).returning(*claim_columns(m))
 
-        # ordered queues: the oldest message that holds the line, and only if it is due
-        holds = sa.or_(
-            m.c.status == LEASED,
-            sa.and_(
-                m.c.status.in_(constants(CLAIMABLE)),
-                sa.or_(m.c.available_at <= now, m.c.attempt > 0, m.c.status != MessageStatus.SLEEPING.value),
+        # ordered queues: the oldest message that holds the line (one running, or one claimable that is
+        # due, was tried already, or is not merely scheduled for later), and only if it is due. Its two
+        # kinds are looked for apart, each on its own small partial index (the predicates repeated as
+        # literal text): the running ones on the lease sweeper's, the claimable ones on the claim's. One
+        # lookup of either kind in id order walked the queue's history from its oldest row on SQLite,
+        # whose planner reads neither index for it (53 ms a claim over 200,000 rows, 0.4 ms without)
+        leased = sa.alias(m, "leased")
+        waiting = sa.alias(m, "waiting")
+        running = sa.select(sa.func.min(leased.c.id).label("id")).where(
+            # (the literal predicates name no table: inside these subqueries their one table is meant)
+            leased.c.queue == P("queue"),
+            sa.text(LEASED_SQL),
+            archived(leased, False),
+        )
+        holding = sa.select(sa.func.min(waiting.c.id).label("id")).where(
+            waiting.c.queue == P("queue"),
+            claimable(),
+            sa.or_(
+                waiting.c.available_at <= now,
+                waiting.c.attempt > 0,
+                waiting.c.status != MessageStatus.SLEEPING.value,
             ),
         )
-        head = (
-            sa.select(m.c.id)
-            .where(m.c.queue == P("queue"), archived(m, False), holds)
-            .order_by(m.c.id)
-            .limit(1)
-            .scalar_subquery()
-        )
+        heads = sa.union_all(running, holding).subquery("heads")
+        head = sa.select(sa.func.min(heads.c.id)).scalar_subquery()
         self.claim_head = (
             sa.update(m)
             .where(
