@@ -618,11 +618,14 @@ async def _merge_unchanged(client: TableClient, e: dict[str, Any], stored: Table
 
 
 def _producers(e: Mapping[str, Any]) -> bool:
-    """``is_enqueue_record`` of a stored entity, read from its properties (no result outside OUTCOMES,
+    """``is_producers_record`` of a stored entity, read from its properties (no result outside OUTCOMES,
     so none is read; an entity damaged outside the kit reads as a run's, which keeps it)."""
     nulls = set(filter(None, str(e.get("Nulls", "")).split(",")))
-    return e.get("Status") not in OUTCOMES and all(
-        p in nulls or e.get(p) is None for p in ("Reason", "LastError", "LockedBy")
+    status = e.get("Status")
+    return (
+        status not in OUTCOMES
+        and status != MessageStatus.LEASED.value
+        and all(p in nulls or e.get(p) is None for p in ("Reason", "LastError", "LockedBy"))
     )
 
 
@@ -962,7 +965,10 @@ class TablesTracker(_OnTable):
                 return _plain_utc(stored["UpdatedAt"]) > newer or stored.get("Status") in OUTCOMES
             return _plain_utc(stored["UpdatedAt"]) > newer and not _producers(stored)
 
-        await self._merge_on_etag(client, e, keep, create=True)
+        # (a message this instance wrote whose entity is gone was deleted meanwhile, by a purge or an
+        # operator: nothing to record against, and a record made again without its body and index
+        # entity would be found nowhere)
+        await self._merge_on_etag(client, e, keep, create=not known)
         if not known:
             await client.upsert_entity(_index_entity(e), mode=UpdateMode.REPLACE)
             if rec.body is not None:

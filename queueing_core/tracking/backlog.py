@@ -46,7 +46,7 @@ from uuid import UUID
 from ..clock import as_utc
 from ..errors import ProviderUnavailable
 from ..messages import MessageStatus
-from .base import OUTCOMES, MessageRecord, Tracker, is_enqueue_record, supersedes
+from .base import OUTCOMES, MessageRecord, Tracker, is_enqueue_record, is_producers_record, supersedes
 
 log = logging.getLogger("queueing.history")
 
@@ -102,13 +102,23 @@ def _alive(owner: str) -> bool:
     return pid > 0
 
 
+def _producers(text: str) -> bool:
+    """Whether a journal row's stored record is a producer's (one that no longer reads: not)."""
+    try:
+        return is_producers_record(MessageRecord.model_validate_json(text))
+    except ValueError:
+        return False
+
+
 def may_be_overtaken(rec: MessageRecord) -> bool:
-    """A run's record after which the message may run again at once (released, or retried or deferred
-    to within :data:`OVERTAKE_WINDOW`): the next run's record may reach the store before it. (Due
-    later, the next run cannot start before this record is written: a write that fails waits in the
-    backlog, which writes by the late write's rule anyway.)"""
+    """A run's record after which the message may run again at once (released: a run's ``Pending``, or
+    retried or deferred to within :data:`OVERTAKE_WINDOW`): the next run's record may reach the store
+    before it. (Due later, the next run cannot start before this record is written: a write that fails
+    waits in the backlog, which writes by the late write's rule anyway.)"""
     if rec.status in FINAL or is_enqueue_record(rec):
         return False
+    if rec.status == MessageStatus.PENDING.value:
+        return True  # released: claimable at once, whatever the message's own not_before says
     return rec.not_before is None or as_utc(rec.not_before) - as_utc(rec.updated_at) <= OVERTAKE_WINDOW
 
 
@@ -149,11 +159,22 @@ class Journal:
             if name in columns:
                 continue
             kind = "REAL" if name == "updated" else "INTEGER"
-            try:
-                self._db.execute(f"ALTER TABLE pending ADD COLUMN {name} {kind} NOT NULL DEFAULT {default}")
-            except sqlite3.OperationalError as exc:  # another process upgraded it just now
-                if "duplicate column" not in str(exc):
-                    raise
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute(
+                        f"ALTER TABLE pending ADD COLUMN {name} {kind} NOT NULL DEFAULT {default}"
+                    )
+                except sqlite3.OperationalError as exc:  # another process upgraded it just now
+                    if "duplicate column" not in str(exc):
+                        raise
+                    continue
+                if name == "enqueue":  # what the rows already kept are, read from the records themselves
+                    rows = self._db.execute("SELECT seq, record FROM pending").fetchall()
+                    self._db.executemany(
+                        "UPDATE pending SET enqueue = 1 WHERE seq = ?",
+                        [(seq,) for seq, text in rows if _producers(text)],
+                    )
         self.owner = f"{os.getpid()}:{uuid.uuid4().hex[:12]}"
         _OPEN.add(self.owner)
 
@@ -191,7 +212,7 @@ class Journal:
                         int(settled),
                         as_utc(r.updated_at).timestamp(),
                         int(r.status in OUTCOMES),
-                        int(is_enqueue_record(r)),
+                        int(is_producers_record(r)),
                     ),
                 )
                 row = cur.fetchone()

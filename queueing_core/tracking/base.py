@@ -231,6 +231,12 @@ def is_enqueue_record(rec: MessageRecord) -> bool:
     )
 
 
+def is_producers_record(rec: MessageRecord) -> bool:
+    """A producer's record ("sent"): an enqueue record that is not a running handler's progress report
+    (``Leased``, which says as little but is a run's)."""
+    return is_enqueue_record(rec) and rec.status != MessageStatus.LEASED.value
+
+
 def supersedes(new: MessageRecord, old: MessageRecord) -> bool:
     """The rule for records that may arrive out of order (a late write, a record overtaken by the next
     run's, records waiting for the store): may ``new`` take the place of ``old``? A producer's record
@@ -241,7 +247,7 @@ def supersedes(new: MessageRecord, old: MessageRecord) -> bool:
     newer = as_utc(new.updated_at) >= as_utc(old.updated_at)
     if is_enqueue_record(new):
         return newer and old.status not in OUTCOMES
-    return newer or is_enqueue_record(old)
+    return newer or is_producers_record(old)
 
 
 def newest_per_message(records: Sequence[MessageRecord]) -> dict[UUID, MessageRecord]:

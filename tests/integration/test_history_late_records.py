@@ -8,6 +8,7 @@ run's outcome, does not replace it either (the late write's rule, by ``updated_a
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from queueing_core.tracking import MemoryTracker, MessageRecord, Tracker
+from queueing_core.tracking import MemoryTracker, MessageQuery, MessageRecord, Tracker
 from queueing_core.tracking.backlog import HistoryWriter, Journal
 from tests.contract.harness import wait_until
 
@@ -138,6 +139,32 @@ async def test_a_waiting_producers_record_does_not_hold_back_a_runs_record(tmp_p
     journal.close()
 
 
+async def test_a_journal_of_an_earlier_version_knows_its_producers_rows(tmp_path: Path):
+    """A journal file written before the rows said whose record they keep: opening it reads that from
+    the records, so a waiting producer's row does not hold back a run's record there either (found in
+    review: the new column's default read every such row as a run's)."""
+    path = tmp_path / "j.sqlite3"
+    mid = uuid.uuid4()
+    old = sqlite3.connect(path)
+    old.execute(  # the journal's table as the version before kept it
+        "CREATE TABLE pending (seq INTEGER PRIMARY KEY AUTOINCREMENT, message_id TEXT NOT NULL UNIQUE,"
+        " record TEXT NOT NULL, added REAL NOT NULL, owner TEXT NOT NULL, settled INTEGER NOT NULL DEFAULT 1,"
+        " updated REAL NOT NULL DEFAULT 0, outcome INTEGER NOT NULL DEFAULT 0)"
+    )
+    producers = record(mid, "Pending", 5, body={"n": 1})
+    old.execute(
+        "INSERT INTO pending (message_id, record, added, owner, updated) VALUES (?, ?, 0, 'gone', ?)",
+        (str(mid), producers.model_dump_json(), producers.updated_at.timestamp()),
+    )
+    old.commit()
+    old.close()
+    journal = Journal(path)
+    try:
+        assert mid in journal.add([record(mid, "Failed", 3, attempt=1, last_error="boom")])
+    finally:
+        journal.close()
+
+
 class CountingTracker(MemoryTracker):
     """A memory tracker that says which records went by the late write's rule."""
 
@@ -159,6 +186,10 @@ async def test_only_records_whose_message_may_run_at_once_take_the_checked_write
     records = [
         record(uuid.uuid4(), "Succeeded", 10),
         record(uuid.uuid4(), "Pending", 10, reason="Released: host shutting down"),
+        # released early (its not_before, the producer's, still ahead): claimable again at once all the same
+        record(
+            uuid.uuid4(), "Pending", 10, reason="Released: host shutting down", not_before=due + timedelta(60)
+        ),
         record(uuid.uuid4(), "Failed", 10, last_error="boom", not_before=due + timedelta(seconds=1)),
         record(uuid.uuid4(), "Failed", 10, last_error="boom", not_before=due + timedelta(seconds=30)),
         record(uuid.uuid4(), "Paused", 10, reason="queue paused", not_before=due + timedelta(seconds=5)),
@@ -166,7 +197,7 @@ async def test_only_records_whose_message_may_run_at_once_take_the_checked_write
     ]
     assert await writer.write(records)
     await writer.close()
-    assert sorted(store.checked) == ["Failed", "Pending"], store.checked
+    assert sorted(store.checked) == ["Failed", "Pending", "Pending"], store.checked
     for rec in records:
         got = await store.get(rec.message_id)
         assert got is not None
@@ -299,3 +330,47 @@ async def test_a_messages_records_in_one_write_end_with_its_last(store: Tracker)
     got = await store.get(mid)
     assert got is not None
     assert got.status == "Succeeded"
+
+
+async def test_a_late_record_of_the_run_before_does_not_replace_a_running_handlers_progress(store: Tracker):
+    """A progress report (``Leased``, nothing else said) is a run's record, not a producer's: the late
+    "Failed" of the run before it, 7 s older, does not replace it (found in review)."""
+    mid = uuid.uuid4()
+    progress = {"step": 1, "total": 2, "text": None, "at": None}
+    await store.upsert([record(mid, "Leased", 10, attempt=2, progress=progress)])
+    writer = HistoryWriter(store)
+    writer._down = True  # (the late record comes by the backlog)
+    await writer.write([record(mid, "Failed", 3, attempt=1, last_error="boom")])
+    await wait_until(lambda: writer.backlog == 0, timeout=10)
+    await writer.close()
+    got = await store.get(mid)
+    assert got is not None
+    assert (got.status, got.progress) == ("Leased", progress)
+
+
+async def test_tables_does_not_make_a_deleted_message_again_without_its_body(
+    store: Tracker, request: pytest.FixtureRequest
+):
+    """An operator deleted the message's history on another host; this host's checked write of a record
+    of it finds nothing. Azure Tables, which sends a message's body and id index once per host, does
+    not make the record again (found in review: made again, it had neither, and no lookup found it)."""
+    if type(store).__name__ != "TablesTracker":
+        pytest.skip("only the Tables store sends a known message's body and index once")
+    mid = uuid.uuid4()
+    writer = HistoryWriter(store)
+    await writer.write([record(mid, "Pending", 1, body={"n": 1})])  # (this host wrote it)
+    from azure.data.tables.aio import TableClient
+
+    from queueing_core.providers.tables import TablesTracker
+
+    azurite = request.getfixturevalue("azurite")
+    table = store._table.client.table_name  # type: ignore[attr-defined]
+    other = TablesTracker(TableClient.from_connection_string(azurite.connection_string, table))
+    try:  # the operator, on another host
+        assert await other.delete(MessageQuery(), only=[mid]) == 1
+    finally:
+        await other.aclose()
+    await writer.write([record(mid, "Pending", 2, reason="Released: host shutting down")])
+    await writer.close()
+    assert await store.get(mid) is None
+    assert mid not in {r.message_id for r in (await store.query(MessageQuery())).items}

@@ -140,11 +140,11 @@ class SqlHistoryTracker(SqlTracker):
         if if_newer:
             # a late write (the history backlog, a record another host's may overtake) never replaces a
             # newer record, except that a run's record always replaces a producer's (``supersedes``;
-            # "a producer's" as ``is_enqueue_record`` says it: no result outside OUTCOMES, so none read)
+            # "a producer's" as ``is_producers_record`` says it: no result outside OUTCOMES, so none read)
             newer: sa.ColumnElement[bool] = t.c.updated_at <= ex["updated_at"]
             if not keep_outcomes:  # (the records written here are a run's)
                 producers = sa.and_(
-                    t.c.status.not_in(kept),
+                    t.c.status.not_in([*kept, sa.literal_column(f"'{MessageStatus.LEASED.value}'")]),
                     t.c.reason.is_(None),
                     t.c.last_error.is_(None),
                     t.c.locked_by.is_(None),

@@ -70,7 +70,7 @@ def _bare(element: _Bare, compiler: SQLCompiler, **kw: Any) -> str:
     return compiler.process(element.clauses, **kw)
 
 
-def archived(table: sa.Table | sa.Alias, flag: bool = True) -> sa.ColumnElement[bool]:
+def archived(table: sa.FromClause, flag: bool = True) -> sa.ColumnElement[bool]:
     """``archived`` (or ``NOT archived``) as the partial indexes' predicates say it. SQLAlchemy writes a
     boolean column as ``archived = 1`` / ``archived = 0`` on SQLite, from which SQLite's planner cannot
     prove an index's ``WHERE archived`` / ``WHERE NOT archived``: it reads the whole table instead
@@ -693,15 +693,16 @@ def _v13(conn: sa.Connection, tables: Tables) -> None:
             conn.execute(sa.schema.DropIndex(leased))
         leased.create(conn)
         return
-    building = f"{name}_v13"
-    if building in have:  # (a try that failed part-way on a driver that commits DDL as it goes)
-        conn.execute(sa.schema.DropIndex(sa.Index(building, m.c.queue)))
-    sa.Index(building, m.c.queue, postgresql_where=sa.text(LEASED_SQL)).create(conn)
-    if name in have:
-        conn.execute(sa.schema.DropIndex(leased))
+    # (as text: an Index object would join the table's metadata, and every later create_all with it)
     quote = conn.dialect.identifier_preparer
     schema = f"{quote.quote_schema(m.schema)}." if m.schema else ""
-    conn.exec_driver_sql(f"ALTER INDEX {schema}{quote.quote(building)} RENAME TO {quote.quote(name)}")
+    building = quote.quote(f"{name}_v13")
+    # (a try that failed part-way on an engine that commits DDL as it goes)
+    conn.exec_driver_sql(f"DROP INDEX IF EXISTS {schema}{building}")
+    conn.exec_driver_sql(f"CREATE INDEX {building} ON {quote.format_table(m)} (queue) WHERE {LEASED_SQL}")
+    if name in have:
+        conn.execute(sa.schema.DropIndex(leased))
+    conn.exec_driver_sql(f"ALTER INDEX {schema}{building} RENAME TO {quote.quote(name)}")
 
 
 #: (version, description, migration). Append only: a released migration never changes.

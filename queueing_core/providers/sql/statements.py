@@ -138,13 +138,13 @@ class Statements:
         # literal text): the running ones on the lease sweeper's, the claimable ones on the claim's. One
         # lookup of either kind in id order walked the queue's history from its oldest row on SQLite,
         # whose planner reads neither index for it (53 ms a claim over 200,000 rows, 0.4 ms without)
-        leased = sa.alias(m, "leased")
-        waiting = sa.alias(m, "waiting")
-        running = sa.select(sa.func.min(leased.c.id).label("id")).where(
+        run = m.alias("leased")
+        waiting = m.alias("waiting")
+        running = sa.select(sa.func.min(run.c.id).label("id")).where(
             # (the literal predicates name no table: inside these subqueries their one table is meant)
-            leased.c.queue == P("queue"),
+            run.c.queue == P("queue"),
             sa.text(LEASED_SQL),
-            archived(leased, False),
+            archived(run, False),
         )
         holding = sa.select(sa.func.min(waiting.c.id).label("id")).where(
             waiting.c.queue == P("queue"),
