@@ -83,7 +83,9 @@ def _methods(
 def _tables_history() -> list[CallPoint]:
     from queueing_core.providers.tables import TablesTracker
 
-    return _methods("history", lambda rt: TablesTracker, ["upsert", "reopen", "delete"], _azure_error)
+    return _methods(
+        "history", lambda rt: TablesTracker, ["upsert", "upsert_newer", "reopen", "delete"], _azure_error
+    )
 
 
 def _sql_side_stores() -> list[CallPoint]:
@@ -92,7 +94,12 @@ def _sql_side_stores() -> list[CallPoint]:
 
     delayed = ["store_many", "fetch_due", "remove", "holds", "copies", "take_message", "purge", "release"]
     return [
-        *_methods("history", lambda rt: SqlHistoryTracker, ["upsert", "reopen", "delete"], _sql_error),
+        *_methods(
+            "history",
+            lambda rt: SqlHistoryTracker,
+            ["upsert", "upsert_newer", "reopen", "delete"],
+            _sql_error,
+        ),
         *_methods("delayed", lambda rt: SqlDelayedStore, delayed, _sql_error),
     ]
 
@@ -159,7 +166,7 @@ def _inprocess_points() -> list[CallPoint]:
 
     return [
         *_methods("memory", lambda rt: InProcessProvider, ["send", "settle", "_forget"], None),
-        *_methods("history", lambda rt: MemoryTracker, ["upsert", "reopen", "delete"], None),
+        *_methods("history", lambda rt: MemoryTracker, ["upsert", "upsert_newer", "reopen", "delete"], None),
     ]
 
 

@@ -17,34 +17,36 @@ from .kits import KITS
 from .sequences import SEQUENCES
 
 STEPS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("retry_by_copy", "inprocess"): ("memory.settle", "history.upsert"),
+    # a retry or a pause due again at once is recorded by the late write's rule (``upsert_newer``):
+    # its next run, on another host, may record first
+    ("retry_by_copy", "inprocess"): ("memory.settle", "history.upsert_newer"),
     ("retry_by_copy", "sqlite"): ("sqlite.round_trip",),
     ("retry_by_copy", "postgres"): ("pg.round_trip",),
-    ("retry_by_copy", "storage_queue"): ("queue.update_message", "history.upsert"),
-    ("retry_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert"),
-    ("retry_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert"),
+    ("retry_by_copy", "storage_queue"): ("queue.update_message", "history.upsert_newer"),
+    ("retry_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert_newer"),
+    ("retry_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert_newer"),
     ("retry_by_copy", "sqs"): (
         "leases.release",
         "sqs.send_message_batch",
         "sqs.delete_message_batch",
-        "history.upsert",
+        "history.upsert_newer",
     ),
-    ("pause_by_copy", "inprocess"): ("memory.settle", "history.upsert"),
+    ("pause_by_copy", "inprocess"): ("memory.settle", "history.upsert_newer"),
     ("pause_by_copy", "sqlite"): ("sqlite.round_trip",),
     ("pause_by_copy", "postgres"): ("pg.round_trip",),
     ("pause_by_copy", "storage_queue"): (
         "queue.update_message",
         "queue.send_message",
         "queue.delete_message",
-        "history.upsert",
+        "history.upsert_newer",
     ),
-    ("pause_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert"),
-    ("pause_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert"),
+    ("pause_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert_newer"),
+    ("pause_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert_newer"),
     ("pause_by_copy", "sqs"): (
         "leases.release",
         "sqs.send_message_batch",
         "sqs.delete_message_batch",
-        "history.upsert",
+        "history.upsert_newer",
     ),
     ("dead_letter", "inprocess"): ("memory.settle", "history.upsert"),
     ("dead_letter", "sqlite"): ("sqlite.round_trip",),
