@@ -37,8 +37,9 @@ class QueueingSettings(BaseSettings):
     )
     database_schema: str | None = Field(
         default=None,
-        pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$",
-        description="A PostgreSQL schema for the kit's tables, to keep environments apart in one database.",
+        pattern=r"^[a-z_][a-z0-9_]{0,62}$",
+        description="A PostgreSQL schema for the kit's tables, to keep environments apart in one database "
+        "(lower case: PostgreSQL folds the unquoted names the kit writes to lower case).",
     )
     database_auth: Literal["auto", "entra", "password"] = Field(
         default="auto",

@@ -27,7 +27,11 @@ from ...messages import MessageStatus
 
 log = logging.getLogger("queueing.sql")
 
-SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+#: a schema name the kit accepts: it is written into DDL, triggers and LISTEN unquoted, where PostgreSQL
+#: folds it to lower case, while the names SQLAlchemy quotes keep their case; an upper-case letter made
+#: the two name different schemas (the count triggers' functions failed at migration 2, and LISTEN and
+#: NOTIFY used different channels), so only lower case is accepted
+SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 Json = sa.JSON().with_variant(JSONB(), "postgresql")
 Timestamp = sa.DateTime(timezone=True)
 
@@ -364,11 +368,12 @@ class Tables:
     @classmethod
     def build(cls, schema: str | None = None) -> Tables:
         if schema is not None and not SCHEMA_NAME.fullmatch(schema):
-            # it is spliced into DDL as an identifier: letters, digits and underscores only
+            # it is spliced into DDL as an identifier: lower-case letters, digits and underscores only
             raise ConfigurationError(
                 "QUEUEING_DATABASE_SCHEMA",
-                f"{schema!r} is not a plain identifier",
-                "letters, digits and _, starting with a letter or _, at most 63",
+                f"{schema!r} is not a plain lower-case identifier",
+                "lower-case letters, digits and _, starting with a letter or _, at most 63 "
+                "(PostgreSQL folds unquoted names to lower case)",
             )
         md = build_metadata(schema)
         t = md.tables
