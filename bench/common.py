@@ -145,15 +145,15 @@ class Done:
 
 
 async def kit_burn_down(
-    rt: Any, args: argparse.Namespace, done: Done, *, receives_in_flight: int = 1
+    rt: Any, args: argparse.Namespace, done: Done, *, receives_in_flight: int | str | None = None
 ) -> float:
     """Run a kit ``Worker`` over an enqueued burn-down until ``done``, shaped by the burn-down options
     every kit contender shares (fast polls, claims of ``--batch``, ``--in-hand`` claimed at most);
-    returns the clock at its start. ``receives_in_flight`` is passed on only when it is not 1, so
-    the script runs against older code (PYTHONPATH) that does not know it."""
+    returns the clock at its start. ``receives_in_flight`` is the worker's own default when None, and
+    passed on only when given, so the script runs against older code (PYTHONPATH) that does not know it."""
     from queueing_core.worker import Worker
 
-    extra: dict[str, Any] = {} if receives_in_flight == 1 else {"receives_in_flight": receives_in_flight}
+    extra: dict[str, Any] = {} if receives_in_flight is None else {"receives_in_flight": receives_in_flight}
     worker = Worker(
         rt,
         poll_min=0.01,

@@ -10,10 +10,15 @@ N pre-enqueued no-op jobs, and one in-process worker with the same shape:
               cross-worker limit in SQL, a different thing, so it stays 0)
   procrastin. concurrency=10: ten slots, each fetching one job when free (it has no batch knob)
 - The same connection budget for every contender (--connections, default 3, LISTEN included):
-  kit (durable claims)   LISTEN + a pool of budget-1 (no overflow); claims wait for the WAL flush
+  kit (durable claims)   LISTEN + a pool of budget-1 (no overflow); claims wait for the WAL flush; the
+                         kit's defaults otherwise (QUEUEING_RECEIVES_IN_FLIGHT=auto: alone on the
+                         server, the worker tries a second claim in flight and keeps it if it pays)
+  kit (one claim)        as durable, with QUEUEING_RECEIVES_IN_FLIGHT=1: one claim at a time (the
+                         default before `auto`)
   kit (settle with c.)   as durable, with QUEUEING_SETTLE_WITH_CLAIMS=true: a claim and the settlements
                          waiting for it in one transaction
   kit (relaxed claims)   LISTEN + a claims pool of 1 (synchronous_commit=off) + a pool of budget-2
+                         (auto claims in flight, as the default)
   kit (two claims)       as durable, with QUEUEING_RECEIVES_IN_FLIGHT=2: a second claim in flight while
                          the first is on its way (same budget: two claims and a settlement share it)
   kit (relaxed two c.)   as relaxed, with QUEUEING_RECEIVES_IN_FLIGHT=2
@@ -127,7 +132,7 @@ async def kit_burn(
     provider: SqlProvider,
     messages: int,
     *,
-    receives: int = 1,
+    receives: int | str | None = None,
     counters: pg_counters.Window | None = None,
 ) -> Burn:
     """Enqueue ``messages`` no-ops through ``provider`` (its schema may already hold rows), then time
@@ -164,7 +169,9 @@ async def kit_burn(
     return Burn(messages, elapsed, startup, "", counters.per_message(messages))
 
 
-async def kit(args: Options, *, durable: bool, combined: bool = False, receives: int = 1) -> Burn:
+async def kit(
+    args: Options, *, durable: bool, combined: bool = False, receives: int | str | None = None
+) -> Burn:
     with common.throwaway_schema(args.url, "bench_kit") as schema:
         provider = kit_provider(args, schema, durable=durable, combined=combined)
         burn = await kit_burn(args, provider, args.messages, receives=receives, counters=window(args, schema))
@@ -443,6 +450,7 @@ async def run(args: Options) -> None:
         ("kit (durable claims)", lambda: kit(args, durable=True)),
         ("kit (settle with claims)", lambda: kit(args, durable=True, combined=True)),
         ("kit (relaxed claims)", lambda: kit(args, durable=False)),
+        ("kit (one claim)", lambda: kit(args, durable=True, receives=1)),
         ("kit (two claims)", lambda: kit(args, durable=True, receives=2)),
         ("kit (relaxed two claims)", lambda: kit(args, durable=False, receives=2)),
         ("pgqueuer (psycopg)", lambda: pgqueuer(args, "psycopg")),

@@ -5,11 +5,11 @@ bench/sql_burndown.py's shape: 10 handlers, claims of 10, 20 in hand, durable cl
 with LISTEN), waits until all of them are connected, then tells them to start together. The clock runs
 from that moment until the trigger-kept counters say N rows are Succeeded (polled every 10 ms).
 Runs are interleaved (1, 2, 4, then rotated) and medians reported, with the load average. With
-``--receives 1,2`` each process count runs once with one claim in flight per worker and once with two
-(``QUEUEING_RECEIVES_IN_FLIGHT``), interleaved too.
+``--receives 1,2,auto`` each process count runs once with one claim in flight per worker, once with two
+and once deciding as it runs (``QUEUEING_RECEIVES_IN_FLIGHT``: 1, 2, auto), interleaved too.
 
 Usage: .venv/bin/python bench/sql_scaleout.py [--quick] [--messages 20000] [--rounds 3] [--procs 1,2,4]
-           [--receives 1,2]
+           [--receives 1,2,auto]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ async def worker_process(args: ScaleOptions) -> None:
         poll_max=0.1,
         prefetch=args.in_hand // args.concurrency,
         batch_size=args.batch,
-        receives_in_flight=int(args.receives),
+        receives_in_flight="auto" if args.receives == "auto" else int(args.receives),
     )
     loop = asyncio.get_running_loop()
     print("ready", flush=True)
@@ -74,7 +74,7 @@ def succeeded(conn: psycopg.Connection[tuple[object, ...]], schema: str) -> int:
     return int(row[0]) if row else 0
 
 
-async def run(args: ScaleOptions, procs: int, receives: int = 1) -> float:
+async def run(args: ScaleOptions, procs: int, receives: str = "auto") -> float:
     with common.throwaway_schema(args.url, "bench_scale") as schema:
         app = QueueingApp("bench")
         app.message(Noop)
@@ -87,7 +87,7 @@ async def run(args: ScaleOptions, procs: int, receives: int = 1) -> float:
         cmd = [sys.executable, __file__, "--role", "worker", "--schema", schema, "--url", args.url]
         cmd += ["--connections", str(args.connections), "--batch", str(args.batch)]
         cmd += ["--concurrency", str(args.concurrency), "--in-hand", str(args.in_hand)]
-        cmd += ["--receives", str(receives)]
+        cmd += ["--receives", receives]
         children = [
             await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
@@ -134,7 +134,9 @@ async def main() -> None:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--role", default="main", help=argparse.SUPPRESS)
     p.add_argument("--schema", default="", help=argparse.SUPPRESS)
-    p.add_argument("--receives", default="1", help="claims in flight per worker, comma-separated (1,2)")
+    p.add_argument(
+        "--receives", default="auto", help="claims in flight per worker, comma-separated (1, 2 or auto)"
+    )
     args = p.parse_args(namespace=ScaleOptions())
     logging.basicConfig(level=logging.WARNING)
     if args.role == "worker":
@@ -144,11 +146,11 @@ async def main() -> None:
         args.messages, args.rounds = 2_000, 1
     common.header("SQL scale-out: 1, 2, 4 worker processes on one PostgreSQL (kit, durable claims)", args)
     counts = [int(x) for x in args.procs.split(",")]
-    receives = [int(x) for x in args.receives.split(",")]
+    receives = [x.strip() for x in args.receives.split(",")]
 
-    def name(n: int, r: int) -> str:
+    def name(n: int, r: str) -> str:
         procs = f"{n} process{'es' if n > 1 else ''}"
-        return procs if len(receives) == 1 else f"{procs}, {r} claim{'s' if r > 1 else ''} in flight"
+        return procs if len(receives) == 1 else f"{procs}, {r} claim{'' if r == '1' else 's'} in flight"
 
     results = await common.interleaved(
         args.rounds,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -128,15 +128,14 @@ class QueueingSettings(BaseSettings):
         le=1000,
         description="Messages a worker holds per handler slot (`max_concurrency` x this are leased at once).",
     )
-    receives_in_flight: int = Field(
-        default=1,
-        ge=1,
-        le=2,
-        description="Receives (claims) a worker keeps in flight per queue. `2`: while claims come back "
-        "full, a second claim starts while the first is on its way, for the slots left free (SQL only; "
-        "other transports and ordered queues keep one). Measured on PostgreSQL with durable claims: faster "
-        "on a loaded machine, not on a calm one (the claims' commits wait for the same WAL flushes), "
-        "slower on SQLite; so it stays `1`.",
+    receives_in_flight: Annotated[int, Field(ge=1, le=2)] | Literal["auto"] = Field(
+        default="auto",
+        description="Receives (claims) a worker keeps in flight per queue. `auto` (SQL on PostgreSQL): "
+        "while a queue's claims come back full and no other worker holds a lease in the database, the "
+        "worker tries a second claim while the first is on its way and keeps it while it claims more "
+        "messages a second (tried again every 30 s); otherwise one. `2`: a second claim whenever claims "
+        "come back full (SQL only; other transports and ordered queues keep one). `1`: one claim at a "
+        "time. On SQLite, whose one writer runs claims one after the other, `auto` is one claim.",
     )
     cancel_poll: float = Field(
         default=1.0,

@@ -210,6 +210,15 @@ class SettlesWithClaims(Protocol):
 
 
 @runtime_checkable
+class KnowsClaimers(Protocol):
+    """A provider that can tell whether this worker is the only one holding leases on its server (the
+    SQL provider on PostgreSQL): a worker with ``receives_in_flight="auto"`` keeps a second claim in
+    flight only then (see ``queueing_core.overlap``)."""
+
+    async def sole_claimer(self) -> bool: ...
+
+
+@runtime_checkable
 class OwnsLeases(Protocol):
     """A provider that claims under an owner id of its own (the SQL provider's ``locked_by``): a worker
     on it takes that id, so the worker id in the logs is the lease owner in the database."""

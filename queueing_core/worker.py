@@ -1,9 +1,10 @@
 """The long-running host: one consumer loop per subscribed queue.
 
 - Receives only what it can run: ``max_concurrency x prefetch`` per type, never more.
-- Receives ahead where asked (``receives_in_flight=2``, and a provider whose receives may overlap):
-  while claims come back full, a second claim runs while the first is on its way; slots a claim in
-  flight may fill count as taken, so the cap above holds.
+- Receives ahead (a provider whose receives may overlap): while claims come back full, a second claim
+  runs while the first is on its way, always with ``receives_in_flight=2``, and with ``"auto"`` (the
+  default) while this worker is the only one holding leases and the second claim pays
+  (:mod:`queueing_core.overlap`); slots a claim in flight may fill count as taken, so the cap above holds.
 - Polls adaptively: straight again while batches come back full, a short pause after a
   partial batch, doubling up to ``poll_max`` while idle; a provider with push wake-ups (NOTIFY,
   in-memory) cuts the sleep short when work arrives.
@@ -26,22 +27,25 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import random
 import signal
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from .app import Subscription
 from .clock import Clock, utcnow
 from .control import ControlState, circuit
 from .decisions import Release
+from .overlap import GATE_EVERY, Overlap
 from .runtime import HistoryAhead, Runtime, default_worker_id
 from .transport import (
     Delivery,
     HasBackgroundTasks,
+    KnowsClaimers,
     Maintains,
     OwnsLeases,
     Provider,
@@ -123,6 +127,15 @@ def lease_owner(runtime: Runtime, worker_id: str | None) -> str:
             )
         return provider.worker_id
     return worker_id or default_worker_id()
+
+
+def _measure(overlap: Overlap, got: int, want: int) -> None:
+    """A claim came back with ``got`` of the ``want`` rows it asked for: full, it counts in ``overlap``'s
+    trial; short, the queue is drained and a trial under way ends."""
+    if got >= want:
+        overlap.returned(got)
+    else:
+        overlap.drained()
 
 
 def _released(delivery: Delivery) -> Settlement:
@@ -431,7 +444,7 @@ class Worker:
         pause_poll: float = 1.0,
         batch_size: int = 100,
         prefetch: int = 1,
-        receives_in_flight: int = 1,
+        receives_in_flight: int | Literal["auto"] = "auto",
         settle_batch: int = 200,
         settle_linger: float = 0.002,
         settle_hold: float = 0.02,
@@ -449,8 +462,13 @@ class Worker:
         self.batch_size = batch_size
         self.prefetch = max(1, prefetch)
         #: receives per queue at once: 2 lets a second claim run while the first is on its way (where
-        #: the provider's receives may overlap), so two round trips' waits overlap while the queue is full
-        self.receives_in_flight = min(2, max(1, receives_in_flight))
+        #: the provider's receives may overlap), so two round trips' waits overlap while the queue is full;
+        #: ``"auto"``: 1 or 2, decided per queue as it runs (see :mod:`queueing_core.overlap`)
+        self.receives_in_flight: int | Literal["auto"] = (
+            "auto" if receives_in_flight == "auto" else min(2, max(1, receives_in_flight))
+        )
+        #: the provider's last answer to "is this worker the only one holding leases?", and when
+        self._sole: tuple[float, bool] | None = None
         self.cancel_poll = cancel_poll
         self.settler = Settler(
             runtime, batch=settle_batch, linger=settle_linger, hold=settle_hold, on_settled=self._settled
@@ -520,7 +538,7 @@ class Worker:
             self._maintainer = asyncio.create_task(
                 self._maintain_loop(self.runtime.provider), name="queueing-maintain"
             )
-        if self.receives_in_flight > 1 and _combined(self.runtime.provider):
+        if self.receives_in_flight == 2 and _combined(self.runtime.provider):
             # (one claim at a time carries the settler's buffer: the second claim asked for never runs)
             log.warning(
                 "receives_in_flight=%d has no effect: the provider settles with its claims, one claim at "
@@ -704,18 +722,41 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
+    @property
+    def _most_claims(self) -> int:
+        """The most claims a queue may have in flight (``"auto"`` decides between 1 and this)."""
+        return 2 if self.receives_in_flight == "auto" else self.receives_in_flight
+
     def _overlaps(self, sub: Subscription, combined: bool) -> bool:
         """May a second receive for ``sub`` start while one is in flight? Only where it is asked for and
         the provider's receives may run side by side, never for an ordered queue (two claims at once
         could each take a head of the line), nor while claims carry settlements (``combined``: one
         claim takes the settler's buffer at a time)."""
         return (
-            self.receives_in_flight > 1
+            self._most_claims > 1
             and self.runtime.provider.capabilities.overlapping_receives
             and sub.handler is not None
             and not sub.options.ordered
             and not combined
         )
+
+    async def _sole_claimer(self) -> bool:
+        """Whether no other worker holds a lease in the provider's database (False where the provider
+        cannot tell, or the question fails: then one claim at a time, as without ``"auto"``). One
+        answer serves every queue of this worker for :data:`~queueing_core.overlap.GATE_EVERY`."""
+        provider = self.runtime.provider
+        if not isinstance(provider, KnowsClaimers):
+            return False
+        now = time.monotonic()
+        if self._sole is not None and now - self._sole[0] < GATE_EVERY:
+            return self._sole[1]
+        try:
+            sole = await provider.sole_claimer()
+        except Exception as exc:
+            log.debug("could not tell whether other workers claim (%s): one claim at a time", exc)
+            sole = False
+        self._sole = (time.monotonic(), sole)
+        return sole
 
     async def _receive(self, sub: Subscription, want: int, combined: bool) -> list[Delivery]:
         if combined:
@@ -785,6 +826,7 @@ class Worker:
         state: _SubState,
         claims: dict[asyncio.Task[list[Delivery]], int],
         came_back: list[tuple[int, int] | BaseException],
+        overlap: Overlap | None,
         task: asyncio.Task[list[Delivery]],
     ) -> None:
         """A claim in flight returned (its task's done-callback): its slots stop being reserved and its
@@ -801,6 +843,8 @@ class Worker:
             came_back.append(exc)
             return
         batch = task.result()
+        if overlap is not None:
+            _measure(overlap, len(batch), want)
         if self._left_behind:
             return  # the stop went on without this claim: its rows come back when their leases lapse
         try:
@@ -828,6 +872,9 @@ class Worker:
         # the last claim came back full: the queue has more, so a second claim may overlap the first
         # (an empty or partial one means the queue is drained: one poller, with its backoff)
         full = False
+        # ``receives_in_flight="auto"``: whether a second claim may start, decided as the queue runs
+        overlap = Overlap() if self.receives_in_flight == "auto" else None
+        gate_at = -math.inf  # when to ask again whether this worker is the only one claiming
         try:
             while not self._stopping.is_set():
                 # re-read: a handler registered after start-up takes over its waiting backlog
@@ -836,7 +883,13 @@ class Worker:
                 taken = state.in_flight + sum(claims.values())
                 free = capacity - taken
                 combined = _combined(provider) and sub.handler is not None
-                ahead = full and self._overlaps(sub, combined)
+                limit = self._most_claims
+                if overlap is not None:
+                    if full and self._overlaps(sub, combined) and time.monotonic() >= gate_at:
+                        gate_at = time.monotonic() + GATE_EVERY
+                        overlap.alone(await self._sole_claimer())
+                    limit = overlap.limit()
+                ahead = full and limit > 1 and self._overlaps(sub, combined)
                 # refill when half the slots are free (or all are): full pages, fewer receive round trips
                 short = free <= 0 or (taken > 0 and free < min(self.batch_size, max(1, capacity // 2)))
                 if came_back:
@@ -855,7 +908,7 @@ class Worker:
                     elif delay > 0 and not claims:
                         await self._until_stopping(provider.wait_for_work(sub, delay), delay + 1.0)
                     continue
-                if claims and (short or not ahead or len(claims) >= self.receives_in_flight):
+                if claims and (short or not ahead or len(claims) >= limit):
                     await self._claim_done_or_slot_freed(state, claims)
                     continue
                 if short:
@@ -897,7 +950,7 @@ class Worker:
                         task.add_done_callback(self._claims.discard)
                         claims[task] = want
                         task.add_done_callback(
-                            functools.partial(self._claim_returned, sub, state, claims, came_back)
+                            functools.partial(self._claim_returned, sub, state, claims, came_back, overlap)
                         )
                         continue
                     # awaited in this loop, not in a task of its own (a task would start it a turn of
@@ -910,6 +963,8 @@ class Worker:
                         batch = await self._receive(sub, want, combined)
                     finally:
                         state.claiming = False
+                    if overlap is not None:
+                        _measure(overlap, len(batch), want)
                 except Exception as exc:
                     full = False
                     await self._until_stopping(asyncio.sleep(self._receive_failed(sub, backoff, exc)), None)

@@ -409,6 +409,16 @@ class SqlProvider:
                 await self.notify_statements(conn, {r["queue"] for r in rows})
 
     # -- consuming ---------------------------------------------------------------------------------
+    async def sole_claimer(self) -> bool:
+        """No other worker holds a lease in this database: a worker with ``receives_in_flight="auto"``
+        may then keep a second claim in flight (``queueing_core.overlap``). Never on SQLite, whose one
+        writer runs two claims one after the other: a second claim there only costs."""
+        if self.backend != "postgresql":
+            return False
+        await self.ensure_open()
+        async with self.auto.connect() as conn:
+            return not (await conn.execute(self.statements.other_claimer)).scalar_one()
+
     async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
         await self.ensure_open()
         await self._read_database_clock()  # once a minute, also on a host that runs no upkeep

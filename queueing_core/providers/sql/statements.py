@@ -277,6 +277,9 @@ class Statements:
         }
 
         self.renew = sa.update(m).where(owned_many).values(locked_until=P("until")).returning(m.c.id)
+        # another worker holds a lease (any queue): on the lease sweeper's index, whose predicate this
+        # repeats; it stops at the first such row, and otherwise reads this worker's own leased rows only
+        self.other_claimer = sa.select(sa.exists().where(sa.text(LEASED_SQL), m.c.locked_by != worker_id))
         self.notify = notify_statement(P("channel", type_=sa.Text()), P("queue", type_=sa.Text()))
 
         # PostgreSQL enqueue: the whole batch as arrays in one statement, with its wake-ups

@@ -1,0 +1,141 @@
+"""``receives_in_flight="auto"`` (the default) on SQLite and PostgreSQL: a lone worker on PostgreSQL tries
+a second claim while its queue is full, and loses nothing by it; a worker that finds another worker's
+lease in the database, and any worker on SQLite, keeps one claim at a time; and the provider's answer
+to "am I the only one holding leases?" is read from the database's rows, by lease owner."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core.runtime import Runtime
+from queueing_core.worker import Worker
+from tests.contract.harness import wait_until
+
+from .history_rows import fill
+from .test_sql_history_plan import nodes
+from .test_worker_receives_in_flight import Claims, statuses
+
+TOTAL = 600  # enough full claims of 10 for a trial's first window and the start of its second
+
+
+@queue("auto_claims", lease_duration=timedelta(seconds=60))
+class Job(QueueMessage):
+    n: int
+
+
+@queue("elsewhere", lease_duration=timedelta(seconds=60))
+class Other(QueueMessage):
+    n: int
+
+
+def jobs_app(ran: Counter[int]) -> QueueingApp:
+    app = QueueingApp("auto-claims")
+
+    @app.handler(max_concurrency=10)
+    async def handle(msg: Job) -> None:
+        ran[msg.n] += 1
+
+    return app
+
+
+def other_app() -> QueueingApp:
+    """Another worker's app, on another queue of the same database."""
+    app = QueueingApp("auto-claims-other")
+
+    @app.handler()
+    async def handle(msg: Other) -> None:
+        return None
+
+    return app
+
+
+async def burn_down(
+    sql_db: Any, *, other_worker_holds_a_lease: bool = False
+) -> tuple[Claims, Counter[int], Any]:
+    """TOTAL jobs run by one default worker (``receives_in_flight`` left as it comes); what its claims
+    did, what ran, and the provider."""
+    ran: Counter[int] = Counter()
+    app = jobs_app(ran)
+    prov = sql_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    if other_worker_holds_a_lease:
+        # another worker's claim, of another queue, held for the whole run
+        theirs = other_app()
+        other = sql_db.provider(worker_id="another-worker")
+        await Runtime(theirs, other).open()
+        await theirs.enqueue(Other(n=1))
+        assert len(await other.receive(theirs.subscription("Other"), 1)) == 1
+    await app.enqueue_many([Job(n=i) for i in range(TOTAL)])
+    worker = Worker(rt, poll_min=0.01, poll_max=0.1, prefetch=2, batch_size=10, schedules=False)
+    assert worker.receives_in_flight == "auto"  # the default
+    claims = Claims(prov, worker)
+    await worker.start()
+    try:
+        await wait_until(lambda: len(ran) == TOTAL, what="every job to run", timeout=60)
+    finally:
+        await worker.shutdown()
+    return claims, ran, prov
+
+
+async def test_a_lone_worker_on_postgresql_tries_a_second_claim_and_loses_nothing(sql_db):
+    claims, ran, prov = await burn_down(sql_db)
+    assert set(ran.values()) == {1}  # each job once
+    assert (await statuses(prov))["Succeeded"] == TOTAL
+    assert claims.most_taken <= 20  # never more claimed than the slots, two claims or one
+    # PostgreSQL: alone, a trial runs a window of two claims while the queue is full. SQLite: one writer,
+    # which runs two claims one after the other: never two
+    assert claims.most_active == (2 if sql_db.backend == "postgresql" else 1)
+
+
+async def test_another_workers_lease_keeps_one_claim_at_a_time(sql_db):
+    claims, ran, prov = await burn_down(sql_db, other_worker_holds_a_lease=True)
+    assert set(ran.values()) == {1}
+    assert (await statuses(prov))["Succeeded"] == TOTAL
+    assert claims.most_active == 1
+
+
+async def test_the_provider_tells_its_own_leases_from_another_workers(sql_db):
+    if sql_db.backend != "postgresql":
+        prov = sql_db.provider()
+        await prov.open(jobs_app(Counter()))
+        assert await prov.sole_claimer() is False  # (SQLite: never a second claim)
+        return
+    app = jobs_app(Counter())
+    mine, theirs = sql_db.provider(worker_id="me"), sql_db.provider(worker_id="them")
+    await Runtime(app, mine).open()
+    await theirs.open(app)
+    assert await mine.sole_claimer() is True  # nothing leased
+    await app.enqueue_many([Job(n=i) for i in range(3)])
+    got = await mine.receive(app.subscription("Job"), 2)
+    assert len(got) == 2
+    assert await mine.sole_claimer() is True  # only its own leases
+    assert len(await theirs.receive(app.subscription("Job"), 1)) == 1
+    assert await mine.sole_claimer() is False  # another worker holds one
+    assert await theirs.sole_claimer() is False
+
+
+async def test_the_question_reads_the_lease_index_not_the_history(pg_db):
+    """Asked every second by every backlogged worker: under 100,000 rows of history it reads the lease
+    sweeper's partial index, never the table."""
+    prov = pg_db.provider(listen=False)
+    await prov.open(jobs_app(Counter()))
+    await fill(prov, ("auto_claims",))
+    async with prov.engine.connect() as conn:
+        compiled = prov.statements.other_claimer.compile(dialect=conn.dialect)
+        raw = (await conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {compiled}", compiled.params)).scalar_one()
+    plan: dict[str, Any] = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
+    used = [n for n in nodes(plan) if n.get("Relation Name") == prov.tables.messages.name]
+    assert used, json.dumps(plan, indent=1)
+    assert {n.get("Index Name") for n in used} == {"ix_queueing_messages_leased"}, json.dumps(plan, indent=1)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_worker_logs(caplog):
+    caplog.set_level("WARNING", logger="queueing")
