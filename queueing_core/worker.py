@@ -758,6 +758,13 @@ class Worker:
         self._sole = (time.monotonic(), sole)
         return sole
 
+    async def _sole_claimer_within(self, seconds: float) -> bool:
+        """:meth:`_sole_claimer`, given up (False: one claim) after ``seconds`` or at a stop: a slow
+        answer must hold neither the consumer's next claim nor the stop."""
+        asked = asyncio.ensure_future(self._sole_claimer())
+        await self._until_stopping(asked, seconds)
+        return asked.done() and not asked.cancelled() and asked.result()
+
     async def _receive(self, sub: Subscription, want: int, combined: bool) -> list[Delivery]:
         if combined:
             return await self.settler.claim_with(sub, want)
@@ -883,12 +890,19 @@ class Worker:
                 taken = state.in_flight + sum(claims.values())
                 free = capacity - taken
                 combined = _combined(provider) and sub.handler is not None
-                limit = self._most_claims
-                if overlap is not None:
-                    if full and self._overlaps(sub, combined) and time.monotonic() >= gate_at:
-                        gate_at = time.monotonic() + GATE_EVERY
-                        overlap.alone(await self._sole_claimer())
-                    limit = overlap.limit()
+                if (
+                    overlap is not None
+                    and full
+                    and self._overlaps(sub, combined)
+                    and time.monotonic() >= gate_at
+                ):
+                    overlap.alone(await self._sole_claimer_within(GATE_EVERY))
+                    gate_at = time.monotonic() + GATE_EVERY  # (from the answer: a slow one is no loop)
+                    # looked at again from the top: what was counted above is stale once anything was
+                    # awaited (a handler that finished meanwhile set the slot event, which a wait for
+                    # a free slot would clear and then wait on for ever)
+                    continue
+                limit = self._most_claims if overlap is None else overlap.limit()
                 ahead = full and limit > 1 and self._overlaps(sub, combined)
                 # refill when half the slots are free (or all are): full pages, fewer receive round trips
                 short = free <= 0 or (taken > 0 and free < min(self.batch_size, max(1, capacity // 2)))

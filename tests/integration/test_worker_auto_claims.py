@@ -5,7 +5,9 @@ to "am I the only one holding leases?" is read from the database's rows, by leas
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections import Counter
 from datetime import timedelta
 from typing import Any
@@ -119,6 +121,52 @@ async def test_the_provider_tells_its_own_leases_from_another_workers(sql_db):
     assert len(await theirs.receive(app.subscription("Job"), 1)) == 1
     assert await mine.sole_claimer() is False  # another worker holds one
     assert await theirs.sole_claimer() is False
+
+
+async def unanswered(sql_db: Any) -> tuple[Worker, Claims, Counter[int], dict[str, int]]:
+    """A worker over TOTAL jobs whose provider never answers whether it is the only one claiming;
+    what ran, and how many times it was asked (``asked["n"]``)."""
+    ran: Counter[int] = Counter()
+    app = jobs_app(ran)
+    prov = sql_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    asked = {"n": 0}
+
+    async def never_answers() -> bool:
+        asked["n"] += 1
+        await asyncio.Event().wait()
+        return True
+
+    prov.sole_claimer = never_answers  # type: ignore[method-assign]
+    await app.enqueue_many([Job(n=i) for i in range(TOTAL)])
+    worker = Worker(rt, poll_min=0.01, poll_max=0.1, prefetch=2, batch_size=10, schedules=False)
+    return worker, Claims(prov, worker), ran, asked
+
+
+async def test_an_unanswered_question_does_not_hold_the_claims(sql_db):
+    """Asked between claims and unanswered, the consumer claims on (one at a time) after a second."""
+    worker, claims, ran, asked = await unanswered(sql_db)
+    await worker.start()
+    try:
+        await wait_until(lambda: len(ran) == TOTAL, what="every job, the question unanswered")
+    finally:
+        await worker.shutdown()
+    assert asked["n"] >= 1
+    assert claims.most_active == 1
+
+
+async def test_a_stop_does_not_wait_for_the_answer(sql_db):
+    worker, _, _, asked = await unanswered(sql_db)
+    await worker.start()
+    try:
+        await wait_until(lambda: asked["n"] >= 1, what="the question")
+    finally:
+        started = time.monotonic()
+        await worker.shutdown()
+        stopped_in = time.monotonic() - started
+    # (waiting for the answer it would give up on, the stop would take most of a second)
+    assert stopped_in < 0.8, stopped_in
 
 
 async def test_the_question_reads_the_lease_index_not_the_history(pg_db):
