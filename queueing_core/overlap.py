@@ -8,18 +8,21 @@ durable claims: 1.2 to 1.4 times the messages a second). It does not pay, and co
   each only adds work on the cores it shares with them (4 workers on 2 cores: 0.85-0.88 of one claim
   each). Each worker would see its own rate rise at the others' expense, so no worker can judge this
   by its own rate; what it can see is other workers' leases in the database (the provider's
-  ``sole_claimer``, asked every :data:`GATE_EVERY` seconds while a queue is full);
+  ``sole_claimer``, asked in the background every :data:`GATE_EVERY` seconds while a queue is full;
+  an answer older than :data:`STALE` counts as "not alone"). For the same reason a worker tries two
+  claims only for its one backlogged queue: two of its own queues would each judge by their own rate;
 - **the server runs one claim's commit after the other's** (a disk whose flushes are slow and do not
   merge): the two claims together move no more rows than one (on such machines two claims were slower
   in 5 of 9 pairs). Only the rate tells; a claim's round trip does not (measured: it doubles with two
   claims where they pay too, since it includes the wait for the worker's own busy event loop).
 
-So, per queue and while its claims come back full: one claim at a time unless this worker is the only
-one holding leases; alone, a trial of :data:`PAIRS` pairs of windows, one claim in flight then two,
-each of :data:`WINDOW` claims (after :data:`SETTLE` claims that straddle the change), compares the
-rows claimed a second; two claims are kept if they claimed at least :data:`BETTER` times as many,
-for :data:`HOLD` seconds, after which the trial runs again. A short claim (the queue drained) ends a
-trial unfinished: the next full queue starts it again.
+So, per queue and while its claims come back full: one claim at a time unless this worker is alone;
+alone, a trial of :data:`PAIRS` pairs of windows, one claim in flight then two, each of :data:`WINDOW`
+claims (after :data:`SETTLE` claims that straddle the change), compares the rows claimed a second; two
+claims are kept if they claimed at least :data:`BETTER` times as many, for :data:`HOLD` seconds, after
+which the trial runs again. A short claim (the queue drained) ends a trial unfinished: the next full
+queue starts it again. Where a second claim can never fit beside the first (a capacity under about
+twice the claim size: the defaults' batch of 100 on a few handlers), nothing is asked or tried.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import math
 import time
 from collections.abc import Callable
 
-#: full claims a trial's window counts (about a tenth of a second at a few thousand messages a second)
+#: full claims a trial's window counts (claims of 10 at a few thousand messages a second: about a tenth
+#: of a second; claims of 100: about a second)
 WINDOW = 20
 #: claims that come back after a window's change of mode and before it counts (the previous mode's)
 SETTLE = 2
@@ -42,6 +46,9 @@ HOLD = 30.0
 #: all its queues); a worker that took itself for alone when others started with it learns otherwise
 #: within this, and goes back to one claim at once
 GATE_EVERY = 1.0
+#: an answer older than this (the question unanswered since: a slow or silent database) counts as "not
+#: alone": one claim
+STALE = 3 * GATE_EVERY
 
 
 class Overlap:
@@ -108,9 +115,12 @@ class Overlap:
         self._trial_start()
 
     def alone(self, sole: bool) -> None:
-        """What the database said: whether this worker is the only one holding leases. Another worker
-        appearing ends a trial under way and any second claim at once."""
+        """Whether this worker may try a second claim now (the only one holding leases, this its one
+        backlogged queue). Not alone ends a trial under way and a choice of two claims at once; a choice
+        of one stands its time (a worker seen now and then, or a slow answer, must not restart trials
+        of two claims where they were found not to pay)."""
         if self.sole and not sole:
             self._trial_start()
-            self.chosen, self.chosen_until = 1, -math.inf
+            if self.chosen == 2:
+                self.chosen_until = -math.inf
         self.sole = sole

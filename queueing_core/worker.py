@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import random
 import signal
 import time
@@ -40,7 +39,7 @@ from .app import Subscription
 from .clock import Clock, utcnow
 from .control import ControlState, circuit
 from .decisions import Release
-from .overlap import GATE_EVERY, Overlap
+from .overlap import GATE_EVERY, STALE, Overlap
 from .runtime import HistoryAhead, Runtime, default_worker_id
 from .transport import (
     Delivery,
@@ -469,6 +468,10 @@ class Worker:
         )
         #: the provider's last answer to "is this worker the only one holding leases?", and when
         self._sole: tuple[float, bool] | None = None
+        #: that question on its way (asked in the background: a consumer never waits for the answer)
+        self._asking: asyncio.Task[None] | None = None
+        #: the queues whose last claims came back full (``"auto"``: a second claim only while one is)
+        self._backlogged: set[str] = set()
         self.cancel_poll = cancel_poll
         self.settler = Settler(
             runtime, batch=settle_batch, linger=settle_linger, hold=settle_hold, on_settled=self._settled
@@ -630,6 +633,11 @@ class Worker:
         """End the background tasks (renewals, cancellation watch, maintenance, schedules) and close
         the runtime if this worker opened it."""
         helpers = [t for t in (self._renewer, self._canceller, self._maintainer, *self._background) if t]
+        if self._asking is not None and not self._asking.done():
+            # (cancelled, not awaited: a database that stopped answering holds a cancelled query for
+            # seconds, and the answer no longer matters)
+            self._asking.cancel()
+            self._asking.add_done_callback(_ignored)
         for task in helpers:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
@@ -740,30 +748,39 @@ class Worker:
             and not combined
         )
 
-    async def _sole_claimer(self) -> bool:
-        """Whether no other worker holds a lease in the provider's database (False where the provider
-        cannot tell, or the question fails: then one claim at a time, as without ``"auto"``). One
-        answer serves every queue of this worker for :data:`~queueing_core.overlap.GATE_EVERY`."""
+    def _alone(self, sub: Subscription) -> bool:
+        """For ``"auto"``: whether this worker may try a second claim for ``sub`` now. Only while ``sub``
+        is its one backlogged queue (two queues' trials would each judge by their own rate, at the
+        other's expense) and the provider's answer, at most :data:`STALE` seconds old, says no other
+        worker holds a lease. Asks again in the background when the answer is due; never waits."""
+        if self._backlogged - {sub.type_name}:
+            return False
         provider = self.runtime.provider
         if not isinstance(provider, KnowsClaimers):
             return False
         now = time.monotonic()
-        if self._sole is not None and now - self._sole[0] < GATE_EVERY:
-            return self._sole[1]
+        if (self._sole is None or now - self._sole[0] >= GATE_EVERY) and (
+            self._asking is None or self._asking.done()
+        ):
+            self._asking = asyncio.create_task(self._ask_alone(provider), name="queueing-alone")
+        return self._sole is not None and self._sole[1] and now - self._sole[0] < STALE
+
+    async def _ask_alone(self, provider: KnowsClaimers) -> None:
         try:
             sole = await provider.sole_claimer()
         except Exception as exc:
-            log.debug("could not tell whether other workers claim (%s): one claim at a time", exc)
+            if self._sole is None or self._sole[1]:  # (once per failing spell)
+                log.warning("could not tell whether other workers claim (%s): one claim at a time", exc)
             sole = False
         self._sole = (time.monotonic(), sole)
-        return sole
 
-    async def _sole_claimer_within(self, seconds: float) -> bool:
-        """:meth:`_sole_claimer`, given up (False: one claim) after ``seconds`` or at a stop: a slow
-        answer must hold neither the consumer's next claim nor the stop."""
-        asked = asyncio.ensure_future(self._sole_claimer())
-        await self._until_stopping(asked, seconds)
-        return asked.done() and not asked.cancelled() and asked.result()
+    def _two_fit(self, sub: Subscription) -> bool:
+        """Whether a second claim can ever start beside a first for ``sub``: the slots left by a full first
+        claim must reach the refill threshold (see ``short`` in :meth:`_consume`). Where they cannot,
+        ``"auto"`` asks nothing and tries nothing (the defaults: batch 100 on a capacity of a few)."""
+        capacity = sub.options.max_concurrency * self.prefetch
+        first = min(capacity, self.batch_size)
+        return capacity - first >= min(self.batch_size, max(1, capacity // 2))
 
     async def _receive(self, sub: Subscription, want: int, combined: bool) -> list[Delivery]:
         if combined:
@@ -850,8 +867,6 @@ class Worker:
             came_back.append(exc)
             return
         batch = task.result()
-        if overlap is not None:
-            _measure(overlap, len(batch), want)
         if self._left_behind:
             return  # the stop went on without this claim: its rows come back when their leases lapse
         try:
@@ -864,6 +879,8 @@ class Worker:
             came_back.append(error)  # their leases lapse and the sweep gives them back
             return
         came_back.append((len(batch), want))
+        if overlap is not None:
+            _measure(overlap, len(batch), want)
 
     async def _consume(self, sub: Subscription) -> None:
         provider = self.runtime.provider
@@ -881,7 +898,6 @@ class Worker:
         full = False
         # ``receives_in_flight="auto"``: whether a second claim may start, decided as the queue runs
         overlap = Overlap() if self.receives_in_flight == "auto" else None
-        gate_at = -math.inf  # when to ask again whether this worker is the only one claiming
         try:
             while not self._stopping.is_set():
                 # re-read: a handler registered after start-up takes over its waiting backlog
@@ -890,18 +906,9 @@ class Worker:
                 taken = state.in_flight + sum(claims.values())
                 free = capacity - taken
                 combined = _combined(provider) and sub.handler is not None
-                if (
-                    overlap is not None
-                    and full
-                    and self._overlaps(sub, combined)
-                    and time.monotonic() >= gate_at
-                ):
-                    overlap.alone(await self._sole_claimer_within(GATE_EVERY))
-                    gate_at = time.monotonic() + GATE_EVERY  # (from the answer: a slow one is no loop)
-                    # looked at again from the top: what was counted above is stale once anything was
-                    # awaited (a handler that finished meanwhile set the slot event, which a wait for
-                    # a free slot would clear and then wait on for ever)
-                    continue
+                (self._backlogged.add if full else self._backlogged.discard)(sub.type_name)
+                if overlap is not None and full and self._overlaps(sub, combined) and self._two_fit(sub):
+                    overlap.alone(self._alone(sub))  # (nothing awaited: what was counted above holds)
                 limit = self._most_claims if overlap is None else overlap.limit()
                 ahead = full and limit > 1 and self._overlaps(sub, combined)
                 # refill when half the slots are free (or all are): full pages, fewer receive round trips
@@ -977,8 +984,7 @@ class Worker:
                         batch = await self._receive(sub, want, combined)
                     finally:
                         state.claiming = False
-                    if overlap is not None:
-                        _measure(overlap, len(batch), want)
+
                 except Exception as exc:
                     full = False
                     await self._until_stopping(asyncio.sleep(self._receive_failed(sub, backoff, exc)), None)
@@ -991,6 +997,8 @@ class Worker:
                     self._give_back(sub, state, batch)  # (it came back after the stop's deadline)
                     break
                 self._dispatch(sub, state, batch)
+                if overlap is not None:
+                    _measure(overlap, len(batch), want)
                 full = len(batch) >= want
                 delay = backoff.after(len(batch), want)
                 if delay > 0:

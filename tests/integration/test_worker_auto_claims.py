@@ -123,6 +123,90 @@ async def test_the_provider_tells_its_own_leases_from_another_workers(sql_db):
     assert await theirs.sole_claimer() is False
 
 
+@queue("auto_claims_too", lease_duration=timedelta(seconds=60))
+class Job2(QueueMessage):
+    n: int
+
+
+class PerQueue:
+    """Claims in flight at once, per queue, and the questions asked of the provider."""
+
+    def __init__(self, prov: Any) -> None:
+        self.active: Counter[str] = Counter()
+        self.most: Counter[str] = Counter()
+        self.asked = 0
+        receive, ask = prov.receive, prov.sole_claimer
+
+        async def counted_receive(sub: Any, n: int) -> Any:
+            self.active[sub.queue] += 1
+            self.most[sub.queue] = max(self.most[sub.queue], self.active[sub.queue])
+            try:
+                return await receive(sub, n)
+            finally:
+                self.active[sub.queue] -= 1
+
+        async def counted_ask() -> bool:
+            self.asked += 1
+            return bool(await ask())
+
+        prov.receive = counted_receive
+        prov.sole_claimer = counted_ask
+
+
+async def test_two_backlogged_queues_of_one_worker_keep_one_claim_each(pg_db):
+    """Each queue's trial would judge by its own rate, at the other's expense: with two of its queues
+    full, a lone worker claims one at a time on each."""
+    ran: Counter[str] = Counter()
+    app = QueueingApp("auto-claims-two")
+
+    @app.handler(max_concurrency=10)
+    async def one(msg: Job) -> None:
+        ran["one"] += 1
+
+    @app.handler(max_concurrency=10)
+    async def two(msg: Job2) -> None:
+        ran["two"] += 1
+
+    prov = pg_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    await app.enqueue_many([Job(n=i) for i in range(TOTAL)])
+    await app.enqueue_many([Job2(n=i) for i in range(TOTAL)])
+    seen = PerQueue(prov)
+    worker = Worker(rt, poll_min=0.01, poll_max=0.1, prefetch=2, batch_size=10, schedules=False)
+    await worker.start()
+    try:
+        await wait_until(lambda: ran["one"] == ran["two"] == TOTAL, what="both queues to run")
+    finally:
+        await worker.shutdown()
+    assert seen.most == {"auto_claims": 1, "auto_claims_too": 1}
+
+
+async def test_where_two_claims_cannot_fit_nothing_is_asked(pg_db):
+    """Claims of 10 for 4 slots: a second claim could never start beside a first, so ``"auto"`` neither
+    asks the database nor tries one."""
+    ran: Counter[int] = Counter()
+    app = QueueingApp("auto-claims-small")
+
+    @app.handler(max_concurrency=4)
+    async def handle(msg: Job) -> None:
+        ran[msg.n] += 1
+
+    prov = pg_db.provider()
+    rt = Runtime(app, prov)
+    await rt.open()
+    await app.enqueue_many([Job(n=i) for i in range(200)])
+    seen = PerQueue(prov)
+    worker = Worker(rt, poll_min=0.01, poll_max=0.1, batch_size=10, schedules=False)
+    await worker.start()
+    try:
+        await wait_until(lambda: len(ran) == 200, what="every job")
+    finally:
+        await worker.shutdown()
+    assert seen.asked == 0
+    assert seen.most["auto_claims"] == 1
+
+
 async def unanswered(sql_db: Any) -> tuple[Worker, Claims, Counter[int], dict[str, int]]:
     """A worker over TOTAL jobs whose provider never answers whether it is the only one claiming;
     what ran, and how many times it was asked (``asked["n"]``)."""

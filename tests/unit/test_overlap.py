@@ -118,3 +118,19 @@ def test_the_settling_claims_of_a_window_are_not_counted():
             o.returned(10)
     assert o.limit() == 1  # two claims slightly slower once the burst is left out
 
+
+
+def test_a_finding_of_one_claim_stands_through_a_moment_not_alone():
+    """A worker seen now and then (or a slow answer) ends a choice of two claims, not a finding that two
+    do not pay: that one stands its time, rather than trials of two claims starting again at once."""
+    clock = Clock()
+    o = Overlap(clock)
+    o.alone(True)
+    run_trial(o, clock, one=0.002, two=0.004)  # two claims slower
+    assert o.limit() == 1
+    o.alone(False)
+    o.alone(True)
+    limits = run_window(o, clock, 0.002) + run_window(o, clock, 0.002)
+    assert set(limits) == {1}  # no trial within the finding's time
+    clock.now += HOLD
+    assert run_trial(o, clock, one=0.004, two=0.002) == [1, 2] * PAIRS  # then tried again
