@@ -103,9 +103,9 @@ class Overlap:
         self._seen = 0
         if self._window < 2 * PAIRS:
             return
-        one = self._rows[1] / self._seconds[1] if self._seconds[1] > 0 else 0.0
-        two = self._rows[2] / self._seconds[2] if self._seconds[2] > 0 else 0.0
-        self.chosen = 2 if two >= BETTER * one else 1
+        timed = self._seconds[1] > 0 and self._seconds[2] > 0  # (no time measured: no evidence, one claim)
+        faster = timed and self._rows[2] / self._seconds[2] >= BETTER * self._rows[1] / self._seconds[1]
+        self.chosen = 2 if faster else 1
         self.chosen_until = now + HOLD
         self._trial_start()
 

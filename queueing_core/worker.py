@@ -984,7 +984,6 @@ class Worker:
                         batch = await self._receive(sub, want, combined)
                     finally:
                         state.claiming = False
-
                 except Exception as exc:
                     full = False
                     await self._until_stopping(asyncio.sleep(self._receive_failed(sub, backoff, exc)), None)

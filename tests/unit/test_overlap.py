@@ -134,3 +134,13 @@ def test_a_finding_of_one_claim_stands_through_a_moment_not_alone():
     assert set(limits) == {1}  # no trial within the finding's time
     clock.now += HOLD
     assert run_trial(o, clock, one=0.004, two=0.002) == [1, 2] * PAIRS  # then tried again
+
+
+def test_a_trial_that_measured_no_time_keeps_one_claim():
+    """Claims that all come back at one instant (a clock too coarse to tell them apart) are no
+    evidence that two claims pay."""
+    clock = Clock()
+    o = Overlap(clock)
+    o.alone(True)
+    run_trial(o, clock, one=0.0, two=0.0)
+    assert o.limit() == 1
