@@ -21,8 +21,8 @@ alone, a trial of :data:`PAIRS` pairs of windows, one claim in flight then two, 
 claims (after :data:`SETTLE` claims that straddle the change), compares the rows claimed a second; two
 claims are kept if they claimed at least :data:`BETTER` times as many, for :data:`HOLD` seconds, after
 which the trial runs again. A short claim (the queue drained) ends a trial unfinished: the next full
-queue starts it again. Where a second claim can never fit beside the first (a capacity under about
-twice the claim size: the defaults' batch of 100 on a few handlers), nothing is asked or tried.
+queue starts it again. Where a second claim can never start beside the first (a single slot), nothing
+is asked or tried.
 """
 
 from __future__ import annotations

@@ -133,8 +133,8 @@ class QueueingSettings(BaseSettings):
         description="Receives (claims) a worker keeps in flight per queue. `auto` (SQL on PostgreSQL): "
         "while a queue's claims come back full, it is the worker's only full queue and no other worker "
         "holds a lease in the database, the worker tries a second claim while the first is on its way and "
-        "keeps it while it claims more messages a second (tried again every 30 s); otherwise one (and one "
-        "wherever a second claim cannot fit: fewer than about twice the claim size in slots). `2`: a second "
+        "keeps it while it claims more messages a second (tried again every 30 s); otherwise one (always one "
+        "for a single slot). `2`: a second "
         "claim whenever claims come back full (SQL only; other transports and ordered queues keep one). "
         "`1`: one claim at a time. On SQLite, whose one writer runs claims one after the other, `auto` is "
         "one claim.",

@@ -128,6 +128,12 @@ def lease_owner(runtime: Runtime, worker_id: str | None) -> str:
     return worker_id or default_worker_id()
 
 
+def _refill_at(capacity: int, batch: int) -> int:
+    """Free slots at which a consumer with handlers running claims again: half its slots, or a full
+    batch if that is fewer (full pages, fewer receive round trips)."""
+    return min(batch, max(1, capacity // 2))
+
+
 def _measure(overlap: Overlap, got: int, want: int) -> None:
     """A claim came back with ``got`` of the ``want`` rows it asked for: full, it counts in ``overlap``'s
     trial; short, the queue is drained and a trial under way ends."""
@@ -470,6 +476,11 @@ class Worker:
         self._sole: tuple[float, bool] | None = None
         #: that question on its way (asked in the background: a consumer never waits for the answer)
         self._asking: asyncio.Task[None] | None = None
+        #: when that question was asked, and whether the last one failed (logged once per failing spell)
+        self._asked_at = 0.0
+        self._asking_failed = False
+        #: whether the provider can tell at all (looked up once: an ``isinstance`` on a protocol is slow)
+        self._knows_claimers: bool | None = None
         #: the queues whose last claims came back full (``"auto"``: a second claim only while one is)
         self._backlogged: set[str] = set()
         self.cancel_poll = cancel_poll
@@ -748,39 +759,56 @@ class Worker:
             and not combined
         )
 
-    def _alone(self, sub: Subscription) -> bool:
-        """For ``"auto"``: whether this worker may try a second claim for ``sub`` now. Only while ``sub``
-        is its one backlogged queue (two queues' trials would each judge by their own rate, at the
-        other's expense) and the provider's answer, at most :data:`STALE` seconds old, says no other
-        worker holds a lease. Asks again in the background when the answer is due; never waits."""
-        if self._backlogged - {sub.type_name}:
+    def _alone(self, sub: Subscription) -> bool | None:
+        """For ``"auto"``: whether this worker may try a second claim for ``sub`` now, or None when it
+        does not know yet (its last answer is out of date and the question was just asked again: the
+        queue's decision stays as it was, so a choice made before a quiet spell carries over to the
+        next burst). Not while another of its queues is backlogged (two queues' trials would each judge
+        by their own rate, at the other's expense); not while another worker holds a lease, by the
+        provider's last answer; not while a question has gone unanswered for :data:`STALE` seconds.
+        Asks again in the background when the answer is due; never waits."""
+        backlogged = self._backlogged
+        if len(backlogged) > 1 or (backlogged and sub.type_name not in backlogged):
             return False
         provider = self.runtime.provider
-        if not isinstance(provider, KnowsClaimers):
+        if self._knows_claimers is None:
+            self._knows_claimers = isinstance(provider, KnowsClaimers)
+        if not self._knows_claimers:
             return False
         now = time.monotonic()
-        if (self._sole is None or now - self._sole[0] >= GATE_EVERY) and (
-            self._asking is None or self._asking.done()
-        ):
-            self._asking = asyncio.create_task(self._ask_alone(provider), name="queueing-alone")
-        return self._sole is not None and self._sole[1] and now - self._sole[0] < STALE
+        asking = self._asking is not None and not self._asking.done()
+        if asking and now - self._asked_at >= STALE:
+            return False  # (a slow or silent database: one claim until it answers)
+        if not asking and (self._sole is None or now - self._sole[0] >= GATE_EVERY):
+            self._asked_at = now
+            self._asking = asyncio.create_task(
+                self._ask_alone(cast(KnowsClaimers, provider), now), name="queueing-alone"
+            )
+        if self._sole is not None and now - self._sole[0] < STALE:
+            return self._sole[1]
+        return None
 
-    async def _ask_alone(self, provider: KnowsClaimers) -> None:
+    async def _ask_alone(self, provider: KnowsClaimers, asked_at: float) -> None:
+        """The question, in the background; its answer dated when it was asked (a slow answer is as old
+        as the question)."""
         try:
             sole = await provider.sole_claimer()
         except Exception as exc:
-            if self._sole is None or self._sole[1]:  # (once per failing spell)
+            if not self._asking_failed:  # (once per failing spell)
                 log.warning("could not tell whether other workers claim (%s): one claim at a time", exc)
+            self._asking_failed = True
             sole = False
-        self._sole = (time.monotonic(), sole)
+        else:
+            self._asking_failed = False
+        self._sole = (asked_at, sole)
 
     def _two_fit(self, sub: Subscription) -> bool:
-        """Whether a second claim can ever start beside a first for ``sub``: the slots left by a full first
-        claim must reach the refill threshold (see ``short`` in :meth:`_consume`). Where they cannot,
-        ``"auto"`` asks nothing and tries nothing (the defaults: batch 100 on a capacity of a few)."""
-        capacity = sub.options.max_concurrency * self.prefetch
-        first = min(capacity, self.batch_size)
-        return capacity - first >= min(self.batch_size, max(1, capacity // 2))
+        """Whether a second claim can ever start beside a first for ``sub``: a claim starts once the free
+        slots reach the refill threshold (``short`` in :meth:`_consume`), so a second one can start
+        while the first is out only if the capacity holds twice that threshold (never for one slot).
+        Where it cannot, ``"auto"`` asks nothing and tries nothing."""
+        capacity = sub.options.max_concurrency * self.prefetch if sub.handler else 1
+        return capacity >= 2 * _refill_at(capacity, self.batch_size)
 
     async def _receive(self, sub: Subscription, want: int, combined: bool) -> list[Delivery]:
         if combined:
@@ -908,11 +936,13 @@ class Worker:
                 combined = _combined(provider) and sub.handler is not None
                 (self._backlogged.add if full else self._backlogged.discard)(sub.type_name)
                 if overlap is not None and full and self._overlaps(sub, combined) and self._two_fit(sub):
-                    overlap.alone(self._alone(sub))  # (nothing awaited: what was counted above holds)
+                    alone = self._alone(sub)  # (nothing awaited: what was counted above holds)
+                    if alone is not None:
+                        overlap.alone(alone)
                 limit = self._most_claims if overlap is None else overlap.limit()
                 ahead = full and limit > 1 and self._overlaps(sub, combined)
                 # refill when half the slots are free (or all are): full pages, fewer receive round trips
-                short = free <= 0 or (taken > 0 and free < min(self.batch_size, max(1, capacity // 2)))
+                short = free <= 0 or (taken > 0 and free < _refill_at(capacity, self.batch_size))
                 if came_back:
                     outcomes = came_back.copy()
                     came_back.clear()
@@ -1023,6 +1053,9 @@ class Worker:
                     await asyncio.wait(running)
                 running = {t for t in running if not t.done()}
             raise
+        finally:
+            # (a queue that is no longer consumed holds no other queue to one claim)
+            self._backlogged.discard(sub.type_name)
         for outcome in came_back:
             if isinstance(outcome, BaseException):
                 log.warning(

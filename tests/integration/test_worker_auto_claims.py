@@ -183,12 +183,12 @@ async def test_two_backlogged_queues_of_one_worker_keep_one_claim_each(pg_db):
 
 
 async def test_where_two_claims_cannot_fit_nothing_is_asked(pg_db):
-    """Claims of 10 for 4 slots: a second claim could never start beside a first, so ``"auto"`` neither
-    asks the database nor tries one."""
+    """One slot: a second claim could never start beside a first, so ``"auto"`` neither asks the
+    database nor tries one."""
     ran: Counter[int] = Counter()
     app = QueueingApp("auto-claims-small")
 
-    @app.handler(max_concurrency=4)
+    @app.handler(max_concurrency=1)
     async def handle(msg: Job) -> None:
         ran[msg.n] += 1
 
