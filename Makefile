@@ -68,6 +68,19 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# pytest exits 5 when a selection collects nothing (e.g. `make test PYTEST_ARGS="-k nothing"`): not a failure
+# The tests run in TEST_JOBS processes (pytest-xdist; 3 on 2 cores: most of a test's time is waiting on a
+# service or a subprocess), then the `disruptive` ones, which stop or restart the shared PostgreSQL or
+# RabbitMQ, alone after them (DISRUPTIVE=0 leaves them out). MARKS narrows both by marker (`MARKS=slow`;
+# a -m in PYTEST_ARGS would replace a phase's own selection). pytest exits 5 when a selection collects
+# nothing (e.g. `make test PYTEST_ARGS="-k nothing"`, or a part with no disruptive test): not a failure
+TEST_JOBS ?= 3
+DISRUPTIVE ?= 1
+MARKS ?=
+AND_MARKS = $(if $(MARKS), and ($(MARKS)))
 test: lint docs $(NODE) $(CHECKOV) $(CHROMIUM)
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	$(BIN)/python -m pytest -n $(TEST_JOBS) -m "not disruptive$(AND_MARKS)" $(PYTEST_ARGS); \
+	rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; \
+	if [ "$(DISRUPTIVE)" != 0 ]; then \
+		$(BIN)/python -m pytest -m "disruptive$(AND_MARKS)" $(PYTEST_ARGS); \
+		rc2=$$?; if [ $$rc2 -ne 0 ] && [ $$rc2 -ne 5 ] && [ $$rc -eq 0 ]; then rc=$$rc2; fi; \
+	fi; exit $$rc
