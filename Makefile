@@ -70,7 +70,8 @@ docs: $(STAMP)
 
 # The tests run in TEST_JOBS processes (pytest-xdist; 3 on 2 cores: most of a test's time is waiting on a
 # service or a subprocess), then the `disruptive` ones, which stop or restart the shared PostgreSQL or
-# RabbitMQ, alone after them (DISRUPTIVE=0 leaves them out). MARKS narrows both by marker (`MARKS=slow`;
+# RabbitMQ, alone after them (DISRUPTIVE=0 leaves them out; TEST_JOBS=0 runs the first phase in pytest's
+# own process, for -s or --pdb). MARKS narrows both by marker (`MARKS=slow`;
 # a -m in PYTEST_ARGS would replace a phase's own selection). pytest exits 5 when a selection collects
 # nothing (e.g. `make test PYTEST_ARGS="-k nothing"`, or a part with no disruptive test): not a failure
 TEST_JOBS ?= 3
