@@ -807,8 +807,13 @@ class Worker:
         slots reach the refill threshold (``short`` in :meth:`_consume`), so a second one can start
         while the first is out only if the capacity holds twice that threshold (never for one slot).
         Where it cannot, ``"auto"`` asks nothing and tries nothing."""
-        capacity = sub.options.max_concurrency * self.prefetch if sub.handler else 1
+        capacity = self._capacity(sub)
         return capacity >= 2 * _refill_at(capacity, self.batch_size)
+
+    def _capacity(self, sub: Subscription) -> int:
+        """The messages ``sub``'s consumer may hold at once, running or claimed: its handler slots times
+        the prefetch; one while it has no handler (claimed only to be marked waiting)."""
+        return sub.options.max_concurrency * self.prefetch if sub.handler else 1
 
     async def _receive(self, sub: Subscription, want: int, combined: bool) -> list[Delivery]:
         if combined:
@@ -930,7 +935,7 @@ class Worker:
             while not self._stopping.is_set():
                 # re-read: a handler registered after start-up takes over its waiting backlog
                 sub = self.runtime.pipeline.subscription(sub.type_name) or sub
-                capacity = sub.options.max_concurrency * self.prefetch if sub.handler else 1
+                capacity = self._capacity(sub)
                 taken = state.in_flight + sum(claims.values())
                 free = capacity - taken
                 combined = _combined(provider) and sub.handler is not None
