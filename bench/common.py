@@ -241,11 +241,50 @@ def header(title: str, args: argparse.Namespace) -> None:
     )
     print(f"   load average at start: {load()} on {os.cpu_count()} cores (read ratios, not absolutes)")
     print(f"   queueing_core: {kit_source()}")
+    print(f"   event loop: {running_loop()} (every contender of the run on it)")
     print(f"   options: {vars(args)}")
+
+
+def running_loop() -> str:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return "none (a synchronous benchmark)"
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+#: ``--loop``: the event loop a benchmark's process runs on, for every contender in it alike: asyncio's own
+#: (what the results are measured on), or uvloop (pgqueuer's own runner's choice; a dependency of
+#: pgqueuer, so installed with the bench extra). See "Tried, not landed: uvloop" in RESULTS.md
+LOOPS = ("asyncio", "uvloop")
+
+
+def run(main: Callable[[], Awaitable[T]]) -> T:
+    """``asyncio.run(main())`` on the loop ``--loop`` names (read here, before ``main`` parses the rest)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--loop", choices=LOOPS, default="asyncio")
+    factory = asyncio.new_event_loop
+    if pre.parse_known_args()[0].loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+
+    async def go() -> T:
+        return await main()
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(go())
 
 
 def base_parser(description: str, *, rounds: int | None, postgres: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
+    p.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default="asyncio",
+        help="the event loop, for every contender alike: asyncio's own (the results' loop), or uvloop "
+        "(pgqueuer's runner's)",
+    )
     if postgres:
         p.add_argument("--url", default=DEFAULT_PG_URL, help="PostgreSQL URL (env BENCH_PG_URL)")
     if rounds is not None:

@@ -206,4 +206,4 @@ def verdict(value: float, target: float) -> str:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    common.run(main)

@@ -491,4 +491,4 @@ async def run(args: Options) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    common.run(main)

@@ -24,7 +24,6 @@ Usage: .venv/bin/python bench/sql_history.py [--quick] [--history 1000000] [--me
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from datetime import timedelta
@@ -285,4 +284,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    common.run(main)

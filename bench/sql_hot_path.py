@@ -16,7 +16,6 @@ Usage: .venv/bin/python bench/sql_hot_path.py [--messages 10000] [--batch 10] [-
 from __future__ import annotations
 
 import argparse
-import asyncio
 import tempfile
 import time
 from datetime import timedelta
@@ -101,4 +100,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    common.run(main)

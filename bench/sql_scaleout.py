@@ -87,7 +87,7 @@ async def run(args: ScaleOptions, procs: int, receives: str = "auto") -> float:
         cmd = [sys.executable, __file__, "--role", "worker", "--schema", schema, "--url", args.url]
         cmd += ["--connections", str(args.connections), "--batch", str(args.batch)]
         cmd += ["--concurrency", str(args.concurrency), "--in-hand", str(args.in_hand)]
-        cmd += ["--receives", receives]
+        cmd += ["--receives", receives, "--loop", args.loop]
         children = [
             await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
@@ -169,4 +169,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    common.run(main)

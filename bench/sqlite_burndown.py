@@ -34,7 +34,6 @@ Usage: .venv/bin/python bench/sqlite_burndown.py [--quick] [--messages 20000] [-
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import inspect
 import logging
@@ -281,4 +280,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    common.run(main)

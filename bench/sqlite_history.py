@@ -21,7 +21,6 @@ Usage: .venv/bin/python bench/sqlite_history.py [--quick] [--history 1000000] [-
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sqlite3
 import tempfile
@@ -186,4 +185,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    common.run(main)
