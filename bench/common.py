@@ -13,7 +13,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,7 +259,7 @@ def running_loop() -> str:
 LOOPS = ("asyncio", "uvloop")
 
 
-def run(main: Callable[[], Awaitable[T]]) -> T:
+def run(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """``asyncio.run(main())`` on the loop ``--loop`` names (read here, before ``main`` parses the rest)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--loop", choices=LOOPS, default="asyncio")
@@ -269,11 +269,8 @@ def run(main: Callable[[], Awaitable[T]]) -> T:
 
         factory = uvloop.new_event_loop
 
-    async def go() -> T:
-        return await main()
-
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(go())
+        return runner.run(main())
 
 
 def base_parser(description: str, *, rounds: int | None, postgres: bool = True) -> argparse.ArgumentParser:
