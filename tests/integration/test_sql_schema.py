@@ -12,6 +12,7 @@ import textwrap
 import time
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -22,6 +23,7 @@ from queueing_core.envelope import Envelope
 from queueing_core.naming import Transport
 from queueing_core.providers.delayed.store import channel_for as delayed_channel
 from queueing_core.providers.sql import SqlProvider
+from queueing_core.providers.sql import schema as schema_module
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.providers.sql.provider import channel_for
 from queueing_core.runtime import Runtime
@@ -132,22 +134,35 @@ async def test_a_63_character_schema_enqueues_and_wakes_a_waiting_worker():
 
 
 def _to_v9(sync: sa.Connection, provider: SqlProvider) -> None:
-    """Make the database what version 9 left: no awaited column, no trigger, no identities table."""
+    """Make the database what version 9 left: no awaited column, no wake-up of result waiters in the
+    triggers (version 10's row trigger, or the counts trigger's since version 14), no identities table."""
     m, t = provider.tables.messages, provider.tables
     if sync.dialect.name == "postgresql":
-        sync.exec_driver_sql(f"DROP TRIGGER queueing_notify_done ON {m.fullname}")
         schema = t.metadata.schema
-        sync.exec_driver_sql(f"DROP FUNCTION {schema + '.' if schema else ''}queueing_notify_done()")
+        sync.exec_driver_sql(f"DROP TRIGGER IF EXISTS queueing_notify_done ON {m.fullname}")
+        sync.exec_driver_sql(
+            f"DROP FUNCTION IF EXISTS {schema + '.' if schema else ''}queueing_notify_done()"
+        )
+        sync.exec_driver_sql(schema_module._count_function_sql(t, "UPDATE"))  # version 2's, as it was
     sync.exec_driver_sql(f"ALTER TABLE {m.fullname} DROP COLUMN awaited")
     sync.exec_driver_sql(f"DROP TABLE {t.identities.fullname}")
-    sync.execute(sa.delete(t.schema_versions).where(t.schema_versions.c.version == 10))
+    sync.execute(sa.delete(t.schema_versions).where(t.schema_versions.c.version.in_([10, 14])))
+
+
+def _triggers(sync: sa.Connection, table: sa.Table) -> set[str]:
+    found = sync.execute(
+        sa.text("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal AND tgrelid = CAST(:t AS regclass)"),
+        {"t": f'"{table.schema}".{table.name}'},
+    )
+    return set(found.scalars())
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
 async def test_migration_10_upgrades_a_version_9_database_with_messages_in_it(backend, tmp_path):
     """A database at version 9 with a waiting message: migration 10 adds the awaited column (false on
-    the existing row), the identities table and, on PostgreSQL, the trigger that tells result waiters;
-    the message still runs and an awaited result is woken by that trigger."""
+    the existing row) and the identities table, and on PostgreSQL migration 14 has the counts trigger
+    tell result waiters (no row trigger left); the message still runs and an awaited result is woken
+    by that trigger."""
     schema = f"qv9_{uuid.uuid4().hex[:10]}" if backend == "postgresql" else None
     if backend == "postgresql":
         require("PostgreSQL", "127.0.0.1", 5432)
@@ -182,33 +197,21 @@ async def test_migration_10_upgrades_a_version_9_database_with_messages_in_it(ba
                 await conn.execute(sa.select(m.c.awaited).where(m.c.message_id == sent.message_id))
             ).scalar()
             versions = set((await conn.execute(sa.select(new.tables.schema_versions.c.version))).scalars())
-            triggers = (
-                set(
-                    (
-                        await conn.execute(
-                            sa.text(
-                                "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal "
-                                "AND tgrelid = CAST(:t AS regclass)"
-                            ),
-                            {"t": f'"{schema}".{m.name}'},
-                        )
-                    ).scalars()
-                )
-                if backend == "postgresql"
-                else set()
-            )
+            triggers = await conn.run_sync(_triggers, m) if backend == "postgresql" else set()
         assert "awaited" in cols
         assert awaited is False
         assert identities
-        assert 10 in versions
+        assert {10, 14} <= versions
         if backend == "postgresql":
-            assert "queueing_notify_done" in triggers
+            # waiters are woken by the counts trigger (version 14), not by version 10's row trigger
+            assert "queueing_notify_done" not in triggers
+            assert "queueing_count_update" in triggers
             await asyncio.wait_for(new._listener.connected.wait(), 30)
         poll = 600 if backend == "postgresql" else None
         waiter = asyncio.ensure_future(app.result(sent.tracking_id, timeout=120, poll=poll))
         await asyncio.sleep(0.3)
         await run_until_idle(rt)
-        await asyncio.wait_for(waiter, 60)  # poll=600 on PostgreSQL: the new trigger's NOTIFY woke it
+        await asyncio.wait_for(waiter, 60)  # poll=600 on PostgreSQL: the counts trigger's NOTIFY woke it
         assert done == [9]
         await rt.close()
     finally:
@@ -288,4 +291,90 @@ async def test_a_migration_meeting_a_long_transaction_retries_and_never_holds_up
                 await migrating
         await old.close()
         await new.close()
+        await drop_schema(schema)
+
+
+async def test_the_counts_trigger_tells_result_waiters_once_per_final_status_of_an_awaited_row():
+    """The NOTIFY that wakes result waiters (sent by the UPDATE statements' counts trigger since
+    migration 14): one for each awaited row that reaches a final status, in any statement that changes
+    several rows; none for a row nobody waits for, none for an awaited row that is not final, none when
+    an already final row is changed again (archived), and the counts stay exact throughout."""
+    import psycopg
+    from psycopg import sql
+
+    from queueing_core.providers.sql.schema import DONE_PREFIX
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    schema = f"qdn_{uuid.uuid4().hex[:10]}"
+    provider = SqlProvider(POSTGRES_URL, schema=schema, listen=False)
+    app = QueueingApp("done")
+    app.handler(Ping)(lambda msg: None)
+    rt = Runtime(app, provider)
+    await rt.open()
+    conninfo = sa.make_url(POSTGRES_URL).set(drivername="postgresql").render_as_string(hide_password=False)
+    try:
+        a, b, c = [await app.enqueue(Ping(n=n)) for n in range(3)]
+        m = sql.Identifier(schema, "queueing_messages")
+        channel = provider.done_channel
+        with (
+            psycopg.connect(conninfo, autocommit=True) as listener,
+            psycopg.connect(conninfo, autocommit=True) as writer,
+        ):
+            listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+            def step(statement: sql.Composable, marker: str) -> list[str]:
+                """Run ``statement``, then read what the channel carried up to a marker sent after it
+                (notifications arrive in commit order)."""
+                writer.execute(statement, {"a": a.message_id, "b": b.message_id, "c": c.message_id})
+                writer.execute("SELECT pg_notify(%s, %s)", (channel, marker))
+                heard: list[str] = []
+                for note in listener.notifies(timeout=30):
+                    if note.payload == marker:
+                        return heard
+                    heard.append(note.payload)
+                raise AssertionError(f"the marker {marker!r} never came; heard {heard}")
+
+            def done(*sent: Any) -> list[str]:
+                return sorted(f"{DONE_PREFIX}{e.message_id}" for e in sent)
+
+            # flagged as awaited: a change, but nothing final
+            flag = sql.SQL("UPDATE {} SET awaited = true WHERE message_id IN (%(a)s, %(c)s)").format(m)
+            assert step(flag, "flagged") == []
+            # one statement: a (awaited) and b (not) succeed, c (awaited) fails for a retry
+            settle = sql.SQL(
+                "UPDATE {} SET status = CASE WHEN message_id = %(c)s THEN 'Failed' ELSE 'Succeeded' END "
+                "WHERE message_id IN (%(a)s, %(b)s, %(c)s)"
+            ).format(m)
+            assert sorted(step(settle, "settled")) == done(a)
+            # a final row changed again: no second NOTIFY
+            archive = sql.SQL("UPDATE {} SET archived = true WHERE message_id = %(a)s").format(m)
+            assert step(archive, "archived") == []
+            # c reaches its final status later, in a statement of its own
+            dead = sql.SQL("UPDATE {} SET status = 'DeadLettered' WHERE message_id = %(c)s").format(m)
+            assert step(dead, "dead") == done(c)
+            counts = writer.execute(
+                sql.SQL(
+                    "SELECT status, archived, sum(n) FROM {} GROUP BY status, archived HAVING sum(n) <> 0"
+                ).format(sql.Identifier(schema, "queueing_counts"))
+            ).fetchall()
+            truth = writer.execute(
+                sql.SQL("SELECT status, archived, count(*) FROM {} GROUP BY status, archived").format(m)
+            ).fetchall()
+            assert sorted(counts) == sorted(truth)
+            assert sorted(truth) == [
+                ("DeadLettered", False, 1),
+                ("Succeeded", False, 1),
+                ("Succeeded", True, 1),
+            ]
+            triggers = {
+                r[0]
+                for r in writer.execute(
+                    "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal AND tgrelid = %s::regclass",
+                    (f'"{schema}".queueing_messages',),
+                )
+            }
+            # statement-level triggers only: no row trigger's fixed cost on every UPDATE statement
+            assert triggers == {"queueing_count_insert", "queueing_count_update", "queueing_count_delete"}
+    finally:
+        await rt.close()
         await drop_schema(schema)

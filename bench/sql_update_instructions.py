@@ -1,0 +1,246 @@
+"""The PostgreSQL server's instructions per message for the kit's two row updates (claim, success),
+counted by valgrind: a figure the machine's load does not move, for one part of the schema at a time.
+
+Rates on this two-core shared machine move by ±25 % between runs, more than most single changes to the
+schema are worth; instructions do not. So this runs PostgreSQL's own backend in single-user mode
+(``postgres --single``: no postmaster, no client, no network) under ``valgrind --tool=callgrind`` on a
+private cluster it makes with ``initdb`` in a temporary directory (the shared server is not touched):
+
+1. the kit's schema at its latest migration, made by the kit itself (``SqlProvider``) on that cluster
+   while it runs on a free port, and ``--rows`` Pending messages in one queue;
+2. for each variant, a fresh copy of the stopped cluster, the variant's statements, then ``--batches``
+   pairs of statements shaped as the kit's hot path changes a row: a claim (10 rows Pending → Leased,
+   with their lock, lease token and times) and a success (the same rows Leased → Succeeded);
+3. the instructions of the whole run, less those of a run with no updates at all (start-up, the
+   variant's own statements), per message.
+
+The updates are two prepared statements of this script's (``PREPARE``/``EXECUTE``, as the kit prepares
+its own), not the kit's claim: they write what the kit's claim and settlement write (the row, each
+index entry, the triggers) without the claim's search. Each run is one transaction per statement, as
+autocommit is; the WAL is written but not flushed (``fsync=off``: the flush is a wait, not
+instructions).
+
+Variants are diagnostics, never configurations: taking an index or a trigger away breaks what it serves.
+
+Usage: .venv/bin/python bench/sql_update_instructions.py [--rows 20000] [--batches 150] [--only base,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import common
+
+from queueing_core import QueueingApp
+from queueing_core.providers.sql import SqlProvider
+from queueing_core.providers.sql.schema import Tables, _count_function_sql
+from queueing_core.runtime import Runtime
+
+M = "queueing_messages"
+TABLES = Tables.build()
+
+#: variant -> statements run on the copy before the updates
+VARIANTS: dict[str, list[str]] = {
+    "base": [],
+    "no count trigger on UPDATE": [f"DROP TRIGGER queueing_count_update ON {M}"],
+    "count trigger doing nothing": [
+        "CREATE OR REPLACE FUNCTION queueing_count_changes_update() RETURNS trigger LANGUAGE plpgsql "
+        "AS $$ BEGIN RETURN NULL; END $$"
+    ],
+    # result waiters' NOTIFY: since migration 14 in the UPDATE counts trigger (base); taken out of it, and
+    # as it was before (migration 10's row trigger beside migration 2's counts trigger)
+    "no done notice": [_count_function_sql(TABLES, "UPDATE")],
+    "done as a row trigger (before 14)": [
+        _count_function_sql(TABLES, "UPDATE"),
+        "CREATE FUNCTION queueing_notify_done() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "PERFORM pg_notify('bench', NEW.message_id::text); RETURN NULL; END $$",
+        f"CREATE TRIGGER queueing_notify_done AFTER UPDATE ON {M} FOR EACH ROW WHEN (NEW.awaited AND "
+        "NEW.status IN ('Cancelled', 'Expired', 'Succeeded', 'DeadLettered') AND "
+        "OLD.status IS DISTINCT FROM NEW.status) EXECUTE FUNCTION queueing_notify_done()",
+    ],
+    "no ix_created": ["DROP INDEX ix_queueing_messages_created"],
+    "no ix_tracking": ["DROP INDEX ix_queueing_messages_tracking"],
+    "no unique message_id": [f"ALTER TABLE {M} DROP CONSTRAINT queueing_messages_message_id_key"],
+    "no ix_status and ix_queue_status": [
+        "DROP INDEX ix_queueing_messages_status",
+        "DROP INDEX ix_queueing_messages_queue_status",
+    ],
+}
+
+#: prepared, as the kit's hot path prepares its statements (the server plans each once, not per call)
+PREPARE = [
+    f"PREPARE claim(bigint, bigint) AS UPDATE {M} SET status = 'Leased', locked_by = 'bench-worker', "
+    "locked_until = now() + interval '30 seconds', lease_token = lease_token + 1, updated_at = now() "
+    "WHERE id BETWEEN $1 AND $2",
+    f"PREPARE success(bigint, bigint) AS UPDATE {M} SET status = 'Succeeded', attempt = attempt + 1, "
+    "locked_by = NULL, locked_until = NULL, updated_at = now(), settled_at = now() "
+    "WHERE id BETWEEN $1 AND $2",
+]
+
+
+class Options(argparse.Namespace):
+    rows: int
+    batches: int
+    batch: int
+    only: str
+    jobs: int
+
+
+def bindir() -> Path:
+    out = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, check=False)
+    found = Path(out.stdout.strip()) if out.returncode == 0 else None
+    if found is None or not (found / "initdb").exists():
+        candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin"))
+        if not candidates:
+            raise SystemExit("no PostgreSQL server binaries (initdb, postgres) on this machine")
+        found = candidates[-1]
+    return found
+
+
+def as_server_user(argv: Sequence[str]) -> list[str]:
+    """PostgreSQL's binaries refuse to run as root: as the ``postgres`` user then."""
+    return ["runuser", "-u", "postgres", "--", *argv] if os.geteuid() == 0 else list(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def make_template(pg: Path, data: Path, rows: int) -> None:
+    """initdb, the kit's schema made by the kit, ``rows`` Pending messages; the cluster left stopped."""
+    subprocess.run(
+        as_server_user([str(pg / "initdb"), "-D", str(data), "-A", "trust"]), check=True, capture_output=True
+    )
+    port = free_port()
+    opts = f"-p {port} -k {data} -c listen_addresses=127.0.0.1 -c fsync=off -c autovacuum=off"
+    ctl = [str(pg / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(data / "log"), "-w"]
+    subprocess.run(as_server_user([*ctl, "start"]), check=True, capture_output=True)
+    try:
+        url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        rt = Runtime(QueueingApp("bench"), SqlProvider(url))
+        await rt.open()
+        await rt.close()
+        import psycopg
+
+        with psycopg.connect(common.libpq_conninfo(url), autocommit=True) as conn:
+            # the kit's own enqueue would do as well; rows straight in keep the template quick
+            conn.execute(
+                f"INSERT INTO {M} (message_id, tracking_id, queue, type, status, attempt, created_at, "
+                "updated_at, available_at, headers, body) SELECT gen_random_uuid(), gen_random_uuid(), "
+                "'bench', 'Noop', 'Pending', 0, now(), now(), now(), '{}', jsonb_build_object('n', i) "
+                "FROM generate_series(1, %s) AS i",
+                (rows,),
+            )
+            conn.execute("VACUUM ANALYZE")
+    finally:
+        subprocess.run(as_server_user([*ctl, "stop"]), check=True, capture_output=True)
+
+
+def script(variant: str, batches: int, batch: int) -> str:
+    lines = [*VARIANTS[variant], *PREPARE]
+    for k in range(batches):
+        a, b = k * batch + 1, (k + 1) * batch
+        lines += [f"EXECUTE claim({a}, {b})", f"EXECUTE success({a}, {b})"]
+    return statements(lines)
+
+
+def statements(lines: Sequence[str]) -> str:
+    """``lines`` as single-user mode reads them with ``-j``: each ends with a semicolon and a blank line
+    (a function's body may span lines)."""
+    return "".join(f"{line};\n\n" for line in lines)
+
+
+def instructions(pg: Path, template: Path, work: Path, name: str, text: str) -> int:
+    data = work / f"data_{re.sub(r'[^a-z0-9]+', '_', name.lower())}"
+    shutil.copytree(template, data, symlinks=True)
+    if os.geteuid() == 0:
+        subprocess.run(["chown", "-R", "postgres", str(data)], check=True)
+    out = work / f"{data.name}.callgrind"
+    argv = [
+        "valgrind",
+        "--tool=callgrind",
+        f"--callgrind-out-file={out}",
+        str(pg / "postgres"),
+        "--single",
+        "-j",
+        "-D",
+        str(data),
+        "-c",
+        "fsync=off",
+        "-c",
+        "autovacuum=off",
+        "postgres",
+    ]
+    done = subprocess.run(as_server_user(argv), input=text, capture_output=True, text=True, check=False)
+    if "ERROR" in done.stdout or "ERROR" in done.stderr:
+        errors = [line for line in (done.stdout + done.stderr).splitlines() if "ERROR" in line]
+        raise SystemExit(f"{name}: {errors[:3]}")
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if found is None:
+        raise SystemExit(f"{name}: no instruction count from valgrind:\n{done.stderr[-2000:]}")
+    shutil.rmtree(data, ignore_errors=True)
+    return int(found.group(1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--rows", type=int, default=20_000)
+    p.add_argument("--batches", type=int, default=150)
+    p.add_argument("--batch", type=int, default=10, help="rows a statement changes (a claim's size)")
+    p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    p.add_argument("--jobs", type=int, default=2, help="valgrind runs at once")
+    args = p.parse_args(namespace=Options())
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed")
+    names = [v.strip() for v in args.only.split(",")] if args.only else list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"no such variant: {unknown} (the variants: {', '.join(VARIANTS)})")
+    if "base" not in names:
+        names.insert(0, "base")
+    messages = args.batches * args.batch
+    if messages > args.rows:
+        raise SystemExit("--batches of --batch rows must fit in --rows")
+    pg = bindir()
+    print(f"== PostgreSQL instructions per message of a claim and a success ({pg})")
+    shape = f"{args.batches} batches of {args.batch} ({messages:,} messages)"
+    print(f"   {args.rows:,} rows, {shape}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_pg_instr_") as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o777)  # the server's own user writes here
+        template = work / "template"
+        asyncio.run(make_template(pg, template, args.rows))
+        # each variant's own statements with no updates: what start-up and the variant itself cost
+        runs = {f"{n} (no updates)": statements([*VARIANTS[n], *PREPARE]) for n in names}
+        runs |= {n: script(n, args.batches, args.batch) for n in names}
+        with ThreadPoolExecutor(args.jobs) as pool:
+            counted = dict(
+                zip(
+                    runs,
+                    pool.map(lambda kv: instructions(pg, template, work, *kv), runs.items()),
+                    strict=True,
+                )
+            )
+    per = {n: (counted[n] - counted[f"{n} (no updates)"]) / messages for n in names}
+    rows = [
+        [n, f"{per[n]:,.0f}", f"{per[n] - per['base']:+,.0f}", f"{per[n] / per['base'] - 1:+.1%}"]
+        for n in names
+    ]
+    common.print_table(["variant", "instructions/msg", "vs base", "%"], rows)
+
+
+if __name__ == "__main__":
+    main()
