@@ -27,6 +27,7 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from queueing_core import QueueingApp
+from queueing_core.providers.sql.schema import Tables, _count_function_sql
 from queueing_core.runtime import Runtime
 
 #: variant -> statements run on the freshly enqueued schema ({m}: the messages table, {s}: the schema)
@@ -61,18 +62,7 @@ VARIANTS: dict[str, list[str]] = {
         "SELECT queue, status, archived, -1 AS d FROM old_rows) AS changes "
         "GROUP BY queue, status, archived HAVING sum(d) <> 0; RETURN NULL; END $$",
     ],
-    # result waiters' NOTIFY taken out of the UPDATE counts trigger (migration 14 put it there)
-    "no_done_notice": [
-        "CREATE OR REPLACE FUNCTION {s}.queueing_count_changes_update() RETURNS trigger "
-        "LANGUAGE plpgsql AS $$ BEGIN "
-        "INSERT INTO {s}.queueing_counts (queue, status, archived, shard, n) "
-        "SELECT queue, status, archived, mod(pg_backend_pid(), 16), sum(d) FROM ("
-        "SELECT queue, status, archived, 1 AS d FROM new_rows UNION ALL "
-        "SELECT queue, status, archived, -1 AS d FROM old_rows) AS changes "
-        "GROUP BY queue, status, archived HAVING sum(d) <> 0 ORDER BY queue, status, archived "
-        "ON CONFLICT (queue, status, archived, shard) DO UPDATE SET n = {s}.queueing_counts.n + EXCLUDED.n; "
-        "RETURN NULL; END $$",
-    ],
+    "no_done_notice": [],  # (its statement is built in ``burn``, for the run's schema)
     "-ix_status+queue_status": [
         "DROP INDEX {s}.ix_queueing_messages_status",
         "DROP INDEX {s}.ix_queueing_messages_queue_status",
@@ -101,6 +91,9 @@ async def burn(args: Options, variant: str) -> sql_burndown.Burn:
         with psycopg.connect(common.libpq_conninfo(args.url), autocommit=True) as conn:
             for statement in VARIANTS[variant]:
                 conn.execute(sql.SQL(statement).format(m=m, s=sql.Identifier(schema)))
+            if variant == "no_done_notice":
+                # result waiters' NOTIFY taken out of the UPDATE counts trigger (migration 14 put it there)
+                conn.execute(_count_function_sql(Tables.build(schema), "UPDATE"))
         provider = sql_burndown.kit_provider(args, schema, durable=True)
         return await sql_burndown.kit_burn(
             args, provider, args.messages, counters=pg_counters.Window(args.url, schema)

@@ -485,9 +485,9 @@ class SqlProvider:
     # -- result waiters (PostgreSQL) -----------------------------------------------------------------
     async def watch_result(self, message_id: UUID, wake: asyncio.Event) -> bool:
         """Have ``wake`` set when this message reaches a final status, from whichever process settles
-        it: its row is flagged ``awaited``, and the trigger of migration 10 NOTIFYs for flagged rows
-        only, so nobody pays for waiters that do not exist. False where there is no NOTIFY (SQLite, or
-        LISTEN turned off): the caller polls."""
+        it: its row is flagged ``awaited``, and the counts trigger of UPDATE statements (migration 14)
+        NOTIFYs for flagged rows only, so nobody pays for waiters that do not exist. False where there
+        is no NOTIFY (SQLite, or LISTEN turned off): the caller polls."""
         if self._listener is None:
             return False
         await self.ensure_open()

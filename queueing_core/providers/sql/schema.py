@@ -410,7 +410,8 @@ def _count_function(tables: Tables, op: str) -> str:
 
 def _count_function_sql(tables: Tables, op: str, then: str = "") -> str:
     """``CREATE OR REPLACE`` of the counts trigger's function for ``op`` (see ``_v2``), with ``then``
-    run after the counts (``_v14``'s wake-up of result waiters)."""
+    run after the counts (``_v14``'s wake-up of result waiters). Without ``then`` this is ``_v2``'s
+    function exactly, and must stay so: a released migration never changes."""
     c = tables.counts.fullname
     delta = "SELECT queue, status, archived, 1 AS d FROM new_rows"
     minus = "SELECT queue, status, archived, -1 AS d FROM old_rows"
@@ -733,7 +734,8 @@ def _v14(conn: sa.Connection, tables: Tables) -> None:
     final = ", ".join(f"'{s.value}'" for s in MessageStatus.terminal())
     # the channel from the validated schema name, statuses from the enum: nothing from input
     then = f"""
-                -- result waiters (app.result): flagged rows that just reached a final status
+                -- result waiters (app.result): flagged rows that just reached a final status (a row's
+                -- old and new versions paired by id, which no statement of the kit changes)
                 IF EXISTS (SELECT FROM new_rows WHERE awaited) THEN
                     PERFORM pg_notify('{channel}', chr(31) || 'done' || chr(31) || n.message_id::text)
                     FROM new_rows AS n JOIN old_rows AS o USING (id)
