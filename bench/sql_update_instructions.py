@@ -9,8 +9,9 @@ private cluster it makes with ``initdb`` in a temporary directory (the shared se
 1. the kit's schema at its latest migration, made by the kit itself (``SqlProvider``) on that cluster
    while it runs on a free port, and ``--rows`` Pending messages in one queue;
 2. for each variant, a fresh copy of the stopped cluster, the variant's statements, then ``--batches``
-   pairs of statements shaped as the kit's hot path changes a row: a claim (10 rows Pending → Leased,
-   with their lock, lease token and times) and a success (the same rows Leased → Succeeded);
+   pairs of statements shaped as the kit's hot path changes a row: a claim (``--batch`` rows, 10 by
+   default, Pending → Leased, with their lock, lease token and times) and a success (the same rows
+   Leased → Succeeded);
 3. the instructions of the whole run, less those of a run with no updates at all (start-up, the
    variant's own statements), per message.
 
@@ -22,7 +23,8 @@ instructions).
 
 Variants are diagnostics, never configurations: taking an index or a trigger away breaks what it serves.
 
-Usage: .venv/bin/python bench/sql_update_instructions.py [--rows 20000] [--batches 150] [--only base,...]
+Usage: .venv/bin/python bench/sql_update_instructions.py [--rows 20000] [--batches 150] [--batch 10]
+           [--only base,...] [--jobs 2]
 """
 
 from __future__ import annotations
