@@ -30,8 +30,9 @@ from queueing_core import QueueingApp
 from queueing_core.providers.sql.schema import Tables, _count_function_sql
 from queueing_core.runtime import Runtime
 
-#: variant -> statements run on the freshly enqueued schema ({m}: the messages table, {s}: the schema)
-VARIANTS: dict[str, list[str]] = {
+#: variant -> statements run on the freshly enqueued schema ({m}: the messages table, {s}: the schema),
+#: or what builds them from the schema's tables (SQL the kit itself makes)
+VARIANTS: dict[str, list[str] | Callable[[Tables], list[str]]] = {
     "base": [],
     "no_count_triggers": [
         "DROP TRIGGER queueing_count_insert ON {m}",
@@ -62,7 +63,8 @@ VARIANTS: dict[str, list[str]] = {
         "SELECT queue, status, archived, -1 AS d FROM old_rows) AS changes "
         "GROUP BY queue, status, archived HAVING sum(d) <> 0; RETURN NULL; END $$",
     ],
-    "no_done_notice": [],  # (its statement is built in ``burn``, for the run's schema)
+    # result waiters' NOTIFY taken out of the UPDATE counts trigger (migration 14 put it there)
+    "no_done_notice": lambda tables: [_count_function_sql(tables, "UPDATE")],
     "-ix_status+queue_status": [
         "DROP INDEX {s}.ix_queueing_messages_status",
         "DROP INDEX {s}.ix_queueing_messages_queue_status",
@@ -89,11 +91,13 @@ async def burn(args: Options, variant: str) -> sql_burndown.Burn:
         await rt.close()
         m = sql.Identifier(schema, "queueing_messages")
         with psycopg.connect(common.libpq_conninfo(args.url), autocommit=True) as conn:
-            for statement in VARIANTS[variant]:
-                conn.execute(sql.SQL(statement).format(m=m, s=sql.Identifier(schema)))
-            if variant == "no_done_notice":
-                # result waiters' NOTIFY taken out of the UPDATE counts trigger (migration 14 put it there)
-                conn.execute(_count_function_sql(Tables.build(schema), "UPDATE"))
+            steps = VARIANTS[variant]
+            if callable(steps):
+                for built in steps(Tables.build(schema)):
+                    conn.execute(built)
+            else:
+                for statement in steps:
+                    conn.execute(sql.SQL(statement).format(m=m, s=sql.Identifier(schema)))
         provider = sql_burndown.kit_provider(args, schema, durable=True)
         return await sql_burndown.kit_burn(
             args, provider, args.messages, counters=pg_counters.Window(args.url, schema)

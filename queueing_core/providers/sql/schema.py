@@ -402,10 +402,15 @@ def _v1(conn: sa.Connection, tables: Tables) -> None:
     tables.metadata.create_all(conn, tables=[tables.messages, tables.pauses, tables.circuits])
 
 
+def _function(tables: Tables, name: str) -> str:
+    """A function of the kit's, in the tables' schema (the search path's when there is none)."""
+    schema = tables.metadata.schema
+    return f"{schema}.{name}" if schema else name
+
+
 def _count_function(tables: Tables, op: str) -> str:
     """The name of the counts trigger's function for ``op`` (INSERT, UPDATE or DELETE)."""
-    schema = tables.metadata.schema
-    return f"{schema + '.' if schema else ''}queueing_count_changes_{op.lower()}"
+    return _function(tables, f"queueing_count_changes_{op.lower()}")
 
 
 def _count_function_sql(tables: Tables, op: str, then: str = "") -> str:
@@ -597,7 +602,7 @@ def _v10(conn: sa.Connection, tables: Tables) -> None:
     if conn.dialect.name != "postgresql":
         return
     schema = tables.metadata.schema
-    fn = f"{schema}.queueing_notify_done" if schema else "queueing_notify_done"
+    fn = _function(tables, "queueing_notify_done")
     channel = done_channel_for(schema).replace("'", "''")
     final = ", ".join(f"'{s.value}'" for s in MessageStatus.terminal())
     # identifiers from the table metadata, the channel from the validated schema name, statuses from
@@ -743,7 +748,7 @@ def _v14(conn: sa.Connection, tables: Tables) -> None:
                 END IF;"""
     conn.exec_driver_sql(_count_function_sql(tables, "UPDATE", then))
     conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS queueing_notify_done ON {tables.messages.fullname}")
-    conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {schema + '.' if schema else ''}queueing_notify_done()")
+    conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {_function(tables, 'queueing_notify_done')}()")
 
 
 #: (version, description, migration). Append only: a released migration never changes.
