@@ -77,6 +77,17 @@ VARIANTS: dict[str, list[str]] = {
         "DROP INDEX ix_queueing_messages_status",
         "DROP INDEX ix_queueing_messages_queue_status",
     ],
+    # the indexes as they were before migration 15 (listings holding Leased rows, tracking every row)
+    "indexes before 15": [
+        "DROP INDEX ix_queueing_messages_status",
+        "DROP INDEX ix_queueing_messages_queue_status",
+        "DROP INDEX ix_queueing_messages_tracking",
+        f"CREATE INDEX ix_queueing_messages_status ON {M} (status, created_at, id) "
+        "WHERE status <> 'Succeeded'",
+        f"CREATE INDEX ix_queueing_messages_queue_status ON {M} (queue, status, created_at, id) "
+        "WHERE status <> 'Succeeded'",
+        f"CREATE INDEX ix_queueing_messages_tracking ON {M} (tracking_id)",
+    ],
 }
 
 #: prepared, as the kit's hot path prepares its statements (the server plans each once, not per call)
@@ -139,10 +150,11 @@ async def make_template(pg: Path, data: Path, rows: int) -> None:
 
         with psycopg.connect(common.libpq_conninfo(url), autocommit=True) as conn:
             # the kit's own enqueue would do as well; rows straight in keep the template quick, and
-            # ids made from the row's number (not random) lay the indexes out the same in every run
+            # ids made from the row's number (not random) lay the indexes out the same in every run;
+            # a message's tracking id is its own message id, as the kit's enqueue makes it
             conn.execute(
                 f"INSERT INTO {M} (message_id, tracking_id, queue, type, status, attempt, created_at, "
-                "updated_at, available_at, headers, body) SELECT md5('m' || i)::uuid, md5('t' || i)::uuid, "
+                "updated_at, available_at, headers, body) SELECT md5('m' || i)::uuid, md5('m' || i)::uuid, "
                 "'bench', 'Noop', 'Pending', 0, now(), now(), now(), '{}', jsonb_build_object('n', i) "
                 "FROM generate_series(1, %s) AS i",
                 (rows,),

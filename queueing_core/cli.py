@@ -517,7 +517,7 @@ def show(
     from . import jobs
 
     async def look(ops: OpsService) -> MessageDetail:
-        return ops.detail_of(await jobs.find(ops.runtime, tracking_id))
+        return ops.detail_of(await jobs.find(ops.runtime, tracking_id, newest=False))
 
     d = _ops_call(app, look)
     unreadable = "does not read (see stored)"  # a row damaged outside the kit

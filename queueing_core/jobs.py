@@ -72,17 +72,23 @@ class CancelReceipt:
     detail: str
 
 
-async def find(runtime: Runtime, tracking_id: UUID) -> MessageRecord:
+async def find(runtime: Runtime, tracking_id: UUID, *, newest: bool = True) -> MessageRecord:
     """The message with this tracking id (or message id): the newest whose creation time reads, else
     the newest. A row damaged outside the kit may share the tracking id, and its time, which does not
     read, may sort first (SQLite's ``garbage``, PostgreSQL's ``infinity``): an action must not land on
     it. Only the time decides: the newest message damaged elsewhere (its progress, say) is still the
-    newest, and an action on it is refused by name, not moved to an older message."""
+    newest, and an action on it is refused by name, not moved to an older message.
+
+    A message's tracking id is its own message id unless its sender gave one, so the first message of
+    a tracking id that later messages were sent with is found by both ids. ``newest`` (code's
+    ``app.cancel``, ``status``, ``result``, which take a tracking id) names the newest of them then;
+    without it (the ops API, the dashboard and the command line, which name one message), a message
+    found by its own message id is the one named."""
     rec = await runtime.tracker.get(tracking_id)
-    if rec is None:
+    if rec is None or (newest and rec.tracking_id == tracking_id):
         page = await runtime.tracker.query(MessageQuery(tracking_id=tracking_id), limit=FIND_AMONG)
         dated = (r for r in page.items if r.readable("created_at"))
-        rec = next(dated, page.items[0] if page.items else None)
+        rec = next(dated, page.items[0] if page.items else rec)
     if rec is None:
         raise MessageNotFound(f"no message with tracking id {tracking_id}")
     return rec
@@ -105,10 +111,11 @@ def _lapses_first(r: MessageRecord, now: datetime) -> bool:
     return r.not_before is not None and r.not_before - now > CANCEL_KEPT
 
 
-async def cancel(runtime: Runtime, tracking_id: UUID) -> CancelReceipt:
+async def cancel(runtime: Runtime, tracking_id: UUID, *, newest: bool = True) -> CancelReceipt:
     """A message not yet running never runs; a running one is told (``ctx.cancelled``) and cancelled
-    after its type's ``cancel_grace``. Either way it ends Cancelled. A finished message is refused."""
-    r = await find(runtime, tracking_id)
+    after its type's ``cancel_grace``. Either way it ends Cancelled. A finished message is refused.
+    The message is :func:`find`'s (``newest`` as there)."""
+    r = await find(runtime, tracking_id, newest=newest)
     if not r.readable("message_id"):  # found by its tracking id, but nothing can name its row
         raise InvalidOperation(
             f"cannot cancel message with tracking id {tracking_id}: its stored row is damaged "

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
-from uuid import UUID, uuid4
+from uuid import UUID
 
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
@@ -164,7 +164,8 @@ def _envelope(
         type=mtype.type_name(),
         queue=mtype.queue_options().name or mtype.type_name(),
         message_id=message.message_id,
-        tracking_id=options.get("tracking_id") or uuid4(),
+        # (its own message id unless given: a message sent again for the same work may carry the first's)
+        tracking_id=options.get("tracking_id") or message.message_id,
         correlation_id=options.get("correlation_id") or message.correlation_id,
         attempt=0,
         created_at=message.created_at,

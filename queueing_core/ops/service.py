@@ -455,8 +455,9 @@ class OpsService:
         )
 
     async def cancel(self, tracking_id: UUID) -> ActionResult:
-        """Cancel by tracking id (or message id); see :func:`queueing_core.jobs.cancel`."""
-        done = await jobs.cancel(self.runtime, tracking_id)
+        """Cancel by message id (or tracking id): the message with that id, else the newest with that
+        tracking id; see :func:`queueing_core.jobs.cancel`."""
+        done = await jobs.cancel(self.runtime, tracking_id, newest=False)
         return ActionResult(message_id=done.message_id, status=done.status, detail=done.detail)
 
     async def update_status_where(self, queue: str, change: StatusUpdate) -> StatusUpdateResult:

@@ -64,6 +64,32 @@ async def test_a_waiting_message_cancelled_by_tracking_id_never_runs(harness):
         await app.result(doomed.tracking_id, timeout=1)
 
 
+async def test_a_tracking_id_names_the_newest_of_its_messages_though_it_is_the_firsts_message_id(harness):
+    """A message's tracking id is its own message id unless given. From code, a tracking id that a
+    later message was sent with (the work sent again) names that later message; the ops API (the
+    dashboard's buttons, the command line) names the message whose own id it is."""
+    app, _, _ = task_app(harness)
+    rt = await harness.runtime(app)
+    await rt.control.set_paused("queue", "tasks", True)
+    first = await app.enqueue(Task(key="first"))
+    assert first.tracking_id == first.message_id
+    await asyncio.sleep(0.05)  # (a later creation time, on a coarse clock too)
+    again = await app.enqueue(Task(key="again"), tracking_id=first.tracking_id)
+    assert (again.tracking_id, again.message_id != first.message_id) == (first.tracking_id, True)
+    assert (await app.status(first.tracking_id)).message_id == again.message_id
+    async with ops_client(rt) as client:
+        shown = await client.get(f"/messages/{first.message_id}")
+        assert shown.json()["message_id"] == str(first.message_id), shown.text
+        res = await client.post(f"/messages/{first.message_id}/cancel")
+        assert res.status_code == 200, res.text
+        assert res.json()["message_id"] == str(first.message_id)
+    assert (await record(rt, first.message_id)).status == MessageStatus.CANCELLED
+    assert (await record(rt, again.message_id)).status == MessageStatus.PENDING  # left alone
+    receipt = await app.cancel(first.tracking_id)  # from code: the newest
+    assert receipt.message_id == again.message_id
+    assert (await record(rt, again.message_id)).status == MessageStatus.CANCELLED
+
+
 async def test_a_running_handler_sees_the_cancellation_and_is_recorded_cancelled(harness):
     app, calls, seen = task_app(harness)
     rt = await harness.runtime(app)

@@ -16,7 +16,7 @@ from ...clock import as_utc
 from ...messages import MessageStatus
 from ...tracking.base import Activity, MessageQuery, MessageRecord, Page, invalid_cursor
 from .records import read_record, stored_in_order
-from .schema import IN_LIST_BATCH, archived, claimable
+from .schema import IN_LIST_BATCH, archived, claimable, tracked_by
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
@@ -101,7 +101,11 @@ class SqlTracker:
             cond.append(m.c.type == q.type)
         if q.status:
             plain = [s for s in q.status if s != MessageStatus.ARCHIVED.value]
-            parts: list[sa.ColumnElement[bool]] = [m.c.status.in_(plain)] if plain else []
+            # one equality a status, not ``IN``: PostgreSQL reads each status's rows on the index that
+            # holds them (Leased rows are in the lease sweeper's index only, the others in the listing
+            # indexes) and ORs the two; an ``IN`` list naming Leased and another status matches neither
+            # index's predicate, and walked the whole history newest first instead
+            parts: list[sa.ColumnElement[bool]] = [m.c.status == s for s in plain]
             if len(plain) != len(q.status):
                 parts.append(archived(m))
             cond.append(sa.or_(*parts))
@@ -114,7 +118,7 @@ class SqlTracker:
         if q.correlation_id is not None:
             cond.append(m.c.correlation_id == q.correlation_id)
         if q.tracking_id is not None:
-            cond.append(m.c.tracking_id == q.tracking_id)
+            cond.append(tracked_by(m, q.tracking_id))
         return cond
 
     async def upsert(self, records: Sequence[MessageRecord]) -> None:
