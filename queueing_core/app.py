@@ -343,14 +343,17 @@ class QueueingApp(Router):
     # -- job control -------------------------------------------------------------------------------
     async def cancel(self, tracking_id: UUID) -> CancelReceipt:
         """Cancel a message by its tracking id (or message id): one not yet running never runs, a
-        running one sees ``ctx.cancelled`` and is cancelled after its type's ``cancel_grace``.
+        running one sees ``ctx.cancelled`` and is cancelled after its type's ``cancel_grace``. A
+        tracking id names the newest message carrying it, even where it is also the first message's
+        own id (the default tracking id).
         Raises :class:`~queueing_core.errors.InvalidOperation` for a finished message."""
         from . import jobs
 
         return await jobs.cancel(self.runtime, tracking_id)
 
     async def status(self, tracking_id: UUID) -> MessageRecord:
-        """The message's record now: status, attempt, progress, result, reason..."""
+        """The message's record now: status, attempt, progress, result, reason... By tracking id (the
+        newest message carrying it, as :meth:`cancel` names it) or message id."""
         from . import jobs
 
         return await jobs.find(self.runtime, tracking_id)
@@ -362,7 +365,8 @@ class QueueingApp(Router):
         :class:`~queueing_core.errors.JobCancelled` / :class:`~queueing_core.errors.JobFailed` when
         it ended without one and ``TimeoutError`` after ``timeout`` seconds. On PostgreSQL a NOTIFY
         wakes the wait as the message finishes; ``poll`` is the longest time between two looks at
-        the history otherwise (0.2 s; 5 s where NOTIFY wakes it)."""
+        the history otherwise (0.2 s; 5 s where NOTIFY wakes it). ``tracking_id`` names the message
+        as :meth:`cancel` does."""
         from . import jobs
 
         return await jobs.result(self.runtime, tracking_id, timeout=timeout, poll=poll)

@@ -459,12 +459,13 @@ def retry(
 
 @cli.command()
 def cancel(
-    tracking_id: Annotated[UUID, typer.Argument(metavar="TRACKING_ID", hidden=True)],
+    message_id: Annotated[UUID, typer.Argument(metavar="ID", hidden=True)],
     app: AppOption = None,
 ) -> None:
-    """Cancel the message with TRACKING_ID (or its message id): if it has not started it never runs;
-    if it is running, its handler is told to stop. A finished message cannot be cancelled."""
-    result = _ops_call(app, lambda ops: ops.cancel(tracking_id))
+    """Cancel the message whose message id is ID (else the newest whose tracking id is ID): if it has
+    not started it never runs; if it is running, its handler is told to stop. A finished message
+    cannot be cancelled."""
+    result = _ops_call(app, lambda ops: ops.cancel(message_id))
     out.print(f"{result.message_id}: {result.status}: {result.detail}", highlight=False)
 
 
@@ -510,14 +511,15 @@ def set_status(
 
 @cli.command()
 def show(
-    tracking_id: Annotated[UUID, typer.Argument(metavar="TRACKING_ID", hidden=True)],
+    message_id: Annotated[UUID, typer.Argument(metavar="ID", hidden=True)],
     app: AppOption = None,
 ) -> None:
-    """Show the message with TRACKING_ID (or its message id): status, attempts, progress, result."""
+    """Show the message whose message id is ID (else the newest whose tracking id is ID): status,
+    attempts, progress, result."""
     from . import jobs
 
     async def look(ops: OpsService) -> MessageDetail:
-        return ops.detail_of(await jobs.find(ops.runtime, tracking_id, newest=False))
+        return ops.detail_of(await jobs.find(ops.runtime, message_id, newest=False))
 
     d = _ops_call(app, look)
     unreadable = "does not read (see stored)"  # a row damaged outside the kit

@@ -313,8 +313,8 @@ def create_app(
         "/messages/{id}/cancel",
         response_model=ActionResult,
         responses=_problems(404, 409),
-        summary="Cancel by tracking id or message id: a waiting message never runs, a running one is "
-        "told to stop",
+        summary="Cancel by message id (else the newest with that tracking id): a waiting message never "
+        "runs, a running one is told to stop",
     )
     async def cancel(ops: Ops, id: MessageId) -> ActionResult:
         return await ops.cancel(id)

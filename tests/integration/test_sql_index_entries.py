@@ -8,13 +8,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
+from queueing_core.providers.sql import schema as sql_schema
 from queueing_core.runtime import Runtime
 from queueing_core.testing import run_until_idle
 from queueing_core.tracking import MessageQuery
 
+from ..services import POSTGRES_URL
 from .history_rows import fill
 from .test_sql_history_plan import nodes
 from .test_sql_upkeep_plans import sqlite_reads
@@ -153,35 +157,37 @@ async def test_listings_by_status_read_an_index_without_leased_rows_in_the_listi
         await rt.close()
 
 
-async def test_migration_15_makes_the_indexes_again_and_the_rows_stay_found(sql_db):
-    """A database as version 14 left it (a tracking index of every row; on PostgreSQL listing indexes
-    holding Leased rows) with a message in it: migration 15 makes the indexes as they are now defined,
-    and the message is still found by its tracking id and runs."""
-    prov = sql_db.provider(listen=False)
+async def _opened_seeing(rt: Runtime, hook: Any) -> Runtime:
+    """``rt`` opened (migrating its database) with ``hook`` called before each statement it says."""
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", hook)
+    try:
+        await rt.open()
+    finally:
+        sa.event.remove(sa.engine.Engine, "before_cursor_execute", hook)
+    return rt
+
+
+async def _a_database_before(db: Any, version: int, n: int) -> tuple[QueueingApp, list[int], Any, Any]:
+    """A database as the migrations before ``version`` left it (see ``_as_before``), with a message
+    ``Job(n)`` in it: the app, the list its handler appends to, the receipt, the provider (closed)."""
+    prov = db.provider(listen=False)
     a = app()
     ran: list[int] = []
     a.handler(Job)(lambda msg: ran.append(msg.n))
     rt = Runtime(a, prov)
     await rt.open()
-    sent = await a.enqueue(Job(n=7))
-    m = prov.tables.messages
-    prefix = f"{sql_db.schema}." if sql_db.schema else ""
-    table = f"{prefix}{m.name}"
-    async with prov.engine.begin() as conn:
-        await conn.exec_driver_sql(f"DROP INDEX {prefix}ix_queueing_messages_tracking")
-        await conn.exec_driver_sql(f"CREATE INDEX ix_queueing_messages_tracking ON {table} (tracking_id)")
-        if sql_db.backend == "postgresql":
-            for name, cols in (
-                ("ix_queueing_messages_status", "status, created_at, id"),
-                ("ix_queueing_messages_queue_status", "queue, status, created_at, id"),
-            ):
-                await conn.exec_driver_sql(f"DROP INDEX {prefix}{name}")
-                await conn.exec_driver_sql(
-                    f"CREATE INDEX {name} ON {table} ({cols}) WHERE status <> 'Succeeded'"
-                )
-        versions = prov.tables.schema_versions
-        await conn.execute(sa.delete(versions).where(versions.c.version == 15))
+    sent = await a.enqueue(Job(n=n))
+    await _as_before(prov, version)
     await rt.close()
+    return a, ran, sent, prov
+
+
+async def test_migration_15_makes_the_indexes_again_and_the_rows_stay_found(sql_db):
+    """A database as version 14 left it (a tracking index of every row; on PostgreSQL listing indexes
+    holding Leased rows) with a message in it: migration 15 makes the indexes as they are now defined,
+    and the message is still found by its tracking id and runs."""
+    a, ran, sent, prov = await _a_database_before(sql_db, 15, 7)
+    m = prov.tables.messages
 
     ddl_said: list[str] = []
 
@@ -190,12 +196,7 @@ async def test_migration_15_makes_the_indexes_again_and_the_rows_stay_found(sql_
             ddl_said.append(" ".join(statement.split()))
 
     prov = sql_db.provider(listen=False)
-    rt = Runtime(a, prov)
-    sa.event.listen(sa.engine.Engine, "before_cursor_execute", record)
-    try:
-        await rt.open()  # migrates 14 -> 15
-    finally:
-        sa.event.remove(sa.engine.Engine, "before_cursor_execute", record)
+    rt = await _opened_seeing(Runtime(a, prov), record)  # migrates 14 -> 15
     try:
         made = [i for i, s in enumerate(ddl_said) if s.upper().startswith("CREATE INDEX")]
         dropped = [i for i, s in enumerate(ddl_said) if s.upper().startswith("DROP INDEX")]
@@ -227,5 +228,138 @@ async def test_migration_15_makes_the_indexes_again_and_the_rows_stay_found(sql_
         assert (await a.status(sent.tracking_id)).message_id == sent.message_id
         await run_until_idle(rt)
         assert ran == [7]
+    finally:
+        await rt.close()
+
+
+async def _as_before(prov: Any, version: int) -> None:
+    """The database as the migrations before ``version`` (14 or 15) left it: the indexes that 15
+    replaces as 14 had them (a tracking index of every row; on PostgreSQL listing indexes holding
+    Leased rows), and before 14 the row trigger that woke result waiters (``_v10``'s)."""
+    m = prov.tables.messages
+    prefix = f"{prov.tables.metadata.schema}." if prov.tables.metadata.schema else ""
+    table = f"{prefix}{m.name}"
+    async with prov.engine.begin() as conn:
+        await conn.exec_driver_sql(f"DROP INDEX {prefix}ix_queueing_messages_tracking")
+        await conn.exec_driver_sql(f"CREATE INDEX ix_queueing_messages_tracking ON {table} (tracking_id)")
+        if prov.backend == "postgresql":
+            for name, cols in (
+                ("ix_queueing_messages_status", "status, created_at, id"),
+                ("ix_queueing_messages_queue_status", "queue, status, created_at, id"),
+            ):
+                await conn.exec_driver_sql(f"DROP INDEX {prefix}{name}")
+                await conn.exec_driver_sql(
+                    f"CREATE INDEX {name} ON {table} ({cols}) WHERE status <> 'Succeeded'"
+                )
+        if version <= 14:
+            await conn.run_sync(lambda sync: sql_schema._v10(sync, prov.tables))
+        versions = prov.tables.schema_versions
+        await conn.execute(sa.delete(versions).where(versions.c.version >= version))
+
+
+async def _state(prov: Any) -> tuple[set[int], bool, str]:
+    """The versions applied, whether _v10's row trigger is there, the tracking index's definition."""
+    m = prov.tables.messages
+    # (an engine of its own: the provider's is closed, or never opened when its start failed)
+    engine = create_async_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1))
+    async with engine.connect() as conn:
+        done = set((await conn.execute(sa.select(prov.tables.schema_versions.c.version))).scalars())
+        trigger = (
+            await conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_trigger WHERE tgname = 'queueing_notify_done' "
+                "AND tgrelid = %(t)s::regclass",
+                {"t": f"{prov.tables.metadata.schema}.{m.name}"},
+            )
+        ).scalar_one()
+        tracking = await conn.run_sync(
+            lambda sync: sql_schema._index_sql(sync, m, "ix_queueing_messages_tracking")
+        )
+    await engine.dispose()
+    return done, bool(trigger), str(tracking)
+
+
+async def _upgraded_and_runs(
+    prov: Any, rt: Runtime, a: QueueingApp, sent: Any, ran: list[int], n: int
+) -> None:
+    """Every migration applied, the message sent before found by its tracking id, and run once."""
+    done, trigger, tracking = await _state(prov)
+    assert done == set(range(1, 16))
+    assert not trigger
+    assert "tracking_id <> message_id" in tracking
+    assert (await a.status(sent.tracking_id)).message_id == sent.message_id
+    await run_until_idle(rt)
+    assert ran == [n]
+
+
+async def test_an_upgrade_from_before_14_builds_the_indexes_of_15_while_reads_go_on(pg_db):
+    """Each migration commits before the next begins: 14's DROP TRIGGER takes the table's exclusive
+    lock, which stops reads as well, and had it been held to a commit after 15's index builds, reads
+    would have waited for every build. Another session reads the table, with a lock timeout, just
+    before each of 15's builds; and a message sent before the upgrade is found and runs after it."""
+    import psycopg
+
+    a, ran, sent, prov = await _a_database_before(pg_db, 14, 3)
+    assert (await _state(prov))[:2] == ({v for v in range(1, 14)}, True)
+    table = f"{pg_db.schema}.{prov.tables.messages.name}"
+    reads: list[str] = []
+
+    def read_beside(
+        conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
+    ) -> None:
+        said = " ".join(statement.split())
+        if not (said.upper().startswith("CREATE INDEX") and "_v15" in said):
+            return
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as other:
+            other.execute("SET lock_timeout = '2s'")
+            try:
+                other.execute(f"SELECT count(*) FROM {table}")
+                reads.append("read")
+            except psycopg.errors.LockNotAvailable:
+                reads.append("waited")
+
+    prov = pg_db.provider(listen=False)
+    rt = await _opened_seeing(Runtime(a, prov), read_beside)  # migrates 13 -> 15
+    try:
+        assert reads == ["read"] * 3, reads
+        await _upgraded_and_runs(prov, rt, a, sent, ran, 3)
+    finally:
+        await rt.close()
+
+
+@pytest.mark.parametrize("failing", [14, 15])
+async def test_a_migration_that_fails_rolls_back_alone_and_the_next_start_goes_on(
+    pg_db, monkeypatch, failing
+):
+    """A fault at the end of migration 14 or 15 (every statement of it run, its version not yet
+    written): the start fails, the migrations before it stay applied, nothing of it is left, and the
+    message sent before is kept; the next start applies what is left and the message runs once."""
+    a, ran, sent, prov = await _a_database_before(pg_db, 14, 5)
+
+    def broken(step: Any) -> Any:
+        def run(conn: sa.Connection, tables: Any) -> None:
+            step(conn, tables)
+            raise RuntimeError("injected: the host died at the end of a migration")
+
+        return run
+
+    monkeypatch.setattr(
+        sql_schema,
+        "MIGRATIONS",
+        [(v, d, broken(step) if v == failing else step) for v, d, step in sql_schema.MIGRATIONS],
+    )
+    prov = pg_db.provider(listen=False)
+    with pytest.raises(RuntimeError, match="injected"):
+        await Runtime(a, prov).open()
+    done, trigger, tracking = await _state(prov)
+    assert done == set(range(1, failing))
+    assert trigger == (failing == 14)  # 14 (which drops it) applied only when 15 failed
+    assert "WHERE" not in tracking.upper()  # 15 left nothing
+    monkeypatch.undo()
+
+    prov = pg_db.provider(listen=False)
+    rt = Runtime(a, prov)
+    await rt.open()
+    try:
+        await _upgraded_and_runs(prov, rt, a, sent, ran, 5)
     finally:
         await rt.close()

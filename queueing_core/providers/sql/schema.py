@@ -914,15 +914,22 @@ def _lock_timed_out(exc: sa.exc.DBAPIError) -> bool:
 async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], object]) -> list[int]:
     """Apply pending migrations; returns the versions applied (empty when up to date).
 
+    Each migration is its own transaction, committed before the next begins: the locks one takes are
+    held only while it runs. (Run together, a lock an earlier migration took, such as the exclusive
+    lock of a DROP TRIGGER, which stops reads as well, would be held across a later one's index builds,
+    which otherwise let reads go on.) A failure rolls back only the migration that failed; the next
+    start, or ``queueing migrate``, goes on from there.
+
     On PostgreSQL a statement that cannot get its table lock within :data:`MIGRATION_LOCK_TIMEOUT`
-    (a long transaction of a running host on that table) rolls the whole migration back, and it is
-    tried again after a pause, at most :data:`MIGRATION_LOCK_TRIES` times: the hosts still running
-    wait at most that long behind it, never for as long as the other transaction lasts."""
+    (a long transaction of a running host on that table) rolls its migration back, and it is tried
+    again after a pause, at most :data:`MIGRATION_LOCK_TRIES` times: the hosts still running wait at
+    most that long behind it, never for as long as the other transaction lasts."""
+    applied: list[int] = []
     pause, longest = MIGRATION_RETRY_PAUSE
     attempt = 1
     while True:
         try:
-            return await _migrate_once(engine, tables, now=now)
+            version = await _migrate_next(engine, tables, now=now)
         except sa.exc.DBAPIError as exc:
             if not _lock_timed_out(exc):
                 raise
@@ -943,10 +950,15 @@ async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], obje
             await asyncio.sleep(pause)
             pause = min(pause * 2, longest)
             attempt += 1
+            continue
+        if version is None:
+            return applied
+        applied.append(version)
 
 
-async def _migrate_once(engine: AsyncEngine, tables: Tables, *, now: Callable[[], object]) -> list[int]:
-    applied: list[int] = []
+async def _migrate_next(engine: AsyncEngine, tables: Tables, *, now: Callable[[], object]) -> int | None:
+    """The first pending migration applied and committed, in one transaction; its version (None: none
+    was pending)."""
     async with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
             # one migrator at a time across every host; released at commit. The schema is created
@@ -963,8 +975,9 @@ async def _migrate_once(engine: AsyncEngine, tables: Tables, *, now: Callable[[]
             if schema and not await _schema_exists(conn, schema):
                 await conn.execute(sa.text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
 
-        def run(sync: sa.Connection) -> None:
+        def run(sync: sa.Connection) -> int | None:
             tables.schema_versions.create(sync, checkfirst=True)
+            # read under the lock: another host may have applied some since this one last looked
             done = set(sync.execute(sa.select(tables.schema_versions.c.version)).scalars())
             for version, description, step in MIGRATIONS:
                 if version in done:
@@ -976,7 +989,7 @@ async def _migrate_once(engine: AsyncEngine, tables: Tables, *, now: Callable[[]
                         version=version, description=description, applied_at=now()
                     )
                 )
-                applied.append(version)
+                return version
+            return None
 
-        await conn.run_sync(run)
-    return applied
+        return await conn.run_sync(run)
