@@ -71,6 +71,11 @@ VARIANTS: dict[str, list[str]] = {
         "OLD.status IS DISTINCT FROM NEW.status) EXECUTE FUNCTION queueing_notify_done()",
     ],
     "no ix_created": ["DROP INDEX ix_queueing_messages_created"],
+    # what a listing index by time without the rows running now would save (a claim writes no entry)
+    "ix_created without Leased": [
+        "DROP INDEX ix_queueing_messages_created",
+        f"CREATE INDEX ix_queueing_messages_created ON {M} (created_at, id) WHERE status <> 'Leased'",
+    ],
     "no ix_tracking": ["DROP INDEX ix_queueing_messages_tracking"],
     "no unique message_id": [f"ALTER TABLE {M} DROP CONSTRAINT queueing_messages_message_id_key"],
     "no ix_status and ix_queue_status": [

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
+from queueing_core.providers.sql import create_engine
 from queueing_core.providers.sql import schema as sql_schema
 from queueing_core.runtime import Runtime
 from queueing_core.testing import run_until_idle
@@ -251,17 +251,19 @@ async def _as_before(prov: Any, version: int) -> None:
                 await conn.exec_driver_sql(
                     f"CREATE INDEX {name} ON {table} ({cols}) WHERE status <> 'Succeeded'"
                 )
-        if version <= 14:
+        if version <= 14:  # 10's row trigger, and 2's UPDATE counts function (14 replaced both)
             await conn.run_sync(lambda sync: sql_schema._v10(sync, prov.tables))
+            await conn.exec_driver_sql(sql_schema._count_function_sql(prov.tables, "UPDATE"))
         versions = prov.tables.schema_versions
         await conn.execute(sa.delete(versions).where(versions.c.version >= version))
 
 
-async def _state(prov: Any) -> tuple[set[int], bool, str]:
-    """The versions applied, whether _v10's row trigger is there, the tracking index's definition."""
+async def _state(prov: Any) -> tuple[set[int], bool, dict[str, str]]:
+    """The versions applied, whether _v10's row trigger is there, and the messages table's indexes
+    (name: definition)."""
     m = prov.tables.messages
     # (an engine of its own: the provider's is closed, or never opened when its start failed)
-    engine = create_async_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1))
+    engine = create_engine(POSTGRES_URL)
     async with engine.connect() as conn:
         done = set((await conn.execute(sa.select(prov.tables.schema_versions.c.version))).scalars())
         trigger = (
@@ -271,21 +273,36 @@ async def _state(prov: Any) -> tuple[set[int], bool, str]:
                 {"t": f"{prov.tables.metadata.schema}.{m.name}"},
             )
         ).scalar_one()
-        tracking = await conn.run_sync(
-            lambda sync: sql_schema._index_sql(sync, m, "ix_queueing_messages_tracking")
+        indexes = dict(
+            (
+                await conn.exec_driver_sql(
+                    "SELECT indexname, indexdef FROM pg_indexes "
+                    "WHERE schemaname = %(s)s AND tablename = %(t)s",
+                    {"s": prov.tables.metadata.schema, "t": m.name},
+                )
+            ).all()
         )
     await engine.dispose()
-    return done, bool(trigger), str(tracking)
+    return done, bool(trigger), indexes
+
+
+def _as_15_made_them(indexes: dict[str, str], made: bool) -> None:
+    """The three indexes of migration 15 as it makes them (``made``) or as 14 left them, and nothing
+    left of a build under another name either way."""
+    assert not [n for n in indexes if n.endswith("_v15")], indexes
+    assert ("tracking_id <> message_id" in indexes["ix_queueing_messages_tracking"]) == made, indexes
+    for name in ("ix_queueing_messages_status", "ix_queueing_messages_queue_status"):
+        assert ("'Leased'" in indexes[name]) == made, indexes[name]
 
 
 async def _upgraded_and_runs(
     prov: Any, rt: Runtime, a: QueueingApp, sent: Any, ran: list[int], n: int
 ) -> None:
     """Every migration applied, the message sent before found by its tracking id, and run once."""
-    done, trigger, tracking = await _state(prov)
+    done, trigger, indexes = await _state(prov)
     assert done == set(range(1, 16))
     assert not trigger
-    assert "tracking_id <> message_id" in tracking
+    _as_15_made_them(indexes, True)
     assert (await a.status(sent.tracking_id)).message_id == sent.message_id
     await run_until_idle(rt)
     assert ran == [n]
@@ -301,6 +318,7 @@ async def test_an_upgrade_from_before_14_builds_the_indexes_of_15_while_reads_go
     a, ran, sent, prov = await _a_database_before(pg_db, 14, 3)
     assert (await _state(prov))[:2] == ({v for v in range(1, 14)}, True)
     table = f"{pg_db.schema}.{prov.tables.messages.name}"
+    conninfo = sa.make_url(POSTGRES_URL).set(drivername="postgresql").render_as_string(hide_password=False)
     reads: list[str] = []
 
     def read_beside(
@@ -309,7 +327,7 @@ async def test_an_upgrade_from_before_14_builds_the_indexes_of_15_while_reads_go
         said = " ".join(statement.split())
         if not (said.upper().startswith("CREATE INDEX") and "_v15" in said):
             return
-        with psycopg.connect(POSTGRES_URL, autocommit=True) as other:
+        with psycopg.connect(conninfo, autocommit=True) as other:
             other.execute("SET lock_timeout = '2s'")
             try:
                 other.execute(f"SELECT count(*) FROM {table}")
@@ -350,10 +368,10 @@ async def test_a_migration_that_fails_rolls_back_alone_and_the_next_start_goes_o
     prov = pg_db.provider(listen=False)
     with pytest.raises(RuntimeError, match="injected"):
         await Runtime(a, prov).open()
-    done, trigger, tracking = await _state(prov)
+    done, trigger, indexes = await _state(prov)
     assert done == set(range(1, failing))
     assert trigger == (failing == 14)  # 14 (which drops it) applied only when 15 failed
-    assert "WHERE" not in tracking.upper()  # 15 left nothing
+    _as_15_made_them(indexes, False)  # 15 left nothing
     monkeypatch.undo()
 
     prov = pg_db.provider(listen=False)

@@ -294,6 +294,48 @@ async def test_a_migration_meeting_a_long_transaction_retries_and_never_holds_up
         await drop_schema(schema)
 
 
+async def test_an_upgrade_that_cannot_lock_a_table_gives_up_saying_so_and_keeps_what_it_finished(monkeypatch):
+    """A long transaction holds the messages table through every try: the upgrade gives up with the
+    kit's error for a service not available now (one line from ``queueing migrate``), saying which
+    version the schema stays at, and the migration it finished before the busy one stays applied."""
+    from queueing_core.errors import ProviderUnavailable
+
+    require("PostgreSQL", "127.0.0.1", 5432)
+    monkeypatch.setattr(schema_module, "MIGRATION_LOCK_TIMEOUT", 0.3)
+    monkeypatch.setattr(schema_module, "MIGRATION_RETRY_PAUSE", (0.1, 0.1))
+    monkeypatch.setattr(schema_module, "MIGRATION_LOCK_TRIES", 2)
+    schema = f"qlk_{uuid.uuid4().hex[:10]}"
+    prov = SqlProvider(POSTGRES_URL, schema=schema, listen=False)
+    holder = None
+    try:
+        app = QueueingApp("locks")
+        await prov.open(app)
+        versions = prov.tables.schema_versions
+        async with prov.engine.begin() as conn:
+            # 13 finds its index made and takes no lock; 14 drops 10's trigger (an exclusive lock)
+            await conn.run_sync(lambda sync: schema_module._v10(sync, prov.tables))
+            await conn.execute(sa.delete(versions).where(versions.c.version >= 13))
+        holder = await prov.engine.connect()
+        await holder.begin()
+        await holder.execute(sa.text(f"SELECT count(*) FROM {prov.tables.messages.fullname}"))
+        with pytest.raises(ProviderUnavailable, match="stays at version 13") as raised:
+            await schema_module.migrate(prov.engine, prov.tables, now=utcnow)
+        assert "end the long transaction" in str(raised.value)
+        await holder.rollback()
+        await holder.close()
+        holder = None
+        async with prov.engine.connect() as conn:
+            done = set((await conn.execute(sa.select(versions.c.version))).scalars())
+        assert done == set(range(1, 14))
+        assert await schema_module.migrate(prov.engine, prov.tables, now=utcnow) == [14, 15]
+    finally:
+        if holder is not None:
+            await holder.rollback()
+            await holder.close()
+        await prov.close()
+        await drop_schema(schema)
+
+
 async def test_the_counts_trigger_tells_result_waiters_once_per_final_status_of_an_awaited_row():
     """The NOTIFY that wakes result waiters (sent by the UPDATE statements' counts trigger since
     migration 14): for each awaited row that reaches a final status, in any statement that changes

@@ -309,7 +309,8 @@ class SqlProvider:
             if self.auto_migrate:
                 applied = await migrate(self.engine, self.tables, now=self.clock)
                 if applied:
-                    log.info("queueing schema migrated to version %d on %s", applied[-1], redact(self.url))
+                    # (the last this host applied need not be the last: another may have applied it)
+                    log.info("queueing schema migrated to version %d on %s", LATEST, redact(self.url))
             else:
                 async with self.engine.connect() as conn:
                     version = await current_version(conn, self.tables)

@@ -22,7 +22,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import NullType
 
-from ...errors import ConfigurationError
+from ...errors import ConfigurationError, ProviderUnavailable
 from ...messages import MessageStatus
 
 log = logging.getLogger("queueing.sql")
@@ -850,7 +850,10 @@ def _v15(conn: sa.Connection, tables: Tables) -> None:
         _replace_indexes(conn, m, made, 15)
 
 
-#: (version, description, migration). Append only: a released migration never changes.
+#: (version, description, migration). Append only: a released migration never changes. Each commits
+#: on its own (``migrate``), so the hosts still running may work on the schema any one of them leaves:
+#: a migration must leave a schema that every earlier kit still runs on, and a change that holds only
+#: together with another (a column and the trigger that fills it) belongs in one migration.
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "messages, pauses, circuits", _v1),
     (2, "message counts kept by triggers (PostgreSQL)", _v2),
@@ -897,7 +900,8 @@ async def _schema_exists(conn: Any, schema: str) -> bool:
 #: the migration is tried again. While an ALTER waits for its lock every other statement on that table
 #: queues behind it, so this bounds how long the hosts still running can be held up by an upgrade.
 MIGRATION_LOCK_TIMEOUT = 5.0
-#: tries before a migration that keeps meeting a busy table gives up (with a clear error)
+#: tries, in all, before an upgrade that keeps meeting a busy table gives up (with a clear error): one
+#: budget for the whole upgrade, not one a migration, so a host waits at most about 9 minutes
 MIGRATION_LOCK_TRIES = 30
 #: the pause between two tries, doubling from the first, at most the last
 MIGRATION_RETRY_PAUSE = (1.0, 15.0)
@@ -922,8 +926,8 @@ async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], obje
 
     On PostgreSQL a statement that cannot get its table lock within :data:`MIGRATION_LOCK_TIMEOUT`
     (a long transaction of a running host on that table) rolls its migration back, and it is tried
-    again after a pause, at most :data:`MIGRATION_LOCK_TRIES` times: the hosts still running wait at
-    most that long behind it, never for as long as the other transaction lasts."""
+    again after a pause, at most :data:`MIGRATION_LOCK_TRIES` times in all: the hosts still running
+    wait at most that long behind it, never for as long as the other transaction lasts."""
     applied: list[int] = []
     pause, longest = MIGRATION_RETRY_PAUSE
     attempt = 1
@@ -934,10 +938,12 @@ async def migrate(engine: AsyncEngine, tables: Tables, *, now: Callable[[], obje
             if not _lock_timed_out(exc):
                 raise
             if attempt >= MIGRATION_LOCK_TRIES:
-                raise RuntimeError(
+                reached = f"version {applied[-1]}" if applied else "the version it was at"
+                raise ProviderUnavailable(
                     f"the queueing schema migration could not lock a table in use after "
-                    f"{MIGRATION_LOCK_TRIES} tries of {MIGRATION_LOCK_TIMEOUT:g}s each: end the long "
-                    "transaction holding it, or migrate at a quieter moment"
+                    f"{MIGRATION_LOCK_TRIES} tries of {MIGRATION_LOCK_TIMEOUT:g}s each (the schema "
+                    f"stays at {reached}): end the long transaction holding it, or migrate at a "
+                    "quieter moment"
                 ) from exc
             log.warning(
                 "queueing schema migration waited %gs for a table in use and was rolled back; "
