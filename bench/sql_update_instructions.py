@@ -71,10 +71,10 @@ VARIANTS: dict[str, list[str]] = {
         "OLD.status IS DISTINCT FROM NEW.status) EXECUTE FUNCTION queueing_notify_done()",
     ],
     "no ix_created": ["DROP INDEX ix_queueing_messages_created"],
-    # what a listing index by time without the rows running now would save (a claim writes no entry)
-    "ix_created without Leased": [
+    # the listing index by time as it was before migration 16 (holding the rows running now)
+    "ix_created before 16": [
         "DROP INDEX ix_queueing_messages_created",
-        f"CREATE INDEX ix_queueing_messages_created ON {M} (created_at, id) WHERE status <> 'Leased'",
+        f"CREATE INDEX ix_queueing_messages_created ON {M} (created_at, id)",
     ],
     "no ix_tracking": ["DROP INDEX ix_queueing_messages_tracking"],
     "no unique message_id": [f"ALTER TABLE {M} DROP CONSTRAINT queueing_messages_message_id_key"],
@@ -84,6 +84,8 @@ VARIANTS: dict[str, list[str]] = {
     ],
     # the indexes as they were before migration 15 (listings holding Leased rows, tracking every row)
     "indexes before 15": [
+        "DROP INDEX ix_queueing_messages_created",
+        f"CREATE INDEX ix_queueing_messages_created ON {M} (created_at, id)",
         "DROP INDEX ix_queueing_messages_status",
         "DROP INDEX ix_queueing_messages_queue_status",
         "DROP INDEX ix_queueing_messages_tracking",

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
 from queueing_core.providers.sql import create_engine
 from queueing_core.providers.sql import schema as sql_schema
+from queueing_core.providers.sql.schema import LISTING_INDEXES
 from queueing_core.runtime import Runtime
 from queueing_core.testing import run_until_idle
 from queueing_core.tracking import MessageQuery
@@ -157,6 +158,54 @@ async def test_listings_by_status_read_an_index_without_leased_rows_in_the_listi
         await rt.close()
 
 
+async def test_listings_that_may_show_running_rows_merge_the_time_index_and_the_leased_index(pg_db):
+    """PostgreSQL: the listing index by time leaves out the rows running now (migration 16), so a
+    listing that may show them (no status filter, or Leased with another status) reads the rest through
+    it and those through the lease sweeper's index, and merges them: under 100,000 rows of history,
+    three pages of each such listing are, row for row, what one ORDER BY over the table gives, with
+    the leased rows in their places, and no page scans the table."""
+    prov = pg_db.provider(listen=False)
+    rt = Runtime(app(), prov)
+    await rt.open()
+    try:
+        await fill(prov, ("entries", "other"))
+        m = prov.tables.messages
+        leased, succeeded = MessageStatus.LEASED.value, MessageStatus.SUCCEEDED.value
+        for query, where in (
+            (MessageQuery(), "true"),
+            (MessageQuery(queue="entries"), "queue = 'entries'"),
+            (MessageQuery(type="Job", archived=False), "type = 'Job' AND NOT archived"),
+            (MessageQuery(status=(leased, succeeded)), "status IN ('Leased', 'Succeeded')"),
+        ):
+            seen: list[tuple[str, Any]] = []
+            record = _recorder(prov, seen)
+            listed: list[Any] = []
+            cursor = None
+            sa.event.listen(prov.engine.sync_engine, "before_cursor_execute", record)
+            try:
+                for _ in range(3):
+                    page = await rt.tracker.query(query, limit=1000, cursor=cursor)
+                    listed += page.items
+                    cursor = page.next_cursor
+            finally:
+                sa.event.remove(prov.engine.sync_engine, "before_cursor_execute", record)
+            async with prov.engine.connect() as conn:
+                expected = (
+                    await conn.exec_driver_sql(
+                        f"SELECT message_id FROM {m.fullname} WHERE {where} "
+                        "ORDER BY created_at DESC, id DESC LIMIT 3000"
+                    )
+                ).scalars()
+                assert [r.message_id for r in listed] == list(expected), query
+            assert sum(r.status == leased for r in listed) >= 2, query
+            for said, plan in await _plans(prov, seen):
+                names = {n.get("Index Name") for n in plan}
+                assert not [n for n in plan if n["Node Type"] == "Seq Scan"], (said, plan)
+                assert {"ix_queueing_messages_created", "ix_queueing_messages_leased"} <= names, (said, plan)
+    finally:
+        await rt.close()
+
+
 async def _opened_seeing(rt: Runtime, hook: Any) -> Runtime:
     """``rt`` opened (migrating its database) with ``hook`` called before each statement it says."""
     sa.event.listen(sa.engine.Engine, "before_cursor_execute", hook)
@@ -182,10 +231,11 @@ async def _a_database_before(db: Any, version: int, n: int) -> tuple[QueueingApp
     return a, ran, sent, prov
 
 
-async def test_migration_15_makes_the_indexes_again_and_the_rows_stay_found(sql_db):
+async def test_migrations_15_and_16_make_the_indexes_again_and_the_rows_stay_found(sql_db):
     """A database as version 14 left it (a tracking index of every row; on PostgreSQL listing indexes
-    holding Leased rows) with a message in it: migration 15 makes the indexes as they are now defined,
-    and the message is still found by its tracking id and runs."""
+    and the index by time holding Leased rows) with a message in it: migrations 15 and 16 make the
+    indexes as they are now defined, each building before it drops, and the message is still found by
+    its tracking id and runs."""
     a, ran, sent, prov = await _a_database_before(sql_db, 15, 7)
     m = prov.tables.messages
 
@@ -196,16 +246,22 @@ async def test_migration_15_makes_the_indexes_again_and_the_rows_stay_found(sql_
             ddl_said.append(" ".join(statement.split()))
 
     prov = sql_db.provider(listen=False)
-    rt = await _opened_seeing(Runtime(a, prov), record)  # migrates 14 -> 15
+    rt = await _opened_seeing(Runtime(a, prov), record)  # migrates 14 -> the latest
     try:
         made = [i for i, s in enumerate(ddl_said) if s.upper().startswith("CREATE INDEX")]
         dropped = [i for i, s in enumerate(ddl_said) if s.upper().startswith("DROP INDEX")]
-        assert len(made) == (3 if sql_db.backend == "postgresql" else 1), ddl_said
+        assert len(made) == (4 if sql_db.backend == "postgresql" else 1), ddl_said
         if sql_db.backend == "postgresql":
-            # every build before the first drop of an old index: a drop's lock stops reads as well,
-            # and is held to the commit, so a build after it would stop them for its whole read
-            old = [i for i in dropped if not ddl_said[i].endswith("_v15")]
-            assert max(made) < min(old), ddl_said
+            # each migration's builds before its first drop of an old index: a drop's lock stops reads
+            # as well, and is held to the commit, so a build after it would stop them for its whole read
+            for version, names in (
+                (15, ("ix_queueing_messages_tracking", *LISTING_INDEXES)),
+                (16, ("ix_queueing_messages_created",)),
+            ):
+                builds = [i for i in made if f"_v{version} ON " in ddl_said[i]]
+                old = [i for i in dropped if ddl_said[i].endswith(names)]
+                assert len(builds) == len(old) == len(names), ddl_said
+                assert max(builds) < min(old), ddl_said
         async with prov.engine.connect() as conn:
             if sql_db.backend == "sqlite":
                 query = "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = ?"
@@ -218,11 +274,12 @@ async def test_migration_15_makes_the_indexes_again_and_the_rows_stay_found(sql_
                 values = {"s": sql_db.schema, "t": m.name}
             ddl = dict((await conn.exec_driver_sql(query, values)).all())
             done = set((await conn.execute(sa.select(prov.tables.schema_versions.c.version))).scalars())
-        assert 15 in done
+        assert done == set(range(1, sql_schema.LATEST + 1))
         assert "tracking_id <> message_id" in ddl["ix_queueing_messages_tracking"], ddl
-        assert not [n for n in ddl if n.endswith("_v15")], ddl  # (nothing left of the build)
+        assert not [n for n in ddl if n[-4:] in ("_v15", "_v16")], ddl  # (nothing left of the builds)
         if sql_db.backend == "postgresql":
-            for name in ("ix_queueing_messages_status", "ix_queueing_messages_queue_status"):
+            assert "<> 'Leased'" in ddl["ix_queueing_messages_created"], ddl
+            for name in LISTING_INDEXES:
                 assert "'Leased'" in ddl[name], ddl[name]
                 assert "'Succeeded'" in ddl[name], ddl[name]
         assert (await a.status(sent.tracking_id)).message_id == sent.message_id
@@ -233,9 +290,9 @@ async def test_migration_15_makes_the_indexes_again_and_the_rows_stay_found(sql_
 
 
 async def _as_before(prov: Any, version: int) -> None:
-    """The database as the migrations before ``version`` (14 or 15) left it: the indexes that 15
-    replaces as 14 had them (a tracking index of every row; on PostgreSQL listing indexes holding
-    Leased rows), and before 14 the row trigger that woke result waiters (``_v10``'s)."""
+    """The database as the migrations before ``version`` (14 or 15) left it: the indexes that 15 and 16
+    replace as 14 had them (a tracking index of every row; on PostgreSQL listing indexes and the index
+    by time holding Leased rows), and before 14 the row trigger that woke result waiters (``_v10``'s)."""
     m = prov.tables.messages
     prefix = f"{prov.tables.metadata.schema}." if prov.tables.metadata.schema else ""
     table = f"{prefix}{m.name}"
@@ -251,6 +308,10 @@ async def _as_before(prov: Any, version: int) -> None:
                 await conn.exec_driver_sql(
                     f"CREATE INDEX {name} ON {table} ({cols}) WHERE status <> 'Succeeded'"
                 )
+            await conn.exec_driver_sql(f"DROP INDEX {prefix}ix_queueing_messages_created")
+            await conn.exec_driver_sql(
+                f"CREATE INDEX ix_queueing_messages_created ON {table} (created_at, id)"
+            )
         if version <= 14:  # 10's row trigger, and 2's UPDATE counts function (14 replaced both)
             await conn.run_sync(lambda sync: sql_schema._v10(sync, prov.tables))
             await conn.exec_driver_sql(sql_schema._count_function_sql(prov.tables, "UPDATE"))
@@ -289,7 +350,7 @@ async def _state(prov: Any) -> tuple[set[int], bool, dict[str, str]]:
 def _as_15_made_them(indexes: dict[str, str], made: bool) -> None:
     """The three indexes of migration 15 as it makes them (``made``) or as 14 left them, and nothing
     left of a build under another name either way."""
-    assert not [n for n in indexes if n.endswith("_v15")], indexes
+    assert not [n for n in indexes if n[-4:] in ("_v15", "_v16")], indexes
     assert ("tracking_id <> message_id" in indexes["ix_queueing_messages_tracking"]) == made, indexes
     for name in ("ix_queueing_messages_status", "ix_queueing_messages_queue_status"):
         assert ("'Leased'" in indexes[name]) == made, indexes[name]
@@ -300,9 +361,10 @@ async def _upgraded_and_runs(
 ) -> None:
     """Every migration applied, the message sent before found by its tracking id, and run once."""
     done, trigger, indexes = await _state(prov)
-    assert done == set(range(1, 16))
+    assert done == set(range(1, sql_schema.LATEST + 1))
     assert not trigger
     _as_15_made_them(indexes, True)
+    assert "'Leased'" in indexes["ix_queueing_messages_created"]  # (16's)
     assert (await a.status(sent.tracking_id)).message_id == sent.message_id
     await run_until_idle(rt)
     assert ran == [n]
@@ -312,7 +374,7 @@ async def test_an_upgrade_from_before_14_builds_the_indexes_of_15_while_reads_go
     """Each migration commits before the next begins: 14's DROP TRIGGER takes the table's exclusive
     lock, which stops reads as well, and had it been held to a commit after 15's index builds, reads
     would have waited for every build. Another session reads the table, with a lock timeout, just
-    before each of 15's builds; and a message sent before the upgrade is found and runs after it."""
+    before each of 15's and 16's builds; and a message sent before the upgrade is found and runs after it."""
     import psycopg
 
     a, ran, sent, prov = await _a_database_before(pg_db, 14, 3)
@@ -325,7 +387,7 @@ async def test_an_upgrade_from_before_14_builds_the_indexes_of_15_while_reads_go
         conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
     ) -> None:
         said = " ".join(statement.split())
-        if not (said.upper().startswith("CREATE INDEX") and "_v15" in said):
+        if not (said.upper().startswith("CREATE INDEX") and ("_v15 " in said or "_v16 " in said)):
             return
         with psycopg.connect(conninfo, autocommit=True) as other:
             other.execute("SET lock_timeout = '2s'")
@@ -338,7 +400,7 @@ async def test_an_upgrade_from_before_14_builds_the_indexes_of_15_while_reads_go
     prov = pg_db.provider(listen=False)
     rt = await _opened_seeing(Runtime(a, prov), read_beside)  # migrates 13 -> 15
     try:
-        assert reads == ["read"] * 3, reads
+        assert reads == ["read"] * 4, reads  # (15's three builds, 16's one)
         await _upgraded_and_runs(prov, rt, a, sent, ran, 3)
     finally:
         await rt.close()

@@ -327,7 +327,9 @@ async def test_an_upgrade_that_cannot_lock_a_table_gives_up_saying_so_and_keeps_
         async with prov.engine.connect() as conn:
             done = set((await conn.execute(sa.select(versions.c.version))).scalars())
         assert done == set(range(1, 14))
-        assert await schema_module.migrate(prov.engine, prov.tables, now=utcnow) == [14, 15]
+        assert await schema_module.migrate(prov.engine, prov.tables, now=utcnow) == list(
+            range(14, schema_module.LATEST + 1)
+        )
     finally:
         if holder is not None:
             await holder.rollback()
