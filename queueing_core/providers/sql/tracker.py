@@ -16,10 +16,26 @@ from ...clock import as_utc
 from ...messages import MessageStatus
 from ...tracking.base import Activity, MessageQuery, MessageRecord, Page, invalid_cursor
 from .records import read_record, stored_in_order
-from .schema import IN_LIST_BATCH, archived, claimable, tracked_by
+from .schema import IN_LIST_BATCH, LEASED_SQL, UNLEASED_SQL, archived, claimable, tracked_by
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
+
+
+def _walks_by_time(status: Sequence[str] | None) -> bool:
+    """Whether a listing with this status filter reads the listing index by time on PostgreSQL and,
+    since that index leaves out the rows running now, must add those from the lease sweeper's index.
+    Not a filter of plain statuses one of the indexes by status holds each of: those rows come
+    through those indexes (and Leased through the sweeper's), each status's rows in one index. But no
+    filter, archived rows (most of a long history), or Succeeded (no index by status holds it) beside
+    Leased: without the merge no index would hold every row such a listing shows, and PostgreSQL
+    would read and sort them all."""
+    names = set(status or ())
+    return (
+        not names
+        or MessageStatus.ARCHIVED.value in names
+        or {MessageStatus.LEASED.value, MessageStatus.SUCCEEDED.value} <= names
+    )
 
 
 def encode_cursor(created_at: datetime | None, row_id: int) -> str:
@@ -104,7 +120,8 @@ class SqlTracker:
             # one equality a status, not ``IN``: PostgreSQL reads each status's rows on the index that
             # holds them (Leased rows are in the lease sweeper's index only, the others in the listing
             # indexes) and ORs the two; an ``IN`` list naming Leased and another status matches neither
-            # index's predicate, and walked the whole history newest first instead
+            # index's predicate, and walked the whole history newest first instead. (A filter no
+            # index by status serves is split in two by ``query``, see ``_walks_by_time``.)
             parts: list[sa.ColumnElement[bool]] = [m.c.status == s for s in plain]
             if len(plain) != len(q.status):
                 parts.append(archived(m))
@@ -165,23 +182,19 @@ class SqlTracker:
                 at if at is not None else sa.select(m.c.created_at).where(m.c.id == row_id).scalar_subquery()
             )
             after = sa.or_(m.c.created_at < then, sa.and_(m.c.created_at == then, m.c.id < row_id))
-        leased = MessageStatus.LEASED.value
         stmt: sa.Select[Any]
-        if self.provider.backend == "postgresql" and (
-            not query.status or (leased in query.status and len(query.status) > 1)
-        ):
-            # the listing index by time leaves out the rows running now (schema v16): the rest come
-            # through it and those through the lease sweeper's index, each part newest first, and the
-            # two merged (otherwise no index holds every row such a listing may show: a scan and a sort
-            # of the whole history)
-            rest = query.model_copy(update={"status": tuple(s for s in query.status or () if s != leased)})
-            # ordered by the stored time, as each part is; not fetched (a time the driver cannot hold
-            # is listed as NULL beside its text, see ``columns``)
+        if self.provider.backend == "postgresql" and _walks_by_time(query.status):
+            # the listing index by time leaves out the rows running now (schema v16): the listing's
+            # other rows come through it and its running ones through the lease sweeper's index, each
+            # part newest first, and the two merged (each part is the listing's own filter and one of
+            # the two indexes' predicates, said as the index says it, so the two are the listing)
             order = m.c.created_at.label("stored_order")
             parts = sa.union_all(
-                self._page(rest, after, limit + 1, order).where(m.c.status != leased),
-                self._page(query.model_copy(update={"status": (leased,)}), after, limit + 1, order),
+                self._page(query, after, limit + 1, order).where(sa.text(UNLEASED_SQL)),
+                self._page(query, after, limit + 1, order).where(sa.text(LEASED_SQL)),
             ).subquery()
+            # ordered by the stored time, as each part is; not fetched (a time the driver cannot hold
+            # is listed as NULL beside its text, see ``columns``)
             stmt = (
                 sa.select(*[c for c in parts.c if c.name != "stored_order"])
                 .order_by(parts.c.stored_order.desc(), parts.c.id.desc())
