@@ -23,13 +23,11 @@ if TYPE_CHECKING:
 
 
 def _walks_by_time(status: Sequence[str] | None) -> bool:
-    """Whether a listing with this status filter reads the listing index by time on PostgreSQL and,
-    since that index leaves out the rows running now, must add those from the lease sweeper's index.
-    Not a filter of plain statuses one of the indexes by status holds each of: those rows come
-    through those indexes (and Leased through the sweeper's), each status's rows in one index. But no
-    filter, archived rows (most of a long history), or Succeeded (no index by status holds it) beside
-    Leased: without the merge no index would hold every row such a listing shows, and PostgreSQL
-    would read and sort them all."""
+    """Whether a listing with this status filter reads the listing index by time on PostgreSQL, and so
+    (that index leaving out the rows running now) must add those from the lease sweeper's index: no
+    filter, archived rows (most of a long history), or Leased beside Succeeded (which no index by
+    status holds). Any other filter reads each status's rows on an index by status, Leased on the
+    sweeper's."""
     names = set(status or ())
     return (
         not names
@@ -188,10 +186,9 @@ class SqlTracker:
             # other rows come through it and its running ones through the lease sweeper's index, each
             # part newest first, and the two merged (each part is the listing's own filter and one of
             # the two indexes' predicates, said as the index says it, so the two are the listing)
-            order = m.c.created_at.label("stored_order")
+            page = self._page(query, after, limit + 1, m.c.created_at.label("stored_order"))
             parts = sa.union_all(
-                self._page(query, after, limit + 1, order).where(sa.text(UNLEASED_SQL)),
-                self._page(query, after, limit + 1, order).where(sa.text(LEASED_SQL)),
+                page.where(sa.text(UNLEASED_SQL)), page.where(sa.text(LEASED_SQL))
             ).subquery()
             # ordered by the stored time, as each part is; not fetched (a time the driver cannot hold
             # is listed as NULL beside its text, see ``columns``)
