@@ -1,10 +1,11 @@
 """The decision behind ``receives_in_flight="auto"`` (``queueing_core.overlap``): one claim unless the
 worker is the only one holding leases; alone, a trial of alternating windows (one claim, then two)
-keeps two claims only where they claimed more rows a second, for a while, then tries again."""
+keeps two claims only where they claimed more rows a second, pair by pair, for a while, then tries
+again."""
 
 from __future__ import annotations
 
-from queueing_core.overlap import BETTER, HOLD, PAIRS, SETTLE, WINDOW, Overlap
+from queueing_core.overlap import BETTER, HOLD, MOST_PAIRS, PAIRS, SETTLE, WINDOW, Overlap
 
 
 class Clock:
@@ -34,6 +35,16 @@ def run_trial(o: Overlap, clock: Clock, one: float, two: float) -> list[int]:
         modes.append(mode)
         limits = run_window(o, clock, one if mode == 1 else two)
         assert set(limits) == {mode}, limits  # a window runs one mode throughout
+    return modes
+
+
+def run_windows(o: Overlap, clock: Clock, paces: list[float]) -> list[int]:
+    """Windows at the given seconds a claim, one after the other: the mode each ran."""
+    modes = []
+    for pace in paces:
+        modes.append(o.limit())
+        limits = run_window(o, clock, pace)
+        assert set(limits) == {modes[-1]}, limits
     return modes
 
 
@@ -119,7 +130,6 @@ def test_the_settling_claims_of_a_window_are_not_counted():
     assert o.limit() == 1  # two claims slightly slower once the burst is left out
 
 
-
 def test_a_finding_of_one_claim_stands_through_a_moment_not_alone():
     """A worker seen now and then (or a slow answer) ends a choice of two claims, not a finding that two
     do not pay: that one stands its time, rather than trials of two claims starting again at once."""
@@ -144,3 +154,50 @@ def test_a_trial_that_measured_no_time_keeps_one_claim():
     o.alone(True)
     run_trial(o, clock, one=0.0, two=0.0)
     assert o.limit() == 1
+
+
+def test_one_stalled_window_does_not_decide_a_trial():
+    """The logged trial that kept one claim: one window of two claims stalled (2,662 rows a second, its
+    others 7,166 and 11,315; its windows of one 5,529, 8,163 and 6,672). Summed, two claims looked 0.75
+    times as fast; its pairs disagree, so the trial runs on, and two more pairs like its good ones
+    keep two claims."""
+    clock = Clock()
+    o = Overlap(clock)
+    o.alone(True)
+    paces = [10 / rate for rate in (5_529, 2_662, 8_163, 7_166, 6_672, 11_315)]
+    assert run_windows(o, clock, paces) == [1, 2] * PAIRS
+    assert o.limit() == 1  # no finding yet: the seventh window, one claim, of a fourth pair
+    assert o.chosen_until < clock.now
+    more = [10 / rate for rate in (6_500, 8_500) * (MOST_PAIRS - PAIRS)]
+    assert run_windows(o, clock, more) == [1, 2] * (MOST_PAIRS - PAIRS)
+    assert o.limit() == 2
+    clock.now += HOLD - 1
+    assert o.limit() == 2  # the finding stands its time
+
+
+def test_pairs_that_disagree_are_settled_by_the_median_pair():
+    """A server whose commits run one after the other, with a first window of one claim slow to start:
+    the first pair says two, the rest say one, and the median keeps one claim."""
+    clock = Clock()
+    o = Overlap(clock)
+    o.alone(True)
+    rates = [3_000, 5_000] + [6_000, 5_000] * (MOST_PAIRS - 1)  # two claims 0.83 of one, but at first
+    assert run_windows(o, clock, [10 / r for r in rates]) == [1, 2] * MOST_PAIRS
+    assert o.limit() == 1
+    assert o.chosen_until > clock.now  # found, not merely undecided
+    clock.now += HOLD
+    assert o.limit() == 1  # a new trial starts with one claim
+    assert run_trial(o, clock, one=0.004, two=0.003) == [1, 2] * PAIRS
+    assert o.limit() == 2
+
+
+def test_a_trial_ends_at_its_most_pairs():
+    """Pairs that keep disagreeing do not keep the trial running: at the last pair the median says."""
+    clock = Clock()
+    o = Overlap(clock)
+    o.alone(True)
+    # alternately a pair for two claims (1.5 times) and one against (0.5 times): three of five for two
+    rates = [r for k in range(MOST_PAIRS) for r in ((4_000, 6_000) if k % 2 == 0 else (4_000, 2_000))]
+    run_windows(o, clock, [10 / r for r in rates])
+    assert o.limit() == 2
+    assert o.chosen_until == clock.now + HOLD
