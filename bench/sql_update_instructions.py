@@ -22,6 +22,8 @@ autocommit is; the WAL is written but not flushed (``fsync=off``: the flush is a
 instructions).
 
 Variants are diagnostics, never configurations: taking an index or a trigger away breaks what it serves.
+Some bring statements of their own: the updates counting their own rows in a CTE while the counts
+trigger skips its count, and ``pair`` variants that run a success and the next claim as one statement.
 
 Usage: .venv/bin/python bench/sql_update_instructions.py [--rows 20000] [--batches 150] [--batch 10]
            [--only base,...] [--jobs 2]
@@ -97,15 +99,94 @@ VARIANTS: dict[str, list[str]] = {
     ],
 }
 
-#: prepared, as the kit's hot path prepares its statements (the server plans each once, not per call)
-PREPARE = [
-    f"PREPARE claim(bigint, bigint) AS UPDATE {M} SET status = 'Leased', locked_by = 'bench-worker', "
+#: the two updates, shaped as the kit's claim and success change a row
+CLAIM = (
+    f"UPDATE {M} SET status = 'Leased', locked_by = 'bench-worker', "
     "locked_until = now() + interval '30 seconds', lease_token = lease_token + 1, updated_at = now() "
-    "WHERE id BETWEEN $1 AND $2",
-    f"PREPARE success(bigint, bigint) AS UPDATE {M} SET status = 'Succeeded', attempt = attempt + 1, "
+    "WHERE id BETWEEN $1 AND $2"
+)
+SUCCESS = (
+    f"UPDATE {M} SET status = 'Succeeded', attempt = attempt + 1, "
     "locked_by = NULL, locked_until = NULL, updated_at = now(), settled_at = now() "
-    "WHERE id BETWEEN $1 AND $2",
-]
+    "WHERE id BETWEEN $1 AND $2"
+)
+#: prepared, as the kit's hot path prepares its statements (the server plans each once, not per call)
+PREPARE = [f"PREPARE claim(bigint, bigint) AS {CLAIM}", f"PREPARE success(bigint, bigint) AS {SUCCESS}"]
+
+# Counting some other way than the UPDATE counts trigger's query (diagnostics of 2026-12-03, not the
+# kit's): the statement counts its own rows into the counts table in a CTE, and the trigger skips the
+# count when a setting says so. The setting here is a plain session one; a real guard would have to be
+# one statement's alone.
+C = "queueing_counts"
+SKIPPING = _count_function_sql(TABLES, "UPDATE").replace(
+    "BEGIN\n", "BEGIN\n IF current_setting('bench.counted', true) = 'on' THEN RETURN NULL; END IF;\n", 1
+)
+UPSERT = f"ON CONFLICT (queue, status, archived, shard) DO UPDATE SET n = {C}.n + EXCLUDED.n"
+
+
+def grouped(update: str, old: str, new: str) -> str:
+    """``update`` counting its rows as the trigger does: a union of both sides, grouped."""
+    return (
+        f"WITH changed AS ({update} RETURNING queue), counted AS (INSERT INTO {C} (queue, status, "
+        "archived, shard, n) SELECT queue, s, false, mod(pg_backend_pid(), 16), sum(d) FROM ("
+        f"SELECT queue, '{old}' AS s, -1 AS d FROM changed UNION ALL SELECT queue, '{new}', 1 FROM changed"
+        f") AS x GROUP BY queue, s ORDER BY queue, s {UPSERT}) SELECT count(*) FROM changed"
+    )
+
+
+def counted(update: str, old: str, new: str) -> str:
+    """``update`` counting its rows once, the two counter rows from a VALUES list."""
+    return (
+        f"WITH changed AS ({update} RETURNING queue), k AS (SELECT min(queue) AS q, count(*) AS k "
+        f"FROM changed), counted AS (INSERT INTO {C} (queue, status, archived, shard, n) "
+        "SELECT k.q, v.s, false, mod(pg_backend_pid(), 16), v.d * k.k "
+        f"FROM k, (VALUES ('{old}', -1), ('{new}', 1)) AS v(s, d) WHERE k.k > 0 ORDER BY 1, 2 {UPSERT}) "
+        "SELECT k FROM k"
+    )
+
+
+def pair(count: bool) -> str:
+    """One statement: the success of one batch ($1-$2) and the claim of the next ($3-$4), counted in
+    it (``count``) or by the trigger, which fires once for both with both in its transition tables."""
+    claim = CLAIM.replace("$1", "$3").replace("$2", "$4")
+    head = (
+        f"PREPARE pair(bigint, bigint, bigint, bigint) AS WITH s AS ({SUCCESS} RETURNING queue), "
+        f"c AS ({claim} RETURNING queue), k AS (SELECT coalesce((SELECT min(queue) FROM c), "
+        "(SELECT min(queue) FROM s)) AS q, (SELECT count(*) FROM s) AS s, (SELECT count(*) FROM c) AS c)"
+    )
+    if not count:
+        return f"{head} SELECT s, c FROM k"
+    return (
+        f"{head}, counted AS (INSERT INTO {C} (queue, status, archived, shard, n) "
+        "SELECT k.q, v.st, false, mod(pg_backend_pid(), 16), v.d FROM k, LATERAL (VALUES "
+        "('Leased', k.c - k.s), ('Pending', -k.c), ('Succeeded', k.s)) AS v(st, d) WHERE v.d <> 0 "
+        f"ORDER BY 1, 2 {UPSERT}) SELECT s, c FROM k"
+    )
+
+
+#: variant -> its own prepared statements instead of PREPARE (a ``pair`` variant runs a success and the
+#: next claim together: see ``script``)
+PREPARED: dict[str, list[str]] = {
+    "counted in the statement (grouped)": [
+        f"PREPARE claim(bigint, bigint) AS {grouped(CLAIM, 'Pending', 'Leased')}",
+        f"PREPARE success(bigint, bigint) AS {grouped(SUCCESS, 'Leased', 'Succeeded')}",
+    ],
+    "counted in the statement (once)": [
+        f"PREPARE claim(bigint, bigint) AS {counted(CLAIM, 'Pending', 'Leased')}",
+        f"PREPARE success(bigint, bigint) AS {counted(SUCCESS, 'Leased', 'Succeeded')}",
+    ],
+    "pair counted in it": [pair(count=True), *PREPARE],
+    "pair counted by the trigger": [pair(count=False), *PREPARE],
+    "pair uncounted": [pair(count=False), *PREPARE],
+}
+VARIANTS |= {
+    "counted in the statement (grouped)": [SKIPPING, "SET bench.counted = 'on'"],
+    "counted in the statement (once)": [SKIPPING, "SET bench.counted = 'on'"],
+    "count skipped (uncounted)": [SKIPPING, "SET bench.counted = 'on'"],
+    "pair counted in it": [SKIPPING, "SET bench.counted = 'on'"],
+    "pair counted by the trigger": [],
+    "pair uncounted": [SKIPPING, "SET bench.counted = 'on'"],
+}
 
 
 class Options(argparse.Namespace):
@@ -171,8 +252,20 @@ async def make_template(pg: Path, data: Path, rows: int) -> None:
         subprocess.run(as_server_user([*ctl, "stop"]), check=True, capture_output=True)
 
 
+def prepared(variant: str) -> list[str]:
+    return [*VARIANTS[variant], *PREPARED.get(variant, PREPARE)]
+
+
 def script(variant: str, batches: int, batch: int) -> str:
-    lines = [*VARIANTS[variant], *PREPARE]
+    lines = prepared(variant)
+    if variant.startswith("pair"):
+        # the first claim alone, then each success with the next claim, then the last success alone
+        lines.append(f"EXECUTE claim(1, {batch})")
+        for k in range(batches - 1):
+            a, b = k * batch + 1, (k + 1) * batch
+            lines.append(f"EXECUTE pair({a}, {b}, {a + batch}, {b + batch})")
+        lines.append(f"EXECUTE success({(batches - 1) * batch + 1}, {batches * batch})")
+        return statements(lines)
     for k in range(batches):
         a, b = k * batch + 1, (k + 1) * batch
         lines += [f"EXECUTE claim({a}, {b})", f"EXECUTE success({a}, {b})"]
@@ -246,7 +339,7 @@ def main() -> None:
         template = work / "template"
         asyncio.run(make_template(pg, template, args.rows))
         # each variant's own statements with no updates: what start-up and the variant itself cost
-        runs = {f"{n} (no updates)": statements([*VARIANTS[n], *PREPARE]) for n in names}
+        runs = {f"{n} (no updates)": statements(prepared(n)) for n in names}
         runs |= {n: script(n, args.batches, args.batch) for n in names}
         with ThreadPoolExecutor(args.jobs) as pool:
             counted = dict(
