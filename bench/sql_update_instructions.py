@@ -47,7 +47,7 @@ import common
 
 from queueing_core import QueueingApp
 from queueing_core.providers.sql import SqlProvider
-from queueing_core.providers.sql.schema import Tables, _count_function_sql
+from queueing_core.providers.sql.schema import Tables, _count_function_sql, _done_notice_sql
 from queueing_core.runtime import Runtime
 
 M = "queueing_messages"
@@ -114,12 +114,16 @@ SUCCESS = (
 PREPARE = [f"PREPARE claim(bigint, bigint) AS {CLAIM}", f"PREPARE success(bigint, bigint) AS {SUCCESS}"]
 
 # Counting some other way than the UPDATE counts trigger's query (diagnostics of 2026-12-03, not the
-# kit's): the statement counts its own rows into the counts table in a CTE, and the trigger skips the
-# count when a setting says so. The setting here is a plain session one; a real guard would have to be
-# one statement's alone.
+# kit's): the statement counts its own rows into the counts table in a CTE, and the trigger skips its
+# count (not its wake-up of result waiters, which stays) when a setting says so. The setting here is a
+# plain session one; a real guard would have to be one statement's alone.
 C = "queueing_counts"
-SKIPPING = _count_function_sql(TABLES, "UPDATE").replace(
-    "BEGIN\n", "BEGIN\n IF current_setting('bench.counted', true) = 'on' THEN RETURN NULL; END IF;\n", 1
+SKIPPING = (
+    _count_function_sql(TABLES, "UPDATE", _done_notice_sql(TABLES))
+    .replace(
+        "INSERT INTO", "IF current_setting('bench.counted', true) IS DISTINCT FROM 'on' THEN INSERT INTO", 1
+    )
+    .replace("EXCLUDED.n;", "EXCLUDED.n; END IF;", 1)
 )
 UPSERT = f"ON CONFLICT (queue, status, archived, shard) DO UPDATE SET n = {C}.n + EXCLUDED.n"
 
@@ -175,7 +179,12 @@ PREPARED: dict[str, list[str]] = {
         f"PREPARE claim(bigint, bigint) AS {counted(CLAIM, 'Pending', 'Leased')}",
         f"PREPARE success(bigint, bigint) AS {counted(SUCCESS, 'Leased', 'Succeeded')}",
     ],
-    "pair counted in it": [pair(count=True), *PREPARE],
+    # (the first claim and the last success, run alone, count themselves as well)
+    "pair counted in it": [
+        pair(count=True),
+        f"PREPARE claim(bigint, bigint) AS {counted(CLAIM, 'Pending', 'Leased')}",
+        f"PREPARE success(bigint, bigint) AS {counted(SUCCESS, 'Leased', 'Succeeded')}",
+    ],
     "pair counted by the trigger": [pair(count=False), *PREPARE],
     "pair uncounted": [pair(count=False), *PREPARE],
 }

@@ -177,11 +177,12 @@ def test_one_stalled_window_does_not_decide_a_trial():
 
 def test_pairs_that_disagree_are_settled_by_the_median_pair():
     """A server whose commits run one after the other, with a first window of one claim slow to start:
-    the first pair says two, the rest say one, and the median keeps one claim."""
+    the first pair says two by far, the rest say one, and the median keeps one claim (the pairs' mean,
+    5.0 and four times 0.83, would keep two)."""
     clock = Clock()
     o = Overlap(clock)
     o.alone(True)
-    rates = [3_000, 5_000] + [6_000, 5_000] * (MOST_PAIRS - 1)  # two claims 0.83 of one, but at first
+    rates = [1_000, 5_000] + [6_000, 5_000] * (MOST_PAIRS - 1)  # two claims 0.83 of one, but at first
     assert run_windows(o, clock, [10 / r for r in rates]) == [1, 2] * MOST_PAIRS
     assert o.limit() == 1
     assert o.chosen_until > clock.now  # found, not merely undecided
@@ -201,3 +202,21 @@ def test_a_trial_ends_at_its_most_pairs():
     run_windows(o, clock, [10 / r for r in rates])
     assert o.limit() == 2
     assert o.chosen_until == clock.now + HOLD
+
+
+def test_a_drained_queue_ends_a_trial_that_ran_on():
+    """Pairs that disagreed, then the queue ran dry in the fourth pair: the trial starts again from its
+    first window, and needs three pairs of its own before any finding."""
+    clock = Clock()
+    o = Overlap(clock)
+    o.alone(True)
+    disagreeing = [4_000, 6_000, 4_000, 2_000, 4_000, 6_000, 4_000]  # three pairs, then one claim
+    run_windows(o, clock, [10 / r for r in disagreeing])
+    assert o.limit() == 2  # the fourth pair's window of two claims
+    o.drained()
+    assert o.limit() == 1
+    run_windows(o, clock, [10 / r for r in (4_000, 2_000) * (PAIRS - 1)])
+    assert o.chosen_until < clock.now  # two pairs of the new trial: no finding yet
+    run_windows(o, clock, [0.002, 0.004])  # the third pair: two claims at half the rate
+    assert o.limit() == 1
+    assert o.chosen_until == clock.now + HOLD  # three pairs, all for one claim

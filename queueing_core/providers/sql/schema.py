@@ -754,6 +754,22 @@ def _v13(conn: sa.Connection, tables: Tables) -> None:
     conn.exec_driver_sql(f"ALTER INDEX {schema}{building} RENAME TO {quote.quote(name)}")
 
 
+def _done_notice_sql(tables: Tables) -> str:
+    """What ``_v14`` adds to the UPDATE counts trigger's function after the counts: the wake-up of
+    result waiters (``bench/sql_update_instructions.py`` builds its variants of the function on it)."""
+    channel = done_channel_for(tables.metadata.schema).replace("'", "''")
+    final = ", ".join(f"'{s.value}'" for s in MessageStatus.terminal())
+    # the channel from the validated schema name, statuses from the enum: nothing from input
+    return f"""
+                -- result waiters (app.result): flagged rows that just reached a final status (a row's
+                -- old and new versions paired by id, which no statement of the kit changes)
+                IF EXISTS (SELECT FROM new_rows WHERE awaited) THEN
+                    PERFORM pg_notify('{channel}', chr(31) || 'done' || chr(31) || n.message_id::text)
+                    FROM new_rows AS n JOIN old_rows AS o USING (id)
+                    WHERE n.awaited AND n.status IN ({final}) AND o.status IS DISTINCT FROM n.status;
+                END IF;"""
+
+
 def _v14(conn: sa.Connection, tables: Tables) -> None:
     """Result waiters woken by the counts trigger of UPDATE statements, not by a row trigger (PostgreSQL).
 
@@ -767,18 +783,7 @@ def _v14(conn: sa.Connection, tables: Tables) -> None:
     """
     if conn.dialect.name != "postgresql":
         return
-    schema = tables.metadata.schema
-    channel = done_channel_for(schema).replace("'", "''")
-    final = ", ".join(f"'{s.value}'" for s in MessageStatus.terminal())
-    # the channel from the validated schema name, statuses from the enum: nothing from input
-    then = f"""
-                -- result waiters (app.result): flagged rows that just reached a final status (a row's
-                -- old and new versions paired by id, which no statement of the kit changes)
-                IF EXISTS (SELECT FROM new_rows WHERE awaited) THEN
-                    PERFORM pg_notify('{channel}', chr(31) || 'done' || chr(31) || n.message_id::text)
-                    FROM new_rows AS n JOIN old_rows AS o USING (id)
-                    WHERE n.awaited AND n.status IN ({final}) AND o.status IS DISTINCT FROM n.status;
-                END IF;"""
+    then = _done_notice_sql(tables)
     conn.exec_driver_sql(_count_function_sql(tables, "UPDATE", then))
     conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS queueing_notify_done ON {tables.messages.fullname}")
     conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {_function(tables, 'queueing_notify_done')}()")
