@@ -188,13 +188,15 @@ PREPARED: dict[str, list[str]] = {
     "pair counted by the trigger": [pair(count=False), *PREPARE],
     "pair uncounted": [pair(count=False), *PREPARE],
 }
+#: the trigger told to skip its count (the variants' statements count, or nothing does)
+SKIPPED = [SKIPPING, "SET bench.counted = 'on'"]
 VARIANTS |= {
-    "counted in the statement (grouped)": [SKIPPING, "SET bench.counted = 'on'"],
-    "counted in the statement (once)": [SKIPPING, "SET bench.counted = 'on'"],
-    "count skipped (uncounted)": [SKIPPING, "SET bench.counted = 'on'"],
-    "pair counted in it": [SKIPPING, "SET bench.counted = 'on'"],
+    "counted in the statement (grouped)": SKIPPED,
+    "counted in the statement (once)": SKIPPED,
+    "count skipped (uncounted)": SKIPPED,
+    "pair counted in it": SKIPPED,
     "pair counted by the trigger": [],
-    "pair uncounted": [SKIPPING, "SET bench.counted = 'on'"],
+    "pair uncounted": SKIPPED,
 }
 
 
