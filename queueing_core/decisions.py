@@ -8,6 +8,19 @@ from enum import StrEnum
 from typing import Any
 
 from .messages import MessageStatus
+from .storable import storable_text
+
+
+def _keep_text(decision: object, name: str) -> None:
+    """The decision's text ``name`` as every store keeps it. It may be a handler's exception text or a
+    reason it gave, which may hold U+0000 or a lone surrogate; a store refuses those, and one settlement
+    refused fails the whole batch it rides in, on every try (the other messages, successes included,
+    ran again when their leases lapsed). Replaced here, once, whatever the transport and the history."""
+    text = getattr(decision, name)
+    if text is not None:
+        kept = storable_text(text)
+        if kept is not text:
+            object.__setattr__(decision, name, kept)  # (frozen: set once, as it is made)
 
 
 class DeadLetterReason(StrEnum):
@@ -36,6 +49,10 @@ class Complete:
     #: why a message ended without running (a cancelled one superseded by a newer version)
     reason: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.reason is not None:  # (most have none: no call for them)
+            _keep_text(self, "reason")
+
     @property
     def status(self) -> MessageStatus:
         return MessageStatus.CANCELLED if self.cancelled else MessageStatus.SUCCEEDED
@@ -50,6 +67,9 @@ class RetryAfter:
 
     status = MessageStatus.FAILED
 
+    def __post_init__(self) -> None:
+        _keep_text(self, "error")
+
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
@@ -57,6 +77,9 @@ class DeadLetter:
     description: str
 
     status = MessageStatus.DEAD_LETTERED
+
+    def __post_init__(self) -> None:
+        _keep_text(self, "description")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +93,9 @@ class Defer:
     #: the handler succeeded and asked to run again later: the next run starts with fresh attempts
     reset_attempts: bool = False
 
+    def __post_init__(self) -> None:
+        _keep_text(self, "reason")
+
 
 @dataclass(frozen=True, slots=True)
 class Release:
@@ -78,6 +104,9 @@ class Release:
     reason: str
 
     status = MessageStatus.PENDING
+
+    def __post_init__(self) -> None:
+        _keep_text(self, "reason")
 
 
 @dataclass(frozen=True, slots=True)

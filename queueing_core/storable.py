@@ -5,7 +5,9 @@ not Unicode, from ``"\\ud800"``), which also fails UTF-8 for every transport's h
 text is refused at enqueue (``check_sendable``); a handler's result cannot be refused once the work is
 done, so such characters are replaced with U+FFFD and the run still succeeds. Left as they were, the
 settlement failed on every try (the message ran again, then was dead-lettered although its work was
-done) or a history write failed for ever.
+done) or a history write failed for ever. The same holds for the text of a decision (a handler's
+exception text, the reason it gave): one settlement a store refuses fails the whole batch it rides in,
+so ``decisions`` keeps its texts storable from the start.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ def _unstorable(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def storable_text(text: str) -> str:
+    """``text`` as every store keeps it: itself, unless it holds what no store keeps."""
+    return _clean(text) if _unstorable(text) else text
 
 
 def storable(data: Any) -> tuple[Any, bool]:

@@ -39,6 +39,7 @@ from .app import Subscription
 from .clock import Clock, utcnow
 from .control import ControlState, circuit
 from .decisions import Release
+from .errors import ProviderUnavailable
 from .overlap import GATE_EVERY, STALE, Overlap
 from .runtime import HistoryAhead, Runtime, default_worker_id
 from .transport import (
@@ -147,6 +148,17 @@ def _released(delivery: Delivery) -> Settlement:
     """A message the host gives back untouched as it stops (no attempt used): a handler cancelled at
     the deadline, or a claim that came back after it."""
     return Settlement(delivery, Release("host shutting down"))
+
+
+def _part_of(ahead: HistoryAhead, settlement: Settlement) -> HistoryAhead:
+    """What ``ahead`` journaled for ``settlement`` alone (a batch settled one by one)."""
+    key = id(settlement.delivery)
+    part = HistoryAhead()
+    if key in ahead.records:
+        part.records[key] = ahead.records[key]
+    if key in ahead.rows:
+        part.rows[key] = ahead.rows[key]
+    return part
 
 
 class PollBackoff:
@@ -371,13 +383,28 @@ class Settler:
         finally:
             self._on_the_way -= len(chunk)
 
-    async def _settle(self, chunk: list[Settlement], ahead: HistoryAhead) -> None:
+    async def _settle(self, chunk: list[Settlement], ahead: HistoryAhead, *, alone: bool = False) -> None:
+        """``chunk`` settled, with retries. A batch that fails for anything but the store's absence
+        (``ProviderUnavailable``) may hold one settlement the store refuses, and as one transaction
+        would fail on every try, its other messages (successes included) left to lapse and run again:
+        each is then settled on its own. Such a one (``alone``) gets two tries for what the store
+        refuses, not five; the store's absence still gets five."""
+        refused = 0
         for attempt in range(1, 6):
             try:
                 await self.runtime.provider.settle(chunk)
                 break
             except Exception as exc:
-                if attempt == 5:
+                transient = isinstance(exc, ProviderUnavailable)
+                if not transient and len(chunk) > 1:
+                    log.warning(
+                        "settling %d message(s) failed (%s); settling each on its own", len(chunk), exc
+                    )
+                    for one in chunk:
+                        await self._settle([one], _part_of(ahead, one), alone=True)
+                    return
+                refused += not transient
+                if attempt == 5 or (alone and refused >= 2):
                     # The leases will lapse and the messages come back: at-least-once, nothing lost.
                     log.error("could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc)
                     self.runtime.history_not_settled(ahead)

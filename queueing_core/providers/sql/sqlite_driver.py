@@ -329,6 +329,8 @@ class SqliteDriverPath:
                 try:
                     # (no await between ``idle`` and the function queued in the thread)
                     return await self.round_trip(aio, bound)
+                except UnicodeError:
+                    raise  # (a value ``sqlite3`` could not encode, rolled back: the data's, see below)
                 except (_Unusable, _Committed, ValueError) as failed:
                     # its state is unknown, or it is gone: out of the pool, as a borrowed one would be
                     self._known = None
@@ -361,6 +363,12 @@ class SqliteDriverPath:
                     lent.clean = False  # (out of the pool)
                     self._known = None
                     raise broken.error from None
+                except UnicodeError:
+                    # a ValueError too, but the data's: text ``sqlite3`` could not encode (a lone
+                    # surrogate), its transaction rolled back; the connection is fine, and the caller
+                    # must not read it as the database's absence (retried for ever, the pool's one
+                    # connection thrown away at every try)
+                    raise
                 except ValueError as closed:
                     # aiosqlite's words for a connection (or its thread) that is gone: out of the pool,
                     # and a retryable error, as SQLAlchemy's adapter treats them
