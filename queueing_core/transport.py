@@ -42,6 +42,9 @@ class Capabilities:
     #: two receives for one subscription may run at once, each taking different messages (SQL: each
     #: claim skips the rows another holds), so a worker may keep a second one in flight
     overlapping_receives: bool = False
+    #: a batch of settlements is one transaction (SQL): one the store refuses fails the others with it,
+    #: so the worker settles such a batch one by one (brokers settle each message apart already)
+    settles_as_one: bool = False
 
 
 @dataclass(slots=True)

@@ -150,14 +150,15 @@ def _released(delivery: Delivery) -> Settlement:
     return Settlement(delivery, Release("host shutting down"))
 
 
-def _part_of(ahead: HistoryAhead, settlement: Settlement) -> HistoryAhead:
-    """What ``ahead`` journaled for ``settlement`` alone (a batch settled one by one)."""
-    key = id(settlement.delivery)
+def _parts_of(ahead: HistoryAhead, settlements: list[Settlement]) -> HistoryAhead:
+    """What ``ahead`` journaled for ``settlements`` alone (part of a batch settled apart)."""
     part = HistoryAhead()
-    if key in ahead.records:
-        part.records[key] = ahead.records[key]
-    if key in ahead.rows:
-        part.rows[key] = ahead.rows[key]
+    for s in settlements:
+        key = id(s.delivery)
+        if key in ahead.records:
+            part.records[key] = ahead.records[key]
+        if key in ahead.rows:
+            part.rows[key] = ahead.rows[key]
     return part
 
 
@@ -217,6 +218,8 @@ class Settler:
         self.batch = batch
         self.linger = linger
         self.hold = hold
+        #: the pause before a settlement's second try, doubled for each try after it (up to 5 s)
+        self.backoff = 0.2
         self.on_settled = on_settled
         self._buf: list[Settlement] = []
         #: batches a claim took and gave back (its transaction failed): settled first, with retries
@@ -383,36 +386,80 @@ class Settler:
         finally:
             self._on_the_way -= len(chunk)
 
-    async def _settle(self, chunk: list[Settlement], ahead: HistoryAhead, *, alone: bool = False) -> None:
-        """``chunk`` settled, with retries. A batch that fails for anything but the store's absence
-        (``ProviderUnavailable``) may hold one settlement the store refuses, and as one transaction
-        would fail on every try, its other messages (successes included) left to lapse and run again:
-        each is then settled on its own. Such a one (``alone``) gets two tries for what the store
-        refuses, not five; the store's absence still gets five."""
-        refused = 0
+    async def _settle(self, chunk: list[Settlement], ahead: HistoryAhead) -> None:
+        """``chunk`` settled, with five tries; after the last, its leases are left to lapse and its
+        messages run again (at-least-once, nothing lost).
+
+        Where a batch is one transaction (``Capabilities.settles_as_one``: SQL), one settlement the
+        store refuses (a value it cannot take) fails every other with it, on every try, and they would
+        all lapse and run again, successes included. So the first failure that is not the store's
+        absence (``ProviderUnavailable``) has the batch settled one by one, once
+        (:meth:`_settle_apart`)."""
+        split = False
         for attempt in range(1, 6):
             try:
                 await self.runtime.provider.settle(chunk)
                 break
             except Exception as exc:
-                transient = isinstance(exc, ProviderUnavailable)
-                if not transient and len(chunk) > 1:
+                if (
+                    not split
+                    and len(chunk) > 1
+                    and not isinstance(exc, ProviderUnavailable)
+                    and self.runtime.provider.capabilities.settles_as_one
+                ):
+                    split = True  # (once: what is left after it goes on as a batch)
                     log.warning(
                         "settling %d message(s) failed (%s); settling each on its own", len(chunk), exc
                     )
-                    for one in chunk:
-                        await self._settle([one], _part_of(ahead, one), alone=True)
-                    return
-                refused += not transient
-                if attempt == 5 or (alone and refused >= 2):
-                    # The leases will lapse and the messages come back: at-least-once, nothing lost.
+                    left = await self._settle_apart(chunk, ahead)
+                    if left is None:
+                        return
+                    chunk, ahead = left
+                if attempt == 5:
                     log.error("could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc)
                     self.runtime.history_not_settled(ahead)
                     self._settled(chunk)
                     return
                 log.warning("settling %d message(s) failed (%s); retrying", len(chunk), exc)
-                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+                await asyncio.sleep(min(5.0, self.backoff * 2**attempt))
         self._applied(chunk, ahead)
+
+    async def _settle_apart(
+        self, chunk: list[Settlement], ahead: HistoryAhead
+    ) -> tuple[list[Settlement], HistoryAhead] | None:
+        """Each settlement of ``chunk`` on its own, one try each, no pause: those that settle are done.
+        If some settled, those the store refused alone are its refusals of their own values: given up
+        (their leases lapse), and None. Otherwise what goes on as a batch, with its tries and pauses:
+        all of it if none settled (the store, not the data, is then the likelier cause: a failover's
+        read-only server, an exhausted pool), or the refused and the rest from the first that met
+        the store's absence."""
+        settled = 0
+        refused: list[Settlement] = []
+        error: BaseException | None = None
+        for i, one in enumerate(chunk):
+            try:
+                await self.runtime.provider.settle([one])
+            except ProviderUnavailable:
+                rest = refused + chunk[i:]
+                return rest, _parts_of(ahead, rest)
+            except Exception as exc:
+                refused.append(one)
+                error = exc
+                continue
+            self._applied([one], _parts_of(ahead, [one]))
+            settled += 1
+        if not settled:
+            return chunk, ahead
+        if refused:
+            log.error(
+                "could not settle %d message(s) of a batch whose other %d settled: %s",
+                len(refused),
+                settled,
+                error,
+            )
+            self.runtime.history_not_settled(_parts_of(ahead, refused))
+            self._settled(refused)
+        return None
 
     def _applied(self, chunk: list[Settlement], ahead: HistoryAhead) -> None:
         self.runtime.history_applied(chunk, ahead)

@@ -231,12 +231,12 @@ def _redelivery_key(d: Delivery) -> str:
     return f"{d.envelope.message_id}/{d.envelope.attempt}"
 
 
-
 def _counted(task: asyncio.Future[dict[str, int]]) -> None:
     """A redelivery count done: its error (the side database down) read, so none goes unretrieved."""
     error = None if task.cancelled() else task.exception()
     if error is not None:
         log.debug("a redelivery count failed: %s", first_line(error))  # (its receive said so, if waiting)
+
 
 #: AMQP's short-string properties (correlation-id, type) hold at most 255 bytes
 SHORTSTR_BYTES = 255

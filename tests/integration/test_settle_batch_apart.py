@@ -18,6 +18,7 @@ import asyncio
 from datetime import timedelta
 
 import pytest
+import sqlalchemy as sa
 
 from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
 from queueing_core.decisions import Complete, RetryAfter
@@ -95,8 +96,9 @@ async def test_an_exception_text_no_store_keeps_is_recorded_replaced(sql_db, tex
     assert "bad \ufffd" in bad.last_error, bad.last_error
 
 
-async def test_a_settlement_the_store_refuses_does_not_hold_back_its_batch(sql_db):
-    # a delay no timestamp holds: the provider cannot write this retry's due time, on any try
+async def test_a_settlement_that_cannot_be_made_does_not_hold_back_its_batch(sql_db):
+    # a delay no timestamp holds: the provider cannot make this retry's due time, on any try (an
+    # OverflowError before the statement; a value the store refuses fails the batch's call alike)
     good, bad, runs = await run_pair(sql_db, Retry(after=timedelta.max), None)
     assert good.status == MessageStatus.SUCCEEDED
     assert runs.count("good") == 1, runs  # settled on its own, at once, not after the lease lapsed
@@ -104,7 +106,10 @@ async def test_a_settlement_the_store_refuses_does_not_hold_back_its_batch(sql_d
     assert bad.status in {MessageStatus.LEASED, MessageStatus.PENDING, MessageStatus.FAILED}, bad.status
 
 
-async def test_sqlite_a_value_it_cannot_encode_is_not_a_closed_connection(sql_db):
+@pytest.mark.parametrize("branch", ["idle", "borrowed"])
+async def test_sqlite_a_value_it_cannot_encode_is_not_a_closed_connection(sql_db, branch):
+    """Both ways of the SQLite hot path to its connection: idle in the pool (taken without borrowing,
+    the provider's later calls) and borrowed from it (a provider's first call)."""
     if sql_db.backend != "sqlite":
         pytest.skip("SQLite's hot path")
     app = QueueingApp("settle-apart-encode")
@@ -122,16 +127,34 @@ async def test_sqlite_a_value_it_cannot_encode_is_not_a_closed_connection(sql_db
         sub = app.subscription("Job")
         assert sub is not None
         first, second = await provider.receive(sub, 2)
+        settling = provider
+        if branch == "borrowed":
+            # another provider on the same file, its first hot-path call this settlement (one that
+            # is not this worker's is refused by its fence, but only after the statement ran)
+            settling = sql_db.provider()
+            other = Runtime(app, settling)
+            await other.open()
         retry = RetryAfter(timedelta(0), "x")
         # a text past the decision's own cleaning: any value sqlite3 cannot encode, reaching the hot path
         object.__setattr__(retry, "error", "bad \ud800 text")
-        pooled = provider.engine.sync_engine.pool.checkedin()
+        engine = settling.engine.sync_engine
+        replaced: list[str] = []  # the pool's connection thrown away, or a new one made
+        sa.event.listen(engine, "invalidate", lambda *_: replaced.append("invalidated"))
+        sa.event.listen(engine, "connect", lambda *_: replaced.append("connected"))
         with pytest.raises(UnicodeEncodeError):
-            await provider.settle([Settlement(first, retry)])
-        # the connection stayed (not thrown away as closed), and the next call uses it
-        assert provider.engine.sync_engine.pool.checkedin() == pooled
-        await provider.settle([Settlement(first, Complete()), Settlement(second, Complete())])
-        assert not first.refused
-        assert not second.refused
+            await settling.settle([Settlement(first, retry)])
+        await settling.settle([Settlement(first, Complete())])  # the next call, on the same connection
+        assert replaced == []
+        assert engine.pool.checkedin() == 1
+        rest = [second]
+        if branch == "borrowed":
+            assert first.refused  # (not its lease: the fence held, the connection worked)
+            await other.close()
+            first.refused = False
+            rest = [first, second]
+        else:
+            assert not first.refused
+        await provider.settle([Settlement(d, Complete()) for d in rest])
+        assert not any(d.refused for d in rest)
     finally:
         await rt.close()

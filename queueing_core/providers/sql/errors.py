@@ -31,7 +31,17 @@ def down_errors() -> tuple[type[BaseException], ...]:
     # (sqlite3's as SQLAlchemy wraps them: OperationalError, e.g. "database is locked", is its
     # OperationalError, so a retry, as on the SQLAlchemy path)
     sqlite = (sqlite3.OperationalError, sqlite3.InterfaceError)
-    return (OSError, ConnectionError, sa.exc.OperationalError, sa.exc.InterfaceError, *sqlite, *_psycopg()[0])
+    # (the pool's own: no connection came free within its timeout, the database busy or not answering)
+    pool = (sa.exc.TimeoutError,)
+    return (
+        OSError,
+        ConnectionError,
+        sa.exc.OperationalError,
+        sa.exc.InterfaceError,
+        *pool,
+        *sqlite,
+        *_psycopg()[0],
+    )
 
 
 def driver_errors() -> tuple[type[BaseException], ...]:

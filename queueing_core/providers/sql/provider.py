@@ -50,7 +50,7 @@ from .db_clock import DatabaseClock
 from .driver import Compiled, DriverPath, HotStatements, Result
 from .engine import create_engine, normalize_url, redact
 from .entra import DatabaseAuth, EntraPassword, uses_entra
-from .errors import down_errors
+from .errors import db_boundary, down_errors
 from .listener import PgListener, channel_name
 from .retention import RetentionPolicy
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
@@ -182,6 +182,7 @@ class SqlProvider:
             max_message_bytes=max_message_bytes,
             filters_paused=True,
             overlapping_receives=True,
+            settles_as_one=True,
         )
         self.channel = channel_for(schema)
         self._engine = engine
@@ -597,7 +598,8 @@ class SqlProvider:
             refused = read(await self._driver.run(self.auto, "a settlement", work))
         else:
             fast, shaped, wake = self._settle_params(settlements, now)
-            refused = await self._settle_engine(fast, shaped, wake, now)
+            with db_boundary("a settlement"):  # (as the hot path's: "database is locked" is a retry)
+                refused = await self._settle_engine(fast, shaped, wake, now)
         _mark_refused(refused)
 
     def settles_with_claims(self) -> bool:
