@@ -42,8 +42,9 @@ class Capabilities:
     #: two receives for one subscription may run at once, each taking different messages (SQL: each
     #: claim skips the rows another holds), so a worker may keep a second one in flight
     overlapping_receives: bool = False
-    #: a batch of settlements is one transaction (SQL): one the store refuses fails the others with it,
-    #: so the worker settles such a batch one by one (brokers settle each message apart already)
+    #: a batch of settlements stands or falls as one call (SQL: one transaction on its hot path): one
+    #: the store refuses fails the others with it, so the worker settles such a batch one by one when
+    #: it fails (the brokers settle each message apart already, failing only when every one failed)
     settles_as_one: bool = False
 
 

@@ -15,6 +15,7 @@ absence is settled one settlement at a time (``Settler._settle``).
 from __future__ import annotations
 
 import asyncio
+import logging
 from datetime import timedelta
 
 import pytest
@@ -96,10 +97,14 @@ async def test_an_exception_text_no_store_keeps_is_recorded_replaced(sql_db, tex
     assert "bad \ufffd" in bad.last_error, bad.last_error
 
 
-async def test_a_settlement_that_cannot_be_made_does_not_hold_back_its_batch(sql_db):
+async def test_a_settlement_that_cannot_be_made_does_not_hold_back_its_batch(sql_db, caplog):
     # a delay no timestamp holds: the provider cannot make this retry's due time, on any try (an
     # OverflowError before the statement; a value the store refuses fails the batch's call alike)
+    caplog.set_level(logging.WARNING, logger="queueing.worker")
     good, bad, runs = await run_pair(sql_db, Retry(after=timedelta.max), None)
+    # the two shared a batch, which failed and was settled apart (not two batches from the start)
+    assert "settling 2 message(s) failed" in caplog.text
+    assert "settling each on its own" in caplog.text
     assert good.status == MessageStatus.SUCCEEDED
     assert runs.count("good") == 1, runs  # settled on its own, at once, not after the lease lapsed
     # the bad one is not lost: its lease lapses and it comes back (then ends by its attempts)

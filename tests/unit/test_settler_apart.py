@@ -136,3 +136,50 @@ async def test_a_batch_that_settles_is_one_call():
     await st._flush(batch(3))
     assert p.calls == [["s0", "s1", "s2"]]
     assert rt.applied == ["s0", "s1", "s2"]
+
+
+async def test_what_settled_during_the_split_is_not_settled_again_when_the_store_comes_back():
+    p = Provider()
+    p.bad = {"s0"}
+    p.away_from = 4  # the batch, s0 alone (refused), s1 alone (settled), then unreachable once
+    st, rt, released = settler(p)
+    original = p.settle
+
+    async def settle(chunk: list[Any]) -> None:
+        if len(p.calls) >= 4:  # after the outage's one call: back, and nothing refused any more
+            p.away_from = None
+            p.bad = set()
+        await original(chunk)
+
+    p.settle = settle  # type: ignore[method-assign]
+    await st._flush(batch(4))
+    # s1 settled alone; the rest (s0 refused, s2 and s3 untried) went on as one batch, which settled
+    assert [len(c) for c in p.calls] == [4, 1, 1, 1, 3]
+    assert p.calls[-1] == ["s0", "s2", "s3"]
+    assert sorted(p.committed) == ["s0", "s1", "s2", "s3"]  # each once
+    assert len(p.committed) == 4
+    assert sorted(rt.applied) == ["s0", "s1", "s2", "s3"]
+    assert len(rt.applied) == 4
+    assert rt.dropped == []
+    assert sorted(released) == ["s0", "s1", "s2", "s3"]
+    assert len(released) == 4
+
+
+async def test_none_settled_apart_then_the_batch_settles_on_a_later_try():
+    p = Provider()
+    p.down = ProviderError("database: a settlement failed: read-only transaction")
+    st, rt, released = settler(p)
+    original = p.settle
+
+    async def settle(chunk: list[Any]) -> None:
+        if len(p.calls) == 1 + 3:  # the batch and each of three alone failed: the server is back
+            p.down = None
+        await original(chunk)
+
+    p.settle = settle  # type: ignore[method-assign]
+    await st._flush(batch(3))
+    assert [len(c) for c in p.calls] == [3, 1, 1, 1, 3]
+    assert p.committed == ["s0", "s1", "s2"]
+    assert rt.applied == ["s0", "s1", "s2"]
+    assert rt.dropped == []
+    assert sorted(released) == ["s0", "s1", "s2"]
