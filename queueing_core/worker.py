@@ -414,7 +414,10 @@ class Settler:
                     left = await self._settle_apart(chunk, ahead)
                     if left is None:
                         return
-                    chunk, ahead = left
+                    chunk, ahead, cut_short = left
+                    # cut short by the store's absence, the split found nothing yet: the next failure
+                    # that is not that absence may split what is left again
+                    split = not cut_short
                 if attempt == 5:
                     log.error("could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc)
                     self.runtime.history_not_settled(ahead)
@@ -426,13 +429,13 @@ class Settler:
 
     async def _settle_apart(
         self, chunk: list[Settlement], ahead: HistoryAhead
-    ) -> tuple[list[Settlement], HistoryAhead] | None:
+    ) -> tuple[list[Settlement], HistoryAhead, bool] | None:
         """Each settlement of ``chunk`` on its own, one try each, no pause: those that settle are done.
         If some settled, those the store refused alone are its refusals of their own values: given up
         (their leases lapse), and None. Otherwise what goes on as a batch, with its tries and pauses:
         all of it if none settled (the store, not the data, is then the likelier cause: a failover's
         read-only server, an exhausted pool), or the refused and the rest from the first that met
-        the store's absence."""
+        the store's absence; and whether it was that absence that cut the split short."""
         settled = 0
         refused: list[Settlement] = []
         error: BaseException | None = None
@@ -441,7 +444,7 @@ class Settler:
                 await self.runtime.provider.settle([one])
             except ProviderUnavailable:
                 rest = refused + chunk[i:]
-                return rest, _parts_of(ahead, rest)
+                return rest, _parts_of(ahead, rest), True
             except Exception as exc:
                 refused.append(one)
                 error = exc
@@ -449,7 +452,7 @@ class Settler:
             self._applied([one], _parts_of(ahead, [one]))
             settled += 1
         if not settled:
-            return chunk, ahead
+            return chunk, ahead, False
         if refused:
             log.error(
                 "could not settle %d message(s) of a batch whose other %d settled: %s",

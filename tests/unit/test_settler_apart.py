@@ -183,3 +183,25 @@ async def test_none_settled_apart_then_the_batch_settles_on_a_later_try():
     assert rt.applied == ["s0", "s1", "s2"]
     assert rt.dropped == []
     assert sorted(released) == ["s0", "s1", "s2"]
+
+
+async def test_a_split_cut_short_by_the_store_s_absence_may_split_again():
+    p = Provider()
+    p.bad = {"s0"}
+    p.away_from = 3  # the batch, s0 alone (refused), then unreachable for one call
+    st, rt, released = settler(p)
+    original = p.settle
+
+    async def settle(chunk: list[Any]) -> None:
+        if len(p.calls) >= 3:
+            p.away_from = None  # back; s0 is still refused
+        await original(chunk)
+
+    p.settle = settle  # type: ignore[method-assign]
+    await st._flush(batch(4))
+    # the rest as one batch (fails again: s0), split again: s1..s3 settle, only s0 is given up
+    assert [len(c) for c in p.calls] == [4, 1, 1, 4, 1, 1, 1, 1]
+    assert sorted(p.committed) == ["s1", "s2", "s3"]
+    assert rt.dropped == [0]
+    assert sorted(released) == ["s0", "s1", "s2", "s3"]
+    assert len(released) == 4
