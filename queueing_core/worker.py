@@ -393,8 +393,8 @@ class Settler:
         Where a batch is one transaction (``Capabilities.settles_as_one``: SQL), one settlement the
         store refuses (a value it cannot take) fails every other with it, on every try, and they would
         all lapse and run again, successes included. So the first failure that is not the store's
-        absence (``ProviderUnavailable``) has the batch settled one by one, once
-        (:meth:`_settle_apart`)."""
+        absence (``ProviderUnavailable``) has the batch settled one by one (:meth:`_settle_apart`):
+        once, or again for what is left if that absence cut the split short."""
         split = False
         for attempt in range(1, 6):
             try:
@@ -407,7 +407,7 @@ class Settler:
                     and not isinstance(exc, ProviderUnavailable)
                     and self.runtime.provider.capabilities.settles_as_one
                 ):
-                    split = True  # (once: what is left after it goes on as a batch)
+                    split = True  # (what is left after it goes on as a batch)
                     log.warning(
                         "settling %d message(s) failed (%s); settling each on its own", len(chunk), exc
                     )
@@ -415,7 +415,7 @@ class Settler:
                     if left is None:
                         return
                     chunk, ahead, cut_short = left
-                    # cut short by the store's absence, the split found nothing yet: the next failure
+                    # cut short by the store's absence, the split did not finish: the next failure
                     # that is not that absence may split what is left again
                     split = not cut_short
                 if attempt == 5:
