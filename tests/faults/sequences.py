@@ -20,8 +20,10 @@ from typing import Any
 
 from queueing_core import NonRetryableError, QueueingApp, QueueMessage, RetryPolicy, queue
 from queueing_core.clock import utcnow
+from queueing_core.decisions import RetryAfter
 from queueing_core.envelope import Envelope
 from queueing_core.ops import OpsService
+from queueing_core.providers.sql.rows import Lease
 from queueing_core.runtime import Runtime
 from queueing_core.tracking import MessageQuery, record_from_envelope
 from queueing_core.transport import Delivery, Settlement
@@ -79,12 +81,14 @@ async def claim(rt: Runtime, mid: uuid.UUID, timeout: float = 30.0) -> Delivery:
     raise AssertionError(f"message {mid} was not delivered within {timeout}s")
 
 
-async def settle(rt: Runtime, settlement: Settlement) -> None:
-    """Settle and record as a worker does: through its settler (retries included). A history write
-    that a loaded store did not take goes to the backlog: the sequence starts once it has landed."""
+async def settle(rt: Runtime, *settlements: Settlement) -> None:
+    """Settle and record as a worker does: through its settler (retries included), in one batch. A
+    history write that a loaded store did not take goes to the backlog: the sequence starts once it
+    has landed."""
     settler = Settler(rt, linger=0)
+    for one in settlements:  # (before it starts: one batch)
+        settler.add(one)
     settler.start()
-    settler.add(settlement)
     await settler.close()
     assert await rt.history.settle(30.0), "the history of the prepared message did not land"
 
@@ -153,6 +157,16 @@ async def _settle_it(ctx: Ctx) -> None:
     await settle(ctx.rt, ctx.settlement)
 
 
+async def _settle_beside_a_refused_one(ctx: Ctx) -> None:
+    """As a worker's settler does when the batch also holds a settlement that cannot be made (a retry
+    due after a delay no timestamp holds, refused before any statement): the batch fails, and each
+    settles on its own; the prepared message's settlement is the one step, and must still hold."""
+    assert ctx.settlement is not None
+    nowhere = Delivery(QUEUE, "", None, None, 1, handle=Lease(row=-1, token=0))  # (no such row)
+    refused = Settlement(nowhere, RetryAfter(timedelta.max, "a delay no timestamp holds"))
+    await settle(ctx.rt, refused, ctx.settlement)
+
+
 async def _settle_with_claim(ctx: Ctx) -> None:
     """As a worker's consumer does where the provider settles with its claims: its claim takes the
     settler's buffered settlement into the claim's transaction; a claim that fails gives it back to
@@ -205,6 +219,7 @@ class Sequence:
 
 _NOT_COMBINED = "the provider does not settle with its claims (no SettlesWithClaims)"
 _ONLY_SQL = {p: _NOT_COMBINED for p in ("inprocess", "storage_queue", "servicebus", "rabbitmq", "sqs")}
+_APART = "the transport settles each message of a batch apart (not settles_as_one): nothing to split"
 _CLOUD_LOCKS = "the transport's lease belongs to its receiver: the ops API refuses to release it"
 _NATIVE_DELAY = "the transport holds delays itself: there is no delayed store to forward from"
 
@@ -213,6 +228,12 @@ SEQUENCES: list[Sequence] = [
     Sequence("pause_by_copy", _paused_run, _settle_it),
     Sequence("dead_letter", lambda c: processed(c, "fatal"), _settle_it, repeat="retry"),
     Sequence("retry_with_claim", lambda c: processed(c, "fail"), _settle_with_claim, absent=_ONLY_SQL),
+    Sequence(
+        "retry_beside_a_refused_one",
+        lambda c: processed(c, "fail"),
+        _settle_beside_a_refused_one,
+        absent={p: _APART for p in ("inprocess", "storage_queue", "servicebus", "rabbitmq", "sqs")},
+    ),
     Sequence(
         "dead_letter_with_claim",
         lambda c: processed(c, "fatal"),

@@ -68,6 +68,9 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     # one round trip: the settlement and the next claim in one pipeline (one transaction)
     ("retry_with_claim", "sqlite"): ("sqlite.round_trip",),
     ("retry_with_claim", "postgres"): ("pg.round_trip",),
+    # the batch and the refused one alone fail before any statement: the prepared one alone is the step
+    ("retry_beside_a_refused_one", "sqlite"): ("sqlite.round_trip",),
+    ("retry_beside_a_refused_one", "postgres"): ("pg.round_trip",),
     ("dead_letter_with_claim", "sqlite"): ("sqlite.round_trip",),
     ("dead_letter_with_claim", "postgres"): ("pg.round_trip",),
     ("expiry", "inprocess"): ("memory.settle", "history.upsert"),
@@ -173,6 +176,7 @@ WORKER_SEQUENCES = {
     "delayed_forward",
     "retry_with_claim",
     "dead_letter_with_claim",
+    "retry_beside_a_refused_one",
 }
 
 
