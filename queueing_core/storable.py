@@ -42,7 +42,8 @@ def storable(data: Any) -> tuple[Any, bool]:
     """``data`` (JSON-ready: dicts, lists, strings, numbers) with every string a store keeps, and
     whether anything was replaced."""
     if isinstance(data, str):
-        return (_clean(data), True) if _unstorable(data) else (data, False)
+        kept = storable_text(data)
+        return kept, kept is not data
     if isinstance(data, list | tuple):
         items = [storable(x) for x in data]
         return ([x for x, _ in items], True) if any(c for _, c in items) else (data, False)
