@@ -881,12 +881,23 @@ class TablesTracker(_OnTable):
         # A producer writes its record after the send, so a fast worker's outcome may already be
         # stored: a first record that only says "sent" is inserted, never merged over it.
         first = {r.message_id for r in folded.values() if keep_outcomes and is_enqueue_record(r)}
-        new = [e for e, r in zip(entities, folded.values(), strict=True) if r.message_id in first]
-        seen = [e for e, r in zip(entities, folded.values(), strict=True) if r.message_id not in first]
+        new, known, seen = [], [], []
+        for e, r in zip(entities, folded.values(), strict=True):
+            if r.message_id in first:
+                new.append(e)
+            elif r.message_id in self._written:
+                known.append(e)
+            else:
+                seen.append(e)
         with _boundary("upsert history"):
             client = await self._table.ready()
             for batch in _batches(new):
                 await self._insert_new(client, batch)
+            # A message this instance wrote whose entity is gone was deleted meanwhile (a purge, an
+            # operator): nothing to record against, and made again here it would have neither its
+            # body nor its index entity, listed but found by no lookup.
+            for batch in _batches(known):
+                await self._update_existing(client, batch)
             for batch in _batches(seen):
                 await self._write(client, batch, UpdateMode.MERGE)
             for batch in _batches(index):
@@ -1014,6 +1025,22 @@ class TablesTracker(_OnTable):
                     continue  # written meanwhile: compare with that one
             if keep(stored) or await _merge_unchanged(client, e, stored):
                 return
+
+    @staticmethod
+    async def _update_existing(client: TableClient, batch: list[dict[str, Any]]) -> None:
+        """MERGE each entity into the stored one; a missing one is left missing. One missing entity
+        fails the whole transaction, so then one by one (rare: only after a delete)."""
+        if len(batch) > 1:
+            try:
+                await client.submit_transaction([("update", e, {"mode": UpdateMode.MERGE}) for e in batch])
+                return
+            except TableTransactionError as exc:
+                # (Azurite says ResourceNotFound; the service's own list also has EntityNotFound)
+                if getattr(exc, "error_code", None) not in ("ResourceNotFound", "EntityNotFound"):
+                    raise
+        for e in batch:
+            with suppress(ResourceNotFoundError):
+                await client.update_entity(e, mode=UpdateMode.MERGE)
 
     @staticmethod
     async def _write(client: TableClient, batch: list[dict[str, Any]], mode: UpdateMode) -> None:

@@ -348,12 +348,20 @@ async def test_a_late_record_of_the_run_before_does_not_replace_a_running_handle
     assert (got.status, got.progress) == ("Leased", progress)
 
 
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [
+        ("Pending", "Released: host shutting down"),  # the checked write (the message may run again)
+        ("Succeeded", None),  # the plain write (an outcome: nothing runs after it)
+    ],
+)
 async def test_tables_does_not_make_a_deleted_message_again_without_its_body(
-    store: Tracker, request: pytest.FixtureRequest
+    store: Tracker, request: pytest.FixtureRequest, status: str, reason: str | None
 ):
-    """An operator deleted the message's history on another host; this host's checked write of a record
-    of it finds nothing. Azure Tables, which sends a message's body and id index once per host, does
-    not make the record again (found in review: made again, it had neither, and no lookup found it)."""
+    """An operator deleted the message's history on another host; this host's write of a later record
+    of it, checked or plain, finds nothing. Azure Tables, which sends a message's body and id index once
+    per host, does not make the record again (found in review: made again, it had neither, and no
+    lookup found it)."""
     if type(store).__name__ != "TablesTracker":
         pytest.skip("only the Tables store sends a known message's body and index once")
     mid = uuid.uuid4()
@@ -370,7 +378,38 @@ async def test_tables_does_not_make_a_deleted_message_again_without_its_body(
         assert await other.delete(MessageQuery(), only=[mid]) == 1
     finally:
         await other.aclose()
-    await writer.write([record(mid, "Pending", 2, reason="Released: host shutting down")])
+    await writer.write([record(mid, status, 2, reason=reason)])
     await writer.close()
     assert await store.get(mid) is None
     assert mid not in {r.message_id for r in (await store.query(MessageQuery())).items}
+
+
+async def test_tables_updates_the_known_messages_of_one_write_but_the_deleted_one(
+    store: Tracker, request: pytest.FixtureRequest
+):
+    """Several records of messages this host wrote go in one transaction of updates; one of them was
+    deleted meanwhile, which fails the whole transaction: the others are still written, the deleted one
+    is not made again."""
+    if type(store).__name__ != "TablesTracker":
+        pytest.skip("only the Tables store sends a known message's body and index once")
+    mids = [uuid.uuid4() for _ in range(3)]
+    await store.upsert([record(mid, "Leased", 1, body={"n": i}) for i, mid in enumerate(mids)])
+    from azure.data.tables.aio import TableClient
+
+    from queueing_core.providers.tables import TablesTracker
+
+    azurite = request.getfixturevalue("azurite")
+    table = store._table.client.table_name  # type: ignore[attr-defined]
+    other = TablesTracker(TableClient.from_connection_string(azurite.connection_string, table))
+    try:  # the operator, on another host
+        assert await other.delete(MessageQuery(), only=[mids[1]]) == 1
+    finally:
+        await other.aclose()
+    await store.upsert([record(mid, "Succeeded", 2) for mid in mids])
+    for i in (0, 2):
+        got = await store.get(mids[i])
+        assert got is not None
+        assert (got.status, got.body) == ("Succeeded", {"n": i})
+    assert await store.get(mids[1]) is None
+    listed = {r.message_id for r in (await store.query(MessageQuery())).items}
+    assert listed == {mids[0], mids[2]}
