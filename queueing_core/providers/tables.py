@@ -603,6 +603,13 @@ def _record_entity(rec: MessageRecord) -> dict[str, Any]:
 _ANY: Final = TypeAdapter(Any)
 
 
+def _entity_missing(exc: Exception) -> bool:
+    """The service's answer is that the entity does not exist (not the table: the SDK raises the same
+    error type for ``TableNotFound``). Azurite and the service say ``ResourceNotFound``; the
+    service's list of codes also has ``EntityNotFound``."""
+    return getattr(exc, "error_code", None) in ("ResourceNotFound", "EntityNotFound")
+
+
 async def _merge_unchanged(client: TableClient, e: dict[str, Any], stored: TableEntity) -> bool:
     """MERGE ``e`` if the entity is still as ``stored`` (its ETag); False when it changed meanwhile."""
     try:
@@ -881,30 +888,46 @@ class TablesTracker(_OnTable):
         # A producer writes its record after the send, so a fast worker's outcome may already be
         # stored: a first record that only says "sent" is inserted, never merged over it.
         first = {r.message_id for r in folded.values() if keep_outcomes and is_enqueue_record(r)}
-        new, known, seen = [], [], []
+        new: list[dict[str, Any]] = []
+        known_first: list[dict[str, Any]] = []
+        known: list[dict[str, Any]] = []
+        seen: list[dict[str, Any]] = []
         for e, r in zip(entities, folded.values(), strict=True):
-            if r.message_id in first:
-                new.append(e)
-            elif r.message_id in self._written:
-                known.append(e)
+            if r.message_id not in self._written:
+                (new if r.message_id in first else seen).append(e)
             else:
-                seen.append(e)
+                (known_first if r.message_id in first else known).append(e)
+        # A message this instance wrote whose entity is gone was deleted meanwhile (a purge, an
+        # operator, the retention): nothing to record against, and made again from a record sent
+        # without its body and index entity, it would be listed but found by no lookup. It is
+        # forgotten instead: this host's next record of it (a later run's) is written whole.
+        gone: set[str] = set()
         with _boundary("upsert history"):
             client = await self._table.ready()
             for batch in _batches(new):
                 await self._insert_new(client, batch)
-            # A message this instance wrote whose entity is gone was deleted meanwhile (a purge, an
-            # operator): nothing to record against, and made again here it would have neither its
-            # body nor its index entity, listed but found by no lookup.
+            for e in known_first:
+                if not await self._merge_unless_outcome(client, e):
+                    gone.add(e["MessageId"])
             for batch in _batches(known):
-                await self._update_existing(client, batch)
+                gone |= await self._update_existing(client, batch)
             for batch in _batches(seen):
                 await self._write(client, batch, UpdateMode.MERGE)
             for batch in _batches(index):
                 await self._write(client, batch, UpdateMode.REPLACE)
+        self._forget(gone)
         self._remember(
-            [r.message_id for r in folded.values() if r.body is not None or r.message_id in self._written]
+            [
+                r.message_id
+                for r in folded.values()
+                if str(r.message_id) not in gone and (r.body is not None or r.message_id in self._written)
+            ]
         )
+
+    def _forget(self, gone: Iterable[str]) -> None:
+        """These messages' entities were found deleted: their next record is written whole."""
+        for mid in gone:
+            self._written.pop(UUID(mid), None)
 
     def _remember(self, written: Iterable[UUID]) -> None:
         """These messages' bodies and index entities are stored (bounded, least recently written go)."""
@@ -979,7 +1002,9 @@ class TablesTracker(_OnTable):
         # (a message this instance wrote whose entity is gone was deleted meanwhile, by a purge or an
         # operator: nothing to record against, and a record made again without its body and index
         # entity would be found nowhere)
-        await self._merge_on_etag(client, e, keep, create=not known)
+        if not await self._merge_on_etag(client, e, keep, create=not known):
+            self._forget([e["MessageId"]])
+            return
         if not known:
             await client.upsert_entity(_index_entity(e), mode=UpdateMode.REPLACE)
             if rec.body is not None:
@@ -1002,45 +1027,57 @@ class TablesTracker(_OnTable):
                 await self._merge_unless_outcome(client, e)
 
     @classmethod
-    async def _merge_unless_outcome(cls, client: TableClient, e: dict[str, Any]) -> None:
-        await cls._merge_on_etag(client, e, lambda stored: stored.get("Status") in OUTCOMES, create=False)
+    async def _merge_unless_outcome(cls, client: TableClient, e: dict[str, Any]) -> bool:
+        """``_merge_on_etag`` keeping a stored outcome; False: no entity to merge into."""
+        return await cls._merge_on_etag(
+            client, e, lambda stored: stored.get("Status") in OUTCOMES, create=False
+        )
 
     @staticmethod
     async def _merge_on_etag(
         client: TableClient, e: dict[str, Any], keep: Callable[[Mapping[str, Any]], bool], *, create: bool
-    ) -> None:
+    ) -> bool:
         """MERGE ``e`` over the stored entity unless ``keep(stored)``, on the read's ETag (a change in
         between: look again). A missing entity is created when ``create``, else left alone (a purge
-        deleted it meanwhile: nothing to record against)."""
+        deleted it meanwhile: nothing to record against) and False."""
         for _ in range(5):
             try:
                 stored = await client.get_entity(e["PartitionKey"], e["RowKey"])
-            except ResourceNotFoundError:
+            except ResourceNotFoundError as exc:
+                if not _entity_missing(exc):
+                    raise
                 if not create:
-                    return
+                    return False
                 try:
                     await client.create_entity(e)
-                    return
+                    return True
                 except ResourceExistsError:
                     continue  # written meanwhile: compare with that one
             if keep(stored) or await _merge_unchanged(client, e, stored):
-                return
+                return True
+        return True  # (changed under it five times: history that moves that fast is newer anyway)
 
     @staticmethod
-    async def _update_existing(client: TableClient, batch: list[dict[str, Any]]) -> None:
-        """MERGE each entity into the stored one; a missing one is left missing. One missing entity
-        fails the whole transaction, so then one by one (rare: only after a delete)."""
+    async def _update_existing(client: TableClient, batch: list[dict[str, Any]]) -> set[str]:
+        """MERGE each entity into the stored one; a missing one is left missing, and its message id
+        returned. One missing entity fails the whole transaction, so then one by one (rare: only
+        after a delete)."""
         if len(batch) > 1:
             try:
                 await client.submit_transaction([("update", e, {"mode": UpdateMode.MERGE}) for e in batch])
-                return
-            except TableTransactionError as exc:
-                # (Azurite says ResourceNotFound; the service's own list also has EntityNotFound)
-                if getattr(exc, "error_code", None) not in ("ResourceNotFound", "EntityNotFound"):
+                return set()
+            except (TableTransactionError, ResourceNotFoundError) as exc:
+                if not _entity_missing(exc):
                     raise
+        gone: set[str] = set()
         for e in batch:
-            with suppress(ResourceNotFoundError):
+            try:
                 await client.update_entity(e, mode=UpdateMode.MERGE)
+            except ResourceNotFoundError as exc:
+                if not _entity_missing(exc):
+                    raise  # (the table itself missing: the history writer keeps the record)
+                gone.add(e["MessageId"])
+        return gone
 
     @staticmethod
     async def _write(client: TableClient, batch: list[dict[str, Any]], mode: UpdateMode) -> None:

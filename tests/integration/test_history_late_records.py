@@ -378,22 +378,19 @@ async def test_tables_does_not_make_a_deleted_message_again_without_its_body(
         assert await other.delete(MessageQuery(), only=[mid]) == 1
     finally:
         await other.aclose()
-    await writer.write([record(mid, status, 2, reason=reason)])
+    assert await writer.write([record(mid, status, 2, reason=reason)]) is True  # (no backlog to hide in)
     await writer.close()
     assert await store.get(mid) is None
     assert mid not in {r.message_id for r in (await store.query(MessageQuery())).items}
 
 
-async def test_tables_updates_the_known_messages_of_one_write_but_the_deleted_one(
-    store: Tracker, request: pytest.FixtureRequest
-):
-    """Several records of messages this host wrote go in one transaction of updates; one of them was
-    deleted meanwhile, which fails the whole transaction: the others are still written, the deleted one
-    is not made again."""
+def _tables_only(store: Tracker) -> None:
     if type(store).__name__ != "TablesTracker":
         pytest.skip("only the Tables store sends a known message's body and index once")
-    mids = [uuid.uuid4() for _ in range(3)]
-    await store.upsert([record(mid, "Leased", 1, body={"n": i}) for i, mid in enumerate(mids)])
+
+
+async def _delete_elsewhere(store: Tracker, request: pytest.FixtureRequest, *mids: uuid.UUID) -> None:
+    """The operator deletes these messages' history on another host."""
     from azure.data.tables.aio import TableClient
 
     from queueing_core.providers.tables import TablesTracker
@@ -401,15 +398,83 @@ async def test_tables_updates_the_known_messages_of_one_write_but_the_deleted_on
     azurite = request.getfixturevalue("azurite")
     table = store._table.client.table_name  # type: ignore[attr-defined]
     other = TablesTracker(TableClient.from_connection_string(azurite.connection_string, table))
-    try:  # the operator, on another host
-        assert await other.delete(MessageQuery(), only=[mids[1]]) == 1
+    try:
+        assert await other.delete(MessageQuery(), only=list(mids)) == len(mids)
     finally:
         await other.aclose()
-    await store.upsert([record(mid, "Succeeded", 2) for mid in mids])
+
+
+async def _listed(store: Tracker) -> set[uuid.UUID]:
+    return {r.message_id for r in (await store.query(MessageQuery())).items}
+
+
+async def test_tables_updates_the_known_messages_of_one_write_but_the_deleted_one(
+    store: Tracker, request: pytest.FixtureRequest
+):
+    """Several records of messages this host wrote go in one transaction of updates; one of them was
+    deleted meanwhile, which fails the whole transaction: the others are still written, the deleted one
+    is not made again, and a message this host never wrote, in the same call, is written whole."""
+    _tables_only(store)
+    mids = [uuid.uuid4() for _ in range(3)]
+    await store.upsert([record(mid, "Leased", 1, body={"n": i}) for i, mid in enumerate(mids)])
+    await _delete_elsewhere(store, request, mids[1])
+    stranger = uuid.uuid4()
+    await store.upsert([*(record(mid, "Succeeded", 2) for mid in mids), record(stranger, "Succeeded", 2)])
     for i in (0, 2):
         got = await store.get(mids[i])
         assert got is not None
         assert (got.status, got.body) == ("Succeeded", {"n": i})
     assert await store.get(mids[1]) is None
-    listed = {r.message_id for r in (await store.query(MessageQuery())).items}
-    assert listed == {mids[0], mids[2]}
+    got = await store.get(stranger)
+    assert got is not None
+    assert got.status == "Succeeded"
+    assert await _listed(store) == {mids[0], mids[2], stranger}
+
+
+async def test_tables_does_not_make_a_deleted_message_again_from_a_progress_report(
+    store: Tracker, request: pytest.FixtureRequest
+):
+    """A running handler's progress report reads like a first record (no reason, no worker): inserted
+    unless an outcome is stored. For a message this host wrote and the operator deleted meanwhile, it
+    is not made again either."""
+    _tables_only(store)
+    mid = uuid.uuid4()
+    await store.upsert([record(mid, "Leased", 1, body={"n": 1})])
+    await _delete_elsewhere(store, request, mid)
+    await store.upsert([record(mid, "Leased", 2, progress={"done": 1})])
+    assert await store.get(mid) is None
+    assert mid not in await _listed(store)
+
+
+async def test_tables_writes_the_next_run_of_a_deleted_message_whole(
+    store: Tracker, request: pytest.FixtureRequest
+):
+    """A deleted message the transport still held runs again on this host: its history is written
+    again, whole (body and id index), not dropped as the stale run's late outcome was."""
+    _tables_only(store)
+    mid = uuid.uuid4()
+    await store.upsert([record(mid, "Leased", 1, body={"n": 1})])
+    await _delete_elsewhere(store, request, mid)
+    await store.upsert([record(mid, "Succeeded", 2)])  # the run before the delete: dropped
+    assert await store.get(mid) is None
+    await store.upsert([record(mid, "Leased", 3, body={"n": 1})])  # its next run, on this host
+    await store.upsert([record(mid, "Succeeded", 4)])
+    got = await store.get(mid)
+    assert got is not None
+    assert (got.status, got.body) == ("Succeeded", {"n": 1})
+    assert await _listed(store) == {mid}
+
+
+async def test_tables_does_not_drop_a_known_messages_record_when_the_table_is_gone(
+    store: Tracker, request: pytest.FixtureRequest
+):
+    """A missing table is not a missing entity: the write fails (the history writer keeps the record
+    and tries again) instead of dropping the record as deleted."""
+    _tables_only(store)
+    from queueing_core.errors import ProviderError
+
+    mid = uuid.uuid4()
+    await store.upsert([record(mid, "Leased", 1, body={"n": 1})])
+    await store._table.client.delete_table()  # type: ignore[attr-defined]
+    with pytest.raises(ProviderError):
+        await store.upsert([record(mid, "Succeeded", 2)])
