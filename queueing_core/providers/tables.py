@@ -874,16 +874,25 @@ class TablesTracker(_OnTable):
             folded[rec.message_id] = rec
         if not folded:
             return
+        gone = await self._write_folded(folded, keep_outcomes=keep_outcomes)
+        # A message this instance wrote whose entity is gone was deleted meanwhile (a purge, an
+        # operator, the retention). Made again from a record sent without its body and index entity,
+        # it would be listed but found by no lookup: it is forgotten, and a record that carries its
+        # body (a worker's always does) is written again whole, as a host that never wrote the
+        # message writes it; one without is dropped.
+        again = {mid: r for mid, r in folded.items() if str(mid) in gone and r.body is not None}
+        if again:
+            await self._write_folded(again, keep_outcomes=keep_outcomes)  # (unknown now: whole)
+
+    async def _write_folded(self, folded: dict[UUID, MessageRecord], *, keep_outcomes: bool) -> set[str]:
+        """Write one record per message; returns the ids of messages whose entity was found deleted
+        (and is not made again here)."""
         # A message this instance already wrote needs neither its index entity (it never changes) nor
         # its body again (fixed at enqueue): MERGE keeps what is stored. Halves the requests per update.
+        known_ids = {mid for mid in folded if mid in self._written}
         entities = [
-            _record_entity(r.model_copy(update={"body": None}) if r.message_id in self._written else r)
+            _record_entity(r.model_copy(update={"body": None}) if r.message_id in known_ids else r)
             for r in folded.values()
-        ]
-        index = [
-            _index_entity(e)
-            for e, r in zip(entities, folded.values(), strict=True)
-            if r.message_id not in self._written
         ]
         # A producer writes its record after the send, so a fast worker's outcome may already be
         # stored: a first record that only says "sent" is inserted, never merged over it.
@@ -893,19 +902,15 @@ class TablesTracker(_OnTable):
         known: list[dict[str, Any]] = []
         seen: list[dict[str, Any]] = []
         for e, r in zip(entities, folded.values(), strict=True):
-            if r.message_id not in self._written:
+            if r.message_id not in known_ids:
                 (new if r.message_id in first else seen).append(e)
             else:
                 (known_first if r.message_id in first else known).append(e)
-        # A message this instance wrote whose entity is gone was deleted meanwhile (a purge, an
-        # operator, the retention): nothing to record against, and made again from a record sent
-        # without its body and index entity, it would be listed but found by no lookup. It is
-        # forgotten instead: this host's next record of it (a later run's) is written whole.
         gone: set[str] = set()
         with _boundary("upsert history"):
             client = await self._table.ready()
             for batch in _batches(new):
-                await self._insert_new(client, batch)
+                gone |= await self._insert_new(client, batch)
             for e in known_first:
                 if not await self._merge_unless_outcome(client, e):
                     gone.add(e["MessageId"])
@@ -913,6 +918,11 @@ class TablesTracker(_OnTable):
                 gone |= await self._update_existing(client, batch)
             for batch in _batches(seen):
                 await self._write(client, batch, UpdateMode.MERGE)
+            index = [
+                _index_entity(e)
+                for e, r in zip(entities, folded.values(), strict=True)
+                if r.message_id not in known_ids and e["MessageId"] not in gone
+            ]
             for batch in _batches(index):
                 await self._write(client, batch, UpdateMode.REPLACE)
         self._forget(gone)
@@ -920,9 +930,10 @@ class TablesTracker(_OnTable):
             [
                 r.message_id
                 for r in folded.values()
-                if str(r.message_id) not in gone and (r.body is not None or r.message_id in self._written)
+                if str(r.message_id) not in gone and (r.body is not None or r.message_id in known_ids)
             ]
         )
+        return gone
 
     def _forget(self, gone: Iterable[str]) -> None:
         """These messages' entities were found deleted: their next record is written whole."""
@@ -1004,27 +1015,33 @@ class TablesTracker(_OnTable):
         # entity would be found nowhere)
         if not await self._merge_on_etag(client, e, keep, create=not known):
             self._forget([e["MessageId"]])
+            if rec.body is not None:  # (as ``upsert``: a record with its body is written again whole)
+                await self._write_if_newer(client, rec)
             return
         if not known:
             await client.upsert_entity(_index_entity(e), mode=UpdateMode.REPLACE)
             if rec.body is not None:
                 self._remember([rec.message_id])
 
-    async def _insert_new(self, client: TableClient, batch: list[dict[str, Any]]) -> None:
-        """Create each entity; where one exists, merge into it unless it holds an outcome."""
+    async def _insert_new(self, client: TableClient, batch: list[dict[str, Any]]) -> set[str]:
+        """Create each entity; where one exists, merge into it unless it holds an outcome. Returns the
+        message ids of any found existing and then deleted before the merge (not made again)."""
         if len(batch) > 1:
             try:
                 await client.submit_transaction([("create", e) for e in batch])
-                return
+                return set()
             except (TableTransactionError, ResourceExistsError) as exc:
                 if getattr(exc, "error_code", None) != "EntityAlreadyExists":
                     raise
             # rare (a worker beat the producer, or a lease was released): one by one
+        gone: set[str] = set()
         for e in batch:
             try:
                 await client.create_entity(e)
             except ResourceExistsError:
-                await self._merge_unless_outcome(client, e)
+                if not await self._merge_unless_outcome(client, e):
+                    gone.add(e["MessageId"])
+        return gone
 
     @classmethod
     async def _merge_unless_outcome(cls, client: TableClient, e: dict[str, Any]) -> bool:

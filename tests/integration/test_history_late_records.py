@@ -359,9 +359,9 @@ async def test_tables_does_not_make_a_deleted_message_again_without_its_body(
     store: Tracker, request: pytest.FixtureRequest, status: str, reason: str | None
 ):
     """An operator deleted the message's history on another host; this host's write of a later record
-    of it, checked or plain, finds nothing. Azure Tables, which sends a message's body and id index once
-    per host, does not make the record again (found in review: made again, it had neither, and no
-    lookup found it)."""
+    of it without its body, checked or plain, finds nothing. Azure Tables, which sends a message's body
+    and id index once per host, does not make the record again from it (found in review: made again,
+    it had neither, and no lookup found it)."""
     if type(store).__name__ != "TablesTracker":
         pytest.skip("only the Tables store sends a known message's body and index once")
     mid = uuid.uuid4()
@@ -435,8 +435,8 @@ async def test_tables_does_not_make_a_deleted_message_again_from_a_progress_repo
     store: Tracker, request: pytest.FixtureRequest
 ):
     """A running handler's progress report reads like a first record (no reason, no worker): inserted
-    unless an outcome is stored. For a message this host wrote and the operator deleted meanwhile, it
-    is not made again either."""
+    unless an outcome is stored. Without its body, for a message this host wrote and the operator
+    deleted meanwhile, it is not made again either (with it, it is: the test below)."""
     _tables_only(store)
     mid = uuid.uuid4()
     await store.upsert([record(mid, "Leased", 1, body={"n": 1})])
@@ -450,14 +450,14 @@ async def test_tables_writes_the_next_run_of_a_deleted_message_whole(
     store: Tracker, request: pytest.FixtureRequest
 ):
     """A deleted message the transport still held runs again on this host: its history is written
-    again, whole (body and id index), not dropped as the stale run's late outcome was."""
+    again, whole (body and id index), after a record without its body was dropped."""
     _tables_only(store)
     mid = uuid.uuid4()
     await store.upsert([record(mid, "Leased", 1, body={"n": 1})])
     await _delete_elsewhere(store, request, mid)
-    await store.upsert([record(mid, "Succeeded", 2)])  # the run before the delete: dropped
+    await store.upsert([record(mid, "Succeeded", 2)])  # without its body: dropped
     assert await store.get(mid) is None
-    await store.upsert([record(mid, "Leased", 3, body={"n": 1})])  # its next run, on this host
+    await store.upsert([record(mid, "Leased", 3, body={"n": 1}, locked_by="w2")])  # its next run
     await store.upsert([record(mid, "Succeeded", 4)])
     got = await store.get(mid)
     assert got is not None
@@ -465,16 +465,54 @@ async def test_tables_writes_the_next_run_of_a_deleted_message_whole(
     assert await _listed(store) == {mid}
 
 
+@pytest.mark.parametrize(
+    ("status", "fields", "checked"),
+    [
+        ("Succeeded", {}, False),  # an outcome, the plain write
+        ("Leased", {"progress": {"done": 1}}, False),  # a progress report: a first record's write
+        ("Pending", {"reason": "Released: host shutting down"}, True),  # the checked write
+    ],
+)
+async def test_tables_writes_a_deleted_messages_record_again_whole_when_it_carries_its_body(
+    store: Tracker,
+    request: pytest.FixtureRequest,
+    status: str,
+    fields: dict[str, object],
+    checked: bool,
+):
+    """A record of a message this host wrote that carries its body (a worker's always does) is written
+    whole after a delete, as a host that never wrote the message would write it: found by its id,
+    with its body, listed once."""
+    _tables_only(store)
+    mid = uuid.uuid4()
+    await store.upsert([record(mid, "Leased", 1, body={"n": 1})])
+    await _delete_elsewhere(store, request, mid)
+    late = record(mid, status, 2, body={"n": 1}, **fields)
+    if checked:
+        await store.upsert_newer([late])  # type: ignore[attr-defined]
+    else:
+        await store.upsert([late])
+    got = await store.get(mid)
+    assert got is not None
+    assert (got.status, got.body) == (status, {"n": 1})
+    assert await _listed(store) == {mid}
+    await store.upsert([record(mid, "Succeeded", 3)])  # and it is known again: updated in place
+    got = await store.get(mid)
+    assert got is not None
+    assert (got.status, got.body) == ("Succeeded", {"n": 1})
+
+
+@pytest.mark.parametrize("count", [1, 2])  # one update, and a transaction of updates
 async def test_tables_does_not_drop_a_known_messages_record_when_the_table_is_gone(
-    store: Tracker, request: pytest.FixtureRequest
+    store: Tracker, request: pytest.FixtureRequest, count: int
 ):
     """A missing table is not a missing entity: the write fails (the history writer keeps the record
     and tries again) instead of dropping the record as deleted."""
     _tables_only(store)
     from queueing_core.errors import ProviderError
 
-    mid = uuid.uuid4()
-    await store.upsert([record(mid, "Leased", 1, body={"n": 1})])
+    mids = [uuid.uuid4() for _ in range(count)]
+    await store.upsert([record(mid, "Leased", 1, body={"n": 1}) for mid in mids])
     await store._table.client.delete_table()  # type: ignore[attr-defined]
     with pytest.raises(ProviderError):
-        await store.upsert([record(mid, "Succeeded", 2)])
+        await store.upsert([record(mid, "Succeeded", 2) for mid in mids])
