@@ -611,7 +611,8 @@ def _entity_missing(exc: Exception) -> bool:
 
 
 async def _merge_unchanged(client: TableClient, e: dict[str, Any], stored: TableEntity) -> bool:
-    """MERGE ``e`` if the entity is still as ``stored`` (its ETag); False when it changed meanwhile."""
+    """MERGE ``e`` if the entity is still as ``stored`` (its ETag); False when it changed meanwhile,
+    deletion included (the caller reads it again, and finds it missing)."""
     try:
         await client.update_entity(
             e,
@@ -620,6 +621,10 @@ async def _merge_unchanged(client: TableClient, e: dict[str, Any], stored: Table
             match_condition=MatchConditions.IfNotModified,
         )
     except ResourceModifiedError:
+        return False
+    except ResourceNotFoundError as exc:
+        if not _entity_missing(exc):
+            raise
         return False
     return True
 
@@ -968,7 +973,9 @@ class TablesTracker(_OnTable):
                 try:
                     ix = await client.get_entity(_INDEX_PK, str(message_id))
                     stored = await client.get_entity(str(ix["Pk"]), str(ix["Rk"]))
-                except ResourceNotFoundError:
+                except ResourceNotFoundError as exc:
+                    if not _entity_missing(exc):
+                        raise  # (the table itself missing: not a message that is gone)
                     return
                 patch = {"PartitionKey": stored["PartitionKey"], "RowKey": stored["RowKey"], **change(stored)}
                 if await _merge_unchanged(client, patch, stored):

@@ -496,7 +496,8 @@ async def test_tables_writes_a_deleted_messages_record_again_whole_when_it_carri
     assert got is not None
     assert (got.status, got.body) == (status, {"n": 1})
     assert await _listed(store) == {mid}
-    await store.upsert([record(mid, "Succeeded", 3)])  # and it is known again: updated in place
+    assert mid in store._written  # type: ignore[attr-defined]  # (known again: sent without its body)
+    await store.upsert([record(mid, "Succeeded", 3)])
     got = await store.get(mid)
     assert got is not None
     assert (got.status, got.body) == ("Succeeded", {"n": 1})
@@ -516,3 +517,40 @@ async def test_tables_does_not_drop_a_known_messages_record_when_the_table_is_go
     await store._table.client.delete_table()  # type: ignore[attr-defined]
     with pytest.raises(ProviderError):
         await store.upsert([record(mid, "Succeeded", 2) for mid in mids])
+    assert all(mid in store._written for mid in mids)  # type: ignore[attr-defined]  # (not forgotten)
+
+
+@pytest.mark.parametrize("body", [None, {"n": 1}])
+async def test_tables_a_delete_between_the_read_and_the_merge_is_a_deleted_message(
+    store: Tracker, request: pytest.FixtureRequest, body: dict[str, int] | None
+):
+    """The checked write reads the entity, then merges on its ETag; the operator's delete lands in
+    between (the merge answers 404). That is the message deleted meanwhile, not a failed write: the
+    record is dropped without its body and written whole with it, and nothing is raised."""
+    _tables_only(store)
+    mid = uuid.uuid4()
+    await store.upsert([record(mid, "Leased", 1, body={"n": 1})])
+    client = store._table.client  # type: ignore[attr-defined]
+    update = client.update_entity
+    deleted: list[bool] = []
+
+    async def delete_first(*args: object, **kwargs: object) -> object:
+        if not deleted and kwargs.get("etag") is not None:  # the checked merge, once
+            deleted.append(True)
+            await _delete_elsewhere(store, request, mid)
+        return await update(*args, **kwargs)
+
+    client.update_entity = delete_first
+    try:
+        await store.upsert_newer([record(mid, "Pending", 2, reason="Released: stop", body=body)])  # type: ignore[attr-defined]
+    finally:
+        client.update_entity = update
+    assert deleted == [True]
+    got = await store.get(mid)
+    if body is None:
+        assert got is None
+        assert mid not in await _listed(store)
+    else:
+        assert got is not None
+        assert (got.status, got.body) == ("Pending", body)
+        assert await _listed(store) == {mid}
