@@ -55,7 +55,7 @@ from .errors import NonRetryableError, Retry
 from .hooks import Event, Observation
 from .messages import BASE_FIELDS, MessageStatus, QueueMessage
 from .middleware import HandleMiddleware, compose_handle, same_middleware
-from .storable import storable
+from .storable import cut_short_marker, storable
 from .throughput import Throughput
 from .transport import Delivery
 
@@ -100,7 +100,7 @@ def fit_result(value: Any, log_to: logging.LoggerAdapter[logging.Logger] | None 
         return data
     if log_to is not None:
         log_to.warning("the handler's result is %d characters of JSON; only a preview is kept", len(text))
-    return {"_truncated": True, "_original_chars": len(text), "_preview": text[:RESULT_PREVIEW_CHARS]}
+    return cut_short_marker(len(text), text[:RESULT_PREVIEW_CHARS])
 
 
 def _safe_repr(value: Any) -> str:

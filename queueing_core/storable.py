@@ -53,3 +53,26 @@ def storable(data: Any) -> tuple[Any, bool]:
             return data, False
         return {k: v for (k, _), (v, _) in pairs}, True
     return data, False
+
+
+# -- what a store keeps only in part ---------------------------------------------------------------
+#: the key of the marker kept in place of JSON too large to keep whole (a handler's result; a body in
+#: a history store with a size limit per record, Azure Tables)
+CUT_SHORT = "_truncated"
+#: the header a history store adds in place of the headers it dropped to fit its size limit
+HEADERS_CUT_SHORT = "x-queueing-truncated"
+
+
+def cut_short_marker(chars: int, preview: str) -> dict[str, Any]:
+    """What is kept in place of JSON of ``chars`` characters too large to keep: its start, and its size."""
+    return {CUT_SHORT: True, "_original_chars": chars, "_preview": preview}
+
+
+def is_cut_short(value: object) -> bool:
+    """``value`` is a :func:`cut_short_marker`, not the JSON it stands for."""
+    return (
+        isinstance(value, dict)
+        and value.get(CUT_SHORT) is True
+        and "_original_chars" in value
+        and "_preview" in value
+    )

@@ -25,6 +25,7 @@ from ..messages import MessageStatus
 from ..options import Health
 from ..producer import EnqueueOptions
 from ..runtime import Runtime
+from ..storable import HEADERS_CUT_SHORT, is_cut_short
 from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen, record_change
 from .models import (
     ActionResult,
@@ -391,6 +392,20 @@ class OpsService:
         if r.body is None:
             raise InvalidOperation(
                 f"cannot retry message {r.message_id}: its body could not be decoded; purge it"
+            )
+        kept_in_part = [
+            what
+            for what, cut in (("body", is_cut_short(r.body)), ("headers", HEADERS_CUT_SHORT in r.headers))
+            if cut
+        ]
+        if kept_in_part and not self._durable:
+            # a retry sends the message again from its history, and removes a dead letter after: the
+            # marker in place of the body would replace the only whole copy, and the message be lost
+            raise InvalidOperation(
+                f"cannot retry message {r.message_id}: its history keeps its {' and '.join(kept_in_part)} "
+                "only in part (too large for a history record), and a retry sends the message again "
+                "from its history; the transport (its queue or dead-letter queue) still holds it whole: "
+                "resubmit it from there"
             )
         now = self.clock()
         sub = self.app.subscription(r.type)

@@ -47,6 +47,7 @@ from ..control.base import CANCEL_KEPT, CircuitName, CircuitState, ControlState,
 from ..errors import ConfigurationError, ProviderError, ProviderUnavailable
 from ..messages import MessageStatus
 from ..options import CircuitBreakerOptions
+from ..storable import HEADERS_CUT_SHORT, cut_short_marker
 from ..tracking.base import (
     OUTCOMES,
     MessageQuery,
@@ -509,9 +510,7 @@ def _fit_json(value: Any, parts: int) -> str:
         return text
     preview = text[: budget - 200]
     while True:
-        marker = json.dumps(
-            {"_truncated": True, "_original_chars": len(text), "_preview": preview}, ensure_ascii=True
-        )
+        marker = json.dumps(cut_short_marker(len(text), preview), ensure_ascii=True)
         if len(marker) <= budget:
             return marker
         preview = preview[: len(preview) - (len(marker) - budget) - 16]
@@ -530,7 +529,7 @@ def _fit_headers(headers: Mapping[str, str]) -> str:
             break
         kept[k] = v
         size += item
-    kept["x-queueing-truncated"] = f"{len(headers) - len(kept)} headers dropped ({len(text)} chars)"
+    kept[HEADERS_CUT_SHORT] = f"{len(headers) - len(kept)} headers dropped ({len(text)} chars)"
     return json.dumps(kept, ensure_ascii=True, separators=(",", ":"))
 
 
