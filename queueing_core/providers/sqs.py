@@ -600,9 +600,10 @@ class SqsProvider(SideStoreOps):
         return refused
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
-        # Only the receive that holds a message may settle it: its lease token goes first (before any
-        # copy is sent), and whoever's token was replaced by a newer receive is refused.
-        ours = await self.leases.release([s.delivery.handle.lease for s in settlements])
+        # Only the receive that holds a message may settle it: its lease token is checked first
+        # (before any copy is sent), and whoever's token was replaced by a newer receive is refused.
+        # The token stays (see ``SqlLeaseStore.holding``): renewals go on until the delete is done.
+        ours = await self.leases.holding([s.delivery.handle.lease for s in settlements])
         for s in settlements:
             if s.delivery.handle.lease.key not in ours:
                 s.delivery.refuse("a later receive holds it (its lease token was replaced)")

@@ -221,7 +221,7 @@ def _sqs_points() -> list[CallPoint]:
     ]
     return [
         *_methods("sqs", _sqs_client_class, calls, _aws_error),
-        *_methods("leases", lambda rt: SqlLeaseStore, ["take", "release", "extend"], _sql_error),
+        *_methods("leases", lambda rt: SqlLeaseStore, ["take", "holding", "extend"], _sql_error),
         *_sql_side_stores(),
     ]
 

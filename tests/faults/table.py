@@ -26,7 +26,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("retry_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert_newer"),
     ("retry_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert_newer"),
     ("retry_by_copy", "sqs"): (
-        "leases.release",
+        "leases.holding",
         "sqs.send_message_batch",
         "sqs.delete_message_batch",
         "history.upsert_newer",
@@ -43,7 +43,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("pause_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert_newer"),
     ("pause_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert_newer"),
     ("pause_by_copy", "sqs"): (
-        "leases.release",
+        "leases.holding",
         "sqs.send_message_batch",
         "sqs.delete_message_batch",
         "history.upsert_newer",
@@ -60,7 +60,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("dead_letter", "servicebus"): ("sb.dead_letter_message", "history.upsert"),
     ("dead_letter", "rabbitmq"): ("amqp.publish", "amqp.ack", "history.upsert"),
     ("dead_letter", "sqs"): (
-        "leases.release",
+        "leases.holding",
         "sqs.send_message_batch",
         "sqs.delete_message_batch",
         "history.upsert",
@@ -80,7 +80,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("expiry", "servicebus"): ("sb.dead_letter_message", "history.upsert"),
     ("expiry", "rabbitmq"): ("amqp.publish", "amqp.ack", "history.upsert"),
     ("expiry", "sqs"): (
-        "leases.release",
+        "leases.holding",
         "sqs.send_message_batch",
         "sqs.delete_message_batch",
         "history.upsert",

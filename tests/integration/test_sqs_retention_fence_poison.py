@@ -94,9 +94,14 @@ async def test_a_queue_an_older_version_created_with_a_shorter_retention_is_brou
 
 
 # -- the lease token: the later receive wins ------------------------------------------------------------
+@pytest.mark.parametrize("b_settles_first", [False, True])
 async def test_a_stale_receive_whose_token_write_lands_late_is_dropped_and_the_live_holder_settles(
-    tmp_path,
+    tmp_path, b_settles_first: bool
 ):
+    """Receive A's token write stalls past A's visibility timeout; receive B gets the message, and A's
+    write lands after B's, or after B's settlement (the message gone). Either way A is dropped and B
+    settles. Found in review, the second: the settlement deleted B's token row, so A's older token
+    found no row, was written, and A ran a message already settled."""
     app, rt, prov = await make(tmp_path)
     await rt.open()
     try:
@@ -124,12 +129,60 @@ async def test_a_stale_receive_whose_token_write_lands_late_is_dropped_and_the_l
             return bool(b)
 
         await wait_until(b_received, timeout=15, what="receive B")
-        gate.set()  # A's write lands after B's
-        a = await a_task
-        # before the fix: A's write replaced B's token, B was refused and the lapsed A settled
-        assert a == [], "the stale receive A was handed to a handler"
-        await prov.settle([Settlement(b[0], Complete())])
+        if b_settles_first:
+            await prov.settle([Settlement(b[0], Complete())])
+        gate.set()  # A's write lands
+        # before the first fix: A's write replaced B's token, B was refused and the lapsed A settled
+        assert await a_task == [], "the stale receive A was handed to a handler"
+        if not b_settles_first:
+            await prov.settle([Settlement(b[0], Complete())])
         assert not b[0].refused, "the live holder B was refused"
+        depth = await prov.depth("Keep.Short")
+        assert depth["ready"] + depth["in_flight"] + depth["delayed"] == 0
+    finally:
+        await cleanup(rt, prov)
+
+
+async def test_a_settlement_that_failed_is_tried_again_under_the_same_lease(tmp_path):
+    """The retry's copy fails once: the lease is still the run's, so its renewals go on and the
+    settler's next try goes ahead (found in review: the first try removed the token, every later try
+    was refused and the message waited out its visibility timeout, one more receive counted)."""
+    from queueing_core.decisions import RetryAfter
+
+    app, rt, prov = await make(tmp_path)
+    await rt.open()
+    try:
+        await app.enqueue(Short(n=4))
+        sub = app.subscription("Short")
+        assert sub is not None
+        [d] = await prov.receive(sub, 1)
+        real_send_at = prov.send_at
+        sent: list[str] = []
+
+        async def fails_once(*args: Any, **kwargs: Any) -> None:
+            sent.append("try")
+            if len(sent) == 1:
+                raise ConnectionError("the copy's send failed")
+            await real_send_at(*args, **kwargs)
+
+        prov.send_at = fails_once  # type: ignore[method-assign]
+        settlement = Settlement(d, RetryAfter(timedelta(seconds=0), "the first try failed"))
+        with pytest.raises(ConnectionError):
+            await prov.settle([settlement])
+        assert await prov.renew([d]) == [], "the run's lease was lost after a failed settlement"
+        await prov.settle([settlement])
+        assert not d.refused, "the settler's next try was refused"
+        assert sent == ["try", "try"]
+        got: list[Any] = []
+
+        async def copy_received() -> bool:
+            got.extend(await prov.receive(sub, 1))
+            return bool(got)
+
+        await wait_until(copy_received, timeout=10, what="the retry's copy")
+        assert got[0].envelope is not None
+        assert got[0].envelope.message_id == d.envelope.message_id
+        await prov.settle([Settlement(got[0], Complete())])
         depth = await prov.depth("Keep.Short")
         assert depth["ready"] + depth["in_flight"] + depth["delayed"] == 0
     finally:
@@ -187,7 +240,8 @@ async def lease_store(request, tmp_path):
 
 async def test_tokens_compare_by_receive_count_in_the_database(lease_store):
     """The store's own ordering, on both databases: a token write of a lower receive count never
-    replaces a higher one; a higher one always does; a replaced token neither renews nor settles."""
+    replaces a higher one, before or after the higher one's settlement; a higher one always does; a
+    replaced token neither renews nor settles."""
     until = datetime.now(UTC) + timedelta(minutes=1)
     for n in range(20):  # the count decides first, every time
         key = f"m-{n}"
@@ -203,8 +257,13 @@ async def test_tokens_compare_by_receive_count_in_the_database(lease_store):
         assert third is not None
         stale = [second, twin]
         assert await lease_store.extend(stale, until) == set()
-        assert await lease_store.release(stale) == set()
-        assert await lease_store.release([third]) == {key}
+        assert await lease_store.holding(stale) == set()
+        assert await lease_store.holding([third]) == {key}
+        # a settlement leaves the token as the message's fence: a receive of a lower count whose write
+        # lands after it is still refused, and the settling run still renews (and may try again)
+        assert await lease_store.take([(key, 2)], until) == [None]
+        assert await lease_store.extend([third], until) == {key}
+        assert await lease_store.holding([third]) == {key}
     # a batch where some writes apply and some do not
     await lease_store.take([("x", 5)], until)
     got = await lease_store.take([("x", 4), ("y", 1)], until)

@@ -111,7 +111,7 @@ class SqlLeaseStore:
             t.c.message_key.in_(sa.bindparam("keys", expanding=True)),
             sa.tuple_(t.c.message_key, t.c.token).in_(sa.bindparam("leases", expanding=True)),
         )
-        self._release = sa.delete(t).where(mine).returning(t.c.message_key)
+        self._holding = sa.select(t.c.message_key).where(mine)
         self._extend = sa.update(t).where(mine).values(until=sa.bindparam("until")).returning(t.c.message_key)
 
     async def take(self, received: Sequence[tuple[str, int]], until: datetime) -> list[LeaseToken | None]:
@@ -164,9 +164,16 @@ class SqlLeaseStore:
             await conn.execute(self._take, rows)
         return before
 
-    async def release(self, leases: Sequence[LeaseToken]) -> set[str]:
-        """End these leases; returns the keys that were still ours (the others went to a newer run)."""
-        return await self._run(self._release, leases)
+    async def holding(self, leases: Sequence[LeaseToken]) -> set[str]:
+        """The keys of these leases that are still ours (the others went to a newer receive).
+
+        A settlement asks this, and leaves the row as it is: the token stays the message's fence after
+        the settlement, until :meth:`prune` (a day after its lease ended). Deleted at the settlement, a
+        receive of the same message whose write stalled until then would find no row, write its
+        older token, and run a message already settled; and the settling run's own renewals would be
+        refused while its copy and delete were still on their way, so another receive could take the
+        message in between. A settlement that fails is tried again under the same token."""
+        return await self._run(self._holding, leases)
 
     async def extend(self, leases: Sequence[LeaseToken], until: datetime) -> set[str]:
         """Move these leases' end; returns the keys that were still ours."""
@@ -181,7 +188,7 @@ class SqlLeaseStore:
             return set((await conn.execute(stmt, params)).scalars())
 
     async def prune(self, now: datetime) -> int:
-        """Forget leases that ended long ago without a settlement (their consumer died)."""
+        """Forget leases that ended long ago, settled or not (a consumer that died settled nothing)."""
         t = self.sql.tables.leases
         await self.sql.ensure_open()
         async with self.sql.engine.begin() as conn:
