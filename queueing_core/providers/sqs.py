@@ -138,6 +138,10 @@ class _Handle:
     #: token is what keeps a run whose visibility ran out from settling the message (None: a message
     #: taken only to be deleted, as when draining a queue)
     lease: LeaseToken | None = None
+    #: the steps of this run's settlement already done (its copy or dead letter sent; the original
+    #: deleted): the settler's next try after a failure goes on from there, not sending them again
+    prepared: bool = False
+    deleted: bool = False
 
 
 class _DeadLetterPages:
@@ -556,6 +560,14 @@ class SqsProvider(SideStoreOps):
             await asyncio.sleep(timeout)
         # otherwise receive already long-polled (up to receive_wait) for work to arrive
 
+    async def _prepare_once(self, s: Settlement) -> None:
+        """:meth:`_prepare`, unless an earlier try of this settlement did it (a failed delete, or a
+        failure beside it in the batch, has the settler try the whole batch again)."""
+        h = s.delivery.handle
+        if not h.prepared:
+            await self._prepare(s)
+            h.prepared = True
+
     async def _prepare(self, s: Settlement) -> None:
         """Everything a settlement needs before its original is deleted (copies, dead letters)."""
         d, decision = s.delivery, s.decision
@@ -585,18 +597,23 @@ class SqsProvider(SideStoreOps):
         await self.send_at(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), due_at(decision, now))
 
     async def _delete(self, handles: list[_Handle]) -> int:
-        """DeleteMessageBatch per queue, 10 at a time; returns how many deletes SQS refused."""
+        """DeleteMessageBatch per queue, 10 at a time; returns how many deletes SQS refused. Each
+        handle SQS answered for is marked deleted (a refused one too: its receipt is no longer the
+        message's, and a later try would be refused again)."""
         refused = 0
         by_url: dict[str, list[_Handle]] = {}
         for h in handles:
             by_url.setdefault(h.url, []).append(h)
         for url, hs in by_url.items():
             for i in range(0, len(hs), 10):
-                entries = [{"Id": str(j), "ReceiptHandle": h.receipt} for j, h in enumerate(hs[i : i + 10])]
+                part = hs[i : i + 10]
+                entries = [{"Id": str(j), "ReceiptHandle": h.receipt} for j, h in enumerate(part)]
                 resp = await self._call(
                     "deleting messages", self.client.delete_message_batch, QueueUrl=url, Entries=entries
                 )
                 refused += len(resp.get("Failed") or [])
+                for h in part:
+                    h.deleted = True
         return refused
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
@@ -608,8 +625,12 @@ class SqsProvider(SideStoreOps):
             if s.delivery.handle.lease.key not in ours:
                 s.delivery.refuse("a later receive holds it (its lease token was replaced)")
         mine = [s for s in settlements if not s.delivery.refused]
-        results = await asyncio.gather(*(self._prepare(s) for s in mine), return_exceptions=True)
-        ready = [s.delivery.handle for s, r in zip(mine, results, strict=True) if r is None]
+        results = await asyncio.gather(*(self._prepare_once(s) for s in mine), return_exceptions=True)
+        ready = [
+            s.delivery.handle
+            for s, r in zip(mine, results, strict=True)
+            if r is None and not s.delivery.handle.deleted
+        ]
         if ready:
             refused = await self._delete(ready)
             if refused:

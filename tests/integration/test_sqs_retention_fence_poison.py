@@ -143,10 +143,14 @@ async def test_a_stale_receive_whose_token_write_lands_late_is_dropped_and_the_l
         await cleanup(rt, prov)
 
 
-async def test_a_settlement_that_failed_is_tried_again_under_the_same_lease(tmp_path):
-    """The retry's copy fails once: the lease is still the run's, so its renewals go on and the
-    settler's next try goes ahead (found in review: the first try removed the token, every later try
-    was refused and the message waited out its visibility timeout, one more receive counted)."""
+@pytest.mark.parametrize("failing", ["copy", "delete"])
+async def test_a_settlement_that_failed_is_tried_again_under_the_same_lease(tmp_path, failing: str):
+    """One step of a retry's settlement fails once: the copy's send, or the original's delete (its
+    answer lost: applied, then an error). The lease is still the run's, so its renewals go on and the
+    settler's next try goes ahead, from the step that failed: one copy in all, the original gone.
+    Found in review: the first try removed the token, every later try was refused and the message
+    waited out its visibility timeout (one more receive counted); then, with the token kept, a try
+    after a failed delete sent the copy again."""
     from queueing_core.decisions import RetryAfter
 
     app, rt, prov = await make(tmp_path)
@@ -156,23 +160,37 @@ async def test_a_settlement_that_failed_is_tried_again_under_the_same_lease(tmp_
         sub = app.subscription("Short")
         assert sub is not None
         [d] = await prov.receive(sub, 1)
-        real_send_at = prov.send_at
+        real_send_at, real_delete = prov.send_at, prov._delete
         sent: list[str] = []
+        failed: list[str] = []
 
-        async def fails_once(*args: Any, **kwargs: Any) -> None:
-            sent.append("try")
-            if len(sent) == 1:
+        async def send_at(*args: Any, **kwargs: Any) -> None:
+            if failing == "copy" and not failed:
+                failed.append("copy")
                 raise ConnectionError("the copy's send failed")
+            sent.append("copy")
             await real_send_at(*args, **kwargs)
 
-        prov.send_at = fails_once  # type: ignore[method-assign]
+        async def delete(handles: Any) -> int:
+            refused = await real_delete(handles)
+            if failing == "delete" and not failed:
+                failed.append("delete")
+                for h in handles:
+                    h.deleted = False  # (as when the answer never came back: nothing marked)
+                raise ConnectionError("the delete's answer was lost")
+            return refused
+
+        prov.send_at = send_at  # type: ignore[method-assign]
+        prov._delete = delete  # type: ignore[method-assign]
         settlement = Settlement(d, RetryAfter(timedelta(seconds=0), "the first try failed"))
         with pytest.raises(ConnectionError):
             await prov.settle([settlement])
-        assert await prov.renew([d]) == [], "the run's lease was lost after a failed settlement"
+        assert failed == [failing]
+        if failing == "copy":  # (after the delete SQS holds no message to renew: it says so)
+            assert await prov.renew([d]) == [], "the run's lease was lost after a failed settlement"
         await prov.settle([settlement])
         assert not d.refused, "the settler's next try was refused"
-        assert sent == ["try", "try"]
+        assert sent == ["copy"], "the copy was sent again (or never)"
         got: list[Any] = []
 
         async def copy_received() -> bool:
@@ -181,6 +199,7 @@ async def test_a_settlement_that_failed_is_tried_again_under_the_same_lease(tmp_
 
         await wait_until(copy_received, timeout=10, what="the retry's copy")
         assert got[0].envelope is not None
+        assert d.envelope is not None
         assert got[0].envelope.message_id == d.envelope.message_id
         await prov.settle([Settlement(got[0], Complete())])
         depth = await prov.depth("Keep.Short")

@@ -4,8 +4,8 @@ database (``queueing_leases``, migration v4).
 SQS accepts a delete (and a visibility change) with a receipt handle from an earlier receive of the
 same message, so a run whose visibility timeout ran out could still settle a message that another
 receive now holds. Each receive therefore writes a fresh token per message here (the latest receive
-wins), and a settlement or renewal goes ahead only for the messages whose token is still its own:
-the check and the removal are one statement, so two runs can never both pass it.
+wins), and a settlement or renewal goes ahead only for the messages whose token is still its own.
+A settlement leaves the token in place (see :meth:`SqlLeaseStore.holding`).
 
 "The latest receive" is the one SQS handed the message to last, not the one whose write landed
 last: a receive whose write stalls (a paused process, a slow database) past its visibility timeout
@@ -40,7 +40,8 @@ from ...clock import as_utc
 if TYPE_CHECKING:
     from .provider import SqlProvider
 
-#: rows of leases nobody settled (a consumer that crashed) are pruned this long after they ended
+#: a lease's row is pruned this long after the lease ended, settled or not (a settled one stays the
+#: message's fence meanwhile: a receive whose write stalled until after the settlement is refused)
 KEEP_LAPSED = timedelta(days=1)
 
 
