@@ -292,7 +292,7 @@ class Runtime:
             ]
             self.history.drop(refused)
             applied = [s for s in settlements if not s.delivery.refused and not s.delivery.duplicate]
-            records = [ahead.records[id(s.delivery)] for s in applied]
+            records = [_with_left_behind(ahead.records[id(s.delivery)], s.delivery) for s in applied]
             rows = {
                 ahead.records[k].message_id: ahead.rows[k]
                 for s in applied
@@ -318,6 +318,15 @@ class Runtime:
             await note(message_id)
         except Exception as exc:  # a count, not an outcome: the message was settled as it had to be
             outcome_log.warning("could not count a duplicate of %s: %s", message_id, exc)
+
+
+def _with_left_behind(rec: MessageRecord, d: Delivery) -> MessageRecord:
+    """``rec``, made before the settlement, with what the settlement itself learned: an original it
+    sent a copy of but could not complete (``left_behind``), so that its return is recognised even
+    when noting it at once failed."""
+    if d.left_behind is None or rec.copied_from == d.left_behind:
+        return rec
+    return rec.model_copy(update={"copied_from": d.left_behind})
 
 
 def history_record(s: Settlement, now: Any) -> MessageRecord:
