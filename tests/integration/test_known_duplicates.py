@@ -5,6 +5,7 @@ duplicate shows in its history."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from azure.servicebus.exceptions import MessageLockLostError
 
@@ -24,7 +25,9 @@ class Charge(QueueMessage):
     n: int
 
 
-async def test_an_original_back_after_its_copy_was_sent_is_completed_without_running():
+async def _first_attempt_fails() -> tuple[Any, FakeServiceBusNamespace, Any, list[int]]:
+    """A runtime on the in-memory Service Bus whose handler fails its first attempt (a retry by copy)
+    and succeeds after; returns it, its namespace, the queue's receiver and the attempts run."""
     app = QueueingApp("dup")
     runs: list[int] = []
 
@@ -37,7 +40,12 @@ async def test_an_original_back_after_its_copy_was_sent_is_completed_without_run
     ns = FakeServiceBusNamespace()
     rt = in_memory_servicebus(app, ns, provider_options={"receive_wait": 0.1})
     await rt.open()
-    receiver = rt.provider._receiver("dup/copies")
+    return rt, ns, rt.provider._receiver("dup/copies"), runs
+
+
+async def test_an_original_back_after_its_copy_was_sent_is_completed_without_running():
+    rt, ns, receiver, runs = await _first_attempt_fails()
+    app = rt.app
     real_complete = receiver.complete_message
     failed: list[int] = []
 
@@ -73,19 +81,8 @@ async def test_the_history_after_settling_notes_the_original_when_noting_it_at_o
     failed too (the history store down for that moment). The history written after the settlement
     carries it, so the original, back once its lock lapses, is still completed without running.
     Found in review: that record was made before the settlement and did not carry it."""
-    app = QueueingApp("dup")
-    runs: list[int] = []
-
-    @app.handler()
-    async def handle(msg: Charge, ctx) -> None:
-        runs.append(ctx.attempt)
-        if ctx.attempt == 1:
-            raise ConnectionError("gateway down")
-
-    ns = FakeServiceBusNamespace()
-    rt = in_memory_servicebus(app, ns, provider_options={"receive_wait": 0.1})
-    await rt.open()
-    receiver = rt.provider._receiver("dup/copies")
+    rt, ns, receiver, runs = await _first_attempt_fails()
+    app = rt.app
     real_complete = receiver.complete_message
     held: list[object] = []
 
