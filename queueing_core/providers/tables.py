@@ -998,6 +998,10 @@ class TablesTracker(_OnTable):
             async def one(rec: MessageRecord) -> None:
                 async with limit:
                     await self._write_if_newer(client, rec)
+                    if rec.copied_from is not None:
+                        # kept even where a newer record stays: the original that a copy left behind
+                        # is recognised by it when it returns (else it runs again beside the copy)
+                        await self.note_copied(rec.message_id, rec.copied_from)
 
             await asyncio.gather(*(one(r) for r in latest.values()))
 

@@ -478,11 +478,13 @@ class HistoryWriter:
         old = self._pending.pop(rec.message_id, None)
         if old is not None:
             keep, other = (rec, old[1]) if supersedes(rec, old[1]) else (old[1], rec)
-            if keep.body is None or keep.raw is None:
+            if keep.body is None or keep.raw is None or keep.copied_from is None:
+                # (the original a copy left behind, too: its return is recognised by it)
                 keep = keep.model_copy(
                     update={
                         "body": other.body if keep.body is None else keep.body,
                         "raw": other.raw if keep.raw is None else keep.raw,
+                        "copied_from": other.copied_from if keep.copied_from is None else keep.copied_from,
                     }
                 )
             rec, seq = keep, seq or old[0]

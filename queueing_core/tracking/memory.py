@@ -56,6 +56,8 @@ class MemoryTracker:
             old = self._items.get(rec.message_id)
             if old is None or supersedes(rec, old):
                 self._write([rec], keep_outcomes=True)
+            elif rec.copied_from is not None:  # (as the Tables store: a newer record keeps the mark)
+                await self.note_copied(rec.message_id, rec.copied_from)
 
     async def note_duplicate(self, message_id: UUID) -> None:
         """Count one delivery of ``message_id`` dropped as a known duplicate."""

@@ -73,6 +73,31 @@ async def test_an_older_record_queued_later_does_not_replace_a_waiting_dead_lett
         await writer.close()
 
 
+async def test_a_waiting_record_replaced_by_a_newer_one_keeps_the_original_its_copy_left_behind(
+    tmp_path: Path,
+):
+    """A Service Bus run sent its retry's copy but could not complete the original: its record names
+    that original (``copied_from``), whose return is then completed as a known duplicate. The store is
+    down; the copy's own newer record queues behind it. The newer one is kept, and the mark with it
+    (found in review: only the body and raw text were carried over, and the original ran again)."""
+    store = FlakyStore()
+    writer = HistoryWriter(store, journal_dir=tmp_path)
+    writer.open()
+    mid = uuid.uuid4()
+    try:
+        store.down = True
+        left = record(mid, "Failed", 1, attempt=1, last_error="gateway down", copied_from="42")
+        assert not await writer.write([left])
+        assert not await writer.write([record(mid, "Succeeded", 2, attempt=2)])  # the copy's run
+        store.down = False
+        assert await writer.settle(10)
+        got = await store.get(mid)
+        assert got is not None
+        assert (got.status, got.copied_from) == ("Succeeded", "42")
+    finally:
+        await writer.close()
+
+
 async def test_a_record_written_directly_does_not_drop_a_newer_outcome_waiting_in_the_backlog(tmp_path: Path):
     """A waiting outcome is forgotten only when what was written is at least as new, and the outcome is
     never forgotten for a producer's record (which the store does not let replace an outcome)."""
@@ -272,6 +297,21 @@ async def test_a_retry_record_written_late_never_replaces_the_copys_outcome(stor
     got = await store.get(mid)
     assert got is not None
     assert got.status == "Succeeded"
+
+
+async def test_a_late_record_that_names_the_original_a_copy_left_behind_keeps_that_mark(store: Tracker):
+    """The run's record naming the original its copy left behind lands after the copy's own newer
+    outcome: the outcome stays, and the mark is kept with it."""
+    if type(store).__name__ == "SideStoreHistory" or not hasattr(store, "note_copied"):
+        pytest.skip("only Service Bus leaves an original behind, and its history is in Tables")
+    mid = uuid.uuid4()
+    await store.upsert([record(mid, "Succeeded", 2, attempt=2, body={"n": 1})])
+    await store.upsert_newer(  # type: ignore[attr-defined]
+        [record(mid, "Failed", 1, attempt=1, last_error="gateway down", copied_from="42")]
+    )
+    got = await store.get(mid)
+    assert got is not None
+    assert (got.status, got.copied_from) == ("Succeeded", "42")
 
 
 async def test_a_runs_newer_record_written_directly_still_replaces_the_stored_one(store: Tracker):
