@@ -1021,12 +1021,12 @@ class TablesTracker(_OnTable):
             return _plain_utc(stored["UpdatedAt"]) > newer and not _producers(stored)
 
         # (a message this instance wrote whose entity is gone was deleted meanwhile, by a purge or an
-        # operator: nothing to record against, and a record made again without its body and index
-        # entity would be found nowhere)
+        # operator: a record made again without its body and index entity would be found nowhere, so
+        # it is made again only from a record that carries its body, whole, as ``upsert`` does)
         if not await self._merge_on_etag(client, e, keep, create=not known):
             self._forget([e["MessageId"]])
-            if rec.body is not None:  # (as ``upsert``: a record with its body is written again whole)
-                await self._write_if_newer(client, rec)
+            if rec.body is not None:
+                await self._write_if_newer(client, rec)  # (unknown now: created, with the index)
             return
         if not known:
             await client.upsert_entity(_index_entity(e), mode=UpdateMode.REPLACE)
