@@ -8,6 +8,7 @@ run's outcome, does not replace it either (the late write's rule, by ``updated_a
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import subprocess
 import sys
@@ -37,6 +38,20 @@ class FlakyStore(FlakyTracker):
         return "review:flaky"
 
 
+@contextlib.asynccontextmanager
+async def _store_down(tmp_path: Path) -> AsyncIterator[tuple[FlakyStore, HistoryWriter]]:
+    """A history writer with its journal, open, before a store whose writes fail (until ``down`` is
+    cleared)."""
+    store = FlakyStore()
+    writer = HistoryWriter(store, journal_dir=tmp_path)
+    writer.open()
+    store.down = True
+    try:
+        yield store, writer
+    finally:
+        await writer.close()
+
+
 def _gone_owner() -> str:
     """The owner mark of a process that has exited (its journal rows are anyone's to write)."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -52,12 +67,8 @@ async def test_an_older_record_queued_later_does_not_replace_a_waiting_dead_lett
     message (its send returned before the worker's outcome, its write failed after it) is queued after
     it. Before: ``_keep`` and ``Journal.add`` replaced the dead letter with the older "Pending", which
     then landed: the dead letter never showed (so it could not be retried from the dashboard)."""
-    store = FlakyStore()
-    writer = HistoryWriter(store, journal_dir=tmp_path)
-    writer.open()
     mid = uuid.uuid4()
-    try:
-        store.down = True
+    async with _store_down(tmp_path) as (store, writer):
         assert not await writer.write([dead_letter(mid, 2)])  # the worker's outcome
         assert not await writer.write([record(mid, "Pending", 0, body={"n": 1})])  # the producer's, older
         # the journal (what a restart would write) holds the dead letter too
@@ -69,8 +80,6 @@ async def test_an_older_record_queued_later_does_not_replace_a_waiting_dead_lett
         assert got is not None
         assert got.status == "DeadLettered"
         assert got.body == {"n": 1}  # what the older record knew and the newer did not is kept
-    finally:
-        await writer.close()
 
 
 async def test_a_waiting_record_replaced_by_a_newer_one_keeps_the_original_its_copy_left_behind(
@@ -80,12 +89,8 @@ async def test_a_waiting_record_replaced_by_a_newer_one_keeps_the_original_its_c
     that original (``copied_from``), whose return is then completed as a known duplicate. The store is
     down; the copy's own newer record queues behind it. The newer one is kept, and the mark with it
     (found in review: only the body and raw text were carried over, and the original ran again)."""
-    store = FlakyStore()
-    writer = HistoryWriter(store, journal_dir=tmp_path)
-    writer.open()
     mid = uuid.uuid4()
-    try:
-        store.down = True
+    async with _store_down(tmp_path) as (store, writer):
         left = record(mid, "Failed", 1, attempt=1, last_error="gateway down", copied_from="42")
         assert not await writer.write([left])
         assert not await writer.write([record(mid, "Succeeded", 2, attempt=2)])  # the copy's run
@@ -94,19 +99,13 @@ async def test_a_waiting_record_replaced_by_a_newer_one_keeps_the_original_its_c
         got = await store.get(mid)
         assert got is not None
         assert (got.status, got.copied_from) == ("Succeeded", "42")
-    finally:
-        await writer.close()
 
 
 async def test_a_record_written_directly_does_not_drop_a_newer_outcome_waiting_in_the_backlog(tmp_path: Path):
     """A waiting outcome is forgotten only when what was written is at least as new, and the outcome is
     never forgotten for a producer's record (which the store does not let replace an outcome)."""
-    store = FlakyStore()
-    writer = HistoryWriter(store, journal_dir=tmp_path)
-    writer.open()
     mid = uuid.uuid4()
-    try:
-        store.down = True
+    async with _store_down(tmp_path) as (store, writer):
         assert not await writer.write([dead_letter(mid, 2)])
         writer._task.cancel()  # type: ignore[union-attr]  # (the drain is held back: a write gets there first)
         store.down = False
@@ -115,8 +114,6 @@ async def test_a_record_written_directly_does_not_drop_a_newer_outcome_waiting_i
         assert writer.backlog == 1  # the dead letter still waits
         assert writer.journal is not None
         assert writer.journal.count() == 1
-    finally:
-        await writer.close()
 
 
 async def test_a_journal_row_is_not_replaced_by_an_older_record_from_another_process(tmp_path: Path):

@@ -70,9 +70,7 @@ async def test_an_operator_retry_after_a_cancel_that_missed_its_run_runs_the_mes
             # the operator sees a dead letter and retries it
             result = await OpsService(rt).retry(r.message_id)
             assert result.status == MessageStatus.PENDING
-            await wait_until(
-                lambda: _settled(rt, r.message_id), what="the retried message to be settled"
-            )
+            await wait_until(lambda: _settled(rt, r.message_id), what="the retried message to be settled")
         # the retry must run the message; it was settled Cancelled by the stale request instead
         assert runs == [1, 2], (runs, await _status(rt, r.message_id))
         assert await _status(rt, r.message_id) == MessageStatus.SUCCEEDED

@@ -139,9 +139,7 @@ async def test_a_buffered_redelivery_released_at_a_stop_still_runs_on_its_next_d
         async with running(rt):
             await wait_until(lambda: _settled(rt, sent.message_id), what="settled")
         rec = await rt.tracker.get(sent.message_id)
-        assert calls, (
-            f"a message that never ran was {rec.status}: {rec.reason}: {rec.description}"
-        )
+        assert calls, f"a message that never ran was {rec.status}: {rec.reason}: {rec.description}"
         assert rec.status == MessageStatus.SUCCEEDED
     finally:
         await rt.close()

@@ -68,8 +68,6 @@ async def test_a_result_the_store_cannot_keep_still_settles_the_message(sql_db, 
         await rt.close()
 
 
-
-
 @queue("unstorable-results", max_attempts=2)
 class Odd(QueueMessage):
     kind: str

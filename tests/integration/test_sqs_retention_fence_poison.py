@@ -21,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 from queueing_core import MessageStatus, QueueingApp, QueueMessage, QueueNaming, queue
+from queueing_core.app import Subscription
 from queueing_core.decisions import Complete
 from queueing_core.naming import Transport
 from queueing_core.providers.delayed import DelayedMessage
@@ -53,6 +54,20 @@ async def make(tmp_path) -> tuple[QueueingApp, Runtime, SqsProvider]:
         sqs_client(), stores=SideStores(f"sqlite:///{tmp_path}/{prefix}side.db"), receive_wait=0
     )
     return app, Runtime(app, prov), prov
+
+
+async def one_enqueued(tmp_path, n: int) -> tuple[QueueingApp, Runtime, SqsProvider, Subscription]:
+    """:func:`make`, opened, with one message of ``n`` enqueued; and the type's subscription."""
+    app, rt, prov = await make(tmp_path)
+    try:
+        await rt.open()
+        await app.enqueue(Short(n=n))
+    except BaseException:
+        await cleanup(rt, prov)
+        raise
+    sub = app.subscription("Short")
+    assert sub is not None
+    return app, rt, prov, sub
 
 
 async def cleanup(rt: Runtime, prov: SqsProvider) -> None:
@@ -102,12 +117,8 @@ async def test_a_stale_receive_whose_token_write_lands_late_is_dropped_and_the_l
     write lands after B's, or after B's settlement (the message gone). Either way A is dropped and B
     settles. Found in review, the second: the settlement deleted B's token row, so A's older token
     found no row, was written, and A ran a message already settled."""
-    app, rt, prov = await make(tmp_path)
-    await rt.open()
+    _app, rt, prov, sub = await one_enqueued(tmp_path, 1)
     try:
-        await app.enqueue(Short(n=1))
-        sub = app.subscription("Short")
-        assert sub is not None
         real_take = prov.leases.take
         gate = asyncio.Event()
         takes = 0
@@ -153,12 +164,8 @@ async def test_a_settlement_that_failed_is_tried_again_under_the_same_lease(tmp_
     after a failed delete sent the copy again."""
     from queueing_core.decisions import RetryAfter
 
-    app, rt, prov = await make(tmp_path)
-    await rt.open()
+    _app, rt, prov, sub = await one_enqueued(tmp_path, 4)
     try:
-        await app.enqueue(Short(n=4))
-        sub = app.subscription("Short")
-        assert sub is not None
         [d] = await prov.receive(sub, 1)
         real_send_at, real_delete = prov.send_at, prov._delete
         sent: list[str] = []
@@ -209,12 +216,8 @@ async def test_a_settlement_that_failed_is_tried_again_under_the_same_lease(tmp_
 
 
 async def test_a_token_an_older_version_wrote_does_not_refuse_a_new_receive(tmp_path):
-    app, rt, prov = await make(tmp_path)
-    await rt.open()
+    _app, rt, prov, sub = await one_enqueued(tmp_path, 2)
     try:
-        await app.enqueue(Short(n=2))
-        sub = app.subscription("Short")
-        assert sub is not None
         msg_id = sqs_client().receive_message(
             QueueUrl=await prov._url("Keep.Short"), VisibilityTimeout=0, WaitTimeSeconds=1
         )["Messages"][0]["MessageId"]

@@ -68,4 +68,3 @@ async def test_a_message_expiring_in_a_paused_storage_queue_is_recorded_expired(
             with contextlib.suppress(Exception):
                 await p.client(q).delete_queue()
         await rt.close()
-

@@ -421,6 +421,7 @@ async def test_a_receive_whose_later_page_fails_hands_over_what_the_earlier_page
     await p.settle(settlements)
     assert not any(d.refused for d in got)
     assert len(seen) == 32
+
     def fails_at_once(**kwargs):
         async def pages():
             raise ServiceRequestError("connection reset on the first page")
