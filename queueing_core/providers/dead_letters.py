@@ -76,8 +76,9 @@ class DeadLetterPages(Protocol, Generic[T]):
         ...
 
     async def total(self) -> int | None:
-        """How many letters the queue holds, those held or hidden included (0 where nothing outlives
-        a reader that held letters; None when it cannot tell)."""
+        """How many letters the queue holds, those held or hidden included (0 where the broker
+        counts no held letters but can tell that none waits and no other reader holds any; None when
+        it cannot tell)."""
         ...
 
 

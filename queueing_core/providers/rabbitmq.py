@@ -96,6 +96,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("queueing.rabbitmq")
 
 DEAD_LETTER_SUFFIX = ".dead-letter"
+#: the companion of a dead-letter queue its readers register on (see _DeadLetterPages.total); it stays
+#: empty, and the broker deletes it a minute after its last reader left
+READERS_SUFFIX = ".readers"
+READERS_ARGUMENTS: dict[str, Any] = {"x-expires": 60_000, "x-queue-type": "classic"}
 ATTEMPT = "x-attempt"
 #: a fresh id on every message the kit publishes: a requeued message keeps it, a new copy (a retry, a
 #: deferral, a handler's "run again later", an operator's retry) has its own (see _redelivery_key)
@@ -198,8 +202,8 @@ class _Consumer:
 
 
 class _DeadLetterPages:
-    def __init__(self, dlq: AbstractQueue, timeout: float) -> None:
-        self.dlq, self.timeout = dlq, timeout
+    def __init__(self, dlq: AbstractQueue, readers: AbstractQueue, timeout: float) -> None:
+        self.dlq, self.readers, self.timeout = dlq, readers, timeout
 
     async def next_page(self) -> list[AbstractIncomingMessage]:
         m = await self.dlq.get(no_ack=False, fail=False, timeout=self.timeout)
@@ -215,10 +219,22 @@ class _DeadLetterPages:
         await item.ack()
 
     async def total(self) -> int | None:
-        return 0  # the letters a reader held go back the moment its channel closes
+        """0 when no letter is out of this reader's sight: none waits unread in the queue and no other
+        reader is registered (the letters a reader holds go back the moment its channel closes, and
+        its registration goes with that channel). None when either may hold a letter this scan did
+        not read. AMQP counts only a queue's ready messages, never those held unacked on another
+        channel: the registry's consumers are what tell of those."""
+        dlq = await self.dlq.declare()
+        readers = await self.readers.declare()
+        alone = readers.consumer_count is not None and readers.consumer_count <= 1
+        return 0 if alone and dlq.message_count == 0 else None
 
     async def hand_back(self, items: Sequence[AbstractIncomingMessage]) -> None:
         """Nothing to do: closing the scan's channel returns them in order."""
+
+
+async def _never_called(message: AbstractIncomingMessage) -> None:
+    """The registry queue's consumer: nothing is ever published there."""
 
 
 def _redelivery_key(d: Delivery) -> str:
@@ -855,14 +871,30 @@ class RabbitMQProvider(SideStoreOps):
         """The dead-letter queue on a channel of its own: letters got and not acked stay with that
         channel (so the next get returns the ones after them) and go back, in order, when it closes."""
         physical = self.physical(queue)
-        channel = await self._connected().channel(publisher_confirms=False)
+        dead = self.dead_letter_name(physical)
+        conn = self._connected()
+        # every reader first registers as a consumer of an always-empty companion queue, on a channel
+        # of its own that outlives the reading channel: a reader that goes away (a process killed)
+        # leaves the registry with its letters, so a purge can tell whether a letter it did not meet
+        # may be held by another reader (see _DeadLetterPages.total)
+        registry = await conn.channel(publisher_confirms=False)
+        channel: AbstractChannel | None = None
         try:
             with _boundary(f"reading dead letters of {physical}"):
-                dlq = await channel.declare_queue(self.dead_letter_name(physical), durable=True)
-                yield _DeadLetterPages(dlq, self.publish_timeout)
+                readers = await registry.declare_queue(
+                    companion_name(dead, READERS_SUFFIX, Transport.RABBITMQ),
+                    durable=True,
+                    arguments=READERS_ARGUMENTS,
+                )
+                await readers.consume(_never_called, no_ack=True, exclusive=False)
+                channel = await conn.channel(publisher_confirms=False)
+                dlq = await channel.declare_queue(dead, durable=True)
+                yield _DeadLetterPages(dlq, readers, self.publish_timeout)
         finally:
-            with contextlib.suppress(Exception):
-                await channel.close()
+            for ch in (channel, registry):  # the letters go back before the registration does
+                if ch is not None:
+                    with contextlib.suppress(Exception):
+                        await ch.close()
 
     async def _send_now(self, queue: str, envelope: Envelope) -> None:
         await self.send_at(self.physical(queue), envelope, None)

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -154,6 +156,95 @@ async def test_a_whole_queue_purge_leaves_no_history_of_the_messages_it_removed(
         await letters.ops.purge(MessageQuery(queue="letters"))
         assert (await letters.places())["queue"] == 0
         assert [i for i in ids if await letters.rt.tracker.get(i) is not None] == []
+    finally:
+        await letters.rt.close()
+
+
+@contextlib.asynccontextmanager
+async def reader_holding(rt: Any, message_id: uuid.UUID) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Another operator's scan of the dead-letter queue, holding ``message_id``'s letter; yields what
+    hands it back (also done on leaving, if not done before)."""
+    async with contextlib.AsyncExitStack() as stack:
+        pages = await stack.enter_async_context(rt.provider._dead_letter_pages("letters"))
+        taken: list[Any] = []
+        while str(message_id) not in {pages.message_id(i) for i in taken}:
+            page = await pages.next_page()
+            assert page, "the scan did not meet the letter"
+            taken += page
+        mine = [i for i in taken if pages.message_id(i) == str(message_id)]
+        await pages.hand_back([i for i in taken if i not in mine])  # a page may hold several
+        stack.push_async_callback(pages.hand_back, mine)
+        yield stack.aclose
+
+
+async def test_a_purge_keeps_the_history_of_a_dead_letter_another_reader_holds(harness):
+    """The letter is out of the purge's sight, not gone: its history stays, so an operator can still
+    find and act on it (on RabbitMQ the purge took the queue for empty; found in review)."""
+    letters = await Letters(harness).open()
+    try:
+        [held] = await letters.dead_letter(["held"])
+        [other] = await letters.dead_letter(["other"])
+        async with reader_holding(letters.rt, held):
+            done = await letters.ops.purge(MessageQuery(queue="letters", status=("DeadLettered",)))
+        assert done.deleted == 1
+        assert await letters.rt.tracker.get(other) is None
+        assert await letters.rt.tracker.get(held) is not None
+        assert await letters.held([held, other]) == {held}
+        await letters.ops.purge(MessageQuery(queue="letters", status=("DeadLettered",)))
+        assert (await letters.places())["dead"] == 0
+        assert await letters.rt.tracker.get(held) is None
+    finally:
+        await letters.rt.close()
+
+
+async def test_a_purge_lets_go_of_the_history_of_a_dead_letter_no_longer_in_the_queue(harness):
+    """Removed behind the history's back (an operator's retry stopped between removing it and writing
+    the history): once a purge read the whole queue and no reader held a letter out of its sight,
+    the listing follows the queue."""
+    letters = await Letters(harness).open()
+    try:
+        [gone] = await letters.dead_letter(["gone"])
+        async with letters.rt.provider._dead_letter_pages("letters") as pages:
+            taken: list[Any] = []
+            while page := await pages.next_page():
+                taken += page
+            [mine] = [i for i in taken if pages.message_id(i) == str(gone)]
+            await pages.remove(mine)
+            await pages.hand_back([i for i in taken if i is not mine])
+        done = await letters.ops.purge(MessageQuery(queue="letters", status=("DeadLettered",)))
+        assert done.deleted == 1
+        assert await letters.rt.tracker.get(gone) is None
+    finally:
+        await letters.rt.close()
+
+
+async def test_a_dead_letter_handed_back_after_the_purge_read_past_it_keeps_its_history(harness, monkeypatch):
+    """The other reader lets the letter go between the purge's last read and its count of the queue."""
+    letters = await Letters(harness).open()
+    try:
+        [held] = await letters.dead_letter(["held"])
+        prov = letters.rt.provider
+        pages_of = prov._dead_letter_pages
+        async with reader_holding(letters.rt, held) as hand_back:
+
+            @contextlib.asynccontextmanager
+            async def handed_back_before_the_count(queue: str) -> AsyncIterator[Any]:
+                async with pages_of(queue) as pages:
+                    total = pages.total
+
+                    async def after_hand_back() -> int | None:
+                        await hand_back()
+                        return await total()
+
+                    pages.total = after_hand_back
+                    yield pages
+
+            monkeypatch.setattr(prov, "_dead_letter_pages", handed_back_before_the_count)
+            done = await letters.ops.purge(MessageQuery(queue="letters", status=("DeadLettered",)))
+            monkeypatch.undo()
+        assert done.deleted == 0
+        assert await letters.rt.tracker.get(held) is not None
+        assert await letters.held([held]) == {held}
     finally:
         await letters.rt.close()
 
