@@ -68,6 +68,10 @@ class Delivery:
     #: set by ``settle`` when this delivery's outcome went on in a copy but the original could not be
     #: removed (the transport's id of the original): it may come back, and is then a known duplicate
     left_behind: str | None = None
+    #: set by ``settle`` when this delivery's settlement took effect at the transport (its original
+    #: deleted) although the call failed for others of its batch: if the settler gives the batch up,
+    #: this one's outcome is recorded all the same (it will not come back to be recorded by another run)
+    applied: bool = False
     #: set by the runtime when this delivery is a known duplicate (a repeated forward whose outcome is
     #: already recorded): it is completed without running, and counted in history instead of recorded
     duplicate: bool = False

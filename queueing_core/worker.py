@@ -419,8 +419,16 @@ class Settler:
                     # that is not that absence may split what is left again
                     split = not cut_short
                 if attempt == 5:
-                    log.error("could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc)
-                    self.runtime.history_not_settled(ahead)
+                    # what took effect before a later part of the batch failed is recorded: it is done
+                    done = [s for s in chunk if s.delivery.applied]
+                    chunk = [s for s in chunk if not s.delivery.applied]
+                    if chunk:
+                        log.error(
+                            "could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc
+                        )
+                    if done:
+                        self._applied(done, _parts_of(ahead, done))
+                    self.runtime.history_not_settled(_parts_of(ahead, chunk))
                     self._settled(chunk)
                     return
                 log.warning("settling %d message(s) failed (%s); retrying", len(chunk), exc)

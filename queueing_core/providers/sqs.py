@@ -632,7 +632,14 @@ class SqsProvider(SideStoreOps):
             if r is None and not s.delivery.handle.deleted
         ]
         if ready:
-            refused = await self._delete(ready)
+            try:
+                refused = await self._delete(ready)
+            except BaseException:
+                # the parts deleted before the failure are settled: should the settler give up on
+                # the batch, their outcomes are recorded all the same (see ``Delivery.applied``)
+                for s, r in zip(mine, results, strict=True):
+                    s.delivery.applied = r is None and s.delivery.handle.deleted
+                raise
             if refused:
                 # the receipt expired (the lease lapsed and another consumer received it)
                 log.warning(

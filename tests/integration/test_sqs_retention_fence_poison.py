@@ -215,6 +215,94 @@ async def test_a_settlement_that_failed_is_tried_again_under_the_same_lease(tmp_
         await cleanup(rt, prov)
 
 
+@queue("Keep.Long", lease_duration=timedelta(minutes=2))
+class Long(QueueMessage):
+    n: int
+
+
+async def test_a_batch_given_up_after_part_of_it_was_deleted_records_that_part(tmp_path):
+    """The delete of a batch's second part (SQS deletes ten at a time) fails on every try: the settler
+    gives the batch up after its five, and the ten messages deleted before that are recorded as they
+    ended. Found in review: their history stayed as before their run, for good, since nothing brings
+    a deleted message back to be recorded by another run. The two not deleted come back and run."""
+    from queueing_core.worker import Settler
+
+    app, rt, prov = await make(tmp_path)
+
+    @app.handler()
+    async def handle_long(msg: Long) -> None:
+        pass
+
+    await rt.open()
+    url = await prov._url("Keep.Long")
+    try:
+        ids = [(await app.enqueue(Long(n=i))).message_id for i in range(12)]
+        sub = app.subscription("Long")
+        assert sub is not None
+        got: dict[uuid.UUID, Any] = {}
+
+        async def all_received() -> bool:
+            for d in await prov.receive(sub, 10):
+                got[d.envelope.message_id] = d
+            return len(got) == 12
+
+        await wait_until(all_received, timeout=15, what="the twelve messages")
+        settlements = [await rt.process(d) for d in got.values()]
+        real_call = prov._call
+        deletes = 0
+
+        async def second_part_fails(action: str, fn: Any, **kwargs: Any) -> Any:
+            nonlocal deletes
+            if action == "deleting messages":
+                deletes += 1
+                if deletes > 1:
+                    raise ConnectionError("the delete's connection was reset")
+            return await real_call(action, fn, **kwargs)
+
+        prov._call = second_part_fails  # type: ignore[method-assign]
+        settler = Settler(rt, linger=0)
+        settler.backoff = 0.01
+        settler.start()
+        for s in settlements:
+            settler.add(s)
+        first = [s.delivery.envelope.message_id for s in settlements[:10]]
+        last = [s.delivery for s in settlements[10:]]
+        await wait_until(lambda: deletes >= 6, timeout=30, what="the settler's five tries")
+        await settler.close()
+        assert deletes == 6, "the part deleted was deleted again, or the tries did not stop at five"
+        statuses = {(await rt.tracker.get(i)).status for i in first}
+        assert statuses == {MessageStatus.SUCCEEDED}, "the deleted part was not recorded"
+        for d in last:
+            rec = await rt.tracker.get(d.envelope.message_id)
+            assert rec is None or rec.status != MessageStatus.SUCCEEDED, "a message not deleted was recorded"
+        prov._call = real_call  # type: ignore[method-assign]
+        client = sqs_client()
+        for d in last:  # back at once instead of after their lease
+            client.change_message_visibility(
+                QueueUrl=url, ReceiptHandle=d.handle.receipt, VisibilityTimeout=0
+            )
+        again: dict[uuid.UUID, Any] = {}
+
+        async def both_back() -> bool:
+            for d in await prov.receive(sub, 10):
+                again[d.envelope.message_id] = d
+            return len(again) == 2
+
+        await wait_until(both_back, timeout=15, what="the two not deleted")
+        assert set(again) == {d.envelope.message_id for d in last}
+        settler = Settler(rt, linger=0)
+        settler.start()
+        for d in again.values():
+            settler.add(await rt.process(d))
+        await settler.close()
+        assert {(await rt.tracker.get(i)).status for i in ids} == {MessageStatus.SUCCEEDED}
+        depth = await prov.depth("Keep.Long")
+        assert depth["ready"] + depth["in_flight"] == 0
+    finally:
+        await cleanup(rt, prov)
+        sqs_client().delete_queue(QueueUrl=url)
+
+
 async def test_a_token_an_older_version_wrote_does_not_refuse_a_new_receive(tmp_path):
     _app, rt, prov, sub = await one_enqueued(tmp_path, 2)
     try:

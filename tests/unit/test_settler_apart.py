@@ -5,6 +5,7 @@ settler's own choices: what settles, what is given up, what goes on as a batch, 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from queueing_core.errors import ProviderError, ProviderUnavailable
@@ -60,7 +61,7 @@ class Runtime:
 class Done:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.delivery = object()  # (keyed by id() in the journal)
+        self.delivery = SimpleNamespace(applied=False)  # (keyed by id() in the journal)
 
 
 def batch(n: int) -> list[Any]:
