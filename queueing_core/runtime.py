@@ -108,7 +108,7 @@ class Runtime:
         self.control = CachedControlStore(control, ttl=control_ttl)
         self.tracker = tracker
         #: history not yet written (kept in ``history_journal``, a directory, so a restart resumes it)
-        self.history = HistoryWriter(tracker, journal_dir=history_journal)
+        self.history = HistoryWriter(tracker, journal_dir=history_journal, clock=clock)
         self.producer = Producer(app, provider, history=self.history, clock=clock, opener=self.open)
         self.pipeline = Pipeline(
             app,

@@ -30,6 +30,8 @@ log = logging.getLogger("queueing.dead_letters")
 
 T = TypeVar("T")
 
+#: the statuses of a message whose letter waits in a dead-letter queue
+DEAD_STATES = (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value)
 #: the most dead letters one scan holds at a time (the rest wait for the next scan)
 SCAN_LIMIT = 5000
 #: how long a scan hides the letters it passes over where a hold is a visibility timeout (a scan that
@@ -76,9 +78,8 @@ class DeadLetterPages(Protocol, Generic[T]):
         ...
 
     async def total(self) -> int | None:
-        """How many letters the queue holds, those held or hidden included (0 where the broker
-        counts no held letters but can tell that none waits and no other reader holds any; None when
-        it cannot tell)."""
+        """How many letters the queue holds, those held or hidden included (None when it cannot
+        tell: then a purge never takes a letter it did not meet for gone)."""
         ...
 
 
@@ -115,7 +116,7 @@ async def _read(
             return
         keys.update(pages.key(item) for item in page)
         run.seen += len(page)
-        for item in page:
+        for n, item in enumerate(page):
             if not picked(item):
                 run.held.append(item)
                 continue
@@ -124,7 +125,11 @@ async def _read(
             else:
                 run.held.append(item)  # handed back unless removed, also when removing it fails
                 if how == "remove":
-                    await pages.remove(item)
+                    try:
+                        await pages.remove(item)
+                    except BaseException:
+                        run.held.extend(page[n + 1 :])  # read too: handed back with the others
+                        raise
                     run.held.pop()
                     run.removed += 1
             run.found.add(pages.message_id(item))
@@ -186,14 +191,33 @@ async def scan_dead_letters(
                     raise failure
                 run.held = []  # their holds are gone: nothing of theirs to hand back
                 run.removed += await _remove_again(pages, {pages.key(item) for item in lapsed}, limit)
-        if run.complete and remove and wanted is not None:
-            total = await pages.total()
+        if run.complete and how == "remove" and wanted is not None:
+            try:
+                total = await pages.total()
+            except Exception as exc:  # (the letters found are removed: only the answer is lost)
+                log.warning("could not count the dead-letter queue after a scan: %s", exc)
+                total = None
             if total is not None and total <= run.seen - run.removed:  # no letter was out of sight
                 run.found |= wanted
     finally:
         with contextlib.suppress(Exception):
             await pages.hand_back(run.held + run.located)
     return run.found
+
+
+async def empty_dead_letters(pages: DeadLetterPages[T], limit: int) -> set[str] | None:
+    """Remove every dead letter a scan meets, at most ``limit`` (those there when the purge began: one
+    that arrives meanwhile may stay, history and all). None when the queue's count then says no letter
+    is left, none held by another reader either: every dead letter's history may go, also that of
+    letters an earlier purge removed before it failed. Otherwise the ids of the letters removed, so
+    only their history goes (a letter another reader held stays, and so does its history)."""
+    found = await scan_dead_letters(pages, None, limit=limit)
+    try:
+        left = await pages.total()
+    except Exception as exc:  # (the letters found are removed: only the answer is lost)
+        log.warning("could not count the dead-letter queue after a purge: %s", exc)
+        left = None
+    return None if left == 0 else found
 
 
 async def _remove_again(pages: DeadLetterPages[T], keys: set[Hashable], limit: int) -> int:

@@ -81,7 +81,7 @@ from ..errors import (
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, Settlement, settled_each
-from .dead_letters import id_in_text
+from .dead_letters import empty_dead_letters, id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
 from .delayed.breaker import first_line
 from .names import companion_name
@@ -96,10 +96,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("queueing.rabbitmq")
 
 DEAD_LETTER_SUFFIX = ".dead-letter"
-#: the companion of a dead-letter queue its readers register on (see _DeadLetterPages.total); it stays
-#: empty, and the broker deletes it a minute after its last reader left
-READERS_SUFFIX = ".readers"
-READERS_ARGUMENTS: dict[str, Any] = {"x-expires": 60_000, "x-queue-type": "classic"}
 ATTEMPT = "x-attempt"
 #: a fresh id on every message the kit publishes: a requeued message keeps it, a new copy (a retry, a
 #: deferral, a handler's "run again later", an operator's retry) has its own (see _redelivery_key)
@@ -202,12 +198,30 @@ class _Consumer:
 
 
 class _DeadLetterPages:
-    def __init__(self, dlq: AbstractQueue, readers: AbstractQueue, timeout: float) -> None:
-        self.dlq, self.readers, self.timeout = dlq, readers, timeout
+    """A dead-letter queue read with ``basic.get`` on a channel of the scan's own, which also holds a
+    consumer of the queue (``prefetch`` 1) for as long as the scan runs: the broker counts consumers
+    but not the letters a channel holds unacked, and a reader that holds letters is always a
+    consumer, so :meth:`total` can tell (see there). The consumer is handed one letter at a time; it
+    is held like the others and paged like them."""
+
+    def __init__(self, dlq: AbstractQueue, timeout: float) -> None:
+        self.dlq, self.timeout = dlq, timeout
+        #: letters the scan's consumer was handed, not paged yet
+        self.pushed: deque[AbstractIncomingMessage] = deque()
+
+    async def register(self) -> None:
+        await self.dlq.channel.set_qos(prefetch_count=1)
+        await self.dlq.consume(self._handed, no_ack=False)
+
+    async def _handed(self, message: AbstractIncomingMessage) -> None:
+        self.pushed.append(message)
 
     async def next_page(self) -> list[AbstractIncomingMessage]:
-        m = await self.dlq.get(no_ack=False, fail=False, timeout=self.timeout)
-        return [] if m is None else [m]
+        if not self.pushed:
+            m = await self.dlq.get(no_ack=False, fail=False, timeout=self.timeout)
+            if m is not None:
+                return [m]
+        return [self.pushed.popleft()] if self.pushed else []
 
     def message_id(self, item: AbstractIncomingMessage) -> str:
         return item.message_id or id_in_text(item.body.decode("utf-8", errors="replace"))
@@ -219,22 +233,22 @@ class _DeadLetterPages:
         await item.ack()
 
     async def total(self) -> int | None:
-        """0 when no letter is out of this reader's sight: none waits unread in the queue and no other
-        reader is registered (the letters a reader holds go back the moment its channel closes, and
-        its registration goes with that channel). None when either may hold a letter this scan did
-        not read. AMQP counts only a queue's ready messages, never those held unacked on another
-        channel: the registry's consumers are what tell of those."""
-        dlq = await self.dlq.declare()
-        readers = await self.readers.declare()
-        alone = readers.consumer_count is not None and readers.consumer_count <= 1
-        return 0 if alone and dlq.message_count == 0 else None
+        """0 when no letter is out of this scan's sight: none waits and no other reader is a consumer
+        of the queue (so none holds letters), in one answer of the broker's (a queue's declare-ok
+        counts its ready messages and its consumers at one moment; a reader's channel that closes
+        gives its letters back and loses its consumer in one step of the queue's). None otherwise,
+        and where the queue has a consumer of its own that is not a scan: then a purge never takes a
+        letter it did not meet for gone."""
+        counts = await self.dlq.declare()
+        if self.pushed or counts.consumer_count != 1 or counts.message_count != 0:
+            return None
+        return 0
 
     async def hand_back(self, items: Sequence[AbstractIncomingMessage]) -> None:
-        """Nothing to do: closing the scan's channel returns them in order."""
-
-
-async def _never_called(message: AbstractIncomingMessage) -> None:
-    """The registry queue's consumer: nothing is ever published there."""
+        """Requeued (to their places in the queue); closing the scan's channel would return them too,
+        but a retry hands back the letters it passed over before it sends its copy."""
+        for m in items:
+            await m.nack(requeue=True)
 
 
 def _redelivery_key(d: Delivery) -> str:
@@ -871,30 +885,16 @@ class RabbitMQProvider(SideStoreOps):
         """The dead-letter queue on a channel of its own: letters got and not acked stay with that
         channel (so the next get returns the ones after them) and go back, in order, when it closes."""
         physical = self.physical(queue)
-        dead = self.dead_letter_name(physical)
-        conn = self._connected()
-        # every reader first registers as a consumer of an always-empty companion queue, on a channel
-        # of its own that outlives the reading channel: a reader that goes away (a process killed)
-        # leaves the registry with its letters, so a purge can tell whether a letter it did not meet
-        # may be held by another reader (see _DeadLetterPages.total)
-        registry = await conn.channel(publisher_confirms=False)
-        channel: AbstractChannel | None = None
+        channel = await self._connected().channel(publisher_confirms=False)
         try:
             with _boundary(f"reading dead letters of {physical}"):
-                readers = await registry.declare_queue(
-                    companion_name(dead, READERS_SUFFIX, Transport.RABBITMQ),
-                    durable=True,
-                    arguments=READERS_ARGUMENTS,
-                )
-                await readers.consume(_never_called, no_ack=True, exclusive=False)
-                channel = await conn.channel(publisher_confirms=False)
-                dlq = await channel.declare_queue(dead, durable=True)
-                yield _DeadLetterPages(dlq, readers, self.publish_timeout)
+                dlq = await channel.declare_queue(self.dead_letter_name(physical), durable=True)
+                pages = _DeadLetterPages(dlq, self.publish_timeout)
+                await pages.register()  # before the first read: see _DeadLetterPages.total
+                yield pages
         finally:
-            for ch in (channel, registry):  # the letters go back before the registration does
-                if ch is not None:
-                    with contextlib.suppress(Exception):
-                        await ch.close()
+            with contextlib.suppress(Exception):
+                await channel.close()
 
     async def _send_now(self, queue: str, envelope: Envelope) -> None:
         await self.send_at(self.physical(queue), envelope, None)
@@ -905,14 +905,20 @@ class RabbitMQProvider(SideStoreOps):
             "can release it; it returns to the queue by itself if that consumer goes away"
         )
 
-    async def _purge_whole(self, queue: str) -> None:
+    async def _purge_whole(self, queue: str) -> set[str] | None:
+        """The queue is purged; its dead letters are read and removed one by one instead, since a purge
+        leaves the letters another channel holds unacked (another operator's scan), and those must
+        keep their history (see :func:`empty_dead_letters`)."""
         assert self._admin is not None
         physical = self.physical(queue)
         await self._declare(physical)
         with _boundary(f"purging {physical}"):
-            for name, args in (
-                (physical, self.queue_arguments(physical)),
-                (self.dead_letter_name(physical), None),
-            ):
-                q = await self._admin.declare_queue(name, durable=True, arguments=args)
-                await q.purge()
+            q = await self._admin.declare_queue(
+                physical, durable=True, arguments=self.queue_arguments(physical)
+            )
+            await q.purge()
+        async with self._dead_letter_pages(queue) as pages:
+            with _boundary(f"purging {self.dead_letter_name(physical)}"):
+                waiting = (await pages.dlq.declare()).message_count or 0
+            # (+1: the letter the scan's own consumer may have been handed, not counted as waiting)
+            return await empty_dead_letters(pages, waiting + 1)

@@ -71,7 +71,14 @@ from ..errors import InvalidOperation, MissingPermission, ProviderError, Provide
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, Reopen, Tracker, nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
-from .dead_letters import DeadLetterOps, id_in_text, is_whole_queue
+from .dead_letters import (
+    DEAD_STATES,
+    SCAN_LIMIT,
+    DeadLetterOps,
+    empty_dead_letters,
+    id_in_text,
+    is_whole_queue,
+)
 from .names import PhysicalNames
 
 if TYPE_CHECKING:
@@ -590,7 +597,7 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             await reopen()
             await self.send_copy(record.queue, envelope, None)
 
-        if record.status in ("DeadLettered", "Expired"):
+        if record.status in DEAD_STATES:
             # the letters are found and locked before the copy is sent, and only those are completed
             # after: the copy may run and be dead-lettered again meanwhile, and its new letter stays
             # (a lock that lapsed during the send leaves the old letter, a duplicate, never a loss)
@@ -621,9 +628,15 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 ) as r:
                     while batch := await r.receive_messages(max_message_count=100, max_wait_time=1):
                         removed |= {id_in_text(_text(m)) for m in batch}
-            removed |= await self._dead_letters(query.queue, None)
+            async with self._dead_letter_pages(query.queue) as pages:
+                dead_removed = await empty_dead_letters(pages, SCAN_LIMIT)
+            if dead_removed is None:  # none left: every dead letter's history goes (see there)
+                return {
+                    r.message_id for r in records if r.status in DEAD_STATES or str(r.message_id) in removed
+                }
+            removed |= dead_removed
         else:
-            dead = [r for r in records if r.status in ("DeadLettered", "Expired")]
+            dead = [r for r in records if r.status in DEAD_STATES]
             for queue in {r.queue for r in dead}:
                 wanted = {str(r.message_id) for r in dead if r.queue == queue}
                 removed |= await self._dead_letters(queue, wanted)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen
-from .dead_letters import DeadLetterOps, is_whole_queue
+from .dead_letters import DEAD_STATES, DeadLetterOps, is_whole_queue
 from .names import PhysicalNames
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from .sql.history import SideStores, SqlHistoryTracker
     from .sql.schedules import SqlTickStore
 
-DEAD_STATES = (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value)
 #: states whose message waits in the delayed store (or in the broker's own delay)
 LATER_STATES = (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value)
 
@@ -61,7 +60,10 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
     async def _send_now(self, queue: str, envelope: Envelope) -> None:
         raise NotImplementedError
 
-    async def _purge_whole(self, queue: str) -> None:
+    async def _purge_whole(self, queue: str) -> set[str] | None:
+        """Empty ``queue`` and its dead-letter queue. None where every dead letter went (every dead
+        letter's history may go); otherwise the ids of the dead letters removed, where letters
+        another reader holds may have stayed (see :func:`empty_dead_letters`)."""
         raise NotImplementedError
 
     async def forward_delayed(self, item: DelayedMessage) -> None:
@@ -131,9 +133,14 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         ids of the messages removed: only their history goes."""
         if is_whole_queue(query):
             assert query.queue is not None
-            await self._purge_whole(query.queue)
+            # the delayed store first: a forward due meanwhile lands in the queue before its purge
             await self.delayed.purge(self.physical(query.queue))
-            return {r.message_id for r in records}
+            dead = await self._purge_whole(query.queue)
+            return {
+                r.message_id
+                for r in records
+                if dead is None or r.status not in DEAD_STATES or str(r.message_id) in dead
+            }
         removed: set[uuid.UUID] = set()
         for queue in {r.queue for r in records}:
             recs = [r for r in records if r.queue == queue]

@@ -54,7 +54,7 @@ from ..naming import QueueNaming, Transport
 from ..options import QueueOptions
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, Settlement, settled_each
-from .dead_letters import HOLD_SECONDS, id_in_text
+from .dead_letters import HOLD_SECONDS, empty_dead_letters, id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, stored_text_record
 from .delayed.breaker import first_line
 from .names import companion_name
@@ -142,6 +142,9 @@ class _Handle:
     #: deleted): the settler's next try after a failure goes on from there, not sending them again
     prepared: bool = False
     deleted: bool = False
+    #: SQS refused its delete as the sender's fault (a receipt no longer the message's): not deleted,
+    #: and a later try would be refused again
+    stale: bool = False
 
 
 class _DeadLetterPages:
@@ -596,11 +599,12 @@ class SqsProvider(SideStoreOps):
         # the copy first: if the delete fails afterwards, a duplicate beats a loss
         await self.send_at(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), due_at(decision, now))
 
-    async def _delete(self, handles: list[_Handle]) -> int:
-        """DeleteMessageBatch per queue, 10 at a time; returns how many deletes SQS refused. Each
-        handle SQS answered for is marked deleted (a refused one too: its receipt is no longer the
-        message's, and a later try would be refused again)."""
-        refused = 0
+    async def _delete(self, handles: list[_Handle]) -> None:
+        """DeleteMessageBatch per queue, 10 at a time. Each handle SQS answered for is marked: deleted,
+        or ``stale`` where SQS refused its delete as the sender's fault (the receipt is no longer the
+        message's; a later try would be refused again). An entry that failed on SQS's side is left for
+        the settler's next try: raised once every part was sent."""
+        transient: list[str] = []
         by_url: dict[str, list[_Handle]] = {}
         for h in handles:
             by_url.setdefault(h.url, []).append(h)
@@ -611,10 +615,17 @@ class SqsProvider(SideStoreOps):
                 resp = await self._call(
                     "deleting messages", self.client.delete_message_batch, QueueUrl=url, Entries=entries
                 )
-                refused += len(resp.get("Failed") or [])
-                for h in part:
-                    h.deleted = True
-        return refused
+                failed = {f.get("Id"): f for f in resp.get("Failed") or []}
+                for j, h in enumerate(part):
+                    f = failed.get(str(j))
+                    if f is not None and not f.get("SenderFault", True):
+                        transient.append(str(f.get("Code", "InternalError")))
+                        continue
+                    h.deleted, h.stale = f is None, f is not None
+        if transient:
+            raise ProviderUnavailable(
+                f"SQS did not delete {len(transient)} message(s): {', '.join(sorted(set(transient)))}"
+            )
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         # Only the receive that holds a message may settle it: its lease token is checked first
@@ -629,21 +640,33 @@ class SqsProvider(SideStoreOps):
         ready = [
             s.delivery.handle
             for s, r in zip(mine, results, strict=True)
-            if r is None and not s.delivery.handle.deleted
+            if r is None and not (s.delivery.handle.deleted or s.delivery.handle.stale)
         ]
         if ready:
             try:
-                refused = await self._delete(ready)
+                await self._delete(ready)
             except BaseException:
                 # the parts deleted before the failure are settled: should the settler give up on
                 # the batch, their outcomes are recorded all the same (see ``Delivery.applied``)
                 for s, r in zip(mine, results, strict=True):
                     s.delivery.applied = r is None and s.delivery.handle.deleted
                 raise
-            if refused:
-                # the receipt expired (the lease lapsed and another consumer received it)
+        for s in mine:
+            if not s.delivery.handle.stale or s.delivery.refused:
+                continue
+            # SQS refused the delete: the receipt is no longer the message's (another receive has it,
+            # or SQS moved it to the dead-letter queue itself after its last receive)
+            if isinstance(s.decision, Expire | DeadLetter):
+                # its dead letter is sent: recorded all the same, so the letter is listed (refused,
+                # the letter would stay in the dead-letter queue with a history that never says so)
                 log.warning(
-                    "%d SQS message(s) not deleted: their lease had passed to another receive", refused
+                    "SQS refused the delete of a dead-lettered message (its receipt had passed on): "
+                    "the dead letter is sent and recorded; the message may come back and run again"
+                )
+            else:  # it comes back or is run there, and that run records it
+                s.delivery.refuse(
+                    "SQS refused the delete: its receipt had passed on; a copy this run sent stays, "
+                    "a duplicate"
                 )
         # a message not deleted comes back when its visibility timeout ends (at least once, not lost)
         settled_each(mine, results, "SQS")
@@ -752,10 +775,12 @@ class SqsProvider(SideStoreOps):
             "the message returns by itself when its visibility timeout ends"
         )
 
-    async def _purge_queue(self, url: str) -> None:
+    async def _purge_queue(self, url: str, *, drain: bool = True) -> bool:
+        """PurgeQueue (True), or, where SQS refuses it (one purge a minute per queue), with ``drain``
+        the messages received and deleted by hand, and without it nothing done (False)."""
         try:
             await self._run(self.client.purge_queue, QueueUrl=url)
-            return
+            return True
         except ClientError as exc:
             if "PurgeQueueInProgress" not in _code(exc):
                 with _boundary("purging a queue"):
@@ -763,6 +788,8 @@ class SqsProvider(SideStoreOps):
         except Exception:
             with _boundary("purging a queue"):
                 raise
+        if not drain:
+            return False
         # SQS allows one purge a minute per queue: delete what is there by hand
         while True:
             resp = await self._call(
@@ -774,9 +801,16 @@ class SqsProvider(SideStoreOps):
             )
             messages = resp.get("Messages") or []
             if not messages:
-                return
+                return False
             await self._delete([_Handle(url, m["ReceiptHandle"], "") for m in messages])
 
-    async def _purge_whole(self, queue: str) -> None:
+    async def _purge_whole(self, queue: str) -> set[str] | None:
         await self._purge_queue(await self._url(queue))
-        await self._purge_queue(await self._url(queue, dead=True))
+        dlq = await self._url(queue, dead=True)
+        if await self._purge_queue(dlq, drain=False):
+            return None  # PurgeQueue deletes the letters a receive holds too: every one goes
+        # purged within the minute: a receive does not see the letters another scan holds hidden,
+        # and those keep their history (see empty_dead_letters)
+        depth = await self.depth_of(dlq)
+        async with self._dead_letter_pages(queue) as pages:
+            return await empty_dead_letters(pages, depth["ready"] + depth["in_flight"] + 1)

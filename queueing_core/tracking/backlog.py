@@ -38,12 +38,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 from uuid import UUID
 
-from ..clock import as_utc
+from ..clock import Clock, as_utc, utcnow
 from ..errors import ProviderUnavailable
 from ..messages import MessageStatus
 from .base import OUTCOMES, MessageRecord, Tracker, is_enqueue_record, is_producers_record, supersedes
@@ -110,16 +110,21 @@ def _producers(text: str) -> bool:
         return False
 
 
-def may_be_overtaken(rec: MessageRecord) -> bool:
+def may_be_overtaken(rec: MessageRecord, now: datetime) -> bool:
     """A run's record after which the message may run again at once (released: a run's ``Pending``, or
-    retried or deferred to within :data:`OVERTAKE_WINDOW`): the next run's record may reach the store
-    before it. (Due later, the next run cannot start before this record is written: a write that fails
-    waits in the backlog, which writes by the late write's rule anyway.)"""
+    retried or deferred to within :data:`OVERTAKE_WINDOW` of ``now``, when it is written, by the clock
+    that stamped it): the next run's record may reach the store before it. (Due later, the next run
+    cannot start before this record is written: a write that fails waits in the backlog, which writes
+    by the late write's rule anyway.) Measured from the write, not from when the record was made: a
+    settlement whose tries took seconds (a batch given up after its part was deleted) brings a record
+    whose retry may have run already on another host."""
     if rec.status in FINAL or is_enqueue_record(rec):
         return False
     if rec.status == MessageStatus.PENDING.value:
         return True  # released: claimable at once, whatever the message's own not_before says
-    return rec.not_before is None or as_utc(rec.not_before) - as_utc(rec.updated_at) <= OVERTAKE_WINDOW
+    if rec.not_before is None:
+        return True
+    return as_utc(rec.not_before) - max(as_utc(rec.updated_at), as_utc(now)) <= OVERTAKE_WINDOW
 
 
 def default_journal_dir() -> Path:
@@ -277,9 +282,16 @@ class HistoryWriter:
     it is (``drop`` forgets those the transport refused). ``backlog`` is what has not landed yet."""
 
     def __init__(
-        self, tracker: Tracker, *, journal_dir: Path | None = None, unsettled_after: float = 60.0
+        self,
+        tracker: Tracker,
+        *,
+        journal_dir: Path | None = None,
+        unsettled_after: float = 60.0,
+        clock: Clock = utcnow,
     ) -> None:
         self.tracker = tracker
+        #: the clock the records are stamped by (the runtime's)
+        self.clock = clock
         self._journal_dir = journal_dir
         #: seconds before a dead process's row kept ahead of an unapplied settlement is written (longer
         #: than any lease, so a message whose settlement never happened has run again by then)
@@ -457,7 +469,7 @@ class HistoryWriter:
             return
         # a message's records go together, the way its last one goes (the store folds them as before)
         last = {r.message_id: r for r in records}
-        checked = {mid for mid, r in last.items() if may_be_overtaken(r)}
+        checked = {mid for mid, r in last.items() if may_be_overtaken(r, self.clock())}
         if len(checked) < len(last):
             await tracker.upsert([r for r in records if r.message_id not in checked])
         if checked:

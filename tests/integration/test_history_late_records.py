@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from queueing_core.clock import utcnow
 from queueing_core.tracking import MemoryTracker, MessageQuery, MessageRecord, Tracker
 from queueing_core.tracking.backlog import HistoryWriter, Journal
 from tests.contract.harness import wait_until
@@ -203,8 +204,8 @@ async def test_only_records_whose_message_may_run_at_once_take_the_checked_write
     """The checked write costs Azure Tables a read and two writes a record where a batch costs one
     write: it is taken only where the next run can start before the record lands."""
     store = CountingTracker()
-    writer = HistoryWriter(store)
     due = T0 + timedelta(seconds=10)  # (the records' time)
+    writer = HistoryWriter(store, clock=lambda: due)
     records = [
         record(uuid.uuid4(), "Succeeded", 10),
         record(uuid.uuid4(), "Pending", 10, reason="Released: host shutting down"),
@@ -290,6 +291,31 @@ async def test_a_retry_record_written_late_never_replaces_the_copys_outcome(stor
     await store.upsert([record(mid, "Succeeded", 2, attempt=2)])  # worker B
     writer = HistoryWriter(store)
     await writer.write([record(mid, "Failed", 1, attempt=1, last_error="boom")])  # worker A
+    await writer.close()
+    got = await store.get(mid)
+    assert got is not None
+    assert got.status == "Succeeded"
+
+
+async def test_a_retry_record_whose_settlement_took_seconds_never_replaces_the_copys_outcome(store: Tracker):
+    """Worker A retried the message 3 s later and sent the copy; its settlement's later part failed for
+    seconds and its record is written only when the settler gave the batch up, 6 s after it was made.
+    Worker B ran the copy meanwhile and its "Succeeded" landed first. Found in review: the record was
+    judged by when it was made (due 3 s after it, so no run could have overtaken it) and replaced B's."""
+    mid = uuid.uuid4()
+    made = utcnow() - timedelta(seconds=6)
+    await store.upsert(
+        [
+            record(mid, "Succeeded", 0, attempt=2).model_copy(
+                update={"updated_at": made + timedelta(seconds=4)}
+            )
+        ]
+    )
+    late = record(mid, "Failed", 0, attempt=1, last_error="boom").model_copy(
+        update={"updated_at": made, "not_before": made + timedelta(seconds=3)}
+    )
+    writer = HistoryWriter(store)
+    await writer.write([late])  # worker A, at the give-up
     await writer.close()
     got = await store.get(mid)
     assert got is not None

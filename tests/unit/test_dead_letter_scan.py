@@ -87,3 +87,22 @@ async def test_a_failed_send_hands_the_letters_found_back_and_removes_none():
         await scan_dead_letters(pages, {"a"}, before_removing=send)
     assert pages.removed == []
     assert sorted(pages.handed) == [(1, "a"), (2, "b")]
+
+
+async def test_a_removal_that_fails_hands_back_the_rest_of_its_page():
+    """A page of several letters (Service Bus reads up to a batch): the letters read after the one
+    whose removal failed are handed back too, not left held until their locks lapse (found in
+    review)."""
+
+    class Pages3(Pages):
+        async def next_page(self) -> list[tuple[int, str]]:
+            page, self.letters = self.letters[:3], self.letters[3:]
+            return page
+
+        async def remove(self, item: tuple[int, str]) -> None:
+            raise RuntimeError("the link dropped")
+
+    pages = Pages3([(1, "a"), (2, "b"), (3, "c")])
+    with pytest.raises(RuntimeError):
+        await scan_dead_letters(pages, None)
+    assert sorted(pages.handed) == [(1, "a"), (2, "b"), (3, "c")]
