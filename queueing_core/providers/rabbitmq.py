@@ -48,7 +48,7 @@ import contextlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -81,7 +81,7 @@ from ..errors import (
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, Settlement, settled_each
-from .dead_letters import empty_dead_letters, id_in_text
+from .dead_letters import id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
 from .delayed.breaker import first_line
 from .names import companion_name
@@ -204,21 +204,35 @@ class _DeadLetterPages:
     consumer, so :meth:`total` can tell (see there). The consumer is handed one letter at a time; it
     is held like the others and paged like them."""
 
-    def __init__(self, dlq: AbstractQueue, timeout: float) -> None:
-        self.dlq, self.timeout = dlq, timeout
+    def __init__(
+        self, dlq: AbstractQueue, timeout: float, counts: Callable[[], Awaitable[tuple[int, int]]]
+    ) -> None:
+        self.dlq, self.timeout, self.counts = dlq, timeout, counts
         #: letters the scan's consumer was handed, not paged yet
         self.pushed: deque[AbstractIncomingMessage] = deque()
+        self._underlay: object = None
 
     async def register(self) -> None:
         await self.dlq.channel.set_qos(prefetch_count=1)
         await self.dlq.consume(self._handed, no_ack=False)
+        self._underlay = await self.dlq.channel.get_underlay_channel()
 
     async def _handed(self, message: AbstractIncomingMessage) -> None:
         self.pushed.append(message)
 
     async def next_page(self) -> list[AbstractIncomingMessage]:
+        if await self.dlq.channel.get_underlay_channel() is not self._underlay:
+            # reopened after a dropped connection: the letters held went back, and delivery tags
+            # (the letters' keys here) start again, so the scan cannot tell what it has read
+            raise ProviderUnavailable("the connection dropped during the dead-letter scan; repeat the action")
         if not self.pushed:
             m = await self.dlq.get(no_ack=False, fail=False, timeout=self.timeout)
+            if m is None:
+                # a letter handed to the consumer just before (its credit back after an ack) can be
+                # written after this empty answer; the broker writes it before the next one
+                m = await self.dlq.get(no_ack=False, fail=False, timeout=self.timeout)
+                for _ in range(3):  # (and aio-pika hands it over two tasks later)
+                    await asyncio.sleep(0)
             if m is not None:
                 return [m]
         return [self.pushed.popleft()] if self.pushed else []
@@ -233,16 +247,15 @@ class _DeadLetterPages:
         await item.ack()
 
     async def total(self) -> int | None:
-        """0 when no letter is out of this scan's sight: none waits and no other reader is a consumer
-        of the queue (so none holds letters), in one answer of the broker's (a queue's declare-ok
-        counts its ready messages and its consumers at one moment; a reader's channel that closes
-        gives its letters back and loses its consumer in one step of the queue's). None otherwise,
-        and where the queue has a consumer of its own that is not a scan: then a purge never takes a
-        letter it did not meet for gone."""
-        counts = await self.dlq.declare()
-        if self.pushed or counts.consumer_count != 1 or counts.message_count != 0:
-            return None
-        return 0
+        """The letters waiting once this scan's own went back, when no reader holds any (every reader
+        is a consumer of the queue, and none is left); None while one does. The scan's last call: its
+        channel is closed first, and a channel's close is answered only after the queue took its
+        letters back and dropped its consumer, in one step (letters on their way to its consumer
+        included), so a count taken after it sees every letter either waiting or held by a consumer
+        that is counted."""
+        await self.dlq.channel.close()
+        waiting, consumers = await self.counts()
+        return waiting if consumers == 0 else None
 
     async def hand_back(self, items: Sequence[AbstractIncomingMessage]) -> None:
         """Requeued (to their places in the queue); closing the scan's channel would return them too,
@@ -850,17 +863,8 @@ class RabbitMQProvider(SideStoreOps):
     # -- ops ---------------------------------------------------------------------------------------
     async def depth(self, physical: str, *, dead: bool = False) -> int:
         """Ready messages in a queue or its dead-letter queue (not those held by consumers)."""
-        conn = self._connected()
-        name = self.dead_letter_name(physical) if dead else physical
-        # a passive declare of a missing queue closes its channel: use one of its own
-        channel = await conn.channel(publisher_confirms=False)
-        try:
-            with _boundary(f"reading the depth of {name}"):
-                q = await channel.declare_queue(name, passive=True)
-            return int(q.declaration_result.message_count or 0)
-        finally:
-            with contextlib.suppress(Exception):
-                await channel.close()
+        waiting, _ = await self._waiting_and_consumers(self.dead_letter_name(physical) if dead else physical)
+        return waiting
 
     async def native_counts(self) -> dict[str, dict[str, int]]:
         """Ready messages, dead letters and delayed messages per queue, from the broker and the store."""
@@ -888,8 +892,9 @@ class RabbitMQProvider(SideStoreOps):
         channel = await self._connected().channel(publisher_confirms=False)
         try:
             with _boundary(f"reading dead letters of {physical}"):
-                dlq = await channel.declare_queue(self.dead_letter_name(physical), durable=True)
-                pages = _DeadLetterPages(dlq, self.publish_timeout)
+                dead = self.dead_letter_name(physical)
+                dlq = await channel.declare_queue(dead, durable=True)
+                pages = _DeadLetterPages(dlq, self.publish_timeout, lambda: self._waiting_and_consumers(dead))
                 await pages.register()  # before the first read: see _DeadLetterPages.total
                 yield pages
         finally:
@@ -905,20 +910,32 @@ class RabbitMQProvider(SideStoreOps):
             "can release it; it returns to the queue by itself if that consumer goes away"
         )
 
+    async def _waiting_and_consumers(self, name: str) -> tuple[int, int]:
+        """The letters waiting in a queue and its consumers, in one answer of the broker's."""
+        # a passive declare of a missing queue closes its channel: one of its own (and the channel
+        # itself asked: aio-pika's robust channel answers a passive declare of a queue it declared
+        # before from its own memory, with the counts of that first answer)
+        channel = await self._connected().channel(publisher_confirms=False)
+        try:
+            with _boundary(f"counting the messages of {name}"):
+                ok = await (await channel.get_underlay_channel()).queue_declare(name, passive=True)
+            return ok.message_count or 0, ok.consumer_count or 0
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
     async def _purge_whole(self, queue: str) -> set[str] | None:
-        """The queue is purged; its dead letters are read and removed one by one instead, since a purge
-        leaves the letters another channel holds unacked (another operator's scan), and those must
-        keep their history (see :func:`empty_dead_letters`)."""
+        """Both queues purged. AMQP's purge leaves the letters a channel holds unacked (another
+        operator's scan of the dead letters), and those must keep their history: so every dead
+        letter's history goes only when, after the purge, none waits and no reader holds any (every
+        reader is a consumer of the queue: see _DeadLetterPages); otherwise none does (an empty set),
+        and a repeat of the purge, once alone, lets the history of the letters it purged go."""
         assert self._admin is not None
         physical = self.physical(queue)
+        dead = self.dead_letter_name(physical)
         await self._declare(physical)
         with _boundary(f"purging {physical}"):
-            q = await self._admin.declare_queue(
-                physical, durable=True, arguments=self.queue_arguments(physical)
-            )
-            await q.purge()
-        async with self._dead_letter_pages(queue) as pages:
-            with _boundary(f"purging {self.dead_letter_name(physical)}"):
-                waiting = (await pages.dlq.declare()).message_count or 0
-            # (+1: the letter the scan's own consumer may have been handed, not counted as waiting)
-            return await empty_dead_letters(pages, waiting + 1)
+            for name, args in ((physical, self.queue_arguments(physical)), (dead, None)):
+                q = await self._admin.declare_queue(name, durable=True, arguments=args)
+                await q.purge()
+        return None if await self._waiting_and_consumers(dead) == (0, 0) else set()

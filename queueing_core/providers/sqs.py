@@ -184,7 +184,7 @@ class _DeadLetterPages:
     async def total(self) -> int | None:
         # letters hidden by a reader that died come back when their visibility timeout ends
         depth = await self.provider.depth_of(self.url)
-        return depth["ready"] + depth["in_flight"]
+        return depth["ready"] + depth["in_flight"] + depth["delayed"]
 
     async def hand_back(self, items: Sequence[dict[str, Any]]) -> None:
         for i in range(0, len(items), 10):

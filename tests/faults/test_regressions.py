@@ -222,7 +222,9 @@ async def test_a_whole_queue_purge_keeps_the_history_of_a_dead_letter_exactly_wh
     purge takes held letters too (SQS, Storage Queues) the letter and its history go; where it leaves
     them (RabbitMQ's purge, Service Bus's drain) both stay. Found in review: RabbitMQ purged the
     ready letters only and deleted every history, so the held letter came back unlisted; so did SQS
-    where it drained the queue instead, within a minute of its last purge."""
+    where it drained the queue instead, within a minute of its last purge. (RabbitMQ's purge cannot
+    say which letters it took: meeting a reader, it keeps every dead letter's history, and its
+    repeat, alone, lets them go.)"""
     if within_the_minute and harness.name != "sqs":
         pytest.skip("only SQS refuses a purge within a minute of the last")
     letters = await Letters(harness).open()
@@ -233,22 +235,27 @@ async def test_a_whole_queue_purge_keeps_the_history_of_a_dead_letter_exactly_wh
         [other] = await letters.dead_letter(["other"])
         async with reader_holding(letters.rt, held):
             await letters.ops.purge(MessageQuery(queue="letters"))
-        assert await letters.rt.tracker.get(other) is None
+        assert await letters.held([other]) == set()
+        if harness.name != "rabbitmq":
+            assert await letters.rt.tracker.get(other) is None
         stays = await letters.held([held]) == {held}
         assert (await letters.rt.tracker.get(held) is not None) == stays
         if harness.name in ("rabbitmq", "servicebus") or within_the_minute:
             assert stays
+        await letters.ops.purge(MessageQuery(queue="letters"))  # alone now
+        await wait_until(lambda: _no_dead_letters(letters), 40, "the letter handed back, purged")
+        assert [i for i in (held, other) if await letters.rt.tracker.get(i) is not None] == []
     finally:
         await letters.rt.close()
 
 
 async def test_a_whole_queue_purge_stopped_part_way_leaves_no_history_once_repeated(harness, monkeypatch):
-    """Where a purge of a whole queue reads its dead letters one by one (RabbitMQ, Service Bus, and SQS
-    within a minute of the queue's last purge), one that fails after removing the first letter is
+    """Where a purge of a whole queue reads its dead letters one by one (Service Bus, and SQS within a
+    minute of the queue's last purge), one that fails after removing the first letter is
     repeated: the repeat removes the rest and the history of every one, the first's included (found
     in review: that history stayed for good, since no later purge met its letter)."""
-    if harness.name == "storage_queue":
-        pytest.skip("Storage Queues clears a queue in one call: there is no part-way")
+    if harness.name in ("storage_queue", "rabbitmq"):
+        pytest.skip("the transport empties a dead-letter queue in one call: there is no part-way")
     letters = await Letters(harness).open()
     try:
         ids = await letters.dead_letter(["a", "b", "c"])
