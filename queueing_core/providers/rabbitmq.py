@@ -48,7 +48,7 @@ import contextlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -204,10 +204,8 @@ class _DeadLetterPages:
     consumer, so :meth:`total` can tell (see there). The consumer is handed one letter at a time; it
     is held like the others and paged like them."""
 
-    def __init__(
-        self, dlq: AbstractQueue, timeout: float, counts: Callable[[], Awaitable[tuple[int, int]]]
-    ) -> None:
-        self.dlq, self.timeout, self.counts = dlq, timeout, counts
+    def __init__(self, dlq: AbstractQueue, timeout: float) -> None:
+        self.dlq, self.timeout = dlq, timeout
         #: letters the scan's consumer was handed, not paged yet
         self.pushed: deque[AbstractIncomingMessage] = deque()
         self._underlay: object = None
@@ -247,15 +245,27 @@ class _DeadLetterPages:
         await item.ack()
 
     async def total(self) -> int | None:
-        """The letters waiting once this scan's own went back, when no reader holds any (every reader
-        is a consumer of the queue, and none is left); None while one does. The scan's last call: its
-        channel is closed first, and a channel's close is answered only after the queue took its
-        letters back and dropped its consumer, in one step (letters on their way to its consumer
-        included), so a count taken after it sees every letter either waiting or held by a consumer
-        that is counted."""
-        await self.dlq.channel.close()
-        waiting, consumers = await self.counts()
-        return waiting if consumers == 0 else None
+        """0 when no letter is out of this scan's sight: none waits and no consumer of the queue but
+        this scan's own (every reader is one, from before its first read, and a reader's channel that
+        closes gives its letters back and loses its consumer in one step of the queue's), in one
+        answer of the broker's, taken while this scan still holds what it read; None otherwise. (A
+        count taken after closing this scan's channel let another operator remove the letters it gave
+        back before the count, leaving room for a letter still held elsewhere: found in review.)"""
+        raw = await self.dlq.channel.get_underlay_channel()
+        if raw is not self._underlay:
+            return None  # reopened: see next_page
+        # (asked of the channel itself: aio-pika's robust channel answers a passive declare of a queue
+        # it declared before from its own memory)
+        counts = await raw.queue_declare(self.dlq.name, passive=True)
+        # a letter the queue handed to this scan's consumer before it counted may be written after
+        # the count's answer, but before the next answer on the channel (aio-pika then hands it over
+        # two tasks later)
+        await raw.queue_declare(self.dlq.name, passive=True)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if self.pushed or counts.consumer_count != 1 or counts.message_count != 0:
+            return None
+        return 0
 
     async def hand_back(self, items: Sequence[AbstractIncomingMessage]) -> None:
         """Requeued (to their places in the queue); closing the scan's channel would return them too,
@@ -894,7 +904,7 @@ class RabbitMQProvider(SideStoreOps):
             with _boundary(f"reading dead letters of {physical}"):
                 dead = self.dead_letter_name(physical)
                 dlq = await channel.declare_queue(dead, durable=True)
-                pages = _DeadLetterPages(dlq, self.publish_timeout, lambda: self._waiting_and_consumers(dead))
+                pages = _DeadLetterPages(dlq, self.publish_timeout)
                 await pages.register()  # before the first read: see _DeadLetterPages.total
                 yield pages
         finally:
