@@ -209,20 +209,24 @@ class _DeadLetterPages:
         #: letters the scan's consumer was handed, not paged yet
         self.pushed: deque[AbstractIncomingMessage] = deque()
         self._underlay: object = None
+        self._tag = ""
 
     async def register(self) -> None:
         await self.dlq.channel.set_qos(prefetch_count=1)
-        await self.dlq.consume(self._handed, no_ack=False)
+        self._tag = await self.dlq.consume(self._handed, no_ack=False)
         self._underlay = await self.dlq.channel.get_underlay_channel()
+
+    async def _same_channel(self) -> None:
+        if await self.dlq.channel.get_underlay_channel() is not self._underlay:
+            # reopened after a dropped connection: the letters held went back, and delivery tags
+            # (the letters' keys here) start again, so the scan cannot tell what it has read
+            raise ProviderUnavailable("the connection dropped during the dead-letter scan; repeat the action")
 
     async def _handed(self, message: AbstractIncomingMessage) -> None:
         self.pushed.append(message)
 
     async def next_page(self) -> list[AbstractIncomingMessage]:
-        if await self.dlq.channel.get_underlay_channel() is not self._underlay:
-            # reopened after a dropped connection: the letters held went back, and delivery tags
-            # (the letters' keys here) start again, so the scan cannot tell what it has read
-            raise ProviderUnavailable("the connection dropped during the dead-letter scan; repeat the action")
+        await self._same_channel()
         if not self.pushed:
             m = await self.dlq.get(no_ack=False, fail=False, timeout=self.timeout)
             if m is None:
@@ -231,6 +235,7 @@ class _DeadLetterPages:
                 m = await self.dlq.get(no_ack=False, fail=False, timeout=self.timeout)
                 for _ in range(3):  # (and aio-pika hands it over two tasks later)
                     await asyncio.sleep(0)
+            await self._same_channel()  # (a get waits out a reconnect, and goes on the new channel)
             if m is not None:
                 return [m]
         return [self.pushed.popleft()] if self.pushed else []
@@ -264,6 +269,10 @@ class _DeadLetterPages:
         for _ in range(3):
             await asyncio.sleep(0)
         if self.pushed or counts.consumer_count != 1 or counts.message_count != 0:
+            return None
+        if self._tag not in getattr(raw, "consumers", {}):  # (aiormq's channel; absent: cannot tell)
+            # the broker cancelled this scan's consumer (the queue deleted and declared again): the
+            # one consumer counted may be another reader's
             return None
         return 0
 
