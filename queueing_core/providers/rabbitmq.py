@@ -58,6 +58,7 @@ from aio_pika.abc import (
     AbstractChannel,
     AbstractIncomingMessage,
     AbstractQueue,
+    AbstractRobustChannel,
     AbstractRobustConnection,
 )
 from aio_pika.exceptions import (
@@ -557,6 +558,10 @@ class RabbitMQProvider(SideStoreOps):
         try:
             with _boundary(f"publishing to {target}"):
                 async with asyncio.timeout(self.publish_timeout):
+                    if isinstance(channel, AbstractRobustChannel):
+                        # after a reconnect the connection is up before its channels are restored:
+                        # a publish in between found the channel closed (seen in CI)
+                        await channel.ready()
                     # mandatory: an unroutable message (its queue deleted) is returned, not dropped
                     await channel.default_exchange.publish(message, routing_key=target, mandatory=True)
         except ProviderError:
