@@ -233,6 +233,19 @@ async def make_long(tmp_path) -> tuple[QueueingApp, Runtime, SqsProvider, list[s
     return app, rt, prov, [await prov._url("Keep.Long", dead=dead) for dead in (False, True)]
 
 
+async def receive_all(prov: SqsProvider, sub: Subscription, n: int, what: str) -> dict[uuid.UUID, Any]:
+    """Receive until ``n`` distinct messages are held, by message id."""
+    got: dict[uuid.UUID, Any] = {}
+
+    async def all_received() -> bool:
+        for d in await prov.receive(sub, 10):
+            got[d.envelope.message_id] = d
+        return len(got) == n
+
+    await wait_until(all_received, timeout=15, what=what)
+    return got
+
+
 async def cleanup_long(rt: Runtime, prov: SqsProvider, urls: list[str]) -> None:
     await cleanup(rt, prov)
     for url in urls:
@@ -259,14 +272,7 @@ async def test_a_batch_given_up_after_part_of_it_was_deleted_records_that_part(t
         ids = [(await app.enqueue(Long(n=i))).message_id for i in range(12)]
         sub = app.subscription("Long")
         assert sub is not None
-        got: dict[uuid.UUID, Any] = {}
-
-        async def all_received() -> bool:
-            for d in await prov.receive(sub, 10):
-                got[d.envelope.message_id] = d
-            return len(got) == 12
-
-        await wait_until(all_received, timeout=15, what="the twelve messages")
+        got = await receive_all(prov, sub, 12, "the twelve messages")
         settlements = [await rt.process(d) for d in got.values()]
         real_call = prov._call
         deletes = 0
@@ -299,14 +305,7 @@ async def test_a_batch_given_up_after_part_of_it_was_deleted_records_that_part(t
             client.change_message_visibility(
                 QueueUrl=url, ReceiptHandle=d.handle.receipt, VisibilityTimeout=0
             )
-        again: dict[uuid.UUID, Any] = {}
-
-        async def both_back() -> bool:
-            for d in await prov.receive(sub, 10):
-                again[d.envelope.message_id] = d
-            return len(again) == 2
-
-        await wait_until(both_back, timeout=15, what="the two not deleted")
+        again = await receive_all(prov, sub, 2, "the two not deleted")
         assert set(again) == {d.envelope.message_id for d in last}
         settler = settler_of(0.2)
         for d in again.values():
@@ -335,13 +334,7 @@ async def test_a_delete_sqs_fails_on_its_side_is_tried_again_and_one_it_refuses_
             await app.enqueue(Long(n=i))
         sub = app.subscription("Long")
         assert sub is not None
-        got: list[Any] = []
-
-        async def all_received() -> bool:
-            got.extend(await prov.receive(sub, 10))
-            return len(got) == 3
-
-        await wait_until(all_received, timeout=15, what="the three messages")
+        got = list((await receive_all(prov, sub, 3, "the three messages")).values())
         done, stale, flaky = got
         stale.handle.receipt = "not-a-receipt-sqs-gave"  # (the real one stays with SQS, in flight)
         real_call = prov._call
