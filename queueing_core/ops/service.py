@@ -364,11 +364,20 @@ class OpsService:
         if not self._durable:
             await record_change(self.runtime.tracker, r, {**changes, "updated_at": self.clock()})
 
+    async def _unchanged(self, seen: MessageRecord) -> bool:
+        now = await self.runtime.tracker.get(seen.message_id)
+        return now is not None and (now.status, now.attempt, now.updated_at) == (
+            seen.status,
+            seen.attempt,
+            seen.updated_at,
+        )
+
     def _refuse(self, r: MessageRecord, action: str, why: str) -> InvalidOperation:
         return InvalidOperation(f"cannot {action} message {r.message_id}: it is {r.status}{why}")
 
     async def retry(self, message_id: UUID) -> ActionResult:
         r = await self.record(message_id)
+        seen = r
         if r.archived:
             raise InvalidOperation(f"cannot retry message {r.message_id}: it is archived")
         if r.status not in RETRYABLE and not self._durable:
@@ -460,7 +469,10 @@ class OpsService:
             if not retried:
                 raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
         except BaseException:
-            if requested:
+            # put back only while the message's history shows it as this retry found it: a retry beside
+            # this one that won the change (or this one's own copy, left part-way) withdrew the request
+            # for the run it started, which putting it back would cancel before it ran
+            if requested and await self._unchanged(seen):
                 await control.set_cancel(r.message_id, True, now)
             raise
         return ActionResult(
