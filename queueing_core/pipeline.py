@@ -379,13 +379,15 @@ class Pipeline:
                 )
 
         decision = await self._run(delivery, sub, env, message, stopping, closing, now)
+        # the probe named by the time the store acquired it until
+        probe = now + cb.probe_timeout if probing and cb is not None else None
         if cb is not None and not isinstance(decision, Release):
-            await self._track_circuit(sub, decision, state.circuit(sub.type_name), probing, cb)
-        elif probing and cb is not None:
+            await self._track_circuit(sub, decision, state.circuit(sub.type_name), probe, cb)
+        elif probe is not None:
             # a probe handed back unrun (the host stopping) says nothing of the downstream: the next
             # message may probe at once, not after probe_timeout (which is for a probe whose host died)
             try:
-                await self.control.release_probe(sub.type_name, now + cb.probe_timeout, self.clock())
+                await self.control.release_probe(sub.type_name, probe, self.clock())
             except Exception:
                 log.exception("could not hand back the circuit probe of %s", sub.type_name)
         return decision
@@ -525,7 +527,7 @@ class Pipeline:
         return RetryAfter(delay, error)
 
     async def _track_circuit(
-        self, sub: Subscription, decision: Decision, before: Any, probing: bool, cb: Any
+        self, sub: Subscription, decision: Decision, before: Any, probe: datetime | None, cb: Any
     ) -> None:
         # transient failures trip the breaker; a handler's deliberate refusal (non-retryable) or a bad
         # body says nothing about the downstream's health
@@ -535,7 +537,12 @@ class Pipeline:
         try:
             if failed:
                 await self.control.record_failure(sub.type_name, cb, self.clock())
-            elif probing or before.state != "closed" or before.consecutive_failures:
+            elif probe is not None:
+                # closes the circuit only while this probe is still the one out
+                await self.control.record_success(sub.type_name, probe)
+            elif before.consecutive_failures:
+                # resets the count only while the circuit is still closed (it may have opened while
+                # this run ran)
                 await self.control.record_success(sub.type_name)
             else:
                 # failures counted while this run ran (the state read at its start showed none): the

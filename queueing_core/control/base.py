@@ -66,7 +66,10 @@ class ControlStore(Protocol):
         self, type_name: str, opts: CircuitBreakerOptions, now: datetime
     ) -> CircuitState: ...
 
-    async def record_success(self, type_name: str) -> CircuitState: ...
+    async def record_success(self, type_name: str, probe_until: datetime | None = None) -> CircuitState:
+        """A success: ``probe_until`` names the probe that ran it (the time it was acquired until),
+        None a run admitted while the circuit was closed (see ``circuit.on_success``)."""
+        ...
 
     async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool: ...
 
@@ -141,8 +144,8 @@ class CachedControlStore:
         self.invalidate()
         return result
 
-    async def record_success(self, type_name: str) -> CircuitState:
-        result = await self.inner.record_success(type_name)
+    async def record_success(self, type_name: str, probe_until: datetime | None = None) -> CircuitState:
+        result = await self.inner.record_success(type_name, probe_until)
         self.invalidate()
         return result
 

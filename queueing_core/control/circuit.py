@@ -52,8 +52,36 @@ def on_failure(state: CircuitState, opts: CircuitBreakerOptions, now: datetime) 
     return replace(state, consecutive_failures=failures)
 
 
-def on_success(state: CircuitState) -> CircuitState:
+def on_success(state: CircuitState, probe_until: datetime | None = None) -> CircuitState | None:
+    """The state after a success, or None when the success must not change it.
+
+    ``probe_until`` is None for a run admitted while the circuit was closed: its success resets the
+    failures counted while it ran only if the circuit is still closed. One that began before the
+    circuit opened says nothing of the downstream since (Polly and the like ignore a success placed
+    before the break), and closing the circuit would skip its cooldown and its probe. A probe's success
+    names the probe (the time it was acquired until) and closes the circuit only while that probe is
+    still the one out: once it timed out and another took its place, the later probe decides.
+    """
+    if probe_until is None:
+        return reset(state) if state.state == "closed" else None
+    if not _is_the_probe(state, probe_until):
+        return None
+    return reset(state)
+
+
+def reset(state: CircuitState) -> CircuitState:
+    """Closed with no failures counted (an operator's reset, a success that closes)."""
     return CircuitState.closed(state.type_name)
+
+
+def _is_the_probe(state: CircuitState, held_until: datetime) -> bool:
+    # any later probe's time ends at least a probe_timeout after this one's; a second of leeway for
+    # the stores that keep times to the second
+    return (
+        state.state == "half_open"
+        and state.probe_until is not None
+        and abs(state.probe_until - held_until) <= timedelta(seconds=1)
+    )
 
 
 def acquire_probe(state: CircuitState, opts: CircuitBreakerOptions, now: datetime) -> CircuitState | None:
@@ -68,8 +96,6 @@ def release_probe(state: CircuitState, held_until: datetime, now: datetime) -> C
     may probe at once, rather than after ``probe_timeout``, which is for a probe whose host died. None
     when that probe is no longer the one out (it reported, or timed out and another took its place:
     any later probe's time ends at least a ``probe_timeout`` after it)."""
-    if state.state != "half_open" or state.probe_until is None:
-        return None
-    if abs(state.probe_until - held_until) > timedelta(seconds=1) or state.probe_until <= now:
+    if not _is_the_probe(state, held_until) or state.probe_until is None or state.probe_until <= now:
         return None
     return replace(state, probe_until=now)

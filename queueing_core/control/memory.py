@@ -67,9 +67,12 @@ class MemoryControlStore:
             self._circuits[type_name] = new = circuit.on_failure(self._get(type_name), opts, now)
             return new
 
-    async def record_success(self, type_name: str) -> CircuitState:
+    async def record_success(self, type_name: str, probe_until: datetime | None = None) -> CircuitState:
         async with self._lock:
-            new = circuit.on_success(self._get(type_name))
+            current = self._get(type_name)
+            new = circuit.on_success(current, probe_until)
+            if new is None:
+                return current
             self._circuits.pop(type_name, None)
             return new
 

@@ -277,14 +277,16 @@ class TablesControlStore(_OnTable):
         new, _ = await self._transition(type_name, lambda s: circuit.on_failure(s, opts, as_utc(now)))
         return new
 
-    async def record_success(self, type_name: str) -> CircuitState:
+    async def record_success(self, type_name: str, probe_until: datetime | None = None) -> CircuitState:
         # Called after every successful message: a missing entity (the usual case) costs one read.
         with _boundary("record circuit success"):
             async with self._lock(type_name):
                 client = await self._table.ready()
                 for attempt in range(_CAS_ATTEMPTS):
                     current, etag = await self._read(client, type_name)
-                    new = circuit.on_success(current)
+                    new = circuit.on_success(current, None if probe_until is None else as_utc(probe_until))
+                    if new is None:
+                        return current
                     if etag is None:
                         return new
                     try:

@@ -63,3 +63,57 @@ async def test_a_success_begun_before_the_breaker_opened_does_not_close_it():
         assert state.state == "open", f"a stale success closed the open breaker: {state}"
     finally:
         await rt.close()
+
+
+CB3 = CircuitBreakerOptions(failure_threshold=3, cooldown=timedelta(minutes=10))
+
+
+@queue("review_stale_success_counted", circuit_breaker=CB3, max_attempts=1)
+class Lookup(QueueMessage):
+    ok: bool
+    slow: bool = False
+
+
+async def test_a_success_begun_after_a_counted_failure_does_not_close_the_breaker_opened_meanwhile():
+    """The same, for a run whose start already showed a failure counted (a later review found it: the
+    pipeline sent such a success straight to the store, which closed whatever it found)."""
+    app = QueueingApp("review-stale-success-counted")
+    go = asyncio.Event()
+    slow_started = asyncio.Event()
+
+    @app.handler(Lookup, max_concurrency=3)
+    async def lookup(msg: Lookup) -> None:
+        if msg.slow:
+            slow_started.set()
+            await go.wait()
+        if not msg.ok:
+            raise ConnectionError("downstream down")
+
+    rt = Runtime(app, InProcessProvider(), control_ttl=0.05, pause_recheck=timedelta(milliseconds=200))
+    await rt.open()
+    try:
+        async with running(rt):
+            first = await app.enqueue(Lookup(ok=False))
+            await wait_until(
+                lambda: all_have(rt, [first.message_id], MessageStatus.DEAD_LETTERED), what="a failure"
+            )
+            rt.control.invalidate()
+            assert (await rt.control.state()).circuit("Lookup").consecutive_failures == 1
+            slow = await app.enqueue(Lookup(ok=True, slow=True))  # its run starts seeing that failure
+            await asyncio.wait_for(slow_started.wait(), 30)
+            for _ in range(2):
+                r = await app.enqueue(Lookup(ok=False))
+                await wait_until(
+                    lambda r=r: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED), what="a failure"
+                )
+            rt.control.invalidate()
+            assert (await rt.control.state()).circuit("Lookup").state == "open"
+            go.set()
+            await wait_until(
+                lambda: all_have(rt, [slow.message_id], MessageStatus.SUCCEEDED), what="the slow success"
+            )
+        rt.control.invalidate()
+        state = (await rt.control.state()).circuit("Lookup")
+        assert state.state == "open", f"a success from before the opening closed the breaker: {state}"
+    finally:
+        await rt.close()

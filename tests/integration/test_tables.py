@@ -19,6 +19,7 @@ from queueing_core.control import MemoryControlStore
 from queueing_core.control.base import ControlStore
 from queueing_core.errors import ConfigurationError, InvalidArgument, ProviderError, ProviderUnavailable
 from queueing_core.options import CircuitBreakerOptions
+from queueing_core.providers.sql import SqlProvider
 from queueing_core.providers.tables import (
     TablesControlStore,
     TablesTracker,
@@ -68,12 +69,20 @@ async def _drop(azurite: AzuriteService, name: str) -> None:
         await client.delete_table()
 
 
-@pytest.fixture(params=["memory", "tables"])
-async def stores(request: pytest.FixtureRequest) -> AsyncIterator[tuple[ControlStore, ControlStore]]:
-    """Two handles on one shared control state (two Functions instances)."""
+@pytest.fixture(params=["memory", "tables", "sqlite"])
+async def stores(
+    request: pytest.FixtureRequest, tmp_path
+) -> AsyncIterator[tuple[ControlStore, ControlStore]]:
+    """Two handles on one shared control state (two Functions instances, two SQL hosts)."""
     if request.param == "memory":
         one = MemoryControlStore()
         yield one, one
+        return
+    if request.param == "sqlite":
+        hosts = [SqlProvider(f"sqlite:///{tmp_path}/control.db") for _ in range(2)]
+        yield hosts[0].control_store(), hosts[1].control_store()
+        for host in hosts:
+            await host.close()
         return
     azurite: AzuriteService = request.getfixturevalue("azurite")
     name = table_name()
@@ -200,12 +209,37 @@ async def test_circuit_goes_open_probe_closed(stores):
     )
     assert (await a.state()).circuit("T").probe_until is None
     assert await a.acquire_probe("T", OPTS, later + OPTS.cooldown)
-    closed = await b.record_success("T")
+    closed = await b.record_success("T", later + OPTS.cooldown + OPTS.probe_timeout)  # the probe's
     assert (closed.state, closed.consecutive_failures) == ("closed", 0)
     state = await a.state()
     assert "T" not in state.circuits
     assert state.circuit("T").state == "closed"
     assert (await a.record_success("T")).state == "closed"  # nothing stored: still fine
+
+
+async def test_a_success_closes_the_circuit_only_from_the_probe_that_is_out(stores):
+    """A success from a run admitted while the circuit was closed (it began before failures beside it
+    opened the circuit) and a late success of a probe another has replaced (it outlived
+    probe_timeout) leave the circuit as it is; the probe that is out closes it."""
+    a, b = stores
+    await a.record_failure("T", OPTS, T0)
+    assert (await b.record_success("T")).consecutive_failures == 0  # closed: the count is reset
+    for _ in range(3):
+        await a.record_failure("T", OPTS, T0)
+    assert (await b.record_success("T")).state == "open"  # a run from before the opening
+    assert (await a.state()).circuit("T").state == "open"
+
+    first = T0 + OPTS.cooldown
+    assert await a.acquire_probe("T", OPTS, first)
+    assert (await b.record_success("T")).state == "half_open"  # not a probe: the probe decides
+    second = first + OPTS.probe_timeout  # the first probe never reported in time
+    assert await b.acquire_probe("T", OPTS, second)
+    late = await a.record_success("T", first + OPTS.probe_timeout)  # the first probe, late
+    assert (late.state, late.probe_until) == ("half_open", second + OPTS.probe_timeout)
+    assert (await b.state()).circuit("T").state == "half_open"
+    closed = await b.record_success("T", second + OPTS.probe_timeout)
+    assert closed.state == "closed"
+    assert (await a.state()).circuit("T").state == "closed"
 
 
 async def test_reset_circuit(stores):
@@ -243,7 +277,7 @@ async def test_a_probe_handed_back_frees_the_circuit_for_the_next_probe_only_if_
     # the first probe released again, after b's probe replaced it: b's stays
     await a.release_probe("T", at + OPTS.probe_timeout, at + timedelta(seconds=3))
     assert (await a.state()).circuit("T").probe_until == at + timedelta(seconds=2) + OPTS.probe_timeout
-    await b.record_success("T")
+    await b.record_success("T", at + timedelta(seconds=2) + OPTS.probe_timeout)
     await b.release_probe("T", at + timedelta(seconds=2) + OPTS.probe_timeout, at + timedelta(seconds=4))
     assert (await a.state()).circuit("T").state == "closed"
 

@@ -200,8 +200,8 @@ class SqlControlStore:
     ) -> CircuitState:
         return (await self._update(type_name, lambda s: circuit.on_failure(s, opts, now)))[0]
 
-    async def record_success(self, type_name: str) -> CircuitState:
-        return (await self._update(type_name, circuit.on_success))[0]
+    async def record_success(self, type_name: str, probe_until: datetime | None = None) -> CircuitState:
+        return (await self._update(type_name, lambda s: circuit.on_success(s, probe_until)))[0]
 
     async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool:
         return (await self._update(type_name, lambda s: circuit.acquire_probe(s, opts, now)))[1]
@@ -210,4 +210,4 @@ class SqlControlStore:
         await self._update(type_name, lambda s: circuit.release_probe(s, held_until, now))
 
     async def reset_circuit(self, type_name: str) -> None:
-        await self._update(type_name, circuit.on_success)
+        await self._update(type_name, circuit.reset)
