@@ -84,6 +84,9 @@ MAX_TEXT_BYTES = 48 * 1024
 DEAD_LETTER_ROOM = 1024
 #: the largest envelope the kit sends: its dead-letter copy must fit in the poison queue too
 MAX_ENVELOPE_BYTES = MAX_TEXT_BYTES - DEAD_LETTER_ROOM
+#: how long a request may take to reach the service: a delete retried later than this before the
+#: message could be received again is not trusted to have found it gone by our own earlier try
+_ANSWER_MARGIN = timedelta(seconds=2)
 
 
 def whole_seconds(delay: timedelta) -> int:
@@ -97,6 +100,9 @@ class _Handle:
     id: str
     pop_receipt: str
     dequeue_count: int
+    #: no other run can receive the message before this (counted from before the call that hid it, so
+    #: the service's own end is later)
+    hidden_until: datetime
     #: a renewal and the settlement of one message take turns: each update replaces the pop receipt,
     #: and a delete sent with the receipt a renewal in flight is about to replace would fail
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -438,7 +444,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                 )
                 async for msg in pages:
                     count = msg.dequeue_count or 1
-                    handle = _Handle(c, msg.id, msg.pop_receipt or "", count)
+                    handle = _Handle(c, msg.id, msg.pop_receipt or "", count, sent_at + lease)
                     out.append(
                         Delivery.of(
                             decode_body(msg.content),
@@ -474,16 +480,20 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
     async def _delete(self, h: _Handle) -> None:
         """Delete under our receipt. The SDK's own retry is off here: when a delete reaches the service
         but its answer is lost, the retry finds the message gone (404) and cannot tell that from a
-        message another run deleted. This loop can: a 404 right after our own unanswered try is our
-        delete (no other run can hold the message within our lease), any other 404 is a lost lease."""
+        message another run deleted. This loop can: a 404 after our own unanswered try is our delete
+        when it came while the message was still hidden under our receipt (no other run could have
+        received it yet); any other 404 is a lost lease. Once the message could have been received
+        again, the current holder may have deleted it (a stale run taking that for its own delete
+        would record its outcome over the holder's), so the settlement is refused."""
         unanswered = False
         for attempt in range(retry_policy.RETRIES + 1):
+            sent_at = utcnow()
             try:
                 with _boundary("deleting a message"), _receipt_held():
                     await h.queue_client.delete_message(h.id, h.pop_receipt, retry_total=0)
                 return
             except _MessageGone:
-                if unanswered:
+                if unanswered and sent_at + _ANSWER_MARGIN < h.hidden_until:
                     return
                 raise
             except ProviderUnavailable:
@@ -494,11 +504,13 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
 
     async def _hide(self, h: _Handle, delay: timedelta) -> None:
         """Hide the message for ``delay`` under our receipt (which the service then replaces)."""
+        sent_at = utcnow()
         with _boundary("re-hiding a message"), _receipt_held():
             receipt = await h.queue_client.update_message(
                 h.id, h.pop_receipt, visibility_timeout=whole_seconds(delay)
             )
         h.pop_receipt = receipt.pop_receipt or h.pop_receipt
+        h.hidden_until = sent_at + timedelta(seconds=whole_seconds(delay))
 
     def _lease(self, d: Delivery) -> timedelta:
         sub = self._app.subscription(d.type_name) if self._app and d.type_name else None
@@ -610,11 +622,17 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         return True  # a flag in the history; the message itself left the queue when it finished
 
     async def ops_remove(self, query: MessageQuery, records: Sequence[MessageRecord]) -> set[uuid.UUID]:
-        """Dead letters are removed from the poison queue; a purge of a whole queue clears it and its
-        poison queue. Messages waiting in a live queue cannot be picked out one by one (receiving them
-        would use attempts). Returns the ids of the messages removed: only their history goes."""
+        """Dead letters are removed from the poison queue; a purge of a whole queue clears it, its
+        poison queue and its messages in the delayed store. Messages waiting in a live queue cannot be
+        picked out one by one (receiving them would use attempts). Returns the ids of the messages
+        removed: only their history goes."""
         if is_whole_queue(query):
             assert query.queue is not None
+            if self.delayed is not None:
+                # first, as on the other transports (side_stores): a delay beyond the visibility limit
+                # waits there, reported removed with the rest; a forward due meanwhile lands in the
+                # queue before its clearing
+                await self.delayed.purge(self.physical(query.queue))
             for name in (self.physical(query.queue), self.poison_name(query.queue)):
                 with _boundary(f"clearing {name}"):
                     await (await self._ensure(name)).clear_messages()

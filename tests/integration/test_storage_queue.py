@@ -209,6 +209,40 @@ async def test_with_a_delayed_store_long_delays_wait_in_sql_and_the_worker_dispa
     await rt.close()
 
 
+async def test_a_whole_queue_purge_empties_the_delayed_store_too(azurite, names, tmp_path):
+    """A message delayed beyond the 7-day limit waits in the delayed store; a purge of its whole queue
+    reported it deleted and let its history go, but left its row, so it ran when due, in no listing
+    (a review found it; the other transports' purge already emptied their delayed store first)."""
+    from queueing_core.providers.sql.history import SideStores
+
+    app, _ = make_app(names["prefix"])
+    p = StorageQueueProvider(
+        StorageConnection(azurite.connection_string),
+        control_table=names["control_table"],
+        tracker_table=names["tracker_table"],
+        delayed_stores=SideStores(f"sqlite:///{tmp_path}/delayed.db"),
+    )
+    rt = Runtime(app, p)
+    await rt.open()
+    try:
+        assert p.delayed is not None
+        far = await app.enqueue(InvoiceReady(invoice="far"), delay=timedelta(days=8), ttl=timedelta(days=30))
+        near = await app.enqueue(
+            InvoiceReady(invoice="near"), delay=timedelta(days=1), ttl=timedelta(days=30)
+        )
+        assert await p.delayed.counts() == {p.physical("Billing.Invoice_Ready"): 1}
+        async with ops_client(rt) as client:
+            r = await client.request("DELETE", "/messages", params={"queue": "Billing.Invoice_Ready"})
+        assert r.status_code == 200, r.text
+        assert r.json()["deleted"] == 2
+        assert await p.delayed.counts() == {}, "the purged message still waits in the delayed store"
+        assert await p.depth("Billing.Invoice_Ready") == 0
+        assert await rt.tracker.get(far.message_id) is None
+        assert await rt.tracker.get(near.message_id) is None
+    finally:
+        await rt.close()
+
+
 async def test_pause_is_shared_by_every_instance_and_ops_work_through_the_tracker(azurite, names):
     app, seen = make_app(names["prefix"])
     rt1 = Runtime(app, provider(azurite, names), control_ttl=0.1)

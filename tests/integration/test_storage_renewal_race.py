@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import timedelta
 
 import pytest
 
@@ -152,3 +153,68 @@ async def test_a_settlement_that_failed_leaves_the_lease_renewed_until_it_is_tri
         for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
             await provider.client(q).delete_queue()
         await rt.close()
+
+
+@queue("race.stale", lease_duration=timedelta(seconds=1))
+class Short(QueueMessage):
+    n: int
+
+
+async def test_a_stale_runs_delete_does_not_take_the_current_holders_removal_for_its_own(azurite):
+    """A run whose lease lapsed settles Complete; its first delete never reaches the service, and
+    meanwhile the message's current holder dead-letters it. The next try finds the message gone (404):
+    that is not this run's delete, so its outcome is refused and the holder's stands (before, the
+    stale run's Succeeded was written over the dead letter, which then stood in no listing)."""
+    from azure.core.exceptions import ServiceRequestError
+
+    from queueing_core import MessageStatus, QueueNaming
+    from queueing_core.decisions import DeadLetter, DeadLetterReason
+
+    tag = uuid.uuid4().hex[:8]
+
+    async def host() -> Runtime:
+        app = QueueingApp("race", naming=QueueNaming(prefix=f"t{tag}-"))
+        app.message(Short)
+        provider = StorageQueueProvider(
+            StorageConnection(azurite.connection_string),
+            control_table=f"ctl{tag}",
+            tracker_table=f"hist{tag}",
+        )
+        rt = Runtime(app, provider)
+        await rt.open()
+        return rt
+
+    a, b = await host(), await host()
+    try:
+        receipt = await a.app.enqueue(Short(n=1))
+        [stale] = await a.provider.receive(a.app.subscription(Short.type_name()), 1)
+        await asyncio.sleep(2.2)  # its lease (1 s) lapses, unrenewed
+        [current] = await b.provider.receive(b.app.subscription(Short.type_name()), 1)
+        client = stale.handle.queue_client
+        real_delete = client.delete_message
+        tries: list[int] = []
+
+        async def never_sent_while_the_holder_settles(*args, **kwargs):
+            tries.append(1)
+            if len(tries) == 1:
+                held = Settlement(current, DeadLetter(DeadLetterReason.NON_RETRYABLE, "the holder's outcome"))
+                await b.provider.settle([held])
+                await b.record([held])
+                raise ServiceRequestError("connection refused")
+            return await real_delete(*args, **kwargs)
+
+        client.delete_message = never_sent_while_the_holder_settles
+        s = Settlement(stale, Complete())
+        await a.provider.settle([s])
+        await a.record([s])
+        assert len(tries) == 2
+        assert stale.refused, "the stale run's delete took the holder's removal for its own"
+        rec = await a.tracker.get(receipt.message_id)
+        assert rec is not None
+        assert rec.status == MessageStatus.DEAD_LETTERED
+        assert await a.provider.depth("race.stale", poison=True) == 1
+    finally:
+        for q in (a.provider.physical("race.stale"), a.provider.poison_name("race.stale")):
+            await a.provider.client(q).delete_queue()
+        await a.close()
+        await b.close()
