@@ -322,7 +322,7 @@ class Pipeline:
         if state is None:
             state = await self.control.state()
         # (a UUID hashes in Python: the usual empty set is not asked)
-        if state.cancelled and env.message_id in state.cancelled:
+        if state.cancelled and env.message_id in state.cancelled and await self._still_cancelled(env):
             return await self._emit_final(delivery, Complete(None, cancelled=True))
         if state.is_paused(sub.queue, sub.type_name):
             what = f"queue {sub.queue!r}" if sub.queue in state.paused_queues else f"type {sub.type_name!r}"
@@ -391,6 +391,15 @@ class Pipeline:
             except Exception:
                 log.exception("could not hand back the circuit probe of %s", sub.type_name)
         return decision
+
+    async def _still_cancelled(self, env: Envelope) -> bool:
+        """A request the cached state shows, read again from the store before the message is settled
+        without running: another host may have withdrawn it within the cache's time (an operator's
+        retry, a replacing version of an idempotent message), and its new run must not be cancelled."""
+        if not isinstance(self.control, CachedControlStore):
+            return True  # (the state was read from the store itself)
+        self.control.invalidate()
+        return env.message_id in (await self.control.state()).cancelled
 
     async def _previous(self, sub: Subscription, message: QueueMessage) -> QueueMessage | None:
         """``ctx.previous``, or None when it cannot be read: the handler runs either way, and an

@@ -82,3 +82,38 @@ async def test_the_retry_that_loses_a_race_leaves_the_winners_run_uncancelled(sq
         assert runs == ["e1"]
     finally:
         await rt.close()
+
+
+async def test_a_host_whose_cached_state_still_shows_the_withdrawn_request_runs_the_retry(sql_db):
+    """The retry withdraws the request on the operator's host; another host's cached control state
+    (``control_ttl``) still showed it, and that host settled the retried message Cancelled unrun. A
+    request in the cached state is read again from the store before a message is settled unrun."""
+    app = QueueingApp("review-retry-cached-cancel")
+    runs: list[str] = []
+
+    @app.handler()
+    async def export(msg: Export) -> None:
+        runs.append(msg.key)
+
+    operator = Runtime(app, sql_db.provider(), control_ttl=0.05)
+    worker_host = Runtime(app, sql_db.provider(), control_ttl=60)
+    await operator.open()
+    await worker_host.open()
+    try:
+        r = await app.enqueue(Export(key="e2"))
+        await app.cancel(r.tracking_id)
+        assert (await operator.tracker.get(r.message_id)).status == MessageStatus.CANCELLED
+        assert r.message_id in (await worker_host.control.state()).cancelled  # cached for a minute
+        await OpsService(operator).retry(r.message_id)
+
+        async def settled() -> bool:
+            rec = await operator.tracker.get(r.message_id)
+            return rec.status not in (MessageStatus.PENDING, MessageStatus.LEASED)
+
+        async with running(worker_host):
+            await wait_until(settled, what="the retried message to settle")
+        assert (await operator.tracker.get(r.message_id)).status == MessageStatus.SUCCEEDED
+        assert runs == ["e2"]
+    finally:
+        await operator.close()
+        await worker_host.close()

@@ -138,3 +138,49 @@ async def test_identity_documents_in_the_database_change_by_compare_and_set(sql_
     assert again is not None
     assert again[0] == {"waiting": ["3"]}
     assert await a.identity_doc("Price", "B") is None
+
+
+@queue("catalog-cancelled", idempotent=True, identity="sku")
+class Listing(QueueMessage):
+    sku: str
+    price: int
+
+
+async def test_a_replacing_version_does_not_inherit_a_cancel_request_left_by_the_run_it_replaces(sql_db):
+    """A cancel reached the running version only as a request (it was Leased), and the run failed before
+    it looked: the row waits for its retry with the request standing. A changed version of the same
+    identity then replaces the waiting row in place (same message id): it was settled Cancelled unrun,
+    its enqueue told "replaced" (a review found it). The replace withdraws the old run's request."""
+    from queueing_core import MessageStatus
+    from queueing_core.clock import utcnow
+    from queueing_core.errors import Retry
+
+    app = QueueingApp("review-replace-cancel")
+    ran: list[int] = []
+
+    @app.handler()
+    async def list_it(msg: Listing) -> None:
+        if not ran and msg.price == 1:
+            ran.append(0)
+            raise Retry(after=timedelta(minutes=5))
+        ran.append(msg.price)
+
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    try:
+        first = await app.enqueue(Listing(sku="a", price=1))
+        await run_until_idle(rt, raise_errors=False)
+        assert (await rt.tracker.get(first.message_id)).status == MessageStatus.FAILED
+        # the request jobs.cancel wrote while the run held the row (Leased), after it had ended
+        # (the window test_ops_retry_cancel_request.py makes deterministic the same way)
+        await rt.control.set_cancel(first.message_id, True, utcnow())
+        rt.control.invalidate()
+        assert first.message_id in (await rt.control.state()).cancelled  # the request stands
+        second = await app.enqueue(Listing(sku="a", price=2))
+        assert second.outcome == "replaced"
+        assert second.message_id == first.message_id
+        await run_until_idle(rt, raise_errors=False)
+        assert ran == [0, 2], ran
+        assert (await rt.tracker.get(first.message_id)).status == MessageStatus.SUCCEEDED
+    finally:
+        await rt.close()

@@ -72,6 +72,11 @@ def plan(
             )
         )
         if (yield replace, None).rowcount == 1:
+            # a cancellation requested for the replaced version's run (which ended before it saw the
+            # request, so the request stayed) is not the new version's: it would be settled Cancelled
+            # unrun, its enqueue told "replaced"
+            x = tables.cancels
+            yield sa.delete(x).where(x.c.message_id == waiting.message_id), None
             return IdempotentOutcome("replaced", waiting.message_id, waiting.tracking_id)
     row = {**row_for(env, initial_status(app, env), now), "identity": key}
     yield insert_statement(tables, backend), [row]
