@@ -489,6 +489,9 @@ class Pipeline:
             except TimeoutError as exc:
                 error = exc
                 if limit is not None and scope.expired():
+                    # a plain def handler's thread is not stopped by the timeout (asyncio cannot stop a
+                    # thread): it is told, as for a cancel, so it can stop before its retry runs
+                    run.cancelled.set()
                     text = f"execution time limit of {limit.total_seconds():g}s exceeded"
                 else:
                     text = describe_error(exc)

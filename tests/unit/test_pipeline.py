@@ -12,6 +12,7 @@ from queueing_core import (
     Defer,
     Event,
     Expire,
+    HandlerContext,
     MessageStatus,
     NonRetryableError,
     QueueingApp,
@@ -286,6 +287,35 @@ async def test_time_limit_cancels_the_handler_and_counts_a_failed_attempt():
     assert isinstance(d, RetryAfter)
     assert "execution time limit of 0.05s exceeded" in d.error
     assert not finished
+
+
+async def test_a_time_limit_tells_a_plain_def_handler_to_stop():
+    """asyncio cannot stop a thread: a plain def handler past its time limit ran on, never told (a
+    review found it), beside its own retry. It now sees ``ctx.cancelled``, as for a cancel."""
+    import threading
+
+    @queue("limited-thread", time_limit=timedelta(milliseconds=50), max_attempts=2)
+    class LimitedThread(QueueMessage):
+        pass
+
+    app, pipe, *_, prod = make()
+    told = threading.Event()
+
+    @app.handler()
+    def slow(msg: LimitedThread, ctx: HandlerContext) -> None:
+        import time
+
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # what the docs tell a def handler to do
+            if ctx.cancelled.is_set():
+                told.set()
+                return
+            time.sleep(0.01)
+
+    d = await pipe.process(delivery(prod, LimitedThread()))
+    assert isinstance(d, RetryAfter)
+    assert "execution time limit of 0.05s exceeded" in d.error
+    assert await asyncio.to_thread(told.wait, 5), "the handler's thread was never told to stop"
 
 
 async def test_max_concurrency_is_never_exceeded():
