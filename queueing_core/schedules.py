@@ -273,6 +273,15 @@ class ScheduleBook:
 
         if not isinstance(cron, str) or not croniter.is_valid(cron):
             raise RegistrationError(f"{cron!r} is not a cron expression (five fields, e.g. '*/5 * * * *')")
+        if not cron.strip().startswith("@") and len(cron.split()) != 5:
+            # croniter reads a sixth field as seconds at the end (a seventh as years), where Azure
+            # Functions' NCRONTAB puts seconds first: '0 0 9 * * *' (09:00 there) would fire every
+            # second of the 9th of each month here
+            raise RegistrationError(
+                f"{cron!r} has {len(cron.split())} fields: a schedule's cron expression has five "
+                "(minute hour day-of-month month day-of-week); an Azure Functions NCRONTAB expression "
+                "(seconds first) drops its first field here, e.g. '0 0 9 * * *' is '0 9 * * *'"
+            )
         _check_zone(timezone)
         schedule = Schedule(
             validate_name(name or _default_name(func)),

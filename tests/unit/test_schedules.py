@@ -78,6 +78,9 @@ def test_ticks_within_the_grace_all_run_after_a_short_restart() -> None:
     ("register", "message"),
     [
         (lambda app: app.schedule("not cron")(lambda: None), "not a cron expression"),
+        # NCRONTAB's seconds-first six fields: croniter would read the sixth as seconds, at the end
+        (lambda app: app.schedule("0 0 9 * * *")(lambda: None), "has 6 fields.*'0 9 \\* \\* \\*'"),
+        (lambda app: app.schedule("0 0 9 * * * 2027")(lambda: None), "has 7 fields"),
         (lambda app: app.schedule("* * * * *", timezone="Mars/Olympus")(lambda: None), "unknown time zone"),
         (lambda app: app.every(timedelta(milliseconds=500), Report()), "at least 1 second"),
         (lambda app: app.every(timedelta(seconds=5), Report(), catch_up="all"), "catch_up"),
