@@ -16,6 +16,7 @@ from .control.base import CANCEL_KEPT
 from .errors import InvalidOperation, JobCancelled, JobFailed, MessageNotFound
 from .messages import MessageStatus
 from .tracking import MessageQuery, MessageRecord, record_change
+from .tracking.base import ChangesIfUnchanged
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
 S = MessageStatus
 TERMINAL = frozenset(s.value for s in MessageStatus.terminal())
+#: writes of a cancel request's record tried against a history that keeps changing (a run's progress)
+_REQUEST_TRIES = 5
 #: why a finished message cannot be cancelled, by its status
 _FINISHED = {
     S.SUCCEEDED.value: "it already succeeded",
@@ -152,7 +155,12 @@ async def cancel(runtime: Runtime, tracking_id: UUID, *, newest: bool = True) ->
             # claim): Cancelled at once for the operator, marked as the request; a waiter waits for
             # the host's settlement (Cancelled, or Succeeded by a run that finished first)
             change = {"status": S.CANCELLED.value, "description": CANCEL_REQUESTED, "updated_at": now}
-            await record_change(runtime.tracker, r, change)
+            finished = await _record_request(runtime, r, change)
+            if finished is not None:
+                # a host settled it after it was read: its outcome stands, the request goes
+                await runtime.control.set_cancel(r.message_id, False, now)
+                why = _FINISHED.get(finished.status, "it finished")
+                raise InvalidOperation(f"cannot cancel message {r.message_id}: {why}")
             return CancelReceipt(
                 r.message_id,
                 r.tracking_id,
@@ -165,6 +173,30 @@ async def cancel(runtime: Runtime, tracking_id: UUID, *, newest: bool = True) ->
         r.tracking_id,
         S.LEASED.value,
         "cancellation requested: the running handler sees ctx.cancelled and is stopped after its grace",
+    )
+
+
+async def _record_request(runtime: Runtime, r: MessageRecord, change: dict[str, Any]) -> MessageRecord | None:
+    """Write the request's record over ``r`` unless a host recorded something since it was read; when
+    that was a final outcome, that record (not replaced: written over a success it wiped the result,
+    and a waiter waited for a settlement that would never come). Something else recorded meanwhile (a
+    run's progress, a retry scheduled) is read again and the request written over it."""
+    tracker = runtime.tracker
+    if not isinstance(tracker, ChangesIfUnchanged) or r.malformed is not None:
+        await record_change(tracker, r, change)
+        return None
+    for _ in range(_REQUEST_TRIES):
+        if await tracker.change_if_unchanged(r, change):
+            return None
+        now_r = await tracker.get(r.message_id)
+        if now_r is None:  # purged meanwhile: nothing to mark
+            return None
+        if now_r.status in TERMINAL:
+            return now_r
+        r = now_r
+    raise InvalidOperation(
+        f"cannot cancel message {r.message_id}: its history kept changing while the request was "
+        "recorded; the request stands (a host that receives it settles it Cancelled): look again"
     )
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from ..messages import CUSTOM_STATUS_PATTERN
 from ..options import Health
@@ -226,6 +226,22 @@ MAX_PATH_DEPTH = 8
 JSON_PATH = rf"^{PATH_SEGMENT}(?:\.{PATH_SEGMENT}){{0,{MAX_PATH_DEPTH - 1}}}$"
 
 
+def _encodable(text: str) -> str:
+    text.encode("utf-8")  # a lone surrogate (JSON's "\ud800") is stored nowhere: a ValueError, a 422
+    return text
+
+
+#: what a filter compares with: text without NUL (PostgreSQL refuses it), a 64-bit integer, a finite
+#: number (NaN sorts above every number on PostgreSQL and below none on SQLite), a boolean or null
+_WhereText = Annotated[
+    str, StringConstraints(max_length=1024, pattern=r"^[^\x00]*$"), AfterValidator(_encodable)
+]
+_WhereInt = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+_WhereNumber = Annotated[float, Field(allow_inf_nan=False)]
+#: how many statuses a filter may name
+MAX_STATUSES = 32
+
+
 class StatusWhere(_Model):
     """Which messages: those whose body has ``value`` at ``path`` compared by ``op``."""
 
@@ -238,7 +254,7 @@ class StatusWhere(_Model):
         examples=["customer.country"],
     )
     op: Literal["eq", "ne", "lt", "le", "gt", "ge"] = "eq"
-    value: str | int | float | bool | None = Field(
+    value: _WhereText | _WhereInt | _WhereNumber | bool | None = Field(
         description="compared as text, number or boolean by its JSON type; null (missing or null) "
         "with eq/ne, and nothing is less or greater than null"
     )
@@ -252,8 +268,10 @@ class StatusUpdate(_Model):
 
     where: StatusWhere
     set: str = Field(pattern=CUSTOM_STATUS_PATTERN, description="the status to set")
-    status: list[str] | None = Field(
-        default=None, description="only messages in these statuses (default: any but Leased)"
+    status: list[Annotated[str, StringConstraints(pattern=STATUS_NAME)]] | None = Field(
+        default=None,
+        max_length=MAX_STATUSES,
+        description="only messages in these statuses (default: any but Leased)",
     )
 
 

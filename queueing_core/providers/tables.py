@@ -957,6 +957,24 @@ class TablesTracker(_OnTable):
     async def reopen(self, record: MessageRecord) -> None:
         await self._upsert([record], keep_outcomes=False)
 
+    async def change_if_unchanged(self, seen: MessageRecord, changes: Mapping[str, Any]) -> bool:
+        with _boundary("upsert history"):
+            client = await self._table.ready()
+            try:
+                ix = await client.get_entity(_INDEX_PK, str(seen.message_id))
+                stored = await client.get_entity(str(ix["Pk"]), str(ix["Rk"]))
+            except ResourceNotFoundError as exc:
+                if not _entity_missing(exc):
+                    raise  # (the table itself missing: not a message that is gone)
+                return False
+            if stored.get("Status") != seen.status or stored.get("UpdatedAt") != as_utc(seen.updated_at):
+                return False
+            # the stored body, raw text and marks stay (MERGE keeps what a record leaves out)
+            changed = seen.model_copy(update={**changes, "body": None, "raw": None})
+            entity = _record_entity(changed)
+            entity["PartitionKey"], entity["RowKey"] = stored["PartitionKey"], stored["RowKey"]
+            return await _merge_unchanged(client, entity, stored)
+
     async def note_duplicate(self, message_id: UUID) -> None:
         """Count one delivery of ``message_id`` dropped as a known duplicate."""
         await self._patch(message_id, lambda e: {"Duplicates": int(e.get("Duplicates") or 0) + 1})

@@ -169,6 +169,18 @@ class ChangesInPlace(Protocol):
     async def change(self, message_id: UUID, changes: Mapping[str, Any]) -> None: ...
 
 
+@runtime_checkable
+class ChangesIfUnchanged(Protocol):
+    """A tracker that can write a change to a record only while it is stored as it was read (its
+    status and time): an operator's change made from a read must not replace an outcome a host wrote
+    after that read."""
+
+    async def change_if_unchanged(self, seen: MessageRecord, changes: Mapping[str, Any]) -> bool:
+        """Write ``seen`` with ``changes`` if the stored record still has ``seen``'s status and
+        ``updated_at``; False (nothing written) when it changed or is gone."""
+        ...
+
+
 async def record_change(tracker: Tracker, r: MessageRecord, changes: Mapping[str, Any]) -> None:
     """Write ``changes`` (an action's) to ``r``'s record: as a rule the whole record, changed; a damaged
     one (see ``MessageRecord.malformed``) only those fields, by its message id, so its stand-ins (a zero

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 from uuid import UUID
 
 from .base import (
@@ -70,6 +71,13 @@ class MemoryTracker:
         rec = self._items.get(message_id)
         if rec is not None:
             rec.copied_from = left_behind
+
+    async def change_if_unchanged(self, seen: MessageRecord, changes: Mapping[str, Any]) -> bool:
+        old = self._items.get(seen.message_id)
+        if old is None or (old.status, old.updated_at) != (seen.status, seen.updated_at):
+            return False
+        self._write([old.model_copy(update=dict(changes))], keep_outcomes=False)
+        return True
 
     async def reopen(self, record: MessageRecord) -> None:
         self._write([record], keep_outcomes=False)

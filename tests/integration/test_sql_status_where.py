@@ -4,6 +4,7 @@ API: exactly the matching rows change, and injection attempts in the value or th
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any
 
 import httpx
@@ -121,6 +122,36 @@ async def test_an_injection_attempt_in_the_path_is_refused(sql_db, path):
     async with api(sql_db) as (client, rt):
         res = await set_where(client, path, "eq", "NO")
         assert res.status_code == 422, res.text
+        assert set((await statuses(rt)).values()) == {"Pending"}
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (
+            '{"where":{"path":"total","op":"eq","value":1' + "0" * 400 + '},"set":"Hold"}',
+            "a 401-digit number",
+        ),
+        ('{"where":{"path":"total","op":"lt","value":NaN},"set":"Hold"}', "NaN"),
+        ('{"where":{"path":"total","op":"lt","value":Infinity},"set":"Hold"}', "Infinity"),
+        ('{"where":{"path":"customer.country","value":"\\ud800"},"set":"Hold"}', "a lone surrogate"),
+        ('{"where":{"path":"customer.country","value":"N\\u0000O"},"set":"Hold"}', "NUL in the value"),
+        ('{"where":{"path":"total","value":1},"set":"Hold","status":["a\\u0000b"]}', "NUL in a status"),
+        (
+            json.dumps({"where": {"path": "total", "value": 1}, "set": "Hold", "status": ["x"] * 40000}),
+            "40,000 statuses",
+        ),
+    ],
+)
+async def test_a_hostile_filter_is_a_clear_422_and_changes_nothing(sql_db, body, why):
+    """A review sent these: a huge integer and a lone surrogate failed with a 500 (an overflow, an
+    encoding error), NaN was taken (on PostgreSQL it sorts above every number: lt NaN matched every
+    numeric body), and the statuses were an unchecked list of any length and text."""
+    async with api(sql_db) as (client, rt):
+        res = await client.post(
+            "/queues/orders-where/status", content=body, headers={"Content-Type": "application/json"}
+        )
+        assert res.status_code == 422, (why, res.status_code, res.text[:300])
         assert set((await statuses(rt)).values()) == {"Pending"}
 
 

@@ -189,15 +189,31 @@ class SqlHistoryTracker(SqlTracker):
         """Set these fields of ``message_id``'s row and leave the rest as stored: an action on a row
         damaged outside the kit (an upsert would write the record's stand-ins over its stored text)."""
         t = self._m
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            await conn.execute(sa.update(t).where(t.c.message_id == message_id).values(**self._set(changes)))
+
+    async def change_if_unchanged(self, seen: MessageRecord, changes: Mapping[str, Any]) -> bool:
+        t = self._m
+        guard = (
+            t.c.message_id == seen.message_id,
+            t.c.status == seen.status,
+            t.c.updated_at == as_utc(seen.updated_at),
+        )
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            done = await conn.execute(sa.update(t).where(*guard).values(**self._set(changes)))
+        return bool(done.rowcount == 1)
+
+    def _set(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        t = self._m
         values = {
             name: _json(v) if name in _JSON else as_utc(v) if isinstance(v, datetime) else v
             for name, v in changes.items()
         }
         if not set(values) <= {c.name for c in t.c} - {"id", "message_id"}:
             raise ValueError(f"not a column a change may set: {sorted(values)}")
-        await self.provider.ensure_open()
-        async with self.provider.engine.begin() as conn:
-            await conn.execute(sa.update(t).where(t.c.message_id == message_id).values(**values))
+        return values
 
     async def note_duplicate(self, message_id: UUID) -> None:
         """Count one delivery of ``message_id`` completed as a known duplicate."""
