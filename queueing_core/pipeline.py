@@ -472,14 +472,24 @@ class Pipeline:
                 else:
                     async with asyncio.timeout(limit.total_seconds()) as scope:
                         result = await chain(ctx)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
                 task = asyncio.current_task()
                 if task is None or not task.cancelling():
-                    raise
-                # our own cancellation of a cancelled message (after its grace), or the host shutting
-                # down and giving up waiting: the latter hands the message back untouched
-                task.uncancel()
-                decision: Decision = Release("host shutting down")
+                    # nobody cancelled this run: the handler's own error (it awaited something another
+                    # task cancelled). Handed back unrun as a shutdown is, it was delivered again for
+                    # ever, never using an attempt: it fails the attempt as any other error does
+                    error = exc
+                    decision: Decision = self._failure(
+                        sub,
+                        delivery.attempt,
+                        "CancelledError raised inside the handler (not a cancellation)",
+                        None,
+                    )
+                else:
+                    # our own cancellation of a cancelled message (after its grace), or the host shutting
+                    # down and giving up waiting: the latter hands the message back untouched
+                    task.uncancel()
+                    decision = Release("host shutting down")
             except Retry as exc:
                 error = exc
                 decision = self._failure(sub, delivery.attempt, f"Retry: {exc.reason}", exc.after)

@@ -318,6 +318,32 @@ async def test_a_time_limit_tells_a_plain_def_handler_to_stop():
     assert await asyncio.to_thread(told.wait, 5), "the handler's thread was never told to stop"
 
 
+async def test_a_cancelled_error_the_handler_raises_itself_is_a_failed_attempt():
+    """A handler that awaits a task another one cancelled raises CancelledError while its own run is
+    not being cancelled. It was handed back unrun, as at a shutdown, and delivered again for ever
+    without using an attempt (a review found it); it now fails the attempt, and the last one
+    dead-letters it."""
+
+    @queue("stray-cancel", max_attempts=2)
+    class StrayCancel(QueueMessage):
+        pass
+
+    app, pipe, *_, prod = make()
+
+    @app.handler()
+    async def h(msg: StrayCancel) -> None:
+        other = asyncio.ensure_future(asyncio.sleep(5))
+        other.cancel()
+        await other  # raises CancelledError here, in a run nobody cancelled
+
+    d = await pipe.process(delivery(prod, StrayCancel()))
+    assert isinstance(d, RetryAfter), d
+    assert "CancelledError" in d.error
+    last = await pipe.process(delivery(prod, StrayCancel(), attempt=2))
+    assert isinstance(last, DeadLetter), last
+    assert last.reason is DeadLetterReason.MAX_ATTEMPTS
+
+
 async def test_max_concurrency_is_never_exceeded():
     @queue("narrow", max_concurrency=3)
     class Narrow(QueueMessage):
