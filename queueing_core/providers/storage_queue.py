@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -87,6 +88,8 @@ MAX_ENVELOPE_BYTES = MAX_TEXT_BYTES - DEAD_LETTER_ROOM
 #: how long a request may take to reach the service: a delete retried later than this before the
 #: message could be received again is not trusted to have found it gone by our own earlier try
 _ANSWER_MARGIN = timedelta(seconds=2)
+#: delayed-store rows remembered as dead-lettered while their history write fails
+_LETTERED_MEMORY = 10_000
 
 
 def whole_seconds(delay: timedelta) -> int:
@@ -107,6 +110,9 @@ class _Handle:
     #: and a delete sent with the receipt a renewal in flight is about to replace would fail
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     settled: bool = False
+    #: the settlement's copy or dead letter is sent: the settler's next try after a failed delete goes
+    #: on from there, not sending another (each try sent one: up to five copies that all ran)
+    prepared: bool = False
 
 
 def _fits(text: str) -> bool:
@@ -298,6 +304,10 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         # delays beyond the 7-day visibility limit: rows in the SQL delayed store when one is given,
         # else re-hidden for another 7 days on each arrival (no database needed)
         self.stores = delayed_stores
+        #: delayed-store rows whose dead letter is in the poison queue while their history write
+        #: failed: the dispatcher's next try writes the history only (each try sent another letter
+        #: while Tables was down); bounded, and a restart sends at most one more
+        self._lettered: OrderedDict[uuid.UUID, None] = OrderedDict()
         self.delayed: SqlDelayedStore | None = None
         self.dispatcher: DelayedDispatcher | None = None
         if delayed_stores is not None:
@@ -531,7 +541,9 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                     # deleted after. Renewing the lease first proves this receipt still holds the
                     # message, so a run whose lease passed on writes no copy at all.
                     await self._hide(h, self._lease(d))
-                    if isinstance(decision, DeadLetter):
+                    if h.prepared:
+                        pass
+                    elif isinstance(decision, DeadLetter):
                         await self.dead_letter(d, decision, now)
                     else:
                         assert isinstance(decision, Defer | Release)
@@ -541,6 +553,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                         copy = d.envelope.with_attempt(d.attempts_used(decision))
                         # a fresh copy starts at dequeue_count 0: the deferral costs no attempt
                         await self.put(d.queue, copy, due - now, now)
+                    h.prepared = True
                     await self._delete(h)
             except _ReceiptLost as exc:
                 d.refuse(str(exc))
@@ -675,10 +688,20 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         marked = env.model_copy(
             update={"headers": {**env.headers, **dead_letter_marks(FORWARD_FAILED, description, now)}}
         )
+        await self._letter_once(item, marked.encode_text())
+        await self._tracker.upsert([forward_failed_record(env, description, now)])
+        self._lettered.pop(item.id, None)
+
+    async def _letter_once(self, item: DelayedMessage, text: str) -> None:
+        """Send a delayed-store row's dead letter unless an earlier try of this row sent it."""
+        if item.id in self._lettered:
+            return
         poison = await self._ensure(f"{item.destination}{POISON_SUFFIX}")
         with _boundary(f"dead-lettering to {poison.queue_name}"):
-            await poison.send_message(encode_body(marked.encode_text()), time_to_live=-1)
-        await self._tracker.upsert([forward_failed_record(env, description, now)])
+            await poison.send_message(encode_body(text), time_to_live=-1)
+        self._lettered[item.id] = None
+        while len(self._lettered) > _LETTERED_MEMORY:
+            self._lettered.popitem(last=False)
 
     async def _dead_letter_stored_text(self, item: DelayedMessage, description: str, now: datetime) -> None:
         """A delayed-store row whose text is not an envelope: its text to the poison queue in the
@@ -686,12 +709,12 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         from .delayed import stored_text_record
 
         reason = DeadLetterReason.MALFORMED_ENVELOPE.value
-        poison = await self._ensure(f"{item.destination}{POISON_SUFFIX}")
-        text = raw_poison_text(item.envelope, reason, description, now, item.message_id)
-        with _boundary(f"dead-lettering to {poison.queue_name}"):
-            await poison.send_message(encode_body(text), time_to_live=-1)
+        await self._letter_once(
+            item, raw_poison_text(item.envelope, reason, description, now, item.message_id)
+        )
         queue = self.logical_of(item.destination)
         await self._tracker.upsert([stored_text_record(item, queue, reason, description, now)])
+        self._lettered.pop(item.id, None)
 
     # -- upkeep ------------------------------------------------------------------------------------
     maintenance_interval = 300.0

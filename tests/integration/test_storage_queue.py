@@ -243,6 +243,53 @@ async def test_a_whole_queue_purge_empties_the_delayed_store_too(azurite, names,
         await rt.close()
 
 
+async def test_a_delayed_message_given_up_sends_one_dead_letter_while_its_history_write_fails(
+    azurite, names, tmp_path
+):
+    """The dispatcher gives up on a delayed-store row: its dead letter goes to the poison queue, then
+    its history to Tables. While Tables failed, every later try of the dispatcher sent another letter
+    (a review found it: one an hour-ish per row for the outage). A try after a failed history write
+    writes the history only."""
+    from queueing_core.clock import utcnow
+    from queueing_core.errors import ProviderUnavailable
+    from queueing_core.providers.sql.history import SideStores
+
+    app, _ = make_app(names["prefix"])
+    p = StorageQueueProvider(
+        StorageConnection(azurite.connection_string),
+        control_table=names["control_table"],
+        tracker_table=names["tracker_table"],
+        delayed_stores=SideStores(f"sqlite:///{tmp_path}/delayed.db"),
+    )
+    rt = Runtime(app, p)
+    await rt.open()
+    try:
+        assert p.delayed is not None
+        env = rt.producer.envelope_for(InvoiceReady(invoice="undeliverable"))
+        await p.delayed.store(env, p.physical("Billing.Invoice_Ready"), utcnow())
+        [item] = await p.delayed.fetch_due()
+        tracker = p.tracker()
+        real_upsert = tracker.upsert
+        failures = [ProviderUnavailable("Tables: 503"), ProviderUnavailable("Tables: 503")]
+
+        async def tables_down_twice(records):
+            if failures:
+                raise failures.pop(0)
+            await real_upsert(records)
+
+        tracker.upsert = tables_down_twice
+        for _ in range(2):  # the dispatcher's tries while Tables is down
+            with pytest.raises(ProviderUnavailable):
+                await p.dead_letter_delayed(item, "3 forward(s) failed")
+        await p.dead_letter_delayed(item, "3 forward(s) failed")  # Tables back
+        assert await p.depth("Billing.Invoice_Ready", poison=True) == 1
+        rec = await rt.tracker.get(env.message_id)
+        assert rec is not None
+        assert rec.status == MessageStatus.DEAD_LETTERED
+    finally:
+        await rt.close()
+
+
 async def test_pause_is_shared_by_every_instance_and_ops_work_through_the_tracker(azurite, names):
     app, seen = make_app(names["prefix"])
     rt1 = Runtime(app, provider(azurite, names), control_ttl=0.1)

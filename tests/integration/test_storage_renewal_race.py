@@ -218,3 +218,52 @@ async def test_a_stale_runs_delete_does_not_take_the_current_holders_removal_for
             await a.provider.client(q).delete_queue()
         await a.close()
         await b.close()
+
+
+@pytest.mark.parametrize("decision", ["defer", "dead-letter"])
+async def test_a_settlement_tried_again_after_a_failed_delete_sends_its_copy_once(azurite, decision):
+    """A deferral (a fresh copy) or a dead letter is sent, then the original's delete fails (the
+    service unreachable for all its tries); the worker's settler tries the settlement again. Each try
+    sent another copy (a review found it: up to five live copies, each of which ran), or another dead
+    letter. The next try goes on from the delete."""
+    from azure.core.exceptions import ServiceRequestError
+
+    from queueing_core.clock import utcnow
+    from queueing_core.decisions import DeadLetter, DeadLetterReason, Defer
+    from queueing_core.messages import MessageStatus
+
+    rt = await _runtime(azurite)
+    provider = rt.provider
+    app = rt.app
+    try:
+        await app.enqueue(Job(n=4))
+        sub = app.subscription(Job.type_name())
+        assert sub is not None
+        [d] = await provider.receive(sub, 1)
+        client = d.handle.queue_client
+        real_delete = client.delete_message
+
+        async def unreachable(*args, **kwargs):
+            raise ServiceRequestError("connection refused")
+
+        if decision == "defer":
+            outcome = Defer(utcnow() + timedelta(hours=1), MessageStatus.PAUSED, "queue paused")
+        else:
+            outcome = DeadLetter(DeadLetterReason.NON_RETRYABLE, "refused")
+        s = Settlement(d, outcome)
+        client.delete_message = unreachable
+        for _ in range(2):  # the settler's first two tries fail at the delete
+            with pytest.raises(ProviderError):
+                await provider.settle([s])
+        client.delete_message = real_delete
+        await provider.settle([s])
+        assert not d.refused
+        # the original is gone; exactly one copy (hidden for the hour) or one dead letter
+        live = await client.get_queue_properties()
+        poison = await provider.client(provider.poison_name("race.renewal")).get_queue_properties()
+        copies = (live.approximate_message_count, poison.approximate_message_count)
+        assert copies == ((1, 0) if decision == "defer" else (0, 1)), copies
+    finally:
+        for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
+            await provider.client(q).delete_queue()
+        await rt.close()
