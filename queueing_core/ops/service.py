@@ -549,12 +549,14 @@ class OpsService:
             return PurgeResult(deleted=deleted, skipped_leased=skipped)
         assert isinstance(actions, RemovesMessages)
         records: list[MessageRecord] = []
+        leased = 0
         cursor: str | None = None
         while True:  # the tracker's matches, so the provider can drop their queued copies
             page = await self.runtime.tracker.query(query, limit=500, cursor=cursor)
             # held while the transport is read through, perhaps a million of them: without what the
             # removal never reads (bodies, raw text, results can be 64 KB each)
             records += [r.model_copy(update=LIGHT) for r in page.items if r.status != S.LEASED]
+            leased += sum(r.status == S.LEASED for r in page.items)
             if page.next_cursor is None:
                 break
             cursor = page.next_cursor
@@ -575,7 +577,8 @@ class OpsService:
             if not r.readable("message_id") and r.stored and "message_id" in r.stored
         ]
         deleted = await self.runtime.tracker.delete(query, only=gone) if gone else 0
-        return PurgeResult(deleted=deleted, skipped_leased=0)
+        # (the messages a worker holds are left, as on SQL: said so, not hidden in a count of 0)
+        return PurgeResult(deleted=deleted, skipped_leased=leased)
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
         if kind == "queue":
