@@ -274,3 +274,37 @@ async def test_a_running_message_shows_its_progress_and_can_be_cancelled_from_it
             assert 'role="alert"' in r.text
     finally:
         await rt.close()
+
+
+async def test_a_bulk_retry_the_store_stops_part_way_says_how_far_it_got(runtime, monkeypatch):
+    """The store went away at the third of four retries: the page said only "503" and the operator
+    could not tell that two had been retried (a review found it). It now says so, and how many were
+    not tried."""
+    from queueing_core.errors import ProviderUnavailable
+    from queueing_core.ops.service import OpsService
+
+    receipts = await runtime.producer.enqueue_many(
+        [ChargeCard(order_id=f"r{i}", amount_cents=1) for i in range(4)]
+    )
+    for r in receipts:
+        await runtime.app.cancel(r.tracking_id)  # no worker: Cancelled, retryable
+    real_retry = OpsService.retry
+    calls: list[int] = []
+
+    async def store_goes_away(self, message_id):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ProviderUnavailable("database: connection refused")
+        return await real_retry(self, message_id)
+
+    monkeypatch.setattr(OpsService, "retry", store_goes_away)
+    async with client(runtime) as c:
+        csrf = await signed_in(c)
+        headers = {**FORM, "X-CSRF-Token": csrf, "HX-Request": "true"}
+        form = "action=retry&step=run&expected=4&queue=ui-orders&status=Cancelled"
+        r = await c.post(f"{UI}/bulk", content=form, headers=headers)
+        assert r.status_code == 200, r.text
+        assert "Retried 2 message(s); stopped with 2 not tried" in r.text
+        assert "run it again for the rest" in r.text
+    statuses = [(await runtime.tracker.get(x.message_id)).status for x in receipts]
+    assert sorted(statuses) == ["Cancelled", "Cancelled", "Pending", "Pending"]

@@ -11,7 +11,7 @@ from uuid import UUID
 from fastapi import Path, Request
 from fastapi.responses import Response
 
-from ...errors import InvalidArgument, InvalidOperation, MessageNotFound, MessageTooLarge
+from ...errors import InvalidArgument, InvalidOperation, MessageNotFound, MessageTooLarge, ProviderError
 from ...tracking import Activity, ActivitySource
 from ..models import QUEUE_NAME, TYPE_NAME, ActionResult, MessageDetail, QueueSummary
 from ..service import BodyInvalid, OpsService
@@ -266,7 +266,17 @@ def add_pages(ui: Dashboard) -> None:
                 retried += 1
             except SHOWN as exc:
                 refused.append(str(exc))
-        context["done"] = f"Retried {retried} message(s)" + (f"; {len(refused)} refused" if refused else "")
+            except ProviderError as exc:
+                # the store or transport went away part-way: say how far it got (a problem page lost
+                # the count of those retried); a repeat goes on, the retried ones being refused then
+                left = len(ids) - retried - len(refused)
+                stopped = f"; stopped with {left} not tried ({exc}): run it again for the rest"
+                break
+        else:
+            stopped = ""
+        context["done"] = (
+            f"Retried {retried} message(s)" + (f"; {len(refused)} refused" if refused else "") + stopped
+        )
         context["refused"] = refused[:20]
         return page(request, "_bulk.html", **context)
 
