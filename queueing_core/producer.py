@@ -90,6 +90,20 @@ def identity_of(options: QueueOptions, message: QueueMessage) -> str:
 MAX_IDENTITY = 256
 
 
+def identities_of(app: QueueingApp, messages: Sequence[QueueMessage]) -> list[str | None]:
+    """The identity of each message of an idempotent type (None for the others; empty if none is):
+    what every way of sending (enqueue, the outbox, a schedule's tick) finds the waiting message by."""
+    keys: list[str | None] = []
+    idempotent: dict[type[QueueMessage], QueueOptions | None] = {}
+    for m in messages:
+        if type(m) not in idempotent:
+            opts = app.options_for(type(m))
+            idempotent[type(m)] = opts if opts.idempotent else None
+        opts_or_none = idempotent[type(m)]
+        keys.append(identity_of(opts_or_none, m) if opts_or_none is not None else None)
+    return keys if any(k is not None for k in keys) else []
+
+
 def _when(
     now: datetime, relative: timedelta | float | None, absolute: datetime | None, what: tuple[str, str]
 ) -> datetime | None:
@@ -327,16 +341,4 @@ class Producer:
         now = self.clock()
         batch = list(messages)
         envs = [self.envelope_for(m, now=now, **options) for m in batch]
-        return await self._send(envs, wait=wait, identities=self._identities(batch)) if envs else []
-
-    def _identities(self, messages: Sequence[QueueMessage]) -> list[str | None]:
-        """The identity of each message of an idempotent type (None for the others); empty if none."""
-        keys: list[str | None] = []
-        idempotent: dict[type[QueueMessage], QueueOptions | None] = {}
-        for m in messages:
-            if type(m) not in idempotent:
-                opts = self.app.options_for(type(m))
-                idempotent[type(m)] = opts if opts.idempotent else None
-            opts_or_none = idempotent[type(m)]
-            keys.append(identity_of(opts_or_none, m) if opts_or_none is not None else None)
-        return keys if any(k is not None for k in keys) else []
+        return await self._send(envs, wait=wait, identities=identities_of(self.app, batch)) if envs else []

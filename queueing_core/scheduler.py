@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .clock import utcnow
+from .producer import identities_of
 from .schedules import (
     SCHEDULE_HEADER,
     TICK_HEADER,
@@ -85,19 +86,23 @@ class Scheduler:
     async def fire(self, s: Schedule, tick: datetime, now: datetime, *, paused: bool = False) -> bool:
         producer = self.runtime.producer
         ready: list[Envelope] = []
+        identities: list[str | None] = []
         if not paused:
             headers = {SCHEDULE_HEADER: s.name, TICK_HEADER: tick.isoformat()}
             envelopes = []
-            for i, message in enumerate(await s.messages(tick)):
+            messages = await s.messages(tick)
+            for i, message in enumerate(messages):
                 ident = tick_message_id(s.name, tick, i)
                 copy = message.model_copy(update={"message_id": ident, "created_at": now})
                 envelopes.append(producer.envelope_for(copy, now=now, tracking_id=ident, headers=headers))
             ready = await producer.prepare(envelopes)
+            # an idempotent type's tick message is discarded or replaces the waiting one, as any enqueue
+            identities = identities_of(self.runtime.app, messages)
 
         async def send(envs: Sequence[Envelope]) -> None:
-            await producer.send_prepared(envs, wait=True)
+            await producer.send_prepared(envs, wait=True, identities=identities)
 
-        won = await self.store.fire(s.name, tick, ready, send, now)
+        won = await self.store.fire(s.name, tick, ready, send, now, identities)
         if won and getattr(self.store, "writes_messages", False) and ready:
             await producer.sent(ready)  # the store wrote them with the tick: announce them
         if won:

@@ -367,8 +367,17 @@ class TickStore(Protocol):
         ...
 
     async def fire(
-        self, schedule: str, tick: datetime, envelopes: Sequence[Envelope], send: Send, now: datetime
-    ) -> bool: ...
+        self,
+        schedule: str,
+        tick: datetime,
+        envelopes: Sequence[Envelope],
+        send: Send,
+        now: datetime,
+        identities: Sequence[str | None] = (),
+    ) -> bool:
+        """``identities``: each envelope's identity (an idempotent type's; None for the others), for a
+        store that writes the envelopes itself (``send`` has them already)."""
+        ...
 
     async def unfinished(self, schedule: str, now: datetime) -> list[datetime]:
         """Ticks claimed by a host that died before confirming the send (their claim has lapsed)."""
@@ -391,7 +400,13 @@ class MemoryTickStore:
         return {n: max(self.ticks[n]) for n in names if self.ticks.get(n)}
 
     async def fire(
-        self, schedule: str, tick: datetime, envelopes: Sequence[Envelope], send: Send, now: datetime
+        self,
+        schedule: str,
+        tick: datetime,
+        envelopes: Sequence[Envelope],
+        send: Send,
+        now: datetime,
+        identities: Sequence[str | None] = (),
     ) -> bool:
         async with self._lock:
             seen = self.ticks.setdefault(schedule, set())

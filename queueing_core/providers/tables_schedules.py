@@ -63,7 +63,13 @@ class TablesTickStore:
         return []
 
     async def fire(
-        self, schedule: str, tick: datetime, envelopes: Sequence[Envelope], send: Send, now: datetime
+        self,
+        schedule: str,
+        tick: datetime,
+        envelopes: Sequence[Envelope],
+        send: Send,
+        now: datetime,
+        identities: Sequence[str | None] = (),
     ) -> bool:
         etag = await self._claim(schedule, tick, now)
         if etag is None:

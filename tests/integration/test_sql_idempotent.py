@@ -184,3 +184,38 @@ async def test_a_replacing_version_does_not_inherit_a_cancel_request_left_by_the
         assert (await rt.tracker.get(first.message_id)).status == MessageStatus.SUCCEEDED
     finally:
         await rt.close()
+
+
+@queue("catalog-scheduled", idempotent=True, identity="sku")
+class Restock(QueueMessage):
+    sku: str
+    units: int
+
+
+async def test_a_schedules_message_of_an_idempotent_type_goes_through_its_identity(sql_db):
+    """A tick's message was written without its identity (a review found it): the next enqueue of the
+    same message was not discarded, a changed one did not replace it, and ``ctx.previous`` never saw
+    it. It now goes through the identity like any enqueue, in the tick's own transaction."""
+    from datetime import UTC, datetime
+
+    from queueing_core.scheduler import Scheduler, tick_store_for
+
+    app = QueueingApp("review-scheduled-identity")
+    app.every(timedelta(seconds=1), Restock(sku="a", units=5), name="restock")
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    try:
+        assert tick_store_for(rt).writes_messages  # the SQL store writes the tick's messages itself
+        now = datetime.now(UTC).replace(microsecond=0)
+        assert await Scheduler(rt).run_due(now) == 1
+        same = await app.enqueue(Restock(sku="a", units=5))
+        assert same.outcome == "discarded", same.outcome
+        changed = await app.enqueue(Restock(sku="a", units=9))
+        assert changed.outcome == "replaced", changed.outcome
+        assert changed.message_id == same.message_id  # the tick's message, its body replaced
+        m = rt.provider.tables.messages
+        async with rt.provider.engine.connect() as conn:
+            rows = (await conn.execute(sa.select(m.c.identity).where(m.c.type == "Restock"))).all()
+        assert [r[0] for r in rows] == ["a"]
+    finally:
+        await rt.close()

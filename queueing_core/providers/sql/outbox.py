@@ -29,7 +29,7 @@ from ...producer import (
     IdempotentOutcome,
     build_envelope,
     check_sendable,
-    identity_of,
+    identities_of,
 )
 from . import idempotent as sql_idempotent
 from .provider import channel_for, initial_status, insert_statement, notify_statement
@@ -66,11 +66,7 @@ class SqlOutbox:
     def _identities(self, items: list[QueueMessage]) -> list[str | None]:
         """Each message's identity when its type is idempotent (None otherwise), as the producer keys
         it: the outbox must find and keep the same waiting message an ``enqueue`` would."""
-        keys: list[str | None] = []
-        for m in items:
-            opts = self.app.options_for(type(m))
-            keys.append(identity_of(opts, m) if opts.idempotent else None)
-        return keys
+        return identities_of(self.app, items) or [None] * len(items)
 
     async def _through_middleware(self, envs: list[Envelope]) -> list[Envelope]:
         chain = compose_enqueue(self.app.enqueue_middleware)

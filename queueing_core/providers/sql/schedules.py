@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ...clock import as_utc
+from .idempotent import plan, run_plan_async
 from .provider import insert_statement
 
 if TYPE_CHECKING:
@@ -80,18 +81,32 @@ class SqlTickStore:
             return [as_utc(r) for r in rows.scalars()]
 
     async def fire(
-        self, schedule: str, tick: datetime, envelopes: Sequence[Envelope], send: Send, now: datetime
+        self,
+        schedule: str,
+        tick: datetime,
+        envelopes: Sequence[Envelope],
+        send: Send,
+        now: datetime,
+        identities: Sequence[str | None] = (),
     ) -> bool:
         p = self.provider
         await p.ensure_open()
         row = {"schedule": schedule, "tick_at": tick, "messages": len(envelopes), "fired_at": now}
         if self.writes_messages:
+            keys = list(identities) or [None] * len(envelopes)
+            plain = [e for e, k in zip(envelopes, keys, strict=True) if k is None]
             async with p.engine.begin() as conn:
                 claimed = await conn.execute(_insert_ignoring(p), {**row, "state": SENT})
                 if claimed.first() is None:
                     return False
+                if plain:
+                    await conn.execute(insert_statement(p.tables, p.backend), p.rows_for(plain, now))
+                for env, identity in zip(envelopes, keys, strict=True):
+                    if identity is not None:
+                        # an idempotent type's message goes through its identity, as any enqueue of it:
+                        # a row without one is invisible to the next enqueue and to ctx.previous
+                        await run_plan_async(conn, plan(p.tables, p.backend, p._app, env, identity, now))
                 if envelopes:
-                    await conn.execute(insert_statement(p.tables, p.backend), p.rows_for(envelopes, now))
                     await p.notify_statements(conn, {e.queue for e in envelopes})
             return True
         if not await self._claim(row, now):
