@@ -197,7 +197,8 @@ def create_app(
         `queue=a&queue=b`, a purge would otherwise delete more than the caller meant."""
         route = request.scope.get("route")
         nothing: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
-        known, repeatable = declared.get((request.method, getattr(route, "path", "")), nothing)
+        # (path_format: the path as the OpenAPI document writes it, "{queueName:path}" as "{queueName}")
+        known, repeatable = declared.get((request.method, getattr(route, "path_format", "")), nothing)
         errors = []
         for name in dict.fromkeys(request.query_params.keys()):
             if name not in known and name not in HOST_PARAMETERS:
@@ -354,11 +355,11 @@ def create_app(
             )
         return await ops.purge(query)
 
-    @router.post("/queues/{queueName}/pause", response_model=PauseResult, responses=_problems(404))
+    @router.post("/queues/{queueName:path}/pause", response_model=PauseResult, responses=_problems(404))
     async def pause_queue(ops: Ops, queueName: QueueName) -> PauseResult:
         return await ops.set_paused("queue", queueName, True)
 
-    @router.post("/queues/{queueName}/resume", response_model=PauseResult, responses=_problems(404))
+    @router.post("/queues/{queueName:path}/resume", response_model=PauseResult, responses=_problems(404))
     async def resume_queue(ops: Ops, queueName: QueueName) -> PauseResult:
         return await ops.set_paused("queue", queueName, False)
 
@@ -401,7 +402,7 @@ def create_app(
         return CircuitResetResult(type=type)
 
     @router.post(
-        "/queues/{queueName}/status",
+        "/queues/{queueName:path}/status",
         response_model=StatusUpdateResult,
         responses=_problems(404, 409, 415),
         dependencies=[Depends(json_body)],
@@ -411,7 +412,7 @@ def create_app(
         return await ops.update_status_where(queueName, change)
 
     @router.post(
-        "/queues/{queueName}/messages",
+        "/queues/{queueName:path}/messages",
         response_model=EnqueueResult,
         status_code=201,
         responses=_problems(404, 413, 415),

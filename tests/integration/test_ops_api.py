@@ -119,7 +119,7 @@ async def test_enqueue_over_http_validates_everything_before_writing(api):
         "/queues/emails/messages?correlation_id=c-9&delay_seconds=60",
         json=[{"to": f"{i}@x.io", "subject": "s"} for i in range(3)],
     )
-    assert batch.status_code == 201
+    assert batch.status_code == 201, batch.text
     assert {m["status"] for m in batch.json()["enqueued"]} == {"Sleeping"}
     bad = await client.post("/queues/emails/messages", json=[{"to": "ok@x.io", "subject": "s"}, {"to": 5}])
     assert bad.status_code == 422

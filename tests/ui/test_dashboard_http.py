@@ -308,3 +308,37 @@ async def test_a_bulk_retry_the_store_stops_part_way_says_how_far_it_got(runtime
         assert "run it again for the rest" in r.text
     statuses = [(await runtime.tracker.get(x.message_id)).status for x in receipts]
     assert sorted(statuses) == ["Cancelled", "Cancelled", "Pending", "Pending"]
+
+
+async def test_a_queue_whose_name_holds_a_slash_is_paused_and_enqueued_to_from_its_buttons(tmp_path):
+    """The overview's buttons and the enqueue page post to '/queues/<name>/pause' and
+    '/enqueue/<name>' with the name's '/' as it is: they reached no route (a review found it)."""
+    from queueing_core import QueueingApp, QueueMessage, queue
+
+    @queue("billing/invoices")
+    class InvoiceDue(QueueMessage):
+        invoice: str
+
+    slashed = QueueingApp("ui-slashes")
+
+    @slashed.handler()
+    async def due(msg: InvoiceDue) -> None: ...
+
+    rt = Runtime(slashed, SqlProvider(f"sqlite:///{tmp_path}/q.db"))
+    await rt.open()
+    try:
+        await rt.producer.enqueue(InvoiceDue(invoice="i-0"))
+        async with client(rt) as c:
+            csrf = await signed_in(c)
+            headers = {"X-CSRF-Token": csrf, "HX-Request": "true"}
+            overview = (await c.get(f"{UI}/overview", headers=headers)).text
+            pause = re.search(r'hx-post="([^"]+/queues/[^"]+/pause)"', overview).group(1)
+            assert pause.endswith("/queues/billing/invoices/pause")
+            r = await c.post(pause, headers=headers)
+            assert r.status_code == 200, r.text
+            assert "Resume queue" in r.text
+            assert "billing/invoices" in (await rt.control.state()).paused_queues
+            page = await c.get(f"{UI}/enqueue/billing/invoices")
+            assert page.status_code == 200, page.text
+    finally:
+        await rt.close()

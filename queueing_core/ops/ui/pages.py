@@ -139,11 +139,11 @@ def add_pages(ui: Dashboard) -> None:
         context = await overview_context(service, window)
         return page(request, "_overview.html", flash=flash, error=error, **context)
 
-    @r.post(f"{base}/queues/{{name}}/pause")
+    @r.post(f"{base}/queues/{{name:path}}/pause")
     async def pause_queue(request: Request, name: QueueName) -> Response:
         return await control(request, lambda o: o.set_paused("queue", name, True), f"Queue {name} paused")
 
-    @r.post(f"{base}/queues/{{name}}/resume")
+    @r.post(f"{base}/queues/{{name:path}}/resume")
     async def resume_queue(request: Request, name: QueueName) -> Response:
         return await control(request, lambda o: o.set_paused("queue", name, False), f"Queue {name} resumed")
 
@@ -297,14 +297,14 @@ def add_pages(ui: Dashboard) -> None:
             "delay": "",
         }
 
-    @r.get(f"{base}/enqueue/{{queue}}")
+    @r.get(f"{base}/enqueue/{{queue:path}}")
     async def enqueue_form(request: Request, queue: QueueName) -> Response:
         context = enqueue_context(await ops(), queue)
         if context is None:
             return page(request, "not_found.html", 404, what=f"queue {queue}")
         return page(request, "enqueue.html", **context)
 
-    @r.post(f"{base}/enqueue/{{queue}}")
+    @r.post(f"{base}/enqueue/{{queue:path}}")
     async def enqueue(request: Request, queue: QueueName) -> Response:
         service = await ops()
         context = enqueue_context(service, queue)
