@@ -191,6 +191,8 @@ async def _record_request(runtime: Runtime, r: MessageRecord, change: dict[str, 
         now_r = await tracker.get(r.message_id)
         if now_r is None:  # purged meanwhile: nothing to mark
             return None
+        if _only_requested(now_r, runtime.provider):
+            return None  # another cancel beside this one wrote the request's record: done
         if now_r.status in TERMINAL:
             return now_r
         r = now_r

@@ -85,9 +85,6 @@ MAX_TEXT_BYTES = 48 * 1024
 DEAD_LETTER_ROOM = 1024
 #: the largest envelope the kit sends: its dead-letter copy must fit in the poison queue too
 MAX_ENVELOPE_BYTES = MAX_TEXT_BYTES - DEAD_LETTER_ROOM
-#: how long a request may take to reach the service: a delete retried later than this before the
-#: message could be received again is not trusted to have found it gone by our own earlier try
-_ANSWER_MARGIN = timedelta(seconds=2)
 #: delayed-store rows remembered as dead-lettered while their history write fails
 _LETTERED_MEMORY = 10_000
 
@@ -497,13 +494,16 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         would record its outcome over the holder's), so the settlement is refused."""
         unanswered = False
         for attempt in range(retry_policy.RETRIES + 1):
-            sent_at = utcnow()
             try:
                 with _boundary("deleting a message"), _receipt_held():
                     await h.queue_client.delete_message(h.id, h.pop_receipt, retry_total=0)
                 return
             except _MessageGone:
-                if unanswered and sent_at + _ANSWER_MARGIN < h.hidden_until:
+                # answered while the message was still hidden under our receipt (the service's own
+                # end of it is later than ours): no other run could have received it, so our earlier
+                # try deleted it. The time of the answer, not of the send: a request may reach the
+                # service seconds after it leaves (a new connection's handshake)
+                if unanswered and utcnow() < h.hidden_until:
                     return
                 raise
             except ProviderUnavailable:

@@ -86,6 +86,41 @@ async def test_a_cancel_that_races_a_success_leaves_the_success_and_its_result(r
     assert r.message_id not in (await runtime.control.state()).cancelled  # the request went
 
 
+async def test_two_cancels_at_once_both_leave_the_request_standing(runtime: Runtime):
+    """Both cancels read the message waiting; the second's write finds the first's record. A first
+    version took that record for a finished message and withdrew the request both share (a review of
+    the change found it): the first was told "cancelled" and the message ran."""
+    import asyncio
+
+    app = runtime.app
+    r = await app.enqueue(Quote(n=6))
+    real_set_cancel = runtime.control.set_cancel
+    requested: list[bool] = []
+    both = asyncio.Event()
+
+    async def both_have_read(message_id, requested_now, now):
+        if requested_now:
+            requested.append(True)
+            if len(requested) == 2:
+                both.set()
+            await asyncio.wait_for(both.wait(), 10)
+        await real_set_cancel(message_id, requested_now, now)
+
+    runtime.control.set_cancel = both_have_read  # type: ignore[method-assign]
+    try:
+        receipts = await asyncio.gather(app.cancel(r.tracking_id), app.cancel(r.tracking_id))
+    finally:
+        runtime.control.set_cancel = real_set_cancel  # type: ignore[method-assign]
+    assert [x.status for x in receipts] == [MessageStatus.CANCELLED] * 2
+    runtime.control.invalidate()
+    assert r.message_id in (await runtime.control.state()).cancelled
+    ran = await run_until_idle(runtime)  # the host that receives it settles it unrun
+    assert ran == 1
+    rec = await runtime.tracker.get(r.message_id)
+    assert rec.status == MessageStatus.CANCELLED
+    assert rec.result is None
+
+
 async def test_a_cancel_with_nothing_in_between_is_recorded_as_requested(runtime: Runtime):
     """The control: the same cancel, no host in between, marks the history as requested."""
     app = runtime.app

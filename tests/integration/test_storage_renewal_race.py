@@ -267,3 +267,67 @@ async def test_a_settlement_tried_again_after_a_failed_delete_sends_its_copy_onc
         for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
             await provider.client(q).delete_queue()
         await rt.close()
+
+
+@queue("race.slow", lease_duration=timedelta(seconds=3))
+class Slow(QueueMessage):
+    n: int
+
+
+async def test_a_delete_retry_that_reaches_the_service_after_the_lease_is_not_taken_for_its_own(azurite):
+    """The first delete never reaches the service; the retry leaves well within the lease but takes
+    seconds to arrive (a new connection's handshake), by when the lease has ended and the next holder
+    has dead-lettered the message. Its 404 was taken for the run's own delete while the retry had
+    left 2 s before the lease's end (a review found it); what counts is when the answer came."""
+    from azure.core.exceptions import ServiceRequestError
+
+    from queueing_core import MessageStatus, QueueNaming
+    from queueing_core.decisions import DeadLetter, DeadLetterReason
+
+    tag = uuid.uuid4().hex[:8]
+
+    async def host() -> Runtime:
+        app = QueueingApp("race", naming=QueueNaming(prefix=f"t{tag}-"))
+        app.message(Slow)
+        provider = StorageQueueProvider(
+            StorageConnection(azurite.connection_string),
+            control_table=f"ctl{tag}",
+            tracker_table=f"hist{tag}",
+        )
+        rt = Runtime(app, provider)
+        await rt.open()
+        return rt
+
+    a, b = await host(), await host()
+    try:
+        receipt = await a.app.enqueue(Slow(n=1))
+        [first] = await a.provider.receive(a.app.subscription(Slow.type_name()), 1)
+        client = first.handle.queue_client
+        real_delete = client.delete_message
+        tries: list[int] = []
+
+        async def unsent_then_slow_to_arrive(*args, **kwargs):
+            tries.append(1)
+            if len(tries) == 1:
+                raise ServiceRequestError("connection refused")  # never sent
+            await asyncio.sleep(3.5)  # on its way while the lease ends
+            [current] = await b.provider.receive(b.app.subscription(Slow.type_name()), 1)
+            held = Settlement(current, DeadLetter(DeadLetterReason.NON_RETRYABLE, "the holder's outcome"))
+            await b.provider.settle([held])
+            await b.record([held])
+            return await real_delete(*args, **kwargs)
+
+        client.delete_message = unsent_then_slow_to_arrive
+        s = Settlement(first, Complete())
+        await a.provider.settle([s])
+        await a.record([s])
+        assert len(tries) == 2
+        assert first.refused, "a 404 answered after the lease ended was taken for the run's own delete"
+        rec = await a.tracker.get(receipt.message_id)
+        assert rec is not None
+        assert rec.status == MessageStatus.DEAD_LETTERED
+    finally:
+        for q in (a.provider.physical("race.slow"), a.provider.poison_name("race.slow")):
+            await a.provider.client(q).delete_queue()
+        await a.close()
+        await b.close()
