@@ -46,6 +46,9 @@ class Capabilities:
     #: the store refuses fails the others with it, so the worker settles such a batch one by one when
     #: it fails (the brokers settle each message apart already, failing only when every one failed)
     settles_as_one: bool = False
+    #: a purge of a whole queue removes the messages workers hold too (Storage's Clear Messages): their
+    #: history goes with the rest, and their holders' settlements are refused
+    purge_takes_held: bool = False
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from ..errors import InvalidArgument, InvalidOperation, MessageNotFound, NotSupp
 from ..messages import MessageStatus
 from ..options import Health
 from ..producer import EnqueueOptions
+from ..providers.dead_letters import is_whole_queue
 from ..runtime import Runtime
 from ..storable import HEADERS_CUT_SHORT, is_cut_short
 from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen, record_change
@@ -550,13 +551,16 @@ class OpsService:
         assert isinstance(actions, RemovesMessages)
         records: list[MessageRecord] = []
         leased = 0
+        # the messages workers hold are left to them, except where clearing a queue removes them too
+        takes_held = is_whole_queue(query) and self.runtime.provider.capabilities.purge_takes_held
         cursor: str | None = None
         while True:  # the tracker's matches, so the provider can drop their queued copies
             page = await self.runtime.tracker.query(query, limit=500, cursor=cursor)
             # held while the transport is read through, perhaps a million of them: without what the
             # removal never reads (bodies, raw text, results can be 64 KB each)
-            records += [r.model_copy(update=LIGHT) for r in page.items if r.status != S.LEASED]
-            leased += sum(r.status == S.LEASED for r in page.items)
+            kept = [r for r in page.items if takes_held or r.status != S.LEASED]
+            records += [r.model_copy(update=LIGHT) for r in kept]
+            leased += len(page.items) - len(kept)
             if page.next_cursor is None:
                 break
             cursor = page.next_cursor
@@ -577,7 +581,7 @@ class OpsService:
             if not r.readable("message_id") and r.stored and "message_id" in r.stored
         ]
         deleted = await self.runtime.tracker.delete(query, only=gone) if gone else 0
-        # (the messages a worker holds are left, as on SQL: said so, not hidden in a count of 0)
+        # (the messages a worker holds and the purge left, as on SQL: said so, not hidden in a 0)
         return PurgeResult(deleted=deleted, skipped_leased=leased)
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:

@@ -297,6 +297,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             lock_renewal=True,
             native_dead_letter=True,
             max_message_bytes=MAX_ENVELOPE_BYTES,
+            purge_takes_held=True,
         )
         # delays beyond the 7-day visibility limit: rows in the SQL delayed store when one is given,
         # else re-hidden for another 7 days on each arrival (no database needed)

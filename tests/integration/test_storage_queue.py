@@ -290,6 +290,36 @@ async def test_a_delayed_message_given_up_sends_one_dead_letter_while_its_histor
         await rt.close()
 
 
+async def test_a_whole_queue_purge_says_it_removed_the_messages_workers_held(azurite, names):
+    """Clearing a Storage queue removes the messages workers hold (hidden) too. The purge reported them
+    left alone and kept their history, while they were gone and their holders' settlements refused (a
+    review found it): they are counted deleted, and their history goes with the rest."""
+    from queueing_core.decisions import Complete
+    from queueing_core.ops.service import OpsService
+    from queueing_core.tracking import MessageQuery
+    from queueing_core.transport import Settlement
+
+    app, _ = make_app(names["prefix"])
+    p = provider(azurite, names)
+    rt = Runtime(app, p)
+    await rt.open()
+    try:
+        held = await app.enqueue(InvoiceReady(invoice="held"))
+        [d] = await p.receive(app.subscription(InvoiceReady.type_name()), 1)
+        rec = await rt.tracker.get(held.message_id)
+        await rt.tracker.upsert([rec.model_copy(update={"status": MessageStatus.LEASED.value})])  # its run
+        waiting = await app.enqueue(InvoiceReady(invoice="waiting"))
+        done = await OpsService(rt).purge(MessageQuery(queue="Billing.Invoice_Ready"))
+        assert (done.deleted, done.skipped_leased) == (2, 0)
+        assert await rt.tracker.get(held.message_id) is None
+        assert await rt.tracker.get(waiting.message_id) is None
+        s = Settlement(d, Complete())
+        await p.settle([s])
+        assert d.refused  # the holder's message is gone
+    finally:
+        await rt.close()
+
+
 async def test_pause_is_shared_by_every_instance_and_ops_work_through_the_tracker(azurite, names):
     app, seen = make_app(names["prefix"])
     rt1 = Runtime(app, provider(azurite, names), control_ttl=0.1)
