@@ -52,8 +52,10 @@ class CircuitBreakerOptions(BaseModel):
 
     failure_threshold: int = Field(default=5, ge=1)
     cooldown: timedelta = timedelta(seconds=30)
-    #: how long a half-open probe may run before another message may probe instead
-    probe_timeout: timedelta = timedelta(minutes=5)
+    #: how long a half-open probe may run before another message may probe instead; at least 5 s, so
+    #: that the probe a late report names (its time, kept to the second by some stores) is told apart
+    #: from the one that replaced it
+    probe_timeout: timedelta = Field(default=timedelta(minutes=5), ge=timedelta(seconds=5))
 
 
 LeaseExpiry = Literal["retry", "abandon"]

@@ -398,8 +398,9 @@ class Pipeline:
         retry, a replacing version of an idempotent message), and its new run must not be cancelled."""
         if not isinstance(self.control, CachedControlStore):
             return True  # (the state was read from the store itself)
-        self.control.invalidate()
-        return env.message_id in (await self.control.state()).cancelled
+        # the store itself, leaving the cache as it is (a burst of cancelled messages would drop it
+        # for every other reader each time)
+        return env.message_id in (await self.control.inner.state()).cancelled
 
     async def _previous(self, sub: Subscription, message: QueueMessage) -> QueueMessage | None:
         """``ctx.previous``, or None when it cannot be read: the handler runs either way, and an

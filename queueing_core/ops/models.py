@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 from uuid import UUID
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from ..messages import CUSTOM_STATUS_PATTERN
 from ..options import Health
@@ -258,6 +258,15 @@ class StatusWhere(_Model):
         description="compared as text, number or boolean by its JSON type; null (missing or null) "
         "with eq/ne, and nothing is less or greater than null"
     )
+
+    @field_validator("value", mode="before")
+    @classmethod
+    def _integer_in_range(cls, value: Any) -> Any:
+        # an integer past 64 bits would be taken as the nearest float by the next member of the
+        # union, and an eq filter then match a neighbouring integer
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+            raise ValueError("an integer must fit in 64 bits")
+        return value
 
     def steps(self) -> tuple[str | int, ...]:
         return tuple(int(s) if s.isdigit() else s for s in self.path.split("."))

@@ -969,8 +969,10 @@ class TablesTracker(_OnTable):
                 return False
             if stored.get("Status") != seen.status or stored.get("UpdatedAt") != as_utc(seen.updated_at):
                 return False
-            # the stored body, raw text and marks stay (MERGE keeps what a record leaves out)
-            changed = seen.model_copy(update={**changes, "body": None, "raw": None})
+            # the stored body, raw text, progress and duplicate marks stay (MERGE keeps what a record
+            # leaves out): a count made since the read (it does not move UpdatedAt) is not set back
+            kept = {"body": None, "raw": None, "progress": None, "duplicates": None, "copied_from": None}
+            changed = seen.model_copy(update={**changes, **kept})
             entity = _record_entity(changed)
             entity["PartitionKey"], entity["RowKey"] = stored["PartitionKey"], stored["RowKey"]
             return await _merge_unchanged(client, entity, stored)

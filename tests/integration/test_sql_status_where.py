@@ -133,6 +133,7 @@ async def test_an_injection_attempt_in_the_path_is_refused(sql_db, path):
             "a 401-digit number",
         ),
         ('{"where":{"path":"total","op":"lt","value":NaN},"set":"Hold"}', "NaN"),
+        ('{"where":{"path":"total","value":18446744073709551616},"set":"Hold"}', "2**64 (read as a float)"),
         ('{"where":{"path":"total","op":"lt","value":Infinity},"set":"Hold"}', "Infinity"),
         ('{"where":{"path":"customer.country","value":"\\ud800"},"set":"Hold"}', "a lone surrogate"),
         ('{"where":{"path":"customer.country","value":"N\\u0000O"},"set":"Hold"}', "NUL in the value"),

@@ -70,3 +70,13 @@ def test_subclass_does_not_inherit_its_parents_queue():
 
     assert Child.queue_options().name is None
     assert Child.type_name() == "Child"
+
+
+def test_a_probe_timeout_under_five_seconds_is_refused():
+    """A probe is named by the time it was acquired until, told apart within a second: a probe timeout
+    that short would let a replaced probe's late success close the circuit over its successor."""
+    from queueing_core import CircuitBreakerOptions
+
+    with pytest.raises(ValidationError, match="probe_timeout"):
+        CircuitBreakerOptions(probe_timeout=timedelta(seconds=1))
+    assert CircuitBreakerOptions(probe_timeout=timedelta(seconds=5)).probe_timeout == timedelta(seconds=5)
