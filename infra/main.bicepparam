@@ -16,21 +16,21 @@ param deployPostgres = false
 param serviceBusQueues = [
   {
     name: 'capture-payment'
-    maxDeliveryCount: 4
+    maxDeliveryCount: 5
     lockDuration: 'PT30S'
     defaultMessageTimeToLive: 'PT5H'
     requiresDuplicateDetection: false
   }
   {
     name: 'generate-invoice'
-    maxDeliveryCount: 5
+    maxDeliveryCount: 6
     lockDuration: 'PT1M'
     defaultMessageTimeToLive: 'PT5H'
     requiresDuplicateDetection: false
   }
   {
     name: 'order-placed'
-    maxDeliveryCount: 5
+    maxDeliveryCount: 6
     lockDuration: 'PT30S'
     defaultMessageTimeToLive: 'PT5H'
     requiresDuplicateDetection: false

@@ -18,6 +18,18 @@ from .naming import InvalidQueueName, Transport, validate
 BEGIN = "// BEGIN GENERATED QUEUES (queueing infra params)"
 END = "// END GENERATED QUEUES"
 MAX_LOCK = timedelta(minutes=5)
+#: the largest max delivery count a Service Bus queue takes
+MAX_DELIVERY_COUNT = 2000
+
+
+def delivery_limit(max_attempts: int) -> int:
+    """A Service Bus queue's max delivery count: one more than the attempts. A message whose runs
+    never settled (the process died, a timeout, a lost lock) then reaches the kit once more, which
+    dead-letters it with its reason and records it; at ``max_attempts`` the broker moved it itself
+    (``MaxDeliveryCountExceeded``), its history left Pending."""
+    return min(max_attempts + 1, MAX_DELIVERY_COUNT)
+
+
 #: Service Bus's "never expires" (TimeSpan.MaxValue), what a queue gets when the type never expires
 NEVER = "P10675199DT2H48M5.4775807S"
 
@@ -82,7 +94,7 @@ def queues_for(
         sb.append(
             ServiceBusQueue(
                 name=sb_name,
-                max_delivery_count=o.max_attempts,
+                max_delivery_count=delivery_limit(o.max_attempts),
                 lock_duration=iso_duration(min(o.lease_duration, MAX_LOCK)),
                 default_ttl=iso_duration(o.expiration + ttl_grace) if o.expiration is not None else NEVER,
                 duplicate_detection=o.idempotent,

@@ -68,6 +68,7 @@ from ..control.base import ControlStore
 from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
 from ..envelope import Envelope
 from ..errors import InvalidOperation, MissingPermission, ProviderError, ProviderUnavailable
+from ..infra import MAX_LOCK, delivery_limit
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, Reopen, Tracker, nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
@@ -86,7 +87,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("queueing.servicebus")
 
-MAX_LOCK = timedelta(minutes=5)  # the service's limit on a queue's lock duration
 #: Standard tier: 256 KB per message including headers; leave room for the system properties
 MAX_ENVELOPE_BYTES = 250 * 1024
 TYPE_PROPERTY = "queueing-type"
@@ -337,7 +337,7 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         assert self.admin is not None
         o = sub.options
         settings: dict[str, Any] = {
-            "max_delivery_count": o.max_attempts,
+            "max_delivery_count": delivery_limit(o.max_attempts),
             "lock_duration": min(o.lease_duration, MAX_LOCK),
             "dead_lettering_on_message_expiration": True,
         }

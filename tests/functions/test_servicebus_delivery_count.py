@@ -211,3 +211,25 @@ async def test_settlement_calls_run_off_the_event_loop(flaky_host):
     assert [a for a, _, _ in actions.done] == ["complete"]
     assert threads
     assert loop_thread not in threads
+
+
+async def test_a_message_whose_every_run_dies_is_dead_lettered_by_the_kit_with_its_reason(flaky_host):
+    """Every run dies holding the message (the process, a timeout, a lost lock): nothing is settled.
+    With the queue's max delivery count equal to max_attempts the broker moved it to the dead-letter
+    queue itself after the last run (MaxDeliveryCountExceeded), and its history stayed Pending (a
+    review found it). One delivery more reaches the kit, which dead-letters it with its reason and
+    records it, running nothing."""
+    h = flaky_host
+    h.crash_until["attempt"] = 100
+    sent = await h.app.enqueue(Flaky())
+    for _ in range(MAX_ATTEMPTS):
+        with pytest.raises(Crash):
+            await host_delivers(h.receiver, h.fn)
+        h.clock.advance(timedelta(seconds=31))  # the lock lapses; the broker counts the delivery
+    actions = await host_delivers(h.receiver, h.fn)
+    assert h.attempts == [1, 2, 3, 4]  # the last delivery runs nothing
+    [(action, _, kw)] = actions.done
+    assert action == "deadletter"
+    assert kw["reason"] == "MaxDeliveryAttemptsExceeded"
+    assert f"delivered {MAX_ATTEMPTS} times for {MAX_ATTEMPTS} attempts" in kw["error_description"]
+    assert (await h.rt.tracker.get(sent.message_id)).status == "DeadLettered"

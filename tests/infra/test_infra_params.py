@@ -45,7 +45,7 @@ def test_the_committed_parameters_match_the_code():
 def test_params_rewrites_only_the_generated_block(tmp_path):
     copy = tmp_path / "main.bicepparam"
     shutil.copy(PARAMS, copy)
-    text = copy.read_text().replace("maxDeliveryCount: 4", "maxDeliveryCount: 9")  # someone edited it by hand
+    text = copy.read_text().replace("maxDeliveryCount: 5", "maxDeliveryCount: 9")  # someone edited it by hand
     copy.write_text(text)
     assert cli("--app", "queueing_core.examples.orders:app", "--file", str(copy), "--check").returncode == 1
     done = cli("--app", "queueing_core.examples.orders:app", "--file", str(copy))

@@ -74,7 +74,7 @@ async def test_queues_are_created_with_the_types_settings():
     _app, rt, _ns, _ = make()
     await rt.open()
     props = await rt.provider.admin.get_queue("Payments/Capture")
-    assert props.max_delivery_count == 3
+    assert props.max_delivery_count == 4  # its 3 attempts, and a delivery for the kit's dead letter
     assert props.lock_duration == timedelta(seconds=20)
     assert props.dead_lettering_on_message_expiration is True
     assert props.default_message_time_to_live == timedelta(hours=3)  # expiration + grace
