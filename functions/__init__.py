@@ -99,26 +99,16 @@ BUDGET_MARGIN = 30.0
 def _check_budget(cfg: QueueingSettings, transport: Transport, env: dict[str, str]) -> None:
     """A processor budget the host's ``functionTimeout`` (host.json) cuts short would stop runs
     mid-settlement on every busy timer: their leases lapse and the messages run again. Said at indexing."""
-    import json
-    import os
     import re
 
     delayed = transport is Transport.STORAGE_QUEUE and cfg.storage_delayed_store
     if not (transport is Transport.SQL or delayed):
         return
-    # an app setting overrides host.json (AzureFunctionsJobHost__functionTimeout, any case)
-    setting = "azurefunctionsjobhost__functiontimeout"
-    override = next((v for k, v in env.items() if k.lower().replace(":", "__") == setting), None)
-    timeout: object = override
-    if override is None:
-        root = env.get("AzureWebJobsScriptRoot") or os.getcwd()
-        try:
-            with open(os.path.join(root, "host.json"), encoding="utf-8") as f:
-                timeout = json.load(f).get("functionTimeout")
-        except (OSError, ValueError, AttributeError):
-            return  # no host.json here (a test, a tool): not an app the host runs
-        if timeout is None:  # the host's default: 5 minutes on the Consumption plan, else 30
-            timeout = "00:05:00" if env.get("WEBSITE_SKU", "").lower() == "dynamic" else "00:30:00"
+    timeout = _host_setting(env, ("functionTimeout",))
+    if timeout is _NO_HOST_JSON:
+        return  # no host.json here (a test, a tool): not an app the host runs
+    if timeout is None:  # the host's default: 5 minutes on the Consumption plan, else 30
+        timeout = "00:05:00" if env.get("WEBSITE_SKU", "").lower() == "dynamic" else "00:30:00"
     found = re.fullmatch(r"(?:(\d+)\.)?(\d{1,2}):(\d{2}):(\d{2})(?:\.\d+)?", str(timeout).strip())
     if found is None:
         return  # -1 (unbounded), or a form the host reads and this does not: nothing said
@@ -130,6 +120,59 @@ def _check_budget(cfg: QueueingSettings, transport: Transport, env: dict[str, st
             f"{cfg.functions_processor_budget:g} s leaves a run no time to stop and settle before "
             f"the host's functionTimeout ({timeout}) ends it: its messages would run again",
             f"at most {max(1.0, limit - BUDGET_MARGIN):g}, or a longer functionTimeout",
+        )
+
+
+_NO_HOST_JSON = object()
+
+
+def _host_setting(env: dict[str, str], path: tuple[str, ...]) -> object:
+    """A host.json setting as the host reads it: an app setting overrides the file
+    (``AzureFunctionsJobHost__<path joined by __>``, any case); None when neither sets it,
+    ``_NO_HOST_JSON`` when there is no host.json (a test, a tool: not an app the host runs)."""
+    import json
+    import os
+
+    setting = "__".join(("azurefunctionsjobhost", *path)).lower()
+    override = next((v for k, v in env.items() if k.lower().replace(":", "__") == setting), None)
+    if override is not None:
+        return override
+    root = env.get("AzureWebJobsScriptRoot") or os.getcwd()
+    try:
+        with open(os.path.join(root, "host.json"), encoding="utf-8") as f:
+            value: object = json.load(f)
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+    except (OSError, ValueError):
+        return _NO_HOST_JSON
+    return value
+
+
+#: the Storage Queues trigger's default maxDequeueCount
+DEFAULT_DEQUEUE_COUNT = 5
+
+
+def _check_dequeue_count(qapp: QueueingApp, transport: Transport, env: dict[str, str]) -> None:
+    """The Storage trigger's ``maxDequeueCount`` must exceed every queue's ``max_attempts``: a message
+    whose runs all died unsettled (the process, a timeout) then reaches the kit once more, which
+    dead-letters it with its reason and records it. At ``max_attempts`` the host moved it to
+    ``-poison`` itself, unrecorded. Said at indexing."""
+    if transport is not Transport.STORAGE_QUEUE:
+        return
+    found = _host_setting(env, ("extensions", "queues", "maxDequeueCount"))
+    if found is _NO_HOST_JSON:
+        return
+    try:
+        limit = DEFAULT_DEQUEUE_COUNT if found is None else int(str(found))
+    except ValueError:
+        return  # a form the host reads and this does not: nothing said
+    most = max((s.options.max_attempts for s in qapp.subscriptions()), default=0)
+    if most >= limit:
+        raise ConfigurationError(
+            "extensions.queues.maxDequeueCount (host.json)",
+            f"{limit} is not above the largest max_attempts ({most}): a message whose runs all died "
+            "unsettled would go to the poison queue unrecorded, with no reason",
+            f"at least {most + 1}",
         )
 
 
@@ -189,6 +232,7 @@ def build_app(
         qapp.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
     _check_shared_state(cfg, transport)
     _check_budget(cfg, transport, dict(os.environ) if env is None else env)
+    _check_dequeue_count(qapp, transport, dict(os.environ) if env is None else env)
     the_host = host or FunctionsHost(qapp, cfg)
     app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=_http_auth_level(cfg))
     for sub in qapp.subscriptions():

@@ -46,14 +46,15 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from queueing_core.app import QueueingApp, Subscription
 from queueing_core.bootstrap import instrumented, make_provider
 from queueing_core.clock import utcnow
 from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
-from queueing_core.errors import first_line
+from queueing_core.errors import ProviderUnavailable, first_line
 from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings, journal_dir
 from queueing_core.transport import Delivery, Settlement
@@ -62,6 +63,10 @@ if TYPE_CHECKING:
     import azure.functions as func
 
 log = logging.getLogger("queueing.functions")
+T = TypeVar("T")
+#: how long an invocation waits out an outage of the kit's own stores before it raises (the host's
+#: retry then): well within the lock the host renews and the functionTimeout (10 min)
+KIT_OUTAGE_WAIT = 30.0
 
 
 class FunctionsHost:
@@ -108,10 +113,33 @@ class FunctionsHost:
             await self._runtime.close()
 
     # -- queue triggers ----------------------------------------------------------------------------
+    async def _through_outages(self, step: Callable[[Runtime], Awaitable[T]]) -> tuple[Runtime, T]:
+        """The runtime and what ``step`` gives, the kit's own stores' brief outages waited out within
+        the invocation (with backoff, up to ``KIT_OUTAGE_WAIT``). Raising at once is the host's
+        retry: Service Bus hands the message back at once, a delivery counted, so a store away for a
+        second moved every message in flight to the dead-letter queue unrecorded and unrun (a
+        review found it); Storage spends a dequeue. Anything but an outage raises at once."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + KIT_OUTAGE_WAIT
+        pause = 0.5
+        while True:
+            try:
+                rt = await self.runtime()
+                return rt, await step(rt)
+            except ProviderUnavailable as exc:
+                if loop.time() + pause > give_up:
+                    raise
+                log.warning(
+                    "the kit's store is unavailable (%s); trying again in %.1f s", first_line(exc), pause
+                )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 8.0)
+
     async def on_storage_message(self, sub: Subscription, msg: func.QueueMessage) -> Settlement:
-        rt = await self.runtime()
         delivery = Delivery.of(msg.get_body(), queue=sub.queue, delivery_count=msg.dequeue_count or 1)
-        settlement = await rt.process(delivery, cancel_poll=self.settings.cancel_poll)
+        rt, settlement = await self._through_outages(
+            lambda rt: rt.process(delivery, cancel_poll=self.settings.cancel_poll)
+        )
         ahead = rt.history_ahead([settlement])  # a crash after the settlement still leaves the history
         try:
             await settle_storage(rt.provider, settlement)
@@ -127,11 +155,17 @@ class FunctionsHost:
 
         from .servicebus_delivery import delivery_number
 
-        rt = await self.runtime()
         delivery = Delivery.of(_text(msg), queue=sub.queue, delivery_count=delivery_number(msg))
-        if await _known_duplicate(rt.tracker, delivery, msg, actions):
+
+        async def processed(rt: Runtime) -> Settlement | None:
+            if await _known_duplicate(rt.tracker, delivery, msg, actions):
+                return None
+            return await rt.process(delivery, cancel_poll=self.settings.cancel_poll)
+
+        rt, done = await self._through_outages(processed)
+        if done is None:
             return Settlement(delivery, Complete())
-        settlement = await rt.process(delivery, cancel_poll=self.settings.cancel_poll)
+        settlement = done
         ahead = rt.history_ahead([settlement])  # a crash after the settlement still leaves the history
         try:
             await settle_servicebus(rt.provider, settlement, msg, actions, tracker=rt.tracker)

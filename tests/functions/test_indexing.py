@@ -165,6 +165,30 @@ def test_the_function_timeout_app_setting_and_the_plans_default_are_what_the_bud
         )
 
 
+def test_a_max_dequeue_count_not_above_every_max_attempts_fails_indexing(tmp_path):
+    """The Storage trigger moves a message to -poison itself after maxDequeueCount deliveries. A message
+    whose every run died unsettled must reach the kit once more than max_attempts, so that the kit
+    dead-letters it with its reason and records it (at max_attempts the host's move left its history
+    Pending: a review found it)."""
+    storage = QueueingSettings(provider="storage_queue")
+    build_app(storage, env=STORAGE_ENV)  # this repository's host.json: 6, above the example's 5
+    host = tmp_path / "host.json"
+    root = {**STORAGE_ENV, "AzureWebJobsScriptRoot": str(tmp_path)}
+    host.write_text(json.dumps({"version": "2.0", "extensions": {"queues": {"maxDequeueCount": 5}}}))
+    with pytest.raises(ConfigurationError) as info:
+        build_app(storage, env=root)
+    assert str(info.value).startswith("extensions.queues.maxDequeueCount (host.json): 5 is not above")
+    assert "at least 6" in str(info.value)
+    build_app(storage, env={**root, "AzureFunctionsJobHost__extensions__queues__maxDequeueCount": "6"})
+    host.write_text(json.dumps({"version": "2.0"}))  # the trigger's default, 5
+    with pytest.raises(ConfigurationError, match="maxDequeueCount"):
+        build_app(storage, env=root)
+    build_app(
+        QueueingSettings(provider="servicebus"),
+        env={**root, "QueueingServiceBus": "Endpoint=sb://x/;SharedAccessKeyName=k;SharedAccessKey=v"},
+    )
+
+
 def run_import(env: dict[str, str], code: str = "import function_app") -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("QUEUEING_", "Queueing"))}
     return subprocess.run(
@@ -219,7 +243,9 @@ def test_import_loads_only_what_the_configuration_needs_and_touches_nothing(env,
     assert done.returncode == 0, done.stderr
     loaded, opened, count = done.stdout.strip().splitlines()
     assert set(eval(loaded)) <= allowed, loaded
-    # nothing but the app's own host.json (read for its functionTimeout on SQL: see the budget test)
-    host_json = [os.path.join(os.getcwd(), "host.json")] if env["QUEUEING_PROVIDER"] == "sql" else []
+    # nothing but the app's own host.json (read for its functionTimeout on SQL, its maxDequeueCount on
+    # Storage Queues: see the budget and dequeue-count tests)
+    reads_host_json = env["QUEUEING_PROVIDER"] in ("sql", "storage_queue")
+    host_json = [os.path.join(os.getcwd(), "host.json")] if reads_host_json else []
     assert eval(opened) == host_json
     assert int(count) == functions

@@ -233,3 +233,39 @@ async def test_a_message_whose_every_run_dies_is_dead_lettered_by_the_kit_with_i
     assert kw["reason"] == "MaxDeliveryAttemptsExceeded"
     assert f"delivered {MAX_ATTEMPTS} times for {MAX_ATTEMPTS} attempts" in kw["error_description"]
     assert (await h.rt.tracker.get(sent.message_id)).status == "DeadLettered"
+
+
+async def test_a_brief_outage_of_the_kits_store_is_waited_out_within_the_invocation(flaky_host, monkeypatch):
+    """The control store (Azure Tables) away for a moment: the invocation raised at once, the host
+    handed the message back at once with a delivery counted, and within milliseconds every delivery
+    was spent and the broker dead-lettered it, unrun and unrecorded (a review found it). The
+    invocation now waits the outage out; a longer one still raises, to the host's retry."""
+    import functions.host as host_module
+    from queueing_core.errors import ProviderUnavailable
+
+    h = flaky_host
+    inner = h.rt.control.inner
+    real_state = inner.state
+    down = {"calls": 2}
+
+    async def tables_down_for_two_reads():
+        if down["calls"]:
+            down["calls"] -= 1
+            raise ProviderUnavailable("Tables: connection refused")
+        return await real_state()
+
+    monkeypatch.setattr(inner, "state", tables_down_for_two_reads)
+    h.rt.control.invalidate()
+    await h.app.enqueue(Flaky())
+    actions = await host_delivers(h.receiver, h.fn)  # no raise: waited out
+    assert down["calls"] == 0
+    assert h.attempts == [1]  # the handler ran (and failed: a retry copy)
+    assert [a for a, _, _ in actions.done] == ["complete"]
+
+    monkeypatch.setattr(host_module, "KIT_OUTAGE_WAIT", 1.0)
+    down["calls"] = 1_000  # a long outage
+    h.clock.advance(timedelta(minutes=10))  # the retry copy comes due
+    h.rt.control.invalidate()
+    with pytest.raises(ProviderUnavailable):
+        await host_delivers(h.receiver, h.fn)
+    assert h.attempts == [1]
