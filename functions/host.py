@@ -136,7 +136,14 @@ class FunctionsHost:
                 pause = min(pause * 2, 8.0)
 
     async def on_storage_message(self, sub: Subscription, msg: func.QueueMessage) -> Settlement:
-        delivery = Delivery.of(msg.get_body(), queue=sub.queue, delivery_count=msg.dequeue_count or 1)
+        # host.json's messageEncoding is "none": the host passes the queue text as it is, and the kit
+        # reads base64 (what it sends) or plain text (another producer's, the v12 SDK's default). With
+        # "base64" the host failed on plain text before the function was called, 5 times, then moved
+        # it to -poison with no reason and no history
+        from queueing_core.providers.storage_queue import decode_body
+
+        text = decode_body(msg.get_body().decode("utf-8", errors="replace"))
+        delivery = Delivery.of(text, queue=sub.queue, delivery_count=msg.dequeue_count or 1)
         rt, settlement = await self._through_outages(
             lambda rt: rt.process(delivery, cancel_poll=self.settings.cancel_poll)
         )

@@ -83,14 +83,12 @@ async def storage(azurite, monkeypatch):
 
 
 async def deliver(client: QueueClient, fn, raw_text: str | None = None) -> tuple[object, object]:
-    """The host's part: receive, base64-decode, call the function, delete after a normal return."""
+    """The host's part: receive, call the function with the text as it is (host.json's messageEncoding
+    is "none"), delete after a normal return."""
     if raw_text is not None:
         await client.send_message(raw_text)
     [m] = [m async for m in client.receive_messages(max_messages=1, visibility_timeout=30)]
-    try:
-        body = base64.b64decode(m.content, validate=True)
-    except ValueError:
-        body = m.content.encode()
+    body = m.content.encode()
     msg = azq.QueueMessage(
         id=m.id,
         body=body,
@@ -137,6 +135,15 @@ async def test_storage_success_retry_deadletter_and_malformed(storage):
     assert wrapped[0]["raw"] == "not an envelope"
     assert wrapped[0]["dead_letter"]["reason"] == "malformed-envelope"
     assert seen == [("ok", 1), ("retry", 1), ("fatal", 1)]
+    # another producer's plain text (the v12 SDK's default encoding): read as it is. With the host
+    # decoding base64 it never reached the function and went to -poison with no reason (a review)
+    plain = rt.producer.envelope_for(Job(mode="ok"))
+    await deliver(client, fn, raw_text=plain.encode_text())
+    assert seen[-1] == ("ok", 1)
+    assert (await rt.tracker.get(plain.message_id)).status == "Succeeded"
+    await deliver(client, fn, raw_text="{not json")
+    wrapped = [d for d in await peek_all(poison) if "dead_letter" in d]
+    assert [d["raw"] for d in wrapped] == ["not an envelope", "{not json"]
 
 
 async def test_storage_expired_paused_and_unknown_type(storage):

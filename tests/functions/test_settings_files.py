@@ -38,7 +38,8 @@ def test_host_json_matches_the_chosen_settlement():
     ext = host["extensions"]
     assert ext["http"]["routePrefix"] == "api"  # the ops routes are /api/_system/queueing/...
     assert ext["serviceBus"]["autoCompleteMessages"] is False  # explicit settlement (dead-letter with reason)
-    assert ext["queues"]["messageEncoding"] == "base64"  # what the kit writes
+    # the text as it is: the kit reads base64 (what it writes) and another producer's plain text
+    assert ext["queues"]["messageEncoding"] == "none"
     # the host's poison only for the kit's own failures: above every queue's max_attempts (the example
     # app's largest is the default, 5), so a message whose runs all died reaches the kit once more
     assert ext["queues"]["maxDequeueCount"] == 6
