@@ -251,7 +251,9 @@ class FunctionsHost:
         # Service Bus has no upkeep of its own, but its history is in Tables too: without this the
         # history table would grow for ever (nothing else prunes it in Functions)
         prune = getattr(rt.tracker, "prune", None)
-        return {**({"history_pruned": await prune(utcnow())} if prune is not None else {}), **pruned}
+        if prune is None:
+            return pruned
+        return {"history_pruned": await prune(utcnow(), provider.capabilities.dead_letters_kept), **pruned}
 
 
 @functools.cache

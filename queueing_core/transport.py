@@ -49,6 +49,9 @@ class Capabilities:
     #: a purge of a whole queue removes the messages workers hold too (Storage's Clear Messages): their
     #: history goes with the rest, and their holders' settlements are refused
     purge_takes_held: bool = False
+    #: the statuses whose messages wait in a dead-letter queue that never drops them: their history is
+    #: not pruned by age (the letter would stay in no listing, and could never be retried)
+    dead_letters_kept: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

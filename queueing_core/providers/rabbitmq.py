@@ -82,7 +82,7 @@ from ..errors import (
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, Settlement, settled_each
-from .dead_letters import id_in_text
+from .dead_letters import DEAD_STATES, id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
 from .delayed.breaker import first_line
 from .names import companion_name
@@ -359,6 +359,8 @@ class RabbitMQProvider(SideStoreOps):
             native_dead_letter=True,
             push_wakeups=True,
             max_message_bytes=MAX_MESSAGE_BYTES,
+            # its dead-letter queue has no expiry: letters, the expired ones too, stay until handled
+            dead_letters_kept=DEAD_STATES,
         )
         self._conn: AbstractRobustConnection | None = None
         self._confirmed: AbstractChannel | None = None  # every publish, with publisher confirms

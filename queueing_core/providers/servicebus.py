@@ -272,6 +272,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             lock_renewal=True,
             native_dead_letter=True,
             max_message_bytes=max_message_bytes,
+            # the dead-letter sub-queue keeps letters for good, the expired ones too
+            dead_letters_kept=DEAD_STATES,
         )
         self._control = control
         self._tracker = tracker

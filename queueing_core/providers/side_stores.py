@@ -95,7 +95,8 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         return await self.dispatcher.dispatch_due(budget_seconds)
 
     async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
-        return {"history_pruned": await self.stores.history.prune(self.clock())}
+        kept = self.capabilities.dead_letters_kept  # type: ignore[attr-defined]
+        return {"history_pruned": await self.stores.history.prune(self.clock(), kept)}
 
     # -- ops -----------------------------------------------------------------------------------------
     async def ops_retry(

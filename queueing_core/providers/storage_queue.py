@@ -61,6 +61,7 @@ from ..errors import (
     ProviderUnavailable,
     first_line,
 )
+from ..messages import MessageStatus
 from ..naming import QueueNaming, Transport
 from ..tracking.base import nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
@@ -298,6 +299,9 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             native_dead_letter=True,
             max_message_bytes=MAX_ENVELOPE_BYTES,
             purge_takes_held=True,
+            # its poison queue keeps a letter for good (sent without a time-to-live); an expired message
+            # is deleted, not dead-lettered, so its history may go
+            dead_letters_kept=(MessageStatus.DEAD_LETTERED.value,),
         )
         # delays beyond the 7-day visibility limit: rows in the SQL delayed store when one is given,
         # else re-hidden for another 7 days on each arrival (no database needed)
@@ -722,7 +726,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
 
     async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
         """Bound the history: finished records older than the tracker's retention are deleted."""
-        return {"history_pruned": await self._tracker.prune(utcnow())}
+        return {"history_pruned": await self._tracker.prune(utcnow(), self.capabilities.dead_letters_kept)}
 
     # -- for tests and the ops API -------------------------------------------------------------------
     async def depth(self, queue: str, *, poison: bool = False) -> int:

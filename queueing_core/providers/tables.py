@@ -1213,12 +1213,13 @@ class TablesTracker(_OnTable):
             lambda e: _entity_matches(query, e) and (keys is None or str(e.get("MessageId")) in keys),
         )
 
-    async def prune(self, now: datetime) -> int:
-        """Delete terminal records last updated before ``now - retention``; returns how many."""
+    async def prune(self, now: datetime, keep: Collection[str] = ()) -> int:
+        """Delete terminal records last updated before ``now - retention``, but none in ``keep`` (the
+        transport's ``dead_letters_kept``); returns how many."""
         f = _Filter()
         f.add(f"PartitionKey ne {f.param(_INDEX_PK)}")
         f.add(f"UpdatedAt lt {f.param(as_utc(now) - self.retention)}")
-        f.any_of("Status", _TERMINAL)
+        f.any_of("Status", [s for s in _TERMINAL if s not in keep])
         return await self._delete_where(f, lambda e: True)
 
     async def _delete_where(self, f: _Filter, keep: Callable[[Mapping[str, Any]], bool]) -> int:

@@ -65,3 +65,20 @@ async def test_prune_deletes_old_finished_records_only(stores, monkeypatch):
     for r in kept:
         assert await stores.history.get(r.message_id) is not None
     assert await stores.history.prune(NOW) == 0
+
+
+async def test_prune_keeps_the_history_of_letters_the_transport_keeps(stores):
+    """RabbitMQ's dead-letter queue never drops a letter: its history stays past the retention (SQS's
+    dead-letter queue drops letters after its own retention, so nothing is kept there)."""
+    from queueing_core.providers.dead_letters import DEAD_STATES
+
+    old = NOW - timedelta(days=15)
+    dead = rec(21, status="DeadLettered", updated_at=old, queue="z")
+    expired = rec(22, status="Expired", updated_at=old)
+    done = rec(23, status="Succeeded", updated_at=old)
+    await stores.open()
+    await stores.history.upsert([dead, expired, done])
+    assert await stores.history.prune(NOW, DEAD_STATES) == 1
+    assert await stores.history.get(dead.message_id) is not None
+    assert await stores.history.get(expired.message_id) is not None
+    assert await stores.history.prune(NOW) == 2

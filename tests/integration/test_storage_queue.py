@@ -320,6 +320,42 @@ async def test_a_whole_queue_purge_says_it_removed_the_messages_workers_held(azu
         await rt.close()
 
 
+async def test_the_upkeep_keeps_the_history_of_a_poison_letter_past_the_retention(azurite, names):
+    """The poison queue keeps a letter for good; the upkeep pruned its history after the retention
+    (14 days), and the letter stayed in no listing (a review found it). A success's history goes."""
+    from queueing_core.tracking import MessageRecord
+
+    app, _ = make_app(names["prefix"])
+    p = provider(azurite, names)
+    rt = Runtime(app, p)
+    await rt.open()
+    try:
+        old = datetime.now(UTC) - timedelta(days=30)
+        records = [
+            MessageRecord(
+                message_id=uuid.uuid4(),
+                tracking_id=uuid.uuid4(),
+                type="InvoiceReady",
+                queue="Billing.Invoice_Ready",
+                status=status,
+                attempt=1,
+                created_at=old,
+                updated_at=old,
+                headers={},
+                body={"invoice": status},
+            )
+            for status in ("DeadLettered", "Succeeded", "Expired")
+        ]
+        await rt.tracker.upsert(records)
+        assert p.capabilities.dead_letters_kept == ("DeadLettered",)
+        assert (await p.maintain(app))["history_pruned"] == 2
+        assert await rt.tracker.get(records[0].message_id) is not None
+        assert await rt.tracker.get(records[1].message_id) is None
+        assert await rt.tracker.get(records[2].message_id) is None  # deleted when it expired, not kept
+    finally:
+        await rt.close()
+
+
 async def test_pause_is_shared_by_every_instance_and_ops_work_through_the_tracker(azurite, names):
     app, seen = make_app(names["prefix"])
     rt1 = Runtime(app, provider(azurite, names), control_ttl=0.1)

@@ -603,3 +603,21 @@ async def test_service_errors_are_provider_errors(azurite):
             await store.record_failure("T", OPTS, T0)
         with pytest.raises(ProviderError):
             await TablesTracker(client).upsert([rec(1)])
+
+
+async def test_prune_keeps_the_history_of_letters_the_transport_keeps(tables_tracker):
+    """A dead-letter queue that never drops a letter (Service Bus, a Storage poison queue, RabbitMQ)
+    keeps the letter past the history's retention: pruning its record left a letter in no listing,
+    which a retry could not find (a review found it). Such statuses are kept; the others go."""
+    now = T0 + timedelta(days=30)
+    old = now - timedelta(days=15)
+    dead = rec(11, status="DeadLettered", updated_at=old, queue="z")
+    expired = rec(12, status="Expired", updated_at=old)
+    done = rec(13, status="Succeeded", updated_at=old)
+    await tables_tracker.upsert([dead, expired, done])
+    assert await tables_tracker.prune(now, ("DeadLettered", "Expired")) == 1
+    assert await tables_tracker.get(done.message_id) is None
+    assert (await tables_tracker.get(dead.message_id)).status == "DeadLettered"
+    assert await tables_tracker.prune(now, ("DeadLettered",)) == 1  # Storage: expired ones are deleted
+    assert await tables_tracker.get(expired.message_id) is None
+    assert await tables_tracker.get(dead.message_id) is not None

@@ -17,7 +17,7 @@ same message concurrently cannot interleave a read and a write):
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -248,11 +248,12 @@ class SqlHistoryTracker(SqlTracker):
             rows = (await conn.execute(stmt.group_by(m.c.queue, m.c.status))).all()
         return {(str(r[0]), str(r[1])): int(r[2]) for r in rows}
 
-    async def prune(self, now: datetime) -> int:
-        """Delete finished records last updated before ``now - retention``; returns how many."""
+    async def prune(self, now: datetime, keep: Collection[str] = ()) -> int:
+        """Delete finished records last updated before ``now - retention``, but none in ``keep`` (the
+        transport's ``dead_letters_kept``); returns how many."""
         m = self._m
         cutoff = as_utc(now) - self.retention
-        finished = [m.c.status.in_(TERMINAL), m.c.updated_at < cutoff]
+        finished = [m.c.status.in_([s for s in TERMINAL if s not in keep]), m.c.updated_at < cutoff]
         doomed = sa.delete(m).where(*first_rows(m, finished, PRUNE_CHUNK, self.provider.backend))
         total = 0
         await self.provider.ensure_open()
