@@ -15,7 +15,8 @@ Expire         return (deleted), recorded as Expired
 =============  ==========================================================================
 
 So a poison message never crash-loops and a pause never burns the dequeue count. Only a failure of
-the kit itself (the store unreachable) raises, and then the host's own retry and poison apply.
+the kit itself (a store unreachable for longer than ``KIT_OUTAGE_WAIT``, waited out within the
+invocation) raises, and then the host's own retry and poison apply.
 
 Service Bus trigger, with SDK-type bindings and ``auto_complete_messages=False`` (the default
 auto-complete mode can only complete or abandon, so it could not dead-letter an expired or refused

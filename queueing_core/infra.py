@@ -86,10 +86,12 @@ def queues_for(
                     f"{name!r} is also the name of queue {seen[key]!r} on {transport.value}",
                 )
             seen[key] = sub.queue
-        if not 1 <= o.max_attempts <= 2000:
+        if not 1 <= o.max_attempts < MAX_DELIVERY_COUNT:
             raise ConfigurationError(
                 f"queue {sub.queue!r}",
-                f"max_attempts {o.max_attempts}: Service Bus allows a max delivery count of 1-2000",
+                f"max_attempts {o.max_attempts}: Service Bus allows a max delivery count of 1-2000, and "
+                "the kit keeps one delivery beyond the attempts (its own dead letter for a message whose "
+                f"runs all died): at most {MAX_DELIVERY_COUNT - 1}",
             )
         sb.append(
             ServiceBusQueue(

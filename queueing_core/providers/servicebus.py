@@ -338,6 +338,13 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
     async def _create_queue(self, sub: Subscription) -> None:
         assert self.admin is not None
         o = sub.options
+        if delivery_limit(o.max_attempts) <= o.max_attempts:
+            log.warning(
+                "queue %s: max_attempts %d leaves no delivery beyond the attempts under Service Bus's "
+                "limit (2000): a message whose runs all die is dead-lettered by the broker, unrecorded",
+                sub.queue,
+                o.max_attempts,
+            )
         settings: dict[str, Any] = {
             "max_delivery_count": delivery_limit(o.max_attempts),
             "lock_duration": min(o.lease_duration, MAX_LOCK),

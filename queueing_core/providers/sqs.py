@@ -73,6 +73,8 @@ T = TypeVar("T")
 MAX_NATIVE_DELAY = timedelta(minutes=15)  # DelaySeconds is at most 900
 MAX_VISIBILITY = timedelta(hours=12)
 MAX_RETENTION = 14 * 24 * 3600
+#: the largest maxReceiveCount a redrive policy takes
+MAX_RECEIVE_COUNT = 1000
 #: SQS accepts 256 KiB per message and per batch, message attributes included
 MAX_BATCH_BYTES = 256 * 1024
 MAX_ENVELOPE_BYTES = 250 * 1024
@@ -335,7 +337,13 @@ class SqsProvider(SideStoreOps):
                 AttributeNames=["QueueArn"],
             )
             attrs["RedrivePolicy"] = json.dumps(
-                {"deadLetterTargetArn": arn["Attributes"]["QueueArn"], "maxReceiveCount": str(max_attempts)}
+                {
+                    "deadLetterTargetArn": arn["Attributes"]["QueueArn"],
+                    # one receive more than the attempts: a message whose runs all died unsettled
+                    # reaches the kit once more, which dead-letters it with its reason and records it
+                    # (SQS's own move at max_attempts left its history Pending)
+                    "maxReceiveCount": str(min(max_attempts + 1, MAX_RECEIVE_COUNT)),
+                }
             )
             self._urls[physical] = await self._create(physical, attrs)
             return self._urls[name]

@@ -8,8 +8,9 @@
   every dequeue raises ``dequeue_count``.
 - Dead letters go to ``<queue>-poison`` with the reason and last error in ``x-queueing-*`` headers
   of the envelope; bytes that are not an envelope are wrapped with their raw text kept.
-- Bodies are base64 text, what the Functions queue trigger reads by default; the kit decodes each
-  message itself, so one bad body is a poison message, not a failed receive. Plain JSON is read too.
+- Bodies are sent as base64 text; the kit decodes each message itself (base64, or plain text from
+  another producer), so one bad body is a poison message, not a failed receive. The Functions app
+  reads the text as it is (host.json's ``messageEncoding`` is ``none``) and decodes it the same way.
 - Every message is sent without a storage TTL, expiry or not: the service drops what outlives its
   TTL without a trace (Storage Queues has no dead-letter for it), and no host may read a message in
   time (a queue paused past its messages' expiry, every host down). A message past its expiry waits

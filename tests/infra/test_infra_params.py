@@ -81,6 +81,16 @@ def test_a_name_or_setting_the_services_would_reject_fails_with_the_rule():
     with pytest.raises(ConfigurationError, match="max delivery count of 1-2000"):
         render(app2)
 
+    # 2000 attempts would leave the kit no delivery of its own under the limit (a review found it)
+    @queue("greedy-by-one", max_attempts=2000)
+    class GreedyByOne(QueueMessage):
+        pass
+
+    app3 = QueueingApp()
+    app3.message(GreedyByOne)
+    with pytest.raises(ConfigurationError, match="at most 1999"):
+        render(app3)
+
 
 def test_the_cli_reports_the_rule_with_exit_2(tmp_path):
     (tmp_path / "badapp.py").write_text(

@@ -26,6 +26,7 @@ from queueing_core import (
     queue,
 )
 from queueing_core.clock import utcnow
+from queueing_core.decisions import DeadLetterReason
 from queueing_core.errors import ProviderUnavailable
 from queueing_core.providers.delayed import FORWARD_FAILED
 from queueing_core.providers.sql.history import SideStores, malformed_id
@@ -145,7 +146,9 @@ async def test_queues_are_created_with_redrive_visibility_and_retention(tmp_path
     # message given a longer ttl must not be dropped unreceived by the queue
     assert attrs["MessageRetentionPeriod"] == str(14 * 24 * 3600)
     redrive = json.loads(attrs["RedrivePolicy"])
-    assert int(redrive["maxReceiveCount"]) == 3  # max attempts: the crash safety net
+    # the type's 3 attempts and one receive more: the kit's own dead letter for a message whose runs
+    # all died; SQS's move is the safety net beyond it
+    assert int(redrive["maxReceiveCount"]) == 4
     assert redrive["deadLetterTargetArn"].endswith(f":{physical(rt)}-dlq")
     await rt.close()
 
@@ -289,11 +292,18 @@ async def test_the_receive_count_is_the_attempt_and_redrive_catches_a_crashing_c
     assert (await receive_one()).attempt == 1
     assert (await receive_one()).attempt == 2
     assert (await receive_one()).attempt == 3
-    # beyond maxReceiveCount (the type's 3 attempts) SQS moves it to the DLQ by itself
-    await asyncio.sleep(1.1)
-    assert await rt.provider.receive(sub, 1) == []
+    # one receive beyond the type's 3 attempts reaches the kit: it dead-letters the message with its
+    # reason, running nothing (SQS's own move at 3 left the history Pending)
+    last = await receive_one()
+    assert last.attempt == 4
+    settlement = await rt.process(last)
+    assert settlement.decision.reason is DeadLetterReason.MAX_ATTEMPTS
+    await rt.provider.settle([settlement])
+    await rt.record([settlement])
     dead = peek(rt, dead=True, q="Billing.Quick")
     assert [json.loads(m["Body"])["message_id"] for m in dead] == [str(r.message_id)]
+    assert dead[0]["MessageAttributes"][REASON]["StringValue"] == "max-attempts-exceeded"
+    assert (await rt.tracker.get(r.message_id)).status == "DeadLettered"
     await rt.close()
 
 
