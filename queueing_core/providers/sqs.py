@@ -3,7 +3,8 @@ never on the event loop (boto3 clients are thread-safe; the pool bounds the conc
 
 - A standard queue per type (sanitized: 80 characters of letters, digits, ``-`` and ``_``) and its
   dead-letter queue ``<queue>-dlq``, created on open with a redrive policy (``maxReceiveCount`` = the
-  type's max attempts), the lease as ``VisibilityTimeout`` and SQS's longest
+  type's max attempts + 1: the last receive is the kit's, for its reasoned dead letter), the lease
+  as ``VisibilityTimeout`` and SQS's longest
   ``MessageRetentionPeriod`` (14 days): the kit records expiry itself, and a message's own ``ttl`` may
   outlast its type's expiration. A queue that exists with other settings (an older version's shorter
   retention) is brought to these on open. SQS still deletes a message that waits *unreceived in the
@@ -330,6 +331,14 @@ class SqsProvider(SideStoreOps):
             dlq_url = await self._create(dlq_name, {"MessageRetentionPeriod": str(MAX_RETENTION)})
             self._urls[dlq_name] = dlq_url
             attrs, max_attempts = self._settings(queue)
+            if max_attempts >= MAX_RECEIVE_COUNT:
+                log.warning(
+                    "queue %s: max_attempts %d leaves no receive beyond the attempts under SQS's limit "
+                    "(%d): a message whose runs all die is moved to its dead-letter queue by SQS, unrecorded",
+                    queue,
+                    max_attempts,
+                    MAX_RECEIVE_COUNT,
+                )
             arn = await self._call(
                 f"reading {dlq_name}",
                 self.client.get_queue_attributes,

@@ -606,8 +606,8 @@ async def test_service_errors_are_provider_errors(azurite):
 
 
 async def test_prune_keeps_the_history_of_letters_the_transport_keeps(tables_tracker):
-    """A dead-letter queue that never drops a letter (Service Bus, a Storage poison queue, RabbitMQ)
-    keeps the letter past the history's retention: pruning its record left a letter in no listing,
+    """A dead-letter queue that never drops a letter (Service Bus's, a Storage poison queue) keeps the
+    letter past the history's retention: pruning its record left a letter in no listing,
     which a retry could not find (a review found it). Such statuses are kept; the others go."""
     now = T0 + timedelta(days=30)
     old = now - timedelta(days=15)
