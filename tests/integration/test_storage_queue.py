@@ -9,6 +9,7 @@ import json
 import logging
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from azure.storage.queue import TextBase64DecodePolicy, TextBase64EncodePolicy
@@ -18,6 +19,7 @@ from queueing_core import Event, MessageStatus, NonRetryableError, QueueingApp, 
 from queueing_core.clock import utcnow
 from queueing_core.envelope import DESCRIPTION, REASON
 from queueing_core.errors import ConfigurationError, ProviderUnavailable
+from queueing_core.providers.sql.history import SideStores
 from queueing_core.providers.storage_queue import (
     StorageConnection,
     StorageQueueProvider,
@@ -54,11 +56,13 @@ def names():
     return {"prefix": f"t{tag}-", "control_table": f"ctl{tag}", "tracker_table": f"hist{tag}"}
 
 
-def provider(azurite, names) -> StorageQueueProvider:
+def provider(azurite, names, delayed_db: Path | None = None) -> StorageQueueProvider:
+    """The provider on Azurite; with ``delayed_db``, a SQLite delayed store in that file."""
     return StorageQueueProvider(
         StorageConnection(azurite.connection_string),
         control_table=names["control_table"],
         tracker_table=names["tracker_table"],
+        delayed_stores=None if delayed_db is None else SideStores(f"sqlite:///{delayed_db}"),
     )
 
 
@@ -174,15 +178,9 @@ async def test_with_a_delayed_store_long_delays_wait_in_sql_and_the_worker_dispa
     azurite, names, tmp_path
 ):
     from queueing_core.clock import utcnow
-    from queueing_core.providers.sql.history import SideStores
 
     app, seen = make_app(names["prefix"])
-    p = StorageQueueProvider(
-        StorageConnection(azurite.connection_string),
-        control_table=names["control_table"],
-        tracker_table=names["tracker_table"],
-        delayed_stores=SideStores(f"sqlite:///{tmp_path}/delayed.db"),
-    )
+    p = provider(azurite, names, tmp_path / "delayed.db")
     assert provider(azurite, names).background_tasks() == []  # no store, no dispatcher
     rt = Runtime(app, p)
     await rt.open()
@@ -213,15 +211,8 @@ async def test_a_whole_queue_purge_empties_the_delayed_store_too(azurite, names,
     """A message delayed beyond the 7-day limit waits in the delayed store; a purge of its whole queue
     reported it deleted and let its history go, but left its row, so it ran when due, in no listing
     (a review found it; the other transports' purge already emptied their delayed store first)."""
-    from queueing_core.providers.sql.history import SideStores
-
     app, _ = make_app(names["prefix"])
-    p = StorageQueueProvider(
-        StorageConnection(azurite.connection_string),
-        control_table=names["control_table"],
-        tracker_table=names["tracker_table"],
-        delayed_stores=SideStores(f"sqlite:///{tmp_path}/delayed.db"),
-    )
+    p = provider(azurite, names, tmp_path / "delayed.db")
     rt = Runtime(app, p)
     await rt.open()
     try:
@@ -252,15 +243,9 @@ async def test_a_delayed_message_given_up_sends_one_dead_letter_while_its_histor
     writes the history only."""
     from queueing_core.clock import utcnow
     from queueing_core.errors import ProviderUnavailable
-    from queueing_core.providers.sql.history import SideStores
 
     app, _ = make_app(names["prefix"])
-    p = StorageQueueProvider(
-        StorageConnection(azurite.connection_string),
-        control_table=names["control_table"],
-        tracker_table=names["tracker_table"],
-        delayed_stores=SideStores(f"sqlite:///{tmp_path}/delayed.db"),
-    )
+    p = provider(azurite, names, tmp_path / "delayed.db")
     rt = Runtime(app, p)
     await rt.open()
     try:

@@ -23,18 +23,39 @@ class Job(QueueMessage):
     n: int
 
 
-async def _runtime(azurite) -> Runtime:
+async def _runtime(azurite, message: type[QueueMessage] = Job, tag: str | None = None) -> Runtime:
+    """A host on Azurite; hosts given one ``tag`` share their queues and tables."""
     from queueing_core import QueueNaming
 
-    tag = uuid.uuid4().hex[:8]
+    tag = tag or uuid.uuid4().hex[:8]
     app = QueueingApp("race", naming=QueueNaming(prefix=f"t{tag}-"))
-    app.message(Job)
+    app.message(message)
     provider = StorageQueueProvider(
         StorageConnection(azurite.connection_string), control_table=f"ctl{tag}", tracker_table=f"hist{tag}"
     )
     rt = Runtime(app, provider)
     await rt.open()
     return rt
+
+
+async def _drop_queues(provider: StorageQueueProvider, queue: str) -> None:
+    for name in (provider.physical(queue), provider.poison_name(queue)):
+        await provider.client(name).delete_queue()
+
+
+async def _two_hosts(azurite, message: type[QueueMessage]) -> tuple[Runtime, Runtime]:
+    tag = uuid.uuid4().hex[:8]
+    return await _runtime(azurite, message, tag), await _runtime(azurite, message, tag)
+
+
+async def _holder_dead_letters(holder: Runtime, message: type[QueueMessage]) -> None:
+    """The message's current holder receives it and dead-letters it (settled and recorded)."""
+    from queueing_core.decisions import DeadLetter, DeadLetterReason
+
+    [current] = await holder.provider.receive(holder.app.subscription(message.type_name()), 1)
+    held = Settlement(current, DeadLetter(DeadLetterReason.NON_RETRYABLE, "the holder's outcome"))
+    await holder.provider.settle([held])
+    await holder.record([held])
 
 
 async def test_a_settlement_during_a_renewal_uses_the_renewed_receipt(azurite):
@@ -66,8 +87,7 @@ async def test_a_settlement_during_a_renewal_uses_the_renewed_receipt(azurite):
         props = await client.get_queue_properties()
         assert props.approximate_message_count == 0, "the message is still in the queue"
     finally:
-        for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
-            await provider.client(q).delete_queue()
+        await _drop_queues(provider, "race.renewal")
         await rt.close()
 
 
@@ -112,8 +132,7 @@ async def test_a_delete_whose_answer_was_lost_is_not_taken_for_a_lost_lease(azur
         assert rec is not None
         assert rec.status == MessageStatus.SUCCEEDED
     finally:
-        for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
-            await provider.client(q).delete_queue()
+        await _drop_queues(provider, "race.renewal")
         await rt.close()
 
 
@@ -150,8 +169,7 @@ async def test_a_settlement_that_failed_leaves_the_lease_renewed_until_it_is_tri
         props = await client.get_queue_properties()
         assert props.approximate_message_count == 0
     finally:
-        for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
-            await provider.client(q).delete_queue()
+        await _drop_queues(provider, "race.renewal")
         await rt.close()
 
 
@@ -167,29 +185,13 @@ async def test_a_stale_runs_delete_does_not_take_the_current_holders_removal_for
     stale run's Succeeded was written over the dead letter, which then stood in no listing)."""
     from azure.core.exceptions import ServiceRequestError
 
-    from queueing_core import MessageStatus, QueueNaming
-    from queueing_core.decisions import DeadLetter, DeadLetterReason
+    from queueing_core import MessageStatus
 
-    tag = uuid.uuid4().hex[:8]
-
-    async def host() -> Runtime:
-        app = QueueingApp("race", naming=QueueNaming(prefix=f"t{tag}-"))
-        app.message(Short)
-        provider = StorageQueueProvider(
-            StorageConnection(azurite.connection_string),
-            control_table=f"ctl{tag}",
-            tracker_table=f"hist{tag}",
-        )
-        rt = Runtime(app, provider)
-        await rt.open()
-        return rt
-
-    a, b = await host(), await host()
+    a, b = await _two_hosts(azurite, Short)
     try:
         receipt = await a.app.enqueue(Short(n=1))
         [stale] = await a.provider.receive(a.app.subscription(Short.type_name()), 1)
         await asyncio.sleep(2.2)  # its lease (1 s) lapses, unrenewed
-        [current] = await b.provider.receive(b.app.subscription(Short.type_name()), 1)
         client = stale.handle.queue_client
         real_delete = client.delete_message
         tries: list[int] = []
@@ -197,9 +199,7 @@ async def test_a_stale_runs_delete_does_not_take_the_current_holders_removal_for
         async def never_sent_while_the_holder_settles(*args, **kwargs):
             tries.append(1)
             if len(tries) == 1:
-                held = Settlement(current, DeadLetter(DeadLetterReason.NON_RETRYABLE, "the holder's outcome"))
-                await b.provider.settle([held])
-                await b.record([held])
+                await _holder_dead_letters(b, Short)
                 raise ServiceRequestError("connection refused")
             return await real_delete(*args, **kwargs)
 
@@ -214,8 +214,7 @@ async def test_a_stale_runs_delete_does_not_take_the_current_holders_removal_for
         assert rec.status == MessageStatus.DEAD_LETTERED
         assert await a.provider.depth("race.stale", poison=True) == 1
     finally:
-        for q in (a.provider.physical("race.stale"), a.provider.poison_name("race.stale")):
-            await a.provider.client(q).delete_queue()
+        await _drop_queues(a.provider, "race.stale")
         await a.close()
         await b.close()
 
@@ -264,8 +263,7 @@ async def test_a_settlement_tried_again_after_a_failed_delete_sends_its_copy_onc
         copies = (live.approximate_message_count, poison.approximate_message_count)
         assert copies == ((1, 0) if decision == "defer" else (0, 1)), copies
     finally:
-        for q in (provider.physical("race.renewal"), provider.poison_name("race.renewal")):
-            await provider.client(q).delete_queue()
+        await _drop_queues(provider, "race.renewal")
         await rt.close()
 
 
@@ -281,24 +279,9 @@ async def test_a_delete_retry_that_reaches_the_service_after_the_lease_is_not_ta
     left 2 s before the lease's end (a review found it); what counts is when the answer came."""
     from azure.core.exceptions import ServiceRequestError
 
-    from queueing_core import MessageStatus, QueueNaming
-    from queueing_core.decisions import DeadLetter, DeadLetterReason
+    from queueing_core import MessageStatus
 
-    tag = uuid.uuid4().hex[:8]
-
-    async def host() -> Runtime:
-        app = QueueingApp("race", naming=QueueNaming(prefix=f"t{tag}-"))
-        app.message(Slow)
-        provider = StorageQueueProvider(
-            StorageConnection(azurite.connection_string),
-            control_table=f"ctl{tag}",
-            tracker_table=f"hist{tag}",
-        )
-        rt = Runtime(app, provider)
-        await rt.open()
-        return rt
-
-    a, b = await host(), await host()
+    a, b = await _two_hosts(azurite, Slow)
     try:
         receipt = await a.app.enqueue(Slow(n=1))
         [first] = await a.provider.receive(a.app.subscription(Slow.type_name()), 1)
@@ -311,10 +294,7 @@ async def test_a_delete_retry_that_reaches_the_service_after_the_lease_is_not_ta
             if len(tries) == 1:
                 raise ServiceRequestError("connection refused")  # never sent
             await asyncio.sleep(3.5)  # on its way while the lease ends
-            [current] = await b.provider.receive(b.app.subscription(Slow.type_name()), 1)
-            held = Settlement(current, DeadLetter(DeadLetterReason.NON_RETRYABLE, "the holder's outcome"))
-            await b.provider.settle([held])
-            await b.record([held])
+            await _holder_dead_letters(b, Slow)
             return await real_delete(*args, **kwargs)
 
         client.delete_message = unsent_then_slow_to_arrive
@@ -327,7 +307,6 @@ async def test_a_delete_retry_that_reaches_the_service_after_the_lease_is_not_ta
         assert rec is not None
         assert rec.status == MessageStatus.DEAD_LETTERED
     finally:
-        for q in (a.provider.physical("race.slow"), a.provider.poison_name("race.slow")):
-            await a.provider.client(q).delete_queue()
+        await _drop_queues(a.provider, "race.slow")
         await a.close()
         await b.close()
