@@ -9,17 +9,17 @@ The control store keeps one document per (type, identity)::
      "started": message id}                             the newest version, once a host began it
 
 An enqueue reads it. If the newest version has the same JSON and has not started (no host wrote its
-start marker, and its history says it waits), the enqueue writes the unchanged document back by
-compare-and-set and, if that succeeds, sends nothing (``discarded``): a host that begins the version
-writes the marker by compare-and-set too, so either the discard or the start comes first, and a
-requested run is never lost. Otherwise the new version is sent, and only then is the
-document pointed at it, naming the one it replaced as superseded: a crash or a store failure between
-the two leaves both to run (a duplicate), never neither. A host that receives a superseded message
-settles it ``Cancelled`` with the reason ``superseded by <id>`` without running it; a version already
-running when it was replaced runs to its end. Two hosts enqueueing the same identity at once both
-send; the compare-and-set on the document orders them, so one of the two is superseded by the other
-(or, if it was received first, both run once). ``ctx.previous`` is the body, from the history, of the
-last version that succeeded.
+start marker, and its history says it waits) and expires no sooner than the new one would, the enqueue
+writes the unchanged document back by compare-and-set and, if that succeeds, sends nothing
+(``discarded``): a host that begins the version writes the marker by compare-and-set too, so either
+the discard or the start comes first, and a requested run is never lost. Otherwise the new version is
+sent, and only then is the document pointed at it, naming the one it replaced as superseded: a crash
+or a store failure between the two leaves both to run (a duplicate), never neither. A host that
+receives a superseded message settles it ``Cancelled`` with the reason ``superseded by <id>`` without
+running it; a version already running when it was replaced runs to its end. Two hosts enqueueing the
+same identity at once both send; the compare-and-set on the document orders them, so one of the two is
+superseded by the other (or, if it was received first, both run once). ``ctx.previous`` is the body,
+from the history, of the last version that succeeded.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from uuid import UUID
 
+from .clock import as_utc
 from .control.identities import KeepsIdentities
 from .messages import MessageStatus, QueueMessage
-from .producer import IdempotentOutcome, identity_of
+from .producer import IdempotentOutcome, identity_of, outlasts
 
 if TYPE_CHECKING:
     from .app import QueueingApp, Subscription
@@ -73,6 +74,19 @@ def _names(doc: dict[str, Any], message_id: UUID) -> bool:
     )
 
 
+#: the document's key for the waiting version's life made longer by an enqueue discarded against it:
+#: [its message id, the discarded one's expiry (ISO 8601) or None for never]
+LASTS = "lasts"
+
+
+def _lasts(doc: dict[str, Any], message_id: UUID, expires_at: datetime | None) -> datetime | None:
+    """When ``message_id`` expires: ``expires_at``, unless the document made its life longer."""
+    lasts = doc.get(LASTS)
+    if not lasts or lasts[0] != str(message_id):
+        return expires_at
+    return None if lasts[1] is None else datetime.fromisoformat(lasts[1])
+
+
 def body_hash(body: dict[str, Any]) -> str:
     """The JSON body's digest: equal for equal JSON, whatever the key order."""
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -100,15 +114,18 @@ class IdentityGuard:
         self, envelopes: Sequence[Envelope], identities: Sequence[str]
     ) -> list[IdempotentOutcome]:
         out: list[IdempotentOutcome] = []
-        sent: set[UUID] = set()  # sent by this call: waiting, though their history is not written yet
+        # sent by this call (their expiry): waiting, though their history is not written yet
+        sent: dict[UUID, datetime | None] = {}
         for env, key in zip(envelopes, identities, strict=True):
             outcome = await self._send_one(env, key, sent)
             if outcome.outcome == "enqueued":
-                sent.add(env.message_id)
+                sent[env.message_id] = env.expires_at
             out.append(outcome)
         return out
 
-    async def _send_one(self, env: Envelope, key: str, sent: set[UUID]) -> IdempotentOutcome:
+    async def _send_one(
+        self, env: Envelope, key: str, sent: dict[UUID, datetime | None]
+    ) -> IdempotentOutcome:
         digest = body_hash(env.body)
         found = await self.store.identity_doc(env.type, key)
         for _ in range(_CAS_TRIES):
@@ -116,12 +133,19 @@ class IdentityGuard:
                 break
             doc = found[0]
             waiting = doc.get("waiting")
-            if not (
-                waiting and waiting[2] == digest and await self._not_started(doc, UUID(waiting[0]), sent)
-            ):
+            if not (waiting and waiting[2] == digest):
                 break
-            # discard only if the document is still the one read: a host that began the waiting
-            # version meanwhile wrote its start marker (the token changed), and then this run is needed
+            waits, expiry = await self._waits(doc, UUID(waiting[0]), sent)
+            if not waits:
+                break
+            if not outlasts(expiry, env.expires_at):
+                # it would expire before this one: its life is made this one's (a host that finds it
+                # expired looks here before it settles it so), so the run asked for now still comes
+                until = None if env.expires_at is None else env.expires_at.isoformat()
+                doc = {**doc, LASTS: [waiting[0], until]}
+            # discard only if the document is still the one read: a host that began (or expired) the
+            # waiting version meanwhile wrote its start marker (the token changed), and then this run
+            # is needed
             if await self.store.put_identity_doc(env.type, key, doc, found[1]):
                 return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
             found = await self.store.identity_doc(env.type, key)
@@ -143,7 +167,7 @@ class IdentityGuard:
         key: str,
         digest: str,
         found: tuple[dict[str, Any], object] | None,
-        sent: set[UUID],
+        sent: Mapping[UUID, datetime | None],
     ) -> UUID | None:
         """Make ``env`` the identity's newest version and mark the one it replaces superseded. A failure
         here is logged, not raised: the message is sent, and raising would make the caller send again."""
@@ -185,22 +209,26 @@ class IdentityGuard:
             )
         return None
 
-    async def _not_started(self, doc: dict[str, Any], message_id: UUID, sent: set[UUID]) -> bool:
-        """No host has begun this message: its start marker is not in the document, and it was sent by
-        this call or the history says it waits (an unreadable history says no: sending again is a
-        duplicate at worst)."""
+    async def _waits(
+        self, doc: dict[str, Any], message_id: UUID, sent: Mapping[UUID, datetime | None]
+    ) -> tuple[bool, datetime | None]:
+        """Whether no host has begun this message (its start marker is not in the document, and it was
+        sent by this call or the history says it waits; an unreadable history says no: sending again is
+        a duplicate at worst), and when it expires (None: never), its life as made longer included."""
         if doc.get("started") == str(message_id):
-            return False
+            return False, None
         if message_id in sent:
-            return True
+            return True, _lasts(doc, message_id, sent[message_id])
         try:
             rec = await self.tracker.get(message_id)
         except Exception as exc:
             log.warning("could not read the history of %s (%s): sending the new version", message_id, exc)
-            return False
-        return rec is not None and rec.status in _WAITING
+            return False, None
+        if rec is None or rec.status not in _WAITING:
+            return False, None
+        return True, _lasts(doc, message_id, rec.expires_at)
 
-    async def _may_run(self, message_id: UUID, sent: set[UUID]) -> bool:
+    async def _may_run(self, message_id: UUID, sent: Mapping[UUID, datetime | None]) -> bool:
         """Worth marking superseded: not known to be finished."""
         if message_id in sent:
             return True
@@ -235,6 +263,33 @@ class IdentityGuard:
         except Exception as exc:
             log.warning("could not read or mark the identity of %s (%s): running it", message.message_id, exc)
         return None
+
+    async def expires(
+        self, sub: Subscription, message: QueueMessage, expires_at: datetime, now: datetime
+    ) -> bool:
+        """Whether a message found past its expiry expires now: not if an enqueue discarded against it
+        made its life longer (until after ``now``). Before it expires, the identity's newest version
+        is marked started (compare-and-set), as a run would be: an enqueue that reads it from then on
+        sends its own message, so an extension and an expiry are ordered and neither is lost. A store
+        that cannot be read or written lets it expire (as it would without an identity)."""
+        type_name, key, mid = sub.type_name, identity_of(sub.options, message), str(message.message_id)
+        try:
+            for _ in range(_CAS_TRIES):
+                found = await self.store.identity_doc(type_name, key)
+                if found is None:
+                    return True
+                doc, token = found
+                until = _lasts(doc, message.message_id, expires_at)
+                if until is None or as_utc(until) > now:
+                    return False
+                if (doc.get("waiting") or [None])[0] != mid or doc.get("started") == mid:
+                    return True
+                if await self.store.put_identity_doc(type_name, key, {**doc, "started": mid}, token):
+                    return True
+            log.warning("identity %r of %s kept changing: expiring %s", key, type_name, mid)
+        except Exception as exc:
+            log.warning("could not read or mark the identity of %s (%s): expiring it", mid, exc)
+        return True
 
     async def reinstate(self, sub: Subscription, envelope: Envelope) -> None:
         """An operator retries a superseded version: it is no longer superseded, so it runs (before

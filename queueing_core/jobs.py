@@ -16,7 +16,7 @@ from .control.base import CANCEL_KEPT
 from .errors import InvalidOperation, JobCancelled, JobFailed, MessageNotFound
 from .messages import MessageStatus
 from .tracking import MessageQuery, MessageRecord, record_change
-from .tracking.base import ChangesIfUnchanged
+from .tracking.base import CANCEL_REQUESTED, ChangesIfUnchanged, is_cancel_request
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -97,17 +97,8 @@ async def find(runtime: Runtime, tracking_id: UUID, *, newest: bool = True) -> M
     return rec
 
 
-#: the description of a Cancelled record that is only the request (transports whose history does not
-#: say whether a host runs the message now): the host's settlement, Cancelled or not, replaces it
-CANCEL_REQUESTED = "cancellation requested: settled without running when a host receives it"
-
-
 def _only_requested(r: MessageRecord, provider: Provider) -> bool:
-    return (
-        r.status == S.CANCELLED.value
-        and r.description == CANCEL_REQUESTED
-        and not provider.capabilities.durable_history
-    )
+    return is_cancel_request(r) and not provider.capabilities.durable_history
 
 
 def _lapses_first(r: MessageRecord, now: datetime) -> bool:

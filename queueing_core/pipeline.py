@@ -179,6 +179,8 @@ ProgressSink = Callable[[Delivery, dict[str, Any]], Awaitable[None]]
 PreviousLookup = Callable[[Subscription, QueueMessage], Awaitable[QueueMessage | None]]
 #: the newer version that superseded an idempotent message, if one did
 SupersedeCheck = Callable[[Subscription, QueueMessage], Awaitable[UUID | None]]
+#: (subscription, message, its expiry, now) -> whether an idempotent message past its expiry expires
+ExpiryCheck = Callable[[Subscription, QueueMessage, datetime, datetime], Awaitable[bool]]
 
 
 def decode_message(sub: Subscription, env: Envelope) -> QueueMessage:
@@ -229,6 +231,7 @@ class Pipeline:
         self.progress_sink: ProgressSink | None = None
         self.previous_lookup: PreviousLookup | None = None
         self.supersede_check: SupersedeCheck | None = None
+        self.expiry_check: ExpiryCheck | None = None
         #: this process's handled messages and waiting times (``GET metrics``), the app's one tally
         self.tally = Throughput.of(app.hooks)
 
@@ -305,7 +308,11 @@ class Pipeline:
         expires_at = env.expires_at
         if expires_at is None and sub is not None and sub.options.expiration is not None:
             expires_at = env.created_at + sub.options.expiration
-        if expires_at is not None and now >= expires_at:
+        if (
+            expires_at is not None
+            and now >= expires_at
+            and not await self._lives_on(sub, env, expires_at, now)
+        ):
             return await self._emit_final(delivery, Expire(expires_at))
 
         if env.not_before is not None and env.not_before > now:
@@ -415,6 +422,19 @@ class Pipeline:
                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
             )
             return None
+
+    async def _lives_on(
+        self, sub: Subscription | None, env: Envelope, expires_at: datetime, now: datetime
+    ) -> bool:
+        """An idempotent message past its expiry whose life an enqueue discarded against it made longer
+        (the transports that keep identity documents; on SQL the discard moves the row's expiry)."""
+        if sub is None or not sub.options.idempotent or self.expiry_check is None:
+            return False
+        try:
+            message = decode_message(sub, env)
+        except ValidationError:
+            return False  # (it expires: a body that does not read could not run anyway)
+        return not await self.expiry_check(sub, message, expires_at, now)
 
     def _waiting(self, now: datetime, reason: str) -> Defer:
         return Defer(now + self.waiting_recheck, MessageStatus.WAITING_FOR_HANDLER, reason)

@@ -68,6 +68,13 @@ class IdempotentOutcome:
     supersedes: UUID | None = None
 
 
+def outlasts(waiting: datetime | None, new: datetime | None) -> bool:
+    """Whether a waiting version that expires at ``waiting`` may stand for a new one of the same JSON
+    that expires at ``new`` (None: never): only if it expires no sooner. One that expires sooner (or
+    has expired and waits to be settled so) would leave the new run requested unrun."""
+    return waiting is None or (new is not None and as_utc(waiting) >= as_utc(new))
+
+
 @runtime_checkable
 class SendsIdempotent(Protocol):
     """A provider that can find the waiting message of an identity and hold back or replace it."""

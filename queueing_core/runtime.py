@@ -129,6 +129,7 @@ class Runtime:
             self.producer.identities = self.identities
             self.pipeline.previous_lookup = self.identities.previous
             self.pipeline.supersede_check = self.identities.check_start
+            self.pipeline.expiry_check = self.identities.expires
         if isinstance(provider, PushesCancels):
             provider.on_cancel = self._cancel_heard
         app.bind(self.producer, runtime=self)

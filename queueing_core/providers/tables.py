@@ -49,6 +49,7 @@ from ..messages import MessageStatus
 from ..options import CircuitBreakerOptions
 from ..storable import HEADERS_CUT_SHORT, cut_short_marker
 from ..tracking.base import (
+    CANCEL_REQUESTED,
     OUTCOMES,
     MessageQuery,
     MessageRecord,
@@ -1037,10 +1038,14 @@ class TablesTracker(_OnTable):
         def keep(stored: Mapping[str, Any]) -> bool:
             # ``supersedes`` in the table's terms: history that moved on while this record waited is left
             # as it is, a producer's record never replaces an outcome (its clock, read after the send,
-            # may be later than the worker's), and a run's record always replaces a producer's
+            # may be later than the worker's), and a run's record always replaces a producer's and an
+            # operator's request to cancel
             if fresh:
                 return _plain_utc(stored["UpdatedAt"]) > newer or stored.get("Status") in OUTCOMES
-            return _plain_utc(stored["UpdatedAt"]) > newer and not _producers(stored)
+            request = stored.get("Status") == MessageStatus.CANCELLED.value and (
+                stored.get("Description") == CANCEL_REQUESTED
+            )
+            return _plain_utc(stored["UpdatedAt"]) > newer and not _producers(stored) and not request
 
         # (a message this instance wrote whose entity is gone was deleted meanwhile, by a purge or an
         # operator: a record made again without its body and index entity would be found nowhere, so

@@ -249,17 +249,28 @@ def is_producers_record(rec: MessageRecord) -> bool:
     return is_enqueue_record(rec) and rec.status != MessageStatus.LEASED.value
 
 
+#: the description of a Cancelled record that is only an operator's request (transports whose history
+#: does not say whether a host runs the message now): the host's settlement, Cancelled or not, replaces it
+CANCEL_REQUESTED = "cancellation requested: settled without running when a host receives it"
+
+
+def is_cancel_request(rec: MessageRecord) -> bool:
+    """A record that says only "an operator asked to cancel it": no host has settled it that way yet."""
+    return rec.status == MessageStatus.CANCELLED.value and rec.description == CANCEL_REQUESTED
+
+
 def supersedes(new: MessageRecord, old: MessageRecord) -> bool:
     """The rule for records that may arrive out of order (a late write, a record overtaken by the next
     run's, records waiting for the store): may ``new`` take the place of ``old``? A producer's record
     never replaces an outcome; a run's record always replaces a producer's (whose clock, read after the
-    send, may be later than that of a worker that ran the message at once); otherwise the later
-    ``updated_at`` wins (the hosts' clocks). The SQL and Tables history stores say the same in their
-    own terms (``upsert_newer``)."""
+    send, may be later than that of a worker that ran the message at once) and an operator's request to
+    cancel (a run settled before the request, whose record arrives late, decided the message: the
+    request reached no host); otherwise the later ``updated_at`` wins (the hosts' clocks). The SQL and
+    Tables history stores say the same in their own terms (``upsert_newer``)."""
     newer = as_utc(new.updated_at) >= as_utc(old.updated_at)
     if is_enqueue_record(new):
         return newer and old.status not in OUTCOMES
-    return newer or is_producers_record(old)
+    return newer or is_producers_record(old) or is_cancel_request(old)
 
 
 def newest_per_message(records: Sequence[MessageRecord]) -> dict[UUID, MessageRecord]:

@@ -259,6 +259,52 @@ async def test_idempotent_enqueue_discards_an_identical_waiting_message_and_give
     assert seen[2:] == [(15, 12), (15, 15)]
 
 
+async def test_an_identical_enqueue_discarded_against_a_version_that_expires_sooner_still_runs(harness):
+    """A review found the same JSON discarded against a waiting version with a short time to live (or
+    one already past it, not yet settled so): that version expired unrun, and the run the second
+    enqueue asked for was lost. The discard now gives the waiting version the new one's expiry (SQL:
+    its row; elsewhere its identity's document, which a host reads before it expires the message)."""
+    app = harness.app()
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: PriceUpdate):
+        seen.append(msg.price)
+
+    rt = await harness.runtime(app)
+    await rt.control.set_paused("queue", "prices", True)
+    short = await app.enqueue(PriceUpdate(sku="X", price=7), ttl=timedelta(seconds=1))
+    await asyncio.sleep(1.2)  # its time is up, and nothing has settled it yet
+    again = await app.enqueue(PriceUpdate(sku="X", price=7))  # the queue's expiry: hours away
+    assert again.outcome == "discarded"
+    assert again.message_id == short.message_id
+    await rt.control.set_paused("queue", "prices", False)
+    async with running(rt):
+        await wait_until(lambda: seen == [7], what="the requested run")
+        await wait_until(lambda: _status_is(rt, short.message_id, MessageStatus.SUCCEEDED), what="Succeeded")
+    assert seen == [7]
+
+
+async def test_a_version_that_expired_is_not_discarded_against(harness):
+    """The other order: a host expired the waiting version first (it marks the identity's newest
+    version, as a start does), and an identical enqueue after that is sent and runs."""
+    app = harness.app()
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: PriceUpdate):
+        seen.append(msg.price)
+
+    rt = await harness.runtime(app)
+    short = await app.enqueue(PriceUpdate(sku="Y", price=8), ttl=timedelta(milliseconds=300))
+    await asyncio.sleep(0.5)
+    async with running(rt):  # a host receives it past its expiry and settles it so
+        await wait_until(lambda: _status_is(rt, short.message_id, MessageStatus.EXPIRED), what="Expired")
+        again = await app.enqueue(PriceUpdate(sku="Y", price=8))
+        assert again.outcome == "enqueued"
+        await wait_until(lambda: seen == [8], what="the new run")
+
+
 async def test_an_identity_function_keys_idempotent_messages(harness):
     app = harness.app()
     app.message(StockLevel)

@@ -80,34 +80,37 @@ def _methods(
 
 
 # -- history and side stores ----------------------------------------------------------------------------
-def _tables_history() -> list[CallPoint]:
-    from queueing_core.providers.tables import TablesTracker
+#: the history's writes, on every tracker (a cancel's record is a compare-and-swap)
+_HISTORY_WRITES = ["upsert", "upsert_newer", "reopen", "delete", "change_if_unchanged"]
 
-    return _methods(
-        "history", lambda rt: TablesTracker, ["upsert", "upsert_newer", "reopen", "delete"], _azure_error
-    )
+
+def _tables_history() -> list[CallPoint]:
+    """The history and the control state (pauses, circuits, cancellation requests) in Tables."""
+    from queueing_core.providers.tables import TablesControlStore, TablesTracker
+
+    return [
+        *_methods("history", lambda rt: TablesTracker, _HISTORY_WRITES, _azure_error),
+        *_methods("control", lambda rt: TablesControlStore, ["set_cancel"], _azure_error),
+    ]
 
 
 def _sql_side_stores() -> list[CallPoint]:
     from queueing_core.providers.delayed.store import SqlDelayedStore
+    from queueing_core.providers.sql.control import SqlControlStore
     from queueing_core.providers.sql.history import SqlHistoryTracker
 
     delayed = ["store_many", "fetch_due", "remove", "holds", "copies", "take_message", "purge", "release"]
     return [
-        *_methods(
-            "history",
-            lambda rt: SqlHistoryTracker,
-            ["upsert", "upsert_newer", "reopen", "delete"],
-            _sql_error,
-        ),
+        *_methods("history", lambda rt: SqlHistoryTracker, _HISTORY_WRITES, _sql_error),
         *_methods("delayed", lambda rt: SqlDelayedStore, delayed, _sql_error),
+        *_methods("control", lambda rt: SqlControlStore, ["set_cancel"], _sql_error),
     ]
 
 
 # -- places: where the transport holds a message ----------------------------------------------------------
 async def _sql_places(rt: Runtime, queue: str, mid: UUID) -> dict[str, int]:
-    rec = await rt.tracker.get(mid)  # the row is the message
-    if rec is None or rec.status == "Succeeded":
+    rec = await rt.tracker.get(mid)  # the row is the message: a finished one is claimed no more
+    if rec is None or rec.status in ("Succeeded", "Cancelled"):
         return {}
     return {"dead": 1} if rec.status in ("DeadLettered", "Expired") else {"queue": 1}
 
@@ -166,7 +169,7 @@ def _inprocess_points() -> list[CallPoint]:
 
     return [
         *_methods("memory", lambda rt: InProcessProvider, ["send", "settle", "_forget"], None),
-        *_methods("history", lambda rt: MemoryTracker, ["upsert", "upsert_newer", "reopen", "delete"], None),
+        *_methods("history", lambda rt: MemoryTracker, _HISTORY_WRITES, None),
     ]
 
 

@@ -2,7 +2,7 @@
 
 A sequence is one operation that takes several calls to stores and brokers: a worker settling a run
 (retry by copy, a paused type's wait by copy, dead-lettering, expiry), an operator's action (retry,
-purge, archive, lease release), the delayed store's forward, and an enqueue with its history record.
+purge, archive, lease release, cancel), the delayed store's forward, and an enqueue with its history record.
 ``prepare`` brings one message to the state the operation starts from (no faults), ``act`` is the
 operation itself (every call it makes is a step of the table), ``final`` the state it must end in once
 the operator's action is repeated and the workers drain.
@@ -203,13 +203,18 @@ async def _enqueue_one(ctx: Ctx) -> None:
     await enqueue(ctx)
 
 
+async def _cancel(ctx: Ctx) -> None:
+    await OpsService(ctx.rt).cancel(ctx.mid)
+
+
 @dataclass(frozen=True)
 class Sequence:
     name: str
     prepare: Callable[[Ctx], Awaitable[None]]
     act: Callable[[Ctx], Awaitable[None]]
     #: the state once the operator's action is repeated and workers drained: the message ran
-    #: ("succeeded"), it is gone from the transport and the history ("gone"), or it is "archived"
+    #: ("succeeded"), it is gone from the transport and the history ("gone"), it is "archived", or it
+    #: ended without running ("cancelled")
     final: str = "succeeded"
     #: the operator's action, repeated in recovery
     repeat: str | None = None
@@ -288,5 +293,8 @@ SEQUENCES: list[Sequence] = [
         },
     ),
     Sequence("enqueue_history", _nothing, _enqueue_one),
+    # a message waiting on its queue, cancelled: the request, then the row (SQL) or the history's record
+    # (the others, where a host that receives it settles it without running it)
+    Sequence("cancel", _enqueue_one, _cancel, final="cancelled", repeat="cancel"),
 ]
 BY_NAME = {s.name: s for s in SEQUENCES}

@@ -164,6 +164,15 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("enqueue_history", "servicebus"): ("sb.send_messages", "history.upsert"),
     ("enqueue_history", "rabbitmq"): ("amqp.publish", "history.upsert"),
     ("enqueue_history", "sqs"): ("sqs.send_message_batch", "history.upsert"),
+    # the request first (SQL: its row, beside the read of the message and its row's end), then the row
+    # ended (SQL) or the record of the request written over the record as read (the others)
+    ("cancel", "inprocess"): ("history.change_if_unchanged",),
+    ("cancel", "sqlite"): ("sql.execute",) * 4,
+    ("cancel", "postgres"): ("sql.execute",) * 5,
+    ("cancel", "storage_queue"): ("control.set_cancel", "history.change_if_unchanged"),
+    ("cancel", "servicebus"): ("control.set_cancel", "history.change_if_unchanged"),
+    ("cancel", "rabbitmq"): ("control.set_cancel", "history.change_if_unchanged"),
+    ("cancel", "sqs"): ("control.set_cancel", "history.change_if_unchanged"),
 }
 
 MODES = ("error", "crash")

@@ -35,8 +35,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 DEAD = ("DeadLettered", "Expired")
 #: outcomes after which a transport may keep no copy (an expired message is dropped by some; its
-#: history keeps the body, so an operator can still retry it)
-DONE = ("Succeeded", "Expired")
+#: history keeps the body, so an operator can still retry it; a cancelled one ends where it is)
+DONE = ("Succeeded", "Expired", "Cancelled")
 
 
 #: how long history may take to reach the transport's state after a failure or a takeover (the
@@ -85,11 +85,22 @@ async def _recover(ctx: Ctx, seq: Sequence, kit: Kit, timeout: float = 90.0) -> 
     ops = OpsService(ctx.rt)
     mid = ctx.mid
     deadline = time.monotonic() + timeout
+    if seq.final == "cancelled":
+        # a request that landed is enough, whatever came after it failed: the host that receives the
+        # message settles it without running it. Without one, the operator cancels again
+        ctx.rt.control.invalidate()
+        if mid not in (await ctx.rt.control.state()).cancelled:
+            await ops.cancel(mid)
     async with running(ctx.rt):
         while True:
             status, places, rec = await _where(kit, ctx.rt, mid)
             held = any(places.values())
-            if seq.final == "gone":
+            if seq.final == "cancelled":
+                # a host that received it settled it without running it: it ends where it was cancelled
+                assert not ctx.ran, f"a cancelled message ran (attempts {ctx.ran}; history {status})"
+                if status == "Cancelled" and not held:
+                    return
+            elif seq.final == "gone":
                 if rec is None and not held:
                     return
                 await ops.purge(MessageQuery(queue=QUEUE, status=("DeadLettered",)))

@@ -170,3 +170,59 @@ async def test_the_side_history_writes_a_change_only_over_the_record_it_read(sql
         assert (await tracker.get(mid)).status == "Cancelled"
     finally:
         await stores.close()
+
+
+def _outcome(status: str, at: datetime, message_id: uuid.UUID) -> MessageRecord:
+    """A run's record of an outcome (a reason, an error, or a result: not a producer's record)."""
+    if status == "Succeeded":
+        return _record(status, at, message_id).model_copy(update={"attempt": 1, "result": {"price": 10}})
+    return _record(status, at, message_id).model_copy(
+        update={"attempt": 1, "reason": "NonRetryable", "last_error": "refused", "description": "refused"}
+    )
+
+
+async def _late_outcome_after_a_request(tracker, status: str) -> tuple[MessageRecord, MessageRecord]:
+    """A host settles the message at T+5 and its record waits (a store outage, a journal taken over
+    after a crash); the operator, reading the producer's record, cancels at T+10; then the host's
+    record lands, by the late write's rule. Returns the record after the late write, and after a
+    progress report of T+3 (a run's, which says nothing final) that lands later still."""
+    from queueing_core.tracking.base import CANCEL_REQUESTED
+
+    mid = uuid.uuid4()
+    await tracker.upsert([_record("Pending", T0, mid)])
+    seen = await tracker.get(mid)
+    request = {
+        "status": "Cancelled",
+        "description": CANCEL_REQUESTED,
+        "updated_at": T0 + timedelta(seconds=10),
+    }
+    assert await tracker.change_if_unchanged(seen, request)
+    await tracker.upsert_newer([_outcome(status, T0 + timedelta(seconds=5), mid)])
+    after = await tracker.get(mid)
+    progress = _record("Leased", T0 + timedelta(seconds=3), mid)
+    await tracker.upsert_newer([progress])
+    return after, await tracker.get(mid)
+
+
+@pytest.mark.parametrize("status", ["Succeeded", "DeadLettered"])
+async def test_an_outcome_that_lands_after_a_cancel_request_replaces_the_request(runtime: Runtime, status):
+    """A review found the request kept over an outcome settled before it and written late (older by
+    the hosts' clocks): ``result()`` waited for ever for a settlement that had happened, and a dead
+    letter's history, Cancelled, was pruned while the letter stayed (retention keeps dead letters'
+    history only). The request reached no host: the outcome stands. A progress report that lands
+    later still does not replace it."""
+    after, later = await _late_outcome_after_a_request(runtime.tracker, status)
+    assert after.status == status, after.description
+    assert later.status == status
+
+
+@pytest.mark.parametrize("status", ["Succeeded", "DeadLettered"])
+async def test_the_side_history_lets_a_late_outcome_replace_a_cancel_request(sql_db, status):
+    """The same on the history SQL keeps beside RabbitMQ and SQS (SQLite and PostgreSQL)."""
+    stores = SideStores(sql_db.url, schema=sql_db.schema)
+    try:
+        after, later = await _late_outcome_after_a_request(stores.history, status)
+        assert after.status == status, after.description
+        assert later.status == status
+    finally:
+        await stores.close()

@@ -28,7 +28,13 @@ from pydantic_core import to_json
 from ...clock import Clock, as_utc, utcnow
 from ...envelope import malformed_id as malformed_id  # re-exported for the transports that use it
 from ...messages import MessageStatus
-from ...tracking.base import OUTCOMES, MessageRecord, is_enqueue_record, newest_per_message
+from ...tracking.base import (
+    CANCEL_REQUESTED,
+    OUTCOMES,
+    MessageRecord,
+    is_enqueue_record,
+    newest_per_message,
+)
 from .control import SqlControlStore
 from .provider import SqlProvider
 from .schema import archived, first_rows
@@ -149,7 +155,12 @@ class SqlHistoryTracker(SqlTracker):
                     t.c.last_error.is_(None),
                     t.c.locked_by.is_(None),
                 )
-                newer = sa.or_(newer, producers)
+                # and an operator's request to cancel (``is_cancel_request``)
+                request = sa.and_(
+                    t.c.status == sa.literal_column(f"'{MessageStatus.CANCELLED.value}'"),
+                    t.c.description == sa.literal_column(f"'{CANCEL_REQUESTED}'"),
+                )
+                newer = sa.or_(newer, producers, request)
             conditions.append(newer)
         where = sa.and_(*conditions) if conditions else None
         return stmt.on_conflict_do_update(index_elements=[t.c.message_id], set_=changes, where=where)

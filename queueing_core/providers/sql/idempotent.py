@@ -36,21 +36,40 @@ def plan(
     waiting body if it differs, else insert it with its identity. One plan for the provider's own
     transaction (:func:`send`) and the caller's (the outbox), sync or async: a row written without its
     identity would be invisible to the next enqueue of that identity and to ``ctx.previous``."""
-    from ...producer import IdempotentOutcome
+    from ...producer import IdempotentOutcome, outlasts
     from .provider import initial_status, insert_statement
 
     m = tables.messages
     if backend == "postgresql":
         # one enqueuer per identity at a time, to the commit: two cannot both find none and both insert
         yield sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"{env.type}\x1f{key}"))), None
+    else:
+        # SQLite: the write lock first, so the lookup and what follows are one writer's: a caller's
+        # connection (the outbox) may not have begun its transaction yet, or only to read, and two
+        # enqueuers could both find none and both insert (a write that changes no row takes the lock)
+        yield sa.update(m).where(sa.false()).values(id=m.c.id), None
     find = (
-        sa.select(m.c.id, m.c.message_id, m.c.tracking_id, sa.cast(m.c.body, sa.Text()).label("b"))
+        sa.select(
+            m.c.id,
+            m.c.message_id,
+            m.c.tracking_id,
+            m.c.expires_at,
+            sa.cast(m.c.body, sa.Text()).label("b"),
+        )
         .where(m.c.type == env.type, m.c.identity == key, claimable())
         .order_by(m.c.id)
         .limit(1)
     )
+    if backend == "postgresql":
+        # held to the commit: a claim (which skips locked rows) cannot run the waiting version before
+        # the caller's transaction commits what an enqueue discarded against it stands for
+        find = find.with_for_update(of=m)
     waiting = (yield find, None).first()
     if waiting is not None and _same(waiting.b, env.body):
+        if not outlasts(waiting.expires_at, env.expires_at):
+            # it would expire before this one: it takes this one's expiry, so the run asked for now
+            # still comes (the row is this transaction's: locked, or the single writer's)
+            yield sa.update(m).where(m.c.id == waiting.id).values(expires_at=env.expires_at), None
         return IdempotentOutcome("discarded", waiting.message_id, waiting.tracking_id)
     if waiting is not None:
         # the new version as it was enqueued, as on every other transport (where it is a message of
