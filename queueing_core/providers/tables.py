@@ -1236,15 +1236,55 @@ class TablesTracker(_OnTable):
                 # Deleting rows behind the continuation token does not disturb the pages after it.
                 entities, token = await self._page(client, f, 1000, token, _MATCH_PROPS)
                 doomed = [e for e in entities if keep(e)]
-                records = [{"PartitionKey": e["PartitionKey"], "RowKey": e["RowKey"]} for e in doomed]
-                index = [{"PartitionKey": _INDEX_PK, "RowKey": e["MessageId"]} for e in doomed]
-                for batch in [*_batches(records), *_batches(index)]:
+                # each record only as it was read (its ETag): one written meanwhile (an operator's
+                # retry reopened it, a run recorded it) no longer says what chose it, and stays
+                records = [
+                    {"PartitionKey": e["PartitionKey"], "RowKey": e["RowKey"], "etag": e.metadata["etag"]}
+                    for e in doomed
+                ]
+                gone: set[tuple[str, str]] = set()
+                for batch in _batches(records):
+                    gone.update(await self._delete_unchanged(client, batch))
+                left = [e for e in doomed if (e["PartitionKey"], e["RowKey"]) in gone]
+                index = [{"PartitionKey": _INDEX_PK, "RowKey": e["MessageId"]} for e in left]
+                for batch in _batches(index):
                     await self._delete_batch(client, batch)
-                for e in doomed:  # a message written again later needs its index and body again
+                for e in left:  # a message written again later needs its index and body again
                     self._written.pop(UUID(e["MessageId"]), None)
-                deleted += len(doomed)
+                deleted += len(left)
                 if token is None:
                     return deleted
+
+    @staticmethod
+    async def _delete_unchanged(client: TableClient, batch: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        """Delete the records of ``batch`` (one partition) that are as read (their ETags); the keys of
+        those gone (one already gone counts: a concurrent delete)."""
+        condition = {"match_condition": MatchConditions.IfNotModified}
+        try:
+            await client.submit_transaction(
+                [
+                    (
+                        "delete",
+                        {"PartitionKey": e["PartitionKey"], "RowKey": e["RowKey"]},
+                        {"etag": e["etag"], **condition},
+                    )
+                    for e in batch
+                ]
+            )
+            return [(str(e["PartitionKey"]), str(e["RowKey"])) for e in batch]
+        except TableTransactionError:
+            pass  # one changed or gone fails the whole transaction: one by one
+        gone: list[tuple[str, str]] = []
+        for e in batch:
+            try:
+                await client.delete_entity(e["PartitionKey"], e["RowKey"], etag=e["etag"], **condition)
+            except ResourceModifiedError:
+                continue  # written since it was read: it stays
+            except ResourceNotFoundError as exc:
+                if not _entity_missing(exc):
+                    raise
+            gone.append((str(e["PartitionKey"]), str(e["RowKey"])))
+        return gone
 
     @staticmethod
     async def _delete_batch(client: TableClient, batch: list[dict[str, Any]]) -> None:

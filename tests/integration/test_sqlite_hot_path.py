@@ -196,8 +196,9 @@ async def test_a_claim_reads_its_timestamps_as_utc_times_and_leaves_uuids_to_the
     hot = prov._hot
     assert hot is not None
     now = prov.clock()
+    until = now + a.subscription("Job").options.lease_duration
     [claimed] = await prov._driver.run(
-        prov.claims, "a claim", [(hot.claim, prov._claim_params(a.subscription("Job"), 10, now, now))]
+        prov.claims, "a claim", [(hot.claim, prov._claim_params(a.subscription("Job"), 10, now, until))]
     )
     [row] = claimed.rows
     for column in ("created_at", "expires_at", "locked_until"):
@@ -205,7 +206,7 @@ async def test_a_claim_reads_its_timestamps_as_utc_times_and_leaves_uuids_to_the
     assert row["not_before"] is None
     [stored] = rows_of(str(tmp_path / "q.db"))
     assert row["created_at"] == datetime.fromisoformat(stored["created_at"]).replace(tzinfo=UTC)
-    assert row["locked_until"] == now + a.subscription("Job").options.lease_duration
+    assert row["locked_until"] == until
     assert row["message_id"] == sent.message_id.hex == stored["message_id"]
     # through the provider's claim: the envelope of the message that was sent
     await a.enqueue(Job(n=2))

@@ -503,6 +503,41 @@ async def test_prune_deletes_old_terminal_records_only(tables_tracker):
     assert len(raw) == 2 * len(kept)
 
 
+async def test_prune_and_purge_leave_a_record_written_after_they_read_it(tables_tracker, monkeypatch):
+    """A review found prune deleting by key what it had read a moment before: an operator's retry
+    that reopened an old record in between (Pending, its copy on the queue) lost its record and its
+    index entity, and the queued message was in no listing. Records are now deleted as they were read
+    (their ETags); the same for a purge's delete of history. One of the page's records is reopened,
+    the other is deleted."""
+    now = T0 + timedelta(days=30)
+    old = now - timedelta(days=15)
+    reopened, finished = (
+        rec(1, status="Cancelled", updated_at=old),
+        rec(2, status="Cancelled", updated_at=old),
+    )
+    read_page = TablesTracker._page
+
+    async def an_operator_retries_meanwhile(client, f, size, token, select=None):
+        page = await read_page(client, f, size, token, select)
+        await tables_tracker.reopen(reopened.model_copy(update={"status": "Pending", "updated_at": now}))
+        return page
+
+    for delete in (
+        lambda: tables_tracker.prune(now),
+        lambda: tables_tracker.delete(MessageQuery(status=("Cancelled",))),
+    ):
+        await tables_tracker.upsert([reopened, finished])
+        monkeypatch.setattr(TablesTracker, "_page", staticmethod(an_operator_retries_meanwhile))
+        deleted = await delete()
+        monkeypatch.setattr(TablesTracker, "_page", staticmethod(read_page))
+        assert deleted == 1
+        assert await tables_tracker.get(finished.message_id) is None
+        kept = await tables_tracker.get(reopened.message_id)  # (found by its id: its index stayed)
+        assert kept is not None
+        assert kept.status == "Pending"
+        await tables_tracker.delete(MessageQuery())
+
+
 async def test_large_fields_never_fail_an_upsert(tables_tracker):
     fits = rec(1, body={"blob": "x" * 200_000})  # 200 KB: split across properties, read back whole
     await tables_tracker.upsert([fits])

@@ -430,7 +430,8 @@ class SqlProvider:
             async with self.auto.connect() as conn:
                 await conn.execute(self.statements.mark_waiting, bind(queue=sub.queue, now=now))
             return []
-        params = self._claim_params(sub, max_messages, now, self.lease_clock())
+        lease_until = self.lease_clock() + sub.options.lease_duration
+        params = self._claim_params(sub, max_messages, now, lease_until)
         # ordered queues take the head of the line only (a retried head holds the rest back)
         rows: Sequence[Any]
         if self._hot is not None:
@@ -440,14 +441,35 @@ class SqlProvider:
             stmt = self.statements.claim_head if sub.options.ordered else self.statements.claim
             async with self.claims.connect() as conn:
                 rows = (await conn.execute(stmt, params)).mappings().all()
-        return _deliveries(rows)
+        return await self._leased(_deliveries(rows), sub, lease_until)
 
     @staticmethod
     def _claim_params(
-        sub: Subscription, max_messages: int, now: datetime, lease_now: datetime
+        sub: Subscription, max_messages: int, now: datetime, lease_until: datetime
     ) -> dict[str, Any]:
-        lease_until = lease_now + sub.options.lease_duration
         return bind(queue=sub.queue, now=now, lease_until=lease_until, limit=max_messages)
+
+    async def _leased(
+        self, claimed: list[Delivery], sub: Subscription, lease_until: datetime
+    ) -> list[Delivery]:
+        """The claimed deliveries, their leases long enough to start on. A lease's end is set before the
+        claim waits (for a pooled connection, or for SQLite's write lock, which another process may
+        hold for seconds), so a claim that waited long commits leases that are short or over, and the
+        worker's first renewal comes a third of a lease later: the sweep of any host could take the
+        message back meanwhile, and on its last attempt dead-letter it while it runs. With less than
+        two thirds of the lease left, the leases are renewed at once, and those the sweep took back
+        already are not run (their outcome would be refused)."""
+        if not claimed or lease_until - self.lease_clock() > sub.options.lease_duration * 2 / 3:
+            return claimed
+        lost = {id(d) for d in await self.renew(claimed)}
+        if lost:
+            log.warning(
+                "a claim waited %s: %d of its %d message(s) were taken back before it returned; not run",
+                "past their lease",
+                len(lost),
+                len(claimed),
+            )
+        return [d for d in claimed if id(d) not in lost]
 
     def _hot_claim(self, sub: Subscription, params: dict[str, Any]) -> tuple[Compiled, dict[str, Any]]:
         """The claim as a hot-path statement: ordered queues take the head of the line only."""
@@ -629,10 +651,11 @@ class SqlProvider:
             )
         now = self.clock()
         work, read = self._settle_work(settlements, now) if settlements else ([], _nothing_refused)
-        claim = self._hot_claim(sub, self._claim_params(sub, max_messages, now, self.lease_clock()))
+        lease_until = self.lease_clock() + sub.options.lease_duration
+        claim = self._hot_claim(sub, self._claim_params(sub, max_messages, now, lease_until))
         results = await self._driver.run(self.auto, "a settlement and a claim", [*work, claim])
         _mark_refused(read(results[: len(work)]))
-        return _deliveries(results[-1].rows)
+        return await self._leased(_deliveries(results[-1].rows), sub, lease_until)
 
     def _settle_work(
         self, settlements: Sequence[Settlement], now: datetime
