@@ -38,7 +38,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 from uuid import UUID
@@ -63,8 +62,6 @@ DRAIN_CHUNK = 200
 POISON_STRIKES = 3
 #: statuses no run follows
 FINAL = frozenset(s.value for s in MessageStatus.terminal())
-#: a message due again within this of its record may run, and record that run, before the record lands
-OVERTAKE_WINDOW = timedelta(seconds=2)
 
 
 @runtime_checkable
@@ -110,21 +107,13 @@ def _producers(text: str) -> bool:
         return False
 
 
-def may_be_overtaken(rec: MessageRecord, now: datetime) -> bool:
-    """A run's record after which the message may run again at once (released: a run's ``Pending``, or
-    retried or deferred to within :data:`OVERTAKE_WINDOW` of ``now``, when it is written, by the clock
-    that stamped it): the next run's record may reach the store before it. (Due later, the next run
-    cannot start before this record is written: a write that fails waits in the backlog, which writes
-    by the late write's rule anyway.) Measured from the write, not from when the record was made: a
-    settlement whose tries took seconds (a batch given up after its part was deleted) brings a record
-    whose retry may have run already on another host."""
-    if rec.status in FINAL or is_enqueue_record(rec):
-        return False
-    if rec.status == MessageStatus.PENDING.value:
-        return True  # released: claimable at once, whatever the message's own not_before says
-    if rec.not_before is None:
-        return True
-    return as_utc(rec.not_before) - max(as_utc(rec.updated_at), as_utc(now)) <= OVERTAKE_WINDOW
+def may_be_overtaken(rec: MessageRecord) -> bool:
+    """A run's record after which the message runs again (released, retried, deferred, paused): the
+    next run's record may reach the store before it, whatever the delay, since one write to a store
+    can take longer than that (an SDK's tries and timeouts: up to minutes on Azure Tables), so it is
+    written by the late write's rule. An outcome has no next run, and a producer's record is kept from
+    outcomes by the stores themselves."""
+    return not (rec.status in FINAL or is_enqueue_record(rec))
 
 
 def default_journal_dir() -> Path:
@@ -455,21 +444,20 @@ class HistoryWriter:
         return True
 
     async def _write_now(self, records: Sequence[MessageRecord]) -> None:
-        """A direct write. A record after which the message may run again at once (released at a stop,
-        retried or deferred to a moment later: :func:`may_be_overtaken`) can land after the record of
-        that next run, which another host wrote first: such records are written by the late write's
-        rule (:func:`~queueing_core.tracking.base.supersedes`), so the next run's record stays. The rest
-        goes as it is, in one write: no run follows an outcome, and the stores keep outcomes from
-        producers' records themselves. (Newer by ``updated_at``, as every late write: a host whose
-        clock runs ahead by more than the time between the two settlements can still put its record
-        over the next run's.)"""
+        """A direct write. A record after which the message runs again (released at a stop, retried or
+        deferred: :func:`may_be_overtaken`) can land after the record of that next run, which another host
+        wrote first: such records are written by the late write's rule
+        (:func:`~queueing_core.tracking.base.supersedes`), so the next run's record stays. The rest goes as
+        it is, in one write: no run follows an outcome, and the stores keep outcomes from producers' records
+        themselves. (Newer by ``updated_at``, as every late write: a host whose clock runs ahead by more
+        than the time between the two settlements can still put its record over the next run's.)"""
         tracker = self.tracker
         if not isinstance(tracker, WritesLate):
             await tracker.upsert(records)
             return
         # a message's records go together, the way its last one goes (the store folds them as before)
         last = {r.message_id: r for r in records}
-        checked = {mid for mid, r in last.items() if may_be_overtaken(r, self.clock())}
+        checked = {mid for mid, r in last.items() if may_be_overtaken(r)}
         if len(checked) < len(last):
             await tracker.upsert([r for r in records if r.message_id not in checked])
         if checked:

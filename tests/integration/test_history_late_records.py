@@ -200,9 +200,11 @@ class CountingTracker(MemoryTracker):
         await super().upsert_newer(records)
 
 
-async def test_only_records_whose_message_may_run_at_once_take_the_checked_write():
+async def test_only_records_whose_message_runs_again_take_the_checked_write():
     """The checked write costs Azure Tables a read and two writes a record where a batch costs one
-    write: it is taken only where the next run can start before the record lands."""
+    write: it is taken only where a next run's record can land first, which is after every record but
+    an outcome and a producer's (a review found a retry due 30 s later written plainly: one Tables write
+    can take longer than that, and it put "Failed" over the retry's "Succeeded")."""
     store = CountingTracker()
     due = T0 + timedelta(seconds=10)  # (the records' time)
     writer = HistoryWriter(store, clock=lambda: due)
@@ -220,7 +222,7 @@ async def test_only_records_whose_message_may_run_at_once_take_the_checked_write
     ]
     assert await writer.write(records)
     await writer.close()
-    assert sorted(store.checked) == ["Failed", "Pending", "Pending"], store.checked
+    assert sorted(store.checked) == ["Failed", "Failed", "Paused", "Pending", "Pending"], store.checked
     for rec in records:
         got = await store.get(rec.message_id)
         assert got is not None
@@ -316,6 +318,25 @@ async def test_a_retry_record_whose_settlement_took_seconds_never_replaces_the_c
     )
     writer = HistoryWriter(store)
     await writer.write([late])  # worker A, at the give-up
+    await writer.close()
+    got = await store.get(mid)
+    assert got is not None
+    assert got.status == "Succeeded"
+
+
+async def test_a_retry_due_later_whose_write_is_slow_never_replaces_the_retrys_outcome(store: Tracker):
+    """Worker A failed the message, its retry due 30 s later; its history write was slow (an SDK's tries
+    and timeouts on a throttled store: minutes at worst), and worker B ran the retry and recorded
+    "Succeeded" first. Found in review: a record due seconds later was written plainly, and landed
+    over B's."""
+    mid = uuid.uuid4()
+    now = utcnow()
+    await store.upsert([record(mid, "Succeeded", 0, attempt=2).model_copy(update={"updated_at": now})])
+    slow = record(mid, "Failed", 0, attempt=1, last_error="boom").model_copy(
+        update={"updated_at": now - timedelta(seconds=40), "not_before": now - timedelta(seconds=10)}
+    )
+    writer = HistoryWriter(store, clock=lambda: now - timedelta(seconds=40))  # (when A's write began)
+    await writer.write([slow])
     await writer.close()
     got = await store.get(mid)
     assert got is not None
