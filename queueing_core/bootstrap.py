@@ -45,6 +45,7 @@ def make_provider(settings: QueueingSettings) -> Provider:
             durable_claims=settings.durable_claims,
             settle_with_claims=settings.settle_with_claims,
             prepared_statements=settings.database_prepared_statements,
+            sqlite_synchronous=settings.sqlite_synchronous,
         )
     if name == "storage_queue":
         from .connections import StorageConnection

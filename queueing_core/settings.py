@@ -70,6 +70,12 @@ class QueueingSettings(BaseSettings):
         "own: faster, and a database crash just after a claim only hands its messages out again "
         "(a second delivery, never a loss).",
     )
+    sqlite_synchronous: Literal["normal", "full"] = Field(
+        default="normal",
+        description="SQLite: when a commit reaches the disk. `normal`: at the next checkpoint (a "
+        "commit survives the process's crash; an OS crash or a power cut can roll the last ones back, "
+        "enqueues included); `full`: at every commit, slower.",
+    )
     settle_with_claims: bool = Field(
         default=False,
         description="SQL (PostgreSQL with durable claims, or SQLite): a worker settles the messages "

@@ -28,6 +28,7 @@ from ..providers.dead_letters import is_whole_queue
 from ..runtime import Runtime
 from ..storable import HEADERS_CUT_SHORT, is_cut_short
 from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen, record_change
+from ..tracking.base import reopened
 from .models import (
     ActionResult,
     CircuitInfo,
@@ -433,19 +434,7 @@ class OpsService:
             headers=r.headers,
             body=r.body,
         )
-        pending = r.model_copy(
-            update={
-                "status": S.PENDING.value,
-                "attempt": 0,
-                "reason": None,
-                "description": None,
-                "not_before": None,
-                "expires_at": envelope.expires_at,
-                "locked_by": None,
-                "locked_until": None,
-                "updated_at": now,
-            }
-        )
+        pending = reopened(r, now, envelope.expires_at)
 
         async def reopen() -> None:
             await self.runtime.tracker.reopen(pending)

@@ -259,6 +259,28 @@ def is_cancel_request(rec: MessageRecord) -> bool:
     return rec.status == MessageStatus.CANCELLED.value and rec.description == CANCEL_REQUESTED
 
 
+#: the reason on a record an operator's retry reopened: not a producer's record, which a run's record
+#: replaces whatever its time (a run's record older than the retry, landing late, must not)
+RETRIED_BY_OPERATOR = "retried by an operator"
+
+
+def reopened(rec: MessageRecord, now: datetime, expires_at: datetime | None) -> MessageRecord:
+    """``rec`` as an operator's retry reopens it: waiting again, its attempts from the start."""
+    return rec.model_copy(
+        update={
+            "status": MessageStatus.PENDING.value,
+            "attempt": 0,
+            "reason": RETRIED_BY_OPERATOR,
+            "description": None,
+            "not_before": None,
+            "expires_at": expires_at,
+            "locked_by": None,
+            "locked_until": None,
+            "updated_at": now,
+        }
+    )
+
+
 def supersedes(new: MessageRecord, old: MessageRecord) -> bool:
     """The rule for records that may arrive out of order (a late write, a record overtaken by the next
     run's, records waiting for the store): may ``new`` take the place of ``old``? A producer's record

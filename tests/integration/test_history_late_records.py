@@ -343,6 +343,29 @@ async def test_a_retry_due_later_whose_write_is_slow_never_replaces_the_retrys_o
     assert got.status == "Succeeded"
 
 
+async def test_a_runs_record_older_than_an_operators_retry_never_replaces_the_reopened_record(store: Tracker):
+    """The worker dead-lettered the message and its record waited (the store was down); the history
+    still said "Pending" (the producer's), the operator retried it (the letter was found and held),
+    the copy went out, and the record was reopened. Then the dead letter's record landed. Found in
+    review: the reopened record looked like a producer's, which a run's record replaces whatever its
+    time: history said "DeadLettered" while the copy waited, and a second retry sent a second copy."""
+    from queueing_core.tracking.base import RETRIED_BY_OPERATOR, reopened
+
+    mid = uuid.uuid4()
+    await store.upsert([record(mid, "Pending", 0, body={"n": 1})])  # the producer's
+    seen = await store.get(mid)
+    assert seen is not None
+    await store.reopen(reopened(seen, T0 + timedelta(seconds=10), None))  # the operator's retry
+    await store.upsert_newer([dead_letter(mid, 5)])  # the worker's record, late
+    got = await store.get(mid)
+    assert got is not None
+    assert (got.status, got.reason) == ("Pending", RETRIED_BY_OPERATOR)
+    await store.upsert_newer([record(mid, "Succeeded", 12, attempt=1)])  # the copy's run: newer
+    got = await store.get(mid)
+    assert got is not None
+    assert got.status == "Succeeded"
+
+
 async def test_a_late_record_that_names_the_original_a_copy_left_behind_keeps_that_mark(store: Tracker):
     """The run's record naming the original its copy left behind lands after the copy's own newer
     outcome: the outcome stays, and the mark is kept with it."""

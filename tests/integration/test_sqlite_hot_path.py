@@ -717,3 +717,35 @@ async def test_a_closed_aiosqlite_connection_is_not_taken_for_idle(tmp_path):
     assert conn._connection is not None
     await conn.close()
     assert not conn._running or conn._connection is None
+
+
+async def test_sqlite_can_flush_at_every_commit_and_refuses_other_settings(tmp_path):
+    """``sqlite_synchronous="full"`` (``QUEUEING_SQLITE_SYNCHRONOUS``): an enqueue that returned survives
+    a power cut; the connection says FULL, and the hot path still claims and settles (in aiosqlite's
+    thread). Anything but normal or full is a configuration error, not a silent default."""
+    from queueing_core.errors import ConfigurationError
+    from queueing_core.testing import run_until_idle
+
+    a = QueueingApp("sync-full")
+    ran: list[int] = []
+
+    @a.handler()
+    async def handle(msg: Job) -> None:
+        ran.append(msg.n)
+
+    prov = SqlProvider(f"sqlite:///{tmp_path}/q.db", sqlite_synchronous="full")
+    rt = Runtime(a, prov)
+    await rt.open()
+    try:
+        async with prov.engine.connect() as conn:
+            assert (await conn.exec_driver_sql("PRAGMA synchronous")).scalar() == 2  # FULL
+        await a.enqueue(Job(n=1))
+        assert await run_until_idle(rt) == 1
+        assert ran == [1]
+    finally:
+        await rt.close()
+    with sqlite3.connect(tmp_path / "q.db") as conn:
+        assert conn.execute("SELECT status FROM queueing_messages").fetchall() == [("Succeeded",)]
+    wrong = SqlProvider(f"sqlite:///{tmp_path}/q2.db", sqlite_synchronous="off")
+    with pytest.raises(ConfigurationError, match="QUEUEING_SQLITE_SYNCHRONOUS"):
+        await wrong.ensure_open()

@@ -74,6 +74,7 @@ def create_engine(
     *,
     password: PasswordSource | None = None,
     prepared_statements: bool = True,
+    sqlite_synchronous: str = "normal",
     **kwargs: Any,
 ) -> AsyncEngine:
     u = normalize_url(url)
@@ -93,7 +94,7 @@ def create_engine(
         engine = create_async_engine(
             u, async_creator=_sqlite_connector(u), pool_reset_on_return=None, **single
         )
-        _tune_sqlite(engine)
+        _tune_sqlite(engine, sqlite_synchronous)
         sa.event.listen(engine.sync_engine, "reset", _rollback_unless_clean)
         return engine
     # No pre-ping (a round trip per transaction): when a statement meets a dead connection, SQLAlchemy
@@ -241,7 +242,18 @@ async def borrowed(engine: AsyncEngine) -> AsyncIterator[Lent]:
             await greenlet_spawn(pooled.close)
 
 
-def _tune_sqlite(engine: AsyncEngine) -> None:
+#: SQLite's ``synchronous`` settings the kit takes (``QUEUEING_SQLITE_SYNCHRONOUS``)
+SQLITE_SYNCHRONOUS = ("normal", "full")
+
+
+def _tune_sqlite(engine: AsyncEngine, synchronous: str) -> None:
+    if synchronous not in SQLITE_SYNCHRONOUS:
+        raise ConfigurationError(
+            "QUEUEING_SQLITE_SYNCHRONOUS",
+            f"{synchronous!r} is not one of {', '.join(SQLITE_SYNCHRONOUS)}",
+            "full",
+        )
+
     @sa.event.listens_for(engine.sync_engine, "connect")
     def on_connect(dbapi_conn: Any, _record: Any) -> None:
         # take transaction control from the driver so every transaction starts IMMEDIATE: SQLite has
@@ -249,7 +261,9 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
-        cur.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; safe with WAL
+        # NORMAL: a commit survives the process's crash, and reaches the disk at the next checkpoint
+        # (an OS crash or a power cut before it rolls the last commits back); FULL: at each commit
+        cur.execute(f"PRAGMA synchronous={synchronous.upper()}")
         cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         cur.close()
 

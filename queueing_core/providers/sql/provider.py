@@ -151,6 +151,7 @@ class SqlProvider:
         claim_pool_size: int = 2,
         prepared_statements: bool = True,
         settle_with_claims: bool = False,
+        sqlite_synchronous: str = "normal",
     ) -> None:
         self.url = normalize_url(url)
         self.backend = self.url.get_backend_name()
@@ -197,6 +198,9 @@ class SqlProvider:
         #: settlement ran beside it on another connection; measured slower in the burn-down where the
         #: server's CPU, not its flush, limits (see bench/RESULTS.md)
         self.settle_with_claims = settle_with_claims
+        #: SQLite's ``synchronous``: "normal" (a commit reaches the disk at the next checkpoint) or
+        #: "full" (at each commit, which also sends every hot-path call to aiosqlite's thread)
+        self.sqlite_synchronous = sqlite_synchronous
         #: connections of the provider's own engine, and of the claims' pool when claims are relaxed
         #: (it may overflow by twice its size, never by more than ``max_overflow``); LISTEN adds one
         self.pool_size, self.max_overflow, self.claim_pool_size = pool_size, max_overflow, claim_pool_size
@@ -284,6 +288,7 @@ class SqlProvider:
                     self.url,
                     password=self._password,
                     prepared_statements=self.prepared_statements,
+                    sqlite_synchronous=self.sqlite_synchronous,
                     **(pools if self.backend == "postgresql" else {}),
                 )
             self._auto = self._engine.execution_options(isolation_level="AUTOCOMMIT")
