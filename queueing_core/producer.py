@@ -84,10 +84,18 @@ class SendsIdempotent(Protocol):
     ) -> list[IdempotentOutcome]: ...
 
 
-def identity_of(options: QueueOptions, message: QueueMessage) -> str:
-    """An idempotent message's identity key: its ``identity`` field, or the function's value, as text."""
+def identity_of(options: QueueOptions, message: QueueMessage, *, sending: bool = False) -> str:
+    """An idempotent message's identity key: its ``identity`` field, or the function's value, as text.
+    ``sending``: refuse None, which every message without a value would share as one identity (each
+    would supersede or be discarded against another's); a message stored before is keyed as it was."""
     key = options.identity
     value = key(message) if callable(key) else getattr(message, key or "")
+    if sending and value is None:
+        raise InvalidArgument(
+            "identity",
+            "is None: an idempotent message is keyed by its identity, and every message without one "
+            "would share the key 'None'; give it a value, or send it as a type that is not idempotent",
+        )
     text = str(value)
     if not text or len(text) > MAX_IDENTITY:
         raise InvalidArgument("identity", f"must be 1 to {MAX_IDENTITY} characters, not {len(text)}")
@@ -107,7 +115,7 @@ def identities_of(app: QueueingApp, messages: Sequence[QueueMessage]) -> list[st
             opts = app.options_for(type(m))
             idempotent[type(m)] = opts if opts.idempotent else None
         opts_or_none = idempotent[type(m)]
-        keys.append(identity_of(opts_or_none, m) if opts_or_none is not None else None)
+        keys.append(identity_of(opts_or_none, m, sending=True) if opts_or_none is not None else None)
     return keys if any(k is not None for k in keys) else []
 
 

@@ -124,6 +124,7 @@ class Runtime:
         self.identities: IdentityGuard | None = None
         if previous is not None:
             self.pipeline.previous_lookup = previous
+            self.pipeline.supersede_check = getattr(provider, "superseded_by", None)
         elif not isinstance(provider, SendsIdempotent) and isinstance(control, KeepsIdentities):
             self.identities = IdentityGuard(app, control, tracker, provider)
             self.producer.identities = self.identities

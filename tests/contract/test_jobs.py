@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
-from queueing_core import MessageStatus, QueueMessage, queue
+from queueing_core import MessageStatus, QueueMessage, RetryPolicy, queue
 from queueing_core.errors import InvalidOperation, JobCancelled
 from queueing_core.pipeline import MAX_RESULT_CHARS
 
@@ -303,6 +304,45 @@ async def test_a_version_that_expired_is_not_discarded_against(harness):
         again = await app.enqueue(PriceUpdate(sku="Y", price=8))
         assert again.outcome == "enqueued"
         await wait_until(lambda: seen == [8], what="the new run")
+
+
+@queue(
+    "retried_prices",
+    idempotent=True,
+    identity="sku",
+    max_attempts=3,
+    retry=RetryPolicy(base=timedelta(milliseconds=300), factor=1.0, jitter=0),
+)
+class RetriedPrice(QueueMessage):
+    sku: str
+    cents: int
+
+
+async def test_a_version_waiting_for_its_retry_is_superseded_by_one_enqueued_while_it_ran(harness):
+    """The docs: only a version that has not started is superseded, one waiting for its retry
+    included. A review found SQL running the retry of the older version after the newer one had
+    succeeded (the newer was a row of its own, written while the older one ran, and nothing looked at
+    it when the older came back): the stale body ran last."""
+    app = harness.app()
+    runs: list[int] = []
+    newer: list[Any] = []
+
+    @app.handler()
+    async def handle(msg: RetriedPrice):
+        runs.append(msg.cents)
+        if msg.cents == 100 and not newer:
+            newer.append(await app.enqueue(RetriedPrice(sku="T", cents=90)))  # changed while it runs
+            raise RuntimeError("the first attempt fails")
+
+    rt = await harness.runtime(app)
+    first = await app.enqueue(RetriedPrice(sku="T", cents=100))
+    async with running(rt):
+        await wait_until(lambda: _status_is(rt, first.message_id, MessageStatus.CANCELLED), what="superseded")
+        await wait_until(lambda: 90 in runs, what="the newer version")
+        await asyncio.sleep(0.6)  # past the older version's retry: it does not run
+    assert runs == [100, 90]
+    rec = await record(rt, first.message_id)
+    assert rec.reason == f"superseded by {newer[0].message_id}"
 
 
 async def test_an_identity_function_keys_idempotent_messages(harness):

@@ -219,3 +219,23 @@ async def test_a_schedules_message_of_an_idempotent_type_goes_through_its_identi
         assert [r[0] for r in rows] == ["a"]
     finally:
         await rt.close()
+
+
+async def test_batches_of_the_same_identities_in_opposite_orders_do_not_deadlock(pg_db):
+    """A review found each identity's lock taken in the batch's order: two ``enqueue_many`` naming the
+    same identities in opposite orders each held one and waited for the other, and PostgreSQL failed
+    one of them (a deadlock). The batch's identities are now locked together, in one order."""
+    app, _ = catalog_app()
+    rt = Runtime(app, pg_db.provider())
+    await rt.open()
+    skus = [f"s{i}" for i in range(8)]
+    try:
+        for round_ in range(15):
+            batches = [
+                [Product(sku=s, price=2 * round_ + k) for s in order]
+                for k, order in enumerate((skus, skus[::-1]))
+            ]
+            receipts = await asyncio.gather(*(app.enqueue_many(b) for b in batches))
+            assert all(len(r) == len(skus) for r in receipts)
+    finally:
+        await rt.close()

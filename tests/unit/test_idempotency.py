@@ -256,3 +256,36 @@ async def test_an_operators_retry_of_a_superseded_version_that_was_dead_lettered
     assert rec.status == MessageStatus.SUCCEEDED, (rec.status, rec.reason)
     assert seen == [1, 2, 1]
     await rt.close()
+
+
+@queue("guest-invoices", idempotent=True, identity="customer")
+class Invoice(QueueMessage):
+    customer: str | None
+    total: int
+
+
+async def test_an_identity_of_none_is_refused_before_anything_is_sent():
+    """A review found None taken as the text 'None': every guest's invoice shared one identity, the
+    second superseded the first, and one invoice never ran. An enqueue of a message whose identity is
+    None now fails with a clear error, before any send; a message with one goes as before."""
+    from queueing_core.errors import InvalidArgument
+
+    app = QueueingApp("guests")
+    ran: list[int] = []
+
+    @app.handler()
+    async def handle(msg: Invoice) -> None:
+        ran.append(msg.total)
+
+    rt = in_process(app)
+    await rt.open()
+    try:
+        with pytest.raises(InvalidArgument, match="identity"):
+            await app.enqueue(Invoice(customer=None, total=10))
+        with pytest.raises(InvalidArgument, match="is None"):
+            await app.enqueue_many([Invoice(customer="c1", total=5), Invoice(customer=None, total=20)])
+        await app.enqueue(Invoice(customer="c2", total=7))
+        assert await run_until_idle(rt) == 1
+        assert ran == [7]  # nothing of the refused calls was sent
+    finally:
+        await rt.close()

@@ -8,6 +8,7 @@ import json
 from collections.abc import Generator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
+from uuid import UUID
 
 import sqlalchemy as sa
 
@@ -26,6 +27,22 @@ T = TypeVar("T")
 
 #: one statement to run and its parameters (None: run it bare); the plan is sent what it answered
 Step = tuple[sa.Executable, Any]
+
+
+def batch_lock(backend: str, envs: Sequence[Envelope], keys: Sequence[str | None]) -> Step | None:
+    """PostgreSQL: the identities of a batch locked together, in one order (sorted), before the plans
+    take each its own (again: the lock is the transaction's already). Taken by each plan in the
+    batch's order, two batches that name the same identities in opposite orders each held one and
+    waited for the other: a deadlock, which PostgreSQL ended by failing one enqueue. None where there
+    is nothing to order (SQLite's single writer, or fewer than two identities)."""
+    names = sorted({f"{e.type}\x1f{k}" for e, k in zip(envs, keys, strict=True) if k is not None})
+    if backend != "postgresql" or len(names) < 2:
+        return None
+    # (one statement: the function scan of the array gives its rows, and so takes the locks, in order)
+    lock = sa.text(
+        "SELECT count(pg_advisory_xact_lock(hashtext(n))) FROM unnest(CAST(:names AS text[])) AS n"
+    )
+    return lock.bindparams(names=names), None
 
 
 def plan(
@@ -132,6 +149,9 @@ async def send(
     now = p.clock()
     out: list[IdempotentOutcome] = []
     async with p.engine.begin() as conn:
+        lock = batch_lock(p.backend, envelopes, identities)
+        if lock is not None:
+            await conn.execute(lock[0])
         for env, key in zip(envelopes, identities, strict=True):
             out.append(await run_plan_async(conn, plan(p.tables, p.backend, p._app, env, key, now)))
         sent = zip(envelopes, out, strict=True)
@@ -144,6 +164,25 @@ def _same(stored: str | None, body: dict[str, Any]) -> bool:
         return stored is not None and json.loads(stored) == body
     except ValueError:
         return False
+
+
+async def newer_version(p: SqlProvider, sub: Subscription, message: QueueMessage, key: str) -> UUID | None:
+    """A version of this identity enqueued after this message (a row of its own, written while this one
+    was running: a waiting row would have taken the new body instead), if there is one: this message,
+    about to run again (its retry, or after its lease lapsed), is superseded by it, as on the other
+    transports."""
+    m = p.tables.messages
+    this = sa.select(m.c.id).where(m.c.message_id == message.message_id).scalar_subquery()
+    async with p.engine.connect() as conn:
+        newer: UUID | None = (
+            await conn.execute(
+                sa.select(m.c.message_id)
+                .where(m.c.type == sub.type_name, m.c.identity == key, m.c.id > this)
+                .order_by(m.c.id.desc())
+                .limit(1)
+            )
+        ).scalar()
+    return newer
 
 
 async def previous(p: SqlProvider, sub: Subscription, message: QueueMessage, key: str) -> QueueMessage | None:

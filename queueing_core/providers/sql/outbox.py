@@ -85,6 +85,9 @@ class SqlOutbox:
         if plain:
             rows = [row_for(e, initial_status(self.app, e), now) for _, e in plain]
             yield insert_statement(self.tables, backend), rows
+        lock = sql_idempotent.batch_lock(backend, envs, keys)
+        if lock is not None:
+            yield lock
         for i, env in enumerate(envs):
             key = keys[i]
             if key is not None:

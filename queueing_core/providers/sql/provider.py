@@ -576,6 +576,7 @@ class SqlProvider:
                     "status": decision.status.value,
                     "attempt": used,
                     "result": jsonable(decision.result),
+                    "reason": decision.reason,
                 }
             elif isinstance(decision, RetryAfter):
                 shape = "retry"
@@ -786,6 +787,10 @@ class SqlProvider:
     async def previous_of(self, sub: Subscription, message: QueueMessage) -> QueueMessage | None:
         await self.ensure_open()
         return await sql_idempotent.previous(self, sub, message, identity_of(sub.options, message))
+
+    async def superseded_by(self, sub: Subscription, message: QueueMessage) -> UUID | None:
+        await self.ensure_open()
+        return await sql_idempotent.newer_version(self, sub, message, identity_of(sub.options, message))
 
     async def ops_update_status_where(
         self,

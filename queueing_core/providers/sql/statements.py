@@ -237,7 +237,11 @@ class Statements:
             "complete": sa.update(m)
             .where(owned)
             .values(
-                status=P("status"), attempt=P("attempt"), result=P("result", type_=m.c.result.type), **settled
+                status=P("status"),
+                attempt=P("attempt"),
+                result=P("result", type_=m.c.result.type),
+                reason=P("reason"),  # (a version superseded by a newer one says by which)
+                **settled,
             ),
             "retry": sa.update(m)
             .where(owned)
