@@ -28,7 +28,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from uuid import UUID
 
@@ -135,8 +135,13 @@ class IdentityGuard:
             waiting = doc.get("waiting")
             if not (waiting and waiting[2] == digest):
                 break
-            waits, expiry = await self._waits(doc, UUID(waiting[0]), sent)
+            waits, expiry, own = await self._waits(doc, UUID(waiting[0]), sent)
             if not waits:
+                break
+            grace: timedelta | None = getattr(self.provider, "drops_expired_after", None)
+            if own is not None and grace is not None and not outlasts(own + grace, env.expires_at):
+                # the transport drops the waiting message that long after its own expiry (a time to
+                # live of its own): it cannot live as long as this one, which is sent, superseding it
                 break
             if not outlasts(expiry, env.expires_at):
                 # it would expire before this one: its life is made this one's (a host that finds it
@@ -211,22 +216,25 @@ class IdentityGuard:
 
     async def _waits(
         self, doc: dict[str, Any], message_id: UUID, sent: Mapping[UUID, datetime | None]
-    ) -> tuple[bool, datetime | None]:
+    ) -> tuple[bool, datetime | None, datetime | None]:
         """Whether no host has begun this message (its start marker is not in the document, and it was
         sent by this call or the history says it waits; an unreadable history says no: sending again is
-        a duplicate at worst), and when it expires (None: never), its life as made longer included."""
+        a duplicate at worst); when it expires (None: never), its life as made longer included; and
+        when it expires by its own envelope."""
         if doc.get("started") == str(message_id):
-            return False, None
+            return False, None, None
         if message_id in sent:
-            return True, _lasts(doc, message_id, sent[message_id])
-        try:
-            rec = await self.tracker.get(message_id)
-        except Exception as exc:
-            log.warning("could not read the history of %s (%s): sending the new version", message_id, exc)
-            return False, None
-        if rec is None or rec.status not in _WAITING:
-            return False, None
-        return True, _lasts(doc, message_id, rec.expires_at)
+            own = sent[message_id]
+        else:
+            try:
+                rec = await self.tracker.get(message_id)
+            except Exception as exc:
+                log.warning("could not read the history of %s (%s): sending the new version", message_id, exc)
+                return False, None, None
+            if rec is None or rec.status not in _WAITING:
+                return False, None, None
+            own = rec.expires_at
+        return True, _lasts(doc, message_id, own), own
 
     async def _may_run(self, message_id: UUID, sent: Mapping[UUID, datetime | None]) -> bool:
         """Worth marking superseded: not known to be finished."""
@@ -271,7 +279,8 @@ class IdentityGuard:
         made its life longer (until after ``now``). Before it expires, the identity's newest version
         is marked started (compare-and-set), as a run would be: an enqueue that reads it from then on
         sends its own message, so an extension and an expiry are ordered and neither is lost. A store
-        that cannot be read or written lets it expire (as it would without an identity)."""
+        that cannot be read or written runs it: it may have been made to live longer (a duplicate run
+        beats a lost one)."""
         type_name, key, mid = sub.type_name, identity_of(sub.options, message), str(message.message_id)
         try:
             for _ in range(_CAS_TRIES):
@@ -286,10 +295,10 @@ class IdentityGuard:
                     return True
                 if await self.store.put_identity_doc(type_name, key, {**doc, "started": mid}, token):
                     return True
-            log.warning("identity %r of %s kept changing: expiring %s", key, type_name, mid)
+            log.warning("identity %r of %s kept changing: running %s", key, type_name, mid)
         except Exception as exc:
-            log.warning("could not read or mark the identity of %s (%s): expiring it", mid, exc)
-        return True
+            log.warning("could not read or mark the identity of %s (%s): running it", mid, exc)
+        return False
 
     async def reinstate(self, sub: Subscription, envelope: Envelope) -> None:
         """An operator retries a superseded version: it is no longer superseded, so it runs (before

@@ -341,6 +341,9 @@ class RabbitMQProvider(SideStoreOps):
         self.naming = naming
         self.auto_declare = auto_declare
         self.ttl_grace = ttl_grace
+        #: the broker drops (or dead-letters) a message this long after its envelope's expiry: its own
+        #: time to live, which nothing the kit writes later makes longer (``idempotency``)
+        self.drops_expired_after = ttl_grace
         self.prefetch = max(1, prefetch)
         self.publish_timeout = publish_timeout
         self.reconnect_interval = reconnect_interval

@@ -266,6 +266,9 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         self.naming = naming
         self.auto_create = auto_create and admin is not None
         self.ttl_grace = ttl_grace
+        #: the broker drops (or dead-letters) a message this long after its envelope's expiry: its own
+        #: time to live, which nothing the kit writes later makes longer (``idempotency``)
+        self.drops_expired_after = ttl_grace
         self.receive_wait = receive_wait
         self.capabilities = Capabilities(
             max_delay=None,

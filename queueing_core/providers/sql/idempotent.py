@@ -13,8 +13,9 @@ from uuid import UUID
 import sqlalchemy as sa
 
 from ...messages import MessageStatus, QueueMessage
+from ...tracking.base import RETRIED_BY_OPERATOR
 from .rows import row_for
-from .schema import Tables, claimable
+from .schema import CLAIMABLE_SQL, Tables, claimable
 
 if TYPE_CHECKING:
     from ...app import QueueingApp, Subscription
@@ -65,6 +66,10 @@ def plan(
         # connection (the outbox) may not have begun its transaction yet, or only to read, and two
         # enqueuers could both find none and both insert (a write that changes no row takes the lock)
         yield sa.update(m).where(sa.false()).values(id=m.c.id), None
+    # the identity's newest version (its last row): only it may stand for this one or take its body.
+    # An older row still waiting (a version that was running when a newer one came, back for its
+    # retry) is superseded by the newer rows when it starts (``newer_version``); a newest version that
+    # runs now or has finished leaves this one a row of its own
     find = (
         sa.select(
             m.c.id,
@@ -72,16 +77,18 @@ def plan(
             m.c.tracking_id,
             m.c.expires_at,
             sa.cast(m.c.body, sa.Text()).label("b"),
+            sa.literal_column(f"({CLAIMABLE_SQL})").label("waits"),
         )
-        .where(m.c.type == env.type, m.c.identity == key, claimable())
-        .order_by(m.c.id)
+        .where(m.c.type == env.type, m.c.identity == key)
+        .order_by(m.c.id.desc())
         .limit(1)
     )
     if backend == "postgresql":
         # held to the commit: a claim (which skips locked rows) cannot run the waiting version before
         # the caller's transaction commits what an enqueue discarded against it stands for
         find = find.with_for_update(of=m)
-    waiting = (yield find, None).first()
+    newest = (yield find, None).first()
+    waiting = newest if newest is not None and newest.waits else None
     if waiting is not None and _same(waiting.b, env.body):
         if not outlasts(waiting.expires_at, env.expires_at):
             # it would expire before this one: it takes this one's expiry, so the run asked for now
@@ -167,17 +174,23 @@ def _same(stored: str | None, body: dict[str, Any]) -> bool:
 
 
 async def newer_version(p: SqlProvider, sub: Subscription, message: QueueMessage, key: str) -> UUID | None:
-    """A version of this identity enqueued after this message (a row of its own, written while this one
-    was running: a waiting row would have taken the new body instead), if there is one: this message,
-    about to run again (its retry, or after its lease lapsed), is superseded by it, as on the other
-    transports."""
+    """A version of this identity enqueued after this message (a later row: one written while this one
+    ran, since the identity's newest row takes a new body only while it waits), if there is one: this
+    message, about to run again (its retry, or after its lease lapsed), is superseded by it, as on the
+    other transports. Not a message an operator retried (its reason says so): the operator wants it
+    run, whatever came after it."""
     m = p.tables.messages
-    this = sa.select(m.c.id).where(m.c.message_id == message.message_id).scalar_subquery()
+    this = sa.select(m.c.id, m.c.reason).where(m.c.message_id == message.message_id).subquery()
     async with p.engine.connect() as conn:
         newer: UUID | None = (
             await conn.execute(
                 sa.select(m.c.message_id)
-                .where(m.c.type == sub.type_name, m.c.identity == key, m.c.id > this)
+                .where(
+                    m.c.type == sub.type_name,
+                    m.c.identity == key,
+                    m.c.id > this.c.id,
+                    sa.or_(this.c.reason.is_(None), this.c.reason != RETRIED_BY_OPERATOR),
+                )
                 .order_by(m.c.id.desc())
                 .limit(1)
             )

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from ...envelope import Envelope
 from ...messages import MessageStatus
 from ...tracking import MessageQuery, MessageRecord
+from ...tracking.base import RETRIED_BY_OPERATOR
 from .rows import Lease
 from .schema import archived
 
@@ -32,7 +33,9 @@ async def retry(p: SqlProvider, record: MessageRecord, envelope: Envelope, now: 
                 available_at=now,
                 not_before=None,
                 expires_at=envelope.expires_at,
-                reason=None,
+                # (as the history of the other transports says it; and an idempotent type's retried
+                # version runs, not superseded by the versions after it: ``idempotent.newer_version``)
+                reason=RETRIED_BY_OPERATOR,
                 description=None,
                 settled_at=None,
                 locked_by=None,

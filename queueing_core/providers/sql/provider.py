@@ -466,7 +466,13 @@ class SqlProvider:
         already are not run (their outcome would be refused)."""
         if not claimed or lease_until - self.lease_clock() > sub.options.lease_duration * 2 / 3:
             return claimed
-        lost = {id(d) for d in await self.renew(claimed)}
+        try:
+            lost = {id(d) for d in await self.renew(claimed)}
+        except Exception as exc:
+            # (the slow database that made the claim wait may fail this too: the messages run as
+            # claimed, and the worker's renewals go on trying; dropped, they would wait out the lease)
+            log.warning("could not renew the leases of a claim that waited (%s): running it as claimed", exc)
+            return claimed
         if lost:
             log.warning(
                 "a claim waited %s: %d of its %d message(s) were taken back before it returned; not run",
@@ -789,8 +795,14 @@ class SqlProvider:
         return await sql_idempotent.previous(self, sub, message, identity_of(sub.options, message))
 
     async def superseded_by(self, sub: Subscription, message: QueueMessage) -> UUID | None:
-        await self.ensure_open()
-        return await sql_idempotent.newer_version(self, sub, message, identity_of(sub.options, message))
+        """The newer version that supersedes this one, if any; a failed lookup runs it (a duplicate run
+        beats a lost one), as on the other transports."""
+        try:
+            await self.ensure_open()
+            return await sql_idempotent.newer_version(self, sub, message, identity_of(sub.options, message))
+        except Exception as exc:
+            log.warning("could not look for a newer version of %s (%s): running it", message.message_id, exc)
+            return None
 
     async def ops_update_status_where(
         self,
