@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 import sqlalchemy as sa
 
-from queueing_core import HandlerContext, QueueingApp, QueueMessage, queue
+from queueing_core import HandlerContext, NonRetryableError, QueueingApp, QueueMessage, Retry, queue
 from queueing_core.decisions import Complete
 from queueing_core.providers.sql.retention import RetentionPolicy
 from queueing_core.runtime import Runtime
@@ -237,5 +238,92 @@ async def test_batches_of_the_same_identities_in_opposite_orders_do_not_deadlock
             ]
             receipts = await asyncio.gather(*(app.enqueue_many(b) for b in batches))
             assert all(len(r) == len(skus) for r in receipts)
+    finally:
+        await rt.close()
+
+
+@queue(
+    "kept-briefly", idempotent=True, identity="sku", max_attempts=3, keep_processed_for=timedelta(seconds=1)
+)
+class Brief(QueueMessage):
+    sku: str
+    price: int
+
+
+async def _superseded_while_it_ran(
+    rt: Runtime, app: QueueingApp, seen: list[int], gate: asyncio.Event
+) -> Any:
+    """Version 1 runs; version 2 comes meanwhile (a row of its own) and runs once 1 settled; 1's
+    receipt."""
+    first = await app.enqueue(Brief(sku="A", price=1))
+    run = asyncio.create_task(run_until_idle(rt, raise_errors=False, max_messages=1))
+    while not seen:
+        await asyncio.sleep(0.01)
+    assert (await app.enqueue(Brief(sku="A", price=2))).outcome == "enqueued"
+    gate.set()
+    await run
+    await run_until_idle(rt, raise_errors=False)  # version 2 runs
+    assert seen == [1, 2]
+    return first
+
+
+def _brief_app(outcome: str) -> tuple[QueueingApp, list[int], asyncio.Event]:
+    app = QueueingApp("brief")
+    seen: list[int] = []
+    gate = asyncio.Event()
+
+    @app.handler()
+    async def handle(msg: Brief) -> None:
+        seen.append(msg.price)
+        if msg.price == 1 and seen.count(1) == 1:
+            await gate.wait()
+            if outcome == "retry":
+                raise Retry(after=timedelta(seconds=2.5))
+            raise NonRetryableError("fails for good")
+
+    return app, seen, gate
+
+
+async def test_a_superseded_versions_retry_stays_superseded_when_retention_removed_the_newer_row(sql_db):
+    """A review found the supersession judged by the newer row, which a queue that keeps its successes
+    briefly had deleted by the older version's retry: the stale body ran last. The mark is on the older
+    version's own row now."""
+    app, seen, gate = _brief_app("retry")
+    rt = Runtime(app, sql_db.provider(maintenance_interval=3600))
+    await rt.open()
+    try:
+        first = await _superseded_while_it_ran(rt, app, seen, gate)
+        await asyncio.sleep(1.2)
+        assert (await rt.provider.maintain(app))["deleted_processed"] == 1  # version 2's row
+        await asyncio.sleep(1.5)  # version 1's retry is due
+        await run_until_idle(rt, raise_errors=False)
+        assert seen == [1, 2]
+        rec = await rt.tracker.get(first.message_id)
+        assert rec is not None
+        assert rec.status == "Cancelled"
+    finally:
+        await rt.close()
+
+
+async def test_a_superseded_version_put_back_to_pending_runs(sql_db):
+    """A review found a bulk put-back to Pending (which gives attempts back as an operator's retry does)
+    settled superseded at once: the operator was told it was updated, and nothing ran."""
+    from queueing_core.ops import OpsService
+    from queueing_core.ops.models import StatusUpdate, StatusWhere
+
+    app, seen, gate = _brief_app("fail")
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    try:
+        first = await _superseded_while_it_ran(rt, app, seen, gate)
+        change = StatusUpdate(
+            where=StatusWhere(path="price", value=1), set="Pending", status=["DeadLettered"]
+        )
+        assert (await OpsService(rt).update_status_where("kept-briefly", change)).updated == 1
+        await run_until_idle(rt, raise_errors=False)
+        assert seen == [1, 2, 1]
+        rec = await rt.tracker.get(first.message_id)
+        assert rec is not None
+        assert rec.status == "Succeeded"
     finally:
         await rt.close()

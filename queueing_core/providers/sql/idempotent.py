@@ -13,9 +13,8 @@ from uuid import UUID
 import sqlalchemy as sa
 
 from ...messages import MessageStatus, QueueMessage
-from ...tracking.base import RETRIED_BY_OPERATOR
 from .rows import row_for
-from .schema import CLAIMABLE_SQL, Tables, claimable
+from .schema import CLAIMABLE, CLAIMABLE_SQL, Tables, archived, claimable
 
 if TYPE_CHECKING:
     from ...app import QueueingApp, Subscription
@@ -121,6 +120,21 @@ def plan(
             x = tables.cancels
             yield sa.delete(x).where(x.c.message_id == waiting.message_id), None
             return IdempotentOutcome("replaced", waiting.message_id, waiting.tracking_id)
+    if newest is not None:
+        # the versions of the identity not settled yet (running now, or back for a retry later) are
+        # superseded by this one, as on the other transports: a running one runs to its end, and if it
+        # comes back it is settled superseded (said on its row, whatever becomes of this one's)
+        unsettled = [*CLAIMABLE, MessageStatus.LEASED.value]
+        yield (
+            (
+                sa.update(m)
+                .where(
+                    m.c.type == env.type, m.c.identity == key, m.c.status.in_(unsettled), archived(m, False)
+                )
+                .values(superseded_by=env.message_id)
+            ),
+            None,
+        )
     row = {**row_for(env, initial_status(app, env), now), "identity": key}
     yield insert_statement(tables, backend), [row]
     return IdempotentOutcome("enqueued", env.message_id, env.tracking_id)
@@ -173,27 +187,14 @@ def _same(stored: str | None, body: dict[str, Any]) -> bool:
         return False
 
 
-async def newer_version(p: SqlProvider, sub: Subscription, message: QueueMessage, key: str) -> UUID | None:
-    """A version of this identity enqueued after this message (a later row: one written while this one
-    ran, since the identity's newest row takes a new body only while it waits), if there is one: this
-    message, about to run again (its retry, or after its lease lapsed), is superseded by it, as on the
-    other transports. Not a message an operator retried (its reason says so): the operator wants it
-    run, whatever came after it."""
+async def newer_version(p: SqlProvider, message: QueueMessage) -> UUID | None:
+    """The version of this message's identity that superseded it while it ran (``plan`` says so on its
+    row), if one did: this message, about to run again (its retry, or after its lease lapsed), is
+    settled superseded by it, as on the other transports. An operator's retry clears it."""
     m = p.tables.messages
-    this = sa.select(m.c.id, m.c.reason).where(m.c.message_id == message.message_id).subquery()
     async with p.engine.connect() as conn:
         newer: UUID | None = (
-            await conn.execute(
-                sa.select(m.c.message_id)
-                .where(
-                    m.c.type == sub.type_name,
-                    m.c.identity == key,
-                    m.c.id > this.c.id,
-                    sa.or_(this.c.reason.is_(None), this.c.reason != RETRIED_BY_OPERATOR),
-                )
-                .order_by(m.c.id.desc())
-                .limit(1)
-            )
+            await conn.execute(sa.select(m.c.superseded_by).where(m.c.message_id == message.message_id))
         ).scalar()
     return newer
 

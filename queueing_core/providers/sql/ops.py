@@ -33,9 +33,9 @@ async def retry(p: SqlProvider, record: MessageRecord, envelope: Envelope, now: 
                 available_at=now,
                 not_before=None,
                 expires_at=envelope.expires_at,
-                # (as the history of the other transports says it; and an idempotent type's retried
-                # version runs, not superseded by the versions after it: ``idempotent.newer_version``)
-                reason=RETRIED_BY_OPERATOR,
+                reason=RETRIED_BY_OPERATOR,  # (as the history of the other transports says it)
+                # an idempotent type's version the operator retried runs, whatever came after it
+                superseded_by=None,
                 description=None,
                 settled_at=None,
                 locked_by=None,

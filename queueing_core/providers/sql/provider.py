@@ -799,7 +799,7 @@ class SqlProvider:
         beats a lost one), as on the other transports."""
         try:
             await self.ensure_open()
-            return await sql_idempotent.newer_version(self, sub, message, identity_of(sub.options, message))
+            return await sql_idempotent.newer_version(self, message)
         except Exception as exc:
             log.warning("could not look for a newer version of %s (%s): running it", message.message_id, exc)
             return None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ...clock import as_utc
-from .idempotent import plan, run_plan_async
+from .idempotent import batch_lock, plan, run_plan_async
 from .provider import insert_statement
 
 if TYPE_CHECKING:
@@ -101,6 +101,9 @@ class SqlTickStore:
                     return False
                 if plain:
                     await conn.execute(insert_statement(p.tables, p.backend), p.rows_for(plain, now))
+                lock = batch_lock(p.backend, envelopes, keys)
+                if lock is not None:  # (in the one order every enqueue takes them)
+                    await conn.execute(lock[0])
                 for env, identity in zip(envelopes, keys, strict=True):
                     if identity is not None:
                         # an idempotent type's message goes through its identity, as any enqueue of it:

@@ -197,6 +197,10 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         # trigger NOTIFYs when such a row reaches a final status (see ``_v14``); a statement without
         # such a row costs one look over its rows
         sa.Column("awaited", sa.Boolean(), nullable=False, server_default=sa.false()),
+        # v17: an idempotent type's newer version, enqueued while this one was running (a row of its
+        # own): this one, if it comes back to run (its retry), is settled superseded by it. Cleared by
+        # an operator's retry or put-back, which asks for it to run
+        sa.Column("superseded_by", sa.Uuid()),
         # the claim: queue + due time, only over claimable, unarchived rows (a small partial index)
         partial_index("ix_queueing_messages_claim", "queue", "available_at", "id", where=claimable()),
         # the lease sweeper: only leased rows, by queue (v13). Not by ``locked_until``: a renewal changes
@@ -880,6 +884,16 @@ def _v16(conn: sa.Connection, tables: Tables) -> None:
         )
 
 
+def _v17(conn: sa.Connection, tables: Tables) -> None:
+    """An idempotent type's version that a newer one superseded while it ran (the newer one a row of its
+    own) says by which, so its retry is settled superseded however the newer row fares (retention may
+    delete it first). A nullable column: no row is rewritten."""
+    m = tables.messages
+    if "superseded_by" not in {c["name"] for c in sa.inspect(conn).get_columns(m.name, schema=m.schema)}:
+        kind = "UUID" if conn.dialect.name == "postgresql" else "CHAR(32)"
+        conn.exec_driver_sql(f"ALTER TABLE {m.fullname} ADD COLUMN superseded_by {kind}")
+
+
 #: (version, description, migration). Append only: a released migration never changes. Each commits
 #: on its own (``migrate``), so the hosts still running may work on the schema any one of them leaves:
 #: a migration must leave a schema that every earlier kit still runs on, and a change that holds only
@@ -905,6 +919,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
         _v15,
     ),
     (16, "a claim writes no entry in the listing index by time (PostgreSQL)", _v16),
+    (17, "an idempotent type's version superseded while it ran says by which", _v17),
 ]
 LATEST = MIGRATIONS[-1][0]
 

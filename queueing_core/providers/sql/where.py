@@ -103,6 +103,8 @@ async def update_status(
         ended = [s.value for s in (*MessageStatus.terminal(), MessageStatus.ABANDONED)]
         settled = sa.or_(m.c.status.in_(sorted(ended)), m.c.settled_at.is_not(None))
         values["attempt"] = sa.case((settled, 0), else_=m.c.attempt)
+        # put back by an operator: an idempotent type's version runs, whatever came after it (as a retry)
+        values["superseded_by"] = None
     elif new_status in {s.value for s in MessageStatus.terminal()}:
         values["settled_at"] = now
     update = sa.update(m).where(*where).values(**values)
