@@ -10,6 +10,7 @@ import httpx
 import sqlalchemy as sa
 
 from queueing_core import Health, NonRetryableError, QueueingApp, QueueMessage, queue
+from queueing_core.tracking.base import RETRIED_BY_OPERATOR
 from tests.contract.harness import running, wait_until
 
 KEY = "test-key-not-a-secret"
@@ -241,7 +242,7 @@ async def test_actions_and_the_states_they_refuse(api, sql_db):
     rec = await rt.tracker.get(UUID(dead["message_id"]))
     assert rec.status == "Pending"
     assert rec.attempt == 0
-    assert rec.reason is None
+    assert rec.reason == RETRIED_BY_OPERATOR  # (the dead letter's reason is gone)
     async with running(rt):
         await settled(rt, [dead["message_id"]])
     assert "b@x.io" in sent
