@@ -7,6 +7,7 @@ import asyncio
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from queueing_core import HandlerContext, NonRetryableError, QueueingApp, QueueMessage, Retry, queue
@@ -322,6 +323,31 @@ async def test_a_superseded_version_put_back_to_pending_runs(sql_db):
         assert (await OpsService(rt).update_status_where("kept-briefly", change)).updated == 1
         await run_until_idle(rt, raise_errors=False)
         assert seen == [1, 2, 1]
+        rec = await rt.tracker.get(first.message_id)
+        assert rec is not None
+        assert rec.status == "Succeeded"
+    finally:
+        await rt.close()
+
+
+@pytest.mark.parametrize("price", [3, 1], ids=["changed-body", "same-body"])
+async def test_a_version_enqueued_once_the_newer_row_is_gone_runs(sql_db, price):
+    """A review found the mark kept when a new version took the marked row (its body replaced, or an
+    identical enqueue discarded against it) after retention had removed the row that marked it: the
+    new version was told "replaced" or "discarded", and the row was settled superseded unrun."""
+    app, seen, gate = _brief_app("retry")
+    rt = Runtime(app, sql_db.provider(maintenance_interval=3600))
+    await rt.open()
+    try:
+        first = await _superseded_while_it_ran(rt, app, seen, gate)
+        await asyncio.sleep(1.2)
+        assert (await rt.provider.maintain(app))["deleted_processed"] == 1  # version 2's row
+        receipt = await app.enqueue(Brief(sku="A", price=price))
+        assert receipt.outcome == ("replaced" if price != 1 else "discarded")
+        assert receipt.message_id == first.message_id
+        await asyncio.sleep(2.6)  # (a discard leaves the row its retry time; a replace makes it due now)
+        await run_until_idle(rt, raise_errors=False)
+        assert seen == [1, 2, price]
         rec = await rt.tracker.get(first.message_id)
         assert rec is not None
         assert rec.status == "Succeeded"

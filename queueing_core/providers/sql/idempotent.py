@@ -77,6 +77,7 @@ def plan(
             m.c.expires_at,
             sa.cast(m.c.body, sa.Text()).label("b"),
             sa.literal_column(f"({CLAIMABLE_SQL})").label("waits"),
+            m.c.superseded_by,
         )
         .where(m.c.type == env.type, m.c.identity == key)
         .order_by(m.c.id.desc())
@@ -89,10 +90,18 @@ def plan(
     newest = (yield find, None).first()
     waiting = newest if newest is not None and newest.waits else None
     if waiting is not None and _same(waiting.b, env.body):
+        # (the row is this transaction's: locked, or the single writer's)
+        keep: dict[str, Any] = {}
         if not outlasts(waiting.expires_at, env.expires_at):
             # it would expire before this one: it takes this one's expiry, so the run asked for now
-            # still comes (the row is this transaction's: locked, or the single writer's)
-            yield sa.update(m).where(m.c.id == waiting.id).values(expires_at=env.expires_at), None
+            # still comes
+            keep["expires_at"] = env.expires_at
+        if waiting.superseded_by is not None:
+            # marked by a newer row that is gone since (retention, a purge): it stands for this
+            # enqueue now, so it runs
+            keep["superseded_by"] = None
+        if keep:
+            yield sa.update(m).where(m.c.id == waiting.id).values(**keep), None
         return IdempotentOutcome("discarded", waiting.message_id, waiting.tracking_id)
     if waiting is not None:
         # the new version as it was enqueued, as on every other transport (where it is a message of
@@ -111,6 +120,8 @@ def plan(
                 expires_at=env.expires_at,
                 attempt=env.attempt,
                 status=sa.case((m.c.status.in_(timed), initial_status(app, env)), else_=m.c.status),
+                # the newest version now, whatever marked the row before (a newer row gone since)
+                superseded_by=None,
             )
         )
         if (yield replace, None).rowcount == 1:

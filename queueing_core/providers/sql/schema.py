@@ -887,7 +887,9 @@ def _v16(conn: sa.Connection, tables: Tables) -> None:
 def _v17(conn: sa.Connection, tables: Tables) -> None:
     """An idempotent type's version that a newer one superseded while it ran (the newer one a row of its
     own) says by which, so its retry is settled superseded however the newer row fares (retention may
-    delete it first). A nullable column: no row is rewritten."""
+    delete it first). A nullable column: no row is rewritten, and none is marked: a version superseded
+    before the upgrade runs if it comes back, as it did (a mark guessed from the rows could cancel a
+    version an operator retried, which the earlier kit did not record)."""
     m = tables.messages
     if "superseded_by" not in {c["name"] for c in sa.inspect(conn).get_columns(m.name, schema=m.schema)}:
         kind = "UUID" if conn.dialect.name == "postgresql" else "CHAR(32)"
