@@ -353,3 +353,30 @@ async def test_a_version_enqueued_once_the_newer_row_is_gone_runs(sql_db, price)
         assert rec.status == "Succeeded"
     finally:
         await rt.close()
+
+
+async def test_a_message_sent_again_with_its_own_id_while_it_runs_is_not_superseded_by_itself(sql_db):
+    """A review found a resend (a producer's retry, an outbox replayed) of the running version marking
+    its own row superseded by its own id, though no row was added: its retry was settled superseded,
+    and nothing ran in its place. Only a row that was added marks the others."""
+    app, seen, gate = _brief_app("retry")
+    rt = Runtime(app, sql_db.provider(maintenance_interval=3600))
+    await rt.open()
+    try:
+        message = Brief(sku="S", price=1)
+        first = await app.enqueue(message)
+        run = asyncio.create_task(run_until_idle(rt, raise_errors=False, max_messages=1))
+        while not seen:
+            await asyncio.sleep(0.01)
+        again = await app.enqueue(message)  # the same message, its own id
+        assert again.message_id == first.message_id
+        gate.set()
+        await run
+        await asyncio.sleep(2.6)  # its retry is due
+        await run_until_idle(rt, raise_errors=False)
+        assert seen == [1, 1]
+        rec = await rt.tracker.get(first.message_id)
+        assert rec is not None
+        assert rec.status == "Succeeded"
+    finally:
+        await rt.close()

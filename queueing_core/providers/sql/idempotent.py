@@ -131,23 +131,31 @@ def plan(
             x = tables.cancels
             yield sa.delete(x).where(x.c.message_id == waiting.message_id), None
             return IdempotentOutcome("replaced", waiting.message_id, waiting.tracking_id)
-    if newest is not None:
+    row = {**row_for(env, initial_status(app, env), now), "identity": key}
+    # (its id returned: whether it was added, or its message id was known already; a row count may
+    # not say, -1 on psycopg here)
+    added = (yield insert_statement(tables, backend).returning(m.c.id), row).first() is not None
+    if added and newest is not None:
         # the versions of the identity not settled yet (running now, or back for a retry later) are
         # superseded by this one, as on the other transports: a running one runs to its end, and if it
-        # comes back it is settled superseded (said on its row, whatever becomes of this one's)
+        # comes back it is settled superseded (said on its row, whatever becomes of this one's). Not
+        # when the message was known already (sent again with its own id: a producer's retry, an
+        # outbox replayed): no row was added, and nothing would run in the place of those it marked
         unsettled = [*CLAIMABLE, MessageStatus.LEASED.value]
         yield (
             (
                 sa.update(m)
                 .where(
-                    m.c.type == env.type, m.c.identity == key, m.c.status.in_(unsettled), archived(m, False)
+                    m.c.type == env.type,
+                    m.c.identity == key,
+                    m.c.status.in_(unsettled),
+                    archived(m, False),
+                    m.c.message_id != env.message_id,
                 )
                 .values(superseded_by=env.message_id)
             ),
             None,
         )
-    row = {**row_for(env, initial_status(app, env), now), "identity": key}
-    yield insert_statement(tables, backend), [row]
     return IdempotentOutcome("enqueued", env.message_id, env.tracking_id)
 
 
