@@ -475,8 +475,8 @@ class SqlProvider:
             return claimed
         if lost:
             log.warning(
-                "a claim waited %s: %d of its %d message(s) were taken back before it returned; not run",
-                "past their lease",
+                "a claim waited past most of its lease: %d of its %d message(s) were taken back before "
+                "it returned, and are not run here",
                 len(lost),
                 len(claimed),
             )
