@@ -248,7 +248,10 @@ async def test_idempotent_enqueue_discards_an_identical_waiting_message_and_give
             assert gone.reason == f"superseded by {changed.message_id}"
             with pytest.raises(JobCancelled, match="superseded by"):
                 await app.result(first.tracking_id, timeout=5)
-        # a new version after the first succeeded: the handler sees the last processed one
+        # a new version after the first succeeded: the handler sees the last processed one (once its
+        # success is recorded: the brokers' history is written just after the run, and a version whose
+        # record still says it waits is superseded, as it should be)
+        await wait_until(lambda: _status_is(rt, changed.message_id, MessageStatus.SUCCEEDED), what="recorded")
         nxt = await app.enqueue(PriceUpdate(sku="A", price=15))
         assert nxt.outcome == "enqueued"
         assert nxt.supersedes is None  # the last version had run: nothing to supersede
