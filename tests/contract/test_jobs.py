@@ -264,6 +264,18 @@ async def test_idempotent_enqueue_discards_an_identical_waiting_message_and_give
     assert seen[2:] == [(15, 12), (15, 15)]
 
 
+def _prices_app(harness: Any) -> tuple[Any, list[int]]:
+    """An app whose handler of price updates notes each price it runs."""
+    app = harness.app()
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: PriceUpdate):
+        seen.append(msg.price)
+
+    return app, seen
+
+
 async def test_an_identical_enqueue_discarded_against_a_version_that_expires_sooner_still_runs(harness):
     """A review found the same JSON discarded against a waiting version with a short time to live (or
     one already past it, not yet settled so): that version expired unrun, and the run the second
@@ -272,13 +284,7 @@ async def test_an_identical_enqueue_discarded_against_a_version_that_expires_soo
     Where the transport drops a message an hour after its own expiry (Service Bus and RabbitMQ give it
     a time to live of their own), a longer life cannot be given: the new one is sent instead,
     superseding the waiting one. Either way one run."""
-    app = harness.app()
-    seen: list[int] = []
-
-    @app.handler()
-    async def handle(msg: PriceUpdate):
-        seen.append(msg.price)
-
+    app, seen = _prices_app(harness)
     rt = await harness.runtime(app)
     await rt.control.set_paused("queue", "prices", True)
     short = await app.enqueue(PriceUpdate(sku="X", price=7), ttl=timedelta(seconds=1))
@@ -301,13 +307,7 @@ async def test_an_identical_enqueue_discarded_against_a_version_that_expires_soo
 async def test_a_version_that_expired_is_not_discarded_against(harness):
     """The other order: a host expired the waiting version first (it marks the identity's newest
     version, as a start does), and an identical enqueue after that is sent and runs."""
-    app = harness.app()
-    seen: list[int] = []
-
-    @app.handler()
-    async def handle(msg: PriceUpdate):
-        seen.append(msg.price)
-
+    app, seen = _prices_app(harness)
     rt = await harness.runtime(app)
     short = await app.enqueue(PriceUpdate(sku="Y", price=8), ttl=timedelta(milliseconds=300))
     await asyncio.sleep(0.5)

@@ -268,6 +268,13 @@ async def _superseded_while_it_ran(
     return first
 
 
+async def _status(rt: Runtime, message_id: Any) -> str:
+    """The status of the message's row (which must be there)."""
+    rec = await rt.tracker.get(message_id)
+    assert rec is not None
+    return rec.status
+
+
 def _brief_app(outcome: str) -> tuple[QueueingApp, list[int], asyncio.Event]:
     app = QueueingApp("brief")
     seen: list[int] = []
@@ -299,9 +306,7 @@ async def test_a_superseded_versions_retry_stays_superseded_when_retention_remov
         await asyncio.sleep(1.5)  # version 1's retry is due
         await run_until_idle(rt, raise_errors=False)
         assert seen == [1, 2]
-        rec = await rt.tracker.get(first.message_id)
-        assert rec is not None
-        assert rec.status == "Cancelled"
+        assert await _status(rt, first.message_id) == "Cancelled"
     finally:
         await rt.close()
 
@@ -323,9 +328,7 @@ async def test_a_superseded_version_put_back_to_pending_runs(sql_db):
         assert (await OpsService(rt).update_status_where("kept-briefly", change)).updated == 1
         await run_until_idle(rt, raise_errors=False)
         assert seen == [1, 2, 1]
-        rec = await rt.tracker.get(first.message_id)
-        assert rec is not None
-        assert rec.status == "Succeeded"
+        assert await _status(rt, first.message_id) == "Succeeded"
     finally:
         await rt.close()
 
@@ -348,9 +351,7 @@ async def test_a_version_enqueued_once_the_newer_row_is_gone_runs(sql_db, price)
         await asyncio.sleep(2.6)  # (a discard leaves the row its retry time; a replace makes it due now)
         await run_until_idle(rt, raise_errors=False)
         assert seen == [1, 2, price]
-        rec = await rt.tracker.get(first.message_id)
-        assert rec is not None
-        assert rec.status == "Succeeded"
+        assert await _status(rt, first.message_id) == "Succeeded"
     finally:
         await rt.close()
 
@@ -375,8 +376,6 @@ async def test_a_message_sent_again_with_its_own_id_while_it_runs_is_not_superse
         await asyncio.sleep(2.6)  # its retry is due
         await run_until_idle(rt, raise_errors=False)
         assert seen == [1, 1]
-        rec = await rt.tracker.get(first.message_id)
-        assert rec is not None
-        assert rec.status == "Succeeded"
+        assert await _status(rt, first.message_id) == "Succeeded"
     finally:
         await rt.close()
