@@ -27,9 +27,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
 
 from .clock import as_utc
@@ -52,6 +53,15 @@ MAX_SUPERSEDED = 64
 _CAS_TRIES = 20
 _WAITING = frozenset(s.value for s in MessageStatus.runnable())
 _FINAL = frozenset(s.value for s in MessageStatus.terminal())
+T = TypeVar("T")
+
+
+class _Mark(Enum):
+    MARK = "mark"
+
+
+#: what a look at an identity's document answers when the message must be marked started first
+MARK = _Mark.MARK
 
 
 @runtime_checkable
@@ -252,25 +262,18 @@ class IdentityGuard:
         identity's newest version, mark it started in the document (compare-and-set), so an enqueue
         of the same JSON from now on is sent rather than discarded. A store that cannot be read or
         written runs the message (a duplicate run beats a lost one)."""
-        type_name, key, mid = sub.type_name, identity_of(sub.options, message), str(message.message_id)
-        try:
-            for _ in range(_CAS_TRIES):
-                found = await self.store.identity_doc(type_name, key)
-                if found is None:
-                    return None
-                doc, token = found
-                newest = (doc.get("waiting") or [None])[0] == mid
-                by = (doc.get("superseded") or {}).get(mid)
-                if by and not newest:  # a document naming the newest superseded too is damaged: run it
-                    return UUID(by)
-                if not newest or doc.get("started") == mid:
-                    return None
-                if await self.store.put_identity_doc(type_name, key, {**doc, "started": mid}, token):
-                    return None
-            log.warning("identity %r of %s kept changing: running %s", key, type_name, mid)
-        except Exception as exc:
-            log.warning("could not read or mark the identity of %s (%s): running it", message.message_id, exc)
-        return None
+        mid = str(message.message_id)
+
+        def look(doc: dict[str, Any] | None) -> UUID | _Mark | None:
+            if doc is None:
+                return None
+            newest = (doc.get("waiting") or [None])[0] == mid
+            by = (doc.get("superseded") or {}).get(mid)
+            if by and not newest:  # a document naming the newest superseded too is damaged: run it
+                return UUID(by)
+            return MARK if newest and doc.get("started") != mid else None
+
+        return await self._mark_started(sub, message, look, marked=None, unknown=None)
 
     async def expires(
         self, sub: Subscription, message: QueueMessage, expires_at: datetime, now: datetime
@@ -281,24 +284,46 @@ class IdentityGuard:
         sends its own message, so an extension and an expiry are ordered and neither is lost. A store
         that cannot be read or written runs it: it may have been made to live longer (a duplicate run
         beats a lost one)."""
+        mid = str(message.message_id)
+
+        def look(doc: dict[str, Any] | None) -> bool | _Mark:
+            if doc is None:
+                return True
+            until = _lasts(doc, message.message_id, expires_at)
+            if until is None or as_utc(until) > now:
+                return False
+            return MARK if (doc.get("waiting") or [None])[0] == mid and doc.get("started") != mid else True
+
+        return await self._mark_started(sub, message, look, marked=True, unknown=False)
+
+    async def _mark_started(
+        self,
+        sub: Subscription,
+        message: QueueMessage,
+        look: Callable[[dict[str, Any] | None], T | _Mark],
+        *,
+        marked: T,
+        unknown: T,
+    ) -> T:
+        """The identity's document read and judged by ``look``: its answer, or, where it says
+        :data:`MARK`, the message marked started in the document by compare-and-set (read again while
+        another writer wins) and then ``marked``. ``unknown`` when the store cannot be read or written,
+        or the document kept changing: the message then runs."""
         type_name, key, mid = sub.type_name, identity_of(sub.options, message), str(message.message_id)
         try:
             for _ in range(_CAS_TRIES):
                 found = await self.store.identity_doc(type_name, key)
-                if found is None:
-                    return True
+                verdict = look(found[0] if found is not None else None)
+                if verdict is not MARK:
+                    return verdict
+                assert found is not None
                 doc, token = found
-                until = _lasts(doc, message.message_id, expires_at)
-                if until is None or as_utc(until) > now:
-                    return False
-                if (doc.get("waiting") or [None])[0] != mid or doc.get("started") == mid:
-                    return True
                 if await self.store.put_identity_doc(type_name, key, {**doc, "started": mid}, token):
-                    return True
+                    return marked
             log.warning("identity %r of %s kept changing: running %s", key, type_name, mid)
         except Exception as exc:
             log.warning("could not read or mark the identity of %s (%s): running it", mid, exc)
-        return False
+        return unknown
 
     async def reinstate(self, sub: Subscription, envelope: Envelope) -> None:
         """An operator retries a superseded version: it is no longer superseded, so it runs (before

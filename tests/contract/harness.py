@@ -274,8 +274,11 @@ def postgres() -> Harness:
 
 
 # -- Azure Storage Queues (Azurite) ----------------------------------------------------------------
-def storage_queue(azurite) -> Harness:
+def storage_queue(azurite, delayed_url: str | None = None) -> Harness:
+    """``delayed_url``: a database for the optional delayed store (delays beyond the queue's 7-day
+    visibility limit wait there); without it, none, as the contract suite runs it."""
     from queueing_core.connections import StorageConnection
+    from queueing_core.providers.sql.history import SideStores
     from queueing_core.providers.storage_queue import StorageQueueProvider, encode_body
 
     # fresh tables per test: a shared control table would leak pauses between tests
@@ -283,7 +286,10 @@ def storage_queue(azurite) -> Harness:
     made: list[StorageQueueProvider] = []
 
     async def make() -> Provider:
-        prov = StorageQueueProvider(StorageConnection(azurite.connection_string), **tables)
+        stores = SideStores(delayed_url) if delayed_url is not None else None
+        prov = StorageQueueProvider(
+            StorageConnection(azurite.connection_string), delayed_stores=stores, **tables
+        )
         made.append(prov)
         return prov
 

@@ -22,7 +22,11 @@ async def harnesses(tmp_path_factory, request):
             make = HARNESSES[name]
             if name == "sqlite":
                 made[name] = make(str(tmp_path_factory.mktemp("faults")))
-            elif name in ("storage_queue", "servicebus"):
+            elif name == "storage_queue":
+                # with the optional delayed store (a SQLite file), so that its forward is a sequence here
+                delayed = tmp_path_factory.mktemp("faults_delayed") / "delayed.db"
+                made[name] = make(request.getfixturevalue("azurite"), delayed_url=f"sqlite:///{delayed}")
+            elif name == "servicebus":
                 made[name] = make(request.getfixturevalue("azurite"))
             else:
                 made[name] = make()

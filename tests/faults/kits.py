@@ -94,15 +94,21 @@ def _tables_history() -> list[CallPoint]:
     ]
 
 
-def _sql_side_stores() -> list[CallPoint]:
+def _delayed_store() -> list[CallPoint]:
+    """The SQL delayed store (delays a transport cannot hold itself, and RabbitMQ's and SQS's retries)."""
     from queueing_core.providers.delayed.store import SqlDelayedStore
+
+    delayed = ["store_many", "fetch_due", "remove", "holds", "copies", "take_message", "purge", "release"]
+    return _methods("delayed", lambda rt: SqlDelayedStore, delayed, _sql_error)
+
+
+def _sql_side_stores() -> list[CallPoint]:
     from queueing_core.providers.sql.control import SqlControlStore
     from queueing_core.providers.sql.history import SqlHistoryTracker
 
-    delayed = ["store_many", "fetch_due", "remove", "holds", "copies", "take_message", "purge", "release"]
     return [
         *_methods("history", lambda rt: SqlHistoryTracker, _HISTORY_WRITES, _sql_error),
-        *_methods("delayed", lambda rt: SqlDelayedStore, delayed, _sql_error),
+        *_delayed_store(),
         *_methods("control", lambda rt: SqlControlStore, ["set_cancel"], _sql_error),
     ]
 
@@ -127,7 +133,8 @@ async def _inprocess_places(rt: Runtime, queue: str, mid: UUID) -> dict[str, int
 
 async def _storage_places(rt: Runtime, queue: str, mid: UUID) -> dict[str, int]:
     prov: Any = rt.provider  # one message per queue in this suite: the counts are its copies
-    return {"queue": await prov.depth(queue), "dead": await prov.depth(queue, poison=True)}
+    stored = (await prov.delayed.counts()).get(prov.physical(queue), 0) if prov.delayed else 0
+    return {"queue": await prov.depth(queue), "dead": await prov.depth(queue, poison=True), "delayed": stored}
 
 
 async def _counted_places(rt: Runtime, queue: str, mid: UUID) -> dict[str, int]:
@@ -177,7 +184,11 @@ def _storage_points() -> list[CallPoint]:
     from azure.storage.queue.aio import QueueClient
 
     calls = ["send_message", "update_message", "delete_message", "receive_messages", "clear_messages"]
-    return [*_methods("queue", lambda rt: QueueClient, calls, _azure_error), *_tables_history()]
+    return [
+        *_methods("queue", lambda rt: QueueClient, calls, _azure_error),
+        *_tables_history(),
+        *_delayed_store(),
+    ]
 
 
 def _servicebus_points() -> list[CallPoint]:

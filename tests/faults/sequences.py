@@ -288,8 +288,6 @@ SEQUENCES: list[Sequence] = [
             "sqlite": "a delayed SQL row waits in its own table until due: nothing is forwarded",
             "postgres": "a delayed SQL row waits in its own table until due: nothing is forwarded",
             "servicebus": _NATIVE_DELAY + " (scheduled messages)",
-            "storage_queue": "the contract harness runs Storage Queues without the optional delayed store "
-            "(hidden messages hold delays up to 7 days); RabbitMQ and SQS cover the store",
         },
     ),
     Sequence("enqueue_history", _nothing, _enqueue_one),

@@ -157,6 +157,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("lease_release", "postgres"): ("sql.execute", "sql.execute", "sql.execute"),
     ("delayed_forward", "rabbitmq"): ("delayed.fetch_due", "amqp.publish", "delayed.remove"),
     ("delayed_forward", "sqs"): ("delayed.fetch_due", "sqs.send_message_batch", "delayed.remove"),
+    ("delayed_forward", "storage_queue"): ("delayed.fetch_due", "queue.send_message", "delayed.remove"),
     ("enqueue_history", "inprocess"): ("memory.send", "history.upsert"),
     ("enqueue_history", "sqlite"): ("sql.execute",),
     ("enqueue_history", "postgres"): ("sql.execute",),

@@ -289,3 +289,75 @@ async def test_an_identity_of_none_is_refused_before_anything_is_sent():
         assert ran == [7]  # nothing of the refused calls was sent
     finally:
         await rt.close()
+
+
+async def test_a_version_past_its_expiry_expires_only_once_marked_started_and_runs_when_unsure():
+    """``IdentityGuard.expires``, each of its answers against the identity's document in a real control
+    store: past its own expiry with no longer life, the waiting version is marked started (so that an
+    enqueue from then on sends instead of discarding) and expires; a life made longer by a discarded
+    enqueue keeps it; a store that fails, or a document that changes at every read, runs it."""
+    from datetime import timedelta
+
+    from queueing_core.clock import utcnow
+
+    app = QueueingApp("expiring")
+    app.message(CyclePrice)
+    rt = in_process(app)
+    await rt.open()
+    try:
+        guard = rt.identities
+        assert guard is not None
+        sub = app.subscription("CyclePrice")
+        assert sub is not None
+        store = guard.store
+
+        async def started() -> str | None:
+            found = await store.identity_doc("CyclePrice", "E")
+            assert found is not None
+            return found[0].get("started")
+
+        first = await app.enqueue(CyclePrice(sku="E", cents=1), ttl=timedelta(minutes=5))
+        msg = CyclePrice(sku="E", cents=1, message_id=first.message_id)
+        now = utcnow()
+        soon = now - timedelta(seconds=1)  # (its own expiry, passed)
+
+        # an identical enqueue with a later expiry was discarded against it: it lives on
+        again = await app.enqueue(CyclePrice(sku="E", cents=1), ttl=timedelta(hours=1))
+        assert again.outcome == "discarded"
+        assert await guard.expires(sub, msg, soon, now) is False
+        assert await started() is None  # (nothing marked)
+        # ... until that longer life has passed too: then it is marked started, and expires
+        later = now + timedelta(hours=2)
+        assert await guard.expires(sub, msg, soon, later) is True
+        assert await started() == str(first.message_id)
+
+        # the store failing: it runs (it may have been made to live longer)
+        real_read, real_put = store.identity_doc, store.put_identity_doc
+
+        async def down(*args: Any) -> Any:
+            raise ConnectionError("control store unreachable")
+
+        store.identity_doc = down  # type: ignore[method-assign]
+        assert await guard.expires(sub, msg, soon, later) is False
+        store.identity_doc = real_read  # type: ignore[method-assign]
+
+        # a document that another writer changes before every write: it runs, after the tries
+        newer = await app.enqueue(CyclePrice(sku="E", cents=2), ttl=timedelta(minutes=5))
+        newest = CyclePrice(sku="E", cents=2, message_id=newer.message_id)
+        tries = 0
+
+        async def always_beaten(*args: Any) -> bool:
+            nonlocal tries
+            tries += 1
+            return False
+
+        store.put_identity_doc = always_beaten  # type: ignore[method-assign]
+        assert await guard.expires(sub, newest, soon, later) is False
+        assert tries > 1  # (read again after each lost write)
+        store.put_identity_doc = real_put  # type: ignore[method-assign]
+        assert await guard.expires(sub, newest, soon, later) is True
+        # a version that is not the identity's newest expires without a mark of its own
+        assert await guard.expires(sub, msg, soon, later) is True
+        assert await started() == str(newer.message_id)
+    finally:
+        await rt.close()
