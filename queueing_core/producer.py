@@ -335,8 +335,11 @@ class Producer:
             await self.history.write(records)
         hooks = self.app.hooks
         if hooks.wants(Event.ENQUEUED):
-            for env in ready:
-                await hooks.emit(Observation(Event.ENQUEUED, env, env.queue))
+            # what the transport now holds as a new message: not an idempotent enqueue discarded against
+            # the waiting version, nor one that replaced that version's body (it was told when it went in)
+            for env, r in zip(ready, receipts, strict=True):
+                if r.outcome == "enqueued":
+                    await hooks.emit(Observation(Event.ENQUEUED, env, env.queue))
         return receipts
 
     async def enqueue(self, message: QueueMessage, **options: Unpack[EnqueueOptions]) -> EnqueueReceipt:

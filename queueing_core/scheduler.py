@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .clock import utcnow
-from .producer import identities_of
+from .producer import IdempotentOutcome, identities_of
 from .schedules import (
     SCHEDULE_HEADER,
     TICK_HEADER,
@@ -102,9 +102,10 @@ class Scheduler:
         async def send(envs: Sequence[Envelope]) -> None:
             await producer.send_prepared(envs, wait=True, identities=identities)
 
-        won = await self.store.fire(s.name, tick, ready, send, now, identities)
-        if won and getattr(self.store, "writes_messages", False) and ready:
-            await producer.sent(ready)  # the store wrote them with the tick: announce them
+        async def announce(outcomes: dict[int, IdempotentOutcome]) -> None:
+            await producer.sent(ready, outcomes)  # the store wrote them with the tick
+
+        won = await self.store.fire(s.name, tick, ready, send, now, identities, announce)
         if won:
             log.info(
                 "schedule %s: tick %s %s",

@@ -29,12 +29,17 @@ from .messages import QueueMessage
 
 if TYPE_CHECKING:
     from .envelope import Envelope
+    from .producer import IdempotentOutcome
 
 CatchUp = Literal["skip", "once"]
 Produced = QueueMessage | Iterable[QueueMessage] | None
 ScheduleFunc = Callable[..., Produced | Awaitable[Produced]]
 #: sends prepared envelopes; ``True`` once the transport has durably accepted them
 Send = Callable[["Sequence[Envelope]"], Awaitable[None]]
+#: what a store that writes a tick's envelopes itself tells once they are committed: the outcome of
+#: each idempotent one, by its place in the tick (discarded or replacing the waiting version); the rest
+#: went in as they are. The scheduler records them and tells the ``enqueued`` hooks
+Announce = Callable[["dict[int, IdempotentOutcome]"], Awaitable[object]]
 
 SCHEDULE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,199}")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -359,8 +364,8 @@ def _policy(catch_up: str) -> CatchUp:
 class TickStore(Protocol):
     """Where hosts agree on ticks. ``fire`` claims one tick and has its envelopes sent, exactly once
     across hosts; it returns False when another host has it (or had it). A store whose
-    ``writes_messages`` is true writes the envelopes itself, with the claim (the SQL transport), and
-    never calls ``send``."""
+    ``writes_messages`` is true writes the envelopes itself, with the claim (the SQL transport), never
+    calls ``send``, and calls ``announce`` after its commit."""
 
     async def last_ticks(self, names: Sequence[str]) -> dict[str, datetime]:
         """The newest claimed tick of each schedule that has one."""
@@ -374,6 +379,7 @@ class TickStore(Protocol):
         send: Send,
         now: datetime,
         identities: Sequence[str | None] = (),
+        announce: Announce | None = None,
     ) -> bool:
         """``identities``: each envelope's identity (an idempotent type's; None for the others), for a
         store that writes the envelopes itself (``send`` has them already)."""
@@ -407,6 +413,7 @@ class MemoryTickStore:
         send: Send,
         now: datetime,
         identities: Sequence[str | None] = (),
+        announce: Announce | None = None,
     ) -> bool:
         async with self._lock:
             seen = self.ticks.setdefault(schedule, set())

@@ -25,7 +25,7 @@ from .tables import _CAS_ATTEMPTS, _boundary, _cas_backoff, _plain_utc, _Table, 
 
 if TYPE_CHECKING:
     from ..envelope import Envelope
-    from ..schedules import Send
+    from ..schedules import Announce, Send
 
 _PK: Final = "schedule"
 CLAIMED: Final = "claimed"
@@ -70,6 +70,7 @@ class TablesTickStore:
         send: Send,
         now: datetime,
         identities: Sequence[str | None] = (),
+        announce: Announce | None = None,
     ) -> bool:
         etag = await self._claim(schedule, tick, now)
         if etag is None:

@@ -223,6 +223,47 @@ async def test_a_schedules_message_of_an_idempotent_type_goes_through_its_identi
         await rt.close()
 
 
+async def test_the_enqueued_hook_is_told_only_of_messages_that_went_in(sql_db):
+    """A review found the ``enqueued`` hook told of every tick message and every enqueue, also those
+    discarded against the waiting version or replacing its body: a hook counting enqueues counted
+    messages that were never added. It is now told of the new messages alone, by enqueues and by
+    ticks, which the SQL transport writes in the tick's own transaction."""
+    from datetime import UTC, datetime
+
+    from queueing_core import Event
+    from queueing_core.hooks import Observation
+    from queueing_core.scheduler import Scheduler
+
+    app = QueueingApp("review-enqueued-hook")
+    app.every(timedelta(seconds=1), Restock(sku="b", units=5), name="restock-b")
+    told: list[tuple[str, int]] = []
+
+    @app.hooks.on(Event.ENQUEUED)
+    def enqueued(obs: Observation) -> None:
+        assert obs.envelope is not None
+        told.append((obs.envelope.body["sku"], obs.envelope.body["units"]))
+
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    try:
+        first = await app.enqueue(Restock(sku="b", units=5))
+        assert first.outcome == "enqueued"
+        assert told == [("b", 5)]
+        # a tick of the same message: discarded against the waiting one, in the tick's transaction
+        now = datetime.now(UTC).replace(microsecond=0)
+        assert await Scheduler(rt).run_due(now) == 1
+        assert told == [("b", 5)]
+        replaced = await app.enqueue(Restock(sku="b", units=6))
+        assert replaced.outcome == "replaced"
+        assert (await app.enqueue(Restock(sku="b", units=6))).outcome == "discarded"
+        assert told == [("b", 5)]  # (the waiting message's body changed: no message went in)
+        other = await app.enqueue(Restock(sku="c", units=1))
+        assert other.outcome == "enqueued"
+        assert told == [("b", 5), ("c", 1)]
+    finally:
+        await rt.close()
+
+
 async def test_batches_of_the_same_identities_in_opposite_orders_do_not_deadlock(pg_db):
     """A review found each identity's lock taken in the batch's order: two ``enqueue_many`` naming the
     same identities in opposite orders each held one and waited for the other, and PostgreSQL failed

@@ -361,3 +361,26 @@ async def test_a_version_past_its_expiry_expires_only_once_marked_started_and_ru
         assert await started() == str(newer.message_id)
     finally:
         await rt.close()
+
+
+async def test_the_enqueued_hook_is_not_told_of_a_discarded_version():
+    """Where the identity's document decides (every transport but SQL): a discarded enqueue added no
+    message, and the ``enqueued`` hook is not told of it; a changed version, sent, is."""
+    from queueing_core import Event
+
+    app = QueueingApp("hooked")
+    app.message(CyclePrice)
+    told: list[int] = []
+    app.hooks.on(Event.ENQUEUED)(lambda obs: told.append(obs.envelope.body["cents"]))
+    rt = in_process(app)
+    await rt.open()
+    try:
+        assert (await app.enqueue(CyclePrice(sku="H", cents=1))).outcome == "enqueued"
+        assert (await app.enqueue(CyclePrice(sku="H", cents=1))).outcome == "discarded"
+        assert told == [1]
+        changed = await app.enqueue(CyclePrice(sku="H", cents=2))
+        assert changed.outcome == "enqueued"
+        assert changed.supersedes is not None
+        assert told == [1, 2]
+    finally:
+        await rt.close()

@@ -23,7 +23,8 @@ from .provider import insert_statement
 
 if TYPE_CHECKING:
     from ...envelope import Envelope
-    from ...schedules import Send
+    from ...producer import IdempotentOutcome
+    from ...schedules import Announce, Send
     from .provider import SqlProvider
 
 CLAIMED = "claimed"
@@ -88,6 +89,7 @@ class SqlTickStore:
         send: Send,
         now: datetime,
         identities: Sequence[str | None] = (),
+        announce: Announce | None = None,
     ) -> bool:
         p = self.provider
         await p.ensure_open()
@@ -95,6 +97,7 @@ class SqlTickStore:
         if self.writes_messages:
             keys = list(identities) or [None] * len(envelopes)
             plain = [e for e, k in zip(envelopes, keys, strict=True) if k is None]
+            outcomes: dict[int, IdempotentOutcome] = {}
             async with p.engine.begin() as conn:
                 claimed = await conn.execute(_insert_ignoring(p), {**row, "state": SENT})
                 if claimed.first() is None:
@@ -104,13 +107,17 @@ class SqlTickStore:
                 lock = batch_lock(p.backend, envelopes, keys)
                 if lock is not None:  # (in the one order every enqueue takes them)
                     await conn.execute(lock[0])
-                for env, identity in zip(envelopes, keys, strict=True):
+                for i, (env, identity) in enumerate(zip(envelopes, keys, strict=True)):
                     if identity is not None:
                         # an idempotent type's message goes through its identity, as any enqueue of it:
                         # a row without one is invisible to the next enqueue and to ctx.previous
-                        await run_plan_async(conn, plan(p.tables, p.backend, p._app, env, identity, now))
+                        outcomes[i] = await run_plan_async(
+                            conn, plan(p.tables, p.backend, p._app, env, identity, now)
+                        )
                 if envelopes:
                     await p.notify_statements(conn, {e.queue for e in envelopes})
+            if announce is not None and envelopes:
+                await announce(outcomes)
             return True
         if not await self._claim(row, now):
             return False
