@@ -105,7 +105,10 @@ class Scheduler:
         async def announce(outcomes: dict[int, IdempotentOutcome]) -> None:
             await producer.sent(ready, outcomes)  # the store wrote them with the tick
 
-        won = await self.store.fire(s.name, tick, ready, send, now, identities, announce)
+        if getattr(self.store, "writes_messages", False):
+            won = await self.store.fire(s.name, tick, ready, send, now, identities, announce=announce)
+        else:  # (``send`` records and announces them: a store of the older protocol works as it did)
+            won = await self.store.fire(s.name, tick, ready, send, now, identities)
         if won:
             log.info(
                 "schedule %s: tick %s %s",

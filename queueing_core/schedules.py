@@ -365,7 +365,8 @@ class TickStore(Protocol):
     """Where hosts agree on ticks. ``fire`` claims one tick and has its envelopes sent, exactly once
     across hosts; it returns False when another host has it (or had it). A store whose
     ``writes_messages`` is true writes the envelopes itself, with the claim (the SQL transport), never
-    calls ``send``, and calls ``announce`` after its commit."""
+    calls ``send``, and calls ``announce`` after its commit (the scheduler gives ``announce`` to such a
+    store alone)."""
 
     async def last_ticks(self, names: Sequence[str]) -> dict[str, datetime]:
         """The newest claimed tick of each schedule that has one."""
