@@ -18,8 +18,10 @@ or a store failure between the two leaves both to run (a duplicate), never neith
 receives a superseded message settles it ``Cancelled`` with the reason ``superseded by <id>`` without
 running it; a version already running when it was replaced runs to its end. Two hosts enqueueing the
 same identity at once both send; the compare-and-set on the document orders them, so one of the two is
-superseded by the other (or, if it was received first, both run once). ``ctx.previous`` is the body,
-from the history, of the last version that succeeded.
+superseded by the other (or, if it was received first, both run once). A send replayed under an id the
+document names as an older version (an outbox or a schedule's tick sending again after a crash) sends
+nothing: it would supersede a newer request with an older one. ``ctx.previous`` is the body, from the
+history, of the last version that succeeded.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def _names(doc: dict[str, Any], message_id: UUID) -> bool:
         or doc.get("started") == mid
         or mid in (doc.get("succeeded") or [])
     )
+
+
+def _older(doc: dict[str, Any], message_id: UUID) -> bool:
+    """Whether the document names ``message_id`` as a version that is not the newest: one sent before
+    and replaced (or run) since."""
+    return _names(doc, message_id) and (doc.get("waiting") or [None])[0] != str(message_id)
 
 
 #: the document's key for the waiting version's life made longer by an enqueue discarded against it:
@@ -164,12 +172,19 @@ class IdentityGuard:
             if await self.store.put_identity_doc(env.type, key, doc, found[1]):
                 return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
             found = await self.store.identity_doc(env.type, key)
+        if found is not None and _older(found[0], env.message_id):
+            # sent before under this id, and a newer version has come since (an outbox or a schedule's
+            # tick replaying its send): that send landed (the document names a version only once it
+            # is queued), and sent again it would supersede the newer version with an older request.
+            # Nothing is sent; the receipt names the version that covers it, as a discard's does
+            waiting = found[0].get("waiting") or [str(env.message_id), str(env.tracking_id)]
+            return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
         # the newest version is durably queued before any older one is marked superseded
         if found is not None and _names(found[0], env.message_id) and isinstance(self.provider, SendsCopies):
-            # sent before under this id (an outbox replaying it): a transport that drops a message id
-            # it has seen (Service Bus's duplicate detection) would drop it, while the document then
-            # marks the version in between superseded by it, and neither would run. A copy goes under
-            # a transport id of its own; the envelope, and so the message id, are the same
+            # sent before under this id and still the newest version, begun by a host (a replay of a
+            # waiting one was discarded above): a transport that drops a message id it has seen
+            # (Service Bus's duplicate detection) would drop what the sender asked to go again. A copy
+            # goes under a transport id of its own; the envelope, and so the message id, are the same
             await self.provider.send_copy(env.queue, env, env.not_before)
         else:
             await self.provider.send([env], wait=True)
@@ -191,7 +206,7 @@ class IdentityGuard:
                 doc, token = found if found is not None else ({}, None)
                 old = doc.get("waiting")
                 superseded: dict[str, str] = dict(doc.get("superseded") or {})
-                # the same id sent again (an outbox replaying it) is the newest version, not an old one
+                # the same id sent again while it is the newest version is not superseded by itself
                 superseded.pop(str(env.message_id), None)
                 replaced = None
                 if old and old[0] != str(env.message_id) and await self._may_run(UUID(old[0]), sent):

@@ -586,12 +586,14 @@ async def test_an_operator_retry_of_a_superseded_version_runs_it(harness):
     assert seen == [2, 1]
 
 
-async def test_a_superseded_version_sent_again_with_its_own_id_runs_and_the_one_between_does_not(harness):
-    """An outbox replays the first version of an identity (the same message id) after a host settled it
-    superseded: it is the newest version again and runs, and the version in between is superseded by
-    it. On Service Bus the queue of an idempotent type drops a message id it has seen (duplicate
-    detection): the replay was dropped while the version between was marked superseded by it, and
-    neither ran (found in review). It goes as a copy under a transport id of its own now."""
+async def test_a_superseded_version_sent_again_with_its_own_id_changes_nothing_and_the_newer_one_runs(
+    harness,
+):
+    """An outbox (or a schedule's tick) replays the first version of an identity, the same message id,
+    after a newer version superseded it and a host settled it so. The replay is the older request: it
+    once became the newest version again, superseded the newer one and ran in its place (found in
+    review: the newer body never ran). It now sends nothing, its receipt names the newer version, and
+    that one runs, as on SQL, where a message id sent again changes nothing."""
     from queueing_core.decisions import Release
     from queueing_core.transport import Settlement
 
@@ -624,15 +626,12 @@ async def test_a_superseded_version_sent_again_with_its_own_id_runs_and_the_one_
     await wait_until(first_settled, what="the first version settled as superseded")
     assert seen == []
     replay = await app.enqueue(first_version)
-    assert (replay.outcome, replay.message_id, replay.supersedes) == (
-        "enqueued",
-        first.message_id,
-        between.message_id,
-    )
+    assert (replay.outcome, replay.message_id, replay.supersedes) == ("discarded", between.message_id, None)
     async with running(rt):
-        await wait_until(lambda: seen == [1], what="the replayed version to run")
+        await wait_until(lambda: seen == [2], what="the newer version to run")
         await wait_until(
-            lambda: _status_is(rt, between.message_id, MessageStatus.CANCELLED), what="the one between"
+            lambda: _status_is(rt, between.message_id, MessageStatus.SUCCEEDED), what="the newer one"
         )
         await asyncio.sleep(0.3)  # time for anything still queued to be received (and not run)
-    assert seen == [1]
+    assert seen == [2]
+    assert await _status_is(rt, first.message_id, MessageStatus.CANCELLED)
