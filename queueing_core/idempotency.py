@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("queueing.idempotent")
 
-#: superseded versions remembered per identity; an older one pushed out runs if it is still queued
-#: (a duplicate, never a loss). Many versions replaced faster than a host receives them are the case.
+#: replaced versions remembered per identity (finished ones too, so that a replay of one is known for
+#: the older request it is); an older one pushed out runs if it is still queued (a duplicate, never a
+#: loss). Many versions replaced faster than a host receives them are the case.
 MAX_SUPERSEDED = 64
 #: compare-and-set rounds; each round one writer wins and the others read again
 _CAS_TRIES = 20
@@ -87,9 +88,16 @@ def _names(doc: dict[str, Any], message_id: UUID) -> bool:
 
 
 def _older(doc: dict[str, Any], message_id: UUID) -> bool:
-    """Whether the document names ``message_id`` as a version that is not the newest: one sent before
-    and replaced (or run) since."""
-    return _names(doc, message_id) and (doc.get("waiting") or [None])[0] != str(message_id)
+    """Whether the document shows ``message_id`` replaced by a version pointed at after it: marked
+    superseded (every version the newest one replaces is, finished or not), or marked started (only
+    ever while it was the newest) with another version the newest now. Not a version named only among
+    those that succeeded, nor as the one a superseded version was replaced by: a run whose pointing
+    never landed (a crash after its send, two sends pointed in the other order) may have succeeded
+    while an older version stayed the newest."""
+    mid = str(message_id)
+    if (doc.get("waiting") or [None])[0] == mid:
+        return False
+    return mid in (doc.get("superseded") or {}) or doc.get("started") == mid
 
 
 #: the document's key for the waiting version's life made longer by an enqueue discarded against it:
@@ -176,13 +184,16 @@ class IdentityGuard:
             # sent before under this id, and a newer version has come since (an outbox or a schedule's
             # tick replaying its send): that send landed (the document names a version only once it
             # is queued), and sent again it would supersede the newer version with an older request.
-            # Nothing is sent; the receipt names the version that covers it, as a discard's does
+            # Nothing is sent; the receipt names the version that covers it, as a discard's does. (A
+            # version replaced more than MAX_SUPERSEDED versions ago is no longer named, and is sent
+            # again as a new one: see docs/concepts/jobs.md)
             waiting = found[0].get("waiting") or [str(env.message_id), str(env.tracking_id)]
             return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
         # the newest version is durably queued before any older one is marked superseded
         if found is not None and _names(found[0], env.message_id) and isinstance(self.provider, SendsCopies):
-            # sent before under this id and still the newest version, begun by a host (a replay of a
-            # waiting one was discarded above): a transport that drops a message id it has seen
+            # sent before under this id: still the newest version, begun by a host or with another
+            # body (a tick's messages are made again), or one the document names only among the
+            # succeeded; a transport that drops a message id it has seen
             # (Service Bus's duplicate detection) would drop what the sender asked to go again. A copy
             # goes under a transport id of its own; the envelope, and so the message id, are the same
             await self.provider.send_copy(env.queue, env, env.not_before)
@@ -209,11 +220,14 @@ class IdentityGuard:
                 # the same id sent again while it is the newest version is not superseded by itself
                 superseded.pop(str(env.message_id), None)
                 replaced = None
-                if old and old[0] != str(env.message_id) and await self._may_run(UUID(old[0]), sent):
-                    replaced = UUID(old[0])
+                if old and old[0] != str(env.message_id):
+                    # kept even when it has finished (nothing is left to settle superseded): a replay of
+                    # its send is then known for the older request it is (``_older``)
                     superseded[old[0]] = str(env.message_id)
                     while len(superseded) > MAX_SUPERSEDED:
                         del superseded[next(iter(superseded))]
+                    if await self._may_run(UUID(old[0]), sent):
+                        replaced = UUID(old[0])
                 new = {
                     **doc,
                     "waiting": [str(env.message_id), str(env.tracking_id), digest],

@@ -50,9 +50,11 @@ class EnqueueReceipt:
     status: str
     not_before: datetime | None
     expires_at: datetime | None
-    #: ``enqueued``; for idempotent types also ``discarded`` (the waiting message of its identity has
-    #: the same JSON: nothing was written) or ``replaced`` (the waiting message took the new body).
-    #: When not ``enqueued``, the ids are the waiting message's.
+    #: ``enqueued``; for idempotent types also ``discarded`` (nothing was written: the waiting message
+    #: of its identity has the same JSON, or, off SQL, this message id was sent before and a newer
+    #: version has replaced it since) or ``replaced`` (the waiting message took the new body). When
+    #: not ``enqueued``, the ids are the waiting (newest) message's; the status and times are this
+    #: request's, not read back from that message.
     outcome: str = "enqueued"
     #: transports that cannot edit a queued message (all but SQL): the waiting version this one
     #: superseded; it is settled Cancelled, "superseded by" this one, without running

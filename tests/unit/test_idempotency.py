@@ -385,3 +385,73 @@ async def test_a_replayed_send_of_a_replaced_version_does_not_supersede_the_newe
         assert rec.status == MessageStatus.CANCELLED.value
     finally:
         await rt.close()
+
+
+async def test_a_replay_is_known_as_older_only_by_what_the_document_ordered():
+    """Two cases a review found around the replay rule. A version that finished before a newer one
+    replaced it, and whose start marker the newer one's start then took: its replay is still older
+    (every replaced version is kept among the superseded, finished or not). A version whose pointing
+    never landed (its sender crashed after the send) and that a host ran meanwhile, while an older
+    version stayed the newest: its replay is the newer request, so it is sent and supersedes that one,
+    rather than being discarded against it."""
+    app = QueueingApp("replays-ordered")
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: CyclePrice) -> None:
+        seen.append(msg.cents)
+
+    rt = in_process(app)
+    await rt.open()
+    try:
+        producer, guard = rt.producer, rt.identities
+        assert guard is not None
+        # 1: T ran and finished; N replaced it, then N started (the marker moved on to N)
+        older = producer.envelope_for(CyclePrice(sku="F", cents=1))
+        await producer.send_prepared([older], identities=["F"])
+        await run_until_idle(rt)
+        newer = await app.enqueue(CyclePrice(sku="F", cents=2))
+        assert newer.supersedes is None  # (T had finished: nothing left to supersede)
+        await run_until_idle(rt)
+        assert seen == [1, 2]
+        replay = await producer.send_prepared([older], identities=["F"])
+        assert (replay[0].outcome, replay[0].message_id) == ("discarded", newer.message_id)
+        assert await run_until_idle(rt) == 0
+        assert seen == [1, 2]
+
+        # 2: W waits; X was sent but its sender crashed before the document pointed at it, and X ran
+        seen.clear()
+        waiting = await app.enqueue(CyclePrice(sku="G", cents=1))
+        x = producer.envelope_for(CyclePrice(sku="G", cents=2))
+        point_at = guard._point_at
+
+        async def crashed(*args: Any, **kwargs: Any) -> None:
+            return None  # (the document never pointed at X)
+
+        guard._point_at = crashed  # type: ignore[method-assign]
+        try:
+            await producer.send_prepared([x], identities=["G"])
+        finally:
+            guard._point_at = point_at  # type: ignore[method-assign]
+        sub = app.subscription("CyclePrice")
+        assert sub is not None
+        for d in await rt.provider.receive(sub, 10):  # X runs (a host got it first); W goes back
+            assert d.envelope is not None
+            if d.envelope.message_id == x.message_id:
+                await rt.process_and_settle(d)
+            else:
+                from queueing_core.decisions import Release
+                from queueing_core.transport import Settlement
+
+                await rt.provider.settle([Settlement(d, Release("not yet"))])
+        assert seen == [2]
+        replay = await producer.send_prepared([x], identities=["G"])  # the sender's tick, again
+        assert replay[0].outcome == "enqueued"
+        assert replay[0].supersedes == waiting.message_id
+        await run_until_idle(rt)
+        assert 1 not in seen  # the older body did not run after the newer one
+        rec = await rt.tracker.get(waiting.message_id)
+        assert rec is not None
+        assert rec.status == MessageStatus.CANCELLED.value
+    finally:
+        await rt.close()
