@@ -5,6 +5,7 @@ The control store keeps one document per (type, identity)::
 
     {"waiting": [message id, tracking id, body hash],   the newest version sent
      "superseded": {older id: newer id, ...},           versions replaced before they ran (bounded)
+     "replaced": [older id, ...],                       every version replaced, finished or not (bounded)
      "succeeded": [message id, the one before],         the last versions that succeeded
      "started": message id}                             the newest version, once a host began it
 
@@ -48,10 +49,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("queueing.idempotent")
 
-#: replaced versions remembered per identity (finished ones too, so that a replay of one is known for
-#: the older request it is); an older one pushed out runs if it is still queued (a duplicate, never a
-#: loss). Many versions replaced faster than a host receives them are the case.
+#: superseded versions remembered per identity; an older one pushed out runs if it is still queued
+#: (a duplicate, never a loss). Many versions replaced faster than a host receives them are the case.
 MAX_SUPERSEDED = 64
+#: the document's key for the versions a newer one replaced, finished or not, oldest first (at most
+#: MAX_REPLACED): a replay of one of their sends is the older request it is (``_older``). Apart from
+#: ``superseded``, which holds only those left to settle, so that finished ones take none of its room
+REPLACED = "replaced"
+MAX_REPLACED = 64
 #: compare-and-set rounds; each round one writer wins and the others read again
 _CAS_TRIES = 20
 _WAITING = frozenset(s.value for s in MessageStatus.runnable())
@@ -80,6 +85,7 @@ def _names(doc: dict[str, Any], message_id: UUID) -> bool:
     mid = str(message_id)
     return (
         (doc.get("waiting") or [None])[0] == mid
+        or mid in (doc.get(REPLACED) or [])
         or mid in (doc.get("superseded") or {})
         or mid in (doc.get("superseded") or {}).values()
         or doc.get("started") == mid
@@ -88,16 +94,18 @@ def _names(doc: dict[str, Any], message_id: UUID) -> bool:
 
 
 def _older(doc: dict[str, Any], message_id: UUID) -> bool:
-    """Whether the document shows ``message_id`` replaced by a version pointed at after it: marked
-    superseded (every version the newest one replaces is, finished or not), or marked started (only
-    ever while it was the newest) with another version the newest now. Not a version named only among
-    those that succeeded, nor as the one a superseded version was replaced by: a run whose pointing
-    never landed (a crash after its send, two sends pointed in the other order) may have succeeded
-    while an older version stayed the newest."""
+    """Whether the document shows ``message_id`` replaced by a version pointed at after it: among the
+    replaced or the superseded, or marked started (only ever while it was the newest; a document of an
+    earlier version of the kit has no list of the replaced) with another version the newest now. Not a
+    version named only among those that succeeded, nor as the one a superseded version was replaced
+    by: a run whose pointing never landed (a crash after its send, two sends pointed in the other
+    order) may have succeeded while an older version stayed the newest."""
     mid = str(message_id)
     if (doc.get("waiting") or [None])[0] == mid:
         return False
-    return mid in (doc.get("superseded") or {}) or doc.get("started") == mid
+    return (
+        mid in (doc.get(REPLACED) or []) or mid in (doc.get("superseded") or {}) or doc.get("started") == mid
+    )
 
 
 #: the document's key for the waiting version's life made longer by an enqueue discarded against it:
@@ -185,7 +193,7 @@ class IdentityGuard:
             # tick replaying its send): that send landed (the document names a version only once it
             # is queued), and sent again it would supersede the newer version with an older request.
             # Nothing is sent; the receipt names the version that covers it, as a discard's does. (A
-            # version replaced more than MAX_SUPERSEDED versions ago is no longer named, and is sent
+            # version replaced more than MAX_REPLACED versions ago is no longer named, and is sent
             # again as a new one: see docs/concepts/jobs.md)
             waiting = found[0].get("waiting") or [str(env.message_id), str(env.tracking_id)]
             return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
@@ -212,26 +220,32 @@ class IdentityGuard:
     ) -> UUID | None:
         """Make ``env`` the identity's newest version and mark the one it replaces superseded. A failure
         here is logged, not raised: the message is sent, and raising would make the caller send again."""
+        mid = str(env.message_id)
         try:
             for _ in range(_CAS_TRIES):
                 doc, token = found if found is not None else ({}, None)
+                if found is not None and _older(doc, env.message_id):
+                    # a replay of this id (sent while it was the newest) raced a newer version, pointed
+                    # at meanwhile: that one stays the newest, and this copy is settled superseded
+                    return None
                 old = doc.get("waiting")
                 superseded: dict[str, str] = dict(doc.get("superseded") or {})
                 # the same id sent again while it is the newest version is not superseded by itself
-                superseded.pop(str(env.message_id), None)
+                superseded.pop(mid, None)
+                earlier = [i for i in (doc.get(REPLACED) or []) if i != mid]
                 replaced = None
-                if old and old[0] != str(env.message_id):
-                    # kept even when it has finished (nothing is left to settle superseded): a replay of
-                    # its send is then known for the older request it is (``_older``)
-                    superseded[old[0]] = str(env.message_id)
-                    while len(superseded) > MAX_SUPERSEDED:
-                        del superseded[next(iter(superseded))]
+                if old and old[0] != mid:
+                    earlier = [*(i for i in earlier if i != old[0]), old[0]][-MAX_REPLACED:]
                     if await self._may_run(UUID(old[0]), sent):
                         replaced = UUID(old[0])
+                        superseded[old[0]] = mid
+                        while len(superseded) > MAX_SUPERSEDED:
+                            del superseded[next(iter(superseded))]
                 new = {
                     **doc,
-                    "waiting": [str(env.message_id), str(env.tracking_id), digest],
+                    "waiting": [mid, str(env.tracking_id), digest],
                     "superseded": superseded,
+                    REPLACED: earlier,
                 }
                 if await self.store.put_identity_doc(env.type, key, new, token):
                     return replaced

@@ -390,7 +390,7 @@ async def test_a_replayed_send_of_a_replaced_version_does_not_supersede_the_newe
 async def test_a_replay_is_known_as_older_only_by_what_the_document_ordered():
     """Two cases a review found around the replay rule. A version that finished before a newer one
     replaced it, and whose start marker the newer one's start then took: its replay is still older
-    (every replaced version is kept among the superseded, finished or not). A version whose pointing
+    (the document lists every replaced version, finished or not). A version whose pointing
     never landed (its sender crashed after the send) and that a host ran meanwhile, while an older
     version stayed the newest: its replay is the newer request, so it is sent and supersedes that one,
     rather than being discarded against it."""
@@ -453,5 +453,96 @@ async def test_a_replay_is_known_as_older_only_by_what_the_document_ordered():
         rec = await rt.tracker.get(waiting.message_id)
         assert rec is not None
         assert rec.status == MessageStatus.CANCELLED.value
+    finally:
+        await rt.close()
+
+
+async def test_a_replay_stays_older_after_its_success_and_after_many_finished_versions():
+    """A second review of the replay rule. (a) A version running when a newer one came, then
+    succeeding (its success takes it off the superseded), and the newer one begun: its replay was sent
+    and superseded the newer one. (b) A version still queued (a retry's backoff) while 64 newer ones
+    ran one after another: had finished versions filled the superseded list, it would have been pushed
+    out and run its older body after them. (c) A replay racing a newer enqueue: sent while it was the
+    newest, its pointing then found the newer one there, and pointed back at itself."""
+    from queueing_core.idempotency import MAX_SUPERSEDED
+
+    app = QueueingApp("replays-again")
+    seen: list[int] = []
+    began, gate = asyncio.Event(), asyncio.Event()
+
+    @app.handler()
+    async def handle(msg: CyclePrice) -> None:
+        if msg.sku == "S" and msg.cents == 1:
+            began.set()
+            await gate.wait()
+        seen.append(msg.cents)
+
+    rt = in_process(app)
+    await rt.open()
+    try:
+        producer, guard = rt.producer, rt.identities
+        assert guard is not None
+        sub = app.subscription("CyclePrice")
+        assert sub is not None
+
+        # (a) T runs; N comes meanwhile; T succeeds; N begins (its start marker); T is sent again
+        t = producer.envelope_for(CyclePrice(sku="S", cents=1))
+        await producer.send_prepared([t], identities=["S"])
+        [d] = await rt.provider.receive(sub, 10)
+        running = asyncio.create_task(rt.process_and_settle(d))
+        await asyncio.wait_for(began.wait(), 10)
+        n = await app.enqueue(CyclePrice(sku="S", cents=2))
+        assert n.supersedes == t.message_id
+        gate.set()  # (T was begun before N came: it runs to its end)
+        await running
+        [d] = await rt.provider.receive(sub, 10)
+        assert await guard.check_start(sub, CyclePrice(sku="S", cents=2, message_id=n.message_id)) is None
+        replay = await producer.send_prepared([t], identities=["S"])
+        assert (replay[0].outcome, replay[0].message_id) == ("discarded", n.message_id)
+        await rt.process_and_settle(d)
+        assert await run_until_idle(rt) == 0
+        assert seen == [1, 2]
+
+        # (b) Q waits, superseded by V1; V1 .. V64 each run before the next comes
+        seen.clear()
+        await rt.control.set_paused("type", "CyclePrice", True)
+        q = await app.enqueue(CyclePrice(sku="Q", cents=0))
+        await rt.control.set_paused("type", "CyclePrice", False)
+        [held] = await rt.provider.receive(sub, 10)  # (Q held aside, as a retry's backoff would)
+        for cents in range(1, MAX_SUPERSEDED + 2):
+            await app.enqueue(CyclePrice(sku="Q", cents=cents))
+            await run_until_idle(rt)
+        assert held.envelope is not None
+        assert held.envelope.message_id == q.message_id
+        await rt.process_and_settle(held)  # Q comes back at last
+        assert 0 not in seen  # still known superseded: its older body did not run
+        assert seen == list(range(1, MAX_SUPERSEDED + 2))
+
+        # (c) R waits, begun; its replay sends a copy; N2 is pointed at before the replay's pointing
+        seen.clear()
+        r = producer.envelope_for(CyclePrice(sku="R2", cents=1))
+        await producer.send_prepared([r], identities=["R2"])
+        assert await guard.check_start(sub, CyclePrice(sku="R2", cents=1, message_id=r.message_id)) is None
+        store = guard.store
+        put = store.put_identity_doc
+        raced: list[Any] = []
+
+        async def newer_first(type_name: str, identity: str, doc: Any, token: Any) -> bool:
+            if not raced:  # the replay's first write: a newer version is enqueued just before it
+                store.put_identity_doc = put  # type: ignore[method-assign]
+                raced.append(await app.enqueue(CyclePrice(sku="R2", cents=2)))
+            return await put(type_name, identity, doc, token)
+
+        store.put_identity_doc = newer_first  # type: ignore[method-assign]
+        try:
+            again = await producer.send_prepared([r], identities=["R2"])
+        finally:
+            store.put_identity_doc = put  # type: ignore[method-assign]
+        assert again[0].supersedes is None  # it did not point back at itself over the newer one
+        found = await store.identity_doc("CyclePrice", "R2")
+        assert found is not None
+        assert found[0]["waiting"][0] == str(raced[0].message_id)
+        await run_until_idle(rt)
+        assert 2 in seen  # the newer body ran
     finally:
         await rt.close()
