@@ -353,21 +353,31 @@ async def test_the_enqueued_hook_is_not_told_of_a_discarded_version():
         await rt.close()
 
 
+async def _prices(name: str, gate: Any = None) -> tuple[Any, list[int]]:
+    """An opened in-process runtime whose handler of ``CyclePrice`` notes each price it runs;
+    ``gate``, if given, is awaited before noting one (its argument: the message)."""
+    app = QueueingApp(name)
+    seen: list[int] = []
+
+    @app.handler()
+    async def handle(msg: CyclePrice) -> None:
+        if gate is not None:
+            await gate(msg)
+        seen.append(msg.cents)
+
+    rt = in_process(app)
+    await rt.open()
+    return rt, seen
+
+
 async def test_a_replayed_send_of_a_replaced_version_does_not_supersede_the_newer_one():
     """A review inferred it: a schedule's tick (or an outbox) that sent a version, then crashed before
     it noted the send, sends it again under the same id once its claim lapses. If a newer version came
     in between, the replay marked that newer one superseded by the older request, which then ran in its
     place: the newer body never ran. A replay of a version the identity has since replaced now sends
     nothing, and the newer version runs."""
-    app = QueueingApp("replays")
-    seen: list[int] = []
-
-    @app.handler()
-    async def handle(msg: CyclePrice) -> None:
-        seen.append(msg.cents)
-
-    rt = in_process(app)
-    await rt.open()
+    rt, seen = await _prices("replays")
+    app = rt.app
     try:
         producer = rt.producer
         older = producer.envelope_for(CyclePrice(sku="R", cents=1))
@@ -394,15 +404,8 @@ async def test_a_replay_is_known_as_older_only_by_what_the_document_ordered():
     never landed (its sender crashed after the send) and that a host ran meanwhile, while an older
     version stayed the newest: its replay is the newer request, so it is sent and supersedes that one,
     rather than being discarded against it."""
-    app = QueueingApp("replays-ordered")
-    seen: list[int] = []
-
-    @app.handler()
-    async def handle(msg: CyclePrice) -> None:
-        seen.append(msg.cents)
-
-    rt = in_process(app)
-    await rt.open()
+    rt, seen = await _prices("replays-ordered")
+    app = rt.app
     try:
         producer, guard = rt.producer, rt.identities
         assert guard is not None
@@ -466,19 +469,15 @@ async def test_a_replay_stays_older_after_its_success_and_after_many_finished_ve
     newest, its pointing then found the newer one there, and pointed back at itself."""
     from queueing_core.idempotency import MAX_SUPERSEDED
 
-    app = QueueingApp("replays-again")
-    seen: list[int] = []
     began, gate = asyncio.Event(), asyncio.Event()
 
-    @app.handler()
-    async def handle(msg: CyclePrice) -> None:
+    async def hold(msg: CyclePrice) -> None:
         if msg.sku == "S" and msg.cents == 1:
             began.set()
             await gate.wait()
-        seen.append(msg.cents)
 
-    rt = in_process(app)
-    await rt.open()
+    rt, seen = await _prices("replays-again", hold)
+    app = rt.app
     try:
         producer, guard = rt.producer, rt.identities
         assert guard is not None
