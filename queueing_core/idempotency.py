@@ -93,6 +93,11 @@ def _names(doc: dict[str, Any], message_id: UUID) -> bool:
     )
 
 
+def _bounded(superseded: dict[str, str]) -> dict[str, str]:
+    """The superseded versions, the oldest dropped beyond MAX_SUPERSEDED (insertion order is age)."""
+    return dict(list(superseded.items())[-MAX_SUPERSEDED:])
+
+
 def _older(doc: dict[str, Any], message_id: UUID) -> bool:
     """Whether the document shows ``message_id`` replaced by a version pointed at after it: among the
     replaced or the superseded, or marked started (only ever while it was the newest; a document of an
@@ -224,29 +229,35 @@ class IdentityGuard:
         try:
             for _ in range(_CAS_TRIES):
                 doc, token = found if found is not None else ({}, None)
-                if found is not None and _older(doc, env.message_id):
-                    # a replay of this id (sent while it was the newest) raced a newer version, pointed
-                    # at meanwhile: that one stays the newest, and this copy is settled superseded
-                    return None
                 old = doc.get("waiting")
                 superseded: dict[str, str] = dict(doc.get("superseded") or {})
-                # the same id sent again while it is the newest version is not superseded by itself
-                superseded.pop(mid, None)
-                earlier = [i for i in (doc.get(REPLACED) or []) if i != mid]
                 replaced = None
-                if old and old[0] != mid:
-                    earlier = [*(i for i in earlier if i != old[0]), old[0]][-MAX_REPLACED:]
-                    if await self._may_run(UUID(old[0]), sent):
-                        replaced = UUID(old[0])
-                        superseded[old[0]] = mid
-                        while len(superseded) > MAX_SUPERSEDED:
-                            del superseded[next(iter(superseded))]
-                new = {
-                    **doc,
-                    "waiting": [mid, str(env.tracking_id), digest],
-                    "superseded": superseded,
-                    REPLACED: earlier,
-                }
+                if found is not None and old and _older(doc, env.message_id):
+                    # a replay of this id (sent while it was the newest) raced a newer version, pointed
+                    # at meanwhile: that one stays the newest, and the copy just sent is marked
+                    # superseded by it (it may have finished before: its history cannot tell)
+                    if superseded.get(mid) == old[0]:
+                        return None
+                    new = {**doc, "superseded": _bounded({**superseded, mid: old[0]})}
+                else:
+                    # the same id sent again while it is the newest version is not superseded by itself;
+                    # a copy of it is queued now, not yet begun (a version replaced while it waits unbegun
+                    # is marked superseded even if an earlier copy's history says it finished)
+                    superseded.pop(mid, None)
+                    earlier = [i for i in (doc.get(REPLACED) or []) if i != mid]
+                    begun = doc.get("started")
+                    if old and old[0] != mid:
+                        earlier = [*(i for i in earlier if i != old[0]), old[0]][-MAX_REPLACED:]
+                        if begun != old[0] or await self._may_run(UUID(old[0]), sent):
+                            replaced = UUID(old[0])
+                            superseded = _bounded({**superseded, old[0]: mid})
+                    new = {
+                        **doc,
+                        "waiting": [mid, str(env.tracking_id), digest],
+                        "superseded": superseded,
+                        REPLACED: earlier,
+                        "started": None if begun == mid else begun,
+                    }
                 if await self.store.put_identity_doc(env.type, key, new, token):
                     return replaced
                 found = await self.store.identity_doc(env.type, key)

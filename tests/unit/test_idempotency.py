@@ -545,3 +545,48 @@ async def test_a_replay_stays_older_after_its_success_and_after_many_finished_ve
         assert 2 in seen  # the newer body ran
     finally:
         await rt.close()
+
+
+@pytest.mark.parametrize("raced", [False, True], ids=["newer-after", "newer-during"])
+async def test_a_resent_copy_of_a_finished_version_is_superseded_by_the_next(raced):
+    """A third review: R ran and succeeded, and is still its identity's newest version; a tick sends
+    it again (a copy goes: a host had begun it), and a newer version N comes after that replay (or
+    while it points the document). R's history still said Succeeded, so N did not mark it superseded,
+    and R's copy, received after N, ran its older body last. N now marks it superseded, and a replay
+    that finds N pointed at meanwhile marks its own copy so."""
+    rt, seen = await _prices(f"resent-{raced}")
+    app = rt.app
+    try:
+        producer, guard = rt.producer, rt.identities
+        assert guard is not None
+        sub = app.subscription("CyclePrice")
+        assert sub is not None
+        r = producer.envelope_for(CyclePrice(sku="RS", cents=1))
+        await producer.send_prepared([r], identities=["RS"])
+        await run_until_idle(rt)  # R ran and succeeded
+        store, put = guard.store, guard.store.put_identity_doc
+        newer: list[Any] = []
+
+        async def newer_first(type_name: str, identity: str, doc: Any, token: Any) -> bool:
+            if not newer:
+                store.put_identity_doc = put  # type: ignore[method-assign]
+                newer.append(await app.enqueue(CyclePrice(sku="RS", cents=2)))
+            return await put(type_name, identity, doc, token)
+
+        if raced:
+            store.put_identity_doc = newer_first  # type: ignore[method-assign]
+        try:
+            again = await producer.send_prepared([r], identities=["RS"])  # the tick, again
+        finally:
+            store.put_identity_doc = put  # type: ignore[method-assign]
+        assert again[0].outcome == "enqueued"  # (a copy went: it had been begun)
+        if not raced:
+            newer.append(await app.enqueue(CyclePrice(sku="RS", cents=2)))
+        deliveries = await rt.provider.receive(sub, 10)
+        assert len(deliveries) == 2
+        deliveries.sort(key=lambda d: d.envelope.body["cents"] if d.envelope else 0, reverse=True)
+        for d in deliveries:  # the newer one first, as a transport without order may deliver them
+            await rt.process_and_settle(d)
+        assert seen == [1, 2]  # R's copy did not run after N
+    finally:
+        await rt.close()
