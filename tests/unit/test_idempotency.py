@@ -370,6 +370,14 @@ async def _prices(name: str, gate: Any = None) -> tuple[Any, list[int]]:
     return rt, seen
 
 
+def _guard_and_sub(rt: Any) -> tuple[IdentityGuard, Any]:
+    """The runtime's identity guard and its subscription of ``CyclePrice``."""
+    guard, sub = rt.identities, rt.app.subscription("CyclePrice")
+    assert guard is not None
+    assert sub is not None
+    return guard, sub
+
+
 async def test_a_replayed_send_of_a_replaced_version_does_not_supersede_the_newer_one():
     """A review inferred it: a schedule's tick (or an outbox) that sent a version, then crashed before
     it noted the send, sends it again under the same id once its claim lapses. If a newer version came
@@ -479,10 +487,7 @@ async def test_a_replay_stays_older_after_its_success_and_after_many_finished_ve
     rt, seen = await _prices("replays-again", hold)
     app = rt.app
     try:
-        producer, guard = rt.producer, rt.identities
-        assert guard is not None
-        sub = app.subscription("CyclePrice")
-        assert sub is not None
+        producer, (guard, sub) = rt.producer, _guard_and_sub(rt)
 
         # (a) T runs; N comes meanwhile; T succeeds; N begins (its start marker); T is sent again
         t = producer.envelope_for(CyclePrice(sku="S", cents=1))
@@ -557,10 +562,7 @@ async def test_a_resent_copy_of_a_finished_version_is_superseded_by_the_next(rac
     rt, seen = await _prices(f"resent-{raced}")
     app = rt.app
     try:
-        producer, guard = rt.producer, rt.identities
-        assert guard is not None
-        sub = app.subscription("CyclePrice")
-        assert sub is not None
+        producer, (guard, sub) = rt.producer, _guard_and_sub(rt)
         r = producer.envelope_for(CyclePrice(sku="RS", cents=1))
         await producer.send_prepared([r], identities=["RS"])
         await run_until_idle(rt)  # R ran and succeeded
