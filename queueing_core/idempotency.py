@@ -93,9 +93,12 @@ def _names(doc: dict[str, Any], message_id: UUID) -> bool:
     )
 
 
-def _bounded(superseded: dict[str, str]) -> dict[str, str]:
-    """The superseded versions, the oldest dropped beyond MAX_SUPERSEDED (insertion order is age)."""
-    return dict(list(superseded.items())[-MAX_SUPERSEDED:])
+def _marked(superseded: dict[str, str], older: str, newer: str) -> dict[str, str]:
+    """``superseded`` with ``older`` marked superseded by ``newer`` as its newest entry, the oldest
+    dropped beyond MAX_SUPERSEDED (insertion order is age)."""
+    marks = {k: v for k, v in superseded.items() if k != older}
+    marks[older] = newer
+    return dict(list(marks.items())[-MAX_SUPERSEDED:])
 
 
 def _older(doc: dict[str, Any], message_id: UUID) -> bool:
@@ -238,25 +241,23 @@ class IdentityGuard:
                     # superseded by it (it may have finished before: its history cannot tell)
                     if superseded.get(mid) == old[0]:
                         return None
-                    new = {**doc, "superseded": _bounded({**superseded, mid: old[0]})}
+                    new = {**doc, "superseded": _marked(superseded, mid, old[0])}
                 else:
-                    # the same id sent again while it is the newest version is not superseded by itself;
-                    # a copy of it is queued now, not yet begun (a version replaced while it waits unbegun
-                    # is marked superseded even if an earlier copy's history says it finished)
+                    # the same id sent again while it is the newest version is not superseded by itself
+                    # (its start marker stays: a copy may have begun already, and an identical enqueue
+                    # discarded against it then would lose its run)
                     superseded.pop(mid, None)
                     earlier = [i for i in (doc.get(REPLACED) or []) if i != mid]
-                    begun = doc.get("started")
                     if old and old[0] != mid:
                         earlier = [*(i for i in earlier if i != old[0]), old[0]][-MAX_REPLACED:]
-                        if begun != old[0] or await self._may_run(UUID(old[0]), sent):
+                        if await self._may_run(UUID(old[0]), sent):
                             replaced = UUID(old[0])
-                            superseded = _bounded({**superseded, old[0]: mid})
+                            superseded = _marked(superseded, old[0], mid)
                     new = {
                         **doc,
                         "waiting": [mid, str(env.tracking_id), digest],
                         "superseded": superseded,
                         REPLACED: earlier,
-                        "started": None if begun == mid else begun,
                     }
                 if await self.store.put_identity_doc(env.type, key, new, token):
                     return replaced
@@ -269,8 +270,8 @@ class IdentityGuard:
             )
         except Exception as exc:
             log.warning(
-                "message %s was sent, but the older version of identity %r of %s could not be marked "
-                "superseded (%s): it may run too",
+                "message %s was sent, but the document of identity %r of %s could not be written (%s): "
+                "the version it replaces, or this copy if a newer version came meanwhile, may run too",
                 env.message_id,
                 key,
                 env.type,

@@ -552,14 +552,14 @@ async def test_a_replay_stays_older_after_its_success_and_after_many_finished_ve
         await rt.close()
 
 
-@pytest.mark.parametrize("raced", [False, True], ids=["newer-after", "newer-during"])
-async def test_a_resent_copy_of_a_finished_version_is_superseded_by_the_next(raced):
+async def test_a_resent_copy_that_finds_a_newer_version_pointed_at_marks_itself_superseded():
     """A third review: R ran and succeeded, and is still its identity's newest version; a tick sends
-    it again (a copy goes: a host had begun it), and a newer version N comes after that replay (or
-    while it points the document). R's history still said Succeeded, so N did not mark it superseded,
-    and R's copy, received after N, ran its older body last. N now marks it superseded, and a replay
-    that finds N pointed at meanwhile marks its own copy so."""
-    rt, seen = await _prices(f"resent-{raced}")
+    it again (a copy goes: a host had begun it), and a newer version N is pointed at while the replay
+    points the document. The replay stopped without marking its copy, and R's copy, received after N,
+    ran its older body last. It is now marked superseded by N. (A newer version that comes after the
+    replay has pointed does not: R's history says it finished, and the kit cannot tell the queued copy
+    from the finished run; see docs/concepts/jobs.md.)"""
+    rt, seen = await _prices("resent")
     app = rt.app
     try:
         producer, (guard, sub) = rt.producer, _guard_and_sub(rt)
@@ -575,15 +575,12 @@ async def test_a_resent_copy_of_a_finished_version_is_superseded_by_the_next(rac
                 newer.append(await app.enqueue(CyclePrice(sku="RS", cents=2)))
             return await put(type_name, identity, doc, token)
 
-        if raced:
-            store.put_identity_doc = newer_first  # type: ignore[method-assign]
+        store.put_identity_doc = newer_first  # type: ignore[method-assign]
         try:
             again = await producer.send_prepared([r], identities=["RS"])  # the tick, again
         finally:
             store.put_identity_doc = put  # type: ignore[method-assign]
         assert again[0].outcome == "enqueued"  # (a copy went: it had been begun)
-        if not raced:
-            newer.append(await app.enqueue(CyclePrice(sku="RS", cents=2)))
         deliveries = await rt.provider.receive(sub, 10)
         assert len(deliveries) == 2
         deliveries.sort(key=lambda d: d.envelope.body["cents"] if d.envelope else 0, reverse=True)
