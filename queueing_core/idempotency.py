@@ -20,9 +20,9 @@ receives a superseded message settles it ``Cancelled`` with the reason ``superse
 running it; a version already running when it was replaced runs to its end. Two hosts enqueueing the
 same identity at once both send; the compare-and-set on the document orders them, so one of the two is
 superseded by the other (or, if it was received first, both run once). A send replayed under an id the
-document names as an older version (an outbox or a schedule's tick sending again after a crash) sends
-nothing: it would supersede a newer request with an older one. ``ctx.previous`` is the body, from the
-history, of the last version that succeeded.
+document names as an older version (a schedule's tick sending again after a crash, or one message
+enqueued twice) sends nothing: it would supersede a newer request with an older one.
+``ctx.previous`` is the body, from the history, of the last version that succeeded.
 """
 
 from __future__ import annotations
@@ -197,21 +197,21 @@ class IdentityGuard:
                 return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
             found = await self.store.identity_doc(env.type, key)
         if found is not None and _older(found[0], env.message_id):
-            # sent before under this id, and a newer version has come since (an outbox or a schedule's
-            # tick replaying its send): that send landed (the document names a version only once it
-            # is queued), and sent again it would supersede the newer version with an older request.
-            # Nothing is sent; the receipt names the version that covers it, as a discard's does. (A
-            # version replaced more than MAX_REPLACED versions ago is no longer named, and is sent
-            # again as a new one: see docs/concepts/jobs.md)
+            # sent before under this id, and a newer version has come since (a schedule's tick
+            # replaying its send after a crash, one message enqueued twice): that send landed (the
+            # document names a version only once it is queued), and sent again it would supersede the
+            # newer version with an older request. Nothing is sent; the receipt names the version
+            # that covers it, as a discard's does. (A version replaced more than MAX_REPLACED
+            # versions ago is no longer named, and is sent again as a new one: docs/concepts/jobs.md)
             waiting = found[0].get("waiting") or [str(env.message_id), str(env.tracking_id)]
             return IdempotentOutcome("discarded", UUID(waiting[0]), UUID(waiting[1]))
         # the newest version is durably queued before any older one is marked superseded
         if found is not None and _names(found[0], env.message_id) and isinstance(self.provider, SendsCopies):
             # sent before under this id: still the newest version, begun by a host or with another
             # body (a tick's messages are made again), or one the document names only among the
-            # succeeded; a transport that drops a message id it has seen
-            # (Service Bus's duplicate detection) would drop what the sender asked to go again. A copy
-            # goes under a transport id of its own; the envelope, and so the message id, are the same
+            # succeeded. A transport that drops a message id it has seen (Service Bus's duplicate
+            # detection) would drop what the sender asked to go again: a copy goes under a transport
+            # id of its own; the envelope, and so the message id, are the same
             await self.provider.send_copy(env.queue, env, env.not_before)
         else:
             await self.provider.send([env], wait=True)
