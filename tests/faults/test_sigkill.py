@@ -31,6 +31,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 KILLS = [
     ("sqs", "dead_letter", "sqs.delete_message_batch"),
     ("rabbitmq", "delayed_forward", "delayed.remove"),
+    ("storage_queue", "delayed_forward", "delayed.remove"),
     ("sqlite", "operator_retry", "sql.execute"),
 ]
 
@@ -44,6 +45,16 @@ def provider_for(config: dict[str, Any]) -> Any:
         return SqlProvider(config["url"], maintenance_interval=0.2)
     from queueing_core.providers.sql.history import SideStores
 
+    if name == "storage_queue":
+        from queueing_core.connections import StorageConnection
+        from queueing_core.providers.storage_queue import StorageQueueProvider
+
+        return StorageQueueProvider(
+            StorageConnection(config["azurite"]),
+            delayed_stores=SideStores(config["url"]),
+            control_table=config["control_table"],
+            tracker_table=config["tracker_table"],
+        )
     if name == "sqs":
         import boto3
 
@@ -105,7 +116,7 @@ async def child(config: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("provider", "sequence", "step_name"), KILLS, ids=[f"{p}-{s}-{n}" for p, s, n in KILLS]
 )
-async def test_sigkill_at_a_step(provider: str, sequence: str, step_name: str, tmp_path) -> None:
+async def test_sigkill_at_a_step(provider: str, sequence: str, step_name: str, tmp_path, request) -> None:
     steps = STEPS[(sequence, provider)]
     step = len(steps) - 1 - list(reversed(steps)).index(step_name)  # its last occurrence
     config: dict[str, Any] = {
@@ -121,6 +132,10 @@ async def test_sigkill_at_a_step(provider: str, sequence: str, step_name: str, t
         config["schema"] = f"qk_{uuid.uuid4().hex[:10]}"
     else:
         config["url"] = f"sqlite:///{tmp_path}/kill.db"
+    if provider == "storage_queue":  # (the delayed store in the SQLite file above, as in the fault suite)
+        config["azurite"] = request.getfixturevalue("azurite").connection_string
+        config["control_table"] = f"ctl{uuid.uuid4().hex[:10]}"
+        config["tracker_table"] = f"hist{uuid.uuid4().hex[:10]}"
     if provider == "sqs":
         from tests.contract.harness_sqs import moto_endpoint
 
