@@ -378,6 +378,12 @@ def _guard_and_sub(rt: Any) -> tuple[IdentityGuard, Any]:
     return guard, sub
 
 
+async def _status(rt: Any, message_id: Any) -> str | None:
+    """The status the history records for ``message_id`` (None: no record)."""
+    rec = await rt.tracker.get(message_id)
+    return None if rec is None else rec.status
+
+
 async def test_a_replayed_send_of_a_replaced_version_does_not_supersede_the_newer_one():
     """A review inferred it: a schedule's tick (or an outbox) that sent a version, then crashed before
     it noted the send, sends it again under the same id once its claim lapses. If a newer version came
@@ -398,9 +404,7 @@ async def test_a_replayed_send_of_a_replaced_version_does_not_supersede_the_newe
         assert replay[0].message_id == newer.message_id  # (the version that covers it)
         await run_until_idle(rt)
         assert seen == [2]  # the newer body ran; the older, superseded, did not
-        rec = await rt.tracker.get(older.message_id)
-        assert rec is not None
-        assert rec.status == MessageStatus.CANCELLED.value
+        assert await _status(rt, older.message_id) == MessageStatus.CANCELLED.value
     finally:
         await rt.close()
 
@@ -461,9 +465,7 @@ async def test_a_replay_is_known_as_older_only_by_what_the_document_ordered():
         assert replay[0].supersedes == waiting.message_id
         await run_until_idle(rt)
         assert 1 not in seen  # the older body did not run after the newer one
-        rec = await rt.tracker.get(waiting.message_id)
-        assert rec is not None
-        assert rec.status == MessageStatus.CANCELLED.value
+        assert await _status(rt, waiting.message_id) == MessageStatus.CANCELLED.value
     finally:
         await rt.close()
 
