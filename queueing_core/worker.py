@@ -1065,7 +1065,12 @@ class Worker:
                         if self._stopping.is_set():
                             break  # the stop came while the control store answered: no claim starts
                         held = not provider.capabilities.filters_paused and _held(now_state, sub)
-                        probe = _admission(now_state, sub) is circuit.Admission.PROBE
+                        # a circuit not closed: one message at a time. Its cooldown over, that one is
+                        # the probe. Still cooling down where the claim leaves held rows alone itself
+                        # (SQL), the cooldown may end between this read and the claim, which then finds
+                        # the rows claimable: a batch claimed there would be one probe and the rest
+                        # handed back
+                        probe = _admission(now_state, sub) is not circuit.Admission.RUN
                         if (held or probe) and claims:
                             # paused or probing: no claim beside the one in flight (its batch is collected
                             # above, then this is looked at again)
@@ -1075,8 +1080,8 @@ class Worker:
                             await self._until_stopping(asyncio.sleep(self.pause_poll), None)
                             continue
                         if probe:
-                            # the cooldown is over and one message may probe: take that one alone, and
-                            # none while an earlier one (perhaps the probe) is still running
+                            # take the probe alone, and none while an earlier one (perhaps the probe) is
+                            # still running
                             if state.in_flight:
                                 state.slot_freed.clear()
                                 await self._until_stopping(state.slot_freed.wait(), self.pause_poll)

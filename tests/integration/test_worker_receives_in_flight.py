@@ -3,7 +3,8 @@ second claim runs while the first is on its way, the slots a claim in flight may
 (handlers running plus slots reserved never exceed ``max_concurrency x prefetch``), a stop while two
 claims are in flight loses nothing and settles nothing twice, a consumer cancelled while its claims
 are out waits for them, a claim that returns beside a failed one runs its messages at once, and a
-circuit's probe still claims one message with no claim beside it."""
+circuit's probe still claims one message with no claim beside it, also a claim decided in the
+cooldown that runs after it."""
 
 from __future__ import annotations
 
@@ -340,9 +341,9 @@ class Charge(QueueMessage):
     n: int
 
 
-async def test_the_probe_claims_one_message_alone(sql_db):
-    """Behind an open circuit, with two receives allowed, every claim that takes a message after the
-    opening is a probe: it asked for one, and no other claim ran beside it."""
+async def failing_charges(sql_db: Any, total: int) -> tuple[list[int], SqlProvider, Runtime, Worker, Claims]:
+    """``total`` charges whose handler always fails, behind a circuit that opens at the first failure:
+    the numbers run, the provider, runtime, a worker not yet started, and its claims watched."""
     calls: list[int] = []
     app = QueueingApp("ahead-probe")
 
@@ -354,10 +355,27 @@ async def test_the_probe_claims_one_message_alone(sql_db):
     prov = sql_db.provider()
     rt = Runtime(app, prov, control_ttl=0.05)
     await rt.open()
-    await app.enqueue_many([Charge(n=i) for i in range(200)])
+    await app.enqueue_many([Charge(n=i) for i in range(total)])
     worker = Worker(rt, poll_min=0.01, poll_max=0.1, prefetch=2, batch_size=4, schedules=False)
+    return calls, prov, rt, worker, Claims(prov, worker)
+
+
+async def until_opened_and_idle(rt: Runtime, worker: Worker, claims: Claims) -> None:
+    """The circuit is open, and no claim nor run is left from before."""
+
+    async def circuit_open() -> bool:
+        rt.control.invalidate()
+        return (await rt.control.state()).circuit("Charge").state == "open"
+
+    await wait_until(circuit_open, what="the circuit to open")
+    await wait_until(lambda: claims.active == 0 and worker.in_flight == 0, what="the runs in flight to end")
+
+
+async def test_the_probe_claims_one_message_alone(sql_db):
+    """Behind an open circuit, with two receives allowed, every claim that takes a message after the
+    opening is a probe: it asked for one, and no other claim ran beside it."""
+    calls, prov, rt, worker, claims = await failing_charges(sql_db, 200)
     worker.receives_in_flight = 2
-    claims = Claims(prov, worker)
     # (asked for, claims running, taken) after the circuit opened; the claims of a held type come back
     # empty (the SQL claim leaves its rows alone)
     sizes: list[tuple[int, int, int]] = []
@@ -372,17 +390,9 @@ async def test_the_probe_claims_one_message_alone(sql_db):
         return got
 
     prov.receive = watched  # type: ignore[method-assign]
-
-    async def circuit_open() -> bool:
-        rt.control.invalidate()
-        return (await rt.control.state()).circuit("Charge").state == "open"
-
     await worker.start()
     try:
-        await wait_until(circuit_open, what="the circuit to open")
-        await wait_until(
-            lambda: claims.active == 0 and worker.in_flight == 0, what="the runs in flight to end"
-        )
+        await until_opened_and_idle(rt, worker, claims)
         opened.set()
         ran = len(calls)
         await wait_until(lambda: len(calls) >= ran + 2, what="two probes")
@@ -391,6 +401,41 @@ async def test_the_probe_claims_one_message_alone(sql_db):
     probes = [s for s in sizes if s[2]]
     assert len(probes) >= 2, sizes
     assert all(asked == 1 and together == 1 for asked, together, _ in probes), probes
+
+
+async def test_a_claim_decided_in_the_cooldown_and_run_after_it_takes_one_message(sql_db):
+    """The SQL claim leaves a held type's rows alone by the clock at its statement, so a claim the
+    worker decided on while the circuit cooled down, whose statement runs once the cooldown is over,
+    finds every row claimable. It asked for one, as a claim decided after the cooldown does: a batch
+    would be one probe and the rest handed back."""
+    _, prov, rt, worker, claims = await failing_charges(sql_db, 40)
+    armed = asyncio.Event()
+    # (asked for, taken) of the first claim that starts while the circuit is open and cooling down,
+    # held until the cooldown is over
+    edge: list[tuple[int, int]] = []
+    inner = claims.receive
+
+    async def across_the_end(sub: Any, max_messages: int) -> list[Delivery]:
+        if armed.is_set() and not edge:
+            now_state = await rt.control.inner.state()  # type: ignore[attr-defined]
+            until = now_state.circuit("Charge").open_until
+            # the worker decided before this call, so on a state at most as late: cooling down
+            if until is not None and _admission(now_state, sub) is circuit.Admission.HOLD:
+                await asyncio.sleep((until - utcnow()).total_seconds() + 0.05)
+                got = await inner(sub, max_messages)
+                edge.append((max_messages, len(got)))
+                return got
+        return await inner(sub, max_messages)
+
+    prov.receive = across_the_end  # type: ignore[method-assign]
+    await worker.start()
+    try:
+        await until_opened_and_idle(rt, worker, claims)
+        armed.set()
+        await wait_until(lambda: bool(edge), what="a claim across the cooldown's end")
+    finally:
+        await worker.shutdown()
+    assert edge == [(1, 1)], edge
 
 
 @queue(
