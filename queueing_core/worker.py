@@ -1069,19 +1069,21 @@ class Worker:
                         # the probe. Still cooling down where the claim leaves held rows alone itself
                         # (SQL), the cooldown may end between this read and the claim, which then finds
                         # the rows claimable: a batch claimed there would be one probe and the rest
-                        # handed back
+                        # deferred
                         probe = _admission(now_state, sub) is not circuit.Admission.RUN
                         if (held or probe) and claims:
-                            # paused or probing: no claim beside the one in flight (its batch is collected
-                            # above, then this is looked at again)
+                            # paused, probing or cooling down: no claim beside the one in flight (its batch
+                            # is collected above, then this is looked at again)
                             full = False
                             continue
                         if held:
                             await self._until_stopping(asyncio.sleep(self.pause_poll), None)
                             continue
                         if probe:
-                            # take the probe alone, and none while an earlier one (perhaps the probe) is
-                            # still running
+                            # one message alone (the probe, or on SQL a claim that comes back empty until
+                            # the cooldown ends), and none while an earlier run (perhaps the probe) is
+                            # still going. Not backlogged meanwhile: another queue's claims may overlap
+                            full = False
                             if state.in_flight:
                                 state.slot_freed.clear()
                                 await self._until_stopping(state.slot_freed.wait(), self.pause_poll)

@@ -418,9 +418,11 @@ async def test_a_claim_decided_in_the_cooldown_and_run_after_it_takes_one_messag
     async def across_the_end(sub: Any, max_messages: int) -> list[Delivery]:
         if armed.is_set() and not edge:
             now_state = await rt.control.inner.state()  # type: ignore[attr-defined]
-            until = now_state.circuit("Charge").open_until
-            # the worker decided before this call, so on a state at most as late: cooling down
-            if until is not None and _admission(now_state, sub) is circuit.Admission.HOLD:
+            charges = now_state.circuit("Charge")
+            # the worker decided before this call, on a state read no later: open and cooling down
+            # (no probe has run since the runs ended, so this is the cooldown it saw)
+            if charges.state == "open" and _admission(now_state, sub) is circuit.Admission.HOLD:
+                until = circuit.hold_until(charges, utcnow())
                 await asyncio.sleep((until - utcnow()).total_seconds() + 0.05)
                 got = await inner(sub, max_messages)
                 edge.append((max_messages, len(got)))
