@@ -2,7 +2,7 @@ import asyncio
 import shutil
 import subprocess
 
-pytest_plugins = ["tests.azurite", "tests.scram_postgres", "tests.tls"]
+pytest_plugins = ["tests.azurite", "tests.hung_tasks", "tests.scram_postgres", "tests.tls"]
 
 
 def _leftover_rabbitmq_queues(prefixes: set[str]) -> list[str]:
