@@ -1066,10 +1066,9 @@ class Worker:
                             break  # the stop came while the control store answered: no claim starts
                         held = not provider.capabilities.filters_paused and _held(now_state, sub)
                         # a circuit not closed: one message at a time. Its cooldown over, that one is
-                        # the probe. Still cooling down where the claim leaves held rows alone itself
-                        # (SQL), the cooldown may end between this read and the claim, which then finds
-                        # the rows claimable: a batch claimed there would be one probe and the rest
-                        # deferred
+                        # the probe. While it cools down on SQL, whose claim skips held rows itself, the
+                        # cooldown may end between this read and the claim: a batch claimed then would
+                        # be one probe and the rest deferred
                         probe = _admission(now_state, sub) is not circuit.Admission.RUN
                         if (held or probe) and claims:
                             # paused, probing or cooling down: no claim beside the one in flight (its batch
