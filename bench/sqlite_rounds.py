@@ -31,18 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import common
+from sqlite_burndown import Noop
 
-from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core import QueueingApp
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.runtime import Runtime
 from queueing_core.worker import Worker
 
 CONCURRENCY, IN_HAND, BATCH = 10, 20, 10  # the burn-down's defaults' shape
-
-
-@queue("bench_noop")
-class Noop(QueueMessage):
-    n: int
 
 
 class Watch:
