@@ -144,6 +144,13 @@ class Done:
             raise TimeoutError(f"only {self.count} of {self.target} handled after {timeout:.0f}s") from None
 
 
+async def enqueue_range(app: Any, make: Callable[[int], Any], end: int, *, start: int = 0) -> None:
+    """Enqueue ``make(i)`` for ``i`` in ``range(start, end)`` in calls of 1,000 (how every burn-down
+    fills its queue before its clock starts)."""
+    for i in range(start, end, 1000):
+        await app.enqueue_many([make(j) for j in range(i, min(i + 1000, end))])
+
+
 async def kit_burn_down(
     rt: Any, args: argparse.Namespace, done: Done, *, receives_in_flight: int | str | None = None
 ) -> float:

@@ -53,8 +53,7 @@ async def feed(args: Options) -> None:
         if sent == 0 or common.scalar(args.url, unfinished) < TOP_UP:
             for _ in range(2 if sent == 0 else 1):  # start with 20k, then 10k at a time
                 end = min(sent + TOP_UP, args.messages)
-                for i in range(sent, end, 1000):
-                    await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, end))])
+                await common.enqueue_range(app, lambda j: Noop(n=j), end, start=sent)
                 sent = end
         else:
             await asyncio.sleep(0.1)

@@ -148,8 +148,7 @@ async def kit_burn(
     rt = Runtime(app, provider)
     await rt.open()
     try:
-        for i in range(0, messages, 1000):
-            await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, messages))])
+        await common.enqueue_range(app, lambda j: Noop(n=j), messages)
         common.analyze(
             args.url, sql.Identifier(provider.tables.messages.schema or "public", "queueing_messages")
         )

@@ -63,8 +63,7 @@ async def measure(url: str, schema: str, messages: int) -> dict[str, Counter[str
     rt = Runtime(app, prov)
     await rt.open()
     try:
-        for i in range(0, messages, 1000):
-            await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, messages))])
+        await common.enqueue_range(app, lambda j: Noop(n=j), messages)
         common.analyze(url, sql.Identifier(schema, "queueing_messages"))
         st = prov.statements
         out: dict[str, Counter[str]] = {"claim": Counter(), "settle": Counter()}

@@ -49,8 +49,7 @@ async def one_round(args: argparse.Namespace, schema: str | None, url: str) -> t
     await rt.open()
     try:
         n = args.messages
-        for i in range(0, n, 1000):
-            await a.enqueue_many([Hot(n=j) for j in range(i, min(i + 1000, n))])
+        await common.enqueue_range(a, lambda j: Hot(n=j), n)
         sub = a.subscription("Hot")
         done = 0
         cpu, wall = time.process_time(), time.perf_counter()

@@ -80,8 +80,7 @@ async def run(args: ScaleOptions, procs: int, receives: str = "auto") -> float:
         app.message(Noop)
         rt = Runtime(app, kit_provider(args, schema, durable=True))
         await rt.open()
-        for i in range(0, args.messages, 1000):
-            await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, args.messages))])
+        await common.enqueue_range(app, lambda j: Noop(n=j), args.messages)
         await rt.close()
         common.analyze(args.url, sql.Identifier(schema, "queueing_messages"))
         cmd = [sys.executable, __file__, "--role", "worker", "--schema", schema, "--url", args.url]

@@ -103,8 +103,7 @@ async def kit_round(args: Options, *, settle_with_claims: bool = False, receives
             async with provider.engine.connect() as conn:  # (the kit's one pooled connection)
                 terms = [(await conn.exec_driver_sql(f"PRAGMA {p}")).scalar() for p in PRAGMAS]
             print_terms("kit", *terms, f"{args.concurrency} handlers at once, claims of {args.batch}")
-            for i in range(0, args.messages, 1000):
-                await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, args.messages))])
+            await common.enqueue_range(app, lambda j: Noop(n=j), args.messages)
             thread_cpu, process_cpu = time.thread_time(), time.process_time()
             started = await common.kit_burn_down(rt, args, done, receives_in_flight=receives)
             thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu

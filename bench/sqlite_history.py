@@ -112,8 +112,7 @@ async def burn(path: Path, args: argparse.Namespace, longest: list[float]) -> fl
     app, _, rt, done = await opened(path)
     done.target = args.messages
     try:
-        for i in range(0, args.messages, 1000):
-            await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, args.messages))])
+        await common.enqueue_range(app, lambda j: Noop(n=j), args.messages)
         started = await common.kit_burn_down(rt, args, done)
     finally:
         await rt.close()

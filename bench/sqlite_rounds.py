@@ -105,8 +105,7 @@ async def one_round(messages: int, linger: float) -> tuple[float, str]:
         rt = Runtime(app, provider)
         await rt.open()
         try:
-            for i in range(0, messages, 1000):
-                await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, messages))])
+            await common.enqueue_range(app, lambda j: Noop(n=j), messages)
             watch = Watch(provider)
             worker = Worker(
                 rt,

@@ -59,8 +59,7 @@ async def make_template(path: Path, n: int) -> None:
     rt = Runtime(app, provider)
     await rt.open()
     try:
-        for i in range(0, n, 1000):
-            await app.enqueue_many([Stmt(n=j) for j in range(i, min(i + 1000, n))])
+        await common.enqueue_range(app, lambda j: Stmt(n=j), n)
     finally:
         await rt.close()
     with sqlite3.connect(path) as conn:

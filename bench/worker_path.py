@@ -102,8 +102,7 @@ async def main() -> None:
         rt = Runtime(app, SqlProvider(f"sqlite:///{Path(tmp) / 'queue.db'}"))
         await rt.open()
         try:
-            for i in range(0, n, 1000):
-                await app.enqueue_many([Noop(n=j) for j in range(i, min(i + 1000, n))])
+            await common.enqueue_range(app, lambda j: Noop(n=j), n)
             sub = app.subscription(Noop.type_name())
             assert sub is not None
             deliveries: list[Delivery] = []
