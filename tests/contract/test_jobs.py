@@ -318,6 +318,33 @@ async def test_a_version_that_expired_is_not_discarded_against(harness):
         await wait_until(lambda: seen == [8], what="the new run")
 
 
+@pytest.mark.parametrize("call", ["identity_doc", "put_identity_doc"])
+async def test_a_host_that_cannot_read_or_mark_the_identity_runs_a_version_past_its_expiry(harness, call):
+    """The docs: a host that finds an idempotent message past its expiry and cannot read its identity's
+    document (where an enqueue discarded against it may have given it a longer life), or cannot mark
+    it started there, runs it: a duplicate run beats a lost one. Expiring it on a failed read would
+    lose the run a discarded enqueue asked for."""
+    from queueing_core.errors import ProviderUnavailable
+    from tests.faults.inject import CallPoint, Injector
+
+    if harness.name in SQL:
+        pytest.skip("SQL keeps a discarded enqueue's expiry on the message's row: no document is read")
+    app, seen = _prices_app(harness)
+    rt = await harness.runtime(app)
+    assert rt.identities is not None
+    short = await app.enqueue(PriceUpdate(sku="Z", price=9), ttl=timedelta(milliseconds=300))
+    await asyncio.sleep(0.5)
+    fails = CallPoint(call, lambda rt: rt.identities.store, call, lambda: ProviderUnavailable("injected"))
+    injector = Injector([fails], mode="error", at=0)  # its first call (the host's look at the expiry)
+    with injector.installed(rt), injector.armed_for():
+        async with running(rt):
+            await wait_until(lambda: seen == [9], what="the run of the version past its expiry")
+            succeeded = MessageStatus.SUCCEEDED
+            await wait_until(lambda: _status_is(rt, short.message_id, succeeded), what="Succeeded")
+    assert injector.fired
+    assert seen == [9]
+
+
 @queue(
     "retried_prices",
     idempotent=True,

@@ -82,6 +82,9 @@ def _methods(
 # -- history and side stores ----------------------------------------------------------------------------
 #: the history's writes, on every tracker (a cancel's record is a compare-and-swap)
 _HISTORY_WRITES = ["upsert", "upsert_newer", "reopen", "delete", "change_if_unchanged"]
+#: the control store's calls a sequence makes: a cancel's request, and an idempotent type's identity
+#: document read and written by compare-and-set (the transports that keep no SQL row for a message)
+_CONTROL_CALLS = ["set_cancel", "identity_doc", "put_identity_doc"]
 
 
 def _tables_history() -> list[CallPoint]:
@@ -90,7 +93,7 @@ def _tables_history() -> list[CallPoint]:
 
     return [
         *_methods("history", lambda rt: TablesTracker, _HISTORY_WRITES, _azure_error),
-        *_methods("control", lambda rt: TablesControlStore, ["set_cancel"], _azure_error),
+        *_methods("control", lambda rt: TablesControlStore, _CONTROL_CALLS, _azure_error),
     ]
 
 
@@ -109,7 +112,7 @@ def _sql_side_stores() -> list[CallPoint]:
     return [
         *_methods("history", lambda rt: SqlHistoryTracker, _HISTORY_WRITES, _sql_error),
         *_delayed_store(),
-        *_methods("control", lambda rt: SqlControlStore, ["set_cancel"], _sql_error),
+        *_methods("control", lambda rt: SqlControlStore, _CONTROL_CALLS, _sql_error),
     ]
 
 
@@ -171,12 +174,14 @@ def _sqlite_points() -> list[CallPoint]:
 
 
 def _inprocess_points() -> list[CallPoint]:
+    from queueing_core.control.memory import MemoryControlStore
     from queueing_core.providers.inprocess import InProcessProvider
     from queueing_core.tracking.memory import MemoryTracker
 
     return [
         *_methods("memory", lambda rt: InProcessProvider, ["send", "settle", "_forget"], None),
         *_methods("history", lambda rt: MemoryTracker, _HISTORY_WRITES, None),
+        *_methods("control", lambda rt: MemoryControlStore, _CONTROL_CALLS, None),
     ]
 
 

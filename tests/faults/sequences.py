@@ -1,8 +1,9 @@
 """The multi-step sequences of the fault suite: how each is set up and what its one action is.
 
 A sequence is one operation that takes several calls to stores and brokers: a worker settling a run
-(retry by copy, a paused type's wait by copy, dead-lettering, expiry), an operator's action (retry,
-purge, archive, lease release, cancel), the delayed store's forward, and an enqueue with its history record.
+(retry by copy, a paused type's wait by copy, dead-lettering, expiry, an idempotent message's expiry),
+an operator's action (retry, purge, archive, lease release, cancel), the delayed store's forward, and
+an enqueue with its history record.
 ``prepare`` brings one message to the state the operation starts from (no faults), ``act`` is the
 operation itself (every call it makes is a step of the table), ``final`` the state it must end in once
 the operator's action is repeated and the workers drain.
@@ -38,12 +39,24 @@ class Work(QueueMessage):
     key: str
 
 
+VERSIONS = "faults-versions"
+
+
+#: an idempotent type (a queue of its own, as every type has): where the transport keeps no SQL row,
+#: its identity's document lives in the control store, and a run that finds a message past its expiry
+#: marks it started there (a compare-and-set) before it expires it
+@queue(VERSIONS, idempotent=True, identity="key", retry=FAST, lease_duration=timedelta(seconds=1))
+class Version(QueueMessage):
+    key: str
+
+
 @dataclass
 class Ctx:
     app: QueueingApp
     rt: Runtime
     mode: dict[str, str] = field(default_factory=lambda: {"handler": "ok"})
     message_id: uuid.UUID | None = None
+    delivery: Delivery | None = None
     settlement: Settlement | None = None
     ran: list[int] = field(default_factory=list)
 
@@ -62,14 +75,18 @@ def fault_app(app: QueueingApp, ctx_mode: dict[str, str], ran: list[int], sent: 
         if ctx_mode["handler"] == "fatal":
             raise NonRetryableError("injected handler failure (dead-letter)")
 
+    @app.handler()
+    async def handle_version(msg: Version, ctx: Any) -> None:
+        ran.append(ctx.attempt)
+
     @app.use_enqueue_middleware
     async def remember(env: Envelope, call_next: Callable[[Envelope], Awaitable[Envelope]]) -> Envelope:
         sent.append(env.message_id)  # the id is known even when enqueue itself fails
         return await call_next(env)
 
 
-async def claim(rt: Runtime, mid: uuid.UUID, timeout: float = 30.0) -> Delivery:
-    sub = rt.app.subscription("Work")
+async def claim(rt: Runtime, mid: uuid.UUID, timeout: float = 30.0, *, type_name: str = "Work") -> Delivery:
+    sub = rt.app.subscription(type_name)
     assert sub is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -140,6 +157,22 @@ async def _expired_run(ctx: Ctx) -> None:
     d = await claim(ctx.rt, ctx.mid)
     await asyncio.sleep(0.4)  # expires while held: the run sees it and expires it
     ctx.settlement = await ctx.rt.process(d)
+
+
+async def _expired_version(ctx: Ctx) -> None:
+    """An idempotent message held past its expiry, not yet run."""
+    receipt = await ctx.app.enqueue(Version(key=uuid.uuid4().hex[:8]), ttl=timedelta(milliseconds=300))
+    ctx.message_id = receipt.message_id
+    ctx.delivery = await claim(ctx.rt, ctx.mid, type_name="Version")
+    await asyncio.sleep(0.4)
+
+
+async def _run_and_settle(ctx: Ctx) -> None:
+    """The run itself (which reads the identity's document and marks it started before it expires
+    the message), then its settlement."""
+    assert ctx.delivery is not None
+    ctx.settlement = await ctx.rt.process(ctx.delivery)
+    await settle(ctx.rt, ctx.settlement)
 
 
 async def _due_in_store(ctx: Ctx) -> None:
@@ -220,6 +253,8 @@ class Sequence:
     repeat: str | None = None
     #: provider -> why the sequence does not exist there
     absent: dict[str, str] = field(default_factory=dict)
+    #: the queue its message is on
+    queue: str = QUEUE
 
 
 _NOT_COMBINED = "the provider does not settle with its claims (no SettlesWithClaims)"
@@ -247,6 +282,18 @@ SEQUENCES: list[Sequence] = [
         absent=_ONLY_SQL,
     ),
     Sequence("expiry", _expired_run, _settle_it, repeat="retry"),
+    Sequence(
+        "idempotent_expiry",
+        _expired_version,
+        _run_and_settle,
+        repeat="retry",
+        queue=VERSIONS,
+        absent={
+            p: "the identity is kept on the message's row, and an enqueue discarded against it moves "
+            "the row's expiry: the run reads no document (the expiry row covers the settlement)"
+            for p in ("sqlite", "postgres")
+        },
+    ),
     Sequence(
         "operator_retry",
         lambda c: finished(c, "fatal"),

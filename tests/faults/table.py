@@ -85,6 +85,41 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "sqs.delete_message_batch",
         "history.upsert",
     ),
+    # the run reads the identity's document and marks the message started in it (compare-and-set)
+    # before it expires it; then the expiry's own steps
+    ("idempotent_expiry", "inprocess"): (
+        "control.identity_doc",
+        "control.put_identity_doc",
+        "memory.settle",
+        "history.upsert",
+    ),
+    ("idempotent_expiry", "storage_queue"): (
+        "control.identity_doc",
+        "control.put_identity_doc",
+        "queue.delete_message",
+        "history.upsert",
+    ),
+    ("idempotent_expiry", "servicebus"): (
+        "control.identity_doc",
+        "control.put_identity_doc",
+        "sb.dead_letter_message",
+        "history.upsert",
+    ),
+    ("idempotent_expiry", "rabbitmq"): (
+        "control.identity_doc",
+        "control.put_identity_doc",
+        "amqp.publish",
+        "amqp.ack",
+        "history.upsert",
+    ),
+    ("idempotent_expiry", "sqs"): (
+        "control.identity_doc",
+        "control.put_identity_doc",
+        "leases.holding",
+        "sqs.send_message_batch",
+        "sqs.delete_message_batch",
+        "history.upsert",
+    ),
     ("operator_retry", "inprocess"): ("history.reopen", "memory._forget", "memory.send"),
     # the control state read first (three tables: a cancel request to withdraw?), then the retry
     ("operator_retry", "sqlite"): ("sql.execute",) * 5,
@@ -167,7 +202,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("enqueue_history", "sqs"): ("sqs.send_message_batch", "history.upsert"),
     # the request first (SQL: its row, beside the read of the message and its row's end), then the row
     # ended (SQL) or the record of the request written over the record as read (the others)
-    ("cancel", "inprocess"): ("history.change_if_unchanged",),
+    ("cancel", "inprocess"): ("control.set_cancel", "history.change_if_unchanged"),
     ("cancel", "sqlite"): ("sql.execute",) * 4,
     ("cancel", "postgres"): ("sql.execute",) * 5,
     ("cancel", "storage_queue"): ("control.set_cancel", "history.change_if_unchanged"),
@@ -193,6 +228,7 @@ WORKER_SEQUENCES = {
     "pause_by_copy",
     "dead_letter",
     "expiry",
+    "idempotent_expiry",
     "delayed_forward",
     "retry_with_claim",
     "dead_letter_with_claim",

@@ -28,7 +28,7 @@ from tests.contract.harness import Harness, running
 
 from .inject import Crash, Injector
 from .kits import KITS, Kit
-from .sequences import BY_NAME, QUEUE, Ctx, Sequence, fault_app
+from .sequences import BY_NAME, Ctx, Sequence, fault_app
 from .table import STEPS, WORKER_SEQUENCES, Case, cases
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -59,9 +59,9 @@ async def _close(rt: Runtime) -> None:
         await rt.close()
 
 
-async def _where(kit: Kit, rt: Runtime, mid: uuid.UUID) -> tuple[str | None, dict[str, int], Any]:
+async def _where(kit: Kit, rt: Runtime, mid: uuid.UUID, queue: str) -> tuple[str | None, dict[str, int], Any]:
     rec = await rt.tracker.get(mid)
-    return (rec.status if rec else None), await kit.places(rt, QUEUE, mid), rec
+    return (rec.status if rec else None), await kit.places(rt, queue, mid), rec
 
 
 def _disagreement(status: str | None, places: dict[str, int]) -> str | None:
@@ -93,7 +93,7 @@ async def _recover(ctx: Ctx, seq: Sequence, kit: Kit, timeout: float = 90.0) -> 
             await ops.cancel(mid)
     async with running(ctx.rt):
         while True:
-            status, places, rec = await _where(kit, ctx.rt, mid)
+            status, places, rec = await _where(kit, ctx.rt, mid, seq.queue)
             held = any(places.values())
             if seq.final == "cancelled":
                 # a host that received it settled it without running it: it ends where it was cancelled
@@ -103,7 +103,7 @@ async def _recover(ctx: Ctx, seq: Sequence, kit: Kit, timeout: float = 90.0) -> 
             elif seq.final == "gone":
                 if rec is None and not held:
                     return
-                await ops.purge(MessageQuery(queue=QUEUE, status=("DeadLettered",)))
+                await ops.purge(MessageQuery(queue=seq.queue, status=("DeadLettered",)))
             elif seq.final == "archived":
                 if rec is not None and rec.archived and not held:
                     return
@@ -161,7 +161,7 @@ async def test_fault(case: Case, harnesses, tmp_path: Path) -> None:
             rt = ctx.rt = await _runtime(h, app, tmp_path)
         # history written ahead of a settlement, or left by a failed write, lands within a stated time
         assert await rt.history.settle(CONVERGES_WITHIN), f"history backlog left: {rt.history.backlog}"
-        status, places, _ = await _where(kit, rt, ctx.mid)
+        status, places, _ = await _where(kit, rt, ctx.mid, seq.queue)
         if (
             case.sequence == "enqueue_history"
             and raised is not None
