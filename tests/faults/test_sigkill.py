@@ -163,7 +163,7 @@ async def test_sigkill_at_a_step(provider: str, sequence: str, step_name: str, t
         ctx = Ctx(app, rt, mode, message_id=mid)
         try:
             assert await rt.history.settle(CONVERGES_WITHIN), f"history backlog left: {rt.history.backlog}"
-            status, places, _ = await _where(kit, rt, mid)
+            status, places, _ = await _where(kit, rt, mid, seq.queue)
             assert status in ("Succeeded", "Expired") or any(places.values()), f"lost: {status} {places}"
             if sequence != "operator_retry":
                 assert _disagreement(status, places) is None, (status, places)
