@@ -51,7 +51,7 @@ def pytest_terminal_summary(terminalreporter):
     tr.write_sep("-", "fault injection")
     tr.write_line(
         f"fault cases run: {sum(_ran.values())} ({_ran['passed']} passed, {_ran['xfailed']} expected to "
-        f"fail until history converges, {_ran['failed']} failed)"
+        f"fail (the known defects of table.py, each a strict xfail), {_ran['failed']} failed)"
     )
     rows = not_injectable()
     tr.write_line(f"steps that cannot be injected ({len(rows)}):")
