@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from uuid import UUID
 
-from .clock import Clock, utcnow
+from .clock import Clock, as_utc, utcnow
 from .control import CachedControlStore, ControlStore, MemoryControlStore
 from .control.identities import KeepsIdentities
 from .decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
@@ -30,6 +30,7 @@ from .producer import Producer, SendsIdempotent
 from .throughput import Throughput
 from .tracking import MemoryTracker, MessageRecord, Tracker, record_from_envelope
 from .tracking.backlog import HistoryWriter
+from .tracking.base import ChangesIfUnchanged
 from .transport import Delivery, Provider, Settlement
 
 if TYPE_CHECKING:
@@ -303,6 +304,9 @@ class Runtime:
             self.history_applied(applied, ahead)
             await self.history.write(records, rows)
             for s in settlements:
+                if s.delivery.refused and s.delivery.unconfirmed and id(s.delivery) in ahead.records:
+                    await self._record_unless_overtaken(ahead.records[id(s.delivery)], s.delivery)
+            for s in settlements:
                 if s.delivery.duplicate and not s.delivery.refused and s.delivery.envelope is not None:
                     await self._note_duplicate(s.delivery.envelope.message_id)
         if self.identities is not None and settlements:
@@ -310,6 +314,29 @@ class Runtime:
         for s in settlements:
             if not s.delivery.duplicate:
                 log_outcome(s)
+
+    async def _record_unless_overtaken(self, rec: MessageRecord, d: Delivery) -> None:
+        """The outcome of a settlement the transport refused after the message left its queue, which an
+        earlier try of that settlement may have done (its answer lost): recorded over the stored record
+        by compare-and-set, unless a later run of the message recorded its own (a higher attempt), which
+        then stands. Dated when this run received the message: a later run received it only after this
+        run's lock lapsed, so its record, even one that lands after this one, is the newer (the late
+        write's rule keeps it). Best effort: a failure leaves the history at its last recorded state."""
+        rec = rec.model_copy(update={"updated_at": d.received_at})
+        tracker = self.tracker
+        if not isinstance(tracker, ChangesIfUnchanged):  # (every tracker of a transport that refuses so)
+            return
+        try:
+            seen = await tracker.get(rec.message_id)
+            if seen is None or seen.attempt > rec.attempt:
+                return
+            if seen.status in _TERMINAL and as_utc(seen.updated_at) > rec.updated_at:
+                return  # an outcome recorded since this run received the message: not this run's
+            changes = {name: getattr(rec, name) for name in _RECORD_FIELDS}
+            if not await tracker.change_if_unchanged(seen, changes):
+                outcome_log.info("%s was recorded by another run meanwhile: that stands", rec.message_id)
+        except Exception as exc:
+            outcome_log.warning("could not record the outcome of %s: %s", rec.message_id, exc)
 
     async def _note_duplicate(self, message_id: UUID) -> None:
         """Count a known duplicate in the message's history (where the history store keeps a count)."""
@@ -320,6 +347,11 @@ class Runtime:
             await note(message_id)
         except Exception as exc:  # a count, not an outcome: the message was settled as it had to be
             outcome_log.warning("could not count a duplicate of %s: %s", message_id, exc)
+
+
+_TERMINAL = frozenset(s.value for s in MessageStatus.terminal())
+#: every field of a record as a settlement writes it (the whole record, as ``history.write`` does)
+_RECORD_FIELDS = tuple(name for name in MessageRecord.model_fields if name != "unreadable")
 
 
 def _with_left_behind(rec: MessageRecord, d: Delivery) -> MessageRecord:
@@ -399,7 +431,9 @@ def log_outcome(s: Settlement) -> None:
     if not outcome_log.isEnabledFor(level):
         return
     detail = ""
-    if d.refused:
+    if d.refused and d.unconfirmed:
+        detail = " refused, the message gone from its queue (a try's answer lost?): kept unless a later run's"
+    elif d.refused:
         detail = " not applied: the lease had passed to another run"
     elif isinstance(decision, RetryAfter):
         detail = f" retry in {decision.delay.total_seconds():.1f}s: {decision.error.splitlines()[0]}"

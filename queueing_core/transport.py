@@ -71,6 +71,11 @@ class Delivery:
     #: passed to another run (released, swept, expired): its outcome was not applied and must not be
     #: recorded as if it had been
     refused: bool = False
+    #: set by ``settle`` beside ``refused`` where the refusal may hide this run's own settlement: an
+    #: earlier try was applied but its answer lost, and the try after it found the lock gone because
+    #: the message had left the queue (Service Bus). The runtime records the outcome unless a later run
+    #: of the message has recorded its own
+    unconfirmed: bool = False
     #: set by ``settle`` when this delivery's outcome went on in a copy but the original could not be
     #: removed (the transport's id of the original): it may come back, and is then a known duplicate
     left_behind: str | None = None

@@ -494,8 +494,23 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                         with contextlib.suppress(Exception):
                             await note(d.envelope.message_id, d.left_behind)
         except (MessageLockLostError, MessageAlreadySettled) as exc:
-            # another consumer owns it now (the lock expired): it will be processed again there
+            # another consumer owns it now (the lock expired): it will be processed again there. Or an
+            # earlier try of this settlement took the message off the queue and its answer was lost:
+            # then nobody else will record it (see ``Delivery.unconfirmed``)
             d.refuse(type(exc).__name__)
+            if isinstance(decision, Complete | Expire | DeadLetter):
+                d.unconfirmed = await self._left_the_queue(r, m)
+
+    @staticmethod
+    async def _left_the_queue(receiver: Any, m: Any) -> bool:
+        """Whether the message is no longer in its queue (peeked by its sequence number, which a locked
+        message keeps); False when that cannot be read."""
+        try:
+            found = await receiver.peek_messages(max_message_count=1, sequence_number=m.sequence_number)
+        except Exception as exc:
+            log.warning("could not look for message %s in its queue: %s", m.sequence_number, exc)
+            return False
+        return not found or found[0].sequence_number != m.sequence_number
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)

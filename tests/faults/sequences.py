@@ -264,6 +264,8 @@ _CLOUD_LOCKS = "the transport's lease belongs to its receiver: the ops API refus
 _NATIVE_DELAY = "the transport holds delays itself: there is no delayed store to forward from"
 
 SEQUENCES: list[Sequence] = [
+    # the commonest settlement of all: a run that succeeded, its message completed (deleted, acked)
+    Sequence("succeed", lambda c: processed(c, "ok"), _settle_it),
     Sequence("retry_by_copy", lambda c: processed(c, "fail"), _settle_it),
     Sequence("pause_by_copy", _paused_run, _settle_it),
     Sequence("dead_letter", lambda c: processed(c, "fatal"), _settle_it, repeat="retry"),

@@ -226,10 +226,75 @@ async def test_lock_loss_is_logged_and_not_settled_twice(caplog):
         await rt.process_and_settle(d)
     assert "lease lost on" in caplog.text
     assert d.refused
+    assert not d.unconfirmed  # the message is still in its queue, locked by the other consumer
     await rt.process_and_settle(again)  # the new owner settles normally
     runtime = await rt.provider.admin.get_queue_runtime_properties("Payments/Capture")
     assert runtime.active_message_count == 0
     assert runtime.dead_letter_message_count == 0
+    await rt.close()
+
+
+async def test_a_stale_runs_settlement_after_the_message_left_the_queue_never_replaces_the_later_record():
+    """A refused settlement whose message is no longer in its queue may be this run's own, applied by
+    an earlier try whose answer was lost; so its outcome is recorded, but never over the record of a
+    later run: here the lock lapsed, another consumer ran the message and completed it, and only then
+    does the first run (which would dead-letter it) settle."""
+    clock = FakeClock()
+    ns = FakeServiceBusNamespace(clock=clock)
+    app, rt, ns, _calls = make(ns)
+    await rt.open()
+    receipt = await app.enqueue(Capture(amount=9, mode="fatal"))
+    sub = app.subscription("Capture")
+    [first] = await rt.provider.receive(sub, 1)
+    clock.advance(timedelta(seconds=30))  # the 20 s lock expired while the first run went on
+    [second] = await rt.provider.receive(sub, 1)
+    processor["declines"] = False
+    await rt.process_and_settle(second)  # the second run succeeds and completes the message
+    assert await rt.history.settle(10)
+    processor["declines"] = True
+    # the first run's dead-lettering: the lock is gone, and so is the message
+    await rt.process_and_settle(first)
+    assert first.refused
+    assert first.unconfirmed
+    assert await rt.history.settle(10)
+    rec = await rt.tracker.get(receipt.message_id)
+    assert rec is not None
+    assert (rec.status, rec.attempt) == ("Succeeded", 2)
+    assert await dead_letters(ns, rt) == []
+    await rt.close()
+
+
+async def test_a_stale_runs_record_written_first_gives_way_to_the_later_runs_late_record():
+    """The other order: the later run's record lands after the first run's (its history write was
+    late, and such a record is written by the late write's rule, newest by time). The first run's
+    record is dated when it received the message, before its lock lapsed and the later run received
+    it, so the later run's record replaces it."""
+    from queueing_core.runtime import history_record
+
+    clock = FakeClock()
+    ns = FakeServiceBusNamespace(clock=clock)
+    app, rt, ns, _calls = make(ns)
+    await rt.open()
+    receipt = await app.enqueue(Capture(amount=9, mode="fatal"))
+    sub = app.subscription("Capture")
+    [first] = await rt.provider.receive(sub, 1)
+    clock.advance(timedelta(seconds=30))
+    [second] = await rt.provider.receive(sub, 1)
+    processor["declines"] = False
+    later = await rt.process(second)
+    await rt.provider.settle([later])  # the message is completed; its record not yet written
+    late_record = history_record(later, rt.clock())
+    processor["declines"] = True
+    await rt.process_and_settle(first)
+    assert first.unconfirmed
+    assert await rt.history.settle(10)
+    stale = await rt.tracker.get(receipt.message_id)
+    assert stale is not None
+    assert (stale.status, stale.updated_at) == ("DeadLettered", first.received_at)
+    await rt.tracker.upsert_newer([late_record])  # as the history backlog writes a late record
+    rec = await rt.tracker.get(receipt.message_id)
+    assert rec is not None
+    assert (rec.status, rec.attempt) == ("Succeeded", 2)
     await rt.close()
 
 
