@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from azure.servicebus import ServiceBusMessage, ServiceBusSubQueue
@@ -234,21 +235,27 @@ async def test_lock_loss_is_logged_and_not_settled_twice(caplog):
     await rt.close()
 
 
+async def _received_twice() -> tuple[Any, Any, Any, Any, Any]:
+    """A message that the first run (whose card is declined: it dead-letters) received, whose 20 s
+    lock then lapsed, and that a second run (the card goes through) received after it."""
+    clock = FakeClock()
+    app, rt, ns, _calls = make(FakeServiceBusNamespace(clock=clock))
+    await rt.open()
+    receipt = await app.enqueue(Capture(amount=9, mode="fatal"))
+    sub = app.subscription("Capture")
+    [first] = await rt.provider.receive(sub, 1)
+    clock.advance(timedelta(seconds=30))  # the lock expired while the first run went on
+    [second] = await rt.provider.receive(sub, 1)
+    processor["declines"] = False
+    return ns, rt, receipt.message_id, first, second
+
+
 async def test_a_stale_runs_settlement_after_the_message_left_the_queue_never_replaces_the_later_record():
     """A refused settlement whose message is no longer in its queue may be this run's own, applied by
     an earlier try whose answer was lost; so its outcome is recorded, but never over the record of a
     later run: here the lock lapsed, another consumer ran the message and completed it, and only then
     does the first run (which would dead-letter it) settle."""
-    clock = FakeClock()
-    ns = FakeServiceBusNamespace(clock=clock)
-    app, rt, ns, _calls = make(ns)
-    await rt.open()
-    receipt = await app.enqueue(Capture(amount=9, mode="fatal"))
-    sub = app.subscription("Capture")
-    [first] = await rt.provider.receive(sub, 1)
-    clock.advance(timedelta(seconds=30))  # the 20 s lock expired while the first run went on
-    [second] = await rt.provider.receive(sub, 1)
-    processor["declines"] = False
+    ns, rt, message_id, first, second = await _received_twice()
     await rt.process_and_settle(second)  # the second run succeeds and completes the message
     assert await rt.history.settle(10)
     processor["declines"] = True
@@ -257,7 +264,7 @@ async def test_a_stale_runs_settlement_after_the_message_left_the_queue_never_re
     assert first.refused
     assert first.unconfirmed
     assert await rt.history.settle(10)
-    rec = await rt.tracker.get(receipt.message_id)
+    rec = await rt.tracker.get(message_id)
     assert rec is not None
     assert (rec.status, rec.attempt) == ("Succeeded", 2)
     assert await dead_letters(ns, rt) == []
@@ -271,16 +278,7 @@ async def test_a_stale_runs_record_written_first_gives_way_to_the_later_runs_lat
     it, so the later run's record replaces it."""
     from queueing_core.runtime import history_record
 
-    clock = FakeClock()
-    ns = FakeServiceBusNamespace(clock=clock)
-    app, rt, ns, _calls = make(ns)
-    await rt.open()
-    receipt = await app.enqueue(Capture(amount=9, mode="fatal"))
-    sub = app.subscription("Capture")
-    [first] = await rt.provider.receive(sub, 1)
-    clock.advance(timedelta(seconds=30))
-    [second] = await rt.provider.receive(sub, 1)
-    processor["declines"] = False
+    _ns, rt, message_id, first, second = await _received_twice()
     later = await rt.process(second)
     await rt.provider.settle([later])  # the message is completed; its record not yet written
     late_record = history_record(later, rt.clock())
@@ -288,11 +286,11 @@ async def test_a_stale_runs_record_written_first_gives_way_to_the_later_runs_lat
     await rt.process_and_settle(first)
     assert first.unconfirmed
     assert await rt.history.settle(10)
-    stale = await rt.tracker.get(receipt.message_id)
+    stale = await rt.tracker.get(message_id)
     assert stale is not None
     assert (stale.status, stale.updated_at) == ("DeadLettered", first.received_at)
     await rt.tracker.upsert_newer([late_record])  # as the history backlog writes a late record
-    rec = await rt.tracker.get(receipt.message_id)
+    rec = await rt.tracker.get(message_id)
     assert rec is not None
     assert (rec.status, rec.attempt) == ("Succeeded", 2)
     await rt.close()
