@@ -30,7 +30,7 @@ from .producer import Producer, SendsIdempotent
 from .throughput import Throughput
 from .tracking import MemoryTracker, MessageRecord, Tracker, record_from_envelope
 from .tracking.backlog import HistoryWriter
-from .tracking.base import ChangesIfUnchanged
+from .tracking.base import ChangesIfUnchanged, is_cancel_request, is_enqueue_record
 from .transport import Delivery, Provider, Settlement
 
 if TYPE_CHECKING:
@@ -319,9 +319,11 @@ class Runtime:
         """The outcome of a settlement the transport refused after the message left its queue, which an
         earlier try of that settlement may have done (its answer lost): recorded over the stored record
         by compare-and-set, unless a later run of the message recorded its own (a higher attempt), which
-        then stands. Dated when this run received the message: a later run received it only after this
-        run's lock lapsed, so its record, even one that lands after this one, is the newer (the late
-        write's rule keeps it). Best effort: a failure leaves the history at its last recorded state."""
+        then stands: a record with a higher attempt, or one written since this run received the message
+        that says more than "sent". Dated when this run received the message: a later run received it
+        only after this run's lock lapsed, so its record, even one that lands after this one, is the
+        newer by the hosts' clocks (the late write's rule keeps it). Best effort: a failure leaves the
+        history at its last recorded state."""
         rec = rec.model_copy(update={"updated_at": d.received_at})
         tracker = self.tracker
         if not isinstance(tracker, ChangesIfUnchanged):  # (every tracker of a transport that refuses so)
@@ -330,8 +332,13 @@ class Runtime:
             seen = await tracker.get(rec.message_id)
             if seen is None or seen.attempt > rec.attempt:
                 return
-            if seen.status in _TERMINAL and as_utc(seen.updated_at) > rec.updated_at:
-                return  # an outcome recorded since this run received the message: not this run's
+            if as_utc(seen.updated_at) > rec.updated_at and not (
+                is_enqueue_record(seen) or is_cancel_request(seen)
+            ):
+                # recorded since this run received the message, and more than "sent", a progress report
+                # or an operator's request to cancel: another run's (one that used no attempt, a pause's
+                # wait say, has this run's attempt number)
+                return
             changes = {name: getattr(rec, name) for name in _RECORD_FIELDS}
             if not await tracker.change_if_unchanged(seen, changes):
                 outcome_log.info("%s was recorded by another run meanwhile: that stands", rec.message_id)
@@ -349,7 +356,6 @@ class Runtime:
             outcome_log.warning("could not count a duplicate of %s: %s", message_id, exc)
 
 
-_TERMINAL = frozenset(s.value for s in MessageStatus.terminal())
 #: every field of a record as a settlement writes it (the whole record, as ``history.write`` does)
 _RECORD_FIELDS = tuple(name for name in MessageRecord.model_fields if name != "unreadable")
 

@@ -86,6 +86,8 @@ if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
 
 log = logging.getLogger("queueing.servicebus")
+#: how long a look for a message in its queue may take after a settlement it refused, seconds
+_PEEK_TIMEOUT = 10.0
 
 #: Standard tier: 256 KB per message including headers; leave room for the system properties
 MAX_ENVELOPE_BYTES = 250 * 1024
@@ -498,24 +500,40 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             # earlier try of this settlement took the message off the queue and its answer was lost:
             # then nobody else will record it (see ``Delivery.unconfirmed``)
             d.refuse(type(exc).__name__)
-            if isinstance(decision, Complete | Expire | DeadLetter):
-                d.unconfirmed = await self._left_the_queue(r, m)
+            await self._note_if_gone(s)
 
     @staticmethod
-    async def _left_the_queue(receiver: Any, m: Any) -> bool:
-        """Whether the message is no longer in its queue (peeked by its sequence number, which a locked
-        message keeps); False when that cannot be read."""
+    async def _note_if_gone(s: Settlement) -> None:
+        """For a settlement that takes the message off its queue (completion, expiry, dead-lettering) and
+        that Service Bus refused or that failed: whether the message is no longer in its queue (peeked by
+        its sequence number, which a locked or scheduled message keeps), in which case this run's own
+        try may be what removed it (``Delivery.unconfirmed``). Not known when the peek fails."""
+        if not isinstance(s.decision, Complete | Expire | DeadLetter):
+            return
+        h: _Handle = s.delivery.handle
+        seq = h.message.sequence_number
         try:
-            found = await receiver.peek_messages(max_message_count=1, sequence_number=m.sequence_number)
+            found = await h.receiver.peek_messages(
+                max_message_count=1, sequence_number=seq, timeout=_PEEK_TIMEOUT
+            )
         except Exception as exc:
-            log.warning("could not look for message %s in its queue: %s", m.sequence_number, exc)
-            return False
-        return not found or found[0].sequence_number != m.sequence_number
+            log.warning("could not look for message %s in its queue: %s", seq, exc)
+            return
+        s.delivery.unconfirmed = not found or found[0].sequence_number != seq
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
         with _boundary("settling messages"):  # every one failed: the first error, in the kit's terms
             settled_each(settlements, results, "Service Bus")
+        # some settled, so the batch is not tried again: one that failed, its answer lost, may have
+        # been applied all the same
+        await asyncio.gather(
+            *(
+                self._note_if_gone(s)
+                for s, r in zip(settlements, results, strict=True)
+                if isinstance(r, Exception)
+            )
+        )
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         lost: list[Delivery] = []

@@ -296,6 +296,71 @@ async def test_a_stale_runs_record_written_first_gives_way_to_the_later_runs_lat
     await rt.close()
 
 
+async def _settle_as_a_worker(rt, *settlements) -> None:
+    """Settle and record as the worker's settler does: history journaled ahead, then the transport."""
+    ahead = rt.history_ahead(list(settlements))
+    await rt.provider.settle(list(settlements))
+    rt.history_applied(list(settlements), ahead)
+    await rt.record(list(settlements), ahead)
+    assert await rt.history.settle(10)
+
+
+async def test_a_stale_success_never_replaces_a_later_runs_pause_of_the_same_attempt():
+    """A later run that uses no attempt (a paused type's wait by copy) records the first run's attempt
+    number: the first run's success, refused with the message gone (the original completed by the
+    pause's copy), must not replace that record while the paused copy waits in the queue. (Found by
+    review: the attempt alone let it.)"""
+    clock = FakeClock()
+    app, rt, _ns, _calls = make(FakeServiceBusNamespace(clock=clock), control_ttl=0.0)
+    await rt.open()
+    receipt = await app.enqueue(Capture(amount=1))
+    sub = app.subscription("Capture")
+    [first] = await rt.provider.receive(sub, 1)
+    success = await rt.process(first)  # the handler ran: Complete, not settled yet
+    clock.advance(timedelta(seconds=30))  # the first run's lock lapses
+    await rt.control.set_paused("type", "Capture", True)
+    [second] = await rt.provider.receive(sub, 1)
+    await rt.process_and_settle(second)  # paused: a copy waits in the queue, the original completed
+    assert await rt.history.settle(10)
+    await _settle_as_a_worker(rt, success)
+    assert first.unconfirmed  # the original is gone
+    rec = await rt.tracker.get(receipt.message_id)
+    assert rec is not None
+    assert rec.status == "Paused"
+    props = await rt.provider.admin.get_queue_runtime_properties("Payments/Capture")
+    assert props.scheduled_message_count + props.active_message_count == 1
+    await rt.close()
+
+
+async def test_a_completion_whose_answer_was_lost_in_a_batch_that_partly_settled_is_recorded():
+    """A batch of which some settled is not tried again: a completion among the rest that Service Bus
+    applied but whose answer was lost is found gone from the queue and recorded. (Found by review: the
+    history stayed Pending for good.)"""
+    from azure.servicebus.exceptions import OperationTimeoutError
+
+    app, rt, _ns, _calls = make()
+    await rt.open()
+    receipts = [await app.enqueue(Capture(amount=n)) for n in (3, 4)]
+    deliveries = await rt.provider.receive(app.subscription("Capture"), 2)
+    assert len(deliveries) == 2
+    settlements = [await rt.process(d) for d in deliveries]
+    receiver = deliveries[0].handle.receiver
+    complete = receiver.complete_message
+    lost = deliveries[0].handle.message.sequence_number
+
+    async def answer_lost(m):
+        await complete(m)
+        if m.sequence_number == lost:
+            raise OperationTimeoutError(message="injected: the answer did not come back")
+
+    receiver.complete_message = answer_lost
+    await _settle_as_a_worker(rt, *settlements)
+    assert [d.refused for d in deliveries] == [True, False]
+    assert deliveries[0].unconfirmed
+    assert [(await rt.tracker.get(r.message_id)).status for r in receipts] == ["Succeeded", "Succeeded"]
+    await rt.close()
+
+
 async def test_an_oversize_message_is_refused_before_any_send():
     app, rt, _ns, _ = make()
     await rt.open()
