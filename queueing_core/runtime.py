@@ -30,7 +30,7 @@ from .producer import Producer, SendsIdempotent
 from .throughput import Throughput
 from .tracking import MemoryTracker, MessageRecord, Tracker, record_from_envelope
 from .tracking.backlog import HistoryWriter
-from .tracking.base import ChangesIfUnchanged, is_cancel_request, is_enqueue_record
+from .tracking.base import ChangesIfUnchanged, is_cancel_request, is_producers_record
 from .transport import Delivery, Provider, Settlement
 
 if TYPE_CHECKING:
@@ -318,12 +318,12 @@ class Runtime:
     async def _record_unless_overtaken(self, rec: MessageRecord, d: Delivery) -> None:
         """The outcome of a settlement the transport refused after the message left its queue, which an
         earlier try of that settlement may have done (its answer lost): recorded over the stored record
-        by compare-and-set, unless a later run of the message recorded its own (a higher attempt), which
-        then stands: a record with a higher attempt, or one written since this run received the message
-        that says more than "sent". Dated when this run received the message: a later run received it
-        only after this run's lock lapsed, so its record, even one that lands after this one, is the
-        newer by the hosts' clocks (the late write's rule keeps it). Best effort: a failure leaves the
-        history at its last recorded state."""
+        by compare-and-set, unless a later run of the message may have recorded its own: a record with
+        a higher attempt, or one written since this run received the message that says more than the
+        producer's "sent" (a progress report included: it may be a later run's). Dated when this run
+        received the message: a later run received it only after this run's lock lapsed, so its
+        record, even one that lands after this one, is the newer by the hosts' clocks (the late write's
+        rule keeps it). Best effort: a failure leaves the history at its last recorded state."""
         rec = rec.model_copy(update={"updated_at": d.received_at})
         tracker = self.tracker
         if not isinstance(tracker, ChangesIfUnchanged):  # (every tracker of a transport that refuses so)
@@ -333,11 +333,12 @@ class Runtime:
             if seen is None or seen.attempt > rec.attempt:
                 return
             if as_utc(seen.updated_at) > rec.updated_at and not (
-                is_enqueue_record(seen) or is_cancel_request(seen)
+                is_producers_record(seen) or is_cancel_request(seen)
             ):
-                # recorded since this run received the message, and more than "sent", a progress report
-                # or an operator's request to cancel: another run's (one that used no attempt, a pause's
-                # wait say, has this run's attempt number)
+                # recorded since this run received the message, and more than the producer's "sent" or
+                # an operator's request to cancel: another run's (one that used no attempt, a pause's
+                # wait say, has this run's attempt number), or a progress report, which may be a later
+                # run's (of a copy) as well as this one's
                 return
             changes = {name: getattr(rec, name) for name in _RECORD_FIELDS}
             if not await tracker.change_if_unchanged(seen, changes):

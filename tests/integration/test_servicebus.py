@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -329,6 +329,35 @@ async def test_a_stale_success_never_replaces_a_later_runs_pause_of_the_same_att
     assert rec.status == "Paused"
     props = await rt.provider.admin.get_queue_runtime_properties("Payments/Capture")
     assert props.scheduled_message_count + props.active_message_count == 1
+    await rt.close()
+
+
+async def test_a_stale_success_never_replaces_the_progress_of_a_copy_running_now():
+    """The run of a paused wait's copy reports progress with the first run's attempt number: the first
+    run's success, refused with the original gone, must not replace that report while the copy runs.
+    (Found by review: a progress report was taken for the first run's own.)"""
+    clock = FakeClock(datetime.now(UTC))  # (the copy is scheduled by the host's clock)
+    app, rt, _ns, _calls = make(FakeServiceBusNamespace(clock=clock), control_ttl=0.0)
+    await rt.open()
+    receipt = await app.enqueue(Capture(amount=1))
+    sub = app.subscription("Capture")
+    [first] = await rt.provider.receive(sub, 1)
+    success = await rt.process(first)
+    clock.advance(timedelta(seconds=30))  # the first run's lock lapses
+    await rt.control.set_paused("type", "Capture", True)
+    [second] = await rt.provider.receive(sub, 1)
+    await rt.process_and_settle(second)  # paused: a copy waits, the original completed
+    await rt.control.set_paused("type", "Capture", False)
+    clock.advance(timedelta(minutes=5))
+    [copy] = await rt.provider.receive(sub, 1)  # the copy, running now
+    await rt.store_progress(copy, {"step": 1, "total": 10})
+    assert await rt.history.settle(10)
+    await _settle_as_a_worker(rt, success)
+    assert first.unconfirmed
+    rec = await rt.tracker.get(receipt.message_id)
+    assert rec is not None
+    assert rec.status == "Leased"
+    assert rec.progress is not None
     await rt.close()
 
 
