@@ -390,6 +390,40 @@ async def test_a_completion_whose_answer_was_lost_in_a_batch_that_partly_settled
     await rt.close()
 
 
+async def test_a_look_into_the_queue_that_fails_leaves_the_refusal_as_it_was():
+    """The check's own step failing (the peek: Service Bus unreachable again) settles nothing else
+    differently and raises nothing: the refusal stands, unconfirmed, and the batch's other
+    settlement is recorded; the lost one's history stays at its last record, as documented."""
+    from azure.servicebus.exceptions import OperationTimeoutError, ServiceBusConnectionError
+
+    app, rt, _ns, _calls = make()
+    await rt.open()
+    receipts = [await app.enqueue(Capture(amount=n)) for n in (5, 6)]
+    deliveries = await rt.provider.receive(app.subscription("Capture"), 2)
+    assert len(deliveries) == 2
+    settlements = [await rt.process(d) for d in deliveries]
+    receiver = deliveries[0].handle.receiver
+    complete = receiver.complete_message
+    lost = deliveries[0].handle.message.sequence_number
+
+    async def answer_lost(m):
+        await complete(m)
+        if m.sequence_number == lost:
+            raise OperationTimeoutError(message="injected: the answer did not come back")
+
+    async def unreachable(*args, **kwargs):
+        raise ServiceBusConnectionError(message="injected: the AMQP link was detached")
+
+    receiver.complete_message = answer_lost
+    receiver.peek_messages = unreachable
+    await _settle_as_a_worker(rt, *settlements)
+    assert [d.refused for d in deliveries] == [True, False]
+    assert not deliveries[0].unconfirmed
+    statuses = [(await rt.tracker.get(r.message_id)).status for r in receipts]
+    assert statuses == ["Pending", "Succeeded"]
+    await rt.close()
+
+
 async def test_an_oversize_message_is_refused_before_any_send():
     app, rt, _ns, _ = make()
     await rt.open()
