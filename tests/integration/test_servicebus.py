@@ -361,11 +361,11 @@ async def test_a_stale_success_never_replaces_the_progress_of_a_copy_running_now
     await rt.close()
 
 
-async def test_a_completion_whose_answer_was_lost_in_a_batch_that_partly_settled_is_recorded():
-    """A batch of which some settled is not tried again: a completion among the rest that Service Bus
-    applied but whose answer was lost is found gone from the queue and recorded. (Found by review: the
-    history stayed Pending for good.)"""
-    from azure.servicebus.exceptions import OperationTimeoutError
+async def _batch_with_a_lost_answer(*, peek_fails: bool = False) -> tuple[Any, list[Any], list[Any]]:
+    """Two messages received and run; settled as a worker does, in one batch, where Service Bus applies
+    the first one's completion but its answer is lost (and, with ``peek_fails``, the look into the queue
+    that follows fails too). Returns the runtime, the receipts and the deliveries."""
+    from azure.servicebus.exceptions import OperationTimeoutError, ServiceBusConnectionError
 
     app, rt, _ns, _calls = make()
     await rt.open()
@@ -382,8 +382,21 @@ async def test_a_completion_whose_answer_was_lost_in_a_batch_that_partly_settled
         if m.sequence_number == lost:
             raise OperationTimeoutError(message="injected: the answer did not come back")
 
+    async def unreachable(*args, **kwargs):
+        raise ServiceBusConnectionError(message="injected: the AMQP link was detached")
+
     receiver.complete_message = answer_lost
+    if peek_fails:
+        receiver.peek_messages = unreachable
     await _settle_as_a_worker(rt, *settlements)
+    return rt, receipts, deliveries
+
+
+async def test_a_completion_whose_answer_was_lost_in_a_batch_that_partly_settled_is_recorded():
+    """A batch of which some settled is not tried again: a completion among the rest that Service Bus
+    applied but whose answer was lost is found gone from the queue and recorded. (Found by review: the
+    history stayed Pending for good.)"""
+    rt, receipts, deliveries = await _batch_with_a_lost_answer()
     assert [d.refused for d in deliveries] == [True, False]
     assert deliveries[0].unconfirmed
     assert [(await rt.tracker.get(r.message_id)).status for r in receipts] == ["Succeeded", "Succeeded"]
@@ -394,29 +407,7 @@ async def test_a_look_into_the_queue_that_fails_leaves_the_refusal_as_it_was():
     """The check's own step failing (the peek: Service Bus unreachable again) settles nothing else
     differently and raises nothing: the refusal stands, unconfirmed, and the batch's other
     settlement is recorded; the lost one's history stays at its last record, as documented."""
-    from azure.servicebus.exceptions import OperationTimeoutError, ServiceBusConnectionError
-
-    app, rt, _ns, _calls = make()
-    await rt.open()
-    receipts = [await app.enqueue(Capture(amount=n)) for n in (5, 6)]
-    deliveries = await rt.provider.receive(app.subscription("Capture"), 2)
-    assert len(deliveries) == 2
-    settlements = [await rt.process(d) for d in deliveries]
-    receiver = deliveries[0].handle.receiver
-    complete = receiver.complete_message
-    lost = deliveries[0].handle.message.sequence_number
-
-    async def answer_lost(m):
-        await complete(m)
-        if m.sequence_number == lost:
-            raise OperationTimeoutError(message="injected: the answer did not come back")
-
-    async def unreachable(*args, **kwargs):
-        raise ServiceBusConnectionError(message="injected: the AMQP link was detached")
-
-    receiver.complete_message = answer_lost
-    receiver.peek_messages = unreachable
-    await _settle_as_a_worker(rt, *settlements)
+    rt, receipts, deliveries = await _batch_with_a_lost_answer(peek_fails=True)
     assert [d.refused for d in deliveries] == [True, False]
     assert not deliveries[0].unconfirmed
     statuses = [(await rt.tracker.get(r.message_id)).status for r in receipts]
