@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen
+from ..tracking.base import RETRIED_BY_OPERATOR
 from .dead_letters import DEAD_STATES, DeadLetterOps, is_whole_queue
 from .names import PhysicalNames
 
@@ -112,7 +113,10 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
 
         if record.status in LATER_STATES:
             rows = await self.delayed.copies(record.message_id)
-            if not rows:
+            # held first (out of every fetch for the store's lease, a claim counted): a retry that stops
+            # before it takes them leaves them to come back within that lease, not when their delay
+            # was due, and their forward then is known as a repeat of the copy sent here
+            if not rows or not await self.delayed.hold(rows):
                 raise InvalidOperation(
                     f"message {record.message_id} cannot be brought forward: {self.left_store_text}"
                 )
@@ -123,6 +127,20 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         else:
             await send()
         return True
+
+    async def ops_held(self, record: MessageRecord) -> str | None:
+        """As for dead letters (a letter still held: DeadLettered); and ``Failed`` where an operator's
+        retry of a message waiting in the delayed store stopped part-way, after it reopened the history
+        (its copy perhaps never sent) and before it took the waiting row, which is still there: so the
+        retry can be repeated and finish the job (at worst the message runs twice), where otherwise it
+        would be refused as already waiting while the message waits out its whole delay."""
+        if (
+            record.status == MessageStatus.PENDING.value
+            and record.reason == RETRIED_BY_OPERATOR
+            and await self.delayed.holds(record.message_id)
+        ):
+            return MessageStatus.FAILED.value
+        return await super().ops_held(record)
 
     async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
         return True  # a flag in the history; the message itself has left the queue
@@ -150,5 +168,7 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
                 removed |= {uuid.UUID(i) for i in await self._dead_letters(queue, dead)}
             later = [r.message_id for r in recs if r.status in LATER_STATES]
             if later:
-                removed |= await self.delayed.purge(self.physical(queue), later)
+                # their history goes with them, in one transaction: nothing else holds them, and a
+                # purge that stopped in between would leave a record no later purge could match
+                removed |= await self.delayed.purge(self.physical(queue), later, history_while=LATER_STATES)
         return {r.message_id for r in records if r.message_id in removed}

@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 
 from queueing_core import NonRetryableError, QueueMessage, RetryPolicy, queue
-from queueing_core.errors import InvalidOperation
+from queueing_core.errors import InvalidOperation, ProviderError
 from queueing_core.ops import OpsService
 from queueing_core.providers.dead_letters import DeadLetterOps
+from queueing_core.providers.side_stores import SideStoreOps
 from queueing_core.runtime import Runtime
 
 from .harness import Harness, record, running, wait_until
@@ -161,6 +162,102 @@ async def test_operator_retry_of_a_delayed_message_keeps_the_copys_own_retry(har
         assert len(runs) == 2
     finally:
         await rt.close()
+
+
+async def _waiting_in_the_store(harness: Harness, runs: list[int]) -> tuple[Runtime, Any, Any]:
+    """A ``Later`` message that failed once and waits (20 minutes) in the delayed store; the store's
+    lease is 1 s, so rows held for a forward come back quickly."""
+    app = harness.app()
+
+    @app.handler()
+    async def handle(msg: Later) -> None:
+        runs.append(msg.n)
+        if len(runs) == 1:
+            raise RuntimeError("downstream down for the first run")
+
+    rt = await harness.runtime(app)
+    prov: Any = rt.provider
+    if not isinstance(prov, SideStoreOps):
+        await rt.close()
+        pytest.skip("no delayed store for retries: the transport holds a retry's delay itself")
+    prov.delayed.lease = timedelta(seconds=1)
+    r = await app.enqueue(Later(n=1))
+    async with running(rt):
+        await wait_until(lambda: _status(rt, r.message_id, "Failed"), what="the first failure")
+    assert await prov.delayed.holds(r.message_id)
+    return rt, prov, r.message_id
+
+
+def _fail_once(prov: Any, name: str, error: Exception) -> list[str]:
+    real = getattr(prov, name)
+    failed: list[str] = []
+
+    async def once(*args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(name)
+            raise error
+        return await real(*args, **kwargs)
+
+    setattr(prov, name, once)
+    return failed
+
+
+async def test_a_bring_forward_whose_send_failed_can_be_repeated_at_once(harness: Harness) -> None:
+    """The retry reopens the history (``Pending``, retried by an operator) before it sends the copy; a
+    send that fails leaves the row in the store. Repeating the retry is not refused as "already
+    waiting": it brings the message forward."""
+    runs: list[int] = []
+    rt, prov, mid = await _waiting_in_the_store(harness, runs)
+    try:
+        failed = _fail_once(prov, "_send_now", ProviderError("the broker dropped the connection"))
+        with pytest.raises(ProviderError):
+            await OpsService(rt).retry(mid)
+        assert failed
+        assert (await record(rt, mid)).status == "Pending"
+        assert await prov.delayed.holds(mid)  # the copy never left: the row is all there is
+
+        await OpsService(rt).retry(mid)  # (refused before: "it is already waiting to be processed")
+        assert not await prov.delayed.holds(mid)
+        async with running(rt):
+            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the copy ran")
+        assert runs == [1, 1]
+    finally:
+        await rt.close()
+
+
+async def test_a_bring_forward_that_stops_before_taking_the_row_runs_the_message_once(
+    harness: Harness,
+) -> None:
+    """The copy is sent, then taking the row fails: the row was held for the store's lease (not left to
+    wait out its delay), and its forward after the lease is known as a repeat of the copy, which had
+    run by then: completed without running the handler, counted as a duplicate."""
+    runs: list[int] = []
+    rt, prov, mid = await _waiting_in_the_store(harness, runs)
+    try:
+        failed = _fail_once(prov.delayed, "take_message", ProviderError("the database went away"))
+        async with running(rt):
+            with pytest.raises(ProviderError):
+                await OpsService(rt).retry(mid)
+            assert failed
+            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the copy ran")
+            # the row comes back once its hold ends (1 s here, 60 s by default), not in 20 minutes
+            await wait_until(
+                lambda: _no_row(prov, mid), what="the held row forwarded after its hold", timeout=30
+            )
+            await wait_until(lambda: _duplicates(rt, mid, 1), what="its forward completed as a duplicate")
+        assert runs == [1, 1]
+        assert (await record(rt, mid)).status == "Succeeded"
+    finally:
+        await rt.close()
+
+
+async def _no_row(prov: Any, mid: Any) -> bool:
+    return not await prov.delayed.holds(mid)
+
+
+async def _duplicates(rt: Runtime, mid: Any, n: int) -> bool:
+    rec = await rt.tracker.get(mid)
+    return rec is not None and (rec.duplicates or 0) == n
 
 
 async def _status(rt: Runtime, mid: Any, status: str) -> bool:

@@ -101,7 +101,10 @@ def _delayed_store() -> list[CallPoint]:
     """The SQL delayed store (delays a transport cannot hold itself, and RabbitMQ's and SQS's retries)."""
     from queueing_core.providers.delayed.store import SqlDelayedStore
 
-    delayed = ["store_many", "fetch_due", "remove", "holds", "copies", "take_message", "purge", "release"]
+    delayed = [
+        *("store_many", "fetch_due", "remove", "release"),  # the seed's, and the dispatcher's
+        *("holds", "copies", "hold", "take_message", "purge"),  # the ops actions'
+    ]
     return _methods("delayed", lambda rt: SqlDelayedStore, delayed, _sql_error)
 
 
@@ -150,10 +153,19 @@ async def _counted_places(rt: Runtime, queue: str, mid: UUID) -> dict[str, int]:
 
 
 # -- the kits ----------------------------------------------------------------------------------------------
-def _sql_points() -> list[CallPoint]:
+def _sql_points(driver_error: Callable[[], BaseException]) -> list[CallPoint]:
+    """SQLAlchemy's statements, and the commits of its transactions: the dialect's commit on the
+    driver's connection, which fails (or loses its answer) with the driver's own error, as a commit
+    does whose connection drops (SQLAlchemy wraps it, then rolls back what it can)."""
     from sqlalchemy.ext.asyncio import AsyncConnection
 
-    return [CallPoint("sql.execute", lambda rt: AsyncConnection, "execute", _sql_error)]
+    def dialect(rt: Runtime) -> type:
+        return type(rt.provider.engine.sync_engine.dialect)  # type: ignore[attr-defined]
+
+    return [
+        CallPoint("sql.execute", lambda rt: AsyncConnection, "execute", _sql_error),
+        CallPoint("sql.commit", dialect, "do_commit", driver_error),
+    ]
 
 
 def _postgres_points() -> list[CallPoint]:
@@ -161,7 +173,8 @@ def _postgres_points() -> list[CallPoint]:
     renewals, settlements), which fail with psycopg's own error."""
     from queueing_core.providers.sql.driver import DriverPath
 
-    return [*_sql_points(), CallPoint("pg.round_trip", lambda rt: DriverPath, "round_trip", _pg_error)]
+    point = CallPoint("pg.round_trip", lambda rt: DriverPath, "round_trip", _pg_error)
+    return [*_sql_points(_pg_error), point]
 
 
 def _sqlite_points() -> list[CallPoint]:
@@ -170,7 +183,7 @@ def _sqlite_points() -> list[CallPoint]:
     from queueing_core.providers.sql.sqlite_driver import SqliteDriverPath
 
     point = CallPoint("sqlite.round_trip", lambda rt: SqliteDriverPath, "round_trip", _sqlite_error)
-    return [*_sql_points(), point]
+    return [*_sql_points(_sqlite_error), point]
 
 
 def _inprocess_points() -> list[CallPoint]:
@@ -199,7 +212,13 @@ def _storage_points() -> list[CallPoint]:
 def _servicebus_points() -> list[CallPoint]:
     from queueing_core.fakes.servicebus import FakeServiceBusReceiver, FakeServiceBusSender
 
-    receiver = ["receive_messages", "complete_message", "abandon_message", "dead_letter_message"]
+    receiver = [
+        "receive_messages",
+        "complete_message",
+        "abandon_message",
+        "dead_letter_message",
+        "renew_message_lock",
+    ]
     return [
         *_methods("sb", lambda rt: FakeServiceBusSender, ["send_messages"], _servicebus_error),
         *_methods("sb", lambda rt: FakeServiceBusReceiver, receiver, _servicebus_error),

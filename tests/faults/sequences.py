@@ -12,6 +12,7 @@ the operator's action is repeated and the workers drain.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from queueing_core import NonRetryableError, QueueingApp, QueueMessage, RetryPolicy, queue
+from queueing_core import NonRetryableError, QueueingApp, QueueMessage, Retry, RetryPolicy, queue
 from queueing_core.clock import utcnow
 from queueing_core.decisions import RetryAfter
 from queueing_core.envelope import Envelope
@@ -31,6 +32,9 @@ from queueing_core.transport import Delivery, Settlement
 from queueing_core.worker import Settler
 
 QUEUE = "faults"
+#: a retry that waits this long is still waiting when the sequence acts (a retry due within SQS's own
+#: delay waits in SQS, which cannot be shortened: this one waits in the kit's delayed store)
+WAITS = timedelta(hours=1)
 FAST = RetryPolicy(base=timedelta(milliseconds=20), factor=1.0, jitter=0)
 
 
@@ -74,6 +78,8 @@ def fault_app(app: QueueingApp, ctx_mode: dict[str, str], ran: list[int], sent: 
             raise RuntimeError("injected handler failure (retry)")
         if ctx_mode["handler"] == "fatal":
             raise NonRetryableError("injected handler failure (dead-letter)")
+        if ctx_mode["handler"] == "later":
+            raise Retry(WAITS, "injected: try again in an hour")
 
     @app.handler()
     async def handle_version(msg: Version, ctx: Any) -> None:
@@ -219,13 +225,23 @@ async def _settle_with_claim(ctx: Ctx) -> None:
         await settler.close()
 
 
+async def _renew_then_settle(ctx: Ctx) -> None:
+    """As a worker does while a handler runs: the lease renewed (a renewal that fails is tried again at
+    the next interval, one reported lost is only logged: the run goes on), then the run settled."""
+    assert ctx.delivery is not None
+    with contextlib.suppress(Exception):
+        await ctx.rt.provider.renew([ctx.delivery])
+    ctx.settlement = await ctx.rt.process(ctx.delivery)
+    await settle(ctx.rt, ctx.settlement)
+
+
 async def _forward(ctx: Ctx) -> None:
     await ctx.rt.provider.dispatcher.dispatch_once()  # type: ignore[attr-defined]
 
 
 async def _claimed(ctx: Ctx) -> None:
     await enqueue(ctx)
-    await claim(ctx.rt, ctx.mid)
+    ctx.delivery = await claim(ctx.rt, ctx.mid)
 
 
 async def _nothing(ctx: Ctx) -> None:
@@ -255,6 +271,8 @@ class Sequence:
     absent: dict[str, str] = field(default_factory=dict)
     #: the queue its message is on
     queue: str = QUEUE
+    #: what the operator purges where the final state is "gone" (the sequence's action, repeated)
+    purges: MessageQuery = field(default_factory=lambda: MessageQuery(queue=QUEUE, status=("DeadLettered",)))
 
 
 _NOT_COMBINED = "the provider does not settle with its claims (no SettlesWithClaims)"
@@ -262,6 +280,13 @@ _ONLY_SQL = {p: _NOT_COMBINED for p in ("inprocess", "storage_queue", "servicebu
 _APART = "the transport settles each message of a batch apart (not settles_as_one): nothing to split"
 _CLOUD_LOCKS = "the transport's lease belongs to its receiver: the ops API refuses to release it"
 _NATIVE_DELAY = "the transport holds delays itself: there is no delayed store to forward from"
+_HIDDEN = {
+    "storage_queue": "a retry waits hidden in its queue, which cannot bring it forward (the ops API refuses)",
+    "servicebus": "a retry waits as a scheduled message, which cannot be brought forward (ops API refuses)",
+}
+_NO_RENEWAL = "AMQP holds a delivery until it is settled or its channel closes: there is no lease to renew"
+#: a whole queue: its live messages, its dead letters and what waits for it in the delayed store
+_WHOLE_QUEUE = MessageQuery(queue=QUEUE)
 
 SEQUENCES: list[Sequence] = [
     # the commonest settlement of all: a run that succeeded, its message completed (deleted, acked)
@@ -338,6 +363,45 @@ SEQUENCES: list[Sequence] = [
             "postgres": "a delayed SQL row waits in its own table until due: nothing is forwarded",
             "servicebus": _NATIVE_DELAY + " (scheduled messages)",
         },
+    ),
+    # a message waiting an hour for its retry, brought forward by an operator: a copy sent now, and
+    # only then the waiting one taken from the delayed store (SQL: the row made due, one statement)
+    Sequence(
+        "bring_forward",
+        lambda c: finished(c, "later"),
+        lambda c: OpsService(c.rt).retry(c.mid),
+        repeat="retry",
+        absent=_HIDDEN,
+    ),
+    # the same waiting message purged (by its status): taken from the delayed store, then its history
+    Sequence(
+        "purge_waiting",
+        lambda c: finished(c, "later"),
+        lambda c: OpsService(c.rt).purge(MessageQuery(queue=QUEUE, status=("Failed",))),
+        final="gone",
+        repeat="purge",
+        purges=MessageQuery(queue=QUEUE, status=("Failed",)),
+        absent={
+            "storage_queue": "a message hidden in its queue cannot be picked out (the purge leaves it)",
+            "servicebus": "a scheduled message is left to run (the purge leaves it)",
+        },
+    ),
+    # a whole queue purged, a dead letter in it: the delayed store's part, the queue and its dead
+    # letters cleared (Storage's clear, SQS's purge, AMQP's purge, Service Bus's drain), then history
+    Sequence(
+        "purge_queue",
+        lambda c: finished(c, "fatal"),
+        lambda c: OpsService(c.rt).purge(_WHOLE_QUEUE),
+        final="gone",
+        repeat="purge",
+        purges=_WHOLE_QUEUE,
+    ),
+    # a held message's lease renewed while it runs, then the run settled
+    Sequence(
+        "renew",
+        _claimed,
+        _renew_then_settle,
+        absent={"rabbitmq": _NO_RENEWAL, "inprocess": "nothing outside the process holds a message"},
     ),
     Sequence("enqueue_history", _nothing, _enqueue_one),
     # a message waiting on its queue, cancelled: the request, then the row (SQL) or the history's record

@@ -30,7 +30,13 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("retry_by_copy", "sqlite"): ("sqlite.round_trip",),
     ("retry_by_copy", "postgres"): ("pg.round_trip",),
     ("retry_by_copy", "storage_queue"): ("queue.update_message", "history.upsert_newer"),
-    ("retry_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert_newer"),
+    # (Service Bus: the lock renewed first, so a run whose lock already lapsed sends no copy)
+    ("retry_by_copy", "servicebus"): (
+        "sb.renew_message_lock",
+        "sb.send_messages",
+        "sb.complete_message",
+        "history.upsert_newer",
+    ),
     ("retry_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert_newer"),
     ("retry_by_copy", "sqs"): (
         "leases.holding",
@@ -47,7 +53,12 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "queue.delete_message",
         "history.upsert_newer",
     ),
-    ("pause_by_copy", "servicebus"): ("sb.send_messages", "sb.complete_message", "history.upsert_newer"),
+    ("pause_by_copy", "servicebus"): (
+        "sb.renew_message_lock",
+        "sb.send_messages",
+        "sb.complete_message",
+        "history.upsert_newer",
+    ),
     ("pause_by_copy", "rabbitmq"): ("delayed.store_many", "amqp.ack", "history.upsert_newer"),
     ("pause_by_copy", "sqs"): (
         "leases.holding",
@@ -129,8 +140,23 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ),
     ("operator_retry", "inprocess"): ("history.reopen", "memory._forget", "memory.send"),
     # the control state read first (three tables: a cancel request to withdraw?), then the retry
-    ("operator_retry", "sqlite"): ("sql.execute",) * 5,
-    ("operator_retry", "postgres"): ("sql.execute",) * 6,
+    ("operator_retry", "sqlite"): (
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.commit",
+    ),
+    ("operator_retry", "postgres"): (
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.commit",
+    ),
     # the dead letters are found (and held) first, then the history reopened, the copy sent and only
     # the letters found removed: a copy dead-lettered again meanwhile keeps its new letter
     ("operator_retry", "storage_queue"): (
@@ -172,8 +198,8 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("purge", "inprocess"): ("memory._forget", "history.delete"),
     # a batch's ids selected, those rows deleted (the batches are short transactions), then the count
     # of the rows a worker holds, which the purge leaves
-    ("purge", "sqlite"): ("sql.execute", "sql.execute", "sql.execute"),
-    ("purge", "postgres"): ("sql.execute", "sql.execute", "sql.execute"),
+    ("purge", "sqlite"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
+    ("purge", "postgres"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
     ("purge", "storage_queue"): (
         "queue.receive_messages",
         "queue.delete_message",
@@ -189,19 +215,100 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("purge", "rabbitmq"): ("amqp.get", "amqp.get", "amqp.ack", "amqp.get", "amqp.get", "history.delete"),
     ("purge", "sqs"): ("sqs.receive_message", "sqs.delete_message", "sqs.receive_message", "history.delete"),
     ("archive", "inprocess"): ("history.upsert",),
-    ("archive", "sqlite"): ("sql.execute", "sql.execute"),
-    ("archive", "postgres"): ("sql.execute", "sql.execute"),
+    ("archive", "sqlite"): ("sql.execute", "sql.execute", "sql.commit"),
+    ("archive", "postgres"): ("sql.execute", "sql.execute", "sql.commit"),
     ("archive", "storage_queue"): ("history.upsert",),
     ("archive", "servicebus"): ("history.upsert",),
     ("archive", "rabbitmq"): ("history.upsert",),
     ("archive", "sqs"): ("history.upsert",),
-    ("lease_release", "sqlite"): ("sql.execute", "sql.execute"),
-    ("lease_release", "postgres"): ("sql.execute", "sql.execute", "sql.execute"),
+    ("lease_release", "sqlite"): ("sql.execute", "sql.execute", "sql.commit"),
+    ("lease_release", "postgres"): ("sql.execute", "sql.execute", "sql.execute", "sql.commit"),
     ("delayed_forward", "rabbitmq"): ("delayed.fetch_due", "amqp.publish", "delayed.remove"),
     ("delayed_forward", "sqs"): ("delayed.fetch_due", "sqs.send_message_batch", "delayed.remove"),
     ("delayed_forward", "storage_queue"): ("delayed.fetch_due", "queue.send_message", "delayed.remove"),
+    # the message's waiting rows found, held for the store's lease (a retry that stops after this leaves
+    # them to come back within it, as a known repeat), the history reopened, the copy sent, the rows
+    # taken; SQL: the control state read, then the row made due again (one statement)
+    ("bring_forward", "inprocess"): ("history.reopen", "memory._forget", "memory.send"),
+    ("bring_forward", "sqlite"): (
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.commit",
+    ),
+    ("bring_forward", "postgres"): (
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.commit",
+    ),
+    ("bring_forward", "rabbitmq"): (
+        "delayed.copies",
+        "delayed.hold",
+        "history.reopen",
+        "amqp.publish",
+        "delayed.take_message",
+    ),
+    ("bring_forward", "sqs"): (
+        "delayed.copies",
+        "delayed.hold",
+        "history.reopen",
+        "sqs.send_message_batch",
+        "delayed.take_message",
+    ),
+    # the waiting rows and their history deleted in one transaction (the side database holds both),
+    # then the history of what was removed (already gone: nothing left to delete)
+    ("purge_waiting", "inprocess"): ("memory._forget", "history.delete"),
+    ("purge_waiting", "sqlite"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
+    ("purge_waiting", "postgres"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
+    ("purge_waiting", "rabbitmq"): ("delayed.purge", "history.delete"),
+    ("purge_waiting", "sqs"): ("delayed.purge", "history.delete"),
+    # the delayed store's part first (a forward due meanwhile lands before the clearing), then the queue
+    # and its dead-letter queue, then the history of what was removed
+    ("purge_queue", "inprocess"): ("memory._forget", "history.delete"),
+    ("purge_queue", "sqlite"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
+    ("purge_queue", "postgres"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
+    ("purge_queue", "storage_queue"): (
+        "delayed.purge",
+        "queue.clear_messages",
+        "queue.clear_messages",
+        "history.delete",
+    ),
+    ("purge_queue", "servicebus"): (
+        "sb.receive_messages",
+        "sb.receive_messages",
+        "sb.complete_message",
+        "sb.receive_messages",
+        "history.delete",
+    ),
+    ("purge_queue", "rabbitmq"): ("delayed.purge", "amqp.purge", "amqp.purge", "history.delete"),
+    ("purge_queue", "sqs"): ("delayed.purge", "sqs.purge_queue", "sqs.purge_queue", "history.delete"),
+    # the lease renewed (SQS: its lease row, then the visibility; Storage: the visibility, which gives a
+    # new pop receipt), then the run's success settled
+    ("renew", "sqlite"): (
+        "sqlite.round_trip",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sqlite.round_trip",
+    ),
+    ("renew", "postgres"): ("pg.round_trip", "sql.execute", "sql.execute", "sql.execute", "pg.round_trip"),
+    ("renew", "storage_queue"): ("queue.update_message", "queue.delete_message", "history.upsert"),
+    ("renew", "servicebus"): ("sb.renew_message_lock", "sb.complete_message", "history.upsert"),
+    ("renew", "sqs"): (
+        "leases.extend",
+        "sqs.change_message_visibility_batch",
+        "leases.holding",
+        "sqs.delete_message_batch",
+        "history.upsert",
+    ),
     ("enqueue_history", "inprocess"): ("memory.send", "history.upsert"),
-    ("enqueue_history", "sqlite"): ("sql.execute",),
+    ("enqueue_history", "sqlite"): ("sql.execute", "sql.commit"),
     ("enqueue_history", "postgres"): ("sql.execute",),
     ("enqueue_history", "storage_queue"): ("queue.send_message", "history.upsert"),
     ("enqueue_history", "servicebus"): ("sb.send_messages", "history.upsert"),
@@ -210,8 +317,15 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     # the request first (SQL: its row, beside the read of the message and its row's end), then the row
     # ended (SQL) or the record of the request written over the record as read (the others)
     ("cancel", "inprocess"): ("control.set_cancel", "history.change_if_unchanged"),
-    ("cancel", "sqlite"): ("sql.execute",) * 4,
-    ("cancel", "postgres"): ("sql.execute",) * 5,
+    ("cancel", "sqlite"): ("sql.execute", "sql.execute", "sql.execute", "sql.commit", "sql.execute"),
+    ("cancel", "postgres"): (
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sql.commit",
+        "sql.execute",
+    ),
     ("cancel", "storage_queue"): ("control.set_cancel", "history.change_if_unchanged"),
     ("cancel", "servicebus"): ("control.set_cancel", "history.change_if_unchanged"),
     ("cancel", "rabbitmq"): ("control.set_cancel", "history.change_if_unchanged"),
@@ -222,17 +336,19 @@ MODES = ("error", "crash")
 #: steps whose call is also made to lose its answer after it ran (``lost`` mode): every call that
 #: changes something and whose caller waits for the service's answer, which a dropped connection can
 #: lose after the change was made. The SQL transports' hot-path calls (one transaction, perhaps
-#: committed); the brokers' sends, deletes and dispositions; the history's, the control store's and
-#: the delayed store's writes. Not RabbitMQ's ack, nack or reject: AMQP gives them no answer (aio-pika
-#: writes the frame and marks the message processed only once that returned), so their lost answer
-#: cannot be made here as it would happen; their failure is the ``error`` mode's. Not the reads: a
-#: receive whose answer is lost leaves the message held until its lease lapses, which changes no state.
-#: Not the SQL transports' other statements (``sql.execute``): each runs inside a transaction that an
-#: error after it rolls back, the ``error`` mode again; a commit whose answer is lost is injected only
-#: on the hot path's round trips, which are one transaction each.
+#: committed) and SQLAlchemy's commits and statements (a statement on an autocommit connection stands
+#: once run; one inside a transaction is rolled back by the error, as in the ``error`` mode); the
+#: brokers' sends, deletes, dispositions, clearings and lease renewals; the history's, the control
+#: store's, the lease store's and the delayed store's writes. Not RabbitMQ's ack, nack or reject: AMQP
+#: gives them no answer (aio-pika writes the frame and marks the message processed only once that
+#: returned), so their lost answer cannot be made here as it would happen; their failure is the
+#: ``error`` mode's. Not the reads: a receive whose answer is lost leaves the message held until its
+#: lease lapses, which changes no state.
 ANSWER_LOST = {
     "sqlite.round_trip",
     "pg.round_trip",
+    "sql.execute",
+    "sql.commit",
     "queue.send_message",
     "queue.update_message",
     "queue.delete_message",
@@ -252,6 +368,16 @@ ANSWER_LOST = {
     "control.put_identity_doc",
     "delayed.store_many",
     "delayed.remove",
+    "delayed.hold",
+    "delayed.take_message",
+    "delayed.purge",
+    # the clearing of a whole queue, and a lease renewed (the lease store's and the transport's)
+    "queue.clear_messages",
+    "sqs.purge_queue",
+    "amqp.purge",
+    "sb.renew_message_lock",
+    "leases.extend",
+    "sqs.change_message_visibility_batch",
 }
 
 #: cases expected to break the invariant, by (sequence, step prefix, mode), with the defect named: a
@@ -322,15 +448,12 @@ def cases() -> list[object]:
 
 #: steps of a row that are not calls of their own, so no case injects there (shown in the report)
 UNCALLED = {
-    "sqlite": "commit: a crash before it rolls the transaction back as a crash at its last statement "
-    "does (covered); a failed commit is the driver's error on that last round trip (a hot-path call in "
-    "aiosqlite's thread or on the event loop's, ``sqlite.round_trip``, is one transaction: begun, run and "
-    "ended in that call; a call on the event loop's thread that finds the write lock taken is rolled back "
-    "and made again in aiosqlite's thread, within the same call)",
-    "postgres": "commit: as for SQLite; the provider's statements are one transaction per step (a hot-path "
-    "round trip on psycopg's connection, ``pg.round_trip``, is one pipeline: one implicit transaction); "
-    "a commit made whose answer never came back is the ``lost`` cases of both, on the hot path only (an "
-    "operator's action, an enqueue or a cancel commits through SQLAlchemy, where no lost answer is made)",
+    "sqlite": "the hot path's commit: a call in aiosqlite's thread or on the event loop's "
+    "(``sqlite.round_trip``) is one transaction, begun, run and ended in that call, so its failure, its "
+    "crash and its lost answer are that call's (a call on the event loop's thread that finds the write "
+    "lock taken is rolled back and made again in aiosqlite's thread, within the same call)",
+    "postgres": "the hot path's commit: a round trip on psycopg's connection (``pg.round_trip``) is one "
+    "pipeline, one implicit transaction, so its failure, its crash and its lost answer are that call's",
 }
 
 

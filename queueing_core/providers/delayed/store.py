@@ -40,6 +40,7 @@ from ...naming import Transport
 from ..sql import errors as sql_errors
 from ..sql.listener import channel_name
 from ..sql.provider import SqlProvider
+from ..sql.schema import IN_LIST_BATCH
 from .breaker import CircuitBreaker
 
 log = logging.getLogger("queueing.delayed")
@@ -253,6 +254,26 @@ class SqlDelayedStore:
                 found = (await conn.execute(stmt)).all()
         return [_message(r) for r in found]
 
+    async def hold(self, rows: Sequence[uuid.UUID]) -> int:
+        """Keep ``rows`` (an operator brings their message forward) out of every fetch for ``lease``,
+        and count a claim on each, as a fetch does: the copy the operator sends next is a forward of
+        them. A bring-forward that stops after this (its send failed, its process died, its
+        :meth:`take_message` failed) leaves the rows to come back once the lease ends, instead of when
+        their delay was due, and a forward of them then is known as a repeat (a host that finds the
+        message's outcome recorded completes it without running it). Returns the rows held."""
+        if not rows:
+            return 0
+        t = self._t
+        with db_boundary("holding delayed messages"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.begin() as conn:
+                res = await conn.execute(
+                    sa.update(t)
+                    .where(t.c.id.in_(list(rows)))
+                    .values(due_at=as_utc(self.clock()) + self.lease, claims=t.c.claims + 1)
+                )
+        return res.rowcount or 0
+
     async def copies(self, message_id: uuid.UUID) -> list[uuid.UUID]:
         """The ids of the rows that hold a copy of the message now (none: it is not waiting here)."""
         t = self._t
@@ -271,9 +292,18 @@ class SqlDelayedStore:
             async with self.sql.engine.connect() as conn:
                 return (await conn.execute(stmt.limit(1))).first() is not None
 
-    async def purge(self, destination: str, message_ids: Sequence[uuid.UUID] | None = None) -> set[uuid.UUID]:
+    async def purge(
+        self,
+        destination: str,
+        message_ids: Sequence[uuid.UUID] | None = None,
+        *,
+        history_while: Sequence[str] = (),
+    ) -> set[uuid.UUID]:
         """Delete what waits for ``destination`` (only ``message_ids`` when given); returns the
-        message ids deleted."""
+        message ids deleted. With ``history_while``, the history records of the messages deleted go in
+        the same transaction while their status is one of those (where the history shares this
+        database, RabbitMQ's and SQS's): a purge that stopped between the two, or whose answer was
+        lost, would leave history for a message no store holds, which no later purge could find."""
         t = self._t
         cond = [t.c.transport == self.transport.value, t.c.destination == destination]
         if message_ids is not None:
@@ -282,7 +312,14 @@ class SqlDelayedStore:
             await self.sql.ensure_open()
             async with self.sql.engine.begin() as conn:
                 rows = (await conn.execute(sa.delete(t).where(*cond).returning(t.c.message_id))).all()
-        return {r[0] for r in rows}
+                gone = [r[0] for r in rows]
+                h = self.sql.tables.history
+                for start in range(0, len(gone) if history_while else 0, IN_LIST_BATCH):
+                    part = gone[start : start + IN_LIST_BATCH]
+                    await conn.execute(
+                        sa.delete(h).where(h.c.message_id.in_(part), h.c.status.in_(list(history_while)))
+                    )
+        return set(gone)
 
     async def counts(self) -> dict[str, int]:
         """Messages waiting per destination."""
