@@ -1,9 +1,10 @@
 """The multi-step sequences of the fault suite: how each is set up and what its one action is.
 
-A sequence is one operation that takes several calls to stores and brokers: a worker settling a run
-(retry by copy, a paused type's wait by copy, dead-lettering, expiry, an idempotent message's expiry),
-an operator's action (retry, purge, archive, lease release, cancel), the delayed store's forward, and
-an enqueue with its history record.
+A sequence is one operation that takes several calls to stores and brokers: a worker receiving,
+renewing and settling a run (success, retry by copy, a paused type's wait by copy, dead-lettering,
+expiry, an idempotent message's expiry), an operator's action (retry, bringing a waiting retry
+forward, purge of dead letters, of waiting messages and of a whole queue, archive, lease release,
+cancel), the delayed store's forward, and an enqueue with its history record.
 ``prepare`` brings one message to the state the operation starts from (no faults), ``act`` is the
 operation itself (every call it makes is a step of the table), ``final`` the state it must end in once
 the operator's action is repeated and the workers drain.
@@ -225,6 +226,14 @@ async def _settle_with_claim(ctx: Ctx) -> None:
         await settler.close()
 
 
+async def _receive_run_settle(ctx: Ctx) -> None:
+    """A worker's whole turn with one message: received (SQS: its lease row taken beside the receive),
+    run, settled."""
+    d = await claim(ctx.rt, ctx.mid, timeout=5.0)
+    ctx.settlement = await ctx.rt.process(d)
+    await settle(ctx.rt, ctx.settlement)
+
+
 async def _renew_then_settle(ctx: Ctx) -> None:
     """As a worker does while a handler runs: the lease renewed (a renewal that fails is tried again at
     the next interval, one reported lost is only logged: the run goes on), then the run settled."""
@@ -396,6 +405,8 @@ SEQUENCES: list[Sequence] = [
         repeat="purge",
         purges=_WHOLE_QUEUE,
     ),
+    # a message received, run and settled: the receive's own steps (a lease row beside it on SQS)
+    Sequence("receive", _enqueue_one, _receive_run_settle),
     # a held message's lease renewed while it runs, then the run settled
     Sequence(
         "renew",

@@ -226,6 +226,28 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("delayed_forward", "rabbitmq"): ("delayed.fetch_due", "amqp.publish", "delayed.remove"),
     ("delayed_forward", "sqs"): ("delayed.fetch_due", "sqs.send_message_batch", "delayed.remove"),
     ("delayed_forward", "storage_queue"): ("delayed.fetch_due", "queue.send_message", "delayed.remove"),
+    # a message received, run and settled (SQL: the claim, the control state read, the settlement;
+    # RabbitMQ: the broker pushes it to the consumer, no call of the kit's receives it; SQS: the
+    # receive, then its lease row taken)
+    ("receive", "inprocess"): ("memory.settle", "history.upsert"),
+    ("receive", "sqlite"): (
+        "sqlite.round_trip",
+        "sql.execute",
+        "sql.execute",
+        "sql.execute",
+        "sqlite.round_trip",
+    ),
+    ("receive", "postgres"): ("pg.round_trip", "sql.execute", "sql.execute", "sql.execute", "pg.round_trip"),
+    ("receive", "storage_queue"): ("queue.receive_messages", "queue.delete_message", "history.upsert"),
+    ("receive", "servicebus"): ("sb.receive_messages", "sb.complete_message", "history.upsert"),
+    ("receive", "rabbitmq"): ("amqp.ack", "history.upsert"),
+    ("receive", "sqs"): (
+        "sqs.receive_message",
+        "leases.take",
+        "leases.holding",
+        "sqs.delete_message_batch",
+        "history.upsert",
+    ),
     # the message's waiting rows found, held for the store's lease (a retry that stops after this leaves
     # them to come back within it, as a known repeat), the history reopened, the copy sent, the rows
     # taken; SQL: the control state read, then the row made due again (one statement)
@@ -376,6 +398,7 @@ ANSWER_LOST = {
     "sqs.purge_queue",
     "amqp.purge",
     "sb.renew_message_lock",
+    "leases.take",
     "leases.extend",
     "sqs.change_message_visibility_batch",
 }
