@@ -27,7 +27,7 @@ from ..producer import EnqueueOptions
 from ..providers.dead_letters import is_whole_queue
 from ..runtime import Runtime
 from ..storable import HEADERS_CUT_SHORT, is_cut_short
-from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen, record_change
+from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen, record_change
 from ..tracking.base import reopened
 from .models import (
     ActionResult,
@@ -570,6 +570,8 @@ class OpsService:
             if not r.readable("message_id") and r.stored and "message_id" in r.stored
         ]
         deleted = await self.runtime.tracker.delete(query, only=gone) if gone else 0
+        if isinstance(removed, Removed):  # (history the transport's own store deleted with them)
+            deleted += removed.forgotten
         # (the messages a worker holds and the purge left, as on SQL: said so, not hidden in a 0)
         return PurgeResult(deleted=deleted, skipped_leased=leased)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidOperation
 from ..messages import MessageStatus
-from ..tracking import MessageQuery, MessageRecord, Reopen, nothing_to_reopen
+from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen
 from ..tracking.base import RETRIED_BY_OPERATOR
 from .dead_letters import DEAD_STATES, DeadLetterOps, is_whole_queue
 from .names import PhysicalNames
@@ -113,12 +113,18 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
 
         if record.status in LATER_STATES:
             rows = await self.delayed.copies(record.message_id)
-            # held first (out of every fetch for the store's lease, a claim counted): a retry that stops
-            # before it takes them leaves them to come back within that lease, not when their delay
-            # was due, and their forward then is known as a repeat of the copy sent here
-            if not rows or not await self.delayed.hold(rows):
+            if not rows:
                 raise InvalidOperation(
                     f"message {record.message_id} cannot be brought forward: {self.left_store_text}"
+                )
+            # made the copy sent here first (its envelope, out of every fetch for the store's lease, a
+            # claim counted): a retry that stops before it takes them leaves them to come back within
+            # that lease, not when their delay was due, and their forward then is a known repeat
+            if not await self.delayed.hold(rows, envelope):
+                raise InvalidOperation(
+                    f"message {record.message_id} cannot be brought forward: its waiting copy left the "
+                    "delayed store as the retry began (forwarded to its queue, where it runs shortly, "
+                    "or purged)"
                 )
             await send()
             await self.delayed.take_message(record.message_id, rows=rows)
@@ -149,7 +155,8 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         """Dead letters leave the dead-letter queue, delayed ones the delayed store; a purge of a whole
         queue empties the queue, its dead-letter queue and its delayed messages. A message waiting in a
         live queue cannot be picked out one by one (neither AMQP nor SQS deletes by id). Returns the
-        ids of the messages removed: only their history goes."""
+        ids of the messages removed: only their history goes (a delayed message's already went with
+        its row, counted in ``forgotten``)."""
         if is_whole_queue(query):
             assert query.queue is not None
             # the delayed store first: a forward due meanwhile lands in the queue before its purge
@@ -161,6 +168,7 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
                 if dead is None or r.status not in DEAD_STATES or str(r.message_id) in dead
             }
         removed: set[uuid.UUID] = set()
+        forgotten = 0
         for queue in {r.queue for r in records}:
             recs = [r for r in records if r.queue == queue]
             dead = {str(r.message_id) for r in recs if r.status in DEAD_STATES}
@@ -168,7 +176,9 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
                 removed |= {uuid.UUID(i) for i in await self._dead_letters(queue, dead)}
             later = [r.message_id for r in recs if r.status in LATER_STATES]
             if later:
-                # their history goes with them, in one transaction: nothing else holds them, and a
+                # their history goes with them, in one transaction, while it still says they wait: a
                 # purge that stopped in between would leave a record no later purge could match
-                removed |= await self.delayed.purge(self.physical(queue), later, history_while=LATER_STATES)
-        return {r.message_id for r in records if r.message_id in removed}
+                ids, gone = await self.delayed.purge(self.physical(queue), later, history_while=LATER_STATES)
+                removed |= ids
+                forgotten += gone
+        return Removed((r.message_id for r in records if r.message_id in removed), forgotten)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
@@ -224,6 +224,16 @@ Reopen = Callable[[], Awaitable[None]]
 
 async def nothing_to_reopen() -> None:
     """The ``Reopen`` of providers whose own statement records the retry (the SQL provider)."""
+
+
+class Removed(set[UUID]):
+    """The ids a purge took off a transport whose own store also deleted ``forgotten`` of their
+    history records, in the same transaction (the delayed store beside its history): a purge counts
+    those too, which its own deletion of the history no longer finds."""
+
+    def __init__(self, ids: Iterable[UUID] = (), forgotten: int = 0) -> None:
+        super().__init__(ids)
+        self.forgotten = forgotten
 
 
 #: statuses only processing writes: a producer's record, written after its send, never replaces them

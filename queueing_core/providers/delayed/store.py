@@ -254,13 +254,15 @@ class SqlDelayedStore:
                 found = (await conn.execute(stmt)).all()
         return [_message(r) for r in found]
 
-    async def hold(self, rows: Sequence[uuid.UUID]) -> int:
-        """Keep ``rows`` (an operator brings their message forward) out of every fetch for ``lease``,
-        and count a claim on each, as a fetch does: the copy the operator sends next is a forward of
-        them. A bring-forward that stops after this (its send failed, its process died, its
-        :meth:`take_message` failed) leaves the rows to come back once the lease ends, instead of when
-        their delay was due, and a forward of them then is known as a repeat (a host that finds the
-        message's outcome recorded completes it without running it). Returns the rows held."""
+    async def hold(self, rows: Sequence[uuid.UUID], envelope: Envelope) -> int:
+        """Make ``rows`` the copy an operator sends next to bring their message forward: ``envelope``
+        (its fresh attempts) in place of theirs, out of every later fetch for ``lease``, a claim counted
+        on each as a fetch does, for that send is a forward of them. A bring-forward that stops after
+        this (its send failed, its process died, its :meth:`take_message` failed) leaves the rows to
+        come back once the lease ends, not when their delay was due, as the operator's copy: a forward
+        of them then is known as a repeat, and a host that finds that copy's success recorded completes
+        it without running it. (A dispatcher that fetched a row just before may still forward it, as
+        it would have: a duplicate.) Returns the rows held."""
         if not rows:
             return 0
         t = self._t
@@ -270,8 +272,15 @@ class SqlDelayedStore:
                 res = await conn.execute(
                     sa.update(t)
                     .where(t.c.id.in_(list(rows)))
-                    .values(due_at=as_utc(self.clock()) + self.lease, claims=t.c.claims + 1)
+                    .values(
+                        due_at=as_utc(self.clock()) + self.lease,
+                        envelope=envelope.encode_text(),
+                        claims=t.c.claims + 1,
+                    )
                 )
+                if self.is_postgres:  # every dispatcher looks again: these rows are due sooner now
+                    await conn.execute(sa.select(sa.func.pg_notify(self.channel, self.transport.value)))
+        self._wake()
         return res.rowcount or 0
 
     async def copies(self, message_id: uuid.UUID) -> list[uuid.UUID]:
@@ -298,12 +307,13 @@ class SqlDelayedStore:
         message_ids: Sequence[uuid.UUID] | None = None,
         *,
         history_while: Sequence[str] = (),
-    ) -> set[uuid.UUID]:
+    ) -> tuple[set[uuid.UUID], int]:
         """Delete what waits for ``destination`` (only ``message_ids`` when given); returns the
-        message ids deleted. With ``history_while``, the history records of the messages deleted go in
-        the same transaction while their status is one of those (where the history shares this
-        database, RabbitMQ's and SQS's): a purge that stopped between the two, or whose answer was
-        lost, would leave history for a message no store holds, which no later purge could find."""
+        message ids deleted, and how many history records went with them. With ``history_while``, the
+        history records of the messages deleted go in the same transaction while their status is one
+        of those (where the history shares this database, RabbitMQ's and SQS's): a purge that stopped
+        between the two, or whose answer was lost, would leave history for a message no store holds,
+        which no later purge could find."""
         t = self._t
         cond = [t.c.transport == self.transport.value, t.c.destination == destination]
         if message_ids is not None:
@@ -313,13 +323,14 @@ class SqlDelayedStore:
             async with self.sql.engine.begin() as conn:
                 rows = (await conn.execute(sa.delete(t).where(*cond).returning(t.c.message_id))).all()
                 gone = [r[0] for r in rows]
-                h = self.sql.tables.history
+                h, forgotten = self.sql.tables.history, 0
                 for start in range(0, len(gone) if history_while else 0, IN_LIST_BATCH):
                     part = gone[start : start + IN_LIST_BATCH]
-                    await conn.execute(
+                    res = await conn.execute(
                         sa.delete(h).where(h.c.message_id.in_(part), h.c.status.in_(list(history_while)))
                     )
-        return set(gone)
+                    forgotten += res.rowcount or 0
+        return set(gone), forgotten
 
     async def counts(self) -> dict[str, int]:
         """Messages waiting per destination."""
