@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen
-from ..tracking.base import RETRIED_BY_OPERATOR
+from ..tracking.base import reopened
 from .dead_letters import DEAD_STATES, DeadLetterOps, is_whole_queue
 from .names import PhysicalNames
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
     from ..app import QueueingApp
     from ..clock import Clock
     from ..control.base import ControlStore
@@ -117,36 +119,29 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
                 raise InvalidOperation(
                     f"message {record.message_id} cannot be brought forward: {self.left_store_text}"
                 )
-            # made the copy sent here first (its envelope, out of every fetch for the store's lease, a
-            # claim counted): a retry that stops before it takes them leaves them to come back within
-            # that lease, not when their delay was due, and their forward then is a known repeat
-            if not await self.delayed.hold(rows, envelope):
+            # made the copy sent here first (its envelope, due once the store's lease has passed, a
+            # claim counted), and the history reopened in the same transaction (the history lives in
+            # that database): a retry that stops after this leaves the rows to come back when the lease
+            # ends, not when their delay was due, as the copy the history now describes, and their
+            # forward then is a known repeat. (``reopen`` would write the same record.)
+            pending = reopened(record, now, envelope.expires_at)
+
+            async def reopen_with_them(conn: AsyncConnection) -> None:
+                await self.stores.history.reopen_on(conn, pending)
+
+            if not await self.delayed.hold(rows, envelope, then=reopen_with_them):
                 raise InvalidOperation(
                     f"message {record.message_id} cannot be brought forward: its waiting copy left the "
                     "delayed store as the retry began (forwarded to its queue, where it runs shortly, "
                     "or purged)"
                 )
-            await send()
+            await self._send_now(record.queue, envelope)
             await self.delayed.take_message(record.message_id, rows=rows)
         elif record.status in DEAD_STATES:
             await self._dead_letters(record.queue, {str(record.message_id)}, before_removing=send)
         else:
             await send()
         return True
-
-    async def ops_held(self, record: MessageRecord) -> str | None:
-        """As for dead letters (a letter still held: DeadLettered); and ``Failed`` where an operator's
-        retry of a message waiting in the delayed store stopped part-way, after it reopened the history
-        (its copy perhaps never sent) and before it took the waiting row, which is still there: so the
-        retry can be repeated and finish the job (at worst the message runs twice), where otherwise it
-        would be refused as already waiting while the message waits out its whole delay."""
-        if (
-            record.status == MessageStatus.PENDING.value
-            and record.reason == RETRIED_BY_OPERATOR
-            and await self.delayed.holds(record.message_id)
-        ):
-            return MessageStatus.FAILED.value
-        return await super().ops_held(record)
 
     async def ops_archive(self, record: MessageRecord, now: datetime) -> bool:
         return True  # a flag in the history; the message itself has left the queue
@@ -159,14 +154,18 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         its row, counted in ``forgotten``)."""
         if is_whole_queue(query):
             assert query.queue is not None
-            # the delayed store first: a forward due meanwhile lands in the queue before its purge
-            await self.delayed.purge(self.physical(query.queue))
+            # the delayed store first: a forward due meanwhile lands in the queue before its purge; the
+            # history of what waited there goes with it while it still says so (as below)
+            _, forgotten = await self.delayed.purge(self.physical(query.queue), history_while=LATER_STATES)
             dead = await self._purge_whole(query.queue)
-            return {
-                r.message_id
-                for r in records
-                if dead is None or r.status not in DEAD_STATES or str(r.message_id) in dead
-            }
+            return Removed(
+                (
+                    r.message_id
+                    for r in records
+                    if dead is None or r.status not in DEAD_STATES or str(r.message_id) in dead
+                ),
+                forgotten,
+            )
         removed: set[uuid.UUID] = set()
         forgotten = 0
         for queue in {r.queue for r in records}:
@@ -176,9 +175,10 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
                 removed |= {uuid.UUID(i) for i in await self._dead_letters(queue, dead)}
             later = [r.message_id for r in recs if r.status in LATER_STATES]
             if later:
-                # their history goes with them, in one transaction, while it still says they wait: a
-                # purge that stopped in between would leave a record no later purge could match
-                ids, gone = await self.delayed.purge(self.physical(queue), later, history_while=LATER_STATES)
-                removed |= ids
+                # their history goes with them, in one transaction, while it still says they wait (a
+                # purge that stopped in between would leave a record no later purge could match); so
+                # they are not among the ids returned, whose history the purge deletes after: one that
+                # no longer says so (an operator's retry sent its copy meanwhile) must keep it
+                _, gone = await self.delayed.purge(self.physical(queue), later, history_while=LATER_STATES)
                 forgotten += gone
         return Removed((r.message_id for r in records if r.message_id in removed), forgotten)

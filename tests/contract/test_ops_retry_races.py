@@ -212,25 +212,32 @@ def _fail_once(prov: Any, name: str, error: Exception) -> list[str]:
     return failed
 
 
-async def test_a_bring_forward_whose_send_failed_can_be_repeated_at_once(harness: Harness) -> None:
-    """The retry reopens the history (``Pending``, retried by an operator) before it sends the copy; a
-    send that fails leaves the row in the store. Repeating the retry is not refused as "already
-    waiting": it brings the message forward."""
+async def test_a_bring_forward_whose_send_failed_runs_the_message_when_the_hold_ends(
+    harness: Harness,
+) -> None:
+    """The rows are made the operator's copy (fresh attempts), held for the store's lease, and the
+    history reopened, in one transaction, before the send; a send that fails leaves the rows, which
+    the history describes: a repeat of the retry meanwhile is refused (it is waiting, as the history
+    says: a second copy would run it twice), and the rows are forwarded, with fresh attempts, when the
+    hold ends: once, not when the retry's delay was due."""
     runs: list[int] = []
-    rt, prov, mid = await _waiting_in_the_store(harness, runs)
+    rt, prov, mid = await _waiting_in_the_store(harness, runs, failures=2)
     try:
         failed = _fail_once(prov, "_send_now", ProviderError("the broker dropped the connection"))
         with pytest.raises(ProviderError):
             await OpsService(rt).retry(mid)
         assert failed
-        assert (await record(rt, mid)).status == "Pending"
-        assert await prov.delayed.holds(mid)  # the copy never left: the row is all there is
+        rec = await record(rt, mid)
+        assert (rec.status, rec.attempt, rec.not_before) == ("Pending", 0, None)
+        assert await prov.delayed.holds(mid)  # the copy never left: the rows are all there is
+        with pytest.raises(InvalidOperation, match="already waiting"):
+            await OpsService(rt).retry(mid)
 
-        await OpsService(rt).retry(mid)  # (refused before: "it is already waiting to be processed")
-        assert not await prov.delayed.holds(mid)
         async with running(rt):
-            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the copy ran")
-        assert runs == [1, 1]
+            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the held rows forwarded and run")
+        assert runs == [1, 1, 1]  # two failures, then the operator's copy
+        assert (await record(rt, mid)).attempt == 1  # with fresh attempts
+        assert not await prov.delayed.holds(mid)
     finally:
         await rt.close()
 
@@ -274,6 +281,25 @@ async def test_a_purge_of_a_waiting_message_takes_its_row_and_history_together_a
     try:
         done = await OpsService(rt).purge(MessageQuery(queue="opsrace-later", status=("Failed",)))
         assert done.deleted == 1
+        assert not await prov.delayed.holds(mid)
+        assert await rt.tracker.get(mid) is None
+    finally:
+        await rt.close()
+
+
+async def test_a_whole_queue_purge_that_stops_after_the_delayed_store_leaves_no_history_behind(
+    harness: Harness,
+) -> None:
+    """A whole queue's purge empties the delayed store first, then the queue and its dead letters: if
+    it stops in between, the waiting message's row is gone, and so is its history (in the same
+    transaction), which no purge by status could match any more."""
+    runs: list[int] = []
+    rt, prov, mid = await _waiting_in_the_store(harness, runs)
+    try:
+        failed = _fail_once(prov, "_purge_whole", ProviderError("the broker dropped the connection"))
+        with pytest.raises(ProviderError):
+            await OpsService(rt).purge(MessageQuery(queue="opsrace-later"))
+        assert failed
         assert not await prov.delayed.holds(mid)
         assert await rt.tracker.get(mid) is None
     finally:

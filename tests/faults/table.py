@@ -248,9 +248,10 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "sqs.delete_message_batch",
         "history.upsert",
     ),
-    # the message's waiting rows found, held for the store's lease (a retry that stops after this leaves
-    # them to come back within it, as a known repeat), the history reopened, the copy sent, the rows
-    # taken; SQL: the control state read, then the row made due again (one statement)
+    # the message's waiting rows found, then made the operator's copy and held for the store's lease
+    # with the history reopened, in one transaction (a retry that stops after this leaves them to come
+    # back when it ends, as a known repeat), the copy sent, the rows taken; SQL: the control state
+    # read, then the row made due again (one statement)
     ("bring_forward", "inprocess"): ("history.reopen", "memory._forget", "memory.send"),
     ("bring_forward", "sqlite"): (
         "sql.execute",
@@ -269,27 +270,20 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "sql.execute",
         "sql.commit",
     ),
-    ("bring_forward", "rabbitmq"): (
-        "delayed.copies",
-        "delayed.hold",
-        "history.reopen",
-        "amqp.publish",
-        "delayed.take_message",
-    ),
+    ("bring_forward", "rabbitmq"): ("delayed.copies", "delayed.hold", "amqp.publish", "delayed.take_message"),
     ("bring_forward", "sqs"): (
         "delayed.copies",
         "delayed.hold",
-        "history.reopen",
         "sqs.send_message_batch",
         "delayed.take_message",
     ),
-    # the waiting rows and their history deleted in one transaction (the side database holds both),
-    # then the history of what was removed (already gone: nothing left to delete)
+    # the waiting rows and their history deleted in one transaction (the side database holds both):
+    # nothing is left for the purge's own deletion of the history
     ("purge_waiting", "inprocess"): ("memory._forget", "history.delete"),
     ("purge_waiting", "sqlite"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
     ("purge_waiting", "postgres"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
-    ("purge_waiting", "rabbitmq"): ("delayed.purge", "history.delete"),
-    ("purge_waiting", "sqs"): ("delayed.purge", "history.delete"),
+    ("purge_waiting", "rabbitmq"): ("delayed.purge",),
+    ("purge_waiting", "sqs"): ("delayed.purge",),
     # the delayed store's part first (a forward due meanwhile lands before the clearing), then the queue
     # and its dead-letter queue, then the history of what was removed
     ("purge_queue", "inprocess"): ("memory._forget", "history.delete"),

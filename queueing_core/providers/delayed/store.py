@@ -26,10 +26,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -42,6 +42,9 @@ from ..sql.listener import channel_name
 from ..sql.provider import SqlProvider
 from ..sql.schema import IN_LIST_BATCH
 from .breaker import CircuitBreaker
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
 log = logging.getLogger("queueing.delayed")
 
@@ -254,15 +257,21 @@ class SqlDelayedStore:
                 found = (await conn.execute(stmt)).all()
         return [_message(r) for r in found]
 
-    async def hold(self, rows: Sequence[uuid.UUID], envelope: Envelope) -> int:
+    async def hold(
+        self,
+        rows: Sequence[uuid.UUID],
+        envelope: Envelope,
+        then: Callable[[AsyncConnection], Awaitable[None]] | None = None,
+    ) -> int:
         """Make ``rows`` the copy an operator sends next to bring their message forward: ``envelope``
-        (its fresh attempts) in place of theirs, out of every later fetch for ``lease``, a claim counted
-        on each as a fetch does, for that send is a forward of them. A bring-forward that stops after
-        this (its send failed, its process died, its :meth:`take_message` failed) leaves the rows to
-        come back once the lease ends, not when their delay was due, as the operator's copy: a forward
-        of them then is known as a repeat, and a host that finds that copy's success recorded completes
-        it without running it. (A dispatcher that fetched a row just before may still forward it, as
-        it would have: a duplicate.) Returns the rows held."""
+        (its fresh attempts) in place of theirs, due once ``lease`` has passed, a claim counted on each
+        as a fetch does, for that send is a forward of them. A bring-forward that stops after this (its
+        send failed, its process died, its :meth:`take_message` failed) leaves the rows to come back
+        when the lease ends, not when their delay was due, as the operator's copy: a forward of them
+        then is known as a repeat, and a host that finds that copy's success recorded completes it
+        without running it. (A dispatcher that fetched a row just before may still forward it, as it
+        would have: a duplicate.) ``then`` runs in the same transaction once a row was held (the
+        history reopened: it must say what the rows now are). Returns the rows held."""
         if not rows:
             return 0
         t = self._t
@@ -278,10 +287,13 @@ class SqlDelayedStore:
                         claims=t.c.claims + 1,
                     )
                 )
+                held = res.rowcount or 0
+                if held and then is not None:
+                    await then(conn)
                 if self.is_postgres:  # every dispatcher looks again: these rows are due sooner now
                     await conn.execute(sa.select(sa.func.pg_notify(self.channel, self.transport.value)))
         self._wake()
-        return res.rowcount or 0
+        return held
 
     async def copies(self, message_id: uuid.UUID) -> list[uuid.UUID]:
         """The ids of the rows that hold a copy of the message now (none: it is not waiting here)."""
@@ -316,13 +328,21 @@ class SqlDelayedStore:
         which no later purge could find."""
         t = self._t
         cond = [t.c.transport == self.transport.value, t.c.destination == destination]
-        if message_ids is not None:
-            cond.append(t.c.message_id.in_(list(message_ids)))
+        given = list(message_ids) if message_ids is not None else None
+        # bound values per statement: bounded (PostgreSQL takes 65,535 at most)
+        parts = (
+            [None]
+            if given is None
+            else [given[i : i + IN_LIST_BATCH] for i in range(0, len(given), IN_LIST_BATCH)]
+        )
         with db_boundary("purging delayed messages"):
             await self.sql.ensure_open()
             async with self.sql.engine.begin() as conn:
-                rows = (await conn.execute(sa.delete(t).where(*cond).returning(t.c.message_id))).all()
-                gone = [r[0] for r in rows]
+                gone: list[uuid.UUID] = []
+                for part in parts:
+                    where = cond if part is None else [*cond, t.c.message_id.in_(part)]
+                    rows = (await conn.execute(sa.delete(t).where(*where).returning(t.c.message_id))).all()
+                    gone += [r[0] for r in rows]
                 h, forgotten = self.sql.tables.history, 0
                 for start in range(0, len(gone) if history_while else 0, IN_LIST_BATCH):
                     part = gone[start : start + IN_LIST_BATCH]

@@ -42,6 +42,7 @@ from .tracker import SqlTracker
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
     from ...naming import Transport
     from ...settings import QueueingSettings
@@ -248,7 +249,12 @@ class SqlHistoryTracker(SqlTracker):
         """Write ``record`` whatever the stored status (an operator's retry of a finished message)."""
         await self.provider.ensure_open()
         async with self.provider.engine.begin() as conn:
-            await conn.execute(self._upsert_statement(keep_outcomes=False), [self._row(record)])
+            await self.reopen_on(conn, record)
+
+    async def reopen_on(self, conn: AsyncConnection, record: MessageRecord) -> None:
+        """:meth:`reopen` inside the caller's transaction on this database (the delayed store's, which
+        makes a waiting message's rows the operator's copy in the same commit)."""
+        await conn.execute(self._upsert_statement(keep_outcomes=False), [self._row(record)])
 
     async def counts(self) -> dict[tuple[str, str], int]:
         """Unarchived records per (queue, status), from the partial counting index."""
