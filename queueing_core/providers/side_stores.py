@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 
 #: states whose message waits in the delayed store (or in the broker's own delay)
 LATER_STATES = (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value)
+#: every state whose message may wait as a row of the delayed store: a delayed enqueue, a retry, a
+#: wait asked for by its handler, a paused type's or a missing handler's recheck
+STORED_STATES = (
+    MessageStatus.PENDING.value,
+    *LATER_STATES,
+    MessageStatus.PAUSED.value,
+    MessageStatus.WAITING_FOR_HANDLER.value,
+)
 
 
 class SideStoreOps(DeadLetterOps, PhysicalNames):
@@ -156,7 +164,7 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
             assert query.queue is not None
             # the delayed store first: a forward due meanwhile lands in the queue before its purge; the
             # history of what waited there goes with it while it still says so (as below)
-            _, forgotten = await self.delayed.purge(self.physical(query.queue), history_while=LATER_STATES)
+            _, forgotten = await self.delayed.purge(self.physical(query.queue), history_while=STORED_STATES)
             dead = await self._purge_whole(query.queue)
             return Removed(
                 (

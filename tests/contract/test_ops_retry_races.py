@@ -306,6 +306,31 @@ async def test_a_whole_queue_purge_that_stops_after_the_delayed_store_leaves_no_
         await rt.close()
 
 
+async def test_a_purge_that_read_a_waiting_message_before_its_bring_forward_leaves_the_operators_copy(
+    harness: Harness,
+) -> None:
+    """The purge read the message as waiting (Failed); then an operator's retry made its rows the copy
+    it brings forward and reopened its history, and its send failed. The purge's rows are those whose
+    history still says they wait: the held copy stays, and runs when the hold ends."""
+    runs: list[int] = []
+    rt, prov, mid = await _waiting_in_the_store(harness, runs)
+    try:
+        as_read = await record(rt, mid)
+        assert as_read.status == "Failed"
+        _fail_once(prov, "_send_now", ProviderError("the broker dropped the connection"))
+        with pytest.raises(ProviderError):
+            await OpsService(rt).retry(mid)
+        removed = await prov.ops_remove(MessageQuery(queue="opsrace-later", status=("Failed",)), [as_read])
+        assert not removed
+        assert removed.forgotten == 0
+        assert await prov.delayed.holds(mid)
+        async with running(rt):
+            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the held copy ran")
+        assert runs == [1, 1]
+    finally:
+        await rt.close()
+
+
 async def _no_row(prov: Any, mid: Any) -> bool:
     return not await prov.delayed.holds(mid)
 

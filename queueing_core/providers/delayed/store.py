@@ -285,6 +285,9 @@ class SqlDelayedStore:
                         due_at=as_utc(self.clock()) + self.lease,
                         envelope=envelope.encode_text(),
                         claims=t.c.claims + 1,
+                        # a fresh copy: the forward tries before it is dead-lettered start again
+                        failures=0,
+                        last_error=None,
                     )
                 )
                 held = res.rowcount or 0
@@ -325,7 +328,9 @@ class SqlDelayedStore:
         history records of the messages deleted go in the same transaction while their status is one
         of those (where the history shares this database, RabbitMQ's and SQS's): a purge that stopped
         between the two, or whose answer was lost, would leave history for a message no store holds,
-        which no later purge could find."""
+        which no later purge could find. With both, only the rows of messages whose history still
+        says so go: a row whose message moved on since the purge read it (an operator's retry made it
+        the copy it brings forward, and reopened its history) stays, to be forwarded."""
         t = self._t
         cond = [t.c.transport == self.transport.value, t.c.destination == destination]
         given = list(message_ids) if message_ids is not None else None
@@ -339,11 +344,17 @@ class SqlDelayedStore:
             await self.sql.ensure_open()
             async with self.sql.engine.begin() as conn:
                 gone: list[uuid.UUID] = []
+                h = self.sql.tables.history
                 for part in parts:
                     where = cond if part is None else [*cond, t.c.message_id.in_(part)]
+                    if part is not None and history_while:
+                        still = sa.select(h.c.message_id).where(
+                            h.c.message_id.in_(part), h.c.status.in_(list(history_while))
+                        )
+                        where.append(t.c.message_id.in_(still))
                     rows = (await conn.execute(sa.delete(t).where(*where).returning(t.c.message_id))).all()
                     gone += [r[0] for r in rows]
-                h, forgotten = self.sql.tables.history, 0
+                forgotten = 0
                 for start in range(0, len(gone) if history_while else 0, IN_LIST_BATCH):
                     part = gone[start : start + IN_LIST_BATCH]
                     res = await conn.execute(
