@@ -407,6 +407,16 @@ SEQUENCES: list[Sequence] = [
     ),
     # a message received, run and settled: the receive's own steps (a lease row beside it on SQS)
     Sequence("receive", _enqueue_one, _receive_run_settle),
+    # the same, a message waiting in it for its retry: its row and its history go in one transaction
+    Sequence(
+        "purge_queue_waiting",
+        lambda c: finished(c, "later"),
+        lambda c: OpsService(c.rt).purge(_WHOLE_QUEUE),
+        final="gone",
+        repeat="purge",
+        purges=_WHOLE_QUEUE,
+        absent={"servicebus": "a scheduled message is left to run (the purge leaves it)"},
+    ),
     # a held message's lease renewed while it runs, then the run settled
     Sequence(
         "renew",

@@ -304,6 +304,19 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ),
     ("purge_queue", "rabbitmq"): ("delayed.purge", "amqp.purge", "amqp.purge", "history.delete"),
     ("purge_queue", "sqs"): ("delayed.purge", "sqs.purge_queue", "sqs.purge_queue", "history.delete"),
+    # a whole queue purged, a message waiting in it for its retry (RabbitMQ, SQS: its delayed row and its
+    # history in one transaction; Storage: hidden in the queue, cleared with it)
+    ("purge_queue_waiting", "inprocess"): ("memory._forget", "history.delete"),
+    ("purge_queue_waiting", "sqlite"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
+    ("purge_queue_waiting", "postgres"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
+    ("purge_queue_waiting", "storage_queue"): (
+        "delayed.purge",
+        "queue.clear_messages",
+        "queue.clear_messages",
+        "history.delete",
+    ),
+    ("purge_queue_waiting", "rabbitmq"): ("delayed.purge", "amqp.purge", "amqp.purge", "history.delete"),
+    ("purge_queue_waiting", "sqs"): ("delayed.purge", "sqs.purge_queue", "sqs.purge_queue", "history.delete"),
     # the lease renewed (SQS: its lease row, then the visibility; Storage: the visibility, which gives a
     # new pop receipt), then the run's success settled
     ("renew", "sqlite"): (
