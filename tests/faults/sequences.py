@@ -297,6 +297,20 @@ _NO_RENEWAL = "AMQP holds a delivery until it is settled or its channel closes: 
 #: a whole queue: its live messages, its dead letters and what waits for it in the delayed store
 _WHOLE_QUEUE = MessageQuery(queue=QUEUE)
 
+
+def _whole_queue_purge(name: str, handler: str, absent: dict[str, str] | None = None) -> Sequence:
+    """A whole queue purged, its one message run first by ``handler`` (dead-lettered, or waiting)."""
+    return Sequence(
+        name,
+        lambda c: finished(c, handler),
+        lambda c: OpsService(c.rt).purge(_WHOLE_QUEUE),
+        final="gone",
+        repeat="purge",
+        purges=_WHOLE_QUEUE,
+        absent=absent or {},
+    )
+
+
 SEQUENCES: list[Sequence] = [
     # the commonest settlement of all: a run that succeeded, its message completed (deleted, acked)
     Sequence("succeed", lambda c: processed(c, "ok"), _settle_it),
@@ -397,26 +411,15 @@ SEQUENCES: list[Sequence] = [
     ),
     # a whole queue purged, a dead letter in it: the delayed store's part, the queue and its dead
     # letters cleared (Storage's clear, SQS's purge, AMQP's purge, Service Bus's drain), then history
-    Sequence(
-        "purge_queue",
-        lambda c: finished(c, "fatal"),
-        lambda c: OpsService(c.rt).purge(_WHOLE_QUEUE),
-        final="gone",
-        repeat="purge",
-        purges=_WHOLE_QUEUE,
+    _whole_queue_purge("purge_queue", "fatal"),
+    # the same, a message waiting in it for its retry: its row and its history go in one transaction
+    _whole_queue_purge(
+        "purge_queue_waiting",
+        "later",
+        absent={"servicebus": "a scheduled message is left to run (the purge leaves it)"},
     ),
     # a message received, run and settled: the receive's own steps (a lease row beside it on SQS)
     Sequence("receive", _enqueue_one, _receive_run_settle),
-    # the same, a message waiting in it for its retry: its row and its history go in one transaction
-    Sequence(
-        "purge_queue_waiting",
-        lambda c: finished(c, "later"),
-        lambda c: OpsService(c.rt).purge(_WHOLE_QUEUE),
-        final="gone",
-        repeat="purge",
-        purges=_WHOLE_QUEUE,
-        absent={"servicebus": "a scheduled message is left to run (the purge leaves it)"},
-    ),
     # a held message's lease renewed while it runs, then the run settled
     Sequence(
         "renew",

@@ -304,19 +304,6 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ),
     ("purge_queue", "rabbitmq"): ("delayed.purge", "amqp.purge", "amqp.purge", "history.delete"),
     ("purge_queue", "sqs"): ("delayed.purge", "sqs.purge_queue", "sqs.purge_queue", "history.delete"),
-    # a whole queue purged, a message waiting in it for its retry (RabbitMQ, SQS: its delayed row and its
-    # history in one transaction; Storage: hidden in the queue, cleared with it)
-    ("purge_queue_waiting", "inprocess"): ("memory._forget", "history.delete"),
-    ("purge_queue_waiting", "sqlite"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
-    ("purge_queue_waiting", "postgres"): ("sql.execute", "sql.execute", "sql.commit", "sql.execute"),
-    ("purge_queue_waiting", "storage_queue"): (
-        "delayed.purge",
-        "queue.clear_messages",
-        "queue.clear_messages",
-        "history.delete",
-    ),
-    ("purge_queue_waiting", "rabbitmq"): ("delayed.purge", "amqp.purge", "amqp.purge", "history.delete"),
-    ("purge_queue_waiting", "sqs"): ("delayed.purge", "sqs.purge_queue", "sqs.purge_queue", "history.delete"),
     # the lease renewed (SQS: its lease row, then the visibility; Storage: the visibility, which gives a
     # new pop receipt), then the run's success settled
     ("renew", "sqlite"): (
@@ -359,6 +346,14 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("cancel", "servicebus"): ("control.set_cancel", "history.change_if_unchanged"),
     ("cancel", "rabbitmq"): ("control.set_cancel", "history.change_if_unchanged"),
     ("cancel", "sqs"): ("control.set_cancel", "history.change_if_unchanged"),
+}
+# a whole queue purged, a message waiting in it for its retry: the same calls as with a dead letter
+# (RabbitMQ, SQS: its delayed row and its history go in the delayed store's one transaction; Storage:
+# hidden in the queue, cleared with it)
+STEPS |= {
+    ("purge_queue_waiting", provider): steps
+    for (sequence, provider), steps in list(STEPS.items())
+    if sequence == "purge_queue" and provider != "servicebus"
 }
 
 MODES = ("error", "crash")
