@@ -8,8 +8,10 @@ once; the provider's statement re-checks the state atomically, so a race loses c
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 from uuid import UUID
@@ -20,7 +22,7 @@ from .. import jobs
 from ..app import Subscription
 from ..clock import Clock, utcnow
 from ..envelope import Envelope
-from ..errors import InvalidArgument, InvalidOperation, MessageNotFound, NotSupported
+from ..errors import InvalidArgument, InvalidOperation, MessageNotFound, NotSupported, first_line
 from ..messages import MessageStatus
 from ..options import Health
 from ..producer import EnqueueOptions
@@ -28,7 +30,7 @@ from ..providers.dead_letters import is_whole_queue
 from ..runtime import Runtime
 from ..storable import HEADERS_CUT_SHORT, is_cut_short
 from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen, record_change
-from ..tracking.base import reopened
+from ..tracking.base import ChangesIfUnchanged, before_reopening, reopened
 from .models import (
     ActionResult,
     CircuitInfo,
@@ -49,6 +51,7 @@ from .models import (
     Summary,
 )
 
+log = logging.getLogger(__name__)
 S = MessageStatus
 #: what retry accepts: finished badly, waiting for a retry or a time, or held by an operator's status
 RETRYABLE = {S.DEAD_LETTERED, S.FAILED, S.EXPIRED, S.ABANDONED, S.CANCELLED, S.SLEEPING}
@@ -366,6 +369,29 @@ class OpsService:
         if not self._durable:
             await record_change(self.runtime.tracker, r, {**changes, "updated_at": self.clock()})
 
+    async def _put_back(self, pending: MessageRecord, r: MessageRecord) -> None:
+        """A retry's copy was not sent (the transport refused it, or was unreachable): the history
+        shows the message where it still is (its dead letter was handed back), not waiting as a copy
+        that does not exist; a dead-letter list then still lists it, and a new retry can run it. Only
+        while the history still shows this retry's record: a copy that did reach its queue (the send's
+        answer was lost) and ran since wrote its own, which stands. A copy that reached its queue and
+        has not run yet is recorded by its run, whose records are newer than the one put back."""
+        tracker = self.runtime.tracker
+        if not isinstance(tracker, ChangesIfUnchanged):  # (every tracker of a transport that copies)
+            return
+        try:
+            if await tracker.change_if_unchanged(pending, before_reopening(r)):
+                return
+            log.info("the history of %s moved on during its retry: left as it is", r.message_id)
+        except Exception as exc:
+            log.warning(
+                "could not put the history of %s back to %s after its retry failed: %s; it shows it "
+                "Pending until it runs, and a new retry of it goes ahead",
+                r.message_id,
+                r.status,
+                first_line(exc),
+            )
+
     async def _unchanged(self, seen: MessageRecord) -> bool:
         now = await self.runtime.tracker.get(seen.message_id)
         return now is not None and (now.status, now.attempt, now.updated_at) == (
@@ -436,8 +462,14 @@ class OpsService:
         )
         pending = reopened(r, now, envelope.expires_at)
 
-        async def reopen() -> None:
+        @contextlib.asynccontextmanager
+        async def reopen() -> AsyncIterator[None]:
             await self.runtime.tracker.reopen(pending)
+            try:
+                yield  # (the copy's send)
+            except Exception:
+                await self._put_back(pending, r)
+                raise
 
         # an earlier cancel request would cancel the new run: withdrawn whatever the message ended as
         # (a request that missed its run, which then dead-lettered, is kept for a day otherwise), and

@@ -196,7 +196,8 @@ class InProcessProvider:
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
     ) -> bool:
-        await reopen()
+        async with reopen():
+            pass  # (recorded before the copy can run; nothing here can fail)
         # in memory nothing fails between dropping the original and queueing the copy
         self._forget({record.message_id})
         await self.send([envelope])

@@ -639,8 +639,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
 
         # the copy is sent before the original leaves: a failure in between leaves two, never none
         async def send() -> None:
-            await reopen()
-            await self.send_copy(record.queue, envelope, None)
+            async with reopen():
+                await self.send_copy(record.queue, envelope, None)
 
         if record.status in DEAD_STATES:
             # the letters are found and locked before the copy is sent, and only those are completed

@@ -118,8 +118,8 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         # the copy may run, fail and be stored (or dead-lettered) again under the same message id in
         # between, and removing by id then would take the copy's own new place too.
         async def send() -> None:
-            await reopen()
-            await self._send_now(record.queue, envelope)
+            async with reopen():
+                await self._send_now(record.queue, envelope)
 
         if record.status in LATER_STATES:
             rows = await self.delayed.copies(record.message_id)

@@ -617,8 +617,8 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
 
         # the copy is sent before the original leaves: a failure in between leaves two, never none
         async def send() -> None:
-            await reopen()
-            await self.put(record.queue, envelope, timedelta(0), now)
+            async with reopen():
+                await self.put(record.queue, envelope, timedelta(0), now)
             self._wake(record.queue)
 
         if record.status == "DeadLettered":

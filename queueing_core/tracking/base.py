@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
@@ -217,13 +219,15 @@ class ActivitySource(Protocol):
     ) -> Activity: ...
 
 
-#: Writes an operator's retry into the history. A provider's ``ops_retry`` calls it after its last
-#: refusal and before the message can run, so the outcome of the new run is never overwritten.
-Reopen = Callable[[], Awaitable[None]]
+#: Writes an operator's retry into the history, around the copy's send: a provider's ``ops_retry``
+#: enters it after its last refusal and sends the copy inside it, so the outcome of the new run is
+#: never overwritten; a send that raises leaves the history as it was (see ``OpsService.retry``).
+Reopen = Callable[[], AbstractAsyncContextManager[None]]
 
 
-async def nothing_to_reopen() -> None:
+def nothing_to_reopen() -> AbstractAsyncContextManager[None]:
     """The ``Reopen`` of providers whose own statement records the retry (the SQL provider)."""
+    return contextlib.nullcontext()
 
 
 class Removed(set[UUID]):
@@ -274,21 +278,29 @@ def is_cancel_request(rec: MessageRecord) -> bool:
 RETRIED_BY_OPERATOR = "retried by an operator"
 
 
+def _reopening(now: datetime, expires_at: datetime | None) -> dict[str, Any]:
+    return {
+        "status": MessageStatus.PENDING.value,
+        "attempt": 0,
+        "reason": RETRIED_BY_OPERATOR,
+        "description": None,
+        "not_before": None,
+        "expires_at": expires_at,
+        "locked_by": None,
+        "locked_until": None,
+        "updated_at": now,
+    }
+
+
 def reopened(rec: MessageRecord, now: datetime, expires_at: datetime | None) -> MessageRecord:
     """``rec`` as an operator's retry reopens it: waiting again, its attempts from the start."""
-    return rec.model_copy(
-        update={
-            "status": MessageStatus.PENDING.value,
-            "attempt": 0,
-            "reason": RETRIED_BY_OPERATOR,
-            "description": None,
-            "not_before": None,
-            "expires_at": expires_at,
-            "locked_by": None,
-            "locked_until": None,
-            "updated_at": now,
-        }
-    )
+    return rec.model_copy(update=_reopening(now, expires_at))
+
+
+def before_reopening(rec: MessageRecord) -> dict[str, Any]:
+    """The fields :func:`reopened` changes, as ``rec`` has them: the change that puts a reopened
+    record back (a retry whose copy was not sent)."""
+    return {name: getattr(rec, name) for name in _reopening(rec.updated_at, None)}
 
 
 def supersedes(new: MessageRecord, old: MessageRecord) -> bool:

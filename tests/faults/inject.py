@@ -12,7 +12,10 @@ A :class:`CallPoint` names one call (``QueueClient.delete_message``, ``AsyncConn
   catches it) and so does every later call point: the process is dead from that step on, nothing it
   would still send or write reaches a store;
 - ``lost`` mode: the n-th call runs (a commit is made, a message sent), then raises the SDK's exception
-  as if its answer had been lost on the way back (a connection dropped after the server committed).
+  as if its answer had been lost on the way back (a connection dropped after the server committed);
+- ``refused`` call points fail with the SDK's exception at every call, whatever the mode: a first
+  fault that is part of the sequence (a broker refusing the send), so that the n-th step's fault is
+  a second one, in the path that handles the first.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ class CallPoint:
 @dataclass
 class Injector:
     points: list[CallPoint]
-    mode: str | None = None  # None (trace only), "error" or "crash"
+    mode: str | None = None  # None (trace only), "error", "crash", "kill" or "lost"
     at: int = -1  # the index of the call (step) to fail
+    #: the names of the call points that fail at every call (before it runs), in every mode
+    refused: frozenset[str] = frozenset()
     calls: list[str] = field(default_factory=list)
     armed: bool = False
     crashed: bool = False
@@ -63,6 +68,8 @@ class Injector:
         index = len(self.calls)
         self.calls.append(point.name)
         if index != self.at or self.mode is None:
+            if point.name in self.refused:
+                raise self._error(point)
             return False
         self.fired = True
         if self.mode == "lost":

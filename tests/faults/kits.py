@@ -102,7 +102,8 @@ def _delayed_store() -> list[CallPoint]:
     from queueing_core.providers.delayed.store import SqlDelayedStore
 
     delayed = [
-        *("store_many", "fetch_due", "remove", "release"),  # the seed's, and the dispatcher's
+        "store_many",  # the seed's
+        *("fetch_due", "remove", "release", "increment_failure"),  # the dispatcher's
         *("holds", "copies", "hold", "take_message", "purge"),  # the ops actions'
     ]
     return _methods("delayed", lambda rt: SqlDelayedStore, delayed, _sql_error)

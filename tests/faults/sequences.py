@@ -4,7 +4,10 @@ A sequence is one operation that takes several calls to stores and brokers: a wo
 renewing and settling a run (success, retry by copy, a paused type's wait by copy, dead-lettering,
 expiry, an idempotent message's expiry), an operator's action (retry, bringing a waiting retry
 forward, purge of dead letters, of waiting messages and of a whole queue, archive, lease release,
-cancel), the delayed store's forward, and an enqueue with its history record.
+cancel), the delayed store's forward, and an enqueue with its history record. Some run with a call the
+transport refuses throughout (``Sequence.refused``: a forward or a retry's copy whose send fails, an ack
+that fails), so that their steps are the paths that handle that first fault: a release, a hand-back, a
+give-back.
 ``prepare`` brings one message to the state the operation starts from (no faults), ``act`` is the
 operation itself (every call it makes is a step of the table), ``final`` the state it must end in once
 the operator's action is repeated and the workers drain.
@@ -248,6 +251,20 @@ async def _forward(ctx: Ctx) -> None:
     await ctx.rt.provider.dispatcher.dispatch_once()  # type: ignore[attr-defined]
 
 
+async def _settle_then_give_back(ctx: Ctx) -> None:
+    """As RabbitMQ's provider does when a settlement's ack fails: unless a later try completes it, the
+    message is given back (nacked to its queue) ``give_back_after`` seconds later; a try after that is
+    refused (the message went back). A give-back that fails leaves it on the channel, which returns it
+    when it closes."""
+    assert ctx.settlement is not None
+    prov: Any = ctx.rt.provider
+    prov.give_back_after = 0.05
+    for _ in range(2):  # the first try, and one after the give-back (the settler's retry)
+        with contextlib.suppress(Exception):
+            await prov.settle([ctx.settlement])
+        await asyncio.sleep(0.3)
+
+
 async def _claimed(ctx: Ctx) -> None:
     await enqueue(ctx)
     ctx.delivery = await claim(ctx.rt, ctx.mid)
@@ -259,6 +276,10 @@ async def _nothing(ctx: Ctx) -> None:
 
 async def _enqueue_one(ctx: Ctx) -> None:
     await enqueue(ctx)
+
+
+async def _retry_it(ctx: Ctx) -> None:
+    await OpsService(ctx.rt).retry(ctx.mid)
 
 
 async def _cancel(ctx: Ctx) -> None:
@@ -282,6 +303,11 @@ class Sequence:
     queue: str = QUEUE
     #: what the operator purges where the final state is "gone" (the sequence's action, repeated)
     purges: MessageQuery = field(default_factory=lambda: MessageQuery(queue=QUEUE, status=("DeadLettered",)))
+    #: call points the transport refuses at every call while the sequence acts: a first fault, whose
+    #: handling is the sequence (a step's fault is then a second fault, in that handling)
+    refused: tuple[str, ...] = ()
+    #: the history's status once the refusal alone has been handled (its baseline checks it at once)
+    refusal_leaves: str | None = None
 
 
 _NOT_COMBINED = "the provider does not settle with its claims (no SettlesWithClaims)"
@@ -293,6 +319,17 @@ _HIDDEN = {
     "storage_queue": "a retry waits hidden in its queue, which cannot bring it forward (the ops API refuses)",
     "servicebus": "a retry waits as a scheduled message, which cannot be brought forward (ops API refuses)",
 }
+#: every transport's sends (a name a provider has no call point of is none of its steps)
+_SENDS = (
+    *("queue.send_message", "sb.send_messages", "amqp.publish"),
+    *("sqs.send_message", "sqs.send_message_batch"),
+)
+_NO_SEND = "in memory: nothing can refuse a send"
+_NO_COPY = "an operator's retry makes the dead row due again, in one statement: no copy is sent"
+KITS_BUT_RABBITMQ = ("inprocess", "sqlite", "postgres", "storage_queue", "servicebus", "sqs")
+_NO_GIVE_BACK = (
+    "a settlement that fails leaves the message to its lease, which lapses by itself: no call follows"
+)
 _NO_RENEWAL = "AMQP holds a delivery until it is settled or its channel closes: there is no lease to renew"
 #: a whole queue: its live messages, its dead letters and what waits for it in the delayed store
 _WHOLE_QUEUE = MessageQuery(queue=QUEUE)
@@ -311,10 +348,31 @@ def _whole_queue_purge(name: str, handler: str, absent: dict[str, str] | None = 
     )
 
 
+def _operator_retry(name: str, handler: str, **options: Any) -> Sequence:
+    """An operator's retry of the one message, run first by ``handler`` (dead-lettered, or waiting)."""
+    return Sequence(name, lambda c: finished(c, handler), _retry_it, repeat="retry", **options)
+
+
+_NO_FORWARD = {
+    "inprocess": _NATIVE_DELAY,
+    "sqlite": "a delayed SQL row waits in its own table until due: nothing is forwarded",
+    "postgres": "a delayed SQL row waits in its own table until due: nothing is forwarded",
+    "servicebus": _NATIVE_DELAY + " (scheduled messages)",
+}
+
+
 SEQUENCES: list[Sequence] = [
     # the commonest settlement of all: a run that succeeded, its message completed (deleted, acked)
     Sequence("succeed", lambda c: processed(c, "ok"), _settle_it),
     Sequence("retry_by_copy", lambda c: processed(c, "fail"), _settle_it),
+    # a success whose ack the broker refuses: the message given back (RabbitMQ has no lease to lapse)
+    Sequence(
+        "give_back",
+        lambda c: processed(c, "ok"),
+        _settle_then_give_back,
+        refused=("amqp.ack",),
+        absent={p: _NO_GIVE_BACK for p in KITS_BUT_RABBITMQ},
+    ),
     Sequence("pause_by_copy", _paused_run, _settle_it),
     Sequence("dead_letter", lambda c: processed(c, "fatal"), _settle_it, repeat="retry"),
     Sequence("retry_with_claim", lambda c: processed(c, "fail"), _settle_with_claim, absent=_ONLY_SQL),
@@ -344,11 +402,16 @@ SEQUENCES: list[Sequence] = [
             for p in ("sqlite", "postgres")
         },
     ),
-    Sequence(
-        "operator_retry",
-        lambda c: finished(c, "fatal"),
-        lambda c: OpsService(c.rt).retry(c.mid),
-        repeat="retry",
+    _operator_retry("operator_retry", "fatal"),
+    # the same, the transport refusing the copy's send: the dead letter the scan located (held by it)
+    # is handed back (Service Bus's abandon, AMQP's nack, SQS's and Storage's visibility reset)
+    _operator_retry(
+        "retry_refused",
+        "fatal",
+        refused=_SENDS,
+        # not Pending, as if a copy waited: the dead-letter list still lists it, for a new retry
+        refusal_leaves="DeadLettered",
+        absent={"inprocess": _NO_SEND, "sqlite": _NO_COPY, "postgres": _NO_COPY},
     ),
     Sequence(
         "purge",
@@ -376,26 +439,12 @@ SEQUENCES: list[Sequence] = [
             "sqs": _CLOUD_LOCKS,
         },
     ),
-    Sequence(
-        "delayed_forward",
-        _due_in_store,
-        _forward,
-        absent={
-            "inprocess": _NATIVE_DELAY,
-            "sqlite": "a delayed SQL row waits in its own table until due: nothing is forwarded",
-            "postgres": "a delayed SQL row waits in its own table until due: nothing is forwarded",
-            "servicebus": _NATIVE_DELAY + " (scheduled messages)",
-        },
-    ),
+    Sequence("delayed_forward", _due_in_store, _forward, absent=_NO_FORWARD),
+    # the same forward, the transport refusing the send: the row released to be forwarded again later
+    Sequence("forward_refused", _due_in_store, _forward, absent=_NO_FORWARD, refused=_SENDS),
     # a message waiting an hour for its retry, brought forward by an operator: a copy sent now, and
     # only then the waiting one taken from the delayed store (SQL: the row made due, one statement)
-    Sequence(
-        "bring_forward",
-        lambda c: finished(c, "later"),
-        lambda c: OpsService(c.rt).retry(c.mid),
-        repeat="retry",
-        absent=_HIDDEN,
-    ),
+    _operator_retry("bring_forward", "later", absent=_HIDDEN),
     # the same waiting message purged (by its status): taken from the delayed store, then its history
     Sequence(
         "purge_waiting",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from .kits import KITS
-from .sequences import SEQUENCES
+from .sequences import SEQUENCES, Sequence
 
 STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("succeed", "inprocess"): ("memory.settle", "history.upsert"),
@@ -346,6 +346,48 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("cancel", "servicebus"): ("control.set_cancel", "history.change_if_unchanged"),
     ("cancel", "rabbitmq"): ("control.set_cancel", "history.change_if_unchanged"),
     ("cancel", "sqs"): ("control.set_cancel", "history.change_if_unchanged"),
+    # a success whose ack the broker refuses throughout: given back (nacked to its queue) after a moment
+    ("give_back", "rabbitmq"): ("amqp.ack", "amqp.nack"),
+    # a forward the transport refuses throughout: the row released, to be forwarded again later
+    ("forward_refused", "rabbitmq"): ("delayed.fetch_due", "amqp.publish", "delayed.release"),
+    ("forward_refused", "sqs"): ("delayed.fetch_due", "sqs.send_message_batch", "delayed.release"),
+    ("forward_refused", "storage_queue"): ("delayed.fetch_due", "queue.send_message", "delayed.release"),
+    # an operator's retry whose copy the transport refuses throughout: the history put back as it was
+    # (unless a run wrote since), and the dead letter found handed back to its queue
+    ("retry_refused", "rabbitmq"): (
+        "amqp.get",
+        "amqp.get",
+        "amqp.get",
+        "amqp.get",
+        "history.reopen",
+        "amqp.publish",
+        "history.change_if_unchanged",
+        "amqp.nack",
+    ),
+    ("retry_refused", "servicebus"): (
+        "sb.receive_messages",
+        "sb.receive_messages",
+        "history.reopen",
+        "sb.send_messages",
+        "history.change_if_unchanged",
+        "sb.abandon_message",
+    ),
+    ("retry_refused", "sqs"): (
+        "sqs.receive_message",
+        "sqs.receive_message",
+        "history.reopen",
+        "sqs.send_message_batch",
+        "history.change_if_unchanged",
+        "sqs.change_message_visibility_batch",
+    ),
+    ("retry_refused", "storage_queue"): (
+        "queue.receive_messages",
+        "queue.receive_messages",
+        "history.reopen",
+        "queue.send_message",
+        "history.change_if_unchanged",
+        "queue.update_message",
+    ),
 }
 # a whole queue purged, a message waiting in it for its retry: the same calls as with a dead letter
 # (RabbitMQ, SQS: its delayed row and its history go in the delayed store's one transaction; Storage:
@@ -392,6 +434,8 @@ ANSWER_LOST = {
     "control.put_identity_doc",
     "delayed.store_many",
     "delayed.remove",
+    "delayed.release",
+    "delayed.increment_failure",
     "delayed.hold",
     "delayed.take_message",
     "delayed.purge",
@@ -419,6 +463,8 @@ WORKER_SEQUENCES = {
     "expiry",
     "idempotent_expiry",
     "delayed_forward",
+    "forward_refused",
+    "give_back",
     "retry_with_claim",
     "dead_letter_with_claim",
     "retry_beside_a_refused_one",
@@ -451,6 +497,14 @@ class Case:
         return f"{self.sequence}-{self.provider}-{self.step}.{self.step_name}-{self.mode}"
 
 
+def _modes(seq: Sequence, step: str) -> tuple[str, ...]:
+    """A refused call fails at every call already: only a crash there is a case of its own (its
+    error is the refusal itself, and it never runs, so no answer of its can be lost)."""
+    if step in seq.refused:
+        return ("crash",)
+    return (*MODES, "lost") if step in ANSWER_LOST else MODES
+
+
 def cases() -> list[object]:
     out: list[object] = []
     for seq in SEQUENCES:
@@ -463,7 +517,7 @@ def cases() -> list[object]:
             if kit.no_faults:
                 continue
             for i, step in enumerate(STEPS.get((seq.name, provider), ())):
-                for mode in (*MODES, "lost") if step in ANSWER_LOST else MODES:
+                for mode in _modes(seq, step):
                     case = Case(seq.name, provider, i, step, mode)
                     reason = expected_failure(seq.name, step, mode)
                     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
