@@ -25,7 +25,7 @@ import functools
 import inspect
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +52,9 @@ class Injector:
     points: list[CallPoint]
     mode: str | None = None  # None (trace only), "error", "crash", "kill" or "lost"
     at: int = -1  # the index of the call (step) to fail
-    #: the names of the call points that fail at every call (before it runs), in every mode
-    refused: frozenset[str] = frozenset()
+    #: the call points that fail at every call (before it runs), in every mode: name -> the error
+    #: (None: the call point's own, an outage)
+    refused: Mapping[str, Callable[[], BaseException] | None] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
     armed: bool = False
     crashed: bool = False
@@ -69,7 +70,8 @@ class Injector:
         self.calls.append(point.name)
         if index != self.at or self.mode is None:
             if point.name in self.refused:
-                raise self._error(point)
+                refusal = self.refused[point.name]
+                raise refusal() if refusal is not None else self._error(point)
             return False
         self.fired = True
         if self.mode == "lost":

@@ -73,6 +73,46 @@ def _aws_error() -> BaseException:
     return EndpointConnectionError(endpoint_url="http://sqs.injected")
 
 
+# -- denials: the service answers, and says no (a right the identity lacks, a publish the broker nacked):
+#: not an outage, so the kit counts a failure against the message instead of waiting for the service
+def _azure_denied() -> BaseException:
+    from azure.core.exceptions import HttpResponseError
+
+    exc = HttpResponseError(message="injected: This request is not authorized to perform this operation")
+    exc.status_code, exc.error_code = 403, "AuthorizationPermissionMismatch"
+    return exc
+
+
+def _amqp_denied() -> BaseException:
+    from aio_pika.exceptions import DeliveryError
+    from pamqp.commands import Basic
+
+    return DeliveryError(None, Basic.Nack())
+
+
+def _aws_denied() -> BaseException:
+    from botocore.exceptions import ClientError
+
+    error = {"Code": "AccessDenied", "Message": "injected: not authorized to perform sqs:SendMessage"}
+    return ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": 403}}, "SendMessageBatch")
+
+
+def _servicebus_denied() -> BaseException:
+    from azure.servicebus.exceptions import ServiceBusAuthorizationError
+
+    return ServiceBusAuthorizationError(message="injected: Unauthorized access. 'Send' claim(s) are required")
+
+
+#: call point -> its SDK's denial (where a sequence's refusal is one: ``Sequence.denied``)
+DENIALS: dict[str, Callable[[], BaseException]] = {
+    "queue.send_message": _azure_denied,
+    "sb.send_messages": _servicebus_denied,
+    "amqp.publish": _amqp_denied,
+    "sqs.send_message": _aws_denied,
+    "sqs.send_message_batch": _aws_denied,
+}
+
+
 def _methods(
     prefix: str, owner: Callable[[Any], Any], names: list[str], error: Callable[[], BaseException] | None
 ) -> list[CallPoint]:

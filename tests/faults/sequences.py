@@ -5,9 +5,9 @@ renewing and settling a run (success, retry by copy, a paused type's wait by cop
 expiry, an idempotent message's expiry), an operator's action (retry, bringing a waiting retry
 forward, purge of dead letters, of waiting messages and of a whole queue, archive, lease release,
 cancel), the delayed store's forward, and an enqueue with its history record. Some run with a call the
-transport refuses throughout (``Sequence.refused``: a forward or a retry's copy whose send fails, an ack
-that fails), so that their steps are the paths that handle that first fault: a release, a hand-back, a
-give-back.
+transport refuses throughout (``Sequence.refused``: a forward or a retry's copy whose send fails, for an
+outage or a denial, an ack that fails), so that their steps are the paths that handle that first fault:
+a release, a failure counted, a hand-back, a give-back.
 ``prepare`` brings one message to the state the operation starts from (no faults), ``act`` is the
 operation itself (every call it makes is a step of the table), ``final`` the state it must end in once
 the operator's action is repeated and the workers drain.
@@ -306,6 +306,9 @@ class Sequence:
     #: call points the transport refuses at every call while the sequence acts: a first fault, whose
     #: handling is the sequence (a step's fault is then a second fault, in that handling)
     refused: tuple[str, ...] = ()
+    #: the refusal is a denial (the service answers no: a missing right, a nacked publish), not the
+    #: call point's own error (an outage)
+    denied: bool = False
     #: the history's status once the refusal alone has been handled (its baseline checks it at once)
     refusal_leaves: str | None = None
 
@@ -440,8 +443,10 @@ SEQUENCES: list[Sequence] = [
         },
     ),
     Sequence("delayed_forward", _due_in_store, _forward, absent=_NO_FORWARD),
-    # the same forward, the transport refusing the send: the row released to be forwarded again later
+    # the same forward, the transport unreachable for the send: the row released to be forwarded again
+    # later; or denying it: a failure counted on the row, which is tried again after a while
     Sequence("forward_refused", _due_in_store, _forward, absent=_NO_FORWARD, refused=_SENDS),
+    Sequence("forward_denied", _due_in_store, _forward, absent=_NO_FORWARD, refused=_SENDS, denied=True),
     # a message waiting an hour for its retry, brought forward by an operator: a copy sent now, and
     # only then the waiting one taken from the delayed store (SQL: the row made due, one statement)
     _operator_retry("bring_forward", "later", absent=_HIDDEN),

@@ -352,6 +352,14 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("forward_refused", "rabbitmq"): ("delayed.fetch_due", "amqp.publish", "delayed.release"),
     ("forward_refused", "sqs"): ("delayed.fetch_due", "sqs.send_message_batch", "delayed.release"),
     ("forward_refused", "storage_queue"): ("delayed.fetch_due", "queue.send_message", "delayed.release"),
+    # the same, the send denied (a right the identity lacks, a nacked publish): a failure counted on it
+    ("forward_denied", "rabbitmq"): ("delayed.fetch_due", "amqp.publish", "delayed.increment_failure"),
+    ("forward_denied", "sqs"): ("delayed.fetch_due", "sqs.send_message_batch", "delayed.increment_failure"),
+    ("forward_denied", "storage_queue"): (
+        "delayed.fetch_due",
+        "queue.send_message",
+        "delayed.increment_failure",
+    ),
     # an operator's retry whose copy the transport refuses throughout: the history put back as it was
     # (unless a run wrote since), and the dead letter found handed back to its queue
     ("retry_refused", "rabbitmq"): (
@@ -464,6 +472,7 @@ WORKER_SEQUENCES = {
     "idempotent_expiry",
     "delayed_forward",
     "forward_refused",
+    "forward_denied",
     "give_back",
     "retry_with_claim",
     "dead_letter_with_claim",

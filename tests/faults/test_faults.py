@@ -27,7 +27,7 @@ from queueing_core.tracking import MessageQuery
 from tests.contract.harness import Harness, running
 
 from .inject import Crash, Injector
-from .kits import KITS, Kit
+from .kits import DENIALS, KITS, Kit
 from .sequences import BY_NAME, Ctx, Sequence, fault_app
 from .table import STEPS, WORKER_SEQUENCES, Case, cases
 
@@ -136,7 +136,8 @@ async def test_fault(case: Case, harnesses, tmp_path: Path) -> None:
     ctx = Ctx(app, rt, mode, ran=ran)
     try:
         await seq.prepare(ctx)
-        injector = Injector(kit.points(), mode=case.mode, at=case.step, refused=frozenset(seq.refused))
+        refused = {name: DENIALS[name] if seq.denied else None for name in seq.refused}
+        injector = Injector(kit.points(), mode=case.mode, at=case.step, refused=refused)
         raised: BaseException | None = None
         with injector.installed(rt), injector.armed_for():
             try:
