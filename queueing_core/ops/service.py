@@ -108,9 +108,10 @@ class OpsActions(Protocol):
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
     ) -> bool:
-        """Run the message again from ``envelope``; call ``reopen`` after the last refusal and before
-        the message can run (it records Pending in a separate history). The copy is sent before the
-        original is removed: a failure part-way leaves two copies (or the original), never none."""
+        """Run the message again from ``envelope``; send the copy inside ``reopen`` (entered after the
+        last refusal, it records Pending in a separate history before the message can run, and puts it
+        back if the send fails; see :data:`~queueing_core.tracking.Reopen`). The copy is sent before
+        the original is removed: a failure part-way leaves two copies (or the original), never none."""
         ...
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool: ...
@@ -369,28 +370,30 @@ class OpsService:
         if not self._durable:
             await record_change(self.runtime.tracker, r, {**changes, "updated_at": self.clock()})
 
-    async def _put_back(self, pending: MessageRecord, r: MessageRecord) -> None:
-        """A retry's copy was not sent (the transport refused it, or was unreachable): the history
-        shows the message where it still is (its dead letter was handed back), not waiting as a copy
-        that does not exist; a dead-letter list then still lists it, and a new retry can run it. Only
-        while the history still shows this retry's record: a copy that did reach its queue (the send's
-        answer was lost) and ran since wrote its own, which stands. A copy that reached its queue and
-        has not run yet is recorded by its run, whose records are newer than the one put back."""
+    async def _put_back(self, pending: MessageRecord, seen: MessageRecord) -> bool:
+        """A retry's copy was not sent (the transport refused it, or was unreachable), and the original
+        it held goes back where it was: so does its history (as ``seen``, read before the retry), not
+        waiting as a copy that does not exist; a dead-letter list then still lists it, and a new retry
+        can run it. Only while the history still shows this retry's record (``pending``): a copy that
+        did reach its queue (the send's answer was lost) and ran since wrote its own, which stands; one
+        that has not run yet is recorded by its run, whose records are newer than the one put back.
+        True when it was put back."""
         tracker = self.runtime.tracker
         if not isinstance(tracker, ChangesIfUnchanged):  # (every tracker of a transport that copies)
-            return
+            return False
         try:
-            if await tracker.change_if_unchanged(pending, before_reopening(r)):
-                return
-            log.info("the history of %s moved on during its retry: left as it is", r.message_id)
+            if await tracker.change_if_unchanged(pending, before_reopening(seen)):
+                return True
+            log.info("the history of %s moved on during its retry: left as it is", seen.message_id)
         except Exception as exc:
             log.warning(
-                "could not put the history of %s back to %s after its retry failed: %s; it shows it "
+                "could not put the history of %s back to %s after its retry failed: %s; it may show it "
                 "Pending until it runs, and a new retry of it goes ahead",
-                r.message_id,
-                r.status,
+                seen.message_id,
+                seen.status,
                 first_line(exc),
             )
+        return False
 
     async def _unchanged(self, seen: MessageRecord) -> bool:
         now = await self.runtime.tracker.get(seen.message_id)
@@ -461,14 +464,17 @@ class OpsService:
             body=r.body,
         )
         pending = reopened(r, now, envelope.expires_at)
+        put_back = False
 
         @contextlib.asynccontextmanager
-        async def reopen() -> AsyncIterator[None]:
-            await self.runtime.tracker.reopen(pending)
+        async def reopen(holds_original: bool) -> AsyncIterator[None]:
+            nonlocal put_back
             try:
+                await self.runtime.tracker.reopen(pending)  # (its answer lost too: see _put_back)
                 yield  # (the copy's send)
-            except Exception:
-                await self._put_back(pending, r)
+            except BaseException:  # (a send cancelled part-way too)
+                if holds_original:
+                    put_back = await self._put_back(pending, seen)
                 raise
 
         # an earlier cancel request would cancel the new run: withdrawn whatever the message ended as
@@ -493,8 +499,10 @@ class OpsService:
         except BaseException:
             # put back only while the message's history shows it as this retry found it: a retry beside
             # this one that won the change (or this one's own copy, left part-way) withdrew the request
-            # for the run it started, which putting it back would cancel before it ran
-            if requested and await self._unchanged(seen):
+            # for the run it started, which putting it back would cancel before it ran. Not once the
+            # history was put back after a failed send: only a retry runs that message again (and
+            # withdraws the request), while a copy whose send's answer was lost may yet run
+            if requested and not put_back and await self._unchanged(seen):
                 await control.set_cancel(r.message_id, True, now)
             raise
         return ActionResult(

@@ -141,20 +141,20 @@ async def scan_dead_letters(
     *,
     remove: bool = True,
     limit: int = SCAN_LIMIT,
-    before_removing: Callable[[], Awaitable[None]] | None = None,
+    before_removing: Callable[[bool], Awaitable[None]] | None = None,
 ) -> set[str]:
     """Remove (or, with ``remove=False``, only find) the dead letters whose message id is in
     ``wanted`` (``None``: every one), reading the whole queue.
 
     With ``before_removing`` (an operator's retry sends its copy there) the scan only *locates*: the
     letters found stay held while it reads on; once it has read to the end it hands back the letters
-    passed over, awaits ``before_removing``, and then removes exactly the letters it located, by
-    their transport keys. A copy that runs and is dead-lettered again in the meantime leaves a new
-    letter the scan never read, and that letter stays (removing by id after the send would take it
-    too, and the message would be nowhere). A located letter whose hold lapsed meanwhile (a short
-    peek-lock) is read again and removed by its key where that key outlives a hold (see
-    :func:`_remove_again`); where it cannot be told again, the error is raised and the letter stays:
-    a duplicate, never a loss.
+    passed over, awaits ``before_removing`` (told whether it holds any letter it located), and then
+    removes exactly the letters it located, by their transport keys. A copy that runs and is
+    dead-lettered again in the meantime leaves a new letter the scan never read, and that letter stays
+    (removing by id after the send would take it too, and the message would be nowhere). A located
+    letter whose hold lapsed meanwhile (a short peek-lock) is read again and removed by its key where
+    that key outlives a hold (see :func:`_remove_again`); where it cannot be told again, the error is
+    raised and the letter stays: a duplicate, never a loss.
 
     Returns the ids found; when removing, also the wanted ids the queue does not hold at all (the
     scan read every letter and none was out of its sight, held by an earlier reader that died), so
@@ -174,7 +174,7 @@ async def scan_dead_letters(
             passed, run.held = run.held, located
             with contextlib.suppress(Exception):
                 await pages.hand_back(passed)
-            await before_removing()
+            await before_removing(bool(located))
             lapsed: list[T] = []
             failure: Exception | None = None
             for item in located:
@@ -262,7 +262,7 @@ class DeadLetterOps:
         wanted: set[str] | None,
         *,
         remove: bool = True,
-        before_removing: Callable[[], Awaitable[None]] | None = None,
+        before_removing: Callable[[bool], Awaitable[None]] | None = None,
     ) -> set[str]:
         """Remove (or only find) the dead letters of ``queue`` with these message ids (None: all);
         returns the ids found. ``before_removing``: see :func:`scan_dead_letters`."""

@@ -221,11 +221,13 @@ class ActivitySource(Protocol):
 
 #: Writes an operator's retry into the history, around the copy's send: a provider's ``ops_retry``
 #: enters it after its last refusal and sends the copy inside it, so the outcome of the new run is
-#: never overwritten; a send that raises leaves the history as it was (see ``OpsService.retry``).
-Reopen = Callable[[], AbstractAsyncContextManager[None]]
+#: never overwritten. With ``put_back`` a send that raises puts the history back as it was (see
+#: ``OpsService.retry``): only where the original stays where that history says, held by this retry
+#: (or nowhere in the transport), not where another retry may hold it and have sent its own copy.
+Reopen = Callable[[bool], AbstractAsyncContextManager[None]]
 
 
-def nothing_to_reopen() -> AbstractAsyncContextManager[None]:
+def nothing_to_reopen(put_back: bool = True) -> AbstractAsyncContextManager[None]:
     """The ``Reopen`` of providers whose own statement records the retry (the SQL provider)."""
     return contextlib.nullcontext()
 

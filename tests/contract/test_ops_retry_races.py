@@ -13,6 +13,7 @@ only once the copy has run and settled in its new place, i.e. the removal always
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
@@ -55,6 +56,37 @@ class Later(QueueMessage):
     n: int
 
 
+def _doomed_app(harness: Harness) -> tuple[Any, list[int], list[bool]]:
+    """An app whose ``Doomed`` handler records each run and dead-letters it while ``fatal[0]``."""
+    app = harness.app()
+    runs: list[int] = []
+    fatal = [True]
+
+    @app.handler()
+    async def handle(msg: Doomed) -> None:
+        runs.append(msg.n)
+        if fatal[0]:
+            raise NonRetryableError("the invoice is void")
+
+    return app, runs, fatal
+
+
+async def _one_dead_letter(harness: Harness) -> tuple[Runtime, Any, list[int], list[bool]]:
+    """A runtime of :func:`_doomed_app` (the caller closes it) and one message it dead-lettered."""
+    if harness.name not in COPY_STEP:
+        pytest.skip(ONE_STEP)
+    app, runs, fatal = _doomed_app(harness)
+    rt = await harness.runtime(app)
+    try:
+        mid = (await app.enqueue(Doomed(n=1))).message_id
+        async with running(rt):
+            await wait_until(lambda: _status(rt, mid, "DeadLettered"), what="dead-lettered")
+    except BaseException:
+        await rt.close()
+        raise
+    return rt, mid, runs, fatal
+
+
 def _copy_settles_first(rt: Runtime, harness: Harness, settled: Callable[[], Awaitable[bool]]) -> list[str]:
     """Wrap the provider's copy step (once): after the copy is sent it waits until ``settled`` says the
     copy ran and took its new place, so the retry's removal comes after that. Returns a list that gets
@@ -79,16 +111,7 @@ async def test_operator_retry_keeps_the_copys_own_new_dead_letter(harness: Harne
     if harness.name not in COPY_STEP:
         pytest.skip(ONE_STEP)
     assert harness.dead_letters is not None
-    app = harness.app()
-    runs: list[int] = []
-    fatal = [True]
-
-    @app.handler()
-    async def handle(msg: Doomed) -> None:
-        runs.append(msg.n)
-        if fatal[0]:
-            raise NonRetryableError("the invoice is void")
-
+    app, runs, fatal = _doomed_app(harness)
     rt = await harness.runtime(app)
     assert isinstance(rt.provider, DeadLetterOps)
     try:
@@ -119,6 +142,58 @@ async def test_operator_retry_keeps_the_copys_own_new_dead_letter(harness: Harne
             await OpsService(rt).retry(mid)
             await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the second retry ran")
         await wait_until(lambda: _dead_letters_are(rt, harness, 0), what="no dead letter left", timeout=15)
+    finally:
+        await rt.close()
+
+
+async def test_a_retry_whose_send_failed_is_listed_as_dead_lettered_again_and_a_new_retry_runs_it(
+    harness: Harness,
+) -> None:
+    """The transport refused the copy: the letter goes back to its queue, and so does its history (it
+    showed Pending, as if a copy waited, and left the dead-letter list)."""
+    rt, mid, runs, fatal = await _one_dead_letter(harness)
+    try:
+        fatal[0] = False
+        refused = ProviderError("injected: the copy was refused")
+        failed = _fail_once(rt.provider, COPY_STEP[harness.name], refused)
+        with pytest.raises(ProviderError):
+            await OpsService(rt).retry(mid)
+        assert failed, "the copy step was not reached"
+        dead = MessageQuery(queue="opsrace-dead", status=("DeadLettered",))
+        listed = await OpsService(rt).list_messages(dead)
+        assert [m.message_id for m in listed.items] == [mid]
+        rec = await record(rt, mid)
+        assert (rec.reason, rec.attempt) != ("retried by an operator", 0), rec
+        async with running(rt):
+            # (a letter the failed retry hid comes back when its hold lapses: the new retry finds it)
+            await wait_until(lambda: _retried(rt, mid), what="a new retry went ahead", timeout=60)
+            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the new retry ran")
+        assert runs == [1, 1]
+        await wait_until(lambda: _dead_letters_are(rt, harness, 0), what="no dead letter left", timeout=15)
+    finally:
+        await rt.close()
+
+
+async def test_a_retry_whose_copy_ran_before_its_send_failed_keeps_the_runs_record(harness: Harness) -> None:
+    """The copy reached its queue and ran, and only then did the send raise (its answer was lost): the
+    history keeps the run's outcome; the failed retry does not put the dead-lettered record back over
+    it. The letter it handed back stays, a duplicate an operator may purge."""
+    rt, mid, _, fatal = await _one_dead_letter(harness)
+    try:
+        async with running(rt):
+            fatal[0] = False
+            fired = _copy_settles_first(rt, harness, lambda: _status(rt, mid, "Succeeded"))
+            real = getattr(rt.provider, COPY_STEP[harness.name])
+
+            async def answer_lost(*args: Any, **kwargs: Any) -> Any:
+                await real(*args, **kwargs)
+                raise ProviderError("injected: the send's answer was lost")
+
+            setattr(rt.provider, COPY_STEP[harness.name], answer_lost)
+            with pytest.raises(ProviderError):
+                await OpsService(rt).retry(mid)
+            assert fired, "the copy step was not reached"
+        assert (await record(rt, mid)).status == "Succeeded"
     finally:
         await rt.close()
 
@@ -338,6 +413,17 @@ async def _no_row(prov: Any, mid: Any) -> bool:
 async def _duplicates(rt: Runtime, mid: Any, n: int) -> bool:
     rec = await rt.tracker.get(mid)
     return rec is not None and (rec.duplicates or 0) == n
+
+
+async def _retried(rt: Runtime, mid: Any) -> bool:
+    """An operator's retry of ``mid`` went ahead (a letter hidden by a failed one is out of its sight
+    until its hold lapses: the history lists it, the retry finds nothing to send yet)."""
+    rec = await rt.tracker.get(mid)
+    if rec is not None and rec.status != "DeadLettered":
+        return True
+    with contextlib.suppress(InvalidOperation, ProviderError):
+        await OpsService(rt).retry(mid)
+    return False
 
 
 async def _status(rt: Runtime, mid: Any, status: str) -> bool:

@@ -35,6 +35,8 @@ from queueing_core.tracking import MessageQuery, record_from_envelope
 from queueing_core.transport import Delivery, Settlement
 from queueing_core.worker import Settler
 
+from .kits import KITS
+
 QUEUE = "faults"
 #: a retry that waits this long is still waiting when the sequence acts (a retry due within SQS's own
 #: delay waits in SQS, which cannot be shortened: this one waits in the kit's delayed store)
@@ -259,10 +261,16 @@ async def _settle_then_give_back(ctx: Ctx) -> None:
     assert ctx.settlement is not None
     prov: Any = ctx.rt.provider
     prov.give_back_after = 0.05
-    for _ in range(2):  # the first try, and one after the give-back (the settler's retry)
-        with contextlib.suppress(Exception):
-            await prov.settle([ctx.settlement])
-        await asyncio.sleep(0.3)
+    with contextlib.suppress(Exception):
+        await prov.settle([ctx.settlement])  # the first try
+    handle = ctx.settlement.delivery.handle
+    deadline = time.monotonic() + 30
+    while not handle.given_back and time.monotonic() < deadline:  # (then the give-back's nack ran)
+        await asyncio.sleep(0.02)
+    assert handle.given_back, "the message was never given back"
+    with contextlib.suppress(Exception):
+        await prov.settle([ctx.settlement])  # the settler's next try: refused, it went back
+    assert ctx.settlement.delivery.refused, "a try after the give-back was not refused"
 
 
 async def _claimed(ctx: Ctx) -> None:
@@ -309,7 +317,8 @@ class Sequence:
     #: the refusal is a denial (the service answers no: a missing right, a nacked publish), not the
     #: call point's own error (an outage)
     denied: bool = False
-    #: the history's status once the refusal alone has been handled (its baseline checks it at once)
+    #: an operator's action the refusal makes fail (it raises), and the history's status it leaves
+    #: (its baseline checks both at once); None: the refusal is handled without raising
     refusal_leaves: str | None = None
 
 
@@ -329,7 +338,6 @@ _SENDS = (
 )
 _NO_SEND = "in memory: nothing can refuse a send"
 _NO_COPY = "an operator's retry makes the dead row due again, in one statement: no copy is sent"
-KITS_BUT_RABBITMQ = ("inprocess", "sqlite", "postgres", "storage_queue", "servicebus", "sqs")
 _NO_GIVE_BACK = (
     "a settlement that fails leaves the message to its lease, which lapses by itself: no call follows"
 )
@@ -374,7 +382,7 @@ SEQUENCES: list[Sequence] = [
         lambda c: processed(c, "ok"),
         _settle_then_give_back,
         refused=("amqp.ack",),
-        absent={p: _NO_GIVE_BACK for p in KITS_BUT_RABBITMQ},
+        absent={p: _NO_GIVE_BACK for p in KITS if p != "rabbitmq"},
     ),
     Sequence("pause_by_copy", _paused_run, _settle_it),
     Sequence("dead_letter", lambda c: processed(c, "fatal"), _settle_it, repeat="retry"),

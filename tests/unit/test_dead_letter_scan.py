@@ -53,7 +53,7 @@ async def test_a_letter_found_before_the_read_fails_is_handed_back_and_no_copy_i
     pages = Pages([(1, "a"), (2, "b"), (3, "c")], fail_on_page=3)
     sent: list[int] = []
 
-    async def send() -> None:
+    async def send(holds: bool) -> None:
         sent.append(1)
 
     with pytest.raises(RuntimeError):
@@ -67,20 +67,34 @@ async def test_the_copy_is_sent_after_the_read_and_only_the_letters_found_go():
     pages = Pages([(1, "a"), (2, "b"), (3, "a")])
     order: list[str] = []
 
-    async def send() -> None:
-        order.append(f"send after {len(pages.handed)} handed back")
+    async def send(holds: bool) -> None:
+        order.append(f"send after {len(pages.handed)} handed back, holding {holds}")
         pages.letters.append((4, "a"))  # the copy, dead-lettered again meanwhile: a letter of its own
 
     found = await scan_dead_letters(pages, {"a"}, before_removing=send)
     assert found == {"a"}
-    assert order == ["send after 1 handed back"]  # (2, "b") went back before the send
+    assert order == ["send after 1 handed back, holding True"]  # (2, "b") went back before the send
     assert pages.removed == [(1, "a"), (3, "a")]  # not (4, "a")
+
+
+async def test_the_send_is_told_when_the_scan_holds_no_letter_of_the_message():
+    """Another retry holds it (or it is gone): a retry still sends its copy, but a failed send must not
+    put the history back to dead-lettered, since the other retry may have sent its copy and removed
+    the letter (found in review)."""
+    pages = Pages([(1, "b"), (2, "c")])
+    told: list[bool] = []
+
+    async def send(holds: bool) -> None:
+        told.append(holds)
+
+    assert await scan_dead_letters(pages, {"a"}, before_removing=send) == set()
+    assert told == [False]
 
 
 async def test_a_failed_send_hands_the_letters_found_back_and_removes_none():
     pages = Pages([(1, "a"), (2, "b")])
 
-    async def send() -> None:
+    async def send(holds: bool) -> None:
         raise RuntimeError("the copy was not sent")
 
     with pytest.raises(RuntimeError):
