@@ -261,6 +261,9 @@ async def _settle_then_give_back(ctx: Ctx) -> None:
     assert ctx.settlement is not None
     prov: Any = ctx.rt.provider
     prov.give_back_after = 0.05
+    # the message given back comes to this idle consumer again, whose janitor would hand it back in
+    # turn (a publish and an ack of its own): a sequence of its own, not this one's steps
+    prov.idle_timeout = 3600.0
     with contextlib.suppress(Exception):
         await prov.settle([ctx.settlement])  # the first try
     handle = ctx.settlement.delivery.handle

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import timedelta
+from typing import Any
 
 import azure.functions as func
 import sqlalchemy as sa
@@ -26,6 +27,13 @@ class Timed(QueueMessage):
     n: int
 
 
+#: every Functions app these tests build, kept until the session ends: once it has served a request,
+#: azure-functions' ``AsgiFunctionApp.__del__`` calls ``asyncio.run`` to tell the ASGI app it shuts
+#: down, which fails (an unraisable warning) when the collector happens to run it inside a later
+#: test's event loop; the host deletes its app as its process exits, with no loop running
+_KEPT: list[Any] = []
+
+
 def sql_app(tmp_path, **settings):
     app = QueueingApp("fn-sql")
     seen: list[int] = []
@@ -42,7 +50,8 @@ def sql_app(tmp_path, **settings):
         **settings,
     )
     host = FunctionsHost(app, cfg)
-    return app, host, functions_of(build_app(cfg, app, host=host, env={})), seen
+    _KEPT.append(build_app(cfg, app, host=host, env={}))
+    return app, host, functions_of(_KEPT[-1]), seen
 
 
 async def test_the_sql_processor_timer_drains_the_queue_within_its_budget(tmp_path):
