@@ -8,6 +8,7 @@ once; the provider's statement re-checks the state atomically, so a race loses c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections import defaultdict
@@ -30,7 +31,7 @@ from ..providers.dead_letters import is_whole_queue
 from ..runtime import Runtime
 from ..storable import HEADERS_CUT_SHORT, is_cut_short
 from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen, record_change
-from ..tracking.base import ChangesIfUnchanged, before_reopening, reopened
+from ..tracking.base import ChangesIfUnchanged, before_reopening, reopened, reopening
 from .models import (
     ActionResult,
     CircuitInfo,
@@ -370,25 +371,38 @@ class OpsService:
         if not self._durable:
             await record_change(self.runtime.tracker, r, {**changes, "updated_at": self.clock()})
 
+    async def _reopen(self, seen: MessageRecord, pending: MessageRecord) -> None:
+        """The retry's record (``pending``) in place of the one it read (``seen``), unless that changed
+        meanwhile: of two retries of one message that read the same record, one goes ahead, the other
+        is refused before it sends a copy (its put-back could otherwise write the record it read over
+        the copy the first one sent)."""
+        tracker = self.runtime.tracker
+        if not isinstance(tracker, ChangesIfUnchanged):
+            await tracker.reopen(pending)
+            return
+        if not await tracker.change_if_unchanged(seen, reopening(pending.updated_at, pending.expires_at)):
+            raise InvalidOperation(f"message {seen.message_id} changed while retrying it; look again")
+
     async def _put_back(self, pending: MessageRecord, seen: MessageRecord) -> bool:
         """A retry's copy was not sent (the transport refused it, or was unreachable), and the original
-        it held goes back where it was: so does its history (as ``seen``, read before the retry), not
-        waiting as a copy that does not exist; a dead-letter list then still lists it, and a new retry
-        can run it. Only while the history still shows this retry's record (``pending``): a copy that
-        did reach its queue (the send's answer was lost) and ran since wrote its own, which stands; one
-        that has not run yet is recorded by its run, whose records are newer than the one put back.
-        True when it was put back."""
+        stays where it was (handed back, or never in the transport): so does its history (as ``seen``,
+        read before the retry), not waiting as a copy that does not exist; a dead-letter list then
+        still lists it, and a new retry can run it. Only while the history still shows this retry's
+        record (``pending``): a copy that did reach its queue (the send's answer was lost) and ran
+        since wrote its own, which stands; one that has not run yet is recorded by its run, whose
+        records are newer than the one put back. True when it was put back."""
         tracker = self.runtime.tracker
         if not isinstance(tracker, ChangesIfUnchanged):  # (every tracker of a transport that copies)
             return False
         try:
             if await tracker.change_if_unchanged(pending, before_reopening(seen)):
                 return True
-            log.info("the history of %s moved on during its retry: left as it is", seen.message_id)
+            log.info("the history of %s is not its retry's record: left as it is", seen.message_id)
         except Exception as exc:
             log.warning(
                 "could not put the history of %s back to %s after its retry failed: %s; it may show it "
-                "Pending until it runs, and a new retry of it goes ahead",
+                "Pending though no copy was sent: a new retry goes ahead while its dead letter is held, "
+                "else enqueue its work again",
                 seen.message_id,
                 seen.status,
                 first_line(exc),
@@ -464,17 +478,17 @@ class OpsService:
             body=r.body,
         )
         pending = reopened(r, now, envelope.expires_at)
-        put_back = False
+        restored = False
 
         @contextlib.asynccontextmanager
-        async def reopen(holds_original: bool) -> AsyncIterator[None]:
-            nonlocal put_back
+        async def reopen(put_back: bool) -> AsyncIterator[None]:
+            nonlocal restored
             try:
-                await self.runtime.tracker.reopen(pending)  # (its answer lost too: see _put_back)
+                await self._reopen(seen, pending)  # (its answer lost too: the put-back sees it)
                 yield  # (the copy's send)
-            except BaseException:  # (a send cancelled part-way too)
-                if holds_original:
-                    put_back = await self._put_back(pending, seen)
+            except (Exception, asyncio.CancelledError):  # (a send cancelled part-way too)
+                if put_back:  # (shielded: a second cancel does not stop it half-way)
+                    restored = await asyncio.shield(self._put_back(pending, seen))
                 raise
 
         # an earlier cancel request would cancel the new run: withdrawn whatever the message ended as
@@ -497,12 +511,12 @@ class OpsService:
             if not retried:
                 raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
         except BaseException:
-            # put back only while the message's history shows it as this retry found it: a retry beside
-            # this one that won the change (or this one's own copy, left part-way) withdrew the request
-            # for the run it started, which putting it back would cancel before it ran. Not once the
-            # history was put back after a failed send: only a retry runs that message again (and
-            # withdraws the request), while a copy whose send's answer was lost may yet run
-            if requested and not put_back and await self._unchanged(seen):
+            # put back only while the message's history shows it as this retry found it (or was put
+            # back so, its copy not sent): a retry beside this one that won the change (or this one's
+            # own copy, left part-way) withdrew the request for the run it started, which putting it
+            # back would cancel before it ran. (A copy whose send's answer was lost after it landed
+            # is cancelled by it too: the message stays where it was, as the history says.)
+            if requested and (restored or await self._unchanged(seen)):
                 await control.set_cancel(r.message_id, True, now)
             raise
         return ActionResult(

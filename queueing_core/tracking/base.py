@@ -221,9 +221,10 @@ class ActivitySource(Protocol):
 
 #: Writes an operator's retry into the history, around the copy's send: a provider's ``ops_retry``
 #: enters it after its last refusal and sends the copy inside it, so the outcome of the new run is
-#: never overwritten. With ``put_back`` a send that raises puts the history back as it was (see
-#: ``OpsService.retry``): only where the original stays where that history says, held by this retry
-#: (or nowhere in the transport), not where another retry may hold it and have sent its own copy.
+#: never overwritten. With ``put_back`` a send that fails puts the history back as it was (see
+#: ``OpsService.retry``): where the original stays where that history says (held by this retry, or
+#: nowhere in the transport), not where another reader may hold it (another retry, which may have
+#: sent its own copy).
 Reopen = Callable[[bool], AbstractAsyncContextManager[None]]
 
 
@@ -280,7 +281,8 @@ def is_cancel_request(rec: MessageRecord) -> bool:
 RETRIED_BY_OPERATOR = "retried by an operator"
 
 
-def _reopening(now: datetime, expires_at: datetime | None) -> dict[str, Any]:
+def reopening(now: datetime, expires_at: datetime | None) -> dict[str, Any]:
+    """The fields an operator's retry changes in a message's record (see :func:`reopened`)."""
     return {
         "status": MessageStatus.PENDING.value,
         "attempt": 0,
@@ -296,13 +298,13 @@ def _reopening(now: datetime, expires_at: datetime | None) -> dict[str, Any]:
 
 def reopened(rec: MessageRecord, now: datetime, expires_at: datetime | None) -> MessageRecord:
     """``rec`` as an operator's retry reopens it: waiting again, its attempts from the start."""
-    return rec.model_copy(update=_reopening(now, expires_at))
+    return rec.model_copy(update=reopening(now, expires_at))
 
 
 def before_reopening(rec: MessageRecord) -> dict[str, Any]:
     """The fields :func:`reopened` changes, as ``rec`` has them: the change that puts a reopened
     record back (a retry whose copy was not sent)."""
-    return {name: getattr(rec, name) for name in _reopening(rec.updated_at, None)}
+    return {name: getattr(rec, name) for name in reopening(rec.updated_at, None)}
 
 
 def supersedes(new: MessageRecord, old: MessageRecord) -> bool:

@@ -13,7 +13,6 @@ only once the copy has run and settled in its new place, i.e. the removal always
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
@@ -165,11 +164,38 @@ async def test_a_retry_whose_send_failed_is_listed_as_dead_lettered_again_and_a_
         rec = await record(rt, mid)
         assert (rec.reason, rec.attempt) != ("retried by an operator", 0), rec
         async with running(rt):
-            # (a letter the failed retry hid comes back when its hold lapses: the new retry finds it)
-            await wait_until(lambda: _retried(rt, mid), what="a new retry went ahead", timeout=60)
+            await OpsService(rt).retry(mid)  # (the letter was handed back: this one finds it)
             await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the new retry ran")
         assert runs == [1, 1]
         await wait_until(lambda: _dead_letters_are(rt, harness, 0), what="no dead letter left", timeout=15)
+    finally:
+        await rt.close()
+
+
+async def test_of_two_retries_that_read_the_same_record_only_one_sends_a_copy(harness: Harness) -> None:
+    """Two operators retry the same dead letter at once: the second's write of its record finds the
+    first's, and it is refused before it sends a copy (it would run the message twice; and had its
+    send failed, it would have put the dead-lettered record back over the first one's copy: found in
+    review)."""
+    rt, mid, runs, fatal = await _one_dead_letter(harness)
+    try:
+        fatal[0] = False
+        sends = _counted(rt.provider, COPY_STEP[harness.name])
+        first, second = OpsService(rt), OpsService(rt)
+        read = first.record
+
+        async def read_then_the_other_retries(message_id: Any) -> Any:
+            seen = await read(message_id)
+            await second.retry(message_id)  # the other operator's click, between this read and its write
+            return seen
+
+        first.record = read_then_the_other_retries  # type: ignore[method-assign]
+        with pytest.raises(InvalidOperation, match="changed while retrying"):
+            await first.retry(mid)
+        assert sends == [COPY_STEP[harness.name]], "not one copy sent, the second retry's alone"
+        async with running(rt):
+            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the second retry's copy ran")
+        assert runs == [1, 1]
     finally:
         await rt.close()
 
@@ -271,6 +297,19 @@ async def _waiting_in_the_store(
         await wait_until(waits_after_its_last_failure, what=f"{failures} failure(s), the last one recorded")
     assert await prov.delayed.holds(r.message_id)
     return rt, prov, r.message_id
+
+
+def _counted(prov: Any, name: str) -> list[str]:
+    """Wrap a provider's step: the list gets an entry each time it is called."""
+    real = getattr(prov, name)
+    calls: list[str] = []
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return await real(*args, **kwargs)
+
+    setattr(prov, name, counted)
+    return calls
 
 
 def _fail_once(prov: Any, name: str, error: Exception) -> list[str]:
@@ -413,17 +452,6 @@ async def _no_row(prov: Any, mid: Any) -> bool:
 async def _duplicates(rt: Runtime, mid: Any, n: int) -> bool:
     rec = await rt.tracker.get(mid)
     return rec is not None and (rec.duplicates or 0) == n
-
-
-async def _retried(rt: Runtime, mid: Any) -> bool:
-    """An operator's retry of ``mid`` went ahead (a letter hidden by a failed one is out of its sight
-    until its hold lapses: the history lists it, the retry finds nothing to send yet)."""
-    rec = await rt.tracker.get(mid)
-    if rec is not None and rec.status != "DeadLettered":
-        return True
-    with contextlib.suppress(InvalidOperation, ProviderError):
-        await OpsService(rt).retry(mid)
-    return False
 
 
 async def _status(rt: Runtime, mid: Any, status: str) -> bool:

@@ -138,7 +138,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "sqs.delete_message_batch",
         "history.upsert",
     ),
-    ("operator_retry", "inprocess"): ("history.reopen", "memory._forget", "memory.send"),
+    ("operator_retry", "inprocess"): ("history.change_if_unchanged", "memory._forget", "memory.send"),
     # the control state read first (three tables: a cancel request to withdraw?), then the retry
     ("operator_retry", "sqlite"): (
         "sql.execute",
@@ -162,7 +162,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("operator_retry", "storage_queue"): (
         "queue.receive_messages",
         "queue.receive_messages",
-        "history.reopen",
+        "history.change_if_unchanged",
         "queue.send_message",
         "queue.delete_message",
     ),
@@ -171,7 +171,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("operator_retry", "servicebus"): (
         "sb.receive_messages",
         "sb.receive_messages",
-        "history.reopen",
+        "history.change_if_unchanged",
         "sb.send_messages",
         "sb.complete_message",
         "sb.receive_messages",
@@ -184,14 +184,14 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "amqp.get",
         "amqp.get",
         "amqp.get",
-        "history.reopen",
+        "history.change_if_unchanged",
         "amqp.publish",
         "amqp.ack",
     ),
     ("operator_retry", "sqs"): (
         "sqs.receive_message",
         "sqs.receive_message",
-        "history.reopen",
+        "history.change_if_unchanged",
         "sqs.send_message_batch",
         "sqs.delete_message",
     ),
@@ -252,7 +252,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     # with the history reopened, in one transaction (a retry that stops after this leaves them to come
     # back when it ends, as a known repeat), the copy sent, the rows taken; SQL: the control state
     # read, then the row made due again (one statement)
-    ("bring_forward", "inprocess"): ("history.reopen", "memory._forget", "memory.send"),
+    ("bring_forward", "inprocess"): ("history.change_if_unchanged", "memory._forget", "memory.send"),
     ("bring_forward", "sqlite"): (
         "sql.execute",
         "sql.execute",
@@ -367,7 +367,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "amqp.get",
         "amqp.get",
         "amqp.get",
-        "history.reopen",
+        "history.change_if_unchanged",
         "amqp.publish",
         "history.change_if_unchanged",
         "amqp.nack",
@@ -375,7 +375,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("retry_refused", "servicebus"): (
         "sb.receive_messages",
         "sb.receive_messages",
-        "history.reopen",
+        "history.change_if_unchanged",
         "sb.send_messages",
         "history.change_if_unchanged",
         "sb.abandon_message",
@@ -383,7 +383,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("retry_refused", "sqs"): (
         "sqs.receive_message",
         "sqs.receive_message",
-        "history.reopen",
+        "history.change_if_unchanged",
         "sqs.send_message_batch",
         "history.change_if_unchanged",
         "sqs.change_message_visibility_batch",
@@ -391,7 +391,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("retry_refused", "storage_queue"): (
         "queue.receive_messages",
         "queue.receive_messages",
-        "history.reopen",
+        "history.change_if_unchanged",
         "queue.send_message",
         "history.change_if_unchanged",
         "queue.update_message",

@@ -3,7 +3,8 @@ never overwritten by the retry's own history write (for every provider with a se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from queueing_core import MessageStatus, NonRetryableError, QueueingApp, QueueMessage, queue
 from queueing_core.envelope import Envelope
@@ -41,6 +42,11 @@ class RecordedTracker(MemoryTracker):
     async def reopen(self, record: MessageRecord) -> None:
         self.events.append(f"history {record.status}")
         await super().reopen(record)
+
+    async def change_if_unchanged(self, seen: MessageRecord, changes: Mapping[str, Any]) -> bool:
+        # (how a retry writes its record where the store can compare it with the one it read)
+        self.events.append(f"history {changes.get('status', seen.status)}")
+        return await super().change_if_unchanged(seen, changes)
 
 
 async def test_the_retry_is_recorded_before_the_message_is_sent_and_not_after():
