@@ -53,6 +53,13 @@ from .models import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class _ChangedMeanwhile(InvalidOperation):
+    """The record a retry read changed before the retry wrote its own (another retry, a late record):
+    the retry wrote nothing and sent nothing."""
+
+
 S = MessageStatus
 #: what retry accepts: finished badly, waiting for a retry or a time, or held by an operator's status
 RETRYABLE = {S.DEAD_LETTERED, S.FAILED, S.EXPIRED, S.ABANDONED, S.CANCELLED, S.SLEEPING}
@@ -381,16 +388,18 @@ class OpsService:
             await tracker.reopen(pending)
             return
         if not await tracker.change_if_unchanged(seen, reopening(pending.updated_at, pending.expires_at)):
-            raise InvalidOperation(f"message {seen.message_id} changed while retrying it; look again")
+            raise _ChangedMeanwhile(f"message {seen.message_id} changed while retrying it; look again")
 
     async def _put_back(self, pending: MessageRecord, seen: MessageRecord) -> bool:
         """A retry's copy was not sent (the transport refused it, or was unreachable), and the original
-        stays where it was (handed back, or never in the transport): so does its history (as ``seen``,
-        read before the retry), not waiting as a copy that does not exist; a dead-letter list then
-        still lists it, and a new retry can run it. Only while the history still shows this retry's
-        record (``pending``): a copy that did reach its queue (the send's answer was lost) and ran
-        since wrote its own, which stands; one that has not run yet is recorded by its run, whose
-        records are newer than the one put back. True when it was put back."""
+        stays where it was (handed back, held by a reader that died, or never in the transport): so
+        does its history (as ``seen``, read before the retry), not waiting as a copy that does not
+        exist; a dead-letter list then still lists it, and a new retry can run it. Only while the
+        history still shows this retry's record (``pending``): another retry that went ahead since
+        wrote its own (it read this one's, by compare-and-set as this one did), and a copy of this
+        one's that did reach its queue (the send's answer was lost) and ran wrote its run's, which
+        stand; one that has not run yet is recorded by its run, whose records are newer than the one
+        put back. True when it was put back."""
         tracker = self.runtime.tracker
         if not isinstance(tracker, ChangesIfUnchanged):  # (every tracker of a transport that copies)
             return False
@@ -481,14 +490,19 @@ class OpsService:
         restored = False
 
         @contextlib.asynccontextmanager
-        async def reopen(put_back: bool) -> AsyncIterator[None]:
+        async def reopen() -> AsyncIterator[None]:
             nonlocal restored
             try:
                 await self._reopen(seen, pending)  # (its answer lost too: the put-back sees it)
+                if requested:
+                    # withdrawn again: a retry beside this one whose send failed may have put back the
+                    # request with the record this one has just replaced
+                    await control.set_cancel(r.message_id, False, now)
                 yield  # (the copy's send)
+            except _ChangedMeanwhile:
+                raise  # (nothing of this retry's was written: nothing to put back)
             except (Exception, asyncio.CancelledError):  # (a send cancelled part-way too)
-                if put_back:  # (shielded: a second cancel does not stop it half-way)
-                    restored = await asyncio.shield(self._put_back(pending, seen))
+                restored = await self._put_back(pending, seen)
                 raise
 
         # an earlier cancel request would cancel the new run: withdrawn whatever the message ended as
@@ -518,6 +532,9 @@ class OpsService:
             # is cancelled by it too: the message stays where it was, as the history says.)
             if requested and (restored or await self._unchanged(seen)):
                 await control.set_cancel(r.message_id, True, now)
+                if not await self._unchanged(seen):
+                    # another retry went ahead meanwhile (it read the record put back): its copy runs
+                    await control.set_cancel(r.message_id, False, now)
             raise
         return ActionResult(
             message_id=r.message_id,

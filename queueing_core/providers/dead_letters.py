@@ -141,21 +141,20 @@ async def scan_dead_letters(
     *,
     remove: bool = True,
     limit: int = SCAN_LIMIT,
-    before_removing: Callable[[bool], Awaitable[None]] | None = None,
+    before_removing: Callable[[], Awaitable[None]] | None = None,
 ) -> set[str]:
     """Remove (or, with ``remove=False``, only find) the dead letters whose message id is in
     ``wanted`` (``None``: every one), reading the whole queue.
 
     With ``before_removing`` (an operator's retry sends its copy there) the scan only *locates*: the
     letters found stay held while it reads on; once it has read to the end it hands back the letters
-    passed over, awaits ``before_removing`` (told whether no other reader can hold a wanted letter:
-    the scan holds those it located, or none is out of its sight), and then removes exactly the
-    letters it located, by their transport keys. A copy that runs and is
-    dead-lettered again in the meantime leaves a new letter the scan never read, and that letter stays
-    (removing by id after the send would take it too, and the message would be nowhere). A located
-    letter whose hold lapsed meanwhile (a short peek-lock) is read again and removed by its key where
-    that key outlives a hold (see :func:`_remove_again`); where it cannot be told again, the error is
-    raised and the letter stays: a duplicate, never a loss.
+    passed over, awaits ``before_removing``, and then removes exactly the letters it located, by
+    their transport keys. A copy that runs and is dead-lettered again in the meantime leaves a new
+    letter the scan never read, and that letter stays (removing by id after the send would take it
+    too, and the message would be nowhere). A located letter whose hold lapsed meanwhile (a short
+    peek-lock) is read again and removed by its key where that key outlives a hold (see
+    :func:`_remove_again`); where it cannot be told again, the error is raised and the letter stays:
+    a duplicate, never a loss.
 
     Returns the ids found; when removing, also the wanted ids the queue does not hold at all (the
     scan read every letter and none was out of its sight, held by an earlier reader that died), so
@@ -175,10 +174,7 @@ async def scan_dead_letters(
             passed, run.held = run.held, located
             with contextlib.suppress(Exception):
                 await pages.hand_back(passed)
-            # a failed send may put the history back where no other reader can hold the message's
-            # letter: this scan holds it, or read the whole queue and none is out of its sight (the
-            # letter is gone: expired, purged); a letter another retry holds may have left by now
-            await before_removing(bool(located) or await _none_out_of_sight(pages, run))
+            await before_removing()
             lapsed: list[T] = []
             failure: Exception | None = None
             for item in located:
@@ -195,25 +191,18 @@ async def scan_dead_letters(
                     raise failure
                 run.held = []  # their holds are gone: nothing of theirs to hand back
                 run.removed += await _remove_again(pages, {pages.key(item) for item in lapsed}, limit)
-        if how == "remove" and wanted is not None and await _none_out_of_sight(pages, run):
-            run.found |= wanted
+        if run.complete and how == "remove" and wanted is not None:
+            try:
+                total = await pages.total()
+            except Exception as exc:  # (the letters found are removed: only the answer is lost)
+                log.warning("could not count the dead-letter queue after a scan: %s", exc)
+                total = None
+            if total is not None and total <= run.seen - run.removed:  # no letter was out of sight
+                run.found |= wanted
     finally:
         with contextlib.suppress(Exception):
             await pages.hand_back(run.held + run.located)
     return run.found
-
-
-async def _none_out_of_sight(pages: DeadLetterPages[T], run: _Pass[T]) -> bool:
-    """The scan read the whole queue, and the queue's count then holds no letter beyond those it read
-    and did not remove (none held by another reader: no earlier reader that died, no retry beside it)."""
-    if not run.complete:
-        return False
-    try:
-        total = await pages.total()
-    except Exception as exc:  # (the scan's work is done: only the answer is lost)
-        log.warning("could not count the dead-letter queue after a scan: %s", exc)
-        return False
-    return total is not None and total <= run.seen - run.removed
 
 
 async def empty_dead_letters(pages: DeadLetterPages[T], limit: int) -> set[str] | None:
@@ -273,7 +262,7 @@ class DeadLetterOps:
         wanted: set[str] | None,
         *,
         remove: bool = True,
-        before_removing: Callable[[bool], Awaitable[None]] | None = None,
+        before_removing: Callable[[], Awaitable[None]] | None = None,
     ) -> set[str]:
         """Remove (or only find) the dead letters of ``queue`` with these message ids (None: all);
         returns the ids found. ``before_removing``: see :func:`scan_dead_letters`."""

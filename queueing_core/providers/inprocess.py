@@ -196,7 +196,7 @@ class InProcessProvider:
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
     ) -> bool:
-        async with reopen(True):
+        async with reopen():
             pass  # (recorded before the copy can run; nothing here can fail)
         # in memory nothing fails between dropping the original and queueing the copy
         self._forget({record.message_id})

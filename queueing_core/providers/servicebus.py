@@ -638,8 +638,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             )
 
         # the copy is sent before the original leaves: a failure in between leaves two, never none
-        async def send(put_back: bool = True) -> None:
-            async with reopen(put_back):
+        async def send() -> None:
+            async with reopen():
                 await self.send_copy(record.queue, envelope, None)
 
         if record.status in DEAD_STATES:

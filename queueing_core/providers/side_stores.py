@@ -117,8 +117,8 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         # The original is found *before* the copy is sent and only what was found is removed after:
         # the copy may run, fail and be stored (or dead-lettered) again under the same message id in
         # between, and removing by id then would take the copy's own new place too.
-        async def send(put_back: bool = True) -> None:
-            async with reopen(put_back):
+        async def send() -> None:
+            async with reopen():
                 await self._send_now(record.queue, envelope)
 
         if record.status in LATER_STATES:

@@ -616,8 +616,8 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             )
 
         # the copy is sent before the original leaves: a failure in between leaves two, never none
-        async def send(put_back: bool = True) -> None:
-            async with reopen(put_back):
+        async def send() -> None:
+            async with reopen():
                 await self.put(record.queue, envelope, timedelta(0), now)
             self._wake(record.queue)
 

@@ -221,14 +221,11 @@ class ActivitySource(Protocol):
 
 #: Writes an operator's retry into the history, around the copy's send: a provider's ``ops_retry``
 #: enters it after its last refusal and sends the copy inside it, so the outcome of the new run is
-#: never overwritten. With ``put_back`` a send that fails puts the history back as it was (see
-#: ``OpsService.retry``): where the original stays where that history says (held by this retry, or
-#: nowhere in the transport), not where another reader may hold it (another retry, which may have
-#: sent its own copy).
-Reopen = Callable[[bool], AbstractAsyncContextManager[None]]
+#: never overwritten; a send that fails puts the history back as it was (see ``OpsService.retry``).
+Reopen = Callable[[], AbstractAsyncContextManager[None]]
 
 
-def nothing_to_reopen(put_back: bool = True) -> AbstractAsyncContextManager[None]:
+def nothing_to_reopen() -> AbstractAsyncContextManager[None]:
     """The ``Reopen`` of providers whose own statement records the retry (the SQL provider)."""
     return contextlib.nullcontext()
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from queueing_core import NonRetryableError, QueueMessage, Retry, RetryPolicy, queue
+from queueing_core.clock import utcnow
 from queueing_core.errors import InvalidOperation, ProviderError
 from queueing_core.ops import OpsService
 from queueing_core.providers.dead_letters import DeadLetterOps
@@ -173,28 +174,32 @@ async def test_a_retry_whose_send_failed_is_listed_as_dead_lettered_again_and_a_
 
 
 async def test_of_two_retries_that_read_the_same_record_only_one_sends_a_copy(harness: Harness) -> None:
-    """Two operators retry the same dead letter at once: the second's write of its record finds the
-    first's, and it is refused before it sends a copy (it would run the message twice; and had its
-    send failed, it would have put the dead-lettered record back over the first one's copy: found in
-    review)."""
+    """Two operators retry the same dead letter at once, one retry going ahead between the other's
+    read of the record and its write: that other one finds the record changed and is refused before it
+    sends a copy (it would run the message twice), and it puts nothing back (the record it would put
+    back, dead-lettered, would stand over the live copy), even where both read the same clock to the
+    microsecond (found in review)."""
     rt, mid, runs, fatal = await _one_dead_letter(harness)
     try:
         fatal[0] = False
         sends = _counted(rt.provider, COPY_STEP[harness.name])
-        first, second = OpsService(rt), OpsService(rt)
-        read = first.record
+        at = utcnow()
+        late, early = OpsService(rt, clock=lambda: at), OpsService(rt, clock=lambda: at)
+        read = late.record
 
         async def read_then_the_other_retries(message_id: Any) -> Any:
             seen = await read(message_id)
-            await second.retry(message_id)  # the other operator's click, between this read and its write
+            await early.retry(message_id)  # the other operator's click, between this read and its write
             return seen
 
-        first.record = read_then_the_other_retries  # type: ignore[method-assign]
+        late.record = read_then_the_other_retries  # type: ignore[method-assign]
         with pytest.raises(InvalidOperation, match="changed while retrying"):
-            await first.retry(mid)
-        assert sends == [COPY_STEP[harness.name]], "not one copy sent, the second retry's alone"
+            await late.retry(mid)
+        assert sends == [COPY_STEP[harness.name]], "not one copy sent, the early retry's alone"
+        rec = await record(rt, mid)
+        assert (rec.status, rec.reason) == ("Pending", "retried by an operator"), rec
         async with running(rt):
-            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the second retry's copy ran")
+            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the early retry's copy ran")
         assert runs == [1, 1]
     finally:
         await rt.close()
