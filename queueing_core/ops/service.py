@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 from uuid import UUID
 
@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from .. import jobs
 from ..app import Subscription
-from ..clock import Clock, utcnow
+from ..clock import Clock, as_utc, utcnow
 from ..envelope import Envelope
 from ..errors import InvalidArgument, InvalidOperation, MessageNotFound, NotSupported, first_line
 from ..messages import MessageStatus
@@ -31,7 +31,7 @@ from ..providers.dead_letters import is_whole_queue
 from ..runtime import Runtime
 from ..storable import HEADERS_CUT_SHORT, is_cut_short
 from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen, record_change
-from ..tracking.base import ChangesIfUnchanged, before_reopening, reopened, reopening
+from ..tracking.base import ChangesIfUnchanged, before_reopening, is_cancel_request, reopened, reopening
 from .models import (
     ActionResult,
     CircuitInfo,
@@ -53,6 +53,15 @@ from .models import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def _same(current: MessageRecord | None, seen: MessageRecord) -> bool:
+    """The stored record is still the one read (no write since)."""
+    return current is not None and (current.status, current.attempt, current.updated_at) == (
+        seen.status,
+        seen.attempt,
+        seen.updated_at,
+    )
 
 
 class _ChangedMeanwhile(InvalidOperation):
@@ -378,6 +387,43 @@ class OpsService:
         if not self._durable:
             await record_change(self.runtime.tracker, r, {**changes, "updated_at": self.clock()})
 
+    async def _withdraw_again(self, pending: MessageRecord) -> None:
+        """Once this retry's record is written: a cancel request found now is withdrawn too (one that
+        a retry beside this one put back with the record this one has just replaced, which it read
+        before this retry looked), unless the history shows a cancel made since this retry's record
+        (the operator cancelled the retry: it then sends nothing)."""
+        control = self.runtime.control
+        control.invalidate()
+        if pending.message_id not in (await control.state()).cancelled:
+            return
+        await control.set_cancel(pending.message_id, False, pending.updated_at)
+        if not await self._unchanged(pending):
+            await control.set_cancel(pending.message_id, True, pending.updated_at)
+            raise _ChangedMeanwhile(f"message {pending.message_id} changed while retrying it; look again")
+
+    async def _put_request_back(self, seen: MessageRecord, restored: bool, now: datetime) -> None:
+        """A retry that did not go ahead puts back the cancel request it withdrew: where the history
+        shows the message as the retry found it (or was put back so), or a cancel made meanwhile; not
+        where a retry beside it went ahead, whose copy must run. Never in place of the retry's own
+        error: a store that fails here is logged."""
+        control = self.runtime.control
+        try:
+            current = await self.runtime.tracker.get(seen.message_id)
+            if not (restored or _same(current, seen) or (current is not None and is_cancel_request(current))):
+                return
+            await control.set_cancel(seen.message_id, True, now)
+            current = await self.runtime.tracker.get(seen.message_id)
+            if current is not None and not _same(current, seen) and not is_cancel_request(current):
+                # another retry went ahead meanwhile (it read the record put back): its copy runs
+                await control.set_cancel(seen.message_id, False, now)
+        except Exception as exc:
+            log.warning(
+                "could not put back the cancel request of %s after its retry failed: %s; cancel it again "
+                "if it must not run",
+                seen.message_id,
+                first_line(exc),
+            )
+
     async def _reopen(self, seen: MessageRecord, pending: MessageRecord) -> None:
         """The retry's record (``pending``) in place of the one it read (``seen``), unless that changed
         meanwhile: of two retries of one message that read the same record, one goes ahead, the other
@@ -419,12 +465,7 @@ class OpsService:
         return False
 
     async def _unchanged(self, seen: MessageRecord) -> bool:
-        now = await self.runtime.tracker.get(seen.message_id)
-        return now is not None and (now.status, now.attempt, now.updated_at) == (
-            seen.status,
-            seen.attempt,
-            seen.updated_at,
-        )
+        return _same(await self.runtime.tracker.get(seen.message_id), seen)
 
     def _refuse(self, r: MessageRecord, action: str, why: str) -> InvalidOperation:
         return InvalidOperation(f"cannot {action} message {r.message_id}: it is {r.status}{why}")
@@ -470,7 +511,9 @@ class OpsService:
                 "from its history; the transport (its queue or dead-letter queue) still holds it whole: "
                 "resubmit it from there"
             )
-        now = self.clock()
+        # strictly later than the record it read: the put-back tells this retry's record from one
+        # written after it at the same instant (another retry's that read this one's, a coarse clock)
+        now = max(self.clock(), as_utc(seen.updated_at) + timedelta(microseconds=1))
         sub = self.app.subscription(r.type)
         expiration = sub.options.expiration if sub is not None else None
         envelope = Envelope(
@@ -494,13 +537,10 @@ class OpsService:
             nonlocal restored
             try:
                 await self._reopen(seen, pending)  # (its answer lost too: the put-back sees it)
-                if requested:
-                    # withdrawn again: a retry beside this one whose send failed may have put back the
-                    # request with the record this one has just replaced
-                    await control.set_cancel(r.message_id, False, now)
+                await self._withdraw_again(pending)
                 yield  # (the copy's send)
             except _ChangedMeanwhile:
-                raise  # (nothing of this retry's was written: nothing to put back)
+                raise  # (nothing of this retry's stands: nothing to put back)
             except (Exception, asyncio.CancelledError):  # (a send cancelled part-way too)
                 restored = await self._put_back(pending, seen)
                 raise
@@ -530,11 +570,8 @@ class OpsService:
             # own copy, left part-way) withdrew the request for the run it started, which putting it
             # back would cancel before it ran. (A copy whose send's answer was lost after it landed
             # is cancelled by it too: the message stays where it was, as the history says.)
-            if requested and (restored or await self._unchanged(seen)):
-                await control.set_cancel(r.message_id, True, now)
-                if not await self._unchanged(seen):
-                    # another retry went ahead meanwhile (it read the record put back): its copy runs
-                    await control.set_cancel(r.message_id, False, now)
+            if requested:
+                await self._put_request_back(seen, restored, now)
             raise
         return ActionResult(
             message_id=r.message_id,

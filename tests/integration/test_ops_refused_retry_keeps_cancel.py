@@ -118,3 +118,29 @@ async def test_a_retry_of_a_cancelled_message_whose_copy_was_not_sent_leaves_the
         assert await rt.tracker.get(r.message_id) == cancelled
     finally:
         await rt.close()
+
+
+async def test_a_store_that_fails_as_a_retry_puts_its_cancel_back_does_not_hide_the_retrys_error():
+    """The copy could not be sent, and then the history store failed too: the operator must see why
+    the retry failed (the transport), not the store's error raised while putting the request back
+    (found in review: a cancelled task's CancelledError was replaced the same way)."""
+    rt, provider, r = await _failed_once("review-retry-error-kept")
+    try:
+        ops = OpsService(rt)
+        await ops.cancel(r.message_id)
+        tracker = rt.tracker
+        reads = tracker.get
+
+        async def refused(*args: object, **kwargs: object) -> None:
+            async def store_down(message_id: object) -> None:
+                raise ConnectionError("injected: the history store is unreachable")
+
+            tracker.get = store_down  # type: ignore[method-assign]  # (from the failed send on)
+            raise ProviderUnavailable("injected: Service Bus unreachable")
+
+        provider.send_copy = refused  # type: ignore[method-assign]
+        with pytest.raises(ProviderUnavailable):
+            await ops.retry(r.message_id)
+        tracker.get = reads  # type: ignore[method-assign]
+    finally:
+        await rt.close()
