@@ -173,6 +173,26 @@ async def test_a_retry_whose_send_failed_is_listed_as_dead_lettered_again_and_a_
         await rt.close()
 
 
+async def test_a_retry_whose_dead_letter_is_gone_and_whose_send_failed_leaves_it_listed(
+    harness: Harness,
+) -> None:
+    """The dead letter left its queue while its history kept it (SQS keeps letters 14 days; a purge
+    whose history delete failed): a retry still sends a copy from the history, and when that send fails
+    the history is put back, not left Pending with nothing anywhere (found in review)."""
+    rt, mid, _, fatal = await _one_dead_letter(harness)
+    try:
+        fatal[0] = False
+        prov: Any = rt.provider
+        assert await prov._dead_letters("opsrace-dead", {str(mid)}) == {str(mid)}  # (the letter alone)
+        failed = _fail_once(prov, COPY_STEP[harness.name], ProviderError("injected: the copy was refused"))
+        with pytest.raises(ProviderError):
+            await OpsService(rt).retry(mid)
+        assert failed, "the copy step was not reached"
+        assert (await record(rt, mid)).status == "DeadLettered"
+    finally:
+        await rt.close()
+
+
 async def test_of_two_retries_that_read_the_same_record_only_one_sends_a_copy(harness: Harness) -> None:
     """Two operators retry the same dead letter at once, one retry going ahead between the other's
     read of the record and its write: that other one finds the record changed and is refused before it
