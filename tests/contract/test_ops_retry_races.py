@@ -154,11 +154,7 @@ async def test_a_retry_whose_send_failed_is_listed_as_dead_lettered_again_and_a_
     rt, mid, runs, fatal = await _one_dead_letter(harness)
     try:
         fatal[0] = False
-        refused = ProviderError("injected: the copy was refused")
-        failed = _fail_once(rt.provider, COPY_STEP[harness.name], refused)
-        with pytest.raises(ProviderError):
-            await OpsService(rt).retry(mid)
-        assert failed, "the copy step was not reached"
+        await _retry_whose_copy_is_refused(rt, harness, mid)
         dead = MessageQuery(queue="opsrace-dead", status=("DeadLettered",))
         listed = await OpsService(rt).list_messages(dead)
         assert [m.message_id for m in listed.items] == [mid]
@@ -184,10 +180,7 @@ async def test_a_retry_whose_dead_letter_is_gone_and_whose_send_failed_leaves_it
         fatal[0] = False
         prov: Any = rt.provider
         assert await prov._dead_letters("opsrace-dead", {str(mid)}) == {str(mid)}  # (the letter alone)
-        failed = _fail_once(prov, COPY_STEP[harness.name], ProviderError("injected: the copy was refused"))
-        with pytest.raises(ProviderError):
-            await OpsService(rt).retry(mid)
-        assert failed, "the copy step was not reached"
+        await _retry_whose_copy_is_refused(rt, harness, mid)
         assert (await record(rt, mid)).status == "DeadLettered"
     finally:
         await rt.close()
@@ -335,6 +328,14 @@ def _counted(prov: Any, name: str) -> list[str]:
 
     setattr(prov, name, counted)
     return calls
+
+
+async def _retry_whose_copy_is_refused(rt: Runtime, harness: Harness, mid: Any) -> None:
+    """An operator's retry of ``mid`` whose copy the transport refuses (once): it raises."""
+    failed = _fail_once(rt.provider, COPY_STEP[harness.name], ProviderError("injected: the copy was refused"))
+    with pytest.raises(ProviderError):
+        await OpsService(rt).retry(mid)
+    assert failed, "the copy step was not reached"
 
 
 def _fail_once(prov: Any, name: str, error: Exception) -> list[str]:
