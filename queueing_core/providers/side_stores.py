@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen
-from ..tracking.base import reopened
+from ..tracking.base import reopening
 from .dead_letters import DEAD_STATES, DeadLetterOps, is_whole_queue
 from .names import PhysicalNames
 
@@ -127,15 +127,20 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
                 raise InvalidOperation(
                     f"message {record.message_id} cannot be brought forward: {self.left_store_text}"
                 )
+
             # made the copy sent here first (its envelope, due once the store's lease has passed, a
             # claim counted), and the history reopened in the same transaction (the history lives in
             # that database): a retry that stops after this leaves the rows to come back when the lease
             # ends, not when their delay was due, as the copy the history now describes, and their
-            # forward then is a known repeat. (``reopen`` would write the same record.)
-            pending = reopened(record, now, envelope.expires_at)
-
+            # forward then is a known repeat. Only while the history is as this retry read it: one
+            # beside it that held the rows and sent its copy meanwhile has changed it, and a second
+            # copy would run the message twice (the hold is undone with the refusal).
             async def reopen_with_them(conn: AsyncConnection) -> None:
-                await self.stores.history.reopen_on(conn, pending)
+                changes = reopening(now, envelope.expires_at)
+                if not await self.stores.history.change_if_unchanged_on(conn, record, changes):
+                    raise InvalidOperation(
+                        f"message {record.message_id} changed while retrying it; look again"
+                    )
 
             if not await self.delayed.hold(rows, envelope, then=reopen_with_them):
                 raise InvalidOperation(

@@ -382,6 +382,56 @@ async def test_a_bring_forward_whose_send_failed_runs_the_message_when_the_hold_
         await rt.close()
 
 
+async def test_of_two_bring_forwards_that_read_the_same_record_only_one_sends_a_copy(
+    harness: Harness,
+) -> None:
+    """Two operators bring the same waiting message forward at once: one reads the record and the
+    rows, the other holds them, reopens the history and sends its copy, and only then does the first
+    hold the rows. The first finds the record changed and is refused before it sends a copy (both
+    copies would run), its hold undone with it, even where both read the same clock (found in review:
+    both went ahead)."""
+    runs: list[int] = []
+    rt, prov, mid = await _waiting_in_the_store(harness, runs)
+    try:
+        sends = _counted(prov, "_send_now")
+        at = utcnow()
+        late, early = OpsService(rt, clock=lambda: at), OpsService(rt, clock=lambda: at)
+        read, take = late.record, prov.delayed.take_message
+        early_sent, late_done = asyncio.Event(), asyncio.Event()
+
+        async def take_once_the_late_one_is_done(*args: Any, **kwargs: Any) -> Any:
+            if not early_sent.is_set():  # (the early one's: it has sent its copy)
+                early_sent.set()
+                await late_done.wait()
+            return await take(*args, **kwargs)
+
+        prov.delayed.take_message = take_once_the_late_one_is_done
+        tasks: list[asyncio.Task[Any]] = []
+
+        async def read_then_the_other_goes_ahead(message_id: Any) -> Any:
+            seen = await read(message_id)
+            tasks.append(asyncio.create_task(early.retry(message_id)))
+            await early_sent.wait()
+            return seen
+
+        late.record = read_then_the_other_goes_ahead  # type: ignore[method-assign]
+        try:
+            with pytest.raises(InvalidOperation, match="changed while retrying"):
+                await late.retry(mid)
+        finally:
+            late_done.set()
+            await asyncio.gather(*tasks)
+        assert sends == ["_send_now"], "not one copy sent, the early bring-forward's alone"
+        rec = await record(rt, mid)
+        assert (rec.status, rec.reason) == ("Pending", "retried by an operator"), rec
+        assert not await prov.delayed.holds(mid), "the early one's rows were not taken"
+        async with running(rt):
+            await wait_until(lambda: _status(rt, mid, "Succeeded"), what="the early one's copy ran")
+        assert runs == [1, 1]
+    finally:
+        await rt.close()
+
+
 async def test_a_bring_forward_that_stops_before_taking_the_row_runs_the_message_once(
     harness: Harness,
 ) -> None:

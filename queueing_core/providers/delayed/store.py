@@ -271,7 +271,8 @@ class SqlDelayedStore:
         then is known as a repeat, and a host that finds that copy's success recorded completes it
         without running it. (A dispatcher that fetched a row just before may still forward it, as it
         would have: a duplicate.) ``then`` runs in the same transaction once a row was held (the
-        history reopened: it must say what the rows now are). Returns the rows held."""
+        history reopened: it must say what the rows now are); an error it raises undoes the hold.
+        Returns the rows held."""
         if not rows:
             return 0
         t = self._t

@@ -206,15 +206,22 @@ class SqlHistoryTracker(SqlTracker):
             await conn.execute(sa.update(t).where(t.c.message_id == message_id).values(**self._set(changes)))
 
     async def change_if_unchanged(self, seen: MessageRecord, changes: Mapping[str, Any]) -> bool:
+        await self.provider.ensure_open()
+        async with self.provider.engine.begin() as conn:
+            return await self.change_if_unchanged_on(conn, seen, changes)
+
+    async def change_if_unchanged_on(
+        self, conn: AsyncConnection, seen: MessageRecord, changes: Mapping[str, Any]
+    ) -> bool:
+        """:meth:`change_if_unchanged` inside the caller's transaction on this database (the delayed
+        store's: an operator's copy of a waiting message is made only while its history is as read)."""
         t = self._m
         guard = (
             t.c.message_id == seen.message_id,
             t.c.status == seen.status,
             t.c.updated_at == as_utc(seen.updated_at),
         )
-        await self.provider.ensure_open()
-        async with self.provider.engine.begin() as conn:
-            done = await conn.execute(sa.update(t).where(*guard).values(**self._set(changes)))
+        done = await conn.execute(sa.update(t).where(*guard).values(**self._set(changes)))
         return bool(done.rowcount == 1)
 
     def _set(self, changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -249,12 +256,7 @@ class SqlHistoryTracker(SqlTracker):
         """Write ``record`` whatever the stored status (an operator's retry of a finished message)."""
         await self.provider.ensure_open()
         async with self.provider.engine.begin() as conn:
-            await self.reopen_on(conn, record)
-
-    async def reopen_on(self, conn: AsyncConnection, record: MessageRecord) -> None:
-        """:meth:`reopen` inside the caller's transaction on this database (the delayed store's, which
-        makes a waiting message's rows the operator's copy in the same commit)."""
-        await conn.execute(self._upsert_statement(keep_outcomes=False), [self._row(record)])
+            await conn.execute(self._upsert_statement(keep_outcomes=False), [self._row(record)])
 
     async def counts(self) -> dict[tuple[str, str], int]:
         """Unarchived records per (queue, status), from the partial counting index."""
