@@ -51,10 +51,11 @@ from .decisions import (
     RetryAfter,
 )
 from .envelope import Envelope
-from .errors import NonRetryableError, Retry
+from .errors import NonRetryableError, Retry, first_line
 from .hooks import Event, Observation
 from .messages import BASE_FIELDS, MessageStatus, QueueMessage
 from .middleware import HandleMiddleware, compose_handle, same_middleware
+from .producer import identity_of
 from .storable import cut_short_marker, storable
 from .throughput import Throughput
 from .transport import Delivery
@@ -181,6 +182,27 @@ PreviousLookup = Callable[[Subscription, QueueMessage], Awaitable[QueueMessage |
 SupersedeCheck = Callable[[Subscription, QueueMessage], Awaitable[UUID | None]]
 #: (subscription, message, its expiry, now) -> whether an idempotent message past its expiry expires
 ExpiryCheck = Callable[[Subscription, QueueMessage, datetime, datetime], Awaitable[bool]]
+
+
+def read_message(sub: Subscription, env: Envelope) -> QueueMessage | DeadLetter:
+    """The user's model of ``env``, or the dead letter of a body that does not read as one. Whatever
+    a validator of the model raises is the body's fault, not only a ValidationError (pydantic wraps
+    ValueError and AssertionError, and lets the rest through: the AttributeError of a validator that
+    expected text), and so is an identity an idempotent type cannot key the body by; another run could
+    only raise it again. (Raised on, such a body crash-looped: a worker handed it back without counting
+    an attempt, for ever; a Functions host until the broker dead-lettered it with no reason.)"""
+    try:
+        message = decode_message(sub, env)
+        if sub.options.idempotent:
+            identity_of(sub.options, message)
+    except ValidationError as exc:
+        return DeadLetter(DeadLetterReason.INVALID_BODY, _validation_text(exc))
+    except Exception as exc:
+        return DeadLetter(
+            DeadLetterReason.INVALID_BODY,
+            f"body could not be read as {sub.type_name}: {type(exc).__name__}: {first_line(exc)}",
+        )
+    return message
 
 
 def decode_message(sub: Subscription, env: Envelope) -> QueueMessage:
@@ -342,12 +364,9 @@ class Pipeline:
                 delivery, self._waiting(now, f"no handler for {sub.type_name!r} yet")
             )
 
-        try:
-            message = decode_message(sub, env)
-        except ValidationError as exc:
-            return await self._emit_final(
-                delivery, DeadLetter(DeadLetterReason.INVALID_BODY, _validation_text(exc))
-            )
+        message = read_message(sub, env)
+        if isinstance(message, DeadLetter):
+            return await self._emit_final(delivery, message)
 
         if sub.options.idempotent and self.supersede_check is not None:
             newer = await self.supersede_check(sub, message)
@@ -430,9 +449,8 @@ class Pipeline:
         (the transports that keep identity documents; on SQL the discard moves the row's expiry)."""
         if sub is None or not sub.options.idempotent or self.expiry_check is None:
             return False
-        try:
-            message = decode_message(sub, env)
-        except ValidationError:
+        message = read_message(sub, env)
+        if isinstance(message, DeadLetter):
             return False  # (it expires: a body that does not read could not run anyway)
         return not await self.expiry_check(sub, message, expires_at, now)
 

@@ -1,7 +1,8 @@
 """The Functions host at the edges of a settlement, against the settlement invariant: a run whose Service
 Bus lock lapsed sends no retry copy; an original left behind after its copy is completed as a known
 duplicate, not run again; the retention timer prunes the Tables history on Service Bus; a body nested
-deeper than ``json`` can go is dead-lettered as malformed on both triggers. With the real
+deeper than ``json`` can go is dead-lettered as malformed on both triggers; a body whose model's
+validator raises (not a ValidationError) is dead-lettered once, with its reason. With the real
 ``azure-functions`` types and, for Service Bus, messages decoded by the binding extension's own decoder
 (servicebus_host.py); Storage Queues run on Azurite."""
 
@@ -18,8 +19,10 @@ from datetime import timedelta
 from typing import Any
 
 import azure.functions.queue as azq
+import pydantic
 import pytest
 from azure.functions.timer import TimerRequest
+from azure.servicebus import ServiceBusSubQueue
 from azure.storage.queue.aio import QueueClient
 from azurefunctions.extensions.bindings.servicebus.serviceBusMessageActions import SettlementError
 
@@ -310,4 +313,54 @@ async def test_storage_deeply_nested_body_is_dead_lettered_as_malformed(
     finally:
         await client.close()
         await poison.close()
+        await rt.close()
+
+
+# -- 5. a body whose model's validator raises ---------------------------------------------------------
+@queue("rv-tags", max_attempts=3, lease_duration=LOCK)
+class Tagged(QueueMessage):
+    tags: list[str]
+
+    # expects text, but the envelope carries the list the producer's validation made of it: pydantic
+    # lets this AttributeError through unwrapped (not a ValidationError)
+    @pydantic.field_validator("tags", mode="before")
+    @classmethod
+    def split(cls, v: Any) -> Any:
+        return [t.strip() for t in v.split(",")]
+
+
+async def test_servicebus_a_body_whose_validator_raises_is_dead_lettered_once_with_its_reason() -> None:
+    """Found in review: the function raised on every delivery, the host handed the message back, and
+    the broker dead-lettered it itself (MaxDeliveryCountExceeded), with no reason and no history."""
+    clock = FakeClock(start=utcnow())
+    ns = FakeServiceBusNamespace(clock=clock)
+    app = QueueingApp("rv")
+    runs: list[Tagged] = []
+
+    @app.handler()
+    async def handle(msg: Tagged) -> None:
+        runs.append(msg)
+
+    rt = in_memory_servicebus(app, ns)
+    cfg = QueueingSettings(provider="servicebus")
+    fns = functions_of(build_app(cfg, app, host=FunctionsHost(app, cfg, runtime=rt), env=SB_ENV))
+    await rt.open()
+    try:
+        sent = await app.enqueue(Tagged(tags="a, b"))
+        async with rt.provider.client.get_queue_receiver("rv-tags") as receiver:
+            actions = LiveActions(asyncio.get_running_loop(), receiver)
+            error = await invoke(user(fns["servicebus_rv_tags"]), actions)
+        assert error is None
+        assert actions.done == ["deadletter"]
+        async with rt.provider.client.get_queue_receiver(
+            "rv-tags", sub_queue=ServiceBusSubQueue.DEAD_LETTER
+        ) as dlq:
+            [letter] = await dlq.receive_messages(max_message_count=5, max_wait_time=1)
+        assert letter.dead_letter_reason == "InvalidBody"
+        assert "AttributeError" in (letter.dead_letter_error_description or "")
+        rec = await rt.tracker.get(sent.message_id)
+        assert rec is not None
+        assert (rec.status, rec.reason) == ("DeadLettered", "invalid-body")
+        assert runs == []
+    finally:
         await rt.close()

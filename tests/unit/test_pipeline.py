@@ -4,6 +4,9 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 from uuid import uuid4
 
+import pydantic
+import pytest
+
 from queueing_core import (
     CircuitBreakerOptions,
     Complete,
@@ -204,6 +207,59 @@ async def test_malformed_envelope_and_invalid_body_are_dead_lettered_with_reason
     assert isinstance(d2, DeadLetter)
     assert d2.reason is DeadLetterReason.INVALID_BODY
     assert "action" in d2.description
+    assert calls == []
+
+
+@queue("tagged", max_attempts=3)
+class Tagged(QueueMessage):
+    tags: list[str]
+
+    # a "before" validator that expects text; the producer's validation made a list of it, which is
+    # what the envelope carries: pydantic lets the AttributeError through, not as a ValidationError
+    @pydantic.field_validator("tags", mode="before")
+    @classmethod
+    def split(cls, v):
+        return [t.strip() for t in v.split(",")]
+
+
+@queue("keyed", idempotent=True, identity=lambda m: m.key[0])
+class Keyed(QueueMessage):
+    key: str
+
+
+async def test_a_body_whose_validator_raises_any_error_is_dead_lettered_not_handed_back():
+    """Anything a validator of the model raises is the body's fault (another run could only raise it
+    again); raised on, it crash-looped (found in review: a worker handed it back unrun for ever)."""
+    app, pipe, *_, prod = make()
+    calls = []
+
+    @app.handler()
+    async def handle(msg: Tagged):
+        calls.append(msg)
+
+    with pytest.raises(AttributeError):  # (what pydantic does with it, held against pydantic itself)
+        Tagged.model_validate({"tags": ["a", "b"]})
+    d = await pipe.process(delivery(prod, Tagged(tags="a, b")))
+    assert isinstance(d, DeadLetter)
+    assert d.reason is DeadLetterReason.INVALID_BODY
+    assert "AttributeError" in d.description
+    assert "Tagged" in d.description
+    assert calls == []
+
+
+async def test_an_idempotent_body_its_identity_cannot_be_read_from_is_dead_lettered():
+    app, pipe, *_, prod = make()
+    calls = []
+
+    @app.handler()
+    async def handle(msg: Keyed):
+        calls.append(msg)
+
+    env = prod.envelope_for(Keyed(key="k")).model_copy(update={"body": {"key": ""}})  # (another producer's)
+    d = await pipe.process(Delivery(queue="keyed", raw=env.encode(), envelope=env, malformed=None, attempt=1))
+    assert isinstance(d, DeadLetter)
+    assert d.reason is DeadLetterReason.INVALID_BODY
+    assert "IndexError" in d.description
     assert calls == []
 
 
