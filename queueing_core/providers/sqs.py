@@ -228,6 +228,8 @@ class SqsProvider(SideStoreOps):
         self.client = client
         self._use_stores(stores, delayed_retries, clock, dispatcher_options)
         self.leases = SqlLeaseStore(stores.sql, self.transport.value)
+        #: a lease write failed: SQS is not asked again until the store takes a write (see receive)
+        self._leases_refused = False
         self.naming = naming
         self.auto_create = auto_create
         self.ttl_grace = ttl_grace
@@ -526,6 +528,14 @@ class SqsProvider(SideStoreOps):
         """Receive up to ``most`` messages into ``out``, 10 a call, until a call brings fewer."""
         max_messages = most
         wait = self.receive_wait
+        if self._leases_refused:
+            # every receive counts against its messages' attempts (SQS's receive count, which its
+            # redrive policy also reads), whether they run or not: while the store refuses the lease
+            # writes (a server turned read-only in a failover, a full disk) each poll would spend one
+            # unrun, and an outage of a few leases' length dead-lettered the backlog unrun (found in
+            # review). The store is asked first, with a write that changes nothing
+            await self.leases.writable()
+            self._leases_refused = False
         while len(out) < max_messages:
             # the visibility timeout starts when SQS hands the message over, somewhere in this call: a
             # lease counted from the clock after it would overstate what is left by the call's time
@@ -546,9 +556,14 @@ class SqsProvider(SideStoreOps):
             # the side store learns of this receive before any handler runs: from now on an earlier
             # receive of the same message can no longer settle it. The receive count orders the
             # receives, not the order their writes land in (see sql/leases.py)
-            tokens = await self.leases.take(
-                [(m["MessageId"], n) for m, n in zip(messages, counts, strict=True)], sent_at + lease
-            )
+            try:
+                tokens = await self.leases.take(
+                    [(m["MessageId"], n) for m, n in zip(messages, counts, strict=True)], sent_at + lease
+                )
+            except Exception:
+                # (these messages come back when the lease runs out, this receive counted: no more)
+                self._leases_refused = True
+                raise
             for m, n, token in zip(messages, counts, tokens, strict=True):
                 if token is None:
                     # a later receive of this message (its visibility ran out while this receive's

@@ -142,6 +142,14 @@ class SqlLeaseStore:
                             written.add((x.key, x.token))
         return [x if tuple(x) in written else None for x in tokens]
 
+    async def writable(self) -> None:
+        """Raises unless the store takes a write now: a statement that writes, changing no row (a
+        read-only server refuses it for what it is, a locked SQLite file at its ``BEGIN IMMEDIATE``)."""
+        t = self.sql.tables.leases
+        await self.sql.ensure_open()
+        async with self.sql.engine.begin() as conn:
+            await conn.execute(sa.update(t).where(sa.false()).values(until=t.c.until))
+
     async def count(self, keys: Sequence[str], now: datetime) -> dict[str, int]:
         """Count one more for each key, kept as a counted token (see :func:`counted_token`), and return
         each key's count *before* this one. RabbitMQ counts its hand-outs of redelivered copies here:
