@@ -186,6 +186,14 @@ class QueueingSettings(BaseSettings):
         default=SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
         description="RabbitMQ: the AMQP URL (it holds a password: never logged).",
     )
+    rabbitmq_max_message_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        le=128 * 1024 * 1024,
+        description="RabbitMQ: the largest envelope the kit sends, in bytes. Unset: 16 MiB (RabbitMQ 4's "
+        "default `max_message_size`) less 64 KiB kept for what a dead letter adds; for a broker "
+        "configured for more, set it to that size less 64 KiB.",
+    )
     sqs_endpoint_url: str | None = Field(
         default=None,
         description="SQS: a different endpoint (a local server); AWS's own when unset.",

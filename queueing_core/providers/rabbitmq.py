@@ -106,8 +106,16 @@ COUNT_TIMEOUT = 1.0
 TYPE = "x-queueing-type"
 #: the longest wait between two reconnect attempts (the wait doubles from ``reconnect_interval``)
 MAX_RECONNECT_INTERVAL = 30.0
-#: the broker's default ``max_message_size`` (RabbitMQ 3.10+)
-MAX_MESSAGE_BYTES = 128 * 1024 * 1024
+#: room left in a message for what its dead letter adds (the reason and a description of up to 4,000
+#: characters, JSON-escaped, in the body and the headers): a letter the broker refused left its message
+#: to come back for ever, each refusal closing the channel every publish of the process shares
+DEAD_LETTER_ROOM = 64 * 1024
+#: the largest envelope the kit sends: RabbitMQ 4's default ``max_message_size`` (16 MiB; 3.x allowed
+#: 128 MiB) less that room. A broker configured for more takes ``max_message_bytes``
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024 - DEAD_LETTER_ROOM
+#: the longest per-message TTL the broker takes (ten years; RabbitMQ 3.10.8 refused a millisecond more
+#: with PRECONDITION_FAILED, which closes the channel every publish of the process shares)
+MAX_EXPIRATION = timedelta(days=3650)
 
 
 @contextlib.contextmanager
@@ -333,6 +341,7 @@ class RabbitMQProvider(SideStoreOps):
         delayed_retries: int = 3,
         dispatcher_options: dict[str, Any] | None = None,
         clock: Clock = utcnow,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self.url = url
         self._use_stores(stores, delayed_retries, clock, dispatcher_options)
@@ -361,7 +370,7 @@ class RabbitMQProvider(SideStoreOps):
             lock_renewal=False,
             native_dead_letter=True,
             push_wakeups=True,
-            max_message_bytes=MAX_MESSAGE_BYTES,
+            max_message_bytes=max_message_bytes,
             # its dead-letter queue has no expiry: letters, the expired ones too, stay until handled
             dead_letters_kept=DEAD_STATES,
         )
@@ -385,6 +394,8 @@ class RabbitMQProvider(SideStoreOps):
         kwargs.setdefault("prefetch", settings.prefetch)
         kwargs.setdefault("connect_retries", settings.connect_retries)
         kwargs.setdefault("delayed_retries", settings.delayed_store_retries)
+        if settings.rabbitmq_max_message_bytes is not None:
+            kwargs.setdefault("max_message_bytes", settings.rabbitmq_max_message_bytes)
         return cls(
             settings.rabbitmq_url.get_secret_value(), stores=SideStores.from_settings(settings), **kwargs
         )
@@ -539,7 +550,8 @@ class RabbitMQProvider(SideStoreOps):
     ) -> aio_pika.Message:
         expiration = None
         if env.expires_at is not None:
-            expiration = max(timedelta(seconds=1), env.expires_at - now + self.ttl_grace)
+            # (one further off is left to the kit's own expiry check, which every delivery makes)
+            expiration = min(max(timedelta(seconds=1), env.expires_at - now + self.ttl_grace), MAX_EXPIRATION)
         return aio_pika.Message(
             env.encode(),
             content_type="application/json",

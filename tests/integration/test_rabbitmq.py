@@ -28,7 +28,7 @@ from queueing_core import (
     queue,
 )
 from queueing_core.envelope import DESCRIPTION, REASON
-from queueing_core.errors import ProviderError, ProviderUnavailable
+from queueing_core.errors import MessageTooLarge, ProviderError, ProviderUnavailable
 from queueing_core.providers.rabbitmq import ATTEMPT, RabbitMQProvider
 from queueing_core.providers.sql.history import SideStores, malformed_id
 from queueing_core.runtime import Runtime
@@ -265,6 +265,45 @@ async def test_a_delay_waits_in_the_delayed_store_then_arrives(tmp_path):
     await rt.close()
 
 
+async def test_a_message_that_lives_longer_than_the_brokers_longest_ttl_is_sent_and_runs(tmp_path):
+    """An expiry further off than the broker's longest per-message TTL (ten years, RabbitMQ 3.10):
+    the broker refused the publish (PRECONDITION_FAILED, closing the channel every publish shares),
+    so the enqueue failed, and a delayed one was dead-lettered unrun after its forwards were refused
+    (found in review). Capped at that TTL, both are sent; the kit's own expiry still applies."""
+    app, rt, calls = make(tmp_path)
+    await rt.open()
+    far = timedelta(days=3651)
+    now_one = await app.enqueue(Invoice(n=1), ttl=far)
+    later_one = await app.enqueue(Invoice(n=2), ttl=far, delay=timedelta(milliseconds=300))
+    async with running(rt):
+        done = [now_one.message_id, later_one.message_id]
+        await wait_until(lambda: all_have(rt, done, MessageStatus.SUCCEEDED), what="both ran")
+    assert sorted(calls) == [(1, 1), (2, 1)]
+    await rt.close()
+
+
+async def test_a_message_over_rabbitmq_4s_default_size_is_refused_before_it_is_sent(tmp_path):
+    """RabbitMQ 4 refuses a message over 16 MiB by default (3.x: 128 MiB, the kit's limit before):
+    refused at enqueue, with room left for what a dead letter adds, nothing sent; a provider told
+    of a broker configured for more sends it."""
+    app, rt, _ = make(tmp_path)
+    await rt.open()
+    try:
+        big = Invoice(n=1, mode="x" * (16 * 1024 * 1024 - 32 * 1024))  # under 16 MiB, over the room
+        with pytest.raises(MessageTooLarge):
+            await app.enqueue(big)
+        assert await rt.provider.depth(physical(rt)) == 0
+    finally:
+        await rt.close()
+    app, rt, _ = make(tmp_path, max_message_bytes=32 * 1024 * 1024)  # (this broker's is 128 MiB)
+    await rt.open()
+    try:
+        await app.enqueue(big)
+        assert await rt.provider.depth(physical(rt)) == 1
+    finally:
+        await rt.close()  # (the session's clean-up deletes its queues)
+
+
 async def test_ops_retry_from_the_dead_letter_queue_and_purge_over_http(tmp_path):
     app, rt, _calls = make(tmp_path)
     await rt.open()
@@ -353,10 +392,12 @@ async def test_from_settings(tmp_path):
         database_url=f"sqlite:///{tmp_path}/settings.db",
         delayed_store_retries=5,
         prefetch=2,
+        rabbitmq_max_message_bytes=64 * 1024 * 1024,
     )
     provider = RabbitMQProvider.from_settings(settings)
     assert provider.dispatcher.retries == 5
     assert provider.prefetch == 2
+    assert provider.capabilities.max_message_bytes == 64 * 1024 * 1024
     app, _rt, _ = make(tmp_path)
     rt = Runtime(app, provider)
     r = await app.enqueue_and_wait(Invoice(n=1))
