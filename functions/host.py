@@ -15,8 +15,9 @@ Expire         return (deleted), recorded as Expired
 =============  ==========================================================================
 
 So a poison message never crash-loops and a pause never burns the dequeue count. Only a failure of
-the kit itself (a store unreachable for longer than ``KIT_OUTAGE_WAIT``, waited out within the
-invocation) raises, and then the host's own retry and poison apply.
+the kit itself (a store, or the transport as a copy or a dead letter is sent, unreachable for longer
+than ``KIT_OUTAGE_WAIT``, waited out within the invocation) raises, and then the host's own retry and
+poison apply.
 
 Service Bus trigger, with SDK-type bindings and ``auto_complete_messages=False`` (the default
 auto-complete mode can only complete or abandon, so it could not dead-letter an expired or refused
@@ -70,6 +71,28 @@ T = TypeVar("T")
 KIT_OUTAGE_WAIT = 30.0
 
 
+async def outlasting(step: Callable[[], Awaitable[T]]) -> T:
+    """What ``step`` gives, brief outages (``ProviderUnavailable``: the kit's stores, or the transport
+    as it sends a copy) waited out within the invocation, with backoff, up to ``KIT_OUTAGE_WAIT``.
+    Raising at once is the host's retry: Service Bus hands the message back at once, a delivery
+    counted, so a store away for a second moved every message in flight to the dead-letter queue
+    unrecorded and unrun (a review found it), and so did a paused queue's copies that Service Bus
+    throttled for a while (another review); Storage spends a dequeue. Anything but an outage raises
+    at once."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + KIT_OUTAGE_WAIT
+    pause = 0.5
+    while True:
+        try:
+            return await step()
+        except ProviderUnavailable as exc:
+            if loop.time() + pause > give_up:
+                raise
+            log.warning("%s; trying again in %.1f s", first_line(exc), pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 8.0)
+
+
 class FunctionsHost:
     """One per Functions worker process: the runtime is built and opened on the first invocation (never
     at import), then shared by every function of the process."""
@@ -115,26 +138,14 @@ class FunctionsHost:
 
     # -- queue triggers ----------------------------------------------------------------------------
     async def _through_outages(self, step: Callable[[Runtime], Awaitable[T]]) -> tuple[Runtime, T]:
-        """The runtime and what ``step`` gives, the kit's own stores' brief outages waited out within
-        the invocation (with backoff, up to ``KIT_OUTAGE_WAIT``). Raising at once is the host's
-        retry: Service Bus hands the message back at once, a delivery counted, so a store away for a
-        second moved every message in flight to the dead-letter queue unrecorded and unrun (a
-        review found it); Storage spends a dequeue. Anything but an outage raises at once."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + KIT_OUTAGE_WAIT
-        pause = 0.5
-        while True:
-            try:
-                rt = await self.runtime()
-                return rt, await step(rt)
-            except ProviderUnavailable as exc:
-                if loop.time() + pause > give_up:
-                    raise
-                log.warning(
-                    "the kit's store is unavailable (%s); trying again in %.1f s", first_line(exc), pause
-                )
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 8.0)
+        """The runtime and what ``step`` gives, the kit's own stores' brief outages waited out
+        (:func:`outlasting`)."""
+
+        async def once() -> tuple[Runtime, T]:
+            rt = await self.runtime()
+            return rt, await step(rt)
+
+        return await outlasting(once)
 
     async def on_storage_message(self, sub: Subscription, msg: func.QueueMessage) -> Settlement:
         # host.json's messageEncoding is "none": the host passes the queue text as it is, and the kit
@@ -284,11 +295,12 @@ async def settle_storage(provider: Any, s: Settlement) -> None:
     d, decision = s.delivery, s.decision
     now = utcnow()
     if isinstance(decision, DeadLetter):
-        await provider.dead_letter(d, decision, now)
+        await outlasting(lambda: provider.dead_letter(d, decision, now))
     elif isinstance(decision, RetryAfter | Defer | Release):
         assert d.envelope is not None, "malformed messages are always dead-lettered"
+        env = d.envelope.with_attempt(d.attempts_used(decision))
         due = _due(decision, now)
-        await provider.put(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), due - now, now)
+        await outlasting(lambda: provider.put(d.queue, env, due - now, now))
 
 
 async def settle_servicebus(
@@ -313,19 +325,26 @@ async def settle_servicebus(
         )
     elif isinstance(decision, RetryAfter | Defer | Release):
         assert d.envelope is not None, "malformed messages are always dead-lettered"
-        # Renewing the lock first proves this run still holds the message: a run whose lock lapsed must
-        # send no copy, or the message runs again after the run that holds it now has settled it.
-        # (A renewal that failed for another reason leaves the message locked until its lock lapses:
-        # it comes back, nothing is lost.)
-        try:
-            await asyncio.to_thread(actions.renew_message_lock, msg)
-        except Exception as exc:
-            d.refuse(f"renewing the lock failed: {first_line(exc)}")
+        env = d.envelope.with_attempt(d.attempts_used(decision))
+
+        async def copy_sent() -> bool:
+            # Renewing the lock first proves this run still holds the message: a run whose lock lapsed
+            # must send no copy, or the message runs again after the run that holds it now has settled
+            # it; so before each try of the send, when an outage is waited out. (A renewal that failed
+            # for another reason leaves the message locked until its lock lapses: it comes back,
+            # nothing is lost.)
+            try:
+                await asyncio.to_thread(actions.renew_message_lock, msg)
+            except Exception as exc:
+                d.refuse(f"renewing the lock failed: {first_line(exc)}")
+                return False
+            # the copy first: if completing fails after it, a duplicate beats a loss (as does a send
+            # whose answer an outage lost, tried again)
+            await provider.send_copy(d.queue, env, _due(decision, utcnow()))
+            return True
+
+        if not await outlasting(copy_sent):
             return
-        # the copy first: if completing fails after it, a duplicate beats a loss
-        await provider.send_copy(
-            d.queue, d.envelope.with_attempt(d.attempts_used(decision)), _due(decision, utcnow())
-        )
         try:
             await asyncio.to_thread(actions.complete, msg)
         except Exception as exc:

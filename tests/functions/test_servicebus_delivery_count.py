@@ -269,3 +269,33 @@ async def test_a_brief_outage_of_the_kits_store_is_waited_out_within_the_invocat
     with pytest.raises(ProviderUnavailable):
         await host_delivers(h.receiver, h.fn)
     assert h.attempts == [1]
+
+
+async def test_a_brief_outage_of_service_bus_as_a_copy_is_sent_is_waited_out_within_the_invocation(
+    flaky_host,
+):
+    """A paused type's message is deferred by a copy for later; Service Bus throttling that send for a
+    moment raised out of the invocation at once, the host handed the message back with a delivery
+    counted, and a few such moments let the broker dead-letter a paused message that never ran (found
+    in review). The send is now waited out as the kit's stores' outages are."""
+    from queueing_core.errors import ProviderUnavailable
+
+    h = flaky_host
+    await h.rt.control.set_paused("type", "Flaky", True)
+    real = h.rt.provider.send_copy
+    tries: list[str] = []
+
+    async def busy_twice(*args, **kwargs):
+        tries.append("send_copy")
+        if len(tries) <= 2:
+            raise ProviderUnavailable("Service Bus unreachable or busy during re-sending: ServerBusy")
+        return await real(*args, **kwargs)
+
+    h.rt.provider.send_copy = busy_twice
+    await h.app.enqueue(Flaky())
+    actions = await host_delivers(h.receiver, h.fn)  # no raise: waited out
+    assert tries == ["send_copy"] * 3
+    assert [a for a, _, _ in actions.done] == ["complete"]
+    assert h.attempts == []  # paused: nothing ran
+    props = await h.rt.provider.admin.get_queue_runtime_properties("fn-count")
+    assert (props.active_message_count, props.scheduled_message_count) == (0, 1)  # the copy, for later
