@@ -32,6 +32,7 @@ import functools
 import json
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -126,10 +127,33 @@ def whole_seconds(delay: timedelta, cap: timedelta) -> int:
     return math.ceil(min(max(delay, timedelta(0)), cap).total_seconds())
 
 
+#: what SQS refuses in a body or a String attribute (InvalidMessageContents): it takes #x9, #xA, #xD,
+#: #x20-#xD7FF, #xE000-#xFFFD and #x10000-#x10FFFF only
+_NOT_SQS_TEXT = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+#: the characters of a dead letter's description kept in its attribute (the body's marks keep 4,000)
+DESCRIPTION_CHARS = 1000
+
+
+def sqs_text(text: str) -> str:
+    """``text`` with what SQS refuses replaced by U+FFFD: a dead letter's description may quote a
+    tool's colour codes (ESC) or a key of another producer's JSON, and a letter SQS refused left its
+    message to run again on every attempt, then to end with the wrong reason (found in review)."""
+    return _NOT_SQS_TEXT.sub("\ufffd", text)
+
+
 def _attr(value: str | int) -> dict[str, str]:
     if isinstance(value, int):
         return {"DataType": "Number", "StringValue": str(value)}
-    return {"DataType": "String", "StringValue": value or "-"}  # SQS rejects empty strings
+    return {"DataType": "String", "StringValue": sqs_text(value) or "-"}  # SQS rejects empty strings
+
+
+def _entry_bytes(entry: dict[str, Any]) -> int:
+    """What SQS counts of an entry against its 256 KiB: the body, and each attribute's name, type and
+    value, in UTF-8 bytes."""
+    return len(entry["MessageBody"].encode()) + sum(
+        len(k.encode()) + len(v["DataType"]) + len(v["StringValue"].encode())
+        for k, v in entry["MessageAttributes"].items()
+    )
 
 
 @dataclass
@@ -401,9 +425,7 @@ class SqsProvider(SideStoreOps):
         chunks: list[list[dict[str, Any]]] = []
         size = 0
         for e in entries:
-            n = len(e["MessageBody"].encode()) + sum(
-                len(k) + len(v["StringValue"]) for k, v in e["MessageAttributes"].items()
-            )
+            n = _entry_bytes(e)
             if not chunks or len(chunks[-1]) == 10 or size + n > MAX_BATCH_BYTES:
                 chunks.append([])
                 size = 0
@@ -491,7 +513,7 @@ class SqsProvider(SideStoreOps):
             "MessageAttributes": {
                 MESSAGE_ID: _attr(str(item.message_id)),
                 REASON: _attr(reason),
-                DESCRIPTION: _attr(description[:1000]),
+                DESCRIPTION: _attr(description[:DESCRIPTION_CHARS]),
             },
         }
         await self._send_entries(dlq, [entry])
@@ -499,9 +521,18 @@ class SqsProvider(SideStoreOps):
         await self.stores.history.upsert([record])
 
     def _dead_entry(self, env: Envelope, reason: str, description: str, now: datetime) -> dict[str, Any]:
-        marks = dead_letter_marks(reason, description, now)
-        copy = env.model_copy(update={"headers": {**env.headers, **marks}})
-        return self._entry(copy, 0, {REASON: _attr(reason), DESCRIPTION: _attr(description[:1000])})
+        """The dead letter of ``env``: its marks in the body's headers and in attributes. A letter must
+        fit where its message did: the description gives way (a message near the size limit whose
+        letter SQS refused ran again on every attempt, then ended with the wrong reason; review)."""
+        text = sqs_text(description)
+        for keep in (len(text), 1000, 100, 0):
+            marks = dead_letter_marks(reason, text[:keep], now)
+            copy = env.model_copy(update={"headers": {**env.headers, **marks}})
+            attrs = {REASON: _attr(reason), DESCRIPTION: _attr(text[: min(keep, DESCRIPTION_CHARS)])}
+            entry = self._entry(copy, 0, attrs)
+            if _entry_bytes(entry) <= MAX_BATCH_BYTES:
+                break
+        return entry
 
     # -- consuming ---------------------------------------------------------------------------------
     async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
@@ -622,7 +653,7 @@ class SqsProvider(SideStoreOps):
                     "MessageAttributes": {
                         MESSAGE_ID: _attr(str(malformed_id(d.text()))),
                         REASON: _attr(reason),
-                        DESCRIPTION: _attr(description[:1000]),
+                        DESCRIPTION: _attr(description[:DESCRIPTION_CHARS]),
                     },
                 }
             await self._send_entries(dlq, [entry])
