@@ -308,6 +308,8 @@ async def settle_servicebus(
 ) -> None:
     # ServiceBusMessageActions blocks on a gRPC call to the host: in a thread, so the event loop (and
     # every other invocation on it) keeps running meanwhile
+    from queueing_core.providers.servicebus import dead_letter_text  # (a Service Bus app's alone)
+
     d, decision = s.delivery, s.decision
     if isinstance(decision, Expire):
         await asyncio.to_thread(
@@ -321,7 +323,7 @@ async def settle_servicebus(
             actions.deadletter,
             msg,
             deadletter_reason=decision.reason.pascal,
-            deadletter_error_description=decision.description[:4096],
+            deadletter_error_description=dead_letter_text(decision.description),
         )
     elif isinstance(decision, RetryAfter | Defer | Release):
         assert d.envelope is not None, "malformed messages are always dead-lettered"

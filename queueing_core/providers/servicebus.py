@@ -92,6 +92,24 @@ _PEEK_TIMEOUT = 10.0
 #: Standard tier: 256 KB per message including headers; leave room for the system properties
 MAX_ENVELOPE_BYTES = 250 * 1024
 TYPE_PROPERTY = "queueing-type"
+#: the longest dead-letter description Service Bus's SDKs send, in UTF-16 code units: the .NET SDK,
+#: which a Functions host settles through, refuses a longer one (a character beyond the BMP counts two)
+MAX_DEAD_LETTER_TEXT = 4096
+
+
+def dead_letter_text(text: str) -> str:
+    """``text`` cut to :data:`MAX_DEAD_LETTER_TEXT` UTF-16 code units, no pair split. Cut by code
+    points, a description with emoji passed the kit and was refused by the host: the message came back,
+    ran again on every attempt, and ended with the wrong reason (found in review)."""
+    if len(text) <= MAX_DEAD_LETTER_TEXT // 2:  # (no text of so few code points can be too long)
+        return text
+    units = text.encode("utf-16-le", "surrogatepass")
+    if len(units) <= 2 * MAX_DEAD_LETTER_TEXT:
+        return text
+    # (a pair the cut splits leaves a lone high surrogate at the end, which "ignore" drops)
+    return units[: 2 * MAX_DEAD_LETTER_TEXT].decode("utf-16-le", "ignore")
+
+
 #: messages looked at per queue (and per dead-letter queue) when counting by peeking
 PEEK_COUNT_LIMIT = 5000
 CREATE_QUEUES_SETTING = "QUEUEING_SERVICEBUS_CREATE_QUEUES"
@@ -468,7 +486,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 await r.complete_message(m)
             elif isinstance(decision, Expire | DeadLetter):
                 reason, description = dead_letter_of(decision)
-                await r.dead_letter_message(m, reason=reason.pascal, error_description=description[:4096])
+                described = dead_letter_text(description)
+                await r.dead_letter_message(m, reason=reason.pascal, error_description=described)
             else:
                 assert d.envelope is not None, "malformed messages are always dead-lettered"
                 # Send the copy first: if completing fails afterwards, a duplicate beats a loss. The

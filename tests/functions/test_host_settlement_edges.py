@@ -2,7 +2,8 @@
 Bus lock lapsed sends no retry copy; an original left behind after its copy is completed as a known
 duplicate, not run again; the retention timer prunes the Tables history on Service Bus; a body nested
 deeper than ``json`` can go is dead-lettered as malformed on both triggers; a body whose model's
-validator raises (not a ValidationError) is dead-lettered once, with its reason. With the real
+validator raises (not a ValidationError) is dead-lettered once, with its reason, and so is a message
+whose reason is too long for the host in UTF-16 though not in code points. With the real
 ``azure-functions`` types and, for Service Bus, messages decoded by the binding extension's own decoder
 (servicebus_host.py); Storage Queues run on Azurite."""
 
@@ -28,7 +29,7 @@ from azurefunctions.extensions.bindings.servicebus.serviceBusMessageActions impo
 
 from functions import build_app
 from functions.host import FunctionsHost
-from queueing_core import QueueingApp, QueueMessage, Retry, queue
+from queueing_core import NonRetryableError, QueueingApp, QueueMessage, Retry, queue
 from queueing_core.clock import utcnow
 from queueing_core.fakes.servicebus import FakeClock, FakeServiceBusNamespace
 from queueing_core.providers.storage_queue import decode_body
@@ -364,3 +365,48 @@ async def test_servicebus_a_body_whose_validator_raises_is_dead_lettered_once_wi
         assert runs == []
     finally:
         await rt.close()
+
+
+# -- 6. a dead letter's description beyond the Basic Multilingual Plane ---------------------------------
+class DotNetActions(LiveActions):
+    """``LiveActions`` with the one check the .NET SDK the host settles through makes before a dead
+    letter (``AmqpReceiver.DeadLetterInternalAsync``: ``Argument.AssertNotTooLong`` of the reason and
+    the description against ``Constants.MaxDeadLetterReasonLength``, 4096, on ``string.Length``, which
+    counts UTF-16 code units), raised as the extension raises a failed settlement."""
+
+    def deadletter(
+        self,
+        message: Any,
+        deadletter_reason: str | None = None,
+        deadletter_error_description: str | None = None,
+    ) -> None:
+        for value in (deadletter_reason, deadletter_error_description):
+            if value is not None and len(value.encode("utf-16-le")) // 2 > 4096:
+                raise SettlementError("deadletter", "Failed to deadletter message", ValueError("too long"))
+        super().deadletter(message, deadletter_reason, deadletter_error_description)
+
+
+async def test_servicebus_a_reason_in_emoji_is_dead_lettered_once_within_the_hosts_length() -> None:
+    """Cut by code points, a description of 3,000 emoji passed the kit (3,000 < 4,096) and was refused
+    by the host (6,000 UTF-16 units): the invocation raised, the message came back and ran again on
+    every attempt, and the broker's letter said nothing of the handler's error (found in review)."""
+
+    async def handler(run: int) -> None:
+        raise NonRetryableError("🔥" * 3000)
+
+    async with sb_host(handler) as host:
+        await host.app.enqueue(Work())
+        async with receiver_of(host) as receiver:
+            actions = DotNetActions(asyncio.get_running_loop(), receiver)
+            error = await invoke(user(host.fns["servicebus_rv_sb"]), actions)
+        assert error is None
+        assert actions.done == ["deadletter"]
+        assert host.runs == [1]
+        async with host.rt.provider.client.get_queue_receiver(
+            "rv-sb", sub_queue=ServiceBusSubQueue.DEAD_LETTER
+        ) as dlq:
+            [letter] = await dlq.receive_messages(max_message_count=5, max_wait_time=1)
+        assert letter.dead_letter_reason == "NonRetryable"
+        described = letter.dead_letter_error_description or ""
+        assert described.startswith("NonRetryableError: 🔥")
+        assert 4090 < len(described.encode("utf-16-le")) // 2 <= 4096  # (no pair split: it encodes)
