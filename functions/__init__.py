@@ -28,6 +28,7 @@ from queueing_core.app import QueueingApp, Subscription
 from queueing_core.connections import ServiceBusConnection, StorageConnection
 from queueing_core.context import host_trace
 from queueing_core.errors import ConfigurationError
+from queueing_core.infra import check_names
 from queueing_core.loader import load_app
 from queueing_core.naming import Transport
 from queueing_core.settings import QueueingSettings, load_settings
@@ -233,6 +234,10 @@ def build_app(
     _check_shared_state(cfg, transport)
     _check_budget(cfg, transport, dict(os.environ) if env is None else env)
     _check_dequeue_count(qapp, transport, dict(os.environ) if env is None else env)
+    if transport in (Transport.STORAGE_QUEUE, Transport.SERVICE_BUS):
+        # (a name the service refuses, the host's own -poison queue's included, failed every invocation
+        # of every function at the runtime's open instead; found in review)
+        check_names(qapp, (transport,))
     the_host = host or FunctionsHost(qapp, cfg)
     app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=_http_auth_level(cfg))
     for sub in qapp.subscriptions():

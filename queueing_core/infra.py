@@ -58,34 +58,42 @@ class ServiceBusQueue:
     duplicate_detection: bool
 
 
+def check_names(
+    app: QueueingApp, transports: tuple[Transport, ...] = (Transport.SERVICE_BUS, Transport.STORAGE_QUEUE)
+) -> None:
+    """Raise :class:`ConfigurationError` naming the queue whose name on one of ``transports`` the
+    service would refuse (a Storage queue's ``-poison`` companion included), or that two queues share."""
+    seen: dict[tuple[Transport, str], str] = {}
+    for sub in app.subscriptions():
+        for transport in transports:
+            name = sub.physical_queue(app.naming, transport)
+            names = [name, f"{name}-poison"] if transport is Transport.STORAGE_QUEUE else [name]
+            for each in names:
+                try:
+                    validate(each, transport)
+                except InvalidQueueName as exc:
+                    raise ConfigurationError(f"queue {sub.queue!r}", exc.rule, transport.value) from None
+                key = (transport, each.lower() if transport is Transport.SERVICE_BUS else each)
+                if key in seen and seen[key] != sub.queue:
+                    raise ConfigurationError(
+                        f"queue {sub.queue!r}",
+                        f"{each!r} is also the name of queue {seen[key]!r} on {transport.value}",
+                    )
+                seen[key] = sub.queue
+
+
 def queues_for(
     app: QueueingApp, ttl_grace: timedelta = timedelta(hours=1)
 ) -> tuple[list[ServiceBusQueue], list[str]]:
     """The Service Bus queues (with their settings) and Storage queue names of ``app``; raises
     :class:`ConfigurationError` naming the rule a name or setting would break."""
+    check_names(app)
     sb: list[ServiceBusQueue] = []
     storage: list[str] = []
-    seen: dict[tuple[Transport, str], str] = {}
     for sub in app.subscriptions():
         o = sub.options
         sb_name = sub.physical_queue(app.naming, Transport.SERVICE_BUS)
         st_name = sub.physical_queue(app.naming, Transport.STORAGE_QUEUE)
-        for transport, name in (
-            (Transport.SERVICE_BUS, sb_name),
-            (Transport.STORAGE_QUEUE, st_name),
-            (Transport.STORAGE_QUEUE, f"{st_name}-poison"),
-        ):
-            try:
-                validate(name, transport)
-            except InvalidQueueName as exc:
-                raise ConfigurationError(f"queue {sub.queue!r}", exc.rule, transport.value) from None
-            key = (transport, name.lower() if transport is Transport.SERVICE_BUS else name)
-            if key in seen and seen[key] != sub.queue:
-                raise ConfigurationError(
-                    f"queue {sub.queue!r}",
-                    f"{name!r} is also the name of queue {seen[key]!r} on {transport.value}",
-                )
-            seen[key] = sub.queue
         if not 1 <= o.max_attempts < MAX_DELIVERY_COUNT:
             raise ConfigurationError(
                 f"queue {sub.queue!r}",

@@ -12,7 +12,7 @@ import pytest
 
 import queueing_core.examples.orders
 from functions import build_app
-from queueing_core import QueueingApp
+from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.errors import ConfigurationError
 from queueing_core.settings import QueueingSettings
 
@@ -187,6 +187,34 @@ def test_a_max_dequeue_count_not_above_every_max_attempts_fails_indexing(tmp_pat
         QueueingSettings(provider="servicebus"),
         env={**root, "QueueingServiceBus": "Endpoint=sb://x/;SharedAccessKeyName=k;SharedAccessKey=v"},
     )
+
+
+@queue("orders-" + "x" * 46)  # 53 characters: a valid Storage queue name alone
+class LongNamed(QueueMessage):
+    n: int = 0
+
+
+def test_a_queue_whose_poison_queue_name_storage_would_refuse_fails_indexing():
+    """With the deployment's prefix the name is 62 characters, and its host's -poison queue 69 (Storage
+    takes 63): indexing passed, then every invocation of every function failed opening the runtime
+    (found in review). Service Bus takes the name: that app indexes."""
+
+    def long_app() -> QueueingApp:  # (a fresh one each time: indexing gives an app its prefix)
+        app = QueueingApp("long")
+
+        @app.handler()
+        async def handle(msg: LongNamed) -> None:
+            return None
+
+        return app
+
+    prefixed = QueueingSettings(provider="storage_queue", queue_prefix="prod-weu-")
+    with pytest.raises(ConfigurationError) as info:
+        build_app(prefixed, long_app(), env=STORAGE_ENV)
+    assert str(info.value).startswith(f"queue {'orders-' + 'x' * 46!r}")
+    assert "storage_queue" in str(info.value)
+    build_app(QueueingSettings(provider="storage_queue"), long_app(), env=STORAGE_ENV)  # 53 + 7: it fits
+    build_app(QueueingSettings(provider="servicebus", queue_prefix="prod-weu-"), long_app(), env=SB_ENV)
 
 
 def run_import(env: dict[str, str], code: str = "import function_app") -> subprocess.CompletedProcess:
