@@ -56,7 +56,7 @@ from ..naming import QueueNaming, Transport
 from ..options import QueueOptions
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, Settlement, settled_each
-from .dead_letters import HOLD_SECONDS, empty_dead_letters, id_in_text
+from .dead_letters import DEAD_STATES, HOLD_SECONDS, empty_dead_letters, id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, stored_text_record
 from .delayed.breaker import first_line
 from .names import companion_name
@@ -263,6 +263,10 @@ class SqsProvider(SideStoreOps):
             lock_renewal=True,
             native_dead_letter=True,
             max_message_bytes=MAX_ENVELOPE_BYTES,
+            # SQS deletes a dead letter after 14 days (a queue's longest retention) whatever anyone did;
+            # its history, which keeps the message whole, stays: still listed, and a retry sends it
+            # again from there (pruned by age with the rest, the message was lost; found in review)
+            dead_letters_kept=DEAD_STATES,
         )
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
