@@ -69,6 +69,11 @@ T = TypeVar("T")
 #: how long an invocation waits out an outage of the kit's own stores before it raises (the host's
 #: retry then): well within the lock the host renews and the functionTimeout (10 min)
 KIT_OUTAGE_WAIT = 30.0
+#: how long an invocation waits for a free slot of its type (``max_concurrency`` per process) before
+#: its message is deferred, no attempt counted: the host pushes in more invocations than a type's slots
+#: (host.json: 16 at once), and one still waiting at the functionTimeout ended the Python worker, with
+#: every other invocation of the process
+SLOT_WAIT = 60.0
 
 
 async def outlasting(step: Callable[[], Awaitable[T]]) -> T:
@@ -157,7 +162,7 @@ class FunctionsHost:
         text = decode_body(msg.get_body().decode("utf-8", errors="replace"))
         delivery = Delivery.of(text, queue=sub.queue, delivery_count=msg.dequeue_count or 1)
         rt, settlement = await self._through_outages(
-            lambda rt: rt.process(delivery, cancel_poll=self.settings.cancel_poll)
+            lambda rt: rt.process(delivery, cancel_poll=self.settings.cancel_poll, slot_wait=SLOT_WAIT)
         )
         ahead = rt.history_ahead([settlement])  # a crash after the settlement still leaves the history
         try:
@@ -179,7 +184,7 @@ class FunctionsHost:
         async def processed(rt: Runtime) -> Settlement | None:
             if await _known_duplicate(rt.tracker, delivery, msg, actions):
                 return None
-            return await rt.process(delivery, cancel_poll=self.settings.cancel_poll)
+            return await rt.process(delivery, cancel_poll=self.settings.cancel_poll, slot_wait=SLOT_WAIT)
 
         rt, done = await self._through_outages(processed)
         if done is None:

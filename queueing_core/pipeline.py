@@ -316,10 +316,13 @@ class Pipeline:
         *,
         stopping: asyncio.Event | None = None,
         closing: asyncio.Event | None = None,
+        slot_wait: float | None = None,
     ) -> Decision:
         """Decide what becomes of ``delivery``. ``stopping`` is what the handler sees as
         ``ctx.cancelled``; once ``closing`` is set (the host is shutting down) no handler starts:
-        a message still waiting for a concurrency slot is handed back untouched."""
+        a message still waiting for a concurrency slot is handed back untouched. ``slot_wait``: the
+        longest a message waits for a concurrency slot of its type before it is deferred, no attempt
+        counted (a host pushing messages in, whose invocations a timeout ends, the wait included)."""
         now = self.clock()
         if delivery.malformed is not None or delivery.envelope is None:
             reason = delivery.malformed.reason if delivery.malformed else "no envelope"
@@ -404,10 +407,10 @@ class Pipeline:
                     delivery, Defer(until, MessageStatus.PAUSED, f"circuit for {sub.type_name!r} is open")
                 )
 
-        decision = await self._run(delivery, sub, env, message, stopping, closing, now)
+        decision = await self._run(delivery, sub, env, message, stopping, closing, slot_wait, now)
         # the probe named by the time the store acquired it until
         probe = now + cb.probe_timeout if probing and cb is not None else None
-        if cb is not None and not isinstance(decision, Release):
+        if cb is not None and not _unrun(decision):
             await self._track_circuit(sub, decision, state.circuit(sub.type_name), probe, cb)
         elif probe is not None:
             # a probe handed back unrun (the host stopping) says nothing of the downstream: the next
@@ -465,6 +468,7 @@ class Pipeline:
         message: QueueMessage,
         stopping: asyncio.Event | None,
         closing: asyncio.Event | None,
+        slot_wait: float | None,
         now: datetime,
     ) -> Decision:
         run = _Run(asyncio.Event(), asyncio.current_task(), sub.options.cancel_grace.total_seconds())
@@ -491,8 +495,18 @@ class Pipeline:
         limiter = self.limiter(sub)
         if not limiter.locked() and (closing is None or not closing.is_set()):
             await limiter.acquire()  # a slot is free: taken at once (what _take_slot does first)
-        elif not await _take_slot(limiter, closing):
-            return await self._emit_final(delivery, Release("host shutting down before the handler started"))
+        elif not await _take_slot(limiter, closing, slot_wait):
+            if closing is not None and closing.is_set():
+                shutting = Release("host shutting down before the handler started")
+                return await self._emit_final(delivery, shutting)
+            # (a Functions host: waited on, the invocation ran into the host's timeout with the handler
+            # still to run, and the restart that ends a Python worker's timed-out invocation ended every
+            # other one of the process too; review)
+            busy = f"no free slot of {sub.type_name!r} (max_concurrency {sub.options.max_concurrency})"
+            later = Defer(
+                self.clock() + self.waiting_recheck, MessageStatus.PENDING, f"{busy} within {slot_wait:g} s"
+            )
+            return await self._emit_final(delivery, later)
         if sub.options.idempotent and self.previous_lookup is not None:
             try:
                 ctx.previous = await self._previous(sub, message)
@@ -640,27 +654,40 @@ class Pipeline:
         )
 
 
-async def _take_slot(limiter: asyncio.Semaphore, closing: asyncio.Event | None) -> bool:
-    """Wait for a concurrency slot; False (and no slot held) if ``closing`` is set first."""
+def _unrun(decision: Decision) -> bool:
+    """The handler did not run: handed back (the host stopping) or deferred for want of a free slot;
+    says nothing of the downstream's health."""
+    return isinstance(decision, Release) or (
+        isinstance(decision, Defer) and decision.status is MessageStatus.PENDING
+    )
+
+
+async def _take_slot(
+    limiter: asyncio.Semaphore, closing: asyncio.Event | None, within: float | None = None
+) -> bool:
+    """Wait for a concurrency slot; False (and no slot held) if ``closing`` is set first, or when
+    ``within`` seconds have passed without one."""
     if closing is not None and closing.is_set():
         return False
-    if closing is None or not limiter.locked():
+    if not limiter.locked() or (closing is None and within is None):
         await limiter.acquire()  # free (or nothing to race): taken without waiting on two things
         return True
     acquiring = asyncio.ensure_future(limiter.acquire())
-    closed = asyncio.ensure_future(closing.wait())
+    closed = asyncio.ensure_future(closing.wait()) if closing is not None else None
     unwinding = True
     try:
-        await asyncio.wait({acquiring, closed}, return_when=asyncio.FIRST_COMPLETED)
+        waits = {acquiring} if closed is None else {acquiring, closed}
+        await asyncio.wait(waits, timeout=within, return_when=asyncio.FIRST_COMPLETED)
         unwinding = False
     finally:
-        closed.cancel()
+        if closed is not None:
+            closed.cancel()
         if not acquiring.done():
             acquiring.cancel()  # the semaphore passes a slot granted meanwhile on to the next waiter
             with contextlib.suppress(asyncio.CancelledError):
                 await acquiring
         got = acquiring.done() and not acquiring.cancelled()
-        if got and (unwinding or closing.is_set()):
+        if got and (unwinding or (closing is not None and closing.is_set())):
             limiter.release()  # closing won the race (or we were cancelled): start nothing
             got = False
     return got

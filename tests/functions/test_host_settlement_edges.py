@@ -410,3 +410,61 @@ async def test_servicebus_a_reason_in_emoji_is_dead_lettered_once_within_the_hos
         described = letter.dead_letter_error_description or ""
         assert described.startswith("NonRetryableError: 🔥")
         assert 4090 < len(described.encode("utf-16-le")) // 2 <= 4096  # (no pair split: it encodes)
+
+
+# -- 7. an invocation that finds no free slot of its type ------------------------------------------------
+@queue("rv-one", max_concurrency=1, lease_duration=LOCK)
+class OneAtATime(QueueMessage):
+    n: int = 0
+
+
+async def test_servicebus_an_invocation_that_finds_no_free_slot_defers_its_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host pushes in more invocations than a type's slots: one that waited for a slot past the
+    host's functionTimeout ended the Python worker, with every other invocation of the process (found
+    in review). It waits ``SLOT_WAIT`` at most, then defers its message (a copy for later, no attempt
+    counted) and returns."""
+    import functions.host as host_module
+
+    monkeypatch.setattr(host_module, "SLOT_WAIT", 0.2)
+    clock = FakeClock(start=utcnow())
+    ns = FakeServiceBusNamespace(clock=clock)
+    app = QueueingApp("rv")
+    runs: list[int] = []
+    release = asyncio.Event()
+
+    @app.handler()
+    async def handle(msg: OneAtATime) -> None:
+        runs.append(msg.n)
+        await release.wait()
+
+    rt = in_memory_servicebus(app, ns)
+    cfg = QueueingSettings(provider="servicebus")
+    fn = user(
+        functions_of(build_app(cfg, app, host=FunctionsHost(app, cfg, runtime=rt), env=SB_ENV))[
+            "servicebus_rv_one"
+        ]
+    )
+    await rt.open()
+    try:
+        await app.enqueue(OneAtATime(n=1))
+        waiting = await app.enqueue(OneAtATime(n=2))
+        async with rt.provider.client.get_queue_receiver("rv-one") as receiver:
+            actions = LiveActions(asyncio.get_running_loop(), receiver)
+            first = asyncio.create_task(invoke(fn, actions))
+            async with asyncio.timeout(30):
+                while not runs:
+                    await asyncio.sleep(0.01)
+            assert await asyncio.wait_for(invoke(fn, actions), 10) is None  # returned, not timed out
+            assert runs == [1]
+            props = await rt.provider.admin.get_queue_runtime_properties("rv-one")
+            assert props.scheduled_message_count == 1  # its copy, for later
+            release.set()
+            assert await first is None
+        rec = await rt.tracker.get(waiting.message_id)
+        assert rec is not None
+        assert (rec.status, rec.attempt) == ("Pending", 0), rec
+        assert "no free slot of 'OneAtATime'" in (rec.description or rec.reason or ""), rec
+    finally:
+        await rt.close()

@@ -421,6 +421,46 @@ async def test_max_concurrency_is_never_exceeded():
     assert peak == 3
 
 
+async def test_a_message_that_finds_no_free_slot_within_the_wait_is_deferred_unrun_and_uncounted():
+    """A host that pushes messages in (Functions) bounds the wait for a slot: the message is deferred,
+    no attempt counted and nothing said to the circuit; the slot it did not get stays whole."""
+
+    @queue("one-at-a-time", max_concurrency=1, circuit_breaker=CircuitBreakerOptions(failure_threshold=3))
+    class Single(QueueMessage):
+        fail: bool = False
+
+    app, pipe, control, clock, prod = make()
+    release = asyncio.Event()
+    ran = []
+
+    @app.handler()
+    async def h(msg: Single):
+        ran.append(msg.message_id)
+        if msg.fail:
+            raise RuntimeError("downstream down")
+        await release.wait()
+
+    assert isinstance(await pipe.process(delivery(prod, Single(fail=True))), RetryAfter)
+    assert (await control.state()).circuit("Single").consecutive_failures == 1
+    first = asyncio.create_task(pipe.process(delivery(prod, Single())))
+    async with asyncio.timeout(30):
+        while len(ran) < 2:
+            await asyncio.sleep(0.01)
+    decision = await pipe.process(delivery(prod, Single(), attempt=2), slot_wait=0.05)
+    assert isinstance(decision, Defer)
+    assert decision.status is MessageStatus.PENDING
+    assert decision.until == clock.now + timedelta(seconds=30)
+    assert decision.reason == "no free slot of 'Single' (max_concurrency 1) within 0.05 s"
+    assert not decision.counts_attempt
+    assert len(ran) == 2  # not run
+    # not a success of the downstream's either (that would reset the failure before it)
+    assert (await control.state()).circuit("Single").consecutive_failures == 1
+    release.set()
+    assert isinstance(await first, Complete)
+    assert isinstance(await pipe.process(delivery(prod, Single()), slot_wait=0.05), Complete)  # a slot again
+    assert pipe.limiter(app.subscription("Single")).locked() is False
+
+
 async def test_host_cancellation_releases_without_counting():
     app, pipe, *_, prod = make()
     calls = with_handler(app)
