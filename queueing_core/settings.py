@@ -189,7 +189,7 @@ class QueueingSettings(BaseSettings):
     rabbitmq_max_message_bytes: int | None = Field(
         default=None,
         ge=1024,
-        le=128 * 1024 * 1024,
+        le=512 * 1024 * 1024,  # (the most a broker's max_message_size may be)
         description="RabbitMQ: the largest envelope the kit sends, in bytes. Unset: 16 MiB (RabbitMQ 4's "
         "default `max_message_size`) less 64 KiB kept for what a dead letter adds; for a broker "
         "configured for more, set it to that size less 64 KiB.",

@@ -10,6 +10,7 @@ holding a character outside #x9 | #xA | #xD | #x20-#xD7FF | #xE000-#xFFFD | #x10
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import timedelta
 from typing import Any
@@ -118,3 +119,46 @@ async def test_a_dead_letter_whose_reason_holds_what_sqs_refuses_is_sent_with_it
     assert client.refused == 0
     described = letter["MessageAttributes"][DESCRIPTION]["StringValue"]
     assert described.startswith("NonRetryableError: tool said: \ufffd[31merror\ufffd[0m \ufffd \ufffd\n")
+
+
+@queue("Fits.Note", max_attempts=3, lease_duration=timedelta(seconds=2))
+class Note(QueueMessage):
+    text: str
+
+
+async def test_a_body_holding_u_ffff_is_sent_and_dead_lettered_as_sqs_takes_it(tmp_path: Any) -> None:
+    """JSON may hold U+FFFF raw in a string (pydantic writes it so), which SQS refuses: the kit's own
+    enqueue of such text failed, and the dead letter of another producer's body that escaped it was
+    refused on every try (found in review). The kit's bodies now escape it: the same JSON."""
+    client = RefusingWhatSqsRefuses(sqs_client())
+    app = QueueingApp("sqsfit", naming=QueueNaming(prefix=fresh_prefix()))
+    seen: list[str] = []
+
+    @app.handler(Note, max_concurrency=1)
+    async def handle(msg: Note) -> None:
+        seen.append(msg.text)
+        if msg.text.startswith("refuse"):
+            raise NonRetryableError("refused")
+
+    provider = SqsProvider(client, stores=SideStores(f"sqlite:///{tmp_path}/side.db"), receive_wait=0)
+    rt = Runtime(app, provider)
+    await rt.open()
+    try:
+        ours = await app.enqueue(Note(text="ok \ufffe\uffff"))
+        theirs = rt.producer.envelope_for(Note(text="refuse \uffff"))
+        escaped = json.dumps(json.loads(theirs.encode_text()))  # another producer's (ensure_ascii)
+        sqs_client().send_message(QueueUrl=await provider._url("Fits.Note"), MessageBody=escaped)
+        async with running(rt):
+            await wait_until(
+                lambda: all_have(rt, [ours.message_id], MessageStatus.SUCCEEDED), what="ours ran"
+            )
+            dead = MessageStatus.DEAD_LETTERED
+            await wait_until(lambda: all_have(rt, [theirs.message_id], dead), what="theirs dead-lettered")
+        assert client.refused == 0
+        assert sorted(seen) == ["ok \ufffe\uffff", "refuse \uffff"]  # each once, the text whole
+        [letter] = sqs_client().receive_message(QueueUrl=await provider._url("Fits.Note", dead=True))[
+            "Messages"
+        ]
+        assert json.loads(letter["Body"])["body"]["text"] == "refuse \uffff"
+    finally:
+        await rt.close()

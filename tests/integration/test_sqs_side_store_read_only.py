@@ -3,8 +3,9 @@ failover): a receive counts against its messages' attempts whether they run or n
 asks SQS again only once the store takes a write. Before, every poll received the backlog again and
 failed on its lease write: an outage of a few leases' length dead-lettered it unrun (found in review).
 
-Real PostgreSQL refuses the writes (every transaction of the provider's side store is made READ ONLY
-while the outage lasts, and the server answers as a read-only server does); the queues are moto's."""
+Real PostgreSQL refuses the writes, two ways: every transaction of the provider's side store made READ
+ONLY (the server answers as a read-only server does), and a trigger refusing each lease row as a full
+disk does; the queues are moto's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+import pytest
+import sqlalchemy as sa
 from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queueing_core import QueueingApp, QueueMessage, QueueNaming, queue
 from queueing_core.providers.sql.history import SideStores
@@ -29,7 +33,56 @@ class Order(QueueMessage):
     n: int
 
 
-async def test_a_side_store_refusing_writes_spends_no_more_than_one_receive_of_a_message() -> None:
+class ReadOnlyServer:
+    """Every transaction of the provider's side store made READ ONLY: the server refuses each statement
+    that writes, as a server turned read-only in a failover does."""
+
+    def __init__(self, engine: AsyncEngine, schema: str) -> None:
+        self.engine, self.on = engine.sync_engine, False
+        event.listen(self.engine, "begin", self._begin)
+
+    def _begin(self, conn: Any) -> None:
+        if self.on:
+            conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+
+    async def start(self) -> None:
+        self.on = True
+
+    async def end(self) -> None:
+        self.on = False
+
+
+class FullDisk:
+    """The server takes statements but no lease row: a trigger answers each row written to the leases
+    table as a full disk does (SQLSTATE 53100), while a statement that writes no row passes (found in
+    review: a probe that wrote none let every poll receive again)."""
+
+    def __init__(self, engine: AsyncEngine, schema: str) -> None:
+        self.engine, self.schema = engine, schema
+
+    async def start(self) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                sa.text(
+                    f"CREATE FUNCTION {self.schema}.no_space() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                    "BEGIN RAISE EXCEPTION 'could not extend file: No space left on device' "
+                    "USING ERRCODE = 'disk_full'; END $$"
+                )
+            )
+            await conn.execute(
+                sa.text(
+                    f"CREATE TRIGGER no_space BEFORE INSERT OR UPDATE ON {self.schema}.queueing_leases "
+                    f"FOR EACH ROW EXECUTE FUNCTION {self.schema}.no_space()"
+                )
+            )
+
+    async def end(self) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(sa.text(f"DROP TRIGGER no_space ON {self.schema}.queueing_leases"))
+
+
+@pytest.mark.parametrize("outage", [ReadOnlyServer, FullDisk])
+async def test_a_side_store_refusing_writes_spends_no_more_than_one_receive_of_a_message(outage: Any) -> None:
     require("PostgreSQL", "127.0.0.1", 5432)
     schema = f"qro_{uuid.uuid4().hex[:10]}"
     app = QueueingApp("sqsro", naming=QueueNaming(prefix=fresh_prefix()))
@@ -45,22 +98,18 @@ async def test_a_side_store_refusing_writes_spends_no_more_than_one_receive_of_a
     refused: list[str] = []
     try:
         ids = [(await app.enqueue(Order(n=i))).message_id for i in range(5)]
-        read_only = [True]
-
-        def as_a_read_only_server(conn: Any) -> None:
-            if read_only[0]:
-                conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        engine = provider.stores.sql.engine
 
         def note_refusal(context: Any) -> None:
             refused.append(type(context.original_exception).__name__)
 
-        engine = provider.stores.sql.engine.sync_engine
-        event.listen(engine, "begin", as_a_read_only_server)
-        event.listen(engine, "handle_error", note_refusal)
+        event.listen(engine.sync_engine, "handle_error", note_refusal)
+        made = outage(engine, schema)
+        await made.start()
         async with running(rt):
             await asyncio.sleep(8)  # eight leases' length: each poll received the backlog again before
             assert refused, "the store refused no write: the outage was not made"
-            read_only[0] = False
+            await made.end()
             await wait_until(lambda: _ran(runs, 5), what="every message ran once the store took writes")
         sqs = sqs_client()
         for dead in (False, True):

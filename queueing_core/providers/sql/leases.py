@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sqlalchemy as sa
 
-from ...clock import as_utc
+from ...clock import as_utc, utcnow
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
@@ -143,12 +143,18 @@ class SqlLeaseStore:
         return [x if tuple(x) in written else None for x in tokens]
 
     async def writable(self) -> None:
-        """Raises unless the store takes a write now: a statement that writes, changing no row (a
-        read-only server refuses it for what it is, a locked SQLite file at its ``BEGIN IMMEDIATE``)."""
+        """Raises unless the store takes a lease write now: a row written and deleted again in one
+        transaction, as a lease is (a read-only server refuses the statement, a locked SQLite file its
+        ``BEGIN IMMEDIATE``, a full disk or a trigger the row; a statement that wrote no row passed a
+        store that refused every row: review)."""
         t = self.sql.tables.leases
+        probe = {"transport": self.transport, "message_key": f"~probe-{uuid.uuid4()}", "token": uuid.uuid4()}
         await self.sql.ensure_open()
         async with self.sql.engine.begin() as conn:
-            await conn.execute(sa.update(t).where(sa.false()).values(until=t.c.until))
+            await conn.execute(sa.insert(t).values(**probe, until=utcnow()))
+            await conn.execute(
+                sa.delete(t).where(t.c.transport == self.transport, t.c.message_key == probe["message_key"])
+            )
 
     async def count(self, keys: Sequence[str], now: datetime) -> dict[str, int]:
         """Count one more for each key, kept as a counted token (see :func:`counted_token`), and return
