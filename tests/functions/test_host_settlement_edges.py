@@ -142,11 +142,27 @@ class SbHost:
 
 
 @contextlib.asynccontextmanager
+async def served(
+    app: QueueingApp, *, tracker: Any = None, control: Any = None, **settings: Any
+) -> AsyncIterator[SbHost]:
+    """``app`` served by the Functions host on an in-memory Service Bus (opened, and closed after)."""
+    clock = FakeClock(start=utcnow())
+    ns = FakeServiceBusNamespace(clock=clock)
+    rt = in_memory_servicebus(app, ns, tracker=tracker, control=control)
+    cfg = QueueingSettings(provider="servicebus", **settings)
+    host = FunctionsHost(app, cfg, runtime=rt)
+    fns = functions_of(build_app(cfg, app, host=host, env=SB_ENV))
+    await rt.open()
+    try:
+        yield SbHost(app, rt, ns, clock, fns, [])
+    finally:
+        await rt.close()
+
+
+@contextlib.asynccontextmanager
 async def sb_host(
     handler: Any, *, tracker: Any = None, control: Any = None, **settings: Any
 ) -> AsyncIterator[SbHost]:
-    clock = FakeClock(start=utcnow())
-    ns = FakeServiceBusNamespace(clock=clock)
     app = QueueingApp("rv")
     runs: list[int] = []
 
@@ -155,15 +171,9 @@ async def sb_host(
         runs.append(ctx.attempt)
         await handler(len(runs))
 
-    rt = in_memory_servicebus(app, ns, tracker=tracker, control=control)
-    cfg = QueueingSettings(provider="servicebus", **settings)
-    host = FunctionsHost(app, cfg, runtime=rt)
-    fns = functions_of(build_app(cfg, app, host=host, env=SB_ENV))
-    await rt.open()
-    try:
-        yield SbHost(app, rt, ns, clock, fns, runs)
-    finally:
-        await rt.close()
+    async with served(app, tracker=tracker, control=control, **settings) as host:
+        host.runs = runs
+        yield host
 
 
 def receiver_of(host: SbHost) -> Any:
@@ -333,8 +343,6 @@ class Tagged(QueueMessage):
 async def test_servicebus_a_body_whose_validator_raises_is_dead_lettered_once_with_its_reason() -> None:
     """Found in review: the function raised on every delivery, the host handed the message back, and
     the broker dead-lettered it itself (MaxDeliveryCountExceeded), with no reason and no history."""
-    clock = FakeClock(start=utcnow())
-    ns = FakeServiceBusNamespace(clock=clock)
     app = QueueingApp("rv")
     runs: list[Tagged] = []
 
@@ -342,15 +350,12 @@ async def test_servicebus_a_body_whose_validator_raises_is_dead_lettered_once_wi
     async def handle(msg: Tagged) -> None:
         runs.append(msg)
 
-    rt = in_memory_servicebus(app, ns)
-    cfg = QueueingSettings(provider="servicebus")
-    fns = functions_of(build_app(cfg, app, host=FunctionsHost(app, cfg, runtime=rt), env=SB_ENV))
-    await rt.open()
-    try:
+    async with served(app) as host:
+        rt = host.rt
         sent = await app.enqueue(Tagged(tags="a, b"))
         async with rt.provider.client.get_queue_receiver("rv-tags") as receiver:
             actions = LiveActions(asyncio.get_running_loop(), receiver)
-            error = await invoke(user(fns["servicebus_rv_tags"]), actions)
+            error = await invoke(user(host.fns["servicebus_rv_tags"]), actions)
         assert error is None
         assert actions.done == ["deadletter"]
         async with rt.provider.client.get_queue_receiver(
@@ -363,8 +368,6 @@ async def test_servicebus_a_body_whose_validator_raises_is_dead_lettered_once_wi
         assert rec is not None
         assert (rec.status, rec.reason) == ("DeadLettered", "invalid-body")
         assert runs == []
-    finally:
-        await rt.close()
 
 
 # -- 6. a dead letter's description beyond the Basic Multilingual Plane ---------------------------------
@@ -428,8 +431,6 @@ async def test_servicebus_an_invocation_that_finds_no_free_slot_defers_its_messa
     import functions.host as host_module
 
     monkeypatch.setattr(host_module, "SLOT_WAIT", 0.2)
-    clock = FakeClock(start=utcnow())
-    ns = FakeServiceBusNamespace(clock=clock)
     app = QueueingApp("rv")
     runs: list[int] = []
     release = asyncio.Event()
@@ -439,15 +440,8 @@ async def test_servicebus_an_invocation_that_finds_no_free_slot_defers_its_messa
         runs.append(msg.n)
         await release.wait()
 
-    rt = in_memory_servicebus(app, ns)
-    cfg = QueueingSettings(provider="servicebus")
-    fn = user(
-        functions_of(build_app(cfg, app, host=FunctionsHost(app, cfg, runtime=rt), env=SB_ENV))[
-            "servicebus_rv_one"
-        ]
-    )
-    await rt.open()
-    try:
+    async with served(app) as host:
+        rt, fn = host.rt, user(host.fns["servicebus_rv_one"])
         await app.enqueue(OneAtATime(n=1))
         waiting = await app.enqueue(OneAtATime(n=2))
         async with rt.provider.client.get_queue_receiver("rv-one") as receiver:
@@ -466,5 +460,3 @@ async def test_servicebus_an_invocation_that_finds_no_free_slot_defers_its_messa
         assert rec is not None
         assert (rec.status, rec.attempt) == ("Pending", 0), rec
         assert "no free slot of 'OneAtATime'" in (rec.description or rec.reason or ""), rec
-    finally:
-        await rt.close()
