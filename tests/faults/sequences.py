@@ -139,18 +139,25 @@ async def processed(ctx: Ctx, handler: str, **options: Any) -> None:
 async def finished(ctx: Ctx, handler: str) -> None:
     """A message run and settled (no faults yet). The queue's lease is 1 s, so that the steps of an
     operation see a lapse quickly; a loaded machine can stall a run that long, and then its
-    settlement is refused (the lease passed on): the message comes back and is run and settled again,
-    as a worker would, until one settlement holds."""
+    settlement is refused (the lease passed on): see :func:`run_again_until_settled`."""
     await processed(ctx, handler)
+    assert ctx.settlement is not None
+    await settle(ctx.rt, ctx.settlement)
+    if ctx.settlement.delivery.refused:
+        await run_again_until_settled(ctx, handler)
+
+
+async def run_again_until_settled(ctx: Ctx, handler: str = "ok") -> None:
+    """The message's settlement was refused (its lease lapsed): it comes back and is run and settled
+    again, as a worker would, until one settlement holds."""
     for _ in range(5):
-        assert ctx.settlement is not None
-        await settle(ctx.rt, ctx.settlement)
-        if not ctx.settlement.delivery.refused:
-            return
         d = await claim(ctx.rt, ctx.mid)
         ctx.mode["handler"] = handler
         ctx.settlement = await ctx.rt.process(d)
         ctx.mode["handler"] = "ok"
+        await settle(ctx.rt, ctx.settlement)
+        if not ctx.settlement.delivery.refused:
+            return
     raise AssertionError("the prepared message's lease ran out before its settlement five times in a row")
 
 
