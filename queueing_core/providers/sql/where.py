@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -62,13 +63,33 @@ def condition(p: SqlProvider, steps: Sequence[str | int], op: str, value: Scalar
         return bool_test if op == "eq" else sa.and_(kind.is_not(None), sa.not_(bool_test))
     test: sa.ColumnElement[bool]
     if isinstance(value, int | float):
-        number = sa.case((is_number, sa.cast(text, sa.Float())), else_=sa.null())
-        test = compare(number, sa.bindparam("where_value", float(value), type_=sa.Float()))
+        test = compare(_number(p, is_number, text), _number_value(p, value))
     else:
         test = compare(
             sa.case((is_text, text), else_=sa.null()), sa.bindparam("where_value", value, type_=sa.Text())
         )
     return test
+
+
+def _number(p: SqlProvider, is_number: sa.ColumnElement[bool], text: sa.ColumnElement[Any]) -> Any:
+    """The body's number, compared exactly: not as a double, whose 53 bits made an id past 2**53 match
+    its neighbours (an update meant for one message changed several), and whose range a body's huge
+    number overflowed (every numeric update of the queue failed)."""
+    if p.backend == "postgresql":
+        return sa.case((is_number, sa.cast(text, sa.Numeric())), else_=sa.null())
+    # SQLite's json_extract gives the number with its own type (an integer stays one) and compares an
+    # integer with an integer or a real exactly
+    return sa.case((is_number, text), else_=sa.null())
+
+
+def _number_value(p: SqlProvider, value: int | float) -> sa.BindParameter[Any]:
+    if p.backend == "postgresql":
+        # a float as its shortest decimal (0.1 is 0.1, as the body's text says, not the double's expansion)
+        exact = Decimal(value) if isinstance(value, int) else Decimal(repr(value))
+        return sa.bindparam("where_value", exact, type_=sa.Numeric(asdecimal=True))
+    if isinstance(value, int):
+        return sa.bindparam("where_value", value, type_=sa.BigInteger())
+    return sa.bindparam("where_value", value, type_=sa.Float())
 
 
 async def update_status(
