@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from ..envelope import malformed_id
+from ..errors import InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord
 
@@ -167,6 +168,14 @@ async def scan_dead_letters(
         await _read(pages, lambda item: wanted is None or pages.message_id(item) in wanted, how, run, limit)
         if not run.complete:
             log.warning("dead-letter scan stopped after %d letters; repeat the action for the rest", run.seen)
+        if before_removing is not None and not run.complete and not run.located:
+            # the letter may lie past the letters read: a copy sent now would run the message and leave
+            # its letter where no listing shows it, to run again at a later retry (found in review)
+            raise InvalidOperation(
+                f"its dead letter was not among the first {run.seen} letters of the dead-letter queue "
+                f"(a scan reads at most {limit}): nothing was sent; retry or purge older dead letters "
+                "first, then retry it again"
+            )
         if before_removing is not None:
             # the letters passed over need not wait for the copy; the located ones stay held (and
             # are handed back with the rest if the read fails before this: see ``finally``)

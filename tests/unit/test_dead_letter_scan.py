@@ -106,3 +106,34 @@ async def test_a_removal_that_fails_hands_back_the_rest_of_its_page():
     with pytest.raises(RuntimeError):
         await scan_dead_letters(pages, None)
     assert sorted(pages.handed) == [(1, "a"), (2, "b"), (3, "c")]
+
+
+async def test_a_retry_whose_letter_lies_past_the_scans_limit_sends_nothing_and_says_why():
+    """The scan reads at most ``limit`` letters: where it stopped without meeting the letter, the copy
+    was sent all the same, and the letter stayed, out of every listing, to run the message again at a
+    later retry (found in review). Nothing is sent now, and every letter read goes back."""
+    from queueing_core.errors import InvalidOperation
+
+    pages = Pages([(1, "a"), (2, "b"), (3, "c")])
+    sent: list[int] = []
+
+    async def send() -> None:
+        sent.append(1)
+
+    with pytest.raises(InvalidOperation, match="not among the first 2 letters"):
+        await scan_dead_letters(pages, {"c"}, before_removing=send, limit=2)
+    assert sent == []
+    assert pages.removed == []
+    assert sorted(pages.handed) == [(1, "a"), (2, "b")]
+
+
+async def test_a_letter_found_within_the_limit_is_retried_though_the_scan_stopped_there():
+    pages = Pages([(1, "a"), (2, "b"), (3, "c")])
+    sent: list[int] = []
+
+    async def send() -> None:
+        sent.append(1)
+
+    assert await scan_dead_letters(pages, {"a"}, before_removing=send, limit=2) == {"a"}
+    assert sent == [1]
+    assert pages.removed == [(1, "a")]
