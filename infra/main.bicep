@@ -21,6 +21,10 @@ param namePrefix string = 'queueing'
 @description('Tags applied to every resource.')
 param tags object = {}
 
+@description('Any new value gives the Key Vault a new name (empty: the default name). A deleted vault holds its name for 90 days (soft delete with purge protection), so a deployment into a re-created resource group of the same name fails: recover the deleted vault (az keyvault recover) or set this, and keep passing it to later deployments (infra/README.md).')
+@maxLength(64)
+param vaultNameSalt string = ''
+
 // ---------------------------------------------------------------- queues and tables
 
 @description('''Service Bus queues, one per message type. Each entry: { name: string, maxDeliveryCount: int,
@@ -129,9 +133,14 @@ param postgresSkuTier string = 'Burstable'
 @minValue(32)
 param postgresStorageSizeGB int = 32
 
+@description('A public IPv4 address the PostgreSQL firewall admits besides traffic from inside Azure: yours, for psql to run infra/postgres/app-role.sql from your machine. Empty (the default): none. The rule (AllowDeployerClientIp) stays until deleted: delete it once the role exists (infra/README.md).')
+param postgresClientIpAddress string = ''
+
 // ---------------------------------------------------------------- names
 
 var token = uniqueString(resourceGroup().id)
+// the salt changes the vault's name alone: only the vault holds its name after deletion
+var keyVaultToken = empty(vaultNameSalt) ? token : uniqueString(resourceGroup().id, vaultNameSalt)
 var prefix = toLower(namePrefix)
 var names = {
   serviceBus: 'sb-${prefix}-${token}'
@@ -139,7 +148,7 @@ var names = {
   plan: 'plan-${prefix}-${token}'
   functionApp: 'func-${prefix}-${token}'
   identity: 'id-${prefix}-${token}'
-  keyVault: take('kv-${prefix}-${token}', 24)
+  keyVault: take('kv-${prefix}-${keyVaultToken}', 24)
   workspace: 'log-${prefix}-${token}'
   appInsights: 'appi-${prefix}-${token}'
   postgres: 'psql-${prefix}-${token}'
@@ -225,6 +234,7 @@ module postgres 'modules/postgres.bicep' = if (deployPostgres) {
     skuTier: postgresSkuTier
     storageSizeGB: postgresStorageSizeGB
     databaseName: postgresDatabaseName
+    clientIpAddress: postgresClientIpAddress
   }
 }
 
@@ -302,6 +312,8 @@ output serviceBusFullyQualifiedNamespace string = serviceBus.outputs.fullyQualif
 output storageAccountName string = storage.outputs.accountName
 output apiBaseUrl string = 'https://${functionApp.outputs.defaultHostName}/api/_system/queueing'
 output postgresFullyQualifiedDomainName string = deployPostgres ? postgres.outputs.fullyQualifiedDomainName : ''
-// the role the administrator creates for the app (infra/postgres/app-role.sql) and the schema it owns
+// for the az commands that manage the server (its firewall rules)
+output postgresServerName string = deployPostgres ? postgres.outputs.serverName : ''
+// the role the administrator creates for the app (infra/postgres/app-role.sql) and the schema it creates its tables in
 output postgresAppRole string = deployPostgres ? identity.outputs.name : ''
 output postgresSchema string = deployPostgres ? postgresSchemaName : ''

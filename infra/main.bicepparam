@@ -9,6 +9,11 @@ param queueingProvider = 'servicebus'
 param queueingApp = 'queueing_core.examples.orders:app'
 param logRetentionDays = 30
 param deployPostgres = false
+// with deployPostgres: your public IPv4 address, so psql from your machine can run
+// infra/postgres/app-role.sql (or run it from Cloud Shell and leave this empty); delete the rule after
+param postgresClientIpAddress = ''
+// after deleting the resource group: a new value names a new Key Vault (the deleted one keeps its name)
+param vaultNameSalt = ''
 
 // The block between the markers is regenerated from the registered message types by the
 // queueing CLI (`queueing infra params`); edit the code, not these lines.

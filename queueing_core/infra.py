@@ -14,6 +14,7 @@ from pathlib import Path
 from .app import QueueingApp
 from .errors import ConfigurationError
 from .naming import InvalidQueueName, Transport, validate
+from .options import QueueOptions
 
 BEGIN = "// BEGIN GENERATED QUEUES (queueing infra params)"
 END = "// END GENERATED QUEUES"
@@ -32,6 +33,14 @@ def delivery_limit(max_attempts: int) -> int:
 
 #: Service Bus's "never expires" (TimeSpan.MaxValue), what a queue gets when the type never expires
 NEVER = "P10675199DT2H48M5.4775807S"
+
+
+def queue_time_to_live(options: QueueOptions, ttl_grace: timedelta) -> timedelta | None:
+    """A type's Service Bus queue's default message time to live (None: never), as the Bicep and the
+    runtime create the queue: the type's expiration plus the grace, in which the kit finds an expired
+    message and dead-letters it with its reason before the broker would. Service Bus also caps every
+    message's own time to live at it, so no message on that queue may be given a longer one."""
+    return None if options.expiration is None else options.expiration + ttl_grace
 
 
 def iso_duration(value: timedelta) -> str:
@@ -62,7 +71,8 @@ def check_names(
     app: QueueingApp, transports: tuple[Transport, ...] = (Transport.SERVICE_BUS, Transport.STORAGE_QUEUE)
 ) -> None:
     """Raise :class:`ConfigurationError` naming the queue whose name on one of ``transports`` the
-    service would refuse (a Storage queue's ``-poison`` companion included), or that two queues share."""
+    service would refuse (a Storage queue's ``-poison`` companion included), that the Bicep cannot
+    create (a Service Bus name holding '/'), or that two queues share."""
     seen: dict[tuple[Transport, str], str] = {}
     for sub in app.subscriptions():
         for transport in transports:
@@ -73,6 +83,17 @@ def check_names(
                     validate(each, transport)
                 except InvalidQueueName as exc:
                     raise ConfigurationError(f"queue {sub.queue!r}", exc.rule, transport.value) from None
+                if transport is Transport.SERVICE_BUS and "/" in each:
+                    # Service Bus takes it, but the Bicep declares the queue as the namespace's child
+                    # resource, and ARM reads '/' in a resource name as a separator: the deployment
+                    # would fail on a name of one segment too many
+                    raise ConfigurationError(
+                        f"queue {sub.queue!r}",
+                        f"{each!r} on {transport.value} holds '/': Azure Resource Manager reserves '/' in "
+                        "resource names (a Service Bus queue's is '<namespace>/<queue>'), so the Bicep "
+                        "cannot create that queue",
+                        "a name without '/', queue prefix and suffix included",
+                    )
                 key = (transport, each.lower() if transport is Transport.SERVICE_BUS else each)
                 if key in seen and seen[key] != sub.queue:
                     raise ConfigurationError(
@@ -101,12 +122,13 @@ def queues_for(
                 "the kit keeps one delivery beyond the attempts (its own dead letter for a message whose "
                 f"runs all died): at most {MAX_DELIVERY_COUNT - 1}",
             )
+        ttl = queue_time_to_live(o, ttl_grace)
         sb.append(
             ServiceBusQueue(
                 name=sb_name,
                 max_delivery_count=delivery_limit(o.max_attempts),
                 lock_duration=iso_duration(min(o.lease_duration, MAX_LOCK)),
-                default_ttl=iso_duration(o.expiration + ttl_grace) if o.expiration is not None else NEVER,
+                default_ttl=NEVER if ttl is None else iso_duration(ttl),
                 duplicate_detection=o.idempotent,
             )
         )

@@ -86,6 +86,14 @@ class SendsIdempotent(Protocol):
     ) -> list[IdempotentOutcome]: ...
 
 
+@runtime_checkable
+class LimitsExpiry(Protocol):
+    """A provider whose queues cap how long a message may live (Service Bus caps it at the queue's
+    time to live): it refuses one that would outlast its queue before anything is sent."""
+
+    def check_expiry(self, app: QueueingApp, envelopes: Sequence[Envelope], now: datetime) -> None: ...
+
+
 def identity_of(options: QueueOptions, message: QueueMessage, *, sending: bool = False) -> str:
     """An idempotent message's identity key: its ``identity`` field, or the function's value, as text.
     ``sending``: refuse None, which every message without a value would share as one identity (each
@@ -261,6 +269,9 @@ class Producer:
             self._chain = compose_enqueue(self._chain_middleware)
         out = [await self._chain(e) for e in envelopes] if self._chain_middleware else list(envelopes)
         check_sendable(out, self.provider.capabilities.max_message_bytes, self.provider.transport.value)
+        if isinstance(self.provider, LimitsExpiry):
+            # here, before an idempotent type's identity is looked up or anything is sent
+            self.provider.check_expiry(self.app, out, self.clock())
         return out
 
     def _status(self, env: Envelope) -> str:

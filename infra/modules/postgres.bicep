@@ -45,6 +45,9 @@ param backupRetentionDays int = 7
 @description('Database the kit uses.')
 param databaseName string = 'queueing'
 
+@description('A public IPv4 address admitted besides traffic from inside Azure: the deployer\'s, for psql to run infra/postgres/app-role.sql. Empty: none.')
+param clientIpAddress string = ''
+
 resource server 'Microsoft.DBforPostgreSQL/flexibleServers@2024-08-01' = {
   name: serverName
   location: location
@@ -86,6 +89,21 @@ resource allowAzureServices 'Microsoft.DBforPostgreSQL/flexibleServers/firewallR
     startIpAddress: '0.0.0.0'
     endIpAddress: '0.0.0.0'
   }
+}
+
+// The administrator runs infra/postgres/app-role.sql with psql after the deployment; from outside Azure
+// the server refuses every address no rule admits. Only when asked for, one address, deleted after use.
+resource allowClient 'Microsoft.DBforPostgreSQL/flexibleServers/firewallRules@2024-08-01' = if (!empty(clientIpAddress)) {
+  parent: server
+  name: 'AllowDeployerClientIp'
+  properties: {
+    startIpAddress: clientIpAddress
+    endIpAddress: clientIpAddress
+  }
+  // one firewall change at a time: the server refuses a second while one is in progress
+  dependsOn: [
+    allowAzureServices
+  ]
 }
 
 resource database 'Microsoft.DBforPostgreSQL/flexibleServers/databases@2024-08-01' = {

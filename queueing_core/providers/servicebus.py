@@ -67,8 +67,8 @@ from ..connections import ServiceBusConnection
 from ..control.base import ControlStore
 from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
 from ..envelope import Envelope
-from ..errors import InvalidOperation, MissingPermission, ProviderError, ProviderUnavailable
-from ..infra import MAX_LOCK, delivery_limit
+from ..errors import InvalidArgument, InvalidOperation, MissingPermission, ProviderError, ProviderUnavailable
+from ..infra import MAX_LOCK, delivery_limit, queue_time_to_live
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, Reopen, Tracker, nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
@@ -86,6 +86,8 @@ if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
 
 log = logging.getLogger("queueing.servicebus")
+#: how far past its queue's time to live a message's may reach before it is refused (``check_expiry``)
+EXPIRY_LEEWAY = timedelta(minutes=1)
 #: how long a look for a message in its queue may take after a settlement it refused, seconds
 _PEEK_TIMEOUT = 10.0
 
@@ -373,8 +375,9 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             "lock_duration": min(o.lease_duration, MAX_LOCK),
             "dead_lettering_on_message_expiration": True,
         }
-        if o.expiration is not None:
-            settings["default_message_time_to_live"] = o.expiration + self.ttl_grace
+        ttl = queue_time_to_live(o, self.ttl_grace)
+        if ttl is not None:
+            settings["default_message_time_to_live"] = ttl
         if o.idempotent:
             # as the generated Bicep does: the service drops a producer's repeated send of one message
             # id. Safe because every copy the kit sends (retry, pause, operator's retry) has its own id.
@@ -399,10 +402,41 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 await close()
 
     # -- producing ---------------------------------------------------------------------------------
+    def _time_to_live(self, env: Envelope, now: datetime) -> timedelta | None:
+        """The message's own time to live: its expiry, and the grace in which the kit (not the broker)
+        finds it expired and dead-letters it with its reason."""
+        if env.expires_at is None:
+            return None
+        return max(timedelta(seconds=1), env.expires_at - now + self.ttl_grace)
+
+    def check_expiry(self, app: QueueingApp, envelopes: Sequence[Envelope], now: datetime) -> None:
+        """Refuse, before anything is sent, a message that would outlast its queue's time to live.
+
+        Service Bus caps a message's time to live at its queue's without a word: such a message would
+        be expired and dead-lettered by the broker before the expiry the kit recorded, its history
+        left Pending. The queue's is the one the kit gives it (the Bicep through ``queueing infra
+        params``, or :meth:`_create_queue`)."""
+        for env in envelopes:
+            sub = app.subscription(env.type)
+            wanted = self._time_to_live(env, now)
+            if sub is None or wanted is None or env.expires_at is None:
+                continue
+            limit = queue_time_to_live(sub.options, self.ttl_grace)
+            # (a minute of leeway: a message built a moment ahead of this clock, its default expiry
+            # from its created_at, only loses that much of the grace)
+            if limit is not None and wanted > limit + EXPIRY_LEEWAY:
+                expiration = sub.options.expiration
+                raise InvalidArgument(
+                    "expires_at",
+                    f"the message would expire at {env.expires_at.isoformat()}, which would outlast its "
+                    f"Service Bus queue {sub.queue!r}: the queue's time to live is the type's expiration "
+                    f"({expiration}) plus the grace ({self.ttl_grace}), and Service Bus expires and "
+                    "dead-letters every message there by then, whatever it asks for; give it at most "
+                    f"ttl={expiration}, or a longer expiration on the type (and provision its queue again)",
+                )
+
     def _message(self, env: Envelope, now: datetime, *, copy: bool = False) -> ServiceBusMessage:
-        ttl = None
-        if env.expires_at is not None:
-            ttl = max(timedelta(seconds=1), env.expires_at - now + self.ttl_grace)
+        ttl = self._time_to_live(env, now)
         msg = ServiceBusMessage(
             env.encode_text(),
             content_type="application/json",
@@ -421,6 +455,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
     async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
         # the service acknowledges each send once the message is stored: ``wait`` holds either way
         now = utcnow()
+        if self._app is not None:  # (the producer checked already: this holds for any other sender)
+            self.check_expiry(self._app, envelopes, now)
         by_queue: dict[str, list[Envelope]] = {}
         for env in envelopes:
             by_queue.setdefault(env.queue, []).append(env)

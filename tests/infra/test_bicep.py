@@ -589,6 +589,10 @@ def test_the_postgres_entra_admin_is_the_deployer_never_the_app() -> None:
 # ------------------------------------------------------------------ naming and outputs
 
 
+def base_of_token(m: dict) -> object:
+    return function(m["variables"]["token"]["value"])[1]["base_string"]
+
+
 def test_names_use_the_prefix_and_a_resource_group_token() -> None:
     m = main()
     kind, args = function(m["variables"]["token"]["value"])
@@ -600,8 +604,19 @@ def test_names_use_the_prefix_and_a_resource_group_token() -> None:
     names = m["variables"]["names"]["value"]
     for key, value in names.items():
         text = value if isinstance(value, str) else function(value)[1]["original_value"]
-        assert "${token}" in text, key
+        # the vault's token is the same one unless vaultNameSalt asks for a new name (a deleted vault
+        # keeps its name for 90 days: tests/infra/test_keyvault_name_reuse.py)
+        assert ("${keyVaultToken}" if key == "keyVault" else "${token}") in text, key
         assert "prefix" in text, key
+    salted = m["variables"]["keyVaultToken"]["value"]["operator"]["operands"]
+    assert function(salted["condition"]) == ("empty", {"item_to_test": "vaultNameSalt"})
+    assert salted["true_value"] == "token"
+    kind, args = function(salted["false_value"])
+    assert (kind, args["base_string"], args["extra_string_1"]) == (
+        "unique_string",
+        base_of_token(m),
+        "vaultNameSalt",
+    )
     # st + prefix + 13-character token must fit the 24-character storage account limit
     assert decorators(m["parameters"]["namePrefix"])["max_length"] <= 9
     assert function(names["storage"])[1]["number_to_take"] == 24

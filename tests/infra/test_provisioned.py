@@ -427,23 +427,38 @@ async def test_cloud_transports_fail_when_the_bicep_or_the_bootstrap_drifts(
 # -- SQL (PostgreSQL) -----------------------------------------------------------------------------------
 
 #: Azure's pgaadauth_create_principal creates a login role and maps it to the Entra principal of that
-#: name; this stand-in does the first half (the mapping is Azure's, and cannot exist here)
+#: name; this stand-in does the first half (the mapping is Azure's, and cannot exist here). Whether it
+#: runs with its caller's rights or its owner's is Azure's affair: the file must work either way.
 PGAADAUTH_STAND_IN = """
 CREATE OR REPLACE FUNCTION pgaadauth_create_principal(roleName text, isAdmin boolean, isMfa boolean)
-RETURNS text LANGUAGE plpgsql AS $$
+RETURNS text LANGUAGE plpgsql {security} AS $$
 BEGIN
   EXECUTE format('CREATE ROLE %I LOGIN', roleName);
   RETURN format('Created role for "%s"', roleName);
 END $$
 """
 
+#: the server's administrators as the file may meet them: the local superuser, and the Microsoft Entra
+#: administrator as Azure makes one: no superuser ("only Microsoft is part of the super user role"),
+#: CREATEROLE and CREATEDB, a member of azure_pg_admin, which owns the databases ARM creates
+#: (learn.microsoft.com/azure/postgresql/flexible-server/how-to-create-users). CREATE SCHEMA ...
+#: AUTHORIZATION <app role> failed as the latter, who is no member of the role it created.
+ADMINS = {
+    "superuser": ("postgres", "SECURITY INVOKER"),
+    "entra-admin": ("dba@contoso.example", "SECURITY INVOKER"),
+    "entra-admin-definer-rights": ("dba@contoso.example", "SECURITY DEFINER"),
+}
+ENTRA_ADMIN_PASSWORD = "entra-admin-token-stand-in"
 
-def run_app_role_sql(scram_postgres, prov: Provisioned) -> None:
-    """infra/postgres/app-role.sql, by psql, as the administrator (here the server's superuser)."""
+
+def run_app_role_sql(scram_postgres, prov: Provisioned, admin: str = "entra-admin") -> None:
+    """infra/postgres/app-role.sql, by psql, as ``admin`` runs it (one of :data:`ADMINS`)."""
     psql = shutil.which("psql")
     if psql is None:
         pytest.skip("psql is not installed")
-    conninfo = f"host={scram_postgres.host} port={scram_postgres.port} dbname=postgres user=postgres"
+    user = ADMINS[admin][0]
+    password = scram_postgres.superuser_password if user == "postgres" else ENTRA_ADMIN_PASSWORD
+    conninfo = f"host={scram_postgres.host} port={scram_postgres.port} dbname=postgres user={user}"
     done = subprocess.run(
         [
             psql, conninfo,
@@ -452,7 +467,7 @@ def run_app_role_sql(scram_postgres, prov: Provisioned) -> None:
             "-v", f"schema={prov.deployment.output('postgresSchema')}",
             "-f", str(APP_ROLE_SQL),
         ],
-        env={**os.environ, "PGPASSWORD": scram_postgres.superuser_password},
+        env={**os.environ, "PGPASSWORD": password},
         capture_output=True,
         text=True,
         timeout=60,
@@ -462,12 +477,24 @@ def run_app_role_sql(scram_postgres, prov: Provisioned) -> None:
 
 
 @contextlib.contextmanager
-def postgres_server(scram_postgres, prov: Provisioned):
-    """The server as the deployment leaves it: Entra only (here: passwords checked), the kit's database."""
+def postgres_server(scram_postgres, prov: Provisioned, admin: str = "entra-admin"):
+    """The server as the deployment leaves it: Entra only (here: passwords checked), the kit's database
+    (owned by azure_pg_admin, as ARM creates it), and its Entra administrator ``admin``."""
     database = prov.deployment.scope_of("postgres").lookup("databaseName")
     role = prov.deployment.output("postgresAppRole")
-    scram_postgres.run(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
-    scram_postgres.run(PGAADAUTH_STAND_IN)
+    user, security = ADMINS[admin]
+    created_group = not scram_postgres.run("SELECT 1 FROM pg_roles WHERE rolname = 'azure_pg_admin'")
+    if created_group:
+        scram_postgres.run("CREATE ROLE azure_pg_admin NOLOGIN")
+    if user != "postgres":
+        scram_postgres.run(
+            sql.SQL(
+                "CREATE ROLE {} LOGIN NOSUPERUSER CREATEROLE CREATEDB INHERIT PASSWORD {}"
+                " IN ROLE azure_pg_admin"
+            ).format(sql.Identifier(user), sql.Literal(ENTRA_ADMIN_PASSWORD))
+        )
+    scram_postgres.run(sql.SQL("CREATE DATABASE {} OWNER azure_pg_admin").format(sql.Identifier(database)))
+    scram_postgres.run(PGAADAUTH_STAND_IN.format(security=security))
     try:
         yield database, role
     finally:
@@ -476,6 +503,10 @@ def postgres_server(scram_postgres, prov: Provisioned):
             sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
         )
         scram_postgres.run(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+        if user != "postgres":
+            scram_postgres.run(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(user)))
+        if created_group:
+            scram_postgres.run("DROP ROLE IF EXISTS azure_pg_admin")
         scram_postgres.run("DROP FUNCTION IF EXISTS pgaadauth_create_principal(text, boolean, boolean)")
 
 
@@ -526,11 +557,12 @@ async def run_sql(
                 await host.close()
 
 
-def test_the_app_role_sql_grants_least_privilege(scram_postgres):
+@pytest.mark.parametrize("admin", list(ADMINS))
+def test_the_app_role_sql_grants_least_privilege(scram_postgres, admin):
     prov = Provisioned.deploy(**SQL_DEPLOYMENT)
-    with postgres_server(scram_postgres, prov) as (database, role):
-        run_app_role_sql(scram_postgres, prov)
-        run_app_role_sql(scram_postgres, prov)  # again: nothing changes, nothing fails
+    with postgres_server(scram_postgres, prov, admin) as (database, role):
+        run_app_role_sql(scram_postgres, prov, admin)
+        run_app_role_sql(scram_postgres, prov, admin)  # again: nothing changes, nothing fails
         schema = prov.deployment.output("postgresSchema")
         [(superuser, createdb, createrole, bypassrls, login)] = scram_postgres.run(
             "SELECT rolsuper, rolcreatedb, rolcreaterole, rolbypassrls, rolcanlogin"
@@ -538,10 +570,13 @@ def test_the_app_role_sql_grants_least_privilege(scram_postgres):
             role,
         )
         assert (superuser, createdb, createrole, bypassrls, login) == (False, False, False, False, True)
-        [(owner,)] = scram_postgres.run(
-            "SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = %s", schema, database=database
-        )
-        assert owner == role
+        # the administrator keeps the schema; the app may use it and create its objects there
+        [(owner, usage, create)] = scram_postgres.run(
+            "SELECT pg_get_userbyid(nspowner), has_schema_privilege(%s, nspname, 'USAGE'),"
+            " has_schema_privilege(%s, nspname, 'CREATE') FROM pg_namespace WHERE nspname = %s",
+            role, role, schema, database=database,
+        )  # fmt: skip
+        assert (owner, usage, create) == (ADMINS[admin][0], True, True)
         [(create_db, create_public, usage_other)] = scram_postgres.run(
             "SELECT has_database_privilege(%s, current_database(), 'CREATE'),"
             " has_schema_privilege(%s, 'public', 'CREATE'),"
@@ -550,9 +585,9 @@ def test_the_app_role_sql_grants_least_privilege(scram_postgres):
         )  # fmt: skip
         assert (create_db, create_public, usage_other) == (False, False, False)
         # the app is not the server's Entra administrator: that is the deployer's parameter
-        admin = prov.deployment.scope_of("postgresAdmin")
-        assert admin.lookup("principalName") == SQL_DEPLOYMENT["postgresAdminName"]
-        assert admin.lookup("principalId") != prov.identity.principal_id
+        admin_module = prov.deployment.scope_of("postgresAdmin")
+        assert admin_module.lookup("principalName") == SQL_DEPLOYMENT["postgresAdminName"]
+        assert admin_module.lookup("principalId") != prov.identity.principal_id
 
 
 SQL_DEPLOYMENT = {
