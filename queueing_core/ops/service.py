@@ -482,13 +482,6 @@ class OpsService:
             held = await self.actions.ops_held(r)
             if held is not None:
                 r = r.model_copy(update={"status": held})
-        elif is_cancel_request(r) and not self._durable:
-            # the cancel was only asked for, and the message waits on: unless the broker moved it to
-            # its dead-letter queue meanwhile (its own delivery limit), unrecorded; then it is retried
-            # from there as a dead letter (a copy, the letter removed)
-            held = await self.actions.ops_held(r)
-            if held is not None:
-                r = r.model_copy(update={"status": held, "description": None})
         if r.status in KNOWN and r.status not in RETRYABLE:
             why = {
                 S.SUCCEEDED: "; it already succeeded (enqueue a new message to run the work again)",
@@ -536,13 +529,7 @@ class OpsService:
             headers=r.headers,
             body=r.body,
         )
-        # a cancel only asked for (off SQL) left the message waiting where it was, and a host settles it
-        # Cancelled only when it receives it: withdrawing the request runs that one, and a copy beside
-        # it would run the message twice (found in review). Its history is reopened all the same, by
-        # compare-and-set: a host that settled it Cancelled meanwhile has changed it, and this retry is
-        # then refused (a retry after that sends a copy, the original being gone)
-        only_requested = is_cancel_request(r) and not self._durable
-        pending = reopened(r, now, r.expires_at if only_requested else envelope.expires_at)
+        pending = reopened(r, now, envelope.expires_at)
         restored = False
 
         @contextlib.asynccontextmanager
@@ -572,14 +559,9 @@ class OpsService:
                 # whatever it ended as (a superseded version that failed its last attempt while running
                 # included): the operator wants it run, so it must not be settled superseded
                 await identities.reinstate(sub, envelope)
-            if only_requested:
-                async with reopen():
-                    pass  # no copy: the original runs
-                retried = True
-            else:
-                retried = await self.actions.ops_retry(
-                    r, envelope, now, nothing_to_reopen if self._durable else reopen
-                )
+            retried = await self.actions.ops_retry(
+                r, envelope, now, nothing_to_reopen if self._durable else reopen
+            )
             if not retried:
                 raise InvalidOperation(f"message {r.message_id} changed while retrying it; look again")
         except BaseException:
@@ -591,12 +573,11 @@ class OpsService:
             if requested:
                 await self._put_request_back(seen, restored, now)
             raise
-        detail = (
-            "cancellation withdrawn: the message runs from where it waits (was Cancelled, not yet settled)"
-            if only_requested
-            else f"retry scheduled with fresh attempts (was {r.status})"
+        return ActionResult(
+            message_id=r.message_id,
+            status=S.PENDING,
+            detail=f"retry scheduled with fresh attempts (was {r.status})",
         )
-        return ActionResult(message_id=r.message_id, status=S.PENDING, detail=detail)
 
     async def cancel(self, tracking_id: UUID) -> ActionResult:
         """Cancel by message id (or tracking id): the message with that id, else the newest with that

@@ -134,6 +134,12 @@ async def _read(
                     run.held.pop()
                     run.removed += 1
             run.found.add(pages.message_id(item))
+    if run.seen >= limit and not enough():
+        # at the limit: one more read tells a queue of exactly ``limit`` letters (read to its end) from
+        # a longer one; what it reads is held with the rest, and handed back
+        more = [item for item in await pages.next_page() if pages.key(item) not in keys]
+        run.held.extend(more)
+        run.complete = not more
 
 
 async def scan_dead_letters(

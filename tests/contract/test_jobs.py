@@ -481,23 +481,6 @@ async def _all(rt):
     return (await rt.tracker.query(MessageQuery(), limit=500)).items
 
 
-async def test_a_retry_of_a_message_whose_cancel_was_only_asked_for_runs_it_once(harness):
-    """Off SQL a cancel of a message waiting on its queue is a request (a host that receives it settles
-    it Cancelled): the message stays where it waits. A retry then withdraws the request and the message
-    runs from there; the retry also sent a copy, and the message ran twice (found in review)."""
-    app, calls, _ = task_app(harness)
-    rt = await harness.runtime(app)
-    sent = await app.enqueue(Task(key="once"))
-    ops = OpsService(rt)
-    assert (await ops.cancel(sent.message_id)).status == MessageStatus.CANCELLED
-    retried = await ops.retry(sent.message_id)
-    assert retried.status == MessageStatus.PENDING
-    async with running(rt):
-        await wait_until(lambda: _status_is(rt, sent.message_id, MessageStatus.SUCCEEDED), what="its run")
-        await asyncio.sleep(1.5)  # room for a second run
-    assert calls == ["once"]
-
-
 async def test_update_status_where_on_sql_and_a_clear_refusal_elsewhere(harness):
     app, calls, _ = task_app(harness)
     rt = await harness.runtime(app)

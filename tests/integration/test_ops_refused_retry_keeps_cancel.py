@@ -91,13 +91,12 @@ async def test_a_refused_retry_leaves_the_cancel_request_standing():
         await rt.close()
 
 
-async def test_a_retry_of_a_cancelled_message_whose_record_was_not_written_leaves_the_cancel_standing():
+async def test_a_retry_of_a_cancelled_message_whose_copy_was_not_sent_leaves_the_cancel_standing():
     """The message waits as a scheduled copy and the operator cancelled it (the request stands for
-    that copy's run), then retried it, and the retry could not write its record (the history store
-    refused it): the history stays as it was (Cancelled), and so does the request it withdrew, or the
-    scheduled copy would run an hour later while the history says it never will (found in review,
-    when such a retry still sent a copy of its own)."""
-    rt, _, r = await _failed_once("review-retry-cancel-not-sent")
+    that copy's run), then retried it, and the copy of the retry could not be sent: the history is put
+    back (Cancelled), and so is the request it withdrew, or the scheduled copy would run an hour later
+    while the history says it never will (found in review)."""
+    rt, provider, r = await _failed_once("review-retry-cancel-not-sent")
     try:
         ops = OpsService(rt)
         await ops.cancel(r.message_id)
@@ -105,15 +104,12 @@ async def test_a_retry_of_a_cancelled_message_whose_record_was_not_written_leave
         assert cancelled is not None
         assert cancelled.status == MessageStatus.CANCELLED
 
-        async def refused(*args: object, **kwargs: object) -> bool:
-            raise ProviderUnavailable("injected: the history store is unreachable")
+        async def refused(*args: object, **kwargs: object) -> None:
+            raise ProviderUnavailable("injected: Service Bus unreachable")
 
-        tracker: Any = rt.tracker
-        writes = tracker.change_if_unchanged
-        tracker.change_if_unchanged = refused
+        provider.send_copy = refused  # type: ignore[method-assign]
         with pytest.raises(ProviderUnavailable):
             await ops.retry(r.message_id)
-        tracker.change_if_unchanged = writes
 
         rt.control.invalidate()
         assert r.message_id in (await rt.control.state()).cancelled, (
@@ -125,26 +121,26 @@ async def test_a_retry_of_a_cancelled_message_whose_record_was_not_written_leave
 
 
 async def test_a_store_that_fails_as_a_retry_puts_its_cancel_back_does_not_hide_the_retrys_error():
-    """The retry could not write its record, and then the history store failed as the retry put the
-    request back: the operator must see why the retry failed, not the error raised while putting the
-    request back (found in review: a cancelled task's CancelledError was replaced the same way)."""
-    rt, _, r = await _failed_once("review-retry-error-kept")
+    """The copy could not be sent, and then the history store failed too: the operator must see why
+    the retry failed (the transport), not the store's error raised while putting the request back
+    (found in review: a cancelled task's CancelledError was replaced the same way)."""
+    rt, provider, r = await _failed_once("review-retry-error-kept")
     try:
         ops = OpsService(rt)
         await ops.cancel(r.message_id)
-        tracker: Any = rt.tracker
-        reads, writes = tracker.get, tracker.change_if_unchanged
+        tracker = rt.tracker
+        reads = tracker.get
 
-        async def refused(*args: object, **kwargs: object) -> bool:
+        async def refused(*args: object, **kwargs: object) -> None:
             async def store_down(message_id: object) -> None:
                 raise ConnectionError("injected: the history store is unreachable")
 
-            tracker.get = store_down  # (from the failed write on)
-            raise ProviderUnavailable("injected: the retry's record refused")
+            tracker.get = store_down  # type: ignore[method-assign]  # (from the failed send on)
+            raise ProviderUnavailable("injected: Service Bus unreachable")
 
-        tracker.change_if_unchanged = refused
-        with pytest.raises(ProviderUnavailable, match="the retry's record refused"):
+        provider.send_copy = refused  # type: ignore[method-assign]
+        with pytest.raises(ProviderUnavailable):
             await ops.retry(r.message_id)
-        tracker.get, tracker.change_if_unchanged = reads, writes
+        tracker.get = reads  # type: ignore[method-assign]
     finally:
         await rt.close()

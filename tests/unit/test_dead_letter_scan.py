@@ -124,7 +124,7 @@ async def test_a_retry_whose_letter_lies_past_the_scans_limit_sends_nothing_and_
         await scan_dead_letters(pages, {"c"}, before_removing=send, limit=2)
     assert sent == []
     assert pages.removed == []
-    assert sorted(pages.handed) == [(1, "a"), (2, "b")]
+    assert sorted(pages.handed) == [(1, "a"), (2, "b"), (3, "c")]  # (the third read to know there was more)
 
 
 async def test_a_letter_found_within_the_limit_is_retried_though_the_scan_stopped_there():
@@ -137,3 +137,18 @@ async def test_a_letter_found_within_the_limit_is_retried_though_the_scan_stoppe
     assert await scan_dead_letters(pages, {"a"}, before_removing=send, limit=2) == {"a"}
     assert sent == [1]
     assert pages.removed == [(1, "a")]
+
+
+async def test_a_queue_of_exactly_the_limit_is_read_to_its_end():
+    """A queue of ``limit`` letters was read to its end but not known to be: a retry whose letter it no
+    longer holds (the history the only copy left, a Storage poison letter past its lifetime) was
+    refused as if the letter lay further on (found in review). One more read tells them apart."""
+    pages = Pages([(1, "a"), (2, "b")])
+    sent: list[int] = []
+
+    async def send() -> None:
+        sent.append(1)
+
+    assert await scan_dead_letters(pages, {"c"}, before_removing=send, limit=2) == set()
+    assert sent == [1]
+    assert sorted(pages.handed) == [(1, "a"), (2, "b")]
