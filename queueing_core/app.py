@@ -18,6 +18,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from uuid import UUID
 
+from pydantic import ValidationError
+
 from .errors import DuplicateHandlerError, NotConfigured, RegistrationError
 from .hooks import Hooks
 from .messages import QueueMessage
@@ -101,6 +103,29 @@ def _infer_message_type(
         f"cannot tell which message type {func.__qualname__} handles: annotate its first parameter "
         "with a QueueMessage subclass or pass the type to @handler(MessageType)"
     )
+
+
+def _check_example(mtype: type[QueueMessage]) -> None:
+    """The type's example must be a message of its own model: the ops API and the dashboard's
+    Enqueue pages show it, and one that no longer validates (a field renamed since) would make them
+    fail for every type. Refused here so that start-up and ``queueing check`` name it."""
+    try:
+        example = mtype.example()
+        if example is not None:
+            example.body()  # what the ops API shows: JSON, so no NaN either
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(body)'}: {e['msg']}"
+            for e in exc.errors(include_url=False)[:5]
+        )
+        raise RegistrationError(
+            f"the example of message type {mtype.type_name()!r} does not validate against "
+            f"{mtype.__module__}.{mtype.__qualname__}: {problems}"
+        ) from None
+    except Exception as exc:  # an overridden example() that fails, or a body JSON cannot carry
+        raise RegistrationError(
+            f"the example of message type {mtype.type_name()!r} cannot be built: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _wants_context(func: Callable[..., Any]) -> bool:
@@ -220,6 +245,7 @@ class Router:
                     "each message type has its own queue"
                 )
         if known is None:
+            _check_example(mtype)
             self._types[name] = mtype
             self.version += 1
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from pathlib import Path
@@ -45,6 +47,7 @@ from .worker import Worker
 if TYPE_CHECKING:
     from .ops.models import MessageDetail, PurgeResult
     from .ops.service import OpsService
+    from .producer import EnqueueReceipt
 
 T = TypeVar("T")
 
@@ -132,6 +135,8 @@ def check(
     ] = None,
 ) -> None:
     """Load an app and report its queues, handlers and options; exit 1 on an invalid registration."""
+    from .ops.models import NAME_RULES, QUEUE_NAME, TYPE_NAME
+
     cfg = settings()
     the_app = app_from(app, cfg)
     target = transport or Transport(cfg.provider)
@@ -165,6 +170,11 @@ def check(
             warnings.append(
                 f"type {sub.type_name!r} has no handler here: its messages wait (WaitingForHandler)"
             )
+        # registration takes any name; the ops API and dashboard refuse some (whitespace, control
+        # characters, ...): said here, not refused, so that an app running with such a name still loads
+        for kind, value, pattern in (("queue", sub.queue, QUEUE_NAME), ("type", sub.type_name, TYPE_NAME)):
+            if not re.fullmatch(pattern, value):
+                warnings.append(f"{kind} {value!r} cannot be named in the ops API or dashboard: {NAME_RULES}")
         o = sub.options
         table.add_row(
             sub.type_name,
@@ -311,10 +321,12 @@ async def _enqueue(
         ) as progress:
             task = progress.add_task(f"enqueue {mtype.type_name()}", total=count)
             done = 0
+            outcomes: Counter[str] = Counter()
             while done < count:
                 n = min(batch, count - done)
                 msgs = [mtype.model_validate(body) for _ in range(n)]
                 receipts = await runtime.producer.enqueue_many(msgs, delay=delay)
+                outcomes.update(r.outcome for r in receipts)
                 done += n
                 progress.update(task, advance=n)
             # the messages are sent; history the store did not take is written before exit or, failing
@@ -335,12 +347,40 @@ async def _enqueue(
             ),
             highlight=False,
         )
-    if count == 1:
-        out.print(
-            f"enqueued {mtype.type_name()} {receipts[0].message_id} ({receipts[0].status})", highlight=False
-        )
-    else:
-        out.print(f"enqueued {counted(count, mtype.type_name() + ' message')}", highlight=False)
+    out.print(
+        _receipt_line(mtype.type_name(), receipts[0])
+        if count == 1
+        else _outcomes_line(mtype.type_name(), outcomes),
+        highlight=False,
+    )
+
+
+#: what an idempotent type's enqueue did instead of writing a new message (the producer's outcomes)
+_NOT_NEW = {
+    "discarded": "discarded: a message of the same identity and content was waiting; nothing was written",
+    "replaced": "replaced: the waiting message of the same identity took this body",
+}
+
+
+def _receipt_line(type_name: str, receipt: EnqueueReceipt) -> str:
+    """One enqueue, as the producer's receipt says it went: an idempotent type's enqueue may write
+    nothing (discarded) or change the waiting message (replaced), and must not read as a new one."""
+    if receipt.outcome == "discarded":  # the id is the waiting message's; the status is not read back
+        return f"{type_name} {_NOT_NEW['discarded']} (waiting: {receipt.message_id})"
+    if receipt.outcome == "replaced":
+        superseded = f"; it supersedes {receipt.supersedes}" if receipt.supersedes else ""
+        return f"{type_name} {receipt.message_id} {_NOT_NEW['replaced']}{superseded}"
+    return f"enqueued {type_name} {receipt.message_id} ({receipt.status})"
+
+
+def _outcomes_line(type_name: str, outcomes: Counter[str]) -> str:
+    """Many enqueues: how many wrote a new message, and how many an idempotent type discarded or
+    replaced (``--count 3`` of one identity is one message, not three)."""
+    line = f"enqueued {counted(outcomes['enqueued'], type_name + ' message')}"
+    for outcome in ("discarded", "replaced"):
+        if outcomes[outcome]:
+            line += f"; {outcomes[outcome]:,} {_NOT_NEW[outcome]}"
+    return line
 
 
 @cli.command()

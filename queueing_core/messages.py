@@ -6,7 +6,8 @@ correlation id, properties) travel in the envelope, not in the body, so there is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
@@ -15,6 +16,7 @@ from uuid import UUID, uuid4
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .clock import to_utc, utcnow
+from .errors import InvalidArgument
 from .options import QueueOptions
 
 
@@ -91,8 +93,45 @@ class QueueMessage(BaseModel):
         return ex if isinstance(ex, cls) else None
 
     def body(self) -> dict[str, Any]:
-        """The JSON body that goes on the wire (the message's own fields, without the base fields)."""
-        return self.model_dump(mode="json", exclude=set(BASE_FIELDS))
+        """The JSON body that goes on the wire (the message's own fields, without the base fields).
+
+        A number JSON cannot carry (NaN, an infinity) is refused: it would go out as null (or a
+        literal ``NaN`` no store keeps), and the message would no longer match its own model."""
+        body = self.model_dump(mode="json", exclude=set(BASE_FIELDS))
+        # the field values themselves: the dump has already turned a NaN held in an untyped field
+        # (a dict of Any) into None; the dump above also refused a cycle, so this walk ends
+        for name in body:
+            for path in non_finite(getattr(self, name, None), (name,)):
+                raise InvalidArgument(
+                    "message",
+                    f"{type(self).__name__}.{dotted(path)} is NaN or infinite: JSON has no such number, "
+                    "and the message would not arrive as sent",
+                )
+        return body
+
+
+def non_finite(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+    """Where ``value`` (JSON read by Python, or a message's field values) holds NaN or an infinity.
+
+    Python's json module reads ``NaN``, ``Infinity`` and ``1e999`` (as infinity) and writes them back;
+    standard JSON has none of them: SQLite's JSON stores null instead and PostgreSQL refuses them.
+    Iterative, so a body nested as deep as the parser allowed does not exhaust the stack here."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, path)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                yield at
+        elif isinstance(item, dict):
+            stack.extend((v, (*at, str(k))) for k, v in reversed(item.items()))
+        elif isinstance(item, list | tuple | set | frozenset):
+            stack.extend((v, (*at, i)) for i, v in reversed(list(enumerate(item))))
+        elif isinstance(item, BaseModel):
+            stack.extend((v, (*at, k)) for k, v in reversed(list(item.__dict__.items())))
+
+
+def dotted(path: tuple[str | int, ...]) -> str:
+    return ".".join(str(p) for p in path)
 
 
 M = TypeVar("M", bound=type[QueueMessage])

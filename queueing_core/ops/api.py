@@ -7,7 +7,7 @@ Layers, outermost first: :class:`~.problems.ErrorBoundary` (anything unexpected:
 """
 
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Annotated, Any, Literal
 from uuid import UUID
@@ -24,9 +24,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..clock import to_utc
 from ..errors import QueueingError
+from ..messages import non_finite
 from ..tracking import MessageQuery
 from .guard import ApiKeyHeaders, Credential, Guard, LocalOnly, is_json
 from .models import (
+    MAX_STATUSES,
     QUEUE_NAME,
     SCHEDULE_NAME,
     STATUS_NAME,
@@ -48,10 +50,11 @@ from .models import (
     StatusUpdateResult,
     SubscriptionInfo,
     Summary,
+    distinct_statuses,
 )
 from .problems import PROBLEM, ErrorBoundary, kit_problem, problem, without_input
 from .prometheus import CONTENT_TYPE
-from .service import OpsService
+from .service import BodyInvalid, OpsService
 
 PREFIX = "/api/_system/queueing"
 DEFAULT_MAX_BODY = 256 * 1024  # Service Bus standard's message size
@@ -145,6 +148,23 @@ UtcTime = Annotated[datetime, BeforeValidator(_iso_8601), AfterValidator(to_utc)
 Printable = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=PRINTABLE)]
 
 
+def refuse_non_finite(bodies: Sequence[dict[str, Any]]) -> None:
+    """Bodies holding NaN or an infinity are refused (422, each place named), before validation: the
+    JSON parser takes ``NaN``, ``Infinity`` and ``1e999``, a float field takes them, and the store then
+    keeps null (SQLite) or refuses the row (PostgreSQL): the message would not arrive as sent."""
+    errors = [
+        {
+            "type": "finite_number",
+            "loc": ["body", *([index] if len(bodies) > 1 else []), *path],
+            "msg": "Input should be a finite number: JSON has no NaN or Infinity",
+        }
+        for index, item in enumerate(bodies)
+        for path in non_finite(item)
+    ]
+    if errors:
+        raise BodyInvalid(errors)
+
+
 def create_app(
     ops: OpsService | Callable[[], Awaitable[OpsService]],
     *,
@@ -229,9 +249,14 @@ def create_app(
         queue: Annotated[str | None, Query(pattern=QUEUE_NAME)] = None,
         type: Annotated[str | None, Query(pattern=TYPE_NAME)] = None,
         status: Annotated[
-            list[Annotated[str, StringConstraints(pattern=STATUS_NAME)]] | None,
+            Annotated[
+                list[Annotated[str, StringConstraints(pattern=STATUS_NAME)]],
+                AfterValidator(distinct_statuses),
+            ]
+            | None,
             Query(
-                description="repeat for several; `Archived` selects archived messages. SQL accepts "
+                description="repeat for several (at most "
+                f"{MAX_STATUSES} different ones); `Archived` selects archived messages. SQL accepts "
                 "custom statuses; the other providers only the kit's and the queues' default statuses"
             ),
         ] = None,
@@ -426,6 +451,8 @@ def create_app(
         delay_seconds: Annotated[float | None, Query(ge=0, le=366 * 86400)] = None,
         correlation_id: Annotated[Printable | None, Query()] = None,
     ) -> EnqueueResult:
+        ops.queue(queueName)  # an unknown queue is a 404 whatever the body holds
+        refuse_non_finite(body)
         items = await ops.enqueue(queueName, body, delay=delay_seconds, correlation_id=correlation_id)
         return EnqueueResult(enqueued=items)
 

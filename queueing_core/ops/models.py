@@ -7,12 +7,27 @@ from typing import Annotated, Any, Literal
 from uuid import UUID
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic_core import PydanticCustomError
 
 from ..messages import CUSTOM_STATUS_PATTERN
 from ..options import Health
 
-QUEUE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,259}$"
-TYPE_NAME = r"^[A-Za-z_][A-Za-z0-9_.]{0,255}$"
+#: what no name the ops API takes may hold: whitespace, control characters (U+0000-U+001F, U+007F-U+009F), the
+#: invisible formatting ones (zero-width, bidirectional overrides) that make one name look like another,
+#: and markup and quoting characters (< > " ' ` \): the dashboard escapes names, but no real name needs
+#: them, and a name that holds none cannot become markup or break out of a quoted value anywhere
+_UNSAFE = r"\s\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2064\ufeff" + "<>\"'`" + r"\\"
+#: Registration takes any string as a queue or type name, and names such as `_internal` or
+#: `billing-invoice` (kebab-case, CloudEvents-style) are common: the API takes every name but those
+#: it cannot carry safely (see _UNSAFE). A name never starts with '.' or '/' (a path's "." and ".."
+#: segments are collapsed by clients); a queue name may hold '/' (its routes take the rest of the
+#: path), a type name not. Names reach SQL as bound parameters and the dashboard escaped.
+QUEUE_NAME = rf"^[^{_UNSAFE}/.][^{_UNSAFE}]{{0,259}}$"
+TYPE_NAME = rf"^[^{_UNSAFE}/.][^{_UNSAFE}/]{{0,255}}$"
+NAME_RULES = (
+    "a name there has no whitespace, control characters or < > \" ' ` \\, and does not start with "
+    "'.' or '/'; a type name has no '/' and at most 256 characters, a queue name at most 260"
+)
 STATUS_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 SCHEDULE_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,199}$"
 
@@ -240,6 +255,20 @@ _WhereInt = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 _WhereNumber = Annotated[float, Field(allow_inf_nan=False)]
 #: how many statuses a filter may name
 MAX_STATUSES = 32
+
+
+def distinct_statuses(values: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The statuses of a filter, each once, at most :data:`MAX_STATUSES`. Each one becomes a term of
+    the store's query: SQLite refuses an expression about 1,000 terms deep (a 500), so a long list is
+    refused by name; a status repeated is the same filter and does not count."""
+    distinct = tuple(dict.fromkeys(values))
+    if len(distinct) > MAX_STATUSES:
+        raise PydanticCustomError(
+            "too_many_statuses",
+            "at most {max} different statuses (given {given})",
+            {"max": MAX_STATUSES, "given": len(distinct)},
+        )
+    return distinct
 
 
 class StatusWhere(_Model):

@@ -4,6 +4,7 @@ counters, never a scan of the messages); handled messages and waiting times are 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from ..throughput import Throughput
@@ -20,10 +21,26 @@ def _labels(**labels: str) -> str:
     return "{" + ",".join(f'{k}="{_label(v)}"' for k, v in labels.items()) + "}"
 
 
+def _value(value: float) -> str:
+    """A sample's value, exact: ``{:g}`` kept 6 significant digits, so a count past a million came
+    out rounded (1234567 as 1.23457e+06) and a counter stood still between steps of its last digit
+    (rate() read 0, then a jump). Integers print whole; floats as Python's shortest round-trip repr,
+    which the format's Go float parsing reads back to the same number."""
+    if isinstance(value, int):  # bool too: a 0/1 gauge
+        return str(int(value))
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2**53:  # exactly an integer: "3", not "3.0"
+        return str(int(value))
+    return repr(value)
+
+
 def _family(name: str, kind: str, help_text: str, samples: Iterable[tuple[str, str, float]]) -> list[str]:
     """``samples``: (suffix, rendered labels, value)."""
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    lines += [f"{name}{suffix}{labels} {value:g}" for suffix, labels, value in samples]
+    lines += [f"{name}{suffix}{labels} {_value(value)}" for suffix, labels, value in samples]
     return lines
 
 

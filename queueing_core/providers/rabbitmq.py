@@ -921,6 +921,10 @@ class RabbitMQProvider(SideStoreOps):
                     "dead_lettered": await self.depth(physical, dead=True),
                     "delayed": delayed.get(physical, 0),
                 }
+            except ProviderUnavailable:
+                # the broker itself unreachable is no "not declared": the counts are unknown, and
+                # `GET health` / `GET stats` must answer 503 rather than all green without them
+                raise
             except ProviderError as exc:  # not declared (auto_declare off): no counts, not an error
                 log.debug("no broker counts for %s: %s", physical, exc)
         return out

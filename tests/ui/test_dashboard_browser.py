@@ -53,7 +53,7 @@ def test_find_inspect_and_bulk_retry_dead_letters(server: Served, page):
     orders = card(page, "ui-orders")
     expect(orders.locator(".badge.health")).to_have_text("Unhealthy")
     orders.get_by_role("link", name="Dead letters (3)").click()
-    expect(page).to_have_url(re.compile(r"/ui/messages\?queue=ui-orders&status=DeadLettered$"))
+    expect(page).to_have_url(re.compile(r"/ui/messages\?queue=ui-orders&status=DeadLettered&archived=false$"))
     rows = page.locator("table.messages tbody tr")
     expect(rows).to_have_count(3)
 

@@ -6,13 +6,13 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode
 
-from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints, ValidationError
 from starlette.requests import Request
 
 from ...errors import InvalidArgument
 from ...tracking import MessageQuery
 from ..api import Printable, UtcTime
-from ..models import QUEUE_NAME, STATUS_NAME, TYPE_NAME
+from ..models import QUEUE_NAME, STATUS_NAME, TYPE_NAME, distinct_statuses
 
 #: a form body larger than this is not one of ours (the enqueue form is the largest)
 MAX_FORM = 256 * 1024
@@ -27,7 +27,9 @@ class Filters(BaseModel):
 
     queue: Annotated[str, StringConstraints(pattern=QUEUE_NAME)] | None = None
     type: Annotated[str, StringConstraints(pattern=TYPE_NAME)] | None = None
-    status: tuple[Annotated[str, StringConstraints(pattern=STATUS_NAME)], ...] = ()
+    status: Annotated[
+        tuple[Annotated[str, StringConstraints(pattern=STATUS_NAME)], ...], AfterValidator(distinct_statuses)
+    ] = ()
     created_from: UtcTime | None = None
     created_to: UtcTime | None = None
     archived: Literal["true", "false"] | None = None
@@ -52,10 +54,24 @@ class Filters(BaseModel):
             if name == "status":
                 out += [("status", s) for s in value]
             elif isinstance(value, datetime):
-                out.append((name, value.strftime("%Y-%m-%dT%H:%M:%S")))
+                # whole: a filter carried on without its fraction of a second (to the bulk forms, the
+                # next page) selects other messages than the list shown: a purge deletes more
+                out.append((name, value.isoformat().replace("+00:00", "Z")))
             elif value is not None:
                 out.append((name, value))
         return out
+
+    def local_input(self, name: str) -> dict[str, str]:
+        """``value`` and ``step`` of a time's datetime-local input (UTC, no offset). The input holds
+        milliseconds at most, and only with a step under a second (else the browser refuses to send
+        the form): a time with a fraction is shown to the millisecond, and carried on whole by
+        :meth:`pairs`."""
+        value = getattr(self, name)
+        if not isinstance(value, datetime):
+            return {"value": "", "step": "1"}
+        if value.microsecond:
+            return {"value": value.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3], "step": "0.001"}
+        return {"value": value.strftime("%Y-%m-%dT%H:%M:%S"), "step": "1"}
 
     def describe(self) -> str:
         return ", ".join(f"{k} = {v}" for k, v in self.pairs()) or "no filter (every message)"

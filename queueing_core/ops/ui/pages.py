@@ -13,6 +13,7 @@ from fastapi.responses import Response
 
 from ...errors import InvalidArgument, InvalidOperation, MessageNotFound, MessageTooLarge, ProviderError
 from ...tracking import Activity, ActivitySource
+from ..api import refuse_non_finite
 from ..models import QUEUE_NAME, TYPE_NAME, ActionResult, MessageDetail, QueueSummary
 from ..service import BodyInvalid, OpsService
 from . import charts
@@ -316,6 +317,7 @@ def add_pages(ui: Dashboard) -> None:
             text, correlation, delay = one(form, "body"), one(form, "correlation_id"), one(form, "delay")
             context.update(body=text, correlation_id=correlation, delay=delay)
             bodies = _bodies(text)
+            refuse_non_finite(bodies)
             seconds = _delay(delay)
             if correlation and (len(correlation) > 256 or not correlation.isprintable()):
                 raise InvalidArgument("correlation_id", "at most 256 printable characters")

@@ -1025,7 +1025,7 @@ async def _migrate_next(engine: AsyncEngine, tables: Tables, *, now: Callable[[]
             await conn.execute(sa.text(f"SET LOCAL lock_timeout = {ms}"))
             schema = tables.metadata.schema
             # only when missing: CREATE SCHEMA needs CREATE on the database even with IF NOT EXISTS,
-            # and a least-privilege role (one with USAGE and CREATE on just its schema, infra/postgres) lacks it
+            # and a least-privilege role (USAGE and CREATE on just its schema, infra/postgres) lacks it
             if schema and not await _schema_exists(conn, schema):
                 await conn.execute(sa.text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
 
