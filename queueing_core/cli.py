@@ -628,7 +628,12 @@ def purge(
 
     result = _ops_call(app, confirmed_purge)
     out.print(
-        f"deleted {counted(result.deleted, 'message')}; left {result.skipped_leased} held by workers",
+        f"deleted {counted(result.deleted, 'message')}; left {result.skipped_leased} held by workers"
+        + (
+            f" and {result.left_waiting} the transport could not remove (waiting ones run)"
+            if result.left_waiting
+            else ""
+        ),
         highlight=False,
     )
 

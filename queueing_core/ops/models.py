@@ -165,6 +165,12 @@ class ActionResult(_Model):
 class PurgeResult(_Model):
     deleted: int
     skipped_leased: int = Field(description="matching messages left alone because a worker holds them")
+    left_waiting: int = Field(
+        default=0,
+        description="matching messages the transport still holds and could not remove: one waiting in "
+        "a queue that cannot be emptied message by message (RabbitMQ, SQS, Storage Queues, Service Bus), "
+        "or a dead letter another reader held; they stay, history and all, and waiting ones run",
+    )
 
 
 class ScheduleInfo(_Model):

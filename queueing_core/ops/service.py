@@ -678,10 +678,11 @@ class OpsService:
             if not r.readable("message_id") and r.stored and "message_id" in r.stored
         ]
         deleted = await self.runtime.tracker.delete(query, only=gone) if gone else 0
-        if isinstance(removed, Removed):  # (history the transport's own store deleted with them)
-            deleted += removed.forgotten
-        # (the messages a worker holds and the purge left, as on SQL: said so, not hidden in a 0)
-        return PurgeResult(deleted=deleted, skipped_leased=leased)
+        forgotten = removed.forgotten if isinstance(removed, Removed) else 0
+        # (the messages a worker holds and the purge left, as on SQL, and those the transport could not
+        # remove: said so, not hidden in a 0; a delayed one whose history went with its row is not left)
+        left = len(records) - len(gone) - forgotten
+        return PurgeResult(deleted=deleted + forgotten, skipped_leased=leased, left_waiting=max(0, left))
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
         if kind == "queue":

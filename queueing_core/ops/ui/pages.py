@@ -253,9 +253,12 @@ def add_pages(ui: Dashboard) -> None:
             return page(request, "_bulk.html", **context)
         if action == "purge":
             purged = await service.purge(filters.query())
-            context["done"] = f"Deleted {purged.deleted} message(s)" + (
-                f"; {purged.skipped_leased} held by a worker were left alone" if purged.skipped_leased else ""
-            )
+            done = [f"Deleted {purged.deleted} message(s)"]
+            if purged.skipped_leased:
+                done.append(f"{purged.skipped_leased} held by a worker were left alone")
+            if purged.left_waiting:
+                done.append(f"{purged.left_waiting} the transport could not remove stay (waiting ones run)")
+            context["done"] = "; ".join(done)
             return page(request, "_bulk.html", **context)
         retried, refused = 0, []
         for message_id in ids:
