@@ -8,7 +8,8 @@ retries it until ``maxDequeueCount``, then moves it to ``<queue>-poison``):
 
 =============  ==========================================================================
 Complete       return: the host deletes it
-RetryAfter     send a copy hidden for the backoff (attempts used in its envelope); return
+RetryAfter     send a copy hidden for the backoff (attempts used in its envelope; beyond the 7-day
+               visibility limit, its due time too, so an early arrival is hidden again); return
 Defer/Release  the same, without counting an attempt (pause, waiting for a handler, early)
 DeadLetter     put it in ``<queue>-poison`` with the reason and last error; return
 Expire         return (deleted), recorded as Expired
@@ -157,10 +158,11 @@ class FunctionsHost:
         # reads base64 (what it sends) or plain text (another producer's, the v12 SDK's default). With
         # "base64" the host failed on plain text before the function was called, 5 times, then moved
         # it to -poison with no reason and no history
-        from queueing_core.providers.storage_queue import decode_body
+        from queueing_core.providers.storage_queue import decode_body, storage_delivery
 
         text = decode_body(msg.get_body().decode("utf-8", errors="replace"))
-        delivery = Delivery.of(text, queue=sub.queue, delivery_count=msg.dequeue_count or 1)
+        # (as the worker's receive: an envelope too large for any copy of it is dead-lettered unrun)
+        delivery = storage_delivery(text, queue=sub.queue, delivery_count=msg.dequeue_count or 1)
         rt, settlement = await self._through_outages(
             lambda rt: rt.process(delivery, cancel_poll=self.settings.cancel_poll, slot_wait=SLOT_WAIT)
         )
@@ -302,9 +304,12 @@ async def settle_storage(provider: Any, s: Settlement) -> None:
     if isinstance(decision, DeadLetter):
         await outlasting(lambda: provider.dead_letter(d, decision, now))
     elif isinstance(decision, RetryAfter | Defer | Release):
+        from queueing_core.providers.storage_queue import copy_for_later  # (a Storage app's alone)
+
         assert d.envelope is not None, "malformed messages are always dead-lettered"
-        env = d.envelope.with_attempt(d.attempts_used(decision))
         due = _due(decision, now)
+        # a due beyond the visibility limit goes in the copy, or it would run when the limit ends
+        env = copy_for_later(d.envelope, d.attempts_used(decision), due, now)
         await outlasting(lambda: provider.put(d.queue, env, due - now, now))
 
 

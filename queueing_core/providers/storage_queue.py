@@ -3,6 +3,8 @@
 - A queue per type (sanitized: lowercase, 3-63) and its ``<queue>-poison`` queue, created on open.
 - The lease is the visibility timeout; ``dequeue_count`` counts attempts on top of the envelope's.
 - A failed attempt is re-hidden for the backoff delay (``update_message``): the next dequeue counts.
+  A backoff beyond the 7-day visibility limit is a fresh copy instead, carrying the attempt and its
+  due time (see below), and the original is deleted.
 - Anything that must not use an attempt (pause, waiting for a handler, an early delivery, a release at
   shutdown) sends a fresh copy carrying the attempts used so far and deletes the original, because
   every dequeue raises ``dequeue_count``.
@@ -11,13 +13,16 @@
 - Bodies are sent as base64 text; the kit decodes each message itself (base64, or plain text from
   another producer), so one bad body is a poison message, not a failed receive. The Functions app
   reads the text as it is (host.json's ``messageEncoding`` is ``none``) and decodes it the same way.
+  A copy of another producer's plain envelope too large for base64 (over 48 KiB) is sent as plain
+  text; one too large even so is dead-lettered when received, before it runs (see ``too_large_to_copy``).
 - Every message is sent without a storage TTL, expiry or not: the service drops what outlives its
   TTL without a trace (Storage Queues has no dead-letter for it), and no host may read a message in
   time (a queue paused past its messages' expiry, every host down). A message past its expiry waits
   until a worker receives it, which records it "Expired" and deletes it.
 - Delays beyond the 7-day visibility limit wait in the SQL delayed store when one is configured
   (``QUEUEING_STORAGE_DELAYED_STORE``), else are re-hidden for up to 7 more days on each arrival,
-  without using an attempt.
+  without using an attempt. A copy sent for later than that carries its due time (``not_before``):
+  the service shows it when the limit ends, and only its due time keeps it from running then.
 
 Pause/circuit state and message history live in Azure Tables (shared by every host and instance).
 """
@@ -32,6 +37,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -52,7 +58,16 @@ from azure.storage.queue.aio import QueueClient, QueueServiceClient
 from .. import retry_policy
 from ..clock import utcnow
 from ..connections import STORAGE, StorageConnection
-from ..decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
+from ..decisions import (
+    Complete,
+    DeadLetter,
+    DeadLetterReason,
+    Defer,
+    Expire,
+    Release,
+    RetryAfter,
+    due_at,
+)
 from ..envelope import Envelope, dead_letter_marks, malformed_identity
 from ..errors import (
     ConfigurationError,
@@ -81,6 +96,8 @@ log = logging.getLogger("queueing.storage_queue")
 
 POISON_SUFFIX = "-poison"
 MAX_VISIBILITY = timedelta(days=7)  # the service's limit on a visibility timeout
+#: what one queue message holds: 64 KiB of its text in UTF-8 (the service's limit)
+MAX_WIRE_BYTES = 64 * 1024
 #: 64 KiB of base64 text carries 48 KiB of text: what one queue message (and a poison copy) holds
 MAX_TEXT_BYTES = 48 * 1024
 #: room a message keeps for the marks its dead-letter copy adds (reason, time, a cut description)
@@ -112,10 +129,24 @@ class _Handle:
     #: the settlement's copy or dead letter is sent: the settler's next try after a failed delete goes
     #: on from there, not sending another (each try sent one: up to five copies that all ran)
     prepared: bool = False
+    #: a delete of this message went unanswered (it may have reached the service): kept on the handle,
+    #: not in one call, because the settler tries again in a new call, whose 404 may be that delete's
+    #: work, not a lost lease
+    delete_unanswered: bool = False
 
 
 def _fits(text: str) -> bool:
     return len(text.encode()) <= MAX_TEXT_BYTES
+
+
+def copy_for_later(env: Envelope, attempts: int, due: datetime, now: datetime) -> Envelope:
+    """The copy of ``env`` that runs at ``due``, carrying ``attempts`` used. A due beyond the
+    visibility limit is written into the copy (``not_before``): the service shows it when the limit
+    ends, and without its due time the copy would run then, early; with it, the pipeline hides it
+    again until it is due (or the delayed store keeps it)."""
+    if due - now > MAX_VISIBILITY:
+        return env.with_attempt(attempts, not_before=due)
+    return env.with_attempt(attempts)
 
 
 def poison_text(d: Delivery, decision: DeadLetter, now: datetime) -> str:
@@ -181,6 +212,56 @@ def encode_body(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
+#: characters a queue message's text may not hold as it is: it travels as XML 1.0 text, which has no
+#: place for most control characters, surrogates and U+FFFE/U+FFFF, and whose parser turns a CR into a
+#: LF (JSON from the kit escapes every control character, so an envelope of its has none of these)
+_NOT_XML_SAFE = re.compile("[^\t\n\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def wire_text(text: str) -> str | None:
+    """What is sent for ``text``: base64, as the kit sends everything, when it fits in a queue
+    message; else the text as it is, where the service keeps it unchanged (the kit reads either). An
+    envelope from another producer may be up to 64 KiB of plain text: its copies (a retry, a pause, a
+    deferral) in base64, a third larger, would be refused on every try, and the message would come
+    back until its attempts ran out, dead-lettered unrun. None: it fits in neither form."""
+    encoded = encode_body(text)
+    if len(encoded) <= MAX_WIRE_BYTES:
+        return encoded
+    if len(text.encode()) <= MAX_WIRE_BYTES and not _NOT_XML_SAFE.search(text):
+        return text
+    return None
+
+
+def too_large_to_copy(env: Envelope, text: str) -> str | None:
+    """Why no copy of ``env`` (received as ``text``) could be sent, or None. A copy carries the attempts
+    used and may carry a due time; checked on receipt, so such a message is dead-lettered at once with
+    this reason rather than run, fail to send its copies and come back until its attempts are spent."""
+    if len(text) * 4 + 512 <= MAX_TEXT_BYTES:
+        return None  # (cheap: well within what base64 carries, whatever the characters)
+    # the largest copy a settlement sends: more attempt digits, a due time
+    largest = env.with_attempt(env.attempt + 10**6, not_before=env.not_before or env.created_at)
+    copy = largest.encode_text()
+    if wire_text(copy) is not None:
+        return None
+    return (
+        f"the envelope is {len(text.encode())} bytes of plain text: a copy of it (for a retry, a pause or "
+        f"a deferral) does not fit in a queue message ({MAX_WIRE_BYTES} bytes) in any form, so it is "
+        "dead-lettered before it runs"
+    )
+
+
+def storage_delivery(
+    text: str, *, queue: str, delivery_count: int, handle: Any = None, lease_until: datetime | None = None
+) -> Delivery:
+    """The delivery of a queue message's decoded text (the worker's receive and the Functions trigger)."""
+    d = Delivery.of(text, queue=queue, delivery_count=delivery_count, handle=handle, lease_until=lease_until)
+    if d.envelope is not None and (why := too_large_to_copy(d.envelope, text)) is not None:
+        # not an envelope this transport can carry: dead-lettered by the pipeline with this reason
+        malformed = MalformedEnvelope(why, text)
+        d = Delivery(queue, text, None, malformed, max(1, delivery_count), handle, lease_until=lease_until)
+    return d
+
+
 def decode_body(content: str) -> str:
     """Base64 text (the Functions trigger's default) or, failing that, the text as it is."""
     try:
@@ -214,6 +295,11 @@ class _ReceiptLost(ProviderError):
 
 class _MessageGone(_ReceiptLost):
     """The message is no longer in the queue (404)."""
+
+
+class _DeleteUnconfirmed(_ReceiptLost):
+    """The message is gone (404) after a delete of ours went unanswered, found so once it could have
+    been received again: our delete may have removed it, or the run that received it after us."""
 
 
 @contextlib.contextmanager
@@ -413,11 +499,15 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         self, c: QueueClient, env: Envelope, visible_in: timedelta, now: datetime
     ) -> None:
         hide = min(max(visible_in, timedelta(0)), MAX_VISIBILITY)
+        text = env.encode_text()
+        content = wire_text(text)
+        if content is None:  # (a received envelope too large to copy is dead-lettered on receipt)
+            raise ProviderError(
+                f"sending to {c.queue_name} failed: {len(text.encode())} bytes do not fit in a queue message"
+            )
         with _boundary(f"sending to {c.queue_name}"):
             # no TTL (see the module's note): the kit records a message's expiry when it reads it
-            await c.send_message(
-                encode_body(env.encode_text()), visibility_timeout=whole_seconds(hide), time_to_live=-1
-            )
+            await c.send_message(content, visibility_timeout=whole_seconds(hide), time_to_live=-1)
 
     async def _limited(self, aw: Awaitable[None]) -> None:
         async with self._limit:
@@ -459,7 +549,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                     count = msg.dequeue_count or 1
                     handle = _Handle(c, msg.id, msg.pop_receipt or "", count, sent_at + lease)
                     out.append(
-                        Delivery.of(
+                        storage_delivery(
                             decode_body(msg.content),
                             queue=sub.queue,
                             delivery_count=count,
@@ -497,25 +587,32 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         when it came while the message was still hidden under our receipt (no other run could have
         received it yet); any other 404 is a lost lease. Once the message could have been received
         again, the current holder may have deleted it (a stale run taking that for its own delete
-        would record its outcome over the holder's), so the settlement is refused."""
-        unanswered = False
+        would record its outcome over the holder's), so the settlement is refused, marked unconfirmed:
+        the runtime records its outcome unless a later run has recorded one.
+
+        The unanswered try is remembered on the handle: when every try here goes unanswered, the
+        settler tries again in a new call, and that call's 404 is judged by the same rule."""
         for attempt in range(retry_policy.RETRIES + 1):
             try:
                 with _boundary("deleting a message"), _receipt_held():
                     await h.queue_client.delete_message(h.id, h.pop_receipt, retry_total=0)
                 return
             except _MessageGone:
+                if not h.delete_unanswered:
+                    raise
                 # answered while the message was still hidden under our receipt (the service's own
                 # end of it is later than ours): no other run could have received it, so our earlier
                 # try deleted it. The time of the answer, not of the send: a request may reach the
                 # service seconds after it leaves (a new connection's handshake)
-                if unanswered and utcnow() < h.hidden_until:
+                if utcnow() < h.hidden_until:
                     return
-                raise
+                raise _DeleteUnconfirmed(
+                    "the message is gone from the queue after a delete went unanswered"
+                ) from None
             except ProviderUnavailable:
+                h.delete_unanswered = True
                 if attempt == retry_policy.RETRIES:
                     raise
-                unanswered = True
                 await asyncio.sleep(min(retry_policy.BACKOFF_MAX, retry_policy.BACKOFF_FIRST * 2**attempt))
 
     async def _hide(self, h: _Handle, delay: timedelta) -> None:
@@ -540,27 +637,33 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             try:
                 if isinstance(decision, Complete | Expire):
                     await self._delete(h)
-                elif isinstance(decision, RetryAfter):
+                elif isinstance(decision, RetryAfter) and decision.delay <= MAX_VISIBILITY:
                     await self._hide(h, decision.delay)  # the next dequeue counts the attempt
                 else:
-                    # A copy goes first (a dead letter, or a deferral's fresh copy) and the original is
-                    # deleted after. Renewing the lease first proves this receipt still holds the
-                    # message, so a run whose lease passed on writes no copy at all.
-                    await self._hide(h, self._lease(d))
-                    if h.prepared:
-                        pass
-                    elif isinstance(decision, DeadLetter):
-                        await self.dead_letter(d, decision, now)
-                    else:
-                        assert isinstance(decision, Defer | Release)
-                        if d.envelope is None:  # cannot happen: malformed bodies are dead-lettered
-                            return
-                        due = decision.until if isinstance(decision, Defer) else now
-                        copy = d.envelope.with_attempt(d.attempts_used(decision))
-                        # a fresh copy starts at dequeue_count 0: the deferral costs no attempt
-                        await self.put(d.queue, copy, due - now, now)
-                    h.prepared = True
+                    # A copy goes first (a dead letter, a deferral's fresh copy, or a retry later than
+                    # the service can hide a message, whose copy carries its due time) and the
+                    # original is deleted after. Renewing the lease first proves this receipt still
+                    # holds the message, so a run whose lease passed on writes no copy at all. Once
+                    # the copy is out (an earlier call's), only the delete is left: a renewal then
+                    # proves nothing, and its 404 may be that earlier call's delete landing unanswered.
+                    if not h.prepared:
+                        await self._hide(h, self._lease(d))
+                        if isinstance(decision, DeadLetter):
+                            await self.dead_letter(d, decision, now)
+                        else:
+                            assert isinstance(decision, RetryAfter | Defer | Release)
+                            if d.envelope is None:  # cannot happen: malformed bodies are dead-lettered
+                                return
+                            due = due_at(decision, now) or now
+                            copy = copy_for_later(d.envelope, d.attempts_used(decision), due, now)
+                            # a fresh copy starts at dequeue_count 0: its envelope counts the attempts
+                            await self.put(d.queue, copy, due - now, now)
+                        h.prepared = True
                     await self._delete(h)
+            except _DeleteUnconfirmed as exc:
+                # not known to be ours: not applied, but recorded unless a later run recorded its own
+                d.refuse(str(exc))
+                d.unconfirmed = True
             except _ReceiptLost as exc:
                 d.refuse(str(exc))
             # only once it is done (or refused) does a renewal waiting for its turn have nothing left to
@@ -578,6 +681,12 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
         settled_each(settlements, results, "Storage Queues")
+        # some settled, so the batch is not tried again and those that failed count as refused; one
+        # whose delete went unanswered may have been deleted all the same, and then it never comes back
+        # for a later run to record: its outcome is recorded unless a later run has recorded its own
+        for s, r in zip(settlements, results, strict=True):
+            if isinstance(r, BaseException) and s.delivery.handle.delete_unanswered:
+                s.delivery.unconfirmed = True
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         lost: list[Delivery] = []
