@@ -677,10 +677,20 @@ class OpsService:
             for r in records
             if not r.readable("message_id") and r.stored and "message_id" in r.stored
         ]
+        # a message that finished (succeeded, or cancelled by the host that received it) is nowhere on
+        # the transport: its history is all there is of it, and goes (a purge of them deleted nothing)
+        gone += [
+            r.message_id
+            for r in records
+            if r.readable("message_id")
+            and r.message_id not in removed
+            and (r.status == S.SUCCEEDED or (r.status == S.CANCELLED and not is_cancel_request(r)))
+        ]
         deleted = await self.runtime.tracker.delete(query, only=gone) if gone else 0
         forgotten = removed.forgotten if isinstance(removed, Removed) else 0
-        # (the messages a worker holds and the purge left, as on SQL, and those the transport could not
-        # remove: said so, not hidden in a 0; a delayed one whose history went with its row is not left)
+        # (the messages a worker holds and the purge left, as on SQL, and those the transport may still
+        # hold and could not remove: waiting in a live queue, a dead letter another reader held; said
+        # so, not hidden in a 0. A delayed one whose history went with its row is not left)
         left = len(records) - len(gone) - forgotten
         return PurgeResult(deleted=deleted + forgotten, skipped_leased=leased, left_waiting=max(0, left))
 

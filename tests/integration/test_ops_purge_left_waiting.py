@@ -43,3 +43,24 @@ async def _all_succeeded(rt, ids) -> bool:
         if rec is None or rec.status != MessageStatus.SUCCEEDED:
             return False
     return True
+
+
+async def test_a_purge_of_finished_messages_deletes_their_history_and_leaves_nothing(harness):
+    """A message that succeeded is nowhere on the transport: its history is all there is of it. Off SQL
+    a purge by status took only what the transport removed, so a purge of succeeded messages deleted
+    nothing, and said it left them waiting (found in review)."""
+    app = harness.app()
+
+    @app.handler()
+    async def handle(msg: Note) -> None:
+        return None
+
+    rt = await harness.runtime(app)
+    sent = [await app.enqueue(Note(n=n)) for n in range(3)]
+    async with running(rt):
+        await wait_until(lambda: _all_succeeded(rt, [s.message_id for s in sent]), what="the three runs")
+    async with ops_client(rt) as client:
+        res = await client.delete("/messages", params={"queue": "purge_left", "status": "Succeeded"})
+        assert res.status_code == 200, res.text
+        assert (res.json()["deleted"], res.json()["left_waiting"]) == (3, 0), res.json()
+    assert [await rt.tracker.get(s.message_id) for s in sent] == [None, None, None]
