@@ -86,8 +86,9 @@ if TYPE_CHECKING:
     from ..app import QueueingApp, Subscription
 
 log = logging.getLogger("queueing.servicebus")
-#: how far past its queue's time to live a message's may reach before it is refused (``check_expiry``)
-EXPIRY_LEEWAY = timedelta(minutes=1)
+#: how far past its queue's time to live a message's may reach before it is refused (``check_expiry``):
+#: the clocks of the hosts that build messages may differ by that much (never more than the grace)
+EXPIRY_LEEWAY = timedelta(minutes=5)
 #: how long a look for a message in its queue may take after a settlement it refused, seconds
 _PEEK_TIMEOUT = 10.0
 
@@ -418,13 +419,16 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         params``, or :meth:`_create_queue`)."""
         for env in envelopes:
             sub = app.subscription(env.type)
-            wanted = self._time_to_live(env, now)
-            if sub is None or wanted is None or env.expires_at is None:
+            if sub is None or env.expires_at is None:
                 continue
+            # a scheduled message's time to live runs from its scheduled time: a delay past the type's
+            # expiration with a later expiry to match (as the docs ask) is within its queue's
+            start = max(now, env.not_before) if env.not_before is not None else now
+            wanted = env.expires_at - start + self.ttl_grace
             limit = queue_time_to_live(sub.options, self.ttl_grace)
-            # (a minute of leeway: a message built a moment ahead of this clock, its default expiry
-            # from its created_at, only loses that much of the grace)
-            if limit is not None and wanted > limit + EXPIRY_LEEWAY:
+            # (leeway: a message built on a host whose clock is ahead, its default expiry from its
+            # created_at, only loses that much of the grace)
+            if limit is not None and wanted > limit + min(EXPIRY_LEEWAY, self.ttl_grace):
                 expiration = sub.options.expiration
                 raise InvalidArgument(
                     "expires_at",
