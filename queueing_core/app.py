@@ -227,7 +227,13 @@ class Router:
         ``interval`` (whole seconds), on ticks aligned to the Unix epoch."""
         return self.schedules.add_every(interval, message, name=name, catch_up=catch_up)
 
-    def _add_type(self, mtype: type[QueueMessage]) -> None:
+    def produced(self, message_type: type[QueueMessage]) -> None:
+        """Register a type met first as it is enqueued (so the ops API knows its queue). Its example is
+        not checked here: a stale one would fail a valid enqueue (a handler's follow-up message then
+        retried and dead-lettered); registering the type, or ``queueing check``, names it."""
+        self._add_type(message_type, check_example=False)
+
+    def _add_type(self, mtype: type[QueueMessage], *, check_example: bool = True) -> None:
         if not (isinstance(mtype, type) and issubclass(mtype, QueueMessage)):
             raise RegistrationError(f"{mtype!r} is not a QueueMessage subclass")
         name = mtype.type_name()
@@ -245,7 +251,8 @@ class Router:
                     "each message type has its own queue"
                 )
         if known is None:
-            _check_example(mtype)
+            if check_example:
+                _check_example(mtype)
             self._types[name] = mtype
             self.version += 1
 

@@ -160,7 +160,7 @@ def build_envelope(
     timing that contradicts itself)."""
     mtype = type(message)
     if mtype.type_name() not in app.message_types:
-        app.message(mtype)  # producing a type registers it, so the ops API knows its queue
+        app.produced(mtype)  # producing a type registers it, so the ops API knows its queue
     qopts = app.options_for(mtype)
     due = _when(now, options.get("delay"), options.get("not_before"), ("delay", "not_before"))
     expiry = _when(now, options.get("ttl"), options.get("expires_at"), ("ttl", "expires_at"))

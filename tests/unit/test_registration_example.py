@@ -107,3 +107,22 @@ def test_queueing_check_exits_1_naming_the_example(tmp_path):
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "example of message type 'Sync'" in r.stderr
     assert "account: Field required" in r.stderr
+
+
+async def test_a_type_met_first_as_it_is_enqueued_is_not_refused_for_its_example():
+    """A type only produced (never registered up front) is registered at its first enqueue: its stale
+    example failed that enqueue (a handler's follow-up message would be retried, then dead-lettered;
+    found in review). The enqueue goes ahead, and the ops API lists the type without the example."""
+    from queueing_core.ops import OpsService
+    from queueing_core.testing import in_process
+
+    app = QueueingApp("example-produced")
+    rt = in_process(app)
+    await rt.open()
+    try:
+        receipt = await app.enqueue(Renamed(account="acme"))
+        assert receipt.message_id
+        [info] = [s for s in OpsService(rt).subscriptions() if s.type == Renamed.type_name()]
+        assert info.example is None
+    finally:
+        await rt.close()
