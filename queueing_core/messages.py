@@ -98,16 +98,57 @@ class QueueMessage(BaseModel):
         A number JSON cannot carry (NaN, an infinity) is refused: it would go out as null (or a
         literal ``NaN`` no store keeps), and the message would no longer match its own model."""
         body = self.model_dump(mode="json", exclude=set(BASE_FIELDS))
-        # the field values themselves: the dump has already turned a NaN held in an untyped field
-        # (a dict of Any) into None; the dump above also refused a cycle, so this walk ends
-        for name in body:
-            for path in non_finite(getattr(self, name, None), (name,)):
-                raise InvalidArgument(
-                    "message",
-                    f"{type(self).__name__}.{dotted(path)} is NaN or infinite: JSON has no such number, "
-                    "and the message would not arrive as sent",
-                )
+        for path in _lost_on_the_wire(body, self):
+            raise InvalidArgument(
+                "message",
+                f"{type(self).__name__}.{dotted(path)} is NaN or infinite: JSON has no such number, "
+                "and the message would not arrive as sent",
+            )
         return body
+
+
+_UNCHECKED = object()
+
+
+def _lost_on_the_wire(dumped: Any, model: BaseModel) -> Iterator[tuple[str | int, ...]]:
+    """Where the dump (what goes on the wire) holds NaN or an infinity, as a typed float keeps it; or
+    None where the value dumped was one and nothing of the model's chose that None: pydantic's JSON
+    mode turns a NaN held untyped (``Any``, a ``dict[str, Any]``) into None. Only what is dumped is
+    walked: a field excluded from the dump, or one whose own serializer writes None, is the model's
+    choice. The dump refused a cycle, so the walk ends."""
+    stack: list[tuple[Any, Any, tuple[str | int, ...]]] = [(dumped, model, ())]
+    while stack:
+        out, raw, at = stack.pop()
+        if isinstance(out, float):
+            if not math.isfinite(out):
+                yield at
+        elif out is None:
+            if isinstance(raw, float) and not math.isfinite(raw):
+                yield at
+        elif isinstance(out, dict):
+            stack.extend((v, _dumped_from(raw, k), (*at, k)) for k, v in reversed(out.items()))
+        elif isinstance(out, list):
+            stack.extend((v, _dumped_from(raw, i), (*at, i)) for i, v in reversed(list(enumerate(out))))
+
+
+def _dumped_from(raw: Any, key: str | int) -> Any:
+    """The value ``raw[key]`` was dumped from, where a None in its place is not the model's choice."""
+    if isinstance(raw, BaseModel):
+        field = type(raw).model_fields.get(key) if isinstance(key, str) else None
+        if field is None or not isinstance(key, str):
+            return _UNCHECKED
+        value = getattr(raw, key, None)
+        # a typed field's None is its type's or its serializer's doing; an untyped one's may be a NaN
+        return (
+            value
+            if field.annotation is Any or isinstance(value, dict | list | tuple | BaseModel)
+            else _UNCHECKED
+        )
+    if isinstance(raw, dict):
+        return raw.get(key, _UNCHECKED)
+    if isinstance(raw, list | tuple) and isinstance(key, int) and key < len(raw):
+        return raw[key]
+    return _UNCHECKED
 
 
 def non_finite(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
