@@ -419,9 +419,15 @@ class Settler:
                     # that is not that absence may split what is left again
                     split = not cut_short
                 if attempt == 5:
-                    # what took effect before a later part of the batch failed is recorded: it is done
-                    done = [s for s in chunk if s.delivery.applied]
-                    chunk = [s for s in chunk if not s.delivery.applied]
+                    # what took effect before a later part of the batch failed is recorded: it is done.
+                    # So is what may have: a message gone from its queue after a try whose answer was
+                    # lost (``Delivery.unconfirmed``), recorded by compare-and-set unless a later run
+                    # recorded its own (dropped here, its history said Pending for good)
+                    for s in chunk:
+                        if s.delivery.unconfirmed and not s.delivery.applied:
+                            s.delivery.refused = True
+                    done = [s for s in chunk if s.delivery.applied or s.delivery.unconfirmed]
+                    chunk = [s for s in chunk if not (s.delivery.applied or s.delivery.unconfirmed)]
                     if chunk:
                         log.error(
                             "could not settle %d message(s) after %d tries: %s", len(chunk), attempt, exc

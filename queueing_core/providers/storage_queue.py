@@ -145,7 +145,12 @@ def copy_for_later(env: Envelope, attempts: int, due: datetime, now: datetime) -
     ends, and without its due time the copy would run then, early; with it, the pipeline hides it
     again until it is due (or the delayed store keeps it)."""
     if due - now > MAX_VISIBILITY:
-        return env.with_attempt(attempts, not_before=due)
+        later = env.with_attempt(attempts, not_before=due)
+        if wire_text(later.encode_text()) is not None:
+            return later
+        # (another producer's envelope so near the limit that its due time does not fit: it comes back
+        # when the visibility limit ends, days early, rather than not at all)
+        log.warning("a copy of %s is too large to carry its due time: it shows after 7 days", env.message_id)
     return env.with_attempt(attempts)
 
 
@@ -232,15 +237,16 @@ def wire_text(text: str) -> str | None:
     return None
 
 
-def too_large_to_copy(env: Envelope, text: str) -> str | None:
+def too_large_to_copy(env: Envelope, text: str, attempt: int) -> str | None:
     """Why no copy of ``env`` (received as ``text``) could be sent, or None. A copy carries the attempts
     used and may carry a due time; checked on receipt, so such a message is dead-lettered at once with
     this reason rather than run, fail to send its copies and come back until its attempts are spent."""
     if len(text) * 4 + 512 <= MAX_TEXT_BYTES:
         return None  # (cheap: well within what base64 carries, whatever the characters)
-    # the largest copy a settlement sends: more attempt digits, a due time
-    largest = env.with_attempt(env.attempt + 10**6, not_before=env.not_before or env.created_at)
-    copy = largest.encode_text()
+    # the largest copy a settlement within the visibility limit sends (a retry, a pause, a deferral):
+    # the most attempts it can carry, its own due time (a copy for later than the limit that does not
+    # fit goes without its due time: ``copy_for_later``)
+    copy = env.with_attempt(attempt + 1).encode_text()
     if wire_text(copy) is not None:
         return None
     return (
@@ -255,7 +261,7 @@ def storage_delivery(
 ) -> Delivery:
     """The delivery of a queue message's decoded text (the worker's receive and the Functions trigger)."""
     d = Delivery.of(text, queue=queue, delivery_count=delivery_count, handle=handle, lease_until=lease_until)
-    if d.envelope is not None and (why := too_large_to_copy(d.envelope, text)) is not None:
+    if d.envelope is not None and (why := too_large_to_copy(d.envelope, text, d.attempt)) is not None:
         # not an envelope this transport can carry: dead-lettered by the pipeline with this reason
         malformed = MalformedEnvelope(why, text)
         d = Delivery(queue, text, None, malformed, max(1, delivery_count), handle, lease_until=lease_until)
@@ -680,13 +686,14 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)
-        settled_each(settlements, results, "Storage Queues")
-        # some settled, so the batch is not tried again and those that failed count as refused; one
-        # whose delete went unanswered may have been deleted all the same, and then it never comes back
-        # for a later run to record: its outcome is recorded unless a later run has recorded its own
+        # one that failed after its delete went unanswered may have been deleted all the same, and then
+        # it never comes back for a later run to record: its outcome is recorded unless a later run has
+        # recorded its own, whether the rest settled (those that failed then count as refused) or the
+        # settler gives the batch up after its tries (marked before ``settled_each`` raises)
         for s, r in zip(settlements, results, strict=True):
             if isinstance(r, BaseException) and s.delivery.handle.delete_unanswered:
                 s.delivery.unconfirmed = True
+        settled_each(settlements, results, "Storage Queues")
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         lost: list[Delivery] = []

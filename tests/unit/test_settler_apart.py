@@ -61,7 +61,7 @@ class Runtime:
 class Done:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.delivery = SimpleNamespace(applied=False)  # (keyed by id() in the journal)
+        self.delivery = SimpleNamespace(applied=False, unconfirmed=False)  # (keyed by id() in the journal)
 
 
 def batch(n: int) -> list[Any]:
