@@ -266,7 +266,7 @@ async def test_actions_and_the_states_they_refuse(api, sql_db):
     purge = (
         await client.request("DELETE", "/messages", params={"queue": "emails", "status": "Leased"})
     ).json()
-    assert purge == {"deleted": 0, "skipped_leased": 1}
+    assert purge == {"deleted": 0, "skipped_leased": 1, "left_waiting": 0}
     r = await client.post(f"/messages/{held['message_id']}/lease/release")
     assert r.status_code == 200
     assert (await rt.tracker.get(UUID(held["message_id"]))).status == "Pending"
