@@ -92,16 +92,20 @@ def _lands_then_outage(
     return calls
 
 
-async def test_a_success_whose_delete_landed_unanswered_is_recorded_by_the_settlers_next_try(azurite):
+async def _runs_and_is_recorded_succeeded(
+    azurite: Any, unanswered: int, settled: Callable[..., bool]
+) -> None:
+    """A message runs; its first delete lands unanswered, the next ``unanswered`` are not sent: once
+    ``settled(worker, calls)`` holds, its history says Succeeded, and it is gone from its queue."""
     ran: list[int] = []
     rt = await _runtime(azurite, ran)
     p = rt.provider
     assert isinstance(p, StorageQueueProvider)
     try:
-        calls = _lands_then_outage(p.client(p.physical("lost.delete")), unanswered=3)
+        calls = _lands_then_outage(p.client(p.physical("lost.delete")), unanswered=unanswered)
         receipt = await rt.app.enqueue(Job(n=1))
-        async with running(rt):
-            await wait_until(lambda: len(calls) >= 5, timeout=60, what="the settler's next try")
+        async with running(rt) as worker:
+            await wait_until(lambda: settled(worker, calls), timeout=90, what="the settler's tries")
             await wait_until(
                 lambda: _status(rt, receipt.message_id, MessageStatus.SUCCEEDED), timeout=10, what="Succeeded"
             )
@@ -109,30 +113,19 @@ async def test_a_success_whose_delete_landed_unanswered_is_recorded_by_the_settl
         assert await p.depth("lost.delete") == 0
     finally:
         await _drop(rt, "lost.delete", "lost.short")
+
+
+async def test_a_success_whose_delete_landed_unanswered_is_recorded_by_the_settlers_next_try(azurite):
+    await _runs_and_is_recorded_succeeded(azurite, 3, lambda worker, calls: len(calls) >= 5)
 
 
 async def test_a_success_whose_delete_landed_before_an_outage_longer_than_every_try_is_recorded(azurite):
     """The outage outlasts the settler's five tries (four deletes each): it gives the settlement up.
     The message ran and is gone from its queue, so no later run records it: the settlement is recorded
     by compare-and-set (the history stayed Pending for good; found in review)."""
-    ran: list[int] = []
-    rt = await _runtime(azurite, ran)
-    p = rt.provider
-    assert isinstance(p, StorageQueueProvider)
-    try:
-        calls = _lands_then_outage(p.client(p.physical("lost.delete")), unanswered=10**6)
-        receipt = await rt.app.enqueue(Job(n=1))
-        async with running(rt) as worker:
-            await wait_until(
-                lambda: worker.settler.unsettled == 0 and len(calls) >= 20, timeout=90, what="the give-up"
-            )
-            await wait_until(
-                lambda: _status(rt, receipt.message_id, MessageStatus.SUCCEEDED), timeout=10, what="Succeeded"
-            )
-        assert ran == [1]
-        assert await p.depth("lost.delete") == 0
-    finally:
-        await _drop(rt, "lost.delete", "lost.short")
+    await _runs_and_is_recorded_succeeded(
+        azurite, 10**6, lambda worker, calls: worker.settler.unsettled == 0 and len(calls) >= 20
+    )
 
 
 async def test_a_dead_letter_whose_delete_landed_unanswered_is_recorded_dead_lettered(azurite):
