@@ -33,7 +33,7 @@ from queueing_core.loader import load_app
 from queueing_core.naming import Transport
 from queueing_core.settings import QueueingSettings, load_settings
 
-from .host import FunctionsHost
+from .host import PROCESSOR_STOP_GRACE, FunctionsHost
 
 log = logging.getLogger("queueing.functions")
 
@@ -92,9 +92,14 @@ def _check_connections(transport: str, env: dict[str, str]) -> None:
         StorageConnection.from_environment(STORAGE_CONNECTION, env)  # queues and/or the Tables
 
 
-#: what a processor run needs after its budget: the worker's stop (at most 10 s) and the final
-#: settlement flush, before the host's functionTimeout ends the invocation mid-settlement
-BUDGET_MARGIN = 30.0
+#: the longest a worker's stop takes past its grace for running handlers (``queueing_core.worker``:
+#: ``CLAIM_GRACE`` for claims still out and cancelled handlers, then ``CLOSE_FLOOR`` each for the final
+#: settlement flush and the close); not imported: this module loads no more than it needs at cold start
+STOP_BEYOND_GRACE = 20.0
+#: what a processor run needs besides its budget before the host's functionTimeout ends the invocation
+#: mid-settlement: the worker's stop (the grace handlers still running get, then the claims, the final
+#: settlement flush and the close) and 10 s for opening the runtime on a cold start, before the budget
+BUDGET_MARGIN = PROCESSOR_STOP_GRACE + STOP_BEYOND_GRACE + 10.0
 
 
 def _check_budget(cfg: QueueingSettings, transport: Transport, env: dict[str, str]) -> None:
@@ -273,7 +278,10 @@ def _continuing(context: Any) -> None:
 
 
 def _storage_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscription, queue: str) -> None:
-    async def on_message(msg: func.QueueMessage, context: func.Context | None = None) -> None:
+    # ``context`` is annotated with the class itself, not ``func.Context | None``: the Python worker
+    # refuses, at indexing, a ``context`` whose type hint is not a class named Context (a union failed
+    # the whole app's indexing: 0 functions loaded). The None default is for callers without one (tests)
+    async def on_message(msg: func.QueueMessage, context: func.Context = None) -> None:  # type: ignore[assignment]
         _continuing(context)  # each invocation runs in its own task: the value stays with it
         await host.on_storage_message(sub, msg)
 

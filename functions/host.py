@@ -72,9 +72,13 @@ T = TypeVar("T")
 KIT_OUTAGE_WAIT = 30.0
 #: how long an invocation waits for a free slot of its type (``max_concurrency`` per process) before
 #: its message is deferred, no attempt counted: the host pushes in more invocations than a type's slots
-#: (host.json: 16 at once), and one still waiting at the functionTimeout ended the Python worker, with
-#: every other invocation of the process
+#: (host.json: up to 16 Service Bus messages, or 24 Storage messages, a batch of 16 and the next fetched
+#: when 8 are left), and one still waiting at the functionTimeout ended the Python worker, with every
+#: other invocation of the process
 SLOT_WAIT = 60.0
+#: the most a SQL processor run gives the handlers still running at its budget's end to finish (a fifth
+#: of the budget when that is less); one still running then is cut, a failed attempt
+PROCESSOR_STOP_GRACE = 10.0
 
 
 async def outlasting(step: Callable[[], Awaitable[T]]) -> T:
@@ -204,13 +208,19 @@ class FunctionsHost:
 
     # -- timers ------------------------------------------------------------------------------------
     async def process_sql(self, budget: float) -> None:
-        """Claim and process batches until idle or until ``budget`` seconds have passed."""
+        """Claim and process batches until idle or until ``budget`` seconds have passed; handlers still
+        running then get :data:`PROCESSOR_STOP_GRACE` (at most a fifth of the budget) to finish, and one
+        still running after that is cut and counts a failed attempt (``Worker.drain``)."""
         from queueing_core.worker import Worker
 
         rt = await self.runtime()
         # schedules have a timer of their own (run_schedules), not a share of the processor's budget
         worker = Worker(
-            rt, shutdown_timeout=min(10.0, budget / 5), poll_min=0.05, poll_max=1.0, schedules=False
+            rt,
+            shutdown_timeout=min(PROCESSOR_STOP_GRACE, budget / 5),
+            poll_min=0.05,
+            poll_max=1.0,
+            schedules=False,
         )
         await worker.drain(budget)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
+from .clock import as_utc
 from .messages import MessageStatus
 from .storable import storable_text
 
@@ -95,6 +96,18 @@ class Defer:
 
     def __post_init__(self) -> None:
         _keep_text(self, "reason")
+        if self.until.tzinfo is not UTC:
+            object.__setattr__(self, "until", _in_utc(self.until))  # (frozen: set once, as it is made)
+
+
+def _in_utc(when: datetime) -> datetime:
+    """A deferral's time as every time the kit keeps: in UTC, a naive one taken as UTC. It may be a
+    handler's "run again at"; left naive, it failed the settlement after the handler had succeeded,
+    where it met an aware time. One outside the years 1-9999 once in UTC is the nearest time that is not."""
+    try:
+        return as_utc(when)
+    except OverflowError:
+        return (datetime.max if when.year == datetime.max.year else datetime.min).replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 Order of the checks (each is a decision the transports only settle):
 
-1. malformed envelope           -> DeadLetter(malformed-envelope), raw kept by the settler
+1. malformed envelope           -> DeadLetter(malformed-envelope), raw kept by the settler (so is one
+   whose ``created_at`` is too late for its queue's expiration to be added: the producer refuses it)
 2. expired                      -> Expire, never handed to a handler
 3. not yet due (early delivery) -> Defer(Sleeping)
 4. queue or type paused         -> Defer(Paused), no attempt counted
@@ -15,7 +16,8 @@ Order of the checks (each is a decision the transports only settle):
    success -> Complete (or Defer(Sleeping) if it returned a time to run again);
    ``Retry(after=)`` / exception / time limit -> RetryAfter(backoff) until max attempts, then
    DeadLetter(max-attempts-exceeded); ``NonRetryableError`` -> DeadLetter(non-retryable);
-   the host cancelling (shutdown) -> Release, no attempt counted.
+   the host cancelling (shutdown) -> Release, no attempt counted; but a host whose time for the
+   run is over (``cut_short``: a scheduled host's budget and its stop grace) counts a failed attempt.
 """
 
 from __future__ import annotations
@@ -182,6 +184,9 @@ PreviousLookup = Callable[[Subscription, QueueMessage], Awaitable[QueueMessage |
 SupersedeCheck = Callable[[Subscription, QueueMessage], Awaitable[UUID | None]]
 #: (subscription, message, its expiry, now) -> whether an idempotent message past its expiry expires
 ExpiryCheck = Callable[[Subscription, QueueMessage, datetime, datetime], Awaitable[bool]]
+#: asked when the host cancels a running handler: why the host's time for the run is over (a run cut
+#: then counts a failed attempt), or None for a stop that hands the message back uncounted
+CutShort = Callable[[], str | None]
 
 
 def read_message(sub: Subscription, env: Envelope) -> QueueMessage | DeadLetter:
@@ -317,12 +322,14 @@ class Pipeline:
         stopping: asyncio.Event | None = None,
         closing: asyncio.Event | None = None,
         slot_wait: float | None = None,
+        cut_short: CutShort | None = None,
     ) -> Decision:
         """Decide what becomes of ``delivery``. ``stopping`` is what the handler sees as
         ``ctx.cancelled``; once ``closing`` is set (the host is shutting down) no handler starts:
         a message still waiting for a concurrency slot is handed back untouched. ``slot_wait``: the
         longest a message waits for a concurrency slot of its type before it is deferred, no attempt
-        counted (a host pushing messages in, whose invocations a timeout ends, the wait included)."""
+        counted (a host pushing messages in, whose invocations a timeout ends, the wait included).
+        ``cut_short``: asked when the host cancels the running handler (see :data:`CutShort`)."""
         now = self.clock()
         if delivery.malformed is not None or delivery.envelope is None:
             reason = delivery.malformed.reason if delivery.malformed else "no envelope"
@@ -332,7 +339,18 @@ class Pipeline:
 
         expires_at = env.expires_at
         if expires_at is None and sub is not None and sub.options.expiration is not None:
-            expires_at = env.created_at + sub.options.expiration
+            try:
+                expires_at = env.created_at + sub.options.expiration
+            except OverflowError:
+                # past the year 9999: the producer refuses such a message, and raised here it failed
+                # every delivery (a worker handed it back for ever, a Functions host unrecorded)
+                too_late = (
+                    f"created_at {env.created_at.isoformat()} is too late to add the queue's expiration "
+                    f"({sub.options.expiration}) to"
+                )
+                return await self._emit_final(
+                    delivery, DeadLetter(DeadLetterReason.MALFORMED_ENVELOPE, too_late)
+                )
         if (
             expires_at is not None
             and now >= expires_at
@@ -407,7 +425,7 @@ class Pipeline:
                     delivery, Defer(until, MessageStatus.PAUSED, f"circuit for {sub.type_name!r} is open")
                 )
 
-        decision = await self._run(delivery, sub, env, message, stopping, closing, slot_wait, now)
+        decision = await self._run(delivery, sub, env, message, stopping, closing, slot_wait, now, cut_short)
         # the probe named by the time the store acquired it until
         probe = now + cb.probe_timeout if probing and cb is not None else None
         if cb is not None and not _unrun(decision):
@@ -470,6 +488,7 @@ class Pipeline:
         closing: asyncio.Event | None,
         slot_wait: float | None,
         now: datetime,
+        cut_short: CutShort | None = None,
     ) -> Decision:
         run = _Run(asyncio.Event(), asyncio.current_task(), sub.options.cancel_grace.total_seconds())
         if stopping is not None and stopping.is_set():
@@ -540,9 +559,17 @@ class Pipeline:
                     )
                 else:
                     # our own cancellation of a cancelled message (after its grace), or the host shutting
-                    # down and giving up waiting: the latter hands the message back untouched
+                    # down and giving up waiting: the latter hands the message back untouched, unless
+                    # the host's time for the run is over (a scheduled host's budget and stop grace):
+                    # handed back uncounted, a run longer than that was cut and started again on every
+                    # tick, for ever, never failing and never dead-lettered
                     task.uncancel()
-                    decision = Release("host shutting down")
+                    why = cut_short() if cut_short is not None else None
+                    if why is None:
+                        decision = Release("host shutting down")
+                    else:
+                        error = exc
+                        decision = self._failure(sub, delivery.attempt, why, None)
             except Retry as exc:
                 error = exc
                 decision = self._failure(sub, delivery.attempt, f"Retry: {exc.reason}", exc.after)
@@ -565,7 +592,7 @@ class Pipeline:
             else:
                 if isinstance(result, datetime):
                     decision = Defer(
-                        result,
+                        result,  # (in UTC, a naive time taken as UTC: ``Defer`` sees to it)
                         MessageStatus.SLEEPING,
                         "handler asked to run again later",
                         reset_attempts=True,

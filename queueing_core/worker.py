@@ -611,6 +611,9 @@ class Worker:
         self.started = asyncio.Event()
         #: monotonic time of the last message received or finished (for hosts that stop when idle)
         self.last_activity = time.monotonic()
+        #: why a handler the stop cancels counts a failed attempt (``drain``: its budget and the stop
+        #: grace are over); None (a worker's own stop) hands its message back uncounted
+        self._out_of_time: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def subscriptions(self) -> list[Subscription]:
@@ -777,7 +780,10 @@ class Worker:
             asked = self.shutdown_timeout <= 0 or self._hurry.is_set()
             log.log(
                 logging.INFO if asked else logging.WARNING,
-                "releasing %d message(s) still running at the shutdown deadline",
+                "releasing %d message(s) still running at the shutdown deadline"
+                if self._out_of_time is None
+                else "cutting short %d message(s) still running at the shutdown deadline: each counts a "
+                "failed attempt",
                 len(handlers),
             )
             self._handler_stop.set()
@@ -1170,7 +1176,7 @@ class Worker:
     async def _handle(self, sub: Subscription, state: _SubState, delivery: Delivery) -> None:
         try:
             settlement = await self.runtime.process(
-                delivery, stopping=self._handler_stop, closing=self._stopping
+                delivery, stopping=self._handler_stop, closing=self._stopping, cut_short=self._cut_short
             )
         except asyncio.CancelledError:
             settlement = _released(delivery)
@@ -1189,6 +1195,10 @@ class Worker:
     def _settled(self, chunk: list[Settlement]) -> None:
         for s in chunk:
             self._in_flight.pop(id(s.delivery), None)
+
+    def _cut_short(self) -> str | None:
+        """What the pipeline asks of a handler the stop cancelled (see ``_out_of_time``)."""
+        return self._out_of_time
 
     async def _renew_loop(self) -> None:
         leases = [s.options.lease_duration for s in self.subscriptions()] or [timedelta(seconds=30)]
@@ -1261,7 +1271,11 @@ class Worker:
 
     async def drain(self, budget: float, *, idle_after: float = 2.0) -> None:
         """Process until nothing has happened for ``idle_after`` seconds or ``budget`` runs out, then
-        shut down (what a scheduled host such as a Functions timer does)."""
+        shut down (what a scheduled host such as a Functions timer does): handlers still running get
+        ``shutdown_timeout`` more to finish, after the budget. One still running then is cancelled and
+        counts a failed attempt (retried with backoff, dead-lettered after ``max_attempts``), where a
+        worker's own stop hands it back uncounted: a scheduled host stops at every run's end, so a run
+        longer than budget and grace handed back would start again on every run, for ever."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         await self.start()
@@ -1270,6 +1284,11 @@ class Worker:
                 await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
                 if self.in_flight == 0 and time.monotonic() - self.last_activity > idle_after:
                     break
-            self.shutdown_timeout = max(0.0, min(self.shutdown_timeout, deadline - loop.time()))
+            # (the stop grace was cut to what was left of the budget, nothing at its end: every run
+            # still going then was cancelled at once and handed back, and started again next time)
+            self._out_of_time = (
+                f"cut short: still running after its host's budget ({budget:g} s) and the "
+                f"{self.shutdown_timeout:g} s it gives running handlers to finish"
+            )
         finally:
             await self.shutdown()
