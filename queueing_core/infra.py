@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .app import QueueingApp
 from .errors import ConfigurationError
-from .naming import InvalidQueueName, Transport, validate
+from .naming import InvalidQueueName, QueueNaming, Transport, validate
 from .options import QueueOptions
 
 BEGIN = "// BEGIN GENERATED QUEUES (queueing infra params)"
@@ -67,18 +67,33 @@ class ServiceBusQueue:
     duplicate_detection: bool
 
 
+#: the queue each transport keeps beside a queue under a name of its own: its dead letters (or the
+#: Functions host's poison messages). A queue named like another's companion would read, and run
+#: again, that queue's dead letters, and hide them from every retry and purge of it
+COMPANIONS: dict[Transport, str] = {
+    Transport.STORAGE_QUEUE: "-poison",
+    Transport.SQS: "-dlq",
+    Transport.RABBITMQ: ".dead-letter",
+}
+
+
 def check_names(
-    app: QueueingApp, transports: tuple[Transport, ...] = (Transport.SERVICE_BUS, Transport.STORAGE_QUEUE)
+    app: QueueingApp,
+    transports: tuple[Transport, ...] = (Transport.SERVICE_BUS, Transport.STORAGE_QUEUE),
+    naming: QueueNaming | None = None,
 ) -> None:
     """Raise :class:`ConfigurationError` naming the queue whose name on one of ``transports`` the
-    service would refuse (a Storage queue's ``-poison`` companion included), that the Bicep cannot
-    create (a Service Bus name holding '/'), or that two queues share."""
-    seen: dict[tuple[Transport, str], str] = {}
+    service would refuse (its dead-letter or poison companion included), that the Bicep cannot
+    create (a Service Bus name holding '/'), or that two queues share (a companion's included).
+    ``naming``: the provider's own prefix and suffix, when it has them (the app's by default)."""
+    seen: dict[tuple[Transport, str], tuple[str, str]] = {}  # name -> (its queue, what it is)
     for sub in app.subscriptions():
         for transport in transports:
-            name = sub.physical_queue(app.naming, transport)
-            names = [name, f"{name}-poison"] if transport is Transport.STORAGE_QUEUE else [name]
-            for each in names:
+            name = sub.physical_queue(naming or app.naming, transport)
+            companion = COMPANIONS.get(transport)
+            names = [name] if companion is None else [name, f"{name}{companion}"]
+            kept = "poison" if transport is Transport.STORAGE_QUEUE else "dead-letter"
+            for each, role in zip(names, ("", f" (its {kept} queue)"), strict=False):
                 try:
                     validate(each, transport)
                 except InvalidQueueName as exc:
@@ -95,12 +110,14 @@ def check_names(
                         "a name without '/', queue prefix and suffix included",
                     )
                 key = (transport, each.lower() if transport is Transport.SERVICE_BUS else each)
-                if key in seen and seen[key] != sub.queue:
+                if key in seen and seen[key][0] != sub.queue:
                     raise ConfigurationError(
                         f"queue {sub.queue!r}",
-                        f"{each!r} is also the name of queue {seen[key]!r} on {transport.value}",
+                        f"{each!r}{role} is also the name of queue {seen[key][0]!r}{seen[key][1]} on "
+                        f"{transport.value}",
+                        "queue names that stay apart on the transport, its dead-letter queues' included",
                     )
-                seen[key] = sub.queue
+                seen[key] = (sub.queue, role)
 
 
 def queues_for(

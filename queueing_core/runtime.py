@@ -25,6 +25,7 @@ from .decisions import Complete, DeadLetter, Defer, Expire, Release, RetryAfter
 from .envelope import REPEATED_FORWARD, Envelope, malformed_identity
 from .idempotency import IdentityGuard
 from .messages import MessageStatus
+from .naming import Transport
 from .pipeline import Pipeline
 from .producer import Producer, SendsIdempotent
 from .throughput import Throughput
@@ -150,6 +151,12 @@ class Runtime:
         if isinstance(self.provider, StoresProgress):
             await self.provider.store_progress(delivery, stamped)
         elif delivery.envelope is not None:  # (always: only a decoded message's handler runs)
+            if self.provider.capabilities.purge_takes_held and (
+                await self.tracker.get(delivery.envelope.message_id) is None
+            ):
+                # a purge of its whole queue took the message from under the run (and its history):
+                # written back, a Leased record stayed that no settlement would end (it is refused)
+                return
             rec = record_from_envelope(delivery.envelope, MessageStatus.LEASED.value, now, progress=stamped)
             await self.tracker.upsert([rec])
 
@@ -159,6 +166,13 @@ class Runtime:
 
     async def open(self) -> None:
         if not self._opened:
+            if self.provider.transport in (Transport.SQS, Transport.RABBITMQ):
+                # a queue named like another's dead-letter queue (or two sharing one name) would run
+                # that queue's dead letters again: refused before anything is declared or created
+                # (Service Bus and Storage are checked where the Functions app is built)
+                from .infra import check_names
+
+                check_names(self.app, (self.provider.transport,), getattr(self.provider, "naming", None))
             await self.provider.open(self.app)
             self._opened = True
             if not self.provider.capabilities.durable_history:

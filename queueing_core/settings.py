@@ -178,9 +178,10 @@ class QueueingSettings(BaseSettings):
     )
     ttl_grace: timedelta = Field(
         default=timedelta(hours=1),
-        description="Service Bus, RabbitMQ: the broker's own time-to-live of a message is its expiry "
-        "plus this, so a worker records `Expired` first (what the broker drops goes to the dead-letter "
-        "queue). Storage Queues keeps every message until a worker reads it.",
+        description="Service Bus: the broker's own time-to-live of a message is its expiry plus this, so "
+        "a worker records `Expired` first (what the broker drops goes to the dead-letter queue). "
+        "RabbitMQ: messages carry no time-to-live now; those an earlier version sent carry expiry plus "
+        "this. Storage Queues keeps every message until a worker reads it.",
     )
     rabbitmq_url: SecretStr = Field(
         default=SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
@@ -198,7 +199,19 @@ class QueueingSettings(BaseSettings):
         default=None,
         description="SQS: a different endpoint (a local server); AWS's own when unset.",
     )
-    sqs_region: str = Field(default="us-east-1", description="SQS: the AWS region.")
+    sqs_region: str | None = Field(
+        default=None,
+        description="SQS: the AWS region. Unset: the one the standard AWS configuration names "
+        "(`AWS_DEFAULT_REGION`, the profile's `region` in `~/.aws/config`, then `AWS_REGION`), and "
+        "`us-east-1` where none does.",
+    )
+    sqs_create_queues: bool = Field(
+        default=True,
+        description="SQS: create missing queues (and their dead-letter queues) at start and bring "
+        "existing ones to the kit's settings (needs `sqs:CreateQueue`, `sqs:SetQueueAttributes` and "
+        "`sqs:GetQueueAttributes`). Off: the queues are only looked up (`sqs:GetQueueUrl`), and one "
+        "missing stops start-up naming it.",
+    )
     delayed_store_retries: int = Field(
         default=3,
         ge=0,

@@ -7,9 +7,11 @@ never on the event loop (boto3 clients are thread-safe; the pool bounds the conc
   as ``VisibilityTimeout`` and SQS's longest
   ``MessageRetentionPeriod`` (14 days): the kit records expiry itself, and a message's own ``ttl`` may
   outlast its type's expiration. A queue that exists with other settings (an older version's shorter
-  retention) is brought to these on open. SQS still deletes a message that waits *unreceived in the
-  queue* for 14 days, whatever its ``ttl`` (a delay beyond 15 minutes waits in the delayed store, whose
-  rows SQS does not count: the 14 days start when it is forwarded; a retry or pause sends a new copy).
+  retention) is brought to these on open. With ``auto_create`` off (``QUEUEING_SQS_CREATE_QUEUES``)
+  the queues and their dead-letter queues are only looked up, and one missing stops the open. SQS
+  still deletes a message that waits *unreceived in the queue* for 14 days, whatever its ``ttl`` (a
+  delay beyond 15 minutes waits in the delayed store, whose rows SQS does not count: the 14 days
+  start when it is forwarded; a retry or pause sends a new copy).
 - The lease is the visibility timeout; long handlers extend it (``ChangeMessageVisibilityBatch``).
   ``ApproximateReceiveCount`` counts deliveries on top of the envelope's attempts.
 - Retries, pauses, waits and releases send a copy carrying the attempts used (``DelaySeconds`` up to
@@ -32,6 +34,7 @@ import functools
 import json
 import logging
 import math
+import os
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +87,10 @@ DLQ_SUFFIX = "-dlq"
 MESSAGE_ID = "queueing-message-id"
 TYPE = "queueing-type"
 ATTEMPT = "x-attempt"
+#: GetQueueUrl's error codes for a queue that does not exist (the JSON protocol's; the query protocol's)
+_NO_QUEUE = {"QueueDoesNotExist", "AWS.SimpleQueueService.NonExistentQueue"}
+#: the setting that turns queue creation off
+CREATE_QUEUES_SETTING = "QUEUEING_SQS_CREATE_QUEUES"
 #: error codes that mean "try again later", not "this request is wrong"
 _TRANSIENT = {
     "ThrottlingException",
@@ -164,6 +171,19 @@ def _entry_bytes(entry: dict[str, Any]) -> int:
         len(k.encode()) + len(v["DataType"]) + len(v["StringValue"].encode())
         for k, v in entry["MessageAttributes"].items()
     )
+
+
+#: the region when neither the kit's setting nor the AWS configuration names one (the kit's old default)
+DEFAULT_REGION = "us-east-1"
+
+
+def standard_region(session: Any) -> str:
+    """The region the standard AWS configuration names, as ``session`` (a boto3 session) reads it:
+    botocore's own resolution (``AWS_DEFAULT_REGION``, the profile's ``region``), then ``AWS_REGION``
+    (which AWS's runtimes set and the other SDKs read, botocore not), then :data:`DEFAULT_REGION`. A
+    fixed default passed over all of them put the queues of a deployment in another region in
+    us-east-1, with its messages (found in review)."""
+    return str(session.region_name or os.environ.get("AWS_REGION") or DEFAULT_REGION)
 
 
 @dataclass
@@ -273,6 +293,13 @@ class SqsProvider(SideStoreOps):
             lock_renewal=True,
             native_dead_letter=True,
             max_message_bytes=MAX_ENVELOPE_BYTES,
+            # PurgeQueue deletes the messages consumers hold too ("including in-flight messages"): a
+            # whole-queue purge that left their history as held reported them left to their workers
+            # while SQS had deleted them, and the history said Leased for good (found in review). Their
+            # history goes now. The holder's delete is then refused (not recorded; moto) or taken (its
+            # outcome recorded, as AWS takes an old receipt), and a copy its run sends (a retry, a
+            # pause) comes back: a duplicate, not a loss (tests/integration/test_sqs_purge_takes_held.py)
+            purge_takes_held=True,
             # SQS deletes a dead letter after 14 days (a queue's longest retention) whatever anyone did;
             # its history, which keeps the message whole, stays: still listed, and a retry sends it
             # again from there (pruned by age with the rest, the message was lost; found in review)
@@ -292,14 +319,18 @@ class SqsProvider(SideStoreOps):
         from .. import retry_policy
 
         threads = int(kwargs.pop("threads", 16))
-        client = boto3.client(
+        # a session of its own: the AWS configuration as it is now (boto3's default session keeps the
+        # one it read first), its region and credentials from one reading
+        session = boto3.session.Session()
+        client = session.client(
             "sqs",
             endpoint_url=settings.sqs_endpoint_url,
-            region_name=settings.sqs_region,
+            region_name=settings.sqs_region or standard_region(session),
             config=retry_policy.boto3_config(max_pool_connections=threads),
         )
         kwargs.setdefault("ttl_grace", settings.ttl_grace)
         kwargs.setdefault("delayed_retries", settings.delayed_store_retries)
+        kwargs.setdefault("auto_create", settings.sqs_create_queues)
         return cls(client, stores=SideStores.from_settings(settings), threads=threads, **kwargs)
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -364,8 +395,7 @@ class SqsProvider(SideStoreOps):
             if url is not None:
                 return url
             if not self.auto_create:
-                resp = await self._call(f"finding queue {name}", self.client.get_queue_url, QueueName=name)
-                self._urls[name] = url = str(resp["QueueUrl"])
+                self._urls[name] = url = await self._find(name)
                 return url
             dlq_name = self.dead_letter_name(physical)
             dlq_url = await self._create(dlq_name, {"MessageRetentionPeriod": str(MAX_RETENTION)})
@@ -397,6 +427,26 @@ class SqsProvider(SideStoreOps):
             self._urls[physical] = await self._create(physical, attrs)
             return self._urls[name]
 
+    async def _find(self, name: str) -> str:
+        """The URL of a queue that must exist (``auto_create`` off): a missing one is named, with the
+        region looked in (a region not meant is the likeliest cause), not left to a bare error code."""
+        try:
+            resp = await self._run(self.client.get_queue_url, QueueName=name)
+        except ClientError as exc:
+            if _code(exc) not in _NO_QUEUE:
+                with _boundary(f"finding queue {name}"):
+                    raise
+            raise ConfigurationError(
+                CREATE_QUEUES_SETTING,
+                f"SQS queue {name} does not exist in {self.client.meta.region_name} and queues are not "
+                "created",
+                f"create {name} (see the SQS transport's docs for its settings), or true to have it created",
+            ) from None
+        except Exception:
+            with _boundary(f"finding queue {name}"):
+                raise
+        return str(resp["QueueUrl"])
+
     async def _url_of_physical(self, physical: str) -> str:
         """The URL of a physical queue name (delayed messages are stored by physical name)."""
         url = self._urls.get(physical)
@@ -413,6 +463,9 @@ class SqsProvider(SideStoreOps):
         await self.stores.open()
         for sub in app.subscriptions():
             await self._url(sub.queue)
+            if not self.auto_create:
+                # (created with its queue otherwise) a missing one would fail the first dead letter
+                await self._url(sub.queue, dead=True)
 
     async def close(self) -> None:
         if self._pool is not None:
