@@ -303,7 +303,17 @@ class OpsService:
 
     async def check_filters(self, query: MessageQuery, *, purging: bool = False) -> None:
         """Refuse a status nothing can have (422). A listing on SQL takes any custom status; a purge
-        takes one only if some message has it, so a misspelt status is an error, not "deleted 0"."""
+        takes one only if some message has it, so a misspelt status is an error, not "deleted 0".
+        A purge names a queue of the app (404 otherwise): off SQL it empties the broker's queue of that
+        name, which may belong to another application or be created by asking for it. On SQL a queue
+        the app no longer has is taken while some message still names it (its rows are only rows)."""
+        if purging and query.queue is not None and query.queue not in self.app.by_queue():
+            named = (
+                isinstance(self.actions, PurgesWithHistory)
+                and (await self.runtime.tracker.query(MessageQuery(queue=query.queue), limit=1)).items
+            )
+            if not named:
+                self.queue(query.queue)
         known = self.known_statuses()
         for status in query.status or ():
             if status in known:
@@ -688,11 +698,15 @@ class OpsService:
         ]
         deleted = await self.runtime.tracker.delete(query, only=gone) if gone else 0
         forgotten = removed.forgotten if isinstance(removed, Removed) else 0
+        # (those a worker had already received, which the transport's purge of the whole queue left)
+        held = min(removed.held, deleted) if isinstance(removed, Removed) else 0
         # (the messages a worker holds and the purge left, as on SQL, and those the transport may still
         # hold and could not remove: waiting in a live queue, a dead letter another reader held; said
         # so, not hidden in a 0. A delayed one whose history went with its row is not left)
-        left = len(records) - len(gone) - forgotten
-        return PurgeResult(deleted=deleted + forgotten, skipped_leased=leased, left_waiting=max(0, left))
+        left = len(records) - len(gone) - forgotten + held
+        return PurgeResult(
+            deleted=deleted + forgotten - held, skipped_leased=leased, left_waiting=max(0, left)
+        )
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
         if kind == "queue":

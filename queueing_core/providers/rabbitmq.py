@@ -10,11 +10,12 @@
   an envelope, in the envelope's headers as on the other transports) and keeps bytes that are not an
   envelope exactly as they came. The copy is confirmed before the ack, so a dead letter is never lost.
 - **Receive: a consumer per queue feeding an in-process buffer** (``basic.consume`` with a prefetch
-  of ``max_concurrency x prefetch``), not ``basic.get``: the broker pushes while handlers run, so the
-  worker's ``receive`` finds messages waiting instead of paying a round trip per message, and
-  ``wait_for_work`` wakes the moment a message arrives. A consumer that nobody asks for work for
-  ``idle_timeout`` (a stopped or paused worker) is cancelled and its buffered messages are handed back
-  (as copies: a requeue would mark them redelivered), so an idle process does not hoard work.
+  of ``max_concurrency x prefetch``, at most AMQP's 65,535), not ``basic.get``: the broker pushes
+  while handlers run, so the worker's ``receive`` finds messages waiting instead of paying a round
+  trip per message, and ``wait_for_work`` wakes the moment a message arrives. A consumer that nobody
+  asks for work for ``idle_timeout`` (a stopped or paused worker; never while a ``wait_for_work``
+  waits on it) is cancelled and its buffered messages are handed back (as copies: a requeue would
+  mark them redelivered), so an idle process does not hoard work.
 - Manual ack. RabbitMQ has no native delay (``max_delay = 0``): retries with backoff, deferrals
   (pause, waiting for a handler, sleeping) and delayed enqueues go through the delayed-message store
   and are republished when due. A copy carries the attempts used in its envelope (and ``x-attempt``),
@@ -23,8 +24,11 @@
 - Every publish waits for the broker's confirm: an enqueue returns once the broker has the message
   (``enqueue`` and ``enqueue_and_wait`` alike), and copies, dead letters and forwarded delayed
   messages are confirmed before the original is acked.
-- The AMQP ``expiration`` is the envelope's expiry plus ``ttl_grace``, so the kit records "Expired"
-  first (and puts the message in the dead-letter queue with the reason ``expired``).
+- No AMQP ``expiration``: a message past its expiry waits until a worker receives it, which records it
+  "Expired" and puts it in the dead-letter queue with the reason ``expired`` (a broker time to live
+  moved the message of a paused type unread, without a reason, its history left Pending). The queue's
+  ``x-dead-letter-exchange`` stays for messages that have one (sent by an earlier version or by
+  another publisher).
 - ``connect_robust`` reconnects after a broker restart; consumers are restored. Settling a message
   received on a connection that has since died is skipped (the broker requeued it): nothing acked
   is lost, and what was not acked is delivered again.
@@ -86,7 +90,7 @@ from .dead_letters import DEAD_STATES, id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
 from .delayed.breaker import first_line
 from .names import companion_name
-from .side_stores import SideStoreOps
+from .side_stores import SideStoreOps, WholeQueuePurge
 from .sql.history import SideStores, malformed_id
 from .sql.leases import SqlLeaseStore
 
@@ -113,9 +117,10 @@ DEAD_LETTER_ROOM = 64 * 1024
 #: the largest envelope the kit sends: RabbitMQ 4's default ``max_message_size`` (16 MiB; 3.x allowed
 #: 128 MiB) less that room. A broker configured for more takes ``max_message_bytes``
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024 - DEAD_LETTER_ROOM
-#: the longest per-message TTL the broker takes (ten years; RabbitMQ 3.10.8 refused a millisecond more
-#: with PRECONDITION_FAILED, which closes the channel every publish of the process shares)
-MAX_EXPIRATION = timedelta(days=3650)
+#: the most unacked messages a consumer's ``basic.qos`` can ask for (prefetch-count is an AMQP short):
+#: ``max_concurrency x prefetch`` may be more (each is validated alone), and a larger value failed the
+#: subscribe with a raw error, for ever (aio-pika's robust channel keeps it and asks it again on reconnect)
+MAX_PREFETCH = 65535
 
 
 @contextlib.contextmanager
@@ -204,6 +209,9 @@ class _Consumer:
     in_flight: int = 0
     #: loop time of the last receive/wait_for_work (the worker still wants this queue's work)
     wanted_at: float = 0.0
+    #: wait_for_work calls waiting on this consumer now: never idle meanwhile (a wait may be longer
+    #: than ``idle_timeout``, and a cancelled consumer can wake nobody when a message arrives)
+    waiters: int = 0
 
 
 class _DeadLetterPages:
@@ -350,8 +358,9 @@ class RabbitMQProvider(SideStoreOps):
         self.naming = naming
         self.auto_declare = auto_declare
         self.ttl_grace = ttl_grace
-        #: the broker drops (or dead-letters) a message this long after its envelope's expiry: its own
-        #: time to live, which nothing the kit writes later makes longer (``idempotency``)
+        #: the kit sends no AMQP expiration, but an earlier version sent expiry + ``ttl_grace``, after
+        #: which the broker moves a message unread: ``idempotency`` keeps assuming it of a waiting
+        #: message (it sends a new message rather than discard one against it, one run either way)
         self.drops_expired_after = ttl_grace
         self.prefetch = max(1, prefetch)
         self.publish_timeout = publish_timeout
@@ -381,6 +390,8 @@ class RabbitMQProvider(SideStoreOps):
         self._declare_lock = asyncio.Lock()
         self._consumers: dict[str, _Consumer] = {}
         self._consumer_lock = asyncio.Lock()
+        #: queues whose prefetch was capped at AMQP's limit (said once each: see _prefetch_count)
+        self._capped: set[str] = set()
         self._janitor: asyncio.Task[None] | None = None
         self._app: QueueingApp | None = None
         self._closing = False
@@ -548,10 +559,11 @@ class RabbitMQProvider(SideStoreOps):
     def _message(
         self, env: Envelope, now: datetime, headers: dict[str, Any] | None = None
     ) -> aio_pika.Message:
-        expiration = None
-        if env.expires_at is not None:
-            # (one further off is left to the kit's own expiry check, which every delivery makes)
-            expiration = min(max(timedelta(seconds=1), env.expires_at - now + self.ttl_grace), MAX_EXPIRATION)
+        # no AMQP expiration, whatever the envelope's expiry: the kit records expiry itself (every
+        # delivery checks it, and dead-letters an expired message with its reason). With one (expiry +
+        # ttl_grace), a message of a paused type passed it unread and the queue's dead-letter exchange
+        # moved it without the kit's reason, its history left Pending where no listing of dead letters
+        # showed it
         return aio_pika.Message(
             env.encode(),
             content_type="application/json",
@@ -560,7 +572,6 @@ class RabbitMQProvider(SideStoreOps):
             correlation_id=_short(env.correlation_id),
             type=_short(env.type),
             timestamp=now,
-            expiration=expiration,
             headers={ATTEMPT: env.attempt, TYPE: env.type, COPY: uuid.uuid4().hex, **(headers or {})},
         )
 
@@ -671,11 +682,18 @@ class RabbitMQProvider(SideStoreOps):
                 with _boundary(f"subscribing to {physical}"):
                     if c is None:
                         channel = await conn.channel(publisher_confirms=False)
-                        # the broker hands out at most this many unacked messages: the worker's slots
-                        await channel.set_qos(prefetch_count=sub.options.max_concurrency * self.prefetch)
-                        queue = await channel.declare_queue(
-                            physical, durable=True, arguments=self.queue_arguments(physical)
-                        )
+                        try:
+                            # the broker hands out at most this many unacked messages: the worker's slots
+                            await channel.set_qos(prefetch_count=self._prefetch_count(sub, physical))
+                            queue = await channel.declare_queue(
+                                physical, durable=True, arguments=self.queue_arguments(physical)
+                            )
+                        except BaseException:
+                            # a robust channel left open stays with the connection, which reopens it
+                            # (and asks its settings again) at every reconnect: one per failed try
+                            with contextlib.suppress(Exception):
+                                await channel.close()
+                            raise
                         c = self._consumers[physical] = _Consumer(physical, channel, queue)
                     consumer = c
 
@@ -686,6 +704,25 @@ class RabbitMQProvider(SideStoreOps):
                     c.tag = await c.queue.consume(on_message, no_ack=False)
             c.wanted_at = asyncio.get_running_loop().time()
             return c
+
+    def _prefetch_count(self, sub: Subscription, physical: str) -> int:
+        """The type's slots times ``prefetch``, at most AMQP's limit: so many unacked messages already
+        mean "as many as the broker will push", so the limit is the setting's sensible reading."""
+        wanted = sub.options.max_concurrency * self.prefetch
+        if wanted <= MAX_PREFETCH:
+            return wanted
+        if physical not in self._capped:
+            self._capped.add(physical)
+            log.warning(
+                "the prefetch of %s (max_concurrency %d x prefetch %d = %d) is over AMQP's limit; "
+                "the consumer asks for %d",
+                physical,
+                sub.options.max_concurrency,
+                self.prefetch,
+                wanted,
+                MAX_PREFETCH,
+            )
+        return MAX_PREFETCH
 
     async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
         c = await self._consumer(sub)
@@ -754,10 +791,14 @@ class RabbitMQProvider(SideStoreOps):
 
     async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
         c = await self._consumer(sub)
-        if not c.buffer:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(c.ready.wait(), timeout)
-        c.wanted_at = asyncio.get_running_loop().time()
+        c.waiters += 1
+        try:
+            if not c.buffer:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(c.ready.wait(), timeout)
+        finally:
+            c.waiters -= 1
+            c.wanted_at = asyncio.get_running_loop().time()
 
     async def _hand_back_idle(self) -> None:
         """Cancel consumers nobody asks for work (a stopped or paused worker) and hand their buffered
@@ -766,15 +807,19 @@ class RabbitMQProvider(SideStoreOps):
         while True:
             await asyncio.sleep(max(0.05, self.idle_timeout / 4))
             for c in list(self._consumers.values()):
-                idle = c.in_flight == 0 and loop.time() - c.wanted_at > self.idle_timeout
-                if idle and (c.tag is not None or c.buffer):
+                if self._idle(c, loop.time()) and (c.tag is not None or c.buffer):
                     try:
-                        await self._stop_consumer(c)
+                        await self._stop_consumer(c, if_idle=True)
                     except Exception as exc:
                         log.warning("could not stop the idle consumer of %s: %s", c.physical, first_line(exc))
 
-    async def _stop_consumer(self, c: _Consumer) -> None:
+    def _idle(self, c: _Consumer, now: float) -> bool:
+        return c.in_flight == 0 and c.waiters == 0 and now - c.wanted_at > self.idle_timeout
+
+    async def _stop_consumer(self, c: _Consumer, *, if_idle: bool = False) -> None:
         async with self._consumer_lock:
+            if if_idle and not self._idle(c, asyncio.get_running_loop().time()):
+                return  # asked for work while the lock was awaited (a wait for work began)
             if c.tag is not None:
                 tag, c.tag = c.tag, None
                 with _boundary(f"cancelling the consumer of {c.physical}"):
@@ -975,12 +1020,25 @@ class RabbitMQProvider(SideStoreOps):
         letter's history goes only when, after the purge, none waits and no reader holds any (every
         reader is a consumer of the queue: see _DeadLetterPages); otherwise none does (an empty set),
         and a repeat of the purge, once alone, lets the history of the letters it purged go."""
+        return (await self._purge_whole_counted(queue)).dead
+
+    async def _purge_whole_counted(self, queue: str) -> WholeQueuePurge:
+        """:meth:`_purge_whole`, with what the purge of the live queue can say: how many messages the
+        broker removed, and whether the queue was left with nothing a consumer may hold (see
+        :class:`WholeQueuePurge`)."""
         assert self._admin is not None
         physical = self.physical(queue)
         dead = self.dead_letter_name(physical)
         await self._declare(physical)
+        purged: dict[str, int] = {}
         with _boundary(f"purging {physical}"):
             for name, args in ((physical, self.queue_arguments(physical)), (dead, None)):
                 q = await self._admin.declare_queue(name, durable=True, arguments=args)
-                await q.purge()
-        return None if await self._waiting_and_consumers(dead) == (0, 0) else set()
+                ok = await q.purge()
+                purged[name] = ok.message_count or 0
+        dead_gone = await self._waiting_and_consumers(dead) == (0, 0)
+        return WholeQueuePurge(
+            dead=None if dead_gone else set(),
+            purged=purged[physical],
+            live_all_gone=await self._waiting_and_consumers(physical) == (0, 0),
+        )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +34,26 @@ if TYPE_CHECKING:
     from .sql.history import SideStores, SqlHistoryTracker
     from .sql.schedules import SqlTickStore
 
+
+@dataclass(frozen=True)
+class WholeQueuePurge:
+    """What the purge of a whole queue and its dead-letter queue can tell."""
+
+    #: as :meth:`SideStoreOps._purge_whole`: None where every dead letter's history may go
+    dead: set[str] | None
+    #: how many messages the transport's purge took off the live queue, where it says (AMQP's purge-ok
+    #: carries a count, never which messages)
+    purged: int | None = None
+    #: after the purge the live queue had nothing waiting and no consumer, or its purge takes what a
+    #: consumer holds too (SQS's). Otherwise a worker may hold deliveries it has not acked (running,
+    #: or prefetched for its free slots), which AMQP's purge leaves, and which run
+    live_all_gone: bool = True
+
+
 #: states whose message waits in the delayed store (or in the broker's own delay)
 LATER_STATES = (MessageStatus.FAILED.value, MessageStatus.SLEEPING.value)
+#: states of a message that has left its transport (the purge deletes their history alone)
+FINISHED = (MessageStatus.SUCCEEDED.value, MessageStatus.CANCELLED.value)
 #: every state whose message may wait as a row of the delayed store: a delayed enqueue, a retry, a
 #: wait asked for by its handler, a paused type's or a missing handler's recheck
 STORED_STATES = (
@@ -76,6 +95,10 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
         letter's history may go); otherwise the ids of the dead letters removed, where letters
         another reader holds may have stayed (see :func:`empty_dead_letters`)."""
         raise NotImplementedError
+
+    async def _purge_whole_counted(self, queue: str) -> WholeQueuePurge:
+        """:meth:`_purge_whole`, with what the transport can say of its live queue's purge."""
+        return WholeQueuePurge(await self._purge_whole(queue))
 
     async def forward_delayed(self, item: DelayedMessage) -> None:
         """Send a due message from the delayed store to its queue (the dispatcher calls this)."""
@@ -170,7 +193,14 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
             # the delayed store first: a forward due meanwhile lands in the queue before its purge; the
             # history of what waited there goes with it while it still says so (as below)
             _, forgotten = await self.delayed.purge(self.physical(query.queue), history_while=STORED_STATES)
-            dead = await self._purge_whole(query.queue)
+            purge = await self._purge_whole_counted(query.queue)
+            dead = purge.dead
+            held = 0
+            if not purge.live_all_gone and purge.purged is not None:
+                # a worker had received some: the transport says how many it took, never which, so
+                # the history of all goes (theirs comes back as they run) and the rest count as left
+                live = [r for r in records if r.status not in DEAD_STATES and r.status not in FINISHED]
+                held = max(0, len(live) - forgotten - purge.purged)
             return Removed(
                 (
                     r.message_id
@@ -178,6 +208,7 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
                     if dead is None or r.status not in DEAD_STATES or str(r.message_id) in dead
                 ),
                 forgotten,
+                held,
             )
         removed: set[uuid.UUID] = set()
         forgotten = 0
@@ -186,12 +217,16 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
             dead = {str(r.message_id) for r in recs if r.status in DEAD_STATES}
             if dead:
                 removed |= {uuid.UUID(i) for i in await self._dead_letters(queue, dead)}
-            later = [r.message_id for r in recs if r.status in LATER_STATES]
-            if later:
-                # their history goes with them, in one transaction, while it still says they wait (a
-                # purge that stopped in between would leave a record no later purge could match); so
-                # they are not among the ids returned, whose history the purge deletes after: one that
-                # no longer says so (an operator's retry sent its copy meanwhile) must keep it
-                _, gone = await self.delayed.purge(self.physical(queue), later, history_while=LATER_STATES)
+            # any state whose message may wait as a row of the delayed store (a retry, a wait, a delayed
+            # enqueue, a paused type's or a missing handler's recheck): the rows of the ids that have
+            # one leave it; a message of the same state waiting in its live queue has none, and is left
+            for status in sorted({r.status for r in recs if r.status in STORED_STATES}):
+                later = [r.message_id for r in recs if r.status == status]
+                # their history goes with them, in one transaction, while it still says what this purge
+                # read (a purge that stopped in between would leave a record no later purge could
+                # match); so they are not among the ids returned, whose history the purge deletes after:
+                # one that no longer says so (an operator's retry sent its copy meanwhile, a Failed one
+                # reopened as Pending) keeps its row and its history
+                _, gone = await self.delayed.purge(self.physical(queue), later, history_while=(status,))
                 forgotten += gone
         return Removed((r.message_id for r in records if r.message_id in removed), forgotten)

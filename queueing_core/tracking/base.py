@@ -235,9 +235,13 @@ class Removed(set[UUID]):
     history records, in the same transaction (the delayed store beside its history): a purge counts
     those too, which its own deletion of the history no longer finds."""
 
-    def __init__(self, ids: Iterable[UUID] = (), forgotten: int = 0) -> None:
+    def __init__(self, ids: Iterable[UUID] = (), forgotten: int = 0, held: int = 0) -> None:
         super().__init__(ids)
         self.forgotten = forgotten
+        #: how many of them a worker had already received, by the transport's count, which its purge
+        #: cannot take (AMQP's leaves the deliveries a consumer has not acked): they run, and write
+        #: their history again; the purge counts them as left, not deleted
+        self.held = held
 
 
 #: statuses only processing writes: a producer's record, written after its send, never replaces them

@@ -107,3 +107,13 @@ def test_enqueue_with_a_delay_past_the_expiry_exits_2_naming_both(cli):
     assert "not_before" in lines[0]
     assert "expires_at" in lines[0]
     assert count(cli) == 0
+
+
+def test_purge_refuses_a_queue_the_app_does_not_have_with_one_line(cli):
+    assert cli("enqueue", "OrderPlaced", "--example").returncode == 0
+    r = cli("purge", "--queue", "order-placed-typo", "--yes")
+    assert r.returncode != 0, r.stdout + r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "'order-placed-typo'" in lines[0]
+    assert count(cli) == 1

@@ -476,5 +476,6 @@ def test_copies_carry_the_attempt_header():
     m = provider._message(env, utcnow())
     assert m.headers[ATTEMPT] == 2
     assert m.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
-    # the AMQP expiration outlives the envelope's expiry by the grace, so the kit sees it expire first
-    assert 3600 + 290 < int(m.properties.expiration) / 1000 < 3600 + 301  # milliseconds on the wire
+    # no AMQP expiration: the kit records expiry itself (a broker time to live moved a paused type's
+    # message unread, without the kit's reason: see test_rabbitmq_consumer_limits)
+    assert m.properties.expiration is None
