@@ -12,6 +12,7 @@ from uuid import UUID
 
 import sqlalchemy as sa
 
+from ...control.base import CANCEL_KEPT
 from ...messages import MessageStatus, QueueMessage
 from .rows import row_for
 from .schema import CLAIMABLE, CLAIMABLE_SQL, Tables, archived, claimable
@@ -69,6 +70,7 @@ def plan(
     # An older row still waiting (a version that was running when a newer one came, back for its
     # retry) is superseded by the newer rows when it starts (``newer_version``); a newest version that
     # runs now or has finished leaves this one a row of its own
+    x = tables.cancels
     find = (
         sa.select(
             m.c.id,
@@ -78,6 +80,11 @@ def plan(
             sa.cast(m.c.body, sa.Text()).label("b"),
             sa.literal_column(f"({CLAIMABLE_SQL})").label("waits"),
             m.c.superseded_by,
+            # a cancellation standing for it (as the control state reads them): the next claim settles
+            # it Cancelled unrun, so it cannot stand for this enqueue
+            sa.exists()
+            .where(x.c.message_id == m.c.message_id, x.c.requested_at > now - CANCEL_KEPT)
+            .label("cancelling"),
         )
         .where(m.c.type == env.type, m.c.identity == key)
         .order_by(m.c.id.desc())
@@ -89,6 +96,13 @@ def plan(
         find = find.with_for_update(of=m)
     newest = (yield find, None).first()
     waiting = newest if newest is not None and newest.waits else None
+    if waiting is not None and waiting.cancelling and _same(waiting.b, env.body):
+        # the same JSON as a version whose cancellation stands (its run was cancelled, and ended with a
+        # retry or a release before it heard): that version ends Cancelled as asked, and this one is a
+        # version of its own, enqueued below (it supersedes the cancelled one): discarded, the run
+        # asked for now would be lost. (A changed body replaces the waiting one and withdraws its
+        # request, as before: the replacing version is not the cancelled one.)
+        waiting = None
     if waiting is not None and _same(waiting.b, env.body):
         # (the row is this transaction's: locked, or the single writer's)
         keep: dict[str, Any] = {}

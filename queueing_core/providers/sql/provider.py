@@ -34,6 +34,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ...clock import Clock, as_utc
+from ...control.base import CANCEL_KEPT
 from ...decisions import Complete, DeadLetter, DeadLetterReason, Defer, Expire, Release, RetryAfter
 from ...envelope import Envelope
 from ...errors import ConfigurationError, NotConfigured, ProviderUnavailable, first_line
@@ -566,6 +567,8 @@ class SqlProvider:
         fast: list[Delivery] = []
         shaped: dict[str, list[tuple[Delivery, dict[str, Any]]]] = defaultdict(list)
         wake: set[str] = set()
+        # the requests a waiting outcome honours (settled Cancelled instead), as the control state's
+        since = now - CANCEL_KEPT
         for s in settlements:
             d, decision = s.delivery, s.decision
             if isinstance(decision, Complete) and decision.result is None and not decision.cancelled:
@@ -587,7 +590,13 @@ class SqlProvider:
             elif isinstance(decision, RetryAfter):
                 shape = "retry"
                 at = now + decision.delay
-                params = {**base, "attempt": used, "available_at": at, "last_error": decision.error}
+                params = {
+                    **base,
+                    "attempt": used,
+                    "available_at": at,
+                    "last_error": decision.error,
+                    "since": since,
+                }
                 self._note_due(d.queue, at)
             elif isinstance(decision, DeadLetter):
                 shape = "dead"
@@ -609,11 +618,12 @@ class SqlProvider:
                     "available_at": decision.until,
                     "reason": decision.reason,
                     "not_before": decision.until if sleeping else None,
+                    "since": since,
                 }
                 self._note_due(d.queue, decision.until)
             elif isinstance(decision, Release):
                 shape = "release"
-                params = {**base, "attempt": used}
+                params = {**base, "attempt": used, "since": since}
                 if self.backend == "postgresql":  # (a NOTIFY: SQLite's workers poll)
                     wake.add(d.queue)
             else:

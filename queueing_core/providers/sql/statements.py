@@ -231,6 +231,32 @@ class Statements:
             .values(status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, **settled)
             .returning(m.c.id)
         )
+        # A run that leaves its message waiting (a retry, a delay, a release) while its cancellation
+        # stands ends it Cancelled instead: the request was made while it ran (a cancel of a leased row
+        # only writes one), and the run ended before its worker heard. Left waiting, the message would
+        # run again once the request lapsed (kept a day, ``CANCEL_KEPT``) or be discarded against by an
+        # identical idempotent enqueue. Looked up in the settlement's own statement, so no request can
+        # fall between the look and the write; fenced by the lease as every settlement is. Only these
+        # rare shapes look (on the requests' primary key): a success's statement is unchanged.
+        x = tables.cancels
+        requested = sa.exists().where(
+            x.c.message_id == m.c.message_id, x.c.requested_at > P("since", type_=x.c.requested_at.type)
+        )
+
+        def unless_cancelled(value: Any, cancelled: Any) -> Any:
+            """``value``, or ``cancelled`` where a cancellation of the row stands."""
+            return sa.case((requested, cancelled), else_=value)
+
+        def waits(status: Any, reason: Any) -> dict[str, Any]:
+            """A waiting settlement's status and reason, and its settlement time: those of a cancelled
+            message (as the pipeline's, no reason) where a cancellation stands."""
+            return {
+                "status": unless_cancelled(status, constants([MessageStatus.CANCELLED.value])[0]),
+                "reason": unless_cancelled(reason, sa.null()),
+                # (typed: the bare ``now`` in a CASE would be bound untyped)
+                "settled_at": unless_cancelled(m.c.settled_at, P("now", type_=m.c.settled_at.type)),
+            }
+
         # one row each: the provider sends a kind's rows as one batch, and row by row only when the
         # batch shows that some were refused, to learn which
         self.settle: dict[str, sa.Update] = {
@@ -246,10 +272,10 @@ class Statements:
             "retry": sa.update(m)
             .where(owned)
             .values(
-                status=MessageStatus.FAILED.value,
                 attempt=P("attempt"),
                 available_at=P("available_at"),
                 last_error=P("last_error"),
+                **waits(constants([MessageStatus.FAILED.value])[0], m.c.reason),
                 **released,
             ),
             "dead": sa.update(m)
@@ -265,16 +291,20 @@ class Statements:
             "defer": sa.update(m)
             .where(owned)
             .values(
-                status=P("status"),
                 attempt=P("attempt"),
                 available_at=P("available_at"),
-                reason=P("reason"),
                 not_before=sa.func.coalesce(P("not_before", type_=m.c.not_before.type), m.c.not_before),
+                **waits(P("status", type_=m.c.status.type), P("reason", type_=m.c.reason.type)),
                 **released,
             ),
             "release": sa.update(m)
             .where(owned)
-            .values(status=MessageStatus.PENDING.value, attempt=P("attempt"), available_at=now, **released),
+            .values(
+                attempt=P("attempt"),
+                available_at=now,
+                **waits(constants([MessageStatus.PENDING.value])[0], m.c.reason),
+                **released,
+            ),
             "expire": sa.update(m)
             .where(owned)
             .values(status=MessageStatus.EXPIRED.value, reason=DeadLetterReason.EXPIRED.value, **settled),
