@@ -96,18 +96,26 @@ class Defer:
 
     def __post_init__(self) -> None:
         _keep_text(self, "reason")
-        if self.until.tzinfo is not UTC:
+        if self.until.tzinfo is not UTC or self.until > LATEST:
             object.__setattr__(self, "until", _in_utc(self.until))  # (frozen: set once, as it is made)
+
+
+#: the latest time a deferral keeps: a day short of the year 10000, so that the time read back in any
+#: time zone is still a date (PostgreSQL gives a timestamp as text in its session's zone, and one 14
+#: hours ahead of UTC made the last hours of 9999 a year 10000 that no reader takes: "never" as a
+#: handler may say it, ``datetime.max``, failed every read of its history while it slept)
+LATEST = datetime(9999, 12, 30, tzinfo=UTC)
 
 
 def _in_utc(when: datetime) -> datetime:
     """A deferral's time as every time the kit keeps: in UTC, a naive one taken as UTC. It may be a
     handler's "run again at"; left naive, it failed the settlement after the handler had succeeded,
-    where it met an aware time. One outside the years 1-9999 once in UTC is the nearest time that is not."""
+    where it met an aware time. One past :data:`LATEST` (or past the year 9999 once in UTC) is
+    :data:`LATEST`; one before the year 1 in UTC is the first time there is."""
     try:
-        return as_utc(when)
+        return min(as_utc(when), LATEST)
     except OverflowError:
-        return (datetime.max if when.year == datetime.max.year else datetime.min).replace(tzinfo=UTC)
+        return LATEST if when.year == datetime.max.year else datetime.min.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,62 +134,37 @@ async def cancel(runtime: Runtime, tracking_id: UUID, *, newest: bool = True) ->
         )
     # the request first: whichever host holds the message now, or receives it later, sees it
     await runtime.control.set_cancel(r.message_id, True, now)
-    if isinstance(provider, CancelsWaiting):
-        taken = await _take_out(runtime, provider, r, now)
-        if taken is not None:
-            return CancelReceipt(r.message_id, r.tracking_id, S.CANCELLED.value, taken)
-        # a run holds it: the request reaches the run
-    elif r.status != S.LEASED.value and not provider.capabilities.durable_history:
-        # this transport does not say whether a host runs the message now (only SQL records a
-        # claim): Cancelled at once for the operator, marked as the request; a waiter waits for
-        # the host's settlement (Cancelled, or Succeeded by a run that finished first)
-        change = {"status": S.CANCELLED.value, "description": CANCEL_REQUESTED, "updated_at": now}
-        finished = await _record_request(runtime, r, change)
-        if finished is not None:
-            # a host settled it after it was read: its outcome stands, the request goes
-            await runtime.control.set_cancel(r.message_id, False, now)
-            why = _FINISHED.get(finished.status, "it finished")
-            raise InvalidOperation(f"cannot cancel message {r.message_id}: {why}")
-        return CancelReceipt(
-            r.message_id,
-            r.tracking_id,
-            S.CANCELLED.value,
-            "cancelled: settled without running when a host receives it; a host running it now is "
-            "told (ctx.cancelled) and stops it after its grace, unless it finishes first",
-        )
+    if r.status != S.LEASED.value:
+        if isinstance(provider, CancelsWaiting):
+            if await provider.ops_cancel(r, now):
+                return CancelReceipt(
+                    r.message_id, r.tracking_id, S.CANCELLED.value, "cancelled before it ran"
+                )
+            # it was claimed meanwhile: the request reaches the run
+        elif not provider.capabilities.durable_history:
+            # this transport does not say whether a host runs the message now (only SQL records a
+            # claim): Cancelled at once for the operator, marked as the request; a waiter waits for
+            # the host's settlement (Cancelled, or Succeeded by a run that finished first)
+            change = {"status": S.CANCELLED.value, "description": CANCEL_REQUESTED, "updated_at": now}
+            finished = await _record_request(runtime, r, change)
+            if finished is not None:
+                # a host settled it after it was read: its outcome stands, the request goes
+                await runtime.control.set_cancel(r.message_id, False, now)
+                why = _FINISHED.get(finished.status, "it finished")
+                raise InvalidOperation(f"cannot cancel message {r.message_id}: {why}")
+            return CancelReceipt(
+                r.message_id,
+                r.tracking_id,
+                S.CANCELLED.value,
+                "cancelled: settled without running when a host receives it; a host running it now is "
+                "told (ctx.cancelled) and stops it after its grace, unless it finishes first",
+            )
     return CancelReceipt(
         r.message_id,
         r.tracking_id,
         S.LEASED.value,
         "cancellation requested: the running handler sees ctx.cancelled and is stopped after its grace",
     )
-
-
-async def _take_out(
-    runtime: Runtime, provider: CancelsWaiting, r: MessageRecord, now: datetime
-) -> str | None:
-    """Where the provider takes a waiting message out of its queue (SQL): the message taken out once
-    the request stands, unless a run holds it; the receipt's detail if it ends Cancelled now, else
-    None. A message read running is read again: its run may have ended meanwhile with a retry or a
-    release, settled before the request stood (so that settlement could not honour it), and left it
-    waiting, where a request is only kept a day, shorter than the retry's delay may be. A message read
-    waiting that a host claimed meanwhile is read again for the same reason. A run that holds it once
-    the request stands is told, and its settlement, should it still leave the message waiting, ends it
-    Cancelled instead (the SQL provider's settlement looks for the request)."""
-    rec: MessageRecord | None = r if r.status != S.LEASED.value else await runtime.tracker.get(r.message_id)
-    for _ in range(_REQUEST_TRIES):
-        if rec is None or rec.archived or rec.status == S.LEASED.value:
-            return None  # purged meanwhile, or a run holds it
-        if rec.status == S.CANCELLED.value:
-            return "cancelled: it does not run again"  # its run's settlement honoured the request
-        if rec.status in TERMINAL:
-            return None  # its run finished before the request stood
-        if await provider.ops_cancel(rec, now):
-            if rec is r:
-                return "cancelled before it ran"
-            return "cancelled: its run ended before it heard, and it does not run again"
-        rec = await runtime.tracker.get(r.message_id)
-    return None  # it kept changing (claimed, settled, claimed...): the request stands for its runs
 
 
 async def _record_request(runtime: Runtime, r: MessageRecord, change: dict[str, Any]) -> MessageRecord | None:

@@ -184,9 +184,10 @@ PreviousLookup = Callable[[Subscription, QueueMessage], Awaitable[QueueMessage |
 SupersedeCheck = Callable[[Subscription, QueueMessage], Awaitable[UUID | None]]
 #: (subscription, message, its expiry, now) -> whether an idempotent message past its expiry expires
 ExpiryCheck = Callable[[Subscription, QueueMessage, datetime, datetime], Awaitable[bool]]
-#: asked when the host cancels a running handler: why the host's time for the run is over (a run cut
-#: then counts a failed attempt), or None for a stop that hands the message back uncounted
-CutShort = Callable[[], str | None]
+#: asked when the host cancels a running handler, with the seconds it has run: why the host's time
+#: for the run is over (a run cut then counts a failed attempt), or None for a stop that hands the
+#: message back uncounted
+CutShort = Callable[[float], str | None]
 
 
 def read_message(sub: Subscription, env: Envelope) -> QueueMessage | DeadLetter:
@@ -564,7 +565,7 @@ class Pipeline:
                     # handed back uncounted, a run longer than that was cut and started again on every
                     # tick, for ever, never failing and never dead-lettered
                     task.uncancel()
-                    why = cut_short() if cut_short is not None else None
+                    why = cut_short(perf_counter() - started) if cut_short is not None else None
                     if why is None:
                         decision = Release("host shutting down")
                     else:

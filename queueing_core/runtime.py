@@ -151,12 +151,6 @@ class Runtime:
         if isinstance(self.provider, StoresProgress):
             await self.provider.store_progress(delivery, stamped)
         elif delivery.envelope is not None:  # (always: only a decoded message's handler runs)
-            if self.provider.capabilities.purge_takes_held and (
-                await self.tracker.get(delivery.envelope.message_id) is None
-            ):
-                # a purge of its whole queue took the message from under the run (and its history):
-                # written back, a Leased record stayed that no settlement would end (it is refused)
-                return
             rec = record_from_envelope(delivery.envelope, MessageStatus.LEASED.value, now, progress=stamped)
             await self.tracker.upsert([rec])
 

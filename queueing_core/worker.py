@@ -612,8 +612,9 @@ class Worker:
         #: monotonic time of the last message received or finished (for hosts that stop when idle)
         self.last_activity = time.monotonic()
         #: why a handler the stop cancels counts a failed attempt (``drain``: its budget and the stop
-        #: grace are over); None (a worker's own stop) hands its message back uncounted
-        self._out_of_time: str | None = None
+        #: grace are over), and for how long it must have run to count (the budget); None (a worker's
+        #: own stop) hands its message back uncounted
+        self._out_of_time: tuple[str, float] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def subscriptions(self) -> list[Subscription]:
@@ -782,8 +783,8 @@ class Worker:
                 logging.INFO if asked else logging.WARNING,
                 "releasing %d message(s) still running at the shutdown deadline"
                 if self._out_of_time is None
-                else "cutting short %d message(s) still running at the shutdown deadline: each counts a "
-                "failed attempt",
+                else "cutting short %d message(s) still running at the shutdown deadline: each that ran "
+                "the whole budget counts a failed attempt",
                 len(handlers),
             )
             self._handler_stop.set()
@@ -1196,9 +1197,15 @@ class Worker:
         for s in chunk:
             self._in_flight.pop(id(s.delivery), None)
 
-    def _cut_short(self) -> str | None:
-        """What the pipeline asks of a handler the stop cancelled (see ``_out_of_time``)."""
-        return self._out_of_time
+    def _cut_short(self, ran: float) -> str | None:
+        """What the pipeline asks of a handler the stop cancelled after ``ran`` seconds (see
+        ``_out_of_time``). Only a run that had the whole budget counts: one claimed late in the budget
+        may fit the next, which claims it at its start, and is handed back uncounted (counted, a
+        healthy handler shorter than the budget was retried, dead-lettered or opened its circuit)."""
+        if self._out_of_time is None:
+            return None
+        why, budget = self._out_of_time
+        return why if ran >= budget else None
 
     async def _renew_loop(self) -> None:
         leases = [s.options.lease_duration for s in self.subscriptions()] or [timedelta(seconds=30)]
@@ -1272,10 +1279,12 @@ class Worker:
     async def drain(self, budget: float, *, idle_after: float = 2.0) -> None:
         """Process until nothing has happened for ``idle_after`` seconds or ``budget`` runs out, then
         shut down (what a scheduled host such as a Functions timer does): handlers still running get
-        ``shutdown_timeout`` more to finish, after the budget. One still running then is cancelled and
-        counts a failed attempt (retried with backoff, dead-lettered after ``max_attempts``), where a
-        worker's own stop hands it back uncounted: a scheduled host stops at every run's end, so a run
-        longer than budget and grace handed back would start again on every run, for ever."""
+        ``shutdown_timeout`` more to finish, after the budget. One still running then is cancelled; if
+        it had run for the whole budget it counts a failed attempt (retried with backoff,
+        dead-lettered after ``max_attempts``), where a worker's own stop hands it back uncounted: a
+        scheduled host stops at every run's end, so a run longer than budget and grace handed back
+        would start again on every run, for ever. One that began later in the budget is handed back
+        uncounted: the next run claims it at its start, where it may fit."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         await self.start()
@@ -1288,7 +1297,8 @@ class Worker:
             # still going then was cancelled at once and handed back, and started again next time)
             self._out_of_time = (
                 f"cut short: still running after its host's budget ({budget:g} s) and the "
-                f"{self.shutdown_timeout:g} s it gives running handlers to finish"
+                f"{self.shutdown_timeout:g} s it gives running handlers to finish",
+                budget,
             )
         finally:
             await self.shutdown()

@@ -18,9 +18,9 @@ CircuitName = Literal["closed", "open", "half_open"]
 PauseKind = Literal["queue", "type", "schedule"]
 
 #: how long a cancellation request is kept: a message it names that has not run by then is held by an
-#: operator's status or lost track of, and the request only costs every host a row to read. (On SQL no
-#: request needs to outlast a delay: the cancel takes a waiting message out of its queue, and a run's
-#: settlement that would leave its message waiting settles it Cancelled while a request stands)
+#: operator's status or lost track of, and the request only costs every host a row to read. (On SQL a
+#: request seldom needs to outlast a delay: the cancel takes a waiting message out of its queue, and a
+#: run's settlement that would leave its message waiting settles it Cancelled while a request stands)
 CANCEL_KEPT = timedelta(days=1)
 
 

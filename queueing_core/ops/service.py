@@ -75,7 +75,8 @@ RETRYABLE = {S.DEAD_LETTERED, S.FAILED, S.EXPIRED, S.ABANDONED, S.CANCELLED, S.S
 #: kit statuses an operator may set by a body match (the others carry meaning only the kit gives)
 SETTABLE = frozenset({S.PENDING.value, S.CANCELLED.value})
 ARCHIVABLE = {S.SUCCEEDED, S.DEAD_LETTERED, S.EXPIRED, S.CANCELLED, S.ABANDONED}
-#: a record as a purge holds it: only its ids, queue and status are read
+#: a record as a purge holds it: only its ids, queue and status are read (and whether it is a cancel
+#: request, by its description: see ``light``)
 LIGHT: dict[str, Any] = {
     "body": None,
     "raw": None,
@@ -84,6 +85,15 @@ LIGHT: dict[str, Any] = {
     "headers": {},
     "description": None,
 }
+
+
+def light(r: MessageRecord) -> MessageRecord:
+    """``r`` as a purge holds it (:data:`LIGHT`). A cancel request keeps its description, which says
+    so: its message still waits on its transport (without it, a purge took the message for finished,
+    and deleted its history, and counted it out of what a worker may hold)."""
+    return r.model_copy(update=LIGHT if not is_cancel_request(r) else {**LIGHT, "description": r.description})
+
+
 WAITING = (S.PENDING.value, S.FAILED.value, S.SLEEPING.value, S.WAITING_FOR_HANDLER.value, S.PAUSED.value)
 KNOWN = frozenset(s.value for s in MessageStatus)
 _ORDER = {Health.HEALTHY: 0, Health.DEGRADED: 1, Health.UNHEALTHY: 2}
@@ -666,7 +676,7 @@ class OpsService:
             # held while the transport is read through, perhaps a million of them: without what the
             # removal never reads (bodies, raw text, results can be 64 KB each)
             kept = [r for r in page.items if takes_held or r.status != S.LEASED]
-            records += [r.model_copy(update=LIGHT) for r in kept]
+            records += [light(r) for r in kept]
             leased += len(page.items) - len(kept)
             if page.next_cursor is None:
                 break

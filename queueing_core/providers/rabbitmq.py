@@ -1014,18 +1014,14 @@ class RabbitMQProvider(SideStoreOps):
             with contextlib.suppress(Exception):
                 await channel.close()
 
-    async def _purge_whole(self, queue: str) -> set[str] | None:
+    async def _purge_whole(self, queue: str) -> WholeQueuePurge:
         """Both queues purged. AMQP's purge leaves the letters a channel holds unacked (another
         operator's scan of the dead letters), and those must keep their history: so every dead
         letter's history goes only when, after the purge, none waits and no reader holds any (every
         reader is a consumer of the queue: see _DeadLetterPages); otherwise none does (an empty set),
-        and a repeat of the purge, once alone, lets the history of the letters it purged go."""
-        return (await self._purge_whole_counted(queue)).dead
-
-    async def _purge_whole_counted(self, queue: str) -> WholeQueuePurge:
-        """:meth:`_purge_whole`, with what the purge of the live queue can say: how many messages the
-        broker removed, and whether the queue was left with nothing a consumer may hold (see
-        :class:`WholeQueuePurge`)."""
+        and a repeat of the purge, once alone, lets the history of the letters it purged go. It also
+        leaves the live queue's deliveries a worker's consumer holds: the answer says how many it took
+        and whether a consumer was there (see :class:`WholeQueuePurge`)."""
         assert self._admin is not None
         physical = self.physical(queue)
         dead = self.dead_letter_name(physical)

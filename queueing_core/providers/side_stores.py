@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen
-from ..tracking.base import reopening
+from ..tracking.base import is_cancel_request, reopening
 from .dead_letters import DEAD_STATES, DeadLetterOps, is_whole_queue
 from .names import PhysicalNames
 
@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 class WholeQueuePurge:
     """What the purge of a whole queue and its dead-letter queue can tell."""
 
-    #: as :meth:`SideStoreOps._purge_whole`: None where every dead letter's history may go
+    #: None where every dead letter went (every dead letter's history may go); otherwise the ids of
+    #: the dead letters removed, where letters another reader holds may have stayed (see
+    #: :func:`empty_dead_letters`)
     dead: set[str] | None
     #: how many messages the transport's purge took off the live queue, where it says (AMQP's purge-ok
     #: carries a count, never which messages)
@@ -90,15 +92,10 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
     async def _send_now(self, queue: str, envelope: Envelope) -> None:
         raise NotImplementedError
 
-    async def _purge_whole(self, queue: str) -> set[str] | None:
-        """Empty ``queue`` and its dead-letter queue. None where every dead letter went (every dead
-        letter's history may go); otherwise the ids of the dead letters removed, where letters
-        another reader holds may have stayed (see :func:`empty_dead_letters`)."""
+    async def _purge_whole(self, queue: str) -> WholeQueuePurge:
+        """Empty ``queue`` and its dead-letter queue; what the transport can say of it (see
+        :class:`WholeQueuePurge`)."""
         raise NotImplementedError
-
-    async def _purge_whole_counted(self, queue: str) -> WholeQueuePurge:
-        """:meth:`_purge_whole`, with what the transport can say of its live queue's purge."""
-        return WholeQueuePurge(await self._purge_whole(queue))
 
     async def forward_delayed(self, item: DelayedMessage) -> None:
         """Send a due message from the delayed store to its queue (the dispatcher calls this)."""
@@ -192,19 +189,29 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
             assert query.queue is not None
             # the delayed store first: a forward due meanwhile lands in the queue before its purge; the
             # history of what waited there goes with it while it still says so (as below)
-            _, forgotten = await self.delayed.purge(self.physical(query.queue), history_while=STORED_STATES)
-            purge = await self._purge_whole_counted(query.queue)
+            taken, forgotten = await self.delayed.purge(
+                self.physical(query.queue), history_while=STORED_STATES
+            )
+            # (a delayed message's history went with its row, counted in ``forgotten``: not returned,
+            # as below, or the purge would count it twice)
+            rest = [r for r in records if not (r.message_id in taken and r.status in STORED_STATES)]
+            purge = await self._purge_whole(query.queue)
             dead = purge.dead
             held = 0
             if not purge.live_all_gone and purge.purged is not None:
                 # a worker had received some: the transport says how many it took, never which, so
-                # the history of all goes (theirs comes back as they run) and the rest count as left
-                live = [r for r in records if r.status not in DEAD_STATES and r.status not in FINISHED]
-                held = max(0, len(live) - forgotten - purge.purged)
+                # the history of all goes (theirs comes back as they run) and the rest count as left.
+                # (A cancel request's message still waits in the queue, and is in the broker's count)
+                live = [
+                    r
+                    for r in rest
+                    if r.status not in DEAD_STATES and (r.status not in FINISHED or is_cancel_request(r))
+                ]
+                held = max(0, len(live) - purge.purged)
             return Removed(
                 (
                     r.message_id
-                    for r in records
+                    for r in rest
                     if dead is None or r.status not in DEAD_STATES or str(r.message_id) in dead
                 ),
                 forgotten,

@@ -63,7 +63,7 @@ from .dead_letters import DEAD_STATES, HOLD_SECONDS, empty_dead_letters, id_in_t
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, stored_text_record
 from .delayed.breaker import first_line
 from .names import companion_name
-from .side_stores import SideStoreOps
+from .side_stores import SideStoreOps, WholeQueuePurge
 from .sql.history import SideStores, malformed_id
 from .sql.leases import LeaseToken, SqlLeaseStore
 
@@ -319,13 +319,24 @@ class SqsProvider(SideStoreOps):
         from .. import retry_policy
 
         threads = int(kwargs.pop("threads", 16))
-        # a session of its own: the AWS configuration as it is now (boto3's default session keeps the
-        # one it read first), its region and credentials from one reading
-        session = boto3.session.Session()
+        # the default session an application set up in code (``boto3.setup_default_session``: its
+        # keys, profile or assumed role), as ``boto3.client`` uses it; else a session of its own, the
+        # AWS configuration as it is now, its region and credentials from one reading
+        session = boto3.DEFAULT_SESSION or boto3.session.Session()
+        region = settings.sqs_region or standard_region(session)
+        if not settings.sqs_region and region != DEFAULT_REGION:
+            # earlier versions used us-east-1 whatever the AWS configuration said: a deployment that
+            # relied on it would now create empty queues here, its messages left waiting there
+            log.warning(
+                "SQS: QUEUEING_SQS_REGION is not set, so the queues are those of %s, the AWS "
+                "configuration's region (versions before this one used us-east-1 whatever it said: "
+                "set QUEUEING_SQS_REGION, to us-east-1 to keep the queues there, to say which)",
+                region,
+            )
         client = session.client(
             "sqs",
             endpoint_url=settings.sqs_endpoint_url,
-            region_name=settings.sqs_region or standard_region(session),
+            region_name=region,
             config=retry_policy.boto3_config(max_pool_connections=threads),
         )
         kwargs.setdefault("ttl_grace", settings.ttl_grace)
@@ -934,13 +945,14 @@ class SqsProvider(SideStoreOps):
                 return False
             await self._delete([_Handle(url, m["ReceiptHandle"], "") for m in messages])
 
-    async def _purge_whole(self, queue: str) -> set[str] | None:
+    async def _purge_whole(self, queue: str) -> WholeQueuePurge:
         await self._purge_queue(await self._url(queue))
         dlq = await self._url(queue, dead=True)
         if await self._purge_queue(dlq, drain=False):
-            return None  # PurgeQueue deletes the letters a receive holds too: every one goes
+            # PurgeQueue deletes the letters a receive holds too: every one goes
+            return WholeQueuePurge(None)
         # purged within the minute: a receive does not see the letters another scan holds hidden,
         # and those keep their history (see empty_dead_letters)
         depth = await self.depth_of(dlq)
         async with self._dead_letter_pages(queue) as pages:
-            return await empty_dead_letters(pages, depth["ready"] + depth["in_flight"] + 1)
+            return WholeQueuePurge(await empty_dead_letters(pages, depth["ready"] + depth["in_flight"] + 1))

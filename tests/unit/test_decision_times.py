@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 from queueing_core import DeadLetter, DeadLetterReason, Defer, MessageStatus, QueueingApp, QueueMessage, queue
 from queueing_core.control import MemoryControlStore
+from queueing_core.decisions import LATEST
 from queueing_core.envelope import Envelope
 from queueing_core.pipeline import Pipeline
 from queueing_core.transport import Delivery
@@ -35,9 +36,11 @@ def test_a_deferral_keeps_its_time_in_utc() -> None:
     assert defer(T0).until is T0  # (already UTC: kept as it is)
 
 
-def test_a_deferral_past_the_years_1_to_9999_in_utc_is_the_nearest_time_that_is_not() -> None:
+def test_a_deferral_past_the_years_1_to_9999_in_utc_is_the_nearest_time_any_reader_takes() -> None:
     latest = datetime(9999, 12, 31, 23, 0, tzinfo=timezone(timedelta(hours=-5)))  # 04:00 in year 10000
-    assert defer(latest).until == datetime.max.replace(tzinfo=UTC)
+    assert defer(latest).until == LATEST
+    assert defer(datetime.max).until == LATEST  # "never", naive: a day short of the year 10000
+    assert defer(datetime.max.replace(tzinfo=UTC)).until == LATEST
     earliest = datetime(1, 1, 1, 1, 0, tzinfo=timezone(timedelta(hours=5)))  # 20:00 in year 0
     assert defer(earliest).until == datetime.min.replace(tzinfo=UTC)
 

@@ -78,3 +78,35 @@ def test_the_kits_setting_comes_first(aws_env: Path, monkeypatch, tmp_path) -> N
     monkeypatch.setenv("QUEUEING_SQS_REGION", "us-west-2")
     assert _region(tmp_path) == "us-west-2"
     assert _region(tmp_path, sqs_region="ca-central-1") == "ca-central-1"
+
+
+def test_the_default_session_an_application_set_up_is_used(aws_env: Path, monkeypatch, tmp_path) -> None:
+    """``boto3.setup_default_session`` (keys, a profile, an assumed role) is what ``boto3.client``
+    uses; the kit's own session ignored it for the environment's credentials (found in review)."""
+    import boto3
+
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    boto3.setup_default_session(
+        aws_access_key_id="AKIAAPPCONFIGURED", aws_secret_access_key="secret", region_name="eu-west-1"
+    )
+    settings = QueueingSettings(provider="sqs", database_url=f"sqlite:///{tmp_path}/side.db")
+    client = SqsProvider.from_settings(settings).client
+    assert client._request_signer._credentials.access_key == "AKIAAPPCONFIGURED"
+    assert client.meta.region_name == "eu-west-1"
+
+
+def test_a_region_from_the_aws_configuration_is_said_at_start(
+    aws_env: Path, monkeypatch, tmp_path, caplog
+) -> None:
+    """Earlier versions used us-east-1 whatever the AWS configuration said: a deployment that relied
+    on it would start on empty queues of its region, its messages waiting in us-east-1 (found in
+    review). Said at start, until QUEUEING_SQS_REGION says which."""
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    with caplog.at_level("WARNING", logger="queueing.sqs"):
+        assert _region(tmp_path) == "eu-west-1"
+    assert any("QUEUEING_SQS_REGION is not set" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setenv("QUEUEING_SQS_REGION", "eu-west-1")
+    with caplog.at_level("WARNING", logger="queueing.sqs"):
+        assert _region(tmp_path) == "eu-west-1"
+    assert not caplog.records
