@@ -241,6 +241,35 @@ def _check_matches(schedule: Schedule) -> None:
         ) from None
 
 
+#: the @-names croniter reads as five fields (with no hash id, as here): a fixed time each
+_MACROS = frozenset({"@midnight", "@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@annually"})
+#: croniter's random (R) and hashed (H) values, with their optional range and step: 'R', 'H(0-5)/2'
+_DRAWN = re.compile(r"[HR](\(\d+-\d+\))?(/\d+)?", re.IGNORECASE)
+_FIELDS = ("minute", "hour", "day-of-month", "month", "day-of-week")
+
+
+def _check_deterministic(cron: str) -> None:
+    """Every host must compute the same ticks from the expression. croniter draws a random value for an
+    ``R`` field each time it reads the expression (each host, each round: the schedule would fire at
+    random, many times an hour) and an ``H`` one from a hash id, which a schedule has none of; and it
+    takes @-names beyond the five-field ones (``@reboot`` and the like) that are no timetable."""
+    text = cron.strip()
+    if text.startswith("@"):
+        if text.lower() not in _MACROS:
+            raise RegistrationError(
+                f"{cron!r} is not a cron expression a schedule takes: of the @-names, only "
+                f"{', '.join(sorted(_MACROS))}; otherwise five fields, e.g. '*/5 * * * *'"
+            )
+        return
+    for field_name, value in zip(_FIELDS, text.split(), strict=False):
+        if _DRAWN.fullmatch(value):
+            raise RegistrationError(
+                f"{cron!r}: the {field_name} field {value!r} is croniter's random (R) or hashed (H) "
+                "value, which the hosts would not agree on (a random one changes at every round); "
+                "write the values out, e.g. '17 * * * *' instead of 'R * * * *'"
+            )
+
+
 def _default_name(func: Callable[..., Any]) -> str:
     """``module.qualname`` of the function, made a valid name (``<locals>`` and the like become _)."""
     text = f"{getattr(func, '__module__', '_')}.{getattr(func, '__qualname__', '_')}"
@@ -276,6 +305,8 @@ class ScheduleBook:
     ) -> Schedule:
         from croniter import croniter
 
+        if isinstance(cron, str):
+            _check_deterministic(cron)  # (first: croniter's own refusal of 'H' names no field)
         if not isinstance(cron, str) or not croniter.is_valid(cron):
             raise RegistrationError(f"{cron!r} is not a cron expression (five fields, e.g. '*/5 * * * *')")
         if not cron.strip().startswith("@") and len(cron.split()) != 5:
@@ -332,13 +363,17 @@ class ScheduleBook:
 
     def _add(self, schedule: Schedule) -> Schedule:
         known = self._schedules.get(schedule.name)
-        if known is not None and known.produce is not schedule.produce:
+        if known is not None and not _same(known, schedule):
+            # (the same function with another timetable is a clash too: two @app.schedule stacked on
+            # one function both take its default name, and one would silently replace the other)
             raise RegistrationError(
-                f"two schedules are named {schedule.name!r}; give one of them another name= "
-                "(the name is what hosts agree on to run each tick once)"
+                f"two schedules are named {schedule.name!r} ({_described(known)}; "
+                f"{_described(schedule)}); give each its own name= (the name is what hosts agree on "
+                "to run each tick once, and defaults to the function's module and name)"
             )
-        self._schedules[schedule.name] = schedule
-        return schedule
+        if known is None:  # the very same schedule again (a router included twice) changes nothing
+            self._schedules[schedule.name] = schedule
+        return known or schedule
 
     def include(self, other: ScheduleBook) -> None:
         for s in other._schedules.values():
@@ -352,6 +387,18 @@ class ScheduleBook:
 
     def get(self, name: str) -> Schedule | None:
         return self._schedules.get(name)
+
+
+def _same(a: Schedule, b: Schedule) -> bool:
+    """Whether two registrations are one schedule: the same function, timetable and policy."""
+    timetable = (a.cron, a.every, a.timezone, a.catch_up)
+    return a.produce is b.produce and timetable == (b.cron, b.every, b.timezone, b.catch_up)
+
+
+def _described(s: Schedule) -> str:
+    zone = f" in {s.timezone}" if s.cron is not None else ""
+    where = f", {s.origin}" if s.origin else ""
+    return f"{s.expression!r}{zone}, catch_up={s.catch_up!r}{where}"
 
 
 def _policy(catch_up: str) -> CatchUp:
