@@ -361,7 +361,9 @@ def create_app(
     @router.delete(
         "/messages",
         response_model=PurgeResult,
-        summary="Delete the messages that match the filters (never those a worker holds)",
+        summary="Delete the messages that match the filters (never those a worker holds, except where "
+        "emptying a whole queue takes them)",
+        responses=_problems(404),  # a queue the app does not have
     )
     async def purge(
         ops: Ops,

@@ -34,6 +34,11 @@ def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    # no default session yet, as in a fresh process (a test before this one that built a client with
+    # ``boto3.client`` left one, with the AWS configuration of its time, which the kit would use)
+    import boto3
+
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
     return config
 
 
@@ -85,7 +90,6 @@ def test_the_default_session_an_application_set_up_is_used(aws_env: Path, monkey
     uses; the kit's own session ignored it for the environment's credentials (found in review)."""
     import boto3
 
-    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
     boto3.setup_default_session(
         aws_access_key_id="AKIAAPPCONFIGURED", aws_secret_access_key="secret", region_name="eu-west-1"
     )
