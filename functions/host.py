@@ -77,7 +77,8 @@ KIT_OUTAGE_WAIT = 30.0
 #: other invocation of the process
 SLOT_WAIT = 60.0
 #: the most a SQL processor run gives the handlers still running at its budget's end to finish (a fifth
-#: of the budget when that is less); one still running then is cut, a failed attempt
+#: of the budget when that is less); one still running then is cut: a failed attempt if it had run
+#: the whole budget, else handed back uncounted (``Worker.drain``)
 PROCESSOR_STOP_GRACE = 10.0
 
 
@@ -210,7 +211,8 @@ class FunctionsHost:
     async def process_sql(self, budget: float) -> None:
         """Claim and process batches until idle or until ``budget`` seconds have passed; handlers still
         running then get :data:`PROCESSOR_STOP_GRACE` (at most a fifth of the budget) to finish, and one
-        still running after that is cut and counts a failed attempt (``Worker.drain``)."""
+        still running after that is cut, a failed attempt if it had run the whole budget
+        (``Worker.drain``)."""
         from queueing_core.worker import Worker
 
         rt = await self.runtime()
