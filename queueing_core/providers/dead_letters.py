@@ -36,7 +36,8 @@ DEAD_STATES = (MessageStatus.DEAD_LETTERED.value, MessageStatus.EXPIRED.value)
 #: the most dead letters one scan holds at a time (the rest wait for the next scan)
 SCAN_LIMIT = 5000
 #: how long a scan hides the letters it passes over where a hold is a visibility timeout (a scan that
-#: dies leaves them hidden this long; one that takes longer meets them again and ends there)
+#: dies leaves them hidden this long; one that takes longer meets them again and ends there, not
+#: knowing what lies further on)
 HOLD_SECONDS = 30
 
 
@@ -96,6 +97,8 @@ class _Pass(Generic[T]):
     seen: int = 0
     removed: int = 0
     complete: bool = False
+    #: it met letters it had passed over again: their holds lapsed, and what lies after them is unknown
+    came_round: bool = False
 
 
 async def _read(
@@ -110,10 +113,14 @@ async def _read(
     ``picked`` is only found, located (held for later) or removed at once; the others are held."""
     keys: set[Hashable] = set()
     while run.seen < limit and not enough():
-        # a hold that lapsed during a long scan brings a letter back: the scan has come round
-        page = [item for item in await pages.next_page() if pages.key(item) not in keys]
+        read = await pages.next_page()
+        page = [item for item in read if pages.key(item) not in keys]
         if not page:
-            run.complete = True
+            # only an empty read is the end. Letters met before mean their holds lapsed during a long
+            # scan: they come back ahead of those not read yet (Service Bus hands out a lapsed letter
+            # in its sequence order), so more may lie further on (found in review)
+            run.complete = not read
+            run.came_round = bool(read)
             return
         keys.update(pages.key(item) for item in page)
         run.seen += len(page)
@@ -137,9 +144,11 @@ async def _read(
     if run.seen >= limit and not enough():
         # at the limit: one more read tells a queue of exactly ``limit`` letters (read to its end) from
         # a longer one; what it reads is held with the rest, and handed back
-        more = [item for item in await pages.next_page() if pages.key(item) not in keys]
+        read = await pages.next_page()
+        more = [item for item in read if pages.key(item) not in keys]
         run.held.extend(more)
-        run.complete = not more
+        run.complete = not read  # (letters met before: their holds lapsed, see above)
+        run.came_round = bool(read) and not more
 
 
 async def scan_dead_letters(
@@ -161,7 +170,9 @@ async def scan_dead_letters(
     too, and the message would be nowhere). A located letter whose hold lapsed meanwhile (a short
     peek-lock) is read again and removed by its key where that key outlives a hold (see
     :func:`_remove_again`); where it cannot be told again, the error is raised and the letter stays:
-    a duplicate, never a loss.
+    a duplicate, never a loss. A retry that located nothing without reading to the end (``limit``
+    letters read, or the scan met letters again whose holds had lapsed) sends nothing and raises
+    :class:`InvalidOperation`: its letter may lie further on.
 
     Returns the ids found; when removing, also the wanted ids the queue does not hold at all (the
     scan read every letter and none was out of its sight, held by an earlier reader that died), so
@@ -172,11 +183,24 @@ async def scan_dead_letters(
     )
     try:
         await _read(pages, lambda item: wanted is None or pages.message_id(item) in wanted, how, run, limit)
-        if not run.complete:
+        if run.came_round:
+            log.warning(
+                "dead-letter scan met letters again after %d letters: it took longer than their holds, "
+                "and the letters after them were not read; repeat the action for the rest",
+                run.seen,
+            )
+        elif not run.complete:
             log.warning("dead-letter scan stopped after %d letters; repeat the action for the rest", run.seen)
         if before_removing is not None and not run.complete and not run.located:
             # the letter may lie past the letters read: a copy sent now would run the message and leave
             # its letter where no listing shows it, to run again at a later retry (found in review)
+            if run.came_round:
+                raise InvalidOperation(
+                    f"its dead letter was not among the {run.seen} letters of the dead-letter queue read "
+                    "before the scan took longer than it may hold them (they came back, and the letters "
+                    "after them were not read): nothing was sent; retry it again, or retry or purge "
+                    "older dead letters first"
+                )
             raise InvalidOperation(
                 f"its dead letter was not among the first {run.seen} letters of the dead-letter queue "
                 f"(a scan reads at most {limit}): nothing was sent; retry or purge older dead letters "

@@ -189,12 +189,17 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
             assert query.queue is not None
             # the delayed store first: a forward due meanwhile lands in the queue before its purge; the
             # history of what waited there goes with it while it still says so (as below)
-            taken, forgotten = await self.delayed.purge(
+            taken, forgotten, stays = await self.delayed.purge(
                 self.physical(query.queue), history_while=STORED_STATES
             )
             # (a delayed message's history went with its row, counted in ``forgotten``: not returned,
-            # as below, or the purge would count it twice)
-            rest = [r for r in records if not (r.message_id in taken and r.status in STORED_STATES)]
+            # as below, or the purge would count it twice; one a dispatcher is forwarding stays, to
+            # land in the queue and run: left, with its history)
+            rest = [
+                r
+                for r in records
+                if not (r.message_id in taken and r.status in STORED_STATES) and r.message_id not in stays
+            ]
             purge = await self._purge_whole(query.queue)
             dead = purge.dead
             held = 0
@@ -234,6 +239,6 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
                 # match); so they are not among the ids returned, whose history the purge deletes after:
                 # one that no longer says so (an operator's retry sent its copy meanwhile, a Failed one
                 # reopened as Pending) keeps its row and its history
-                _, gone = await self.delayed.purge(self.physical(queue), later, history_while=(status,))
-                forgotten += gone
+                purged = await self.delayed.purge(self.physical(queue), later, history_while=(status,))
+                forgotten += purged.forgotten
         return Removed((r.message_id for r in records if r.message_id in removed), forgotten)

@@ -771,14 +771,25 @@ def _query_filter(q: MessageQuery) -> _Filter:
     return f
 
 
-def _encode_cursor(token: Any) -> str | None:
-    if not token:
-        return None
-    return base64.urlsafe_b64encode(json.dumps(token).encode()).decode().rstrip("=")
-
-
 #: the parts of a continuation token the service hands out (its NextPartitionKey/NextRowKey)
 _TOKEN_KEYS: Final = frozenset({"PartitionKey", "RowKey"})
+
+
+def _continuation(token: Any) -> dict[str, str] | None:
+    """The SDK's continuation token without its empty parts. The service may continue with a
+    NextPartitionKey and no NextRowKey; the SDK then reports ``RowKey: None`` but sends only the parts
+    present, and an empty NextRowKey would be refused."""
+    if not token:
+        return None
+    parts = {k: v for k, v in dict(token).items() if k in _TOKEN_KEYS and v}
+    return parts or None
+
+
+def _encode_cursor(token: Any) -> str | None:
+    parts = _continuation(token)
+    if parts is None:
+        return None
+    return base64.urlsafe_b64encode(json.dumps(parts).encode()).decode().rstrip("=")
 
 
 def _token_part(value: object) -> bool:
@@ -795,6 +806,8 @@ def _decode_cursor(cursor: str | None) -> dict[str, str] | None:
         token = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except (binascii.Error, ValueError) as exc:
         raise invalid_cursor() from exc
+    if isinstance(token, dict) and "RowKey" in token and token["RowKey"] is None:
+        del token["RowKey"]  # as next_cursor carried a continuation without a row key before
     if not (
         isinstance(token, dict)
         and "PartitionKey" in token
@@ -1191,7 +1204,7 @@ class TablesTracker(_OnTable):
         async for page in pages:
             entities = [e async for e in page]
             break
-        return entities, getattr(pages, "continuation_token", None) or None
+        return entities, _continuation(getattr(pages, "continuation_token", None))
 
     async def counts(self) -> dict[tuple[str, str], int]:
         # A projected scan of the table (two properties per record). Counter entities would make this

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sqlalchemy as sa
 
@@ -54,6 +54,15 @@ def db_boundary(action: str) -> Iterator[None]:
     """The SQL provider's translation of driver errors, naming the delayed store."""
     with sql_errors.db_boundary(action, store="delayed store"):
         yield
+
+
+class Purged(NamedTuple):
+    """What a purge of the delayed store did (see :meth:`DelayedStore.purge`)."""
+
+    gone: set[uuid.UUID]
+    forgotten: int
+    #: messages whose rows stay: a dispatcher is forwarding them, or they moved on since read
+    left: set[uuid.UUID]
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,9 +332,13 @@ class SqlDelayedStore:
         message_ids: Sequence[uuid.UUID] | None = None,
         *,
         history_while: Sequence[str] = (),
-    ) -> tuple[set[uuid.UUID], int]:
+    ) -> Purged:
         """Delete what waits for ``destination`` (only ``message_ids`` when given); returns the
-        message ids deleted, and how many history records went with them. With ``history_while``, the
+        message ids deleted, how many history records went with them, and the ids whose rows stay.
+        A row a dispatcher is forwarding stays (fetched, its lease not ended; or given back after a
+        forward that failed but may have reached the transport): deleted, its message was reported
+        gone and its history with it, and ran all the same when the forward landed. With
+        ``history_while``, the
         history records of the messages deleted go in the same transaction while their status is one
         of those (where the history shares this database, RabbitMQ's and SQS's): a purge that stopped
         between the two, or whose answer was lost, would leave history for a message no store holds,
@@ -334,6 +347,7 @@ class SqlDelayedStore:
         the copy it brings forward, and reopened its history) stays, to be forwarded."""
         t = self._t
         cond = [t.c.transport == self.transport.value, t.c.destination == destination]
+        forwarding = sa.and_(t.c.claims > 0, t.c.due_at > as_utc(self.clock()))
         given = list(message_ids) if message_ids is not None else None
         # bound values per statement: bounded (PostgreSQL takes 65,535 at most)
         parts = (
@@ -345,16 +359,20 @@ class SqlDelayedStore:
             await self.sql.ensure_open()
             async with self.sql.engine.begin() as conn:
                 gone: list[uuid.UUID] = []
+                left: set[uuid.UUID] = set()
                 h = self.sql.tables.history
                 for part in parts:
                     where = cond if part is None else [*cond, t.c.message_id.in_(part)]
+                    taken = [*where, sa.not_(forwarding)]
                     if part is not None and history_while:
                         still = sa.select(h.c.message_id).where(
                             h.c.message_id.in_(part), h.c.status.in_(list(history_while))
                         )
-                        where.append(t.c.message_id.in_(still))
-                    rows = (await conn.execute(sa.delete(t).where(*where).returning(t.c.message_id))).all()
+                        taken.append(t.c.message_id.in_(still))
+                    rows = (await conn.execute(sa.delete(t).where(*taken).returning(t.c.message_id))).all()
                     gone += [r[0] for r in rows]
+                    # what stays of them (being forwarded, or moved on since the purge read them)
+                    left |= {r[0] for r in await conn.execute(sa.select(t.c.message_id).where(*where))}
                 forgotten = 0
                 for start in range(0, len(gone) if history_while else 0, IN_LIST_BATCH):
                     part = gone[start : start + IN_LIST_BATCH]
@@ -362,7 +380,7 @@ class SqlDelayedStore:
                         sa.delete(h).where(h.c.message_id.in_(part), h.c.status.in_(list(history_while)))
                     )
                     forgotten += res.rowcount or 0
-        return set(gone), forgotten
+        return Purged(set(gone), forgotten, left)
 
     async def counts(self) -> dict[str, int]:
         """Messages waiting per destination."""
