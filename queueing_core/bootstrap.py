@@ -7,7 +7,7 @@ Azure SDKs (and the Functions app stays light at cold start).
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError
 from .runtime import Runtime
@@ -15,6 +15,7 @@ from .settings import QueueingSettings, journal_dir, load_settings
 
 if TYPE_CHECKING:
     from .app import QueueingApp
+    from .providers.sql import SqlProvider
     from .transport import Provider
 
 
@@ -25,28 +26,7 @@ def make_provider(settings: QueueingSettings) -> Provider:
 
         return InProcessProvider()
     if name == "sql":
-        from .providers.sql import RetentionPolicy, SqlProvider
-
-        retention = RetentionPolicy(
-            archive_after=settings.archive_after,
-            archive_statuses=frozenset(settings.archive_statuses),
-            delete_archived_after=settings.delete_archived_after,
-        )
-        return SqlProvider(
-            settings.database_url,
-            schema=settings.database_schema,
-            worker_id=settings.worker_id,
-            auto_migrate=settings.auto_migrate,
-            retention=retention,
-            connect_retries=settings.connect_retries,
-            maintenance_interval=settings.maintenance_interval,
-            database_auth=settings.database_auth,
-            client_id=settings.database_client_id,
-            durable_claims=settings.durable_claims,
-            settle_with_claims=settings.settle_with_claims,
-            prepared_statements=settings.database_prepared_statements,
-            sqlite_synchronous=settings.sqlite_synchronous,
-        )
+        return sql_provider(settings)
     if name == "storage_queue":
         from .connections import StorageConnection
         from .providers.storage_queue import StorageQueueProvider
@@ -101,14 +81,46 @@ def make_provider(settings: QueueingSettings) -> Provider:
     )
 
 
+def sql_provider(settings: QueueingSettings, **overrides: Any) -> SqlProvider:
+    """The SQL provider on ``QUEUEING_DATABASE_URL`` as the settings say, sign-in included; the one
+    place it is built from settings (``queueing migrate`` passes ``auto_migrate`` and ``listen``)."""
+    from .providers.sql import RetentionPolicy, SqlProvider
+
+    retention = RetentionPolicy(
+        archive_after=settings.archive_after,
+        archive_statuses=frozenset(settings.archive_statuses),
+        delete_archived_after=settings.delete_archived_after,
+    )
+    options: dict[str, Any] = {
+        "schema": settings.database_schema,
+        "worker_id": settings.worker_id,
+        "auto_migrate": settings.auto_migrate,
+        "retention": retention,
+        "connect_retries": settings.connect_retries,
+        "maintenance_interval": settings.maintenance_interval,
+        "database_auth": settings.database_auth,
+        "client_id": settings.database_client_id,
+        "durable_claims": settings.durable_claims,
+        "settle_with_claims": settings.settle_with_claims,
+        "prepared_statements": settings.database_prepared_statements,
+        "sqlite_synchronous": settings.sqlite_synchronous,
+    }
+    return SqlProvider(settings.database_url, **{**options, **overrides})
+
+
 def bootstrap(app: QueueingApp, settings: QueueingSettings | None = None) -> Runtime:
     """A runtime for ``app`` on the configured provider. Nothing connects until it is opened."""
     cfg = settings or load_settings()
-    if cfg.queue_prefix or cfg.queue_suffix:
+    use_queue_naming(app, cfg)
+    return Runtime(instrumented(app, cfg), make_provider(cfg), history_journal=journal_dir(cfg))
+
+
+def use_queue_naming(app: QueueingApp, settings: QueueingSettings) -> None:
+    """Give ``app`` the queue prefix and suffix of the settings (its queues' physical names)."""
+    if settings.queue_prefix or settings.queue_suffix:
         from .naming import QueueNaming
 
-        app.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
-    return Runtime(instrumented(app, cfg), make_provider(cfg), history_journal=journal_dir(cfg))
+        app.naming = QueueNaming(settings.queue_prefix, settings.queue_suffix)
 
 
 def instrumented(app: QueueingApp, settings: QueueingSettings) -> QueueingApp:

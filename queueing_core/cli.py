@@ -25,14 +25,15 @@ from rich.table import Table
 
 from . import __version__
 from .app import QueueingApp
-from .bootstrap import bootstrap
+from .bootstrap import bootstrap, sql_provider, use_queue_naming
 from .errors import (
     ConfigurationError,
     InvalidArgument,
     InvalidOperation,
     MessageNotFound,
+    MessageTooLarge,
     NotConfigured,
-    ProviderUnavailable,
+    ProviderError,
     RegistrationError,
 )
 from .loader import load_app
@@ -135,10 +136,12 @@ def check(
     ] = None,
 ) -> None:
     """Load an app and report its queues, handlers and options; exit 1 on an invalid registration."""
+    from .infra import check_names
     from .ops.models import NAME_RULES, QUEUE_NAME, TYPE_NAME
 
     cfg = settings()
     the_app = app_from(app, cfg)
+    use_queue_naming(the_app, cfg)  # the physical names the hosts use, prefix and suffix included
     target = transport or Transport(cfg.provider)
     table = Table(title=f"{the_app.name}: {counted(len(the_app.subscriptions()), 'queue')} on {target.value}")
     for col in (
@@ -156,15 +159,15 @@ def check(
         table.add_column(col)
     problems: list[str] = []
     warnings: list[str] = []
-    physical: dict[str, str] = {}
+    try:
+        # the check the hosts run before they open the queues (and the Functions app at indexing):
+        # two queues sharing a name, or one named like another's dead-letter or poison queue
+        check_names(the_app, (target,))
+    except ConfigurationError as exc:
+        problems.append(str(exc))
     for sub in the_app.subscriptions():
         name = sub.physical_queue(the_app.naming, target)
-        if name in physical:
-            problems.append(
-                f"queues {physical[name]!r} and {sub.queue!r} both map to {name!r} on {target.value}"
-            )
-        physical[name] = sub.queue
-        if name != sub.queue:
+        if name != the_app.naming.prefix + sub.queue + the_app.naming.suffix:
             warnings.append(f"queue {sub.queue!r} is named {name!r} on {target.value} (sanitized)")
         if sub.handler is None:
             warnings.append(
@@ -195,7 +198,7 @@ def check(
         out.print(f"[yellow]note:[/] {w}", highlight=False)
     if problems:
         for p in problems:
-            err.print(f"[bold red]invalid:[/] {p}", highlight=False)
+            err.print(f"[bold red]invalid:[/] {p}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     out.print("[green]ok[/]")
 
@@ -204,9 +207,10 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a command's coroutine; the kit's errors become one clear line and an exit code."""
     try:
         return asyncio.run(coro)
-    except (ConfigurationError, InvalidArgument) as exc:
+    except (ConfigurationError, InvalidArgument, MessageTooLarge) as exc:
+        # (a message over the transport's limit is a refused argument: `enqueue --json` can reach it)
         fail(str(exc), 2)
-    except (ProviderUnavailable, NotConfigured) as exc:
+    except (ProviderError, NotConfigured) as exc:  # unreachable, refused, no right to it, ...
         fail(str(exc), 1)
 
 
@@ -653,18 +657,13 @@ def migrate(app: AppOption = None) -> None:
     cfg = settings()
     if not _has_database(cfg):
         fail(f"QUEUEING_PROVIDER is {cfg.provider!r}: it keeps nothing in a database to migrate", 2)
-    from .providers.sql import LATEST, SqlProvider
+    from .providers.sql import LATEST
     from .providers.sql.engine import redact
 
-    provider = SqlProvider(
-        cfg.database_url,
-        schema=cfg.database_schema,
-        auto_migrate=True,
-        connect_retries=cfg.connect_retries,
-        listen=False,
-    )
-
     async def go() -> None:
+        # built as the hosts build it: their sign-in (QUEUEING_DATABASE_AUTH, _CLIENT_ID) and
+        # prepared statements too, or the schema would be made by another identity than theirs
+        provider = sql_provider(cfg, auto_migrate=True, listen=False)
         await provider.open()
         await provider.close()
 
@@ -691,10 +690,7 @@ def infra_params(
 
     cfg = settings()
     the_app = app_from(app, cfg)
-    if cfg.queue_prefix or cfg.queue_suffix:
-        from .naming import QueueNaming
-
-        the_app.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
+    use_queue_naming(the_app, cfg)
     if not file.exists():
         fail(f"{file} does not exist", 2)
     try:

@@ -81,11 +81,14 @@ def check_names(
     app: QueueingApp,
     transports: tuple[Transport, ...] = (Transport.SERVICE_BUS, Transport.STORAGE_QUEUE),
     naming: QueueNaming | None = None,
+    *,
+    deployed: bool = True,
 ) -> None:
     """Raise :class:`ConfigurationError` naming the queue whose name on one of ``transports`` the
     service would refuse (its dead-letter or poison companion included), that the Bicep cannot
     create (a Service Bus name holding '/'), or that two queues share (a companion's included).
-    ``naming``: the provider's own prefix and suffix, when it has them (the app's by default)."""
+    ``naming``: the provider's own prefix and suffix, when it has them (the app's by default).
+    ``deployed=False`` (a runtime opening its queues itself) leaves out the Bicep's own rule."""
     seen: dict[tuple[Transport, str], tuple[str, str]] = {}  # name -> (its queue, what it is)
     for sub in app.subscriptions():
         for transport in transports:
@@ -98,7 +101,7 @@ def check_names(
                     validate(each, transport)
                 except InvalidQueueName as exc:
                     raise ConfigurationError(f"queue {sub.queue!r}", exc.rule, transport.value) from None
-                if transport is Transport.SERVICE_BUS and "/" in each:
+                if deployed and transport is Transport.SERVICE_BUS and "/" in each:
                     # Service Bus takes it, but the Bicep declares the queue as the namespace's child
                     # resource, and ARM reads '/' in a resource name as a separator: the deployment
                     # would fail on a name of one segment too many

@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import json
+import re
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from .errors import ConfigurationError
+from .messages import MessageStatus
+
+#: the longest worker id: the SQL lease column ``locked_by`` is ``String(128)`` (providers/sql/schema.py)
+WORKER_ID_MAX = 128
+#: the statuses retention may archive: the ones a message settles in
+ARCHIVABLE = tuple(
+    s.value for s in MessageStatus if s in MessageStatus.terminal() or s is MessageStatus.ABANDONED
+)
+#: settings whose value may hold a password: a refusal never prints them
+_HOLDS_PASSWORD = frozenset({"database_url"})
 
 ProviderName = Literal["inprocess", "sql", "storage_queue", "servicebus", "rabbitmq", "sqs"]
 
 
 class QueueingSettings(BaseSettings):
     # an empty app setting means "not set" (Functions portals and sample files keep empty values)
+    # (no input in a ValidationError's text: a URL holding a password would be printed in a traceback)
     model_config = SettingsConfigDict(
-        env_prefix="QUEUEING_", extra="ignore", frozen=True, env_ignore_empty=True
+        env_prefix="QUEUEING_", extra="ignore", frozen=True, env_ignore_empty=True, hide_input_in_errors=True
     )
 
     # Every field has a description: the configuration reference in the docs is generated from them.
@@ -95,9 +109,10 @@ class QueueingSettings(BaseSettings):
         description="SQL: archive messages this long after they settled in one of "
         "`QUEUEING_ARCHIVE_STATUSES` (`None` in code: never).",
     )
-    archive_statuses: list[str] = Field(
+    archive_statuses: Annotated[list[str], NoDecode] = Field(
         default=["Succeeded", "DeadLettered", "Expired", "Cancelled"],
-        description="SQL: the statuses that are archived after `QUEUEING_ARCHIVE_AFTER`.",
+        description="SQL: the statuses that are archived after `QUEUEING_ARCHIVE_AFTER`, comma-separated "
+        "(`Succeeded,DeadLettered`) or a JSON list; any of " + ", ".join(f"`{s}`" for s in ARCHIVABLE) + ".",
     )
     delete_archived_after: timedelta | None = Field(
         default=timedelta(days=30),
@@ -109,8 +124,8 @@ class QueueingSettings(BaseSettings):
     queue_suffix: str = Field(default="", description="Added after every queue name.")
     worker_id: str | None = Field(
         default=None,
-        description="This host's id in logs and SQL leases (`locked_by`); by default "
-        "`<hostname>:<pid>:<random>`.",
+        description="This host's id in logs and SQL leases (`locked_by`): at most 128 printable "
+        "characters; by default `<hostname>:<pid>:<random>`.",
     )
     shutdown_timeout: float = Field(
         default=30.0,
@@ -185,7 +200,8 @@ class QueueingSettings(BaseSettings):
     )
     rabbitmq_url: SecretStr = Field(
         default=SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
-        description="RabbitMQ: the AMQP URL (it holds a password: never logged).",
+        description="RabbitMQ: the AMQP URL (it holds a password: never logged). A password holding "
+        "`/`, `#`, `?` or `@` is percent-encoded (`%2F`, `%23`, `%3F`, `%40`).",
     )
     rabbitmq_max_message_bytes: int | None = Field(
         default=None,
@@ -317,6 +333,69 @@ class QueueingSettings(BaseSettings):
         description="The ops API refuses larger request bodies with 413.",
     )
 
+    @field_validator("database_url")
+    @classmethod
+    def _readable_database_url(cls, url: str) -> str:
+        # a password holding '@' made the rest of it the host, and the error that followed printed
+        # the password's tail as a host name; one holding '/' with no '@' left, as a port
+        problem = database_url_problem(url)
+        if problem is not None:
+            raise ValueError(problem)
+        return url
+
+    @field_validator("archive_statuses", mode="before")
+    @classmethod
+    def _status_list(cls, value: Any) -> Any:
+        # the natural way to type a list in an environment variable is a comma list; JSON works too
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except ValueError:
+                raise ValueError("is not a JSON list; give the statuses comma-separated") from None
+        return [part.strip() for part in text.split(",") if part.strip()]
+
+    @field_validator("archive_statuses")
+    @classmethod
+    def _archivable(cls, statuses: list[str]) -> list[str]:
+        # a misspelt status silently stopped archiving the messages it meant
+        unknown = [s for s in statuses if s not in ARCHIVABLE]
+        if unknown:
+            raise ValueError(
+                f"{', '.join(map(repr, unknown))} is not a status retention archives "
+                f"(any of {', '.join(ARCHIVABLE)}, comma-separated)"
+            )
+        return statuses
+
+    @field_validator("worker_id")
+    @classmethod
+    def _usable_worker_id(cls, worker_id: str | None) -> str | None:
+        # it is every claim's lease owner: one the SQL column cannot hold failed every claim, and the
+        # worker looked started while it processed nothing
+        if worker_id is None:
+            return None
+        if not worker_id.strip():
+            raise ValueError("is blank; set an id, or leave it unset for <hostname>:<pid>:<random>")
+        if len(worker_id) > WORKER_ID_MAX:
+            raise ValueError(
+                f"is {len(worker_id)} characters; at most {WORKER_ID_MAX} (the SQL lease column's size)"
+            )
+        if not worker_id.isprintable():
+            raise ValueError("holds control characters, which would break the log lines that name it")
+        return worker_id
+
+    @field_validator("rabbitmq_url")
+    @classmethod
+    def _readable_rabbitmq_url(cls, url: SecretStr) -> SecretStr:
+        # an unescaped '/', '#' or '?' in the password cut the URL there: the client then read the
+        # password as the port and raised it in a traceback. Said here without the value
+        problem = amqp_url_problem(url.get_secret_value())
+        if problem is not None:
+            raise ValueError(problem)
+        return url
+
     @field_validator("api_key")
     @classmethod
     def _usable_key(cls, key: SecretStr | None) -> SecretStr | None:
@@ -329,6 +408,49 @@ class QueueingSettings(BaseSettings):
         if value is not None and not value.isprintable():
             raise ValueError("holds control characters, which an HTTP header cannot carry")
         return key
+
+
+#: how SQLAlchemy reads a URL's user part (``[^:/]*`` then ``:[^@]*``: a password ends at its first '@')
+_DB_USER = re.compile(r"[^:/]*(?::[^@]*)?@")
+
+
+def database_url_problem(url: str) -> str | None:
+    """What in a database URL's host part shows a password that was not percent-encoded, in words that
+    never hold any part of it; None: nothing. It reads the host part as SQLAlchemy does, without
+    importing it (indexing a Functions app loads only what its configuration needs)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.startswith("sqlite"):  # (a SQLite path may hold anything)
+        return None
+    user = _DB_USER.match(rest)
+    host = re.split(r"[/?]", rest[user.end() :] if user else rest, maxsplit=1)[0]
+    encode = "percent-encode the password ('@' as %40, '/' as %2F, ':' as %3A)"
+    if "@" in host:
+        return f"has more than one '@' before its host; {encode}"
+    port = host.rpartition("]")[2] if host.startswith("[") else host
+    port = port.partition(":")[2]
+    if port and not port.isdigit():
+        return f"its port is not a number; {encode}"
+    return None
+
+
+def amqp_url_problem(url: str) -> str | None:
+    """What makes ``url`` no AMQP URL, in words that never hold any part of it; None: it reads."""
+    encode = "percent-encode the user name and password ('/' as %2F, '#' as %23, '?' as %3F, '@' as %40)"
+    parts = urlsplit(url)
+    if parts.scheme not in ("amqp", "amqps"):
+        return "is not an AMQP URL: it starts amqp:// or amqps://"
+    if "@" in parts.path + parts.query + parts.fragment:
+        return (
+            "has an '@' after where its host should be: a '/', '#' or '?' in the password ends it "
+            f"early; {encode}"
+        )
+    try:
+        parts.port  # noqa: B018 - the property raises for a port that is not a number
+    except ValueError:
+        return f"its port is not a number (a ':' in the host part); {encode}"
+    if not parts.hostname:
+        return "names no host (amqp://user:password@host:5672/vhost)"
+    return None
 
 
 def journal_dir(settings: QueueingSettings) -> Path | None:
@@ -351,7 +473,7 @@ def describe_error(exc: ValidationError, model: type[BaseSettings] = QueueingSet
     if "expected" in ctx:  # a choice: say what was given and what is accepted, once
         return ConfigurationError(setting, f"{err.get('input')!r} is not accepted", str(ctx["expected"]))
     msg = err["msg"].removeprefix("Value error, ")
-    if _is_secret(model, field):  # never print a secret, even a malformed one
+    if _is_secret(model, field) or field in _HOLDS_PASSWORD:  # never print a secret, even a malformed one
         return ConfigurationError(setting, msg)
     return ConfigurationError(setting, f"{msg} (got {err.get('input')!r})")
 
@@ -367,3 +489,8 @@ def load_settings(**overrides: object) -> QueueingSettings:
         return QueueingSettings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise describe_error(exc) from None
+    except SettingsError as exc:  # a list setting the environment source could not read
+        found = re.search(r'field "(\w+)"', str(exc))
+        setting = f"QUEUEING_{found.group(1)}".upper() if found else "QUEUEING_*"
+        accepted = "a JSON list, or values comma-separated"
+        raise ConfigurationError(setting, "cannot be read", accepted) from None

@@ -121,7 +121,7 @@ def test_check_refuses_two_queues_that_collide_after_sanitizing(tmp_path):
     )
     r = run_cli("check", "--app", "clash:app", "--transport", "storage_queue", cwd=tmp_path)
     assert r.returncode == 1
-    assert "both map to 'orders'" in r.stderr
+    assert "'orders' is also the name of queue 'Orders' on storage_queue" in r.stderr
 
 
 def test_help_shows_no_python_type_labels():
