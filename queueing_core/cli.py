@@ -162,7 +162,8 @@ def check(
     try:
         # the check the hosts run before they open the queues (and the Functions app at indexing):
         # two queues sharing a name, or one named like another's dead-letter or poison queue
-        check_names(the_app, (target,))
+        # (as a worker does: a Service Bus name with a '/' is the Bicep's to refuse, `infra params`)
+        check_names(the_app, (target,), deployed=False)
     except ConfigurationError as exc:
         problems.append(str(exc))
     for sub in the_app.subscriptions():

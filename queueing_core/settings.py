@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from datetime import timedelta
@@ -112,7 +113,9 @@ class QueueingSettings(BaseSettings):
     archive_statuses: Annotated[list[str], NoDecode] = Field(
         default=["Succeeded", "DeadLettered", "Expired", "Cancelled"],
         description="SQL: the statuses that are archived after `QUEUEING_ARCHIVE_AFTER`, comma-separated "
-        "(`Succeeded,DeadLettered`) or a JSON list; any of " + ", ".join(f"`{s}`" for s in ARCHIVABLE) + ".",
+        "(`Succeeded,DeadLettered`) or a JSON list; any of "
+        + ", ".join(f"`{s}`" for s in ARCHIVABLE)
+        + ", or a status of your own that settled messages are set to.",
     )
     delete_archived_after: timedelta | None = Field(
         default=timedelta(days=30),
@@ -360,12 +363,20 @@ class QueueingSettings(BaseSettings):
     @field_validator("archive_statuses")
     @classmethod
     def _archivable(cls, statuses: list[str]) -> list[str]:
-        # a misspelt status silently stopped archiving the messages it meant
-        unknown = [s for s in statuses if s not in ARCHIVABLE]
-        if unknown:
+        # a misspelt status silently stopped archiving the messages it meant; one of the kit's that a
+        # message never settles in archives nothing. An operator's own status (a settled message set
+        # to "Reviewed") keeps its settled time and is archived as before
+        kit = {s.value for s in MessageStatus}
+        refused = [
+            s
+            for s in statuses
+            if (s in kit and s not in ARCHIVABLE)
+            or (s not in kit and difflib.get_close_matches(s, [*kit], n=1, cutoff=0.8))
+        ]
+        if refused:
             raise ValueError(
-                f"{', '.join(map(repr, unknown))} is not a status retention archives "
-                f"(any of {', '.join(ARCHIVABLE)}, comma-separated)"
+                f"{', '.join(map(repr, refused))} is not a status retention archives "
+                f"(any of {', '.join(ARCHIVABLE)}, or a status of your own; comma-separated)"
             )
         return statuses
 
@@ -439,7 +450,8 @@ def amqp_url_problem(url: str) -> str | None:
     parts = urlsplit(url)
     if parts.scheme not in ("amqp", "amqps"):
         return "is not an AMQP URL: it starts amqp:// or amqps://"
-    if "@" in parts.path + parts.query + parts.fragment:
+    # (only where no '@' ended the user part: one in a query, ``?name=worker@host``, is the URL's own)
+    if "@" not in parts.netloc and "@" in parts.path + parts.query + parts.fragment:
         return (
             "has an '@' after where its host should be: a '/', '#' or '?' in the password ends it "
             f"early; {encode}"
@@ -448,8 +460,6 @@ def amqp_url_problem(url: str) -> str | None:
         parts.port  # noqa: B018 - the property raises for a port that is not a number
     except ValueError:
         return f"its port is not a number (a ':' in the host part); {encode}"
-    if not parts.hostname:
-        return "names no host (amqp://user:password@host:5672/vhost)"
     return None
 
 

@@ -35,8 +35,29 @@ which the SDK raises as ``azure.core.exceptions.ClientAuthenticationError`` (bui
 own ``map_error``, as the SDK's generated client does); without ``Send`` or ``Listen`` the AMQP link is
 refused with ``amqp:unauthorized-access``, which the SDK raises as ``ServiceBusAuthorizationError``
 (built here by the SDK's own error mapping). Not modelled: sessions,
-topics, transactions, auto-forwarding, partitioning, prefetch buffering, ``AutoLockRenewer``, AMQP
-value and sequence bodies.
+topics, transactions, auto-forwarding, partitioning, ``prefetch_count`` above 0 (such a receiver
+behaves as with 0), ``AutoLockRenewer``, AMQP value and sequence bodies.
+
+**Link credit**, as the SDK leaves it with ``prefetch_count=0`` (read from azure-servicebus 7.15):
+
+* ``receive_messages(n)`` first returns what the receiver's buffer holds, then sets the link credit to
+  what it still wants (``aio/_servicebus_receiver_async.py`` ``ServiceBusReceiver._receive``:
+  ``reset_link_credit_async``, which is ``link.flow(link_credit=...)``, an absolute value). Credit the
+  call did not use stays on the link after it returns: nothing takes it back until ``close()``.
+* While credit is outstanding the broker pushes each message that becomes available into it, locked
+  (or, in receive-and-delete mode, deleted) as it is sent. It sits in the receiver's buffer and the
+  next receive returns it first, its lock running (or lapsed) meanwhile: a lapse counts a delivery.
+* With no receive in progress, the SDK's keep-alive reads the link every 5 s
+  (``_pyamqp/aio/_client_async.py`` ``_keep_alive_async``, ``keep_alive_interval=5`` for prefetch 0)
+  and releases what it reads (``aio/_transport/_pyamqp_transport_async.py``
+  ``enhanced_message_received_async``, peek-lock only). Modelled as a release of the buffer
+  ``keep_alive_seconds`` (real asyncio time, like every wait here) after a message reached an idle
+  receiver; a :class:`FakeClock` moved past a lock before then is a client that did not read its link
+  meanwhile (a stalled process): the lock lapses first.
+* ``close()`` takes the credit back and releases what the buffer holds (``_close_handler``,
+  ``drain_and_release_messages_async``; peek-lock receivers only: a receive-and-delete receiver's
+  buffered messages are already gone from the broker, and are lost). A release ends the lock without
+  counting a delivery (AMQP ``released``: Service Bus does not count it).
 
 Time comes from the namespace's clock. Pass a :class:`FakeClock` to move time by hand (advancing it
 wakes waiting receivers; with a clock of your own, call ``namespace.wake_waiters()`` after moving it).
@@ -92,6 +113,7 @@ from ..clock import Clock, as_utc, utcnow
 __all__ = [
     "ALL_RIGHTS",
     "DEFAULT_RECEIVE_WAIT_SECONDS",
+    "KEEP_ALIVE_SECONDS",
     "LISTEN",
     "MANAGE",
     "MAX_DELIVERY_COUNT_EXCEEDED",
@@ -116,6 +138,8 @@ __all__ = [
 STANDARD_MAX_MESSAGE_BYTES = 256 * 1024
 #: the SDK's receive wait when neither the call nor the receiver gives one
 DEFAULT_RECEIVE_WAIT_SECONDS = 60.0
+#: how often the SDK's keep-alive reads a receive link with prefetch 0 (``keep_alive_interval``), seconds
+KEEP_ALIVE_SECONDS = 5.0
 #: what the service reports for "no limit" (.NET ``TimeSpan.MaxValue``), e.g. the default message TTL
 TIMESPAN_MAX = timedelta(days=10675199, seconds=10085, microseconds=477581)
 MAX_DELIVERY_COUNT_EXCEEDED = "MaxDeliveryCountExceeded"
@@ -426,14 +450,19 @@ def _reject_unmodelled(
 class _Queue:
     """One queue and its dead-letter sub-queue. Entries are keyed by sequence number, in arrival order."""
 
-    def __init__(self, name: str, settings: _Settings, now: datetime) -> None:
+    def __init__(self, name: str, settings: _Settings, now: datetime, clock: Clock = utcnow) -> None:
         self.name = name
+        self._clock = clock
         self.settings = settings
         self.active: dict[int, _Entry] = {}
         self.dead_letter: dict[int, _Entry] = {}
         self.created_at = self.updated_at = self.accessed_at = now
         self._sequence = itertools.count(1)
         self._seen_message_ids: dict[str, datetime] = {}
+
+    def now(self) -> datetime:
+        """The namespace's time, for what a received message says of its lock."""
+        return as_utc(self._clock())
 
     def sub(self, dead_letter: bool) -> dict[int, _Entry]:
         return self.dead_letter if dead_letter else self.active
@@ -534,6 +563,10 @@ class _Queue:
         entry.lock_token = uuid.uuid4()
         entry.locked_until = now + self.settings.lock_duration
 
+    def unlock(self, entry: _Entry) -> None:
+        """End a lock without counting a delivery: the AMQP ``released`` outcome."""
+        entry.lock_token = entry.locked_until = None
+
     def release(self, entry: _Entry) -> None:
         """End a failed delivery (abandoned, or its lock expired): count it; dead-letter at the limit."""
         entry.lock_token = entry.locked_until = None
@@ -589,8 +622,12 @@ class FakeServiceBusNamespace:
         fully_qualified_namespace: str = "fake.servicebus.windows.net",
         max_message_size_in_bytes: int = STANDARD_MAX_MESSAGE_BYTES,
         role_assignments: Mapping[str, Iterable[str]] | None = None,
+        keep_alive_seconds: float | None = KEEP_ALIVE_SECONDS,
     ) -> None:
         self.clock: Clock = clock if clock is not None else utcnow
+        #: how long a message pushed into an idle receiver's credit stays locked before the SDK's
+        #: keep-alive releases it (real seconds); None: never (a client that does not read its link)
+        self.keep_alive_seconds = keep_alive_seconds
         #: Azure RBAC on the namespace: principal (object) id -> role definition ids, for clients that
         #: sign in with an Entra credential
         self.role_assignments: dict[str, list[str]] = {
@@ -600,6 +637,9 @@ class FakeServiceBusNamespace:
         self.max_message_size_in_bytes = max_message_size_in_bytes
         self._queues: dict[str, _Queue] = {}  # by lower-cased name: entity names are case-insensitive
         self._changed = asyncio.Event()
+        #: open receivers that have had link credit, in the order they first asked: the broker's pushes
+        self._credited: list[FakeServiceBusReceiver] = []
+        self._offering = False
         if isinstance(clock, FakeClock):
             clock._attach(self)
 
@@ -611,6 +651,24 @@ class FakeServiceBusNamespace:
         # a fresh event per change: each waiter holds the one it saw before it last looked
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+        self._offer()
+
+    def _offer(self) -> None:
+        """The broker pushing what is available into receivers' outstanding link credit, at once."""
+        if self._offering:
+            return
+        self._offering = True
+        try:
+            now = self.now()
+            # which link with credit the service fills first is not specified: a receive in progress
+            # here, then the others in the order they first asked
+            for receiver in sorted(self._credited, key=lambda r: not r._receiving):
+                queue = self._find(receiver.entity_name)
+                if queue is not None and receiver._credit > 0:
+                    queue.sweep(now)  # (a lapsed lock frees its message for the push)
+                    receiver._fill(queue, now)
+        finally:
+            self._offering = False
 
     @property
     def queue_names(self) -> list[str]:
@@ -679,6 +737,7 @@ class FakeReceivedMessage:
         self._settled = not locked and not peeked  # receive-and-delete messages arrive settled
         self._lock_token = entry.lock_token if locked else None
         self._locked_until = entry.locked_until if locked else None
+        self._now = source.now
         self.auto_renew_error: Exception | None = None
         self.sequence_number: int = entry.sequence_number
         self.enqueued_sequence_number: int = entry.sequence_number
@@ -725,6 +784,13 @@ class FakeReceivedMessage:
     @property
     def locked_until_utc(self) -> datetime | None:
         return None if self._settled else self._locked_until
+
+    @property
+    def _lock_expired(self) -> bool:
+        """As the SDK's (``_common/message.py``): whether ``locked_until_utc`` has passed; the SDK refuses
+        to settle such a message (``MessageLockLostError``) without asking the service."""
+        until = self.locked_until_utc
+        return until is not None and until <= self._now()
 
     @property
     def expires_at_utc(self) -> datetime | None:
@@ -970,8 +1036,13 @@ class FakeServiceBusReceiver(_Link):
             else ServiceBusReceiveMode(receive_mode.lower())
         )
         self._max_wait_time = max_wait_time
-        self._prefetch_count = prefetch_count  # only the bound for max_message_count=None; no buffering
+        self._prefetch_count = prefetch_count  # only the bound for max_message_count=None; no prefetch
         self._last_sequence_number: int | None = None  # the SDK's peek cursor
+        #: link credit the broker may still fill, and what it pushed that no receive has returned yet
+        self._credit = 0
+        self._buffer: list[FakeReceivedMessage] = []
+        self._receiving = 0  # receive calls in progress (the SDK's ``_receive_context``)
+        self._keep_alive: asyncio.TimerHandle | None = None
 
     @property
     def receive_mode(self) -> ServiceBusReceiveMode:
@@ -1012,22 +1083,96 @@ class FakeServiceBusReceiver(_Link):
         return messages[0]
 
     async def _receive(self, count: int, wait: float) -> list[FakeReceivedMessage]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        while True:
-            changed = self._namespace._changed  # taken before looking, so no change is missed
-            messages = self._take(count)
-            if messages:
-                return messages
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return []
-            # sleep until something could have changed: a send or settlement (the event), or the
-            # namespace clock reaching a lock expiry or schedule (assuming it runs at real speed)
-            delay = min(remaining, self._seconds_until_next_change())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(None if math.isinf(delay) else delay):
-                    await changed.wait()
+        # as ServiceBusReceiver._receive (aio/_servicebus_receiver_async.py): the buffer first; then the
+        # credit set to what is still wanted, which outlives the call
+        self._receiving += 1
+        try:
+            batch = self._unbuffer(count)
+            if len(batch) >= count:
+                return batch
+            self._credit = count - len(batch)
+            if self not in self._namespace._credited:
+                self._namespace._credited.append(self)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wait
+            while True:
+                changed = self._namespace._changed  # taken before looking, so no change is missed
+                queue = self._namespace._queue(self.entity_name)
+                self._fill(queue, self._namespace.now())
+                batch += self._unbuffer(count - len(batch))
+                # (the SDK goes on ~0.2 s after the first new message, for more; this returns at once)
+                if batch:
+                    return batch
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return []
+                # sleep until something could have changed: a send or settlement (the event), or the
+                # namespace clock reaching a lock expiry or schedule (assuming it runs at real speed)
+                delay = min(remaining, self._seconds_until_next_change())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(None if math.isinf(delay) else delay):
+                        await changed.wait()
+        finally:
+            self._receiving -= 1
+            if self._buffer and not self._receiving:
+                self._start_keep_alive()
+
+    def _unbuffer(self, count: int) -> list[FakeReceivedMessage]:
+        """Up to ``count`` pushed messages, oldest first, whatever their locks say now."""
+        taken, self._buffer = self._buffer[:count], self._buffer[count:]
+        if taken:
+            self._last_sequence_number = taken[-1].sequence_number
+        return taken
+
+    def _fill(self, queue: _Queue, now: datetime) -> None:
+        """The broker's push into this link's credit: each message locked (or deleted) as it is sent."""
+        if self._closed or self._credit <= 0:
+            return
+        lock = self._receive_mode is ServiceBusReceiveMode.PEEK_LOCK
+        entries = queue.take(self._dead_letter, now, self._credit, lock=lock)
+        if not entries:
+            return
+        self._credit -= len(entries)
+        self._buffer += [
+            FakeReceivedMessage(e, queue, state=ServiceBusMessageState.ACTIVE, locked=lock) for e in entries
+        ]
+        if not self._receiving:
+            self._start_keep_alive()
+
+    def _start_keep_alive(self) -> None:
+        # only peek-lock receivers release (the SDK installs enhanced_message_received_async for them)
+        wait = self._namespace.keep_alive_seconds
+        if (
+            wait is None
+            or self._keep_alive is not None
+            or self._receive_mode is not ServiceBusReceiveMode.PEEK_LOCK
+        ):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (no loop: the next receive returns them)
+            return
+        self._keep_alive = loop.call_later(wait, self._keep_alive_read)
+
+    def _keep_alive_read(self) -> None:
+        self._keep_alive = None
+        if self._receiving:  # a receive in progress returns what the link holds
+            return
+        self._release_buffer()
+
+    def _release_buffer(self) -> None:
+        """Settle every buffered message ``released``: its lock ends, no delivery is counted."""
+        buffered, self._buffer = self._buffer, []
+        queue = self._namespace._find(self.entity_name)
+        if queue is None or self._receive_mode is not ServiceBusReceiveMode.PEEK_LOCK:
+            return  # (receive-and-delete: they left the broker when pushed)
+        queue.sweep(self._namespace.now())  # a lock that lapsed first has counted its delivery
+        for message in buffered:
+            entry = queue.sub(self._dead_letter).get(message.sequence_number)
+            if message._source is queue and entry is not None and entry.lock_token == message._lock_token:
+                queue.unlock(entry)
+        if buffered:
+            self._namespace.wake_waiters()
 
     def _seconds_until_next_change(self) -> float:
         queue = self._namespace._find(self.entity_name)
@@ -1037,15 +1182,17 @@ class FakeServiceBusReceiver(_Link):
         # a floor keeps a clock that lags the event loop from turning this into a spin
         return max((when - self._namespace.now()).total_seconds(), 0.0) + 0.001
 
-    def _take(self, count: int) -> list[FakeReceivedMessage]:
-        queue = self._namespace._queue(self.entity_name)
-        lock = self._receive_mode is ServiceBusReceiveMode.PEEK_LOCK
-        entries = queue.take(self._dead_letter, self._namespace.now(), count, lock=lock)
-        if entries:
-            self._last_sequence_number = entries[-1].sequence_number
-        return [
-            FakeReceivedMessage(e, queue, state=ServiceBusMessageState.ACTIVE, locked=lock) for e in entries
-        ]
+    async def close(self) -> None:
+        # the SDK's _close_handler: drain the credit and release what the buffer holds (peek-lock);
+        # messages already returned stay locked until settled or their lock expires
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            self._keep_alive = None
+        self._credit = 0
+        with contextlib.suppress(ValueError):
+            self._namespace._credited.remove(self)
+        self._release_buffer()
+        await super().close()
 
     async def receive_deferred_messages(
         self, sequence_numbers: int | list[int], *, timeout: float | None = None
@@ -1336,7 +1483,9 @@ class FakeServiceBusAdministrationClient(_SignedIn):
                 "max_message_size_in_kilobytes": max_message_size_in_kilobytes,
             }
         )
-        self.namespace._queues[queue_name.lower()] = _Queue(queue_name, settings, self.namespace.now())
+        self.namespace._queues[queue_name.lower()] = _Queue(
+            queue_name, settings, self.namespace.now(), self.namespace.clock
+        )
         return settings.to_properties(queue_name)
 
     async def get_queue(self, queue_name: str) -> QueueProperties:

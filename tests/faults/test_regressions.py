@@ -183,6 +183,12 @@ async def reader_holding(rt: Any, message_id: uuid.UUID) -> AsyncIterator[Callab
         yield stack.aclose
 
 
+#: where a letter another reader handed back goes into that reader's own leftover link credit (as on
+#: Service Bus: a receive leaves its unused credit on the link, the broker locks what becomes available
+#: into it, and it stays there until that receiver closes): out of the purge's sight too, not gone
+BOUNCES = {"servicebus", "servicebus_live"}
+
+
 async def test_a_purge_keeps_the_history_of_a_dead_letter_another_reader_holds(harness):
     """The letter is out of the purge's sight, not gone: its history stays, so an operator can still
     find and act on it (on RabbitMQ the purge took the queue for empty; found in review)."""
@@ -192,10 +198,15 @@ async def test_a_purge_keeps_the_history_of_a_dead_letter_another_reader_holds(h
         [other] = await letters.dead_letter(["other"])
         async with reader_holding(letters.rt, held):
             done = await letters.ops.purge(MessageQuery(queue="letters", status=("DeadLettered",)))
-        assert done.deleted == 1
-        assert await letters.rt.tracker.get(other) is None
         assert await letters.rt.tracker.get(held) is not None
-        assert await letters.held([held, other]) == {held}
+        if harness.name in BOUNCES:
+            # the other letter was out of sight too, in the reader's credit: both left, and said so
+            assert (done.deleted, done.left_waiting) == (0, 2)
+            assert await letters.rt.tracker.get(other) is not None
+        else:
+            assert done.deleted == 1
+            assert await letters.rt.tracker.get(other) is None
+            assert await letters.held([held, other]) == {held}
         await letters.ops.purge(MessageQuery(queue="letters", status=("DeadLettered",)))
         assert (await letters.places())["dead"] == 0
         assert await letters.rt.tracker.get(held) is None
@@ -235,8 +246,13 @@ async def test_a_whole_queue_purge_keeps_the_history_of_a_dead_letter_exactly_wh
         [other] = await letters.dead_letter(["other"])
         async with reader_holding(letters.rt, held):
             await letters.ops.purge(MessageQuery(queue="letters"))
-        assert await letters.held([other]) == set()
-        if harness.name != "rabbitmq":
+        if harness.name in BOUNCES:
+            # out of the purge's sight in the reader's credit (see ``BOUNCES``): it stays, listed
+            assert await letters.held([other]) == {other}
+            assert await letters.rt.tracker.get(other) is not None
+        else:
+            assert await letters.held([other]) == set()
+        if harness.name not in ("rabbitmq", *BOUNCES):
             assert await letters.rt.tracker.get(other) is None
         stays = await letters.held([held]) == {held}
         assert (await letters.rt.tracker.get(held) is not None) == stays

@@ -125,6 +125,24 @@ def test_check_refuses_a_queue_named_like_anothers_poison_queue(tmp_path):
     assert run_cli("check", "--app", "poisonapp:app", "--transport", "sql", cwd=tmp_path).returncode == 0
 
 
+def test_check_takes_a_service_bus_name_with_a_slash_as_the_worker_does(tmp_path):
+    # (the Bicep cannot create it: `infra params` says so; a worker that creates its queues takes it)
+    (tmp_path / "slashapp.py").write_text(
+        textwrap.dedent(
+            """
+        from queueing_core import QueueingApp, QueueMessage, queue
+        @queue("payments/capture")
+        class Capture(QueueMessage):
+            amount: int
+        app = QueueingApp("slash")
+        app.message(Capture)
+        """
+        )
+    )
+    r = run_cli("check", "--app", "slashapp:app", "--transport", "servicebus", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_check_shows_the_names_with_the_queue_prefix_and_suffix():
     env = {"QUEUEING_QUEUE_PREFIX": "prod-", "QUEUEING_QUEUE_SUFFIX": "-blue"}
     app = "queueing_core.examples.orders:app"

@@ -81,3 +81,27 @@ def test_a_percent_encoded_password_is_taken():
     assert load_settings(rabbitmq_url=url).rabbitmq_url.get_secret_value() == url
     pg = "postgresql://app:S3cr3t%3AP%40rt@127.0.0.1/db"
     assert load_settings(database_url=pg).database_url == pg
+
+
+def test_a_status_of_ones_own_may_be_archived_but_not_a_misspelt_one(monkeypatch):
+    # (a settled message an operator set to "Reviewed" keeps its settled time: retention archived it
+    # before the statuses were checked, and still does; a review of the check found it refused)
+    monkeypatch.setenv("QUEUEING_ARCHIVE_STATUSES", "Succeeded,DeadLettered,Expired,Cancelled,Reviewed")
+    assert "Reviewed" in load_settings().archive_statuses
+    with pytest.raises(ConfigurationError, match="'DeadLetered'"):
+        load_settings(archive_statuses=["DeadLetered"])
+    with pytest.raises(ConfigurationError, match="'succeeded'"):
+        load_settings(archive_statuses=["succeeded"])
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "amqp://guest:guest@127.0.0.1:5672/?name=worker@host1",  # aiormq's connection name
+        "amqp://guest:guest@127.0.0.1:5672/team@eu",  # a vhost with an '@'
+        "amqp://guest:guest@/",  # no host: the client takes localhost
+    ],
+)
+def test_an_at_sign_after_the_user_part_is_the_urls_own(monkeypatch, url):
+    monkeypatch.setenv("QUEUEING_RABBITMQ_URL", url)
+    assert load_settings().rabbitmq_url.get_secret_value() == url
