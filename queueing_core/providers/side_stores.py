@@ -193,8 +193,8 @@ class SideStoreOps(DeadLetterOps, PhysicalNames):
                 self.physical(query.queue), history_while=STORED_STATES
             )
             # (a delayed message's history went with its row, counted in ``forgotten``: not returned,
-            # as below, or the purge would count it twice; one a dispatcher is forwarding stays, to
-            # land in the queue and run: left, with its history)
+            # as below, or the purge would count it twice; one stored there as the purge ran, a worker's
+            # deferral of a message it had received, stays: left, with its history)
             rest = [
                 r
                 for r in records

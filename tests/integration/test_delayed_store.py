@@ -373,54 +373,6 @@ async def many_due(store, count: int) -> set[uuid.UUID]:
     return {e.message_id for e in envs}
 
 
-async def test_an_unreachable_broker_does_not_make_the_dispatcher_sweep_the_backlog(db):
-    """With more due messages than one batch, a broker that is down used to make the dispatcher fetch,
-    try and release batch after batch of the backlog without pause, its breaker open or not (found in
-    review). A batch that found the broker down and forwarded nothing is now followed by the
-    breaker's back-off."""
-    store = db.stores().delayed_store(Transport.RABBITMQ)
-    await many_due(store, 200)
-    target = Target(fail=ProviderUnavailable("broker down"))
-    # opens at the first failure and then backs off for an hour: no try after the first batch
-    dispatcher = DelayedDispatcher(
-        store, target, batch=10, time_to_trigger_dispatch=timedelta(0), open_backoff=3600, listen=False
-    )
-    async with dispatching(dispatcher):
-        await wait_until(lambda: target.calls >= 10, timeout=30, what="the first batch")
-        await asyncio.sleep(1.0)  # time enough to sweep 200 rows; backing off, it tries none
-    assert dispatcher.dispatch_breaker.state == "open"
-    assert target.calls == 10  # the first batch, not the backlog
-    # the Functions timer backs off as well: an open breaker fetches nothing
-    assert await dispatcher.dispatch_due(60.0) == 0
-    assert target.calls == 10
-
-
-async def test_the_functions_timer_stops_at_a_batch_that_only_failed_and_probes_once_open(db):
-    store = db.stores().delayed_store(Transport.RABBITMQ)
-    ids = await many_due(store, 100)
-    broker_up = False
-    target = Target(fail=lambda: None if broker_up else ProviderUnavailable("broker down"))
-    dispatcher = DelayedDispatcher(
-        store, target, batch=10, time_to_trigger_dispatch=timedelta(0), open_backoff=0.2, listen=False
-    )
-    assert await dispatcher.dispatch_due(60.0) == 10
-    assert target.calls == 10  # one batch, not one try of every row of the backlog
-    assert dispatcher.dispatch_breaker.state == "open"
-    broker_up = True
-    await wait_until(
-        lambda: dispatcher.dispatch_breaker.blocked() == 0, timeout=30, what="the end of the back-off"
-    )
-    # one message probes, its success closes the breaker, and the run goes on through the backlog
-    assert await dispatcher.dispatch_due(60.0) >= 90
-    assert dispatcher.dispatch_breaker.state == "closed"
-    deadline = time.monotonic() + 60
-    while len(target.forwarded) < 100 and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)  # the ten tried first are due again after their back-off
-        await dispatcher.dispatch_due(60.0)
-    assert {Envelope.decode(i.envelope).message_id for i, _ in target.forwarded} == ids
-    assert target.calls == 110
-
-
 async def test_the_dispatcher_probes_an_open_breaker_and_then_forwards_the_backlog(db):
     store = db.stores().delayed_store(Transport.RABBITMQ)
     ids = await many_due(store, 100)

@@ -12,12 +12,7 @@ A failed forward:
   transport's dead-letter queue with the reason ``delayed-forward-failed`` and the last error.
 
 Three circuit breakers (``store`` in the store, ``fetch`` and ``dispatch`` here) open after failures
-that continue for longer than their time-to-trigger: they log once at CRITICAL and back off. While
-the transport is unreachable the dispatcher does not work through the backlog: a batch none of whose
-forwards went through, and some found the transport unreachable, is followed by the dispatch
-breaker's back-off, not by the next batch; with that breaker open nothing is fetched until its
-back-off ends, and then one message probes the transport: a success closes it and the batches go on
-at once. Failures of single messages (counted on them) do not slow the others down.
+that continue for longer than their time-to-trigger: they log once at CRITICAL and back off.
 """
 
 from __future__ import annotations
@@ -81,13 +76,6 @@ def mark_repeated(item: DelayedMessage) -> DelayedMessage:
     return dataclasses.replace(item, envelope=marked.encode_text())
 
 
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    taken: int
-    more: bool  # it took as many as it asked for: more may be due
-    backoff: float  # > 0: the transport was unreachable, no forward went through: wait this long
-
-
 @runtime_checkable
 class DelayedTarget(Protocol):
     """The transport side: what a provider does with a due message."""
@@ -138,8 +126,6 @@ class DelayedDispatcher:
         self.dead_lettered = 0
         #: forwards sent again after a dispatcher stopped between a forward and its removal
         self.repeated = 0
-        #: a forward found the transport unreachable and none has gone through since
-        self._unreachable = False
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -147,60 +133,33 @@ class DelayedDispatcher:
     # -- one batch ---------------------------------------------------------------------------------
     async def dispatch_once(self) -> int:
         """Fetch up to ``batch`` due messages and forward them; returns how many were taken."""
-        return (await self._dispatch(self.batch)).taken
-
-    def _blocked(self) -> float:
-        """Seconds before the next fetch while the transport is unreachable and the breaker open."""
-        return self.dispatch_breaker.blocked() if self._unreachable else 0.0
-
-    def _limit(self) -> int:
-        """How many to fetch next: none while an unreachable transport's open breaker backs off, then
-        one to probe it with (a whole batch would only be fetched to be released again)."""
-        if not self._unreachable or self.dispatch_breaker.state != "open":
-            return self.batch
-        return 0 if self._blocked() > 0 else 1
-
-    async def _dispatch(self, limit: int) -> _Batch:
-        if limit <= 0:
-            return _Batch(0, more=False, backoff=0.0)
-        items = await self.store.fetch_due(self.clock(), limit=limit)
+        items = await self.store.fetch_due(self.clock(), limit=self.batch)
         if not items:
-            return _Batch(0, more=False, backoff=0.0)
+            return 0
         batch = asyncio.ensure_future(self._settle(items))
         try:
-            backoff = await asyncio.shield(batch)
+            await asyncio.shield(batch)
         except asyncio.CancelledError:
             # stopping between a forward and its removal would leave the message to be sent twice
             await asyncio.wait([batch], timeout=self.stop_grace)
             raise
-        return _Batch(len(items), more=len(items) >= limit, backoff=backoff)
+        return len(items)
 
-    async def _settle(self, items: list[DelayedMessage]) -> float:
+    async def _settle(self, items: list[DelayedMessage]) -> None:
         """Forward (or dead-letter) each item, removing each as soon as it left the store's care: a
-        dispatcher that stops part-way repeats only the forwards it had in flight. Returns how long
-        to back off before the next batch: 0 when a forward went through, else the longest back-off
-        the dispatch breaker asked for of a forward that found the transport unreachable."""
-        forwarded = self.forwarded
+        dispatcher that stops part-way repeats only the forwards it had in flight."""
         results = await asyncio.gather(*(self._one(i) for i in items), return_exceptions=True)
-        backoff = 0.0
         for r in results:
             if isinstance(r, BaseException):
                 log.error("handling a delayed message failed: %s", first_line(r))
-            elif r is not None:
-                backoff = max(backoff, r)
-        return 0.0 if self.forwarded > forwarded else backoff
 
-    async def _one(self, item: DelayedMessage) -> float | None:
-        """The back-off its forward asked for when it found the transport unreachable, else None."""
-        done, backoff = await self._forward(item)
-        if done and not await self.store.remove(item.id):
+    async def _one(self, item: DelayedMessage) -> None:
+        if await self._forward(item) and not await self.store.remove(item.id):
             # its lease lapsed and another dispatcher took it too: a duplicate, not a loss
             log.warning("forwarded delayed message %s was already gone", item.message_id)
-        return backoff
 
-    async def _forward(self, item: DelayedMessage) -> tuple[bool, float | None]:
-        """Whether the message left the store's care (forwarded or dead-lettered), and the dispatch
-        breaker's back-off when the transport was unreachable."""
+    async def _forward(self, item: DelayedMessage) -> bool:
+        """True when the message left the store's care (forwarded or dead-lettered)."""
         if item.claims > 1:
             # an earlier fetch's forward may have reached the transport: its dispatcher stopped, or
             # the forward raised after the transport took it (a lost confirm or answer)
@@ -219,14 +178,12 @@ class DelayedDispatcher:
         except Exception as exc:
             backoff = self.dispatch_breaker.failure(exc)
             if isinstance(exc, ProviderUnavailable):
-                self._unreachable = True
                 await self.store.release(item.id, self.clock() + timedelta(seconds=backoff))
-                return False, backoff
-            return await self._failed(item, exc), None
+                return False
+            return await self._failed(item, exc)
         self.dispatch_breaker.success()
-        self._unreachable = False
         self.forwarded += 1
-        return True, None
+        return True
 
     async def _failed(self, item: DelayedMessage, exc: Exception) -> bool:
         error = first_line(exc)
@@ -254,15 +211,13 @@ class DelayedDispatcher:
 
     # -- hosts -------------------------------------------------------------------------------------
     async def dispatch_due(self, budget_seconds: float) -> int:
-        """Forward what is due until nothing is, or ``budget_seconds`` pass (a Functions timer). A
-        batch that found the transport unreachable and forwarded nothing ends it, and so does an
-        open dispatch breaker's back-off: the next timer tries again."""
+        """Forward what is due until nothing is, or ``budget_seconds`` pass (a Functions timer)."""
         deadline = time.monotonic() + budget_seconds
         total = 0
         while time.monotonic() < deadline:
-            done = await self._dispatch(self._limit())
-            total += done.taken
-            if not done.more or done.backoff > 0:
+            n = await self.dispatch_once()
+            total += n
+            if n < self.batch:
                 break
         return total
 
@@ -286,20 +241,9 @@ class DelayedDispatcher:
 
     async def _step(self) -> None:
         self._wakeup.clear()  # before looking: a store from now on cuts the sleep short
-        wait = self._blocked()
-        if wait > 0:
-            # the transport is down: fetching now would only release row after row of the backlog
-            await asyncio.sleep(wait)
-            return
         try:
-            done = await self._dispatch(self._limit())
-            n = done.taken
-            if done.backoff > 0:
-                self.fetch_breaker.success()
-                # nothing went through: the next batch would fail the same way
-                await asyncio.sleep(done.backoff)
-                return
-            if done.more:
+            n = await self.dispatch_once()
+            if n >= self.batch:
                 self.fetch_breaker.success()
                 return  # more may be due
             nxt = await self.store.next_due()

@@ -335,9 +335,10 @@ class SqlDelayedStore:
     ) -> Purged:
         """Delete what waits for ``destination`` (only ``message_ids`` when given); returns the
         message ids deleted, how many history records went with them, and the ids whose rows stay.
-        A row a dispatcher is forwarding stays (fetched, its lease not ended; or given back after a
-        forward that failed but may have reached the transport): deleted, its message was reported
-        gone and its history with it, and ran all the same when the forward landed. With
+        With ``message_ids``, a row a dispatcher is forwarding stays (fetched, its lease not ended;
+        or given back after a forward that failed but may have reached the transport): deleted, its
+        message was reported gone and its history with it, and ran all the same when the forward
+        landed. With
         ``history_while``, the
         history records of the messages deleted go in the same transaction while their status is one
         of those (where the history shares this database, RabbitMQ's and SQS's): a purge that stopped
@@ -363,7 +364,10 @@ class SqlDelayedStore:
                 h = self.sql.tables.history
                 for part in parts:
                     where = cond if part is None else [*cond, t.c.message_id.in_(part)]
-                    taken = [*where, sa.not_(forwarding)]
+                    # (a purge by status leaves a row being forwarded, to land and run; one of the whole
+                    # queue takes it: left, a forward that landed before the queue was emptied would
+                    # leave its history behind a message that is nowhere, which no purge could clear)
+                    taken = [*where] if part is None else [*where, sa.not_(forwarding)]
                     if part is not None and history_while:
                         still = sa.select(h.c.message_id).where(
                             h.c.message_id.in_(part), h.c.status.in_(list(history_while))
