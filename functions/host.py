@@ -321,7 +321,7 @@ async def settle_storage(provider: Any, s: Settlement) -> None:
         assert d.envelope is not None, "malformed messages are always dead-lettered"
         due = _due(decision, now)
         # a due beyond the visibility limit goes in the copy, or it would run when the limit ends
-        env = copy_for_later(d.envelope, d.attempts_used(decision), due, now)
+        env = copy_for_later(d.copy_after(decision), due, now)
         await outlasting(lambda: provider.put(d.queue, env, due - now, now))
 
 
@@ -349,7 +349,7 @@ async def settle_servicebus(
         )
     elif isinstance(decision, RetryAfter | Defer | Release):
         assert d.envelope is not None, "malformed messages are always dead-lettered"
-        env = d.envelope.with_attempt(d.attempts_used(decision))
+        env = d.copy_after(decision)
 
         async def copy_sent() -> bool:
             # Renewing the lock first proves this run still holds the message: a run whose lock lapsed

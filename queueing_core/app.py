@@ -8,11 +8,15 @@ blueprint. A second handler for a type raises :class:`DuplicateHandlerError` nam
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import sys
+import threading
 import typing
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -51,14 +55,115 @@ class HandlerSpec:
     wants_context: bool
     overrides: dict[str, Any] = field(default_factory=dict)
 
-    def call(self, message: QueueMessage, context: HandlerContext) -> Awaitable[Any]:
+    def call(
+        self, message: QueueMessage, context: HandlerContext, threads: HandlerThreads | None = None
+    ) -> Awaitable[Any]:
         """The handler's run, to be awaited: an ``async def`` handler's own coroutine (no coroutine of
-        ours wrapped around it, a frame less for every message), a plain ``def`` on a worker thread."""
+        ours wrapped around it, a frame less for every message), a plain ``def`` on a thread of
+        ``threads`` (the pipeline passes its type's own; without, the loop's default executor)."""
         args = (message, context) if self.wants_context else (message,)
         if self.is_async:
             return cast(Awaitable[Any], self.func(*args))
         # Plain ``def`` handlers run on a worker thread so they never block the event loop.
-        return asyncio.to_thread(self.func, *args)
+        if threads is None:
+            return asyncio.to_thread(self.func, *args)
+        return threads.run(self.func, *args)
+
+
+#: the threads a run of a plain ``def`` handler started, while the pipeline watches for them (set by
+#: the pipeline around the handler's call): it holds the type's concurrency slot until they have ended
+RUN_THREADS: contextvars.ContextVar[list[Future[Any]] | None] = contextvars.ContextVar(
+    "queueing_run_threads", default=None
+)
+#: a handler thread idle this long ends: nothing closes a pipeline's threads, they go by themselves
+THREAD_IDLE = 10.0
+
+
+class HandlerThreads:
+    """The threads one message type's plain ``def`` handlers run on: at most ``size`` (the type's
+    ``max_concurrency``), started when needed, ended after :data:`THREAD_IDLE` seconds idle.
+
+    Not the loop's default executor: a handler asyncio cannot stop (past its time limit, cancelled, the
+    host stopping) held one of its few threads, and enough of them starved every other type's handlers,
+    DNS lookups (``loop.getaddrinfo``) and the Functions host's settlement calls. Here a type's hung
+    threads hold only its own slots. Daemon threads, as ``asyncio.to_thread``'s never stopped the host
+    from ending either: a ``ThreadPoolExecutor`` joins its threads at exit, and a hung handler would
+    hang the process's exit for ever (past the worker's shutdown deadline)."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size = max(1, size)
+        self.name = name
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._work: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._threads = 0
+        self._idle = 0
+        self._started = 0
+
+    @property
+    def threads(self) -> int:
+        """Threads alive now, busy or idle."""
+        return self._threads
+
+    def run(self, func: Callable[..., Any], /, *args: Any) -> asyncio.Future[Any]:
+        """``func(*args)`` on one of these threads with the caller's context variables (as
+        ``asyncio.to_thread`` passes them), to be awaited; the run watching (:data:`RUN_THREADS`) is
+        told of the thread, whose end the awaitable's cancellation does not wait for."""
+        future = self.submit(contextvars.copy_context().run, func, *args)
+        watching = RUN_THREADS.get()
+        if watching is not None:
+            watching.append(future)
+        return asyncio.wrap_future(future)
+
+    def submit(self, func: Callable[..., Any], /, *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            self._work.append((future, func, args))
+            if self._idle >= len(self._work):
+                self._ready.notify()  # an idle thread for each waiting call: one takes it
+                return future
+            if self._threads >= self.size:
+                return future  # taken by the first thread that finishes
+            self._threads += 1
+            self._started += 1
+            number = self._started
+        try:
+            threading.Thread(target=self._serve, name=f"queueing-{self.name}-{number}", daemon=True).start()
+        except BaseException as exc:  # (the system refused another thread)
+            with self._lock:
+                self._threads -= 1
+                if self._threads:
+                    return future  # waits for one of the threads there are
+                stranded = [waiting for waiting, _, _ in self._work if waiting is not future]
+                self._work.clear()
+            for waiting in stranded:  # no thread to take them: they fail now rather than wait for ever
+                if waiting.set_running_or_notify_cancel():
+                    waiting.set_exception(exc)
+            raise
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._work:
+                    self._idle += 1
+                    try:
+                        told = self._ready.wait(THREAD_IDLE)
+                    finally:
+                        self._idle -= 1
+                    # (a notify may reach a wait that has just timed out: the call it announced is taken)
+                    if not told and not self._work:
+                        self._threads -= 1
+                        return
+                future, func, args = self._work.popleft()
+            if future.set_running_or_notify_cancel():  # False: cancelled while it waited, not run
+                try:
+                    result = func(*args)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            del future, func, args  # (not kept alive while idle: the message, its context)
 
 
 @dataclass(frozen=True, slots=True)

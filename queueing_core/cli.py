@@ -38,7 +38,7 @@ from .errors import (
 )
 from .loader import load_app
 from .logs import configure_logging
-from .messages import QueueMessage
+from .messages import QueueMessage, read_body
 from .naming import Transport
 from .runtime import Runtime
 from .settings import QueueingSettings, load_settings
@@ -303,7 +303,7 @@ def enqueue(
         except (ValueError, RecursionError) as exc:  # (nested deeper than the interpreter's stack goes)
             fail(f"--json is not JSON: {exc}", 2)
     try:
-        sub.message_type.model_validate(body)
+        read_body(sub.message_type, body)
     except ValidationError as exc:
         fail(f"the message does not match {type_name}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", 2)
     _run(_enqueue(runtime, sub.message_type, body, count, delay))
@@ -329,7 +329,7 @@ async def _enqueue(
             outcomes: Counter[str] = Counter()
             while done < count:
                 n = min(batch, count - done)
-                msgs = [mtype.model_validate(body) for _ in range(n)]
+                msgs = [read_body(mtype, body) for _ in range(n)]
                 receipts = await runtime.producer.enqueue_many(msgs, delay=delay)
                 outcomes.update(r.outcome for r in receipts)
                 done += n

@@ -11,6 +11,19 @@ from .clock import as_utc
 from .messages import MessageStatus
 from .storable import storable_text
 
+#: the longest reason a store keeps (the SQL transport's column): a waiting message's reason names its
+#: type or queue, up to 256 characters, and a longer reason failed its settlement on PostgreSQL: the
+#: lease lapsed and the sweeper counted an attempt the handler never ran
+REASON_CHARS = 128
+
+
+def _keep_reason(decision: Complete | Defer | Release) -> None:
+    """The decision's ``reason`` as every store keeps it (see :func:`_keep_text`), cut to fit."""
+    _keep_text(decision, "reason")
+    text = decision.reason
+    if text is not None and len(text) > REASON_CHARS:
+        object.__setattr__(decision, "reason", text[: REASON_CHARS - 1] + "\u2026")
+
 
 def _keep_text(decision: object, name: str) -> None:
     """The decision's text ``name`` as every store keeps it. It may be a handler's exception text or a
@@ -52,7 +65,7 @@ class Complete:
 
     def __post_init__(self) -> None:
         if self.reason is not None:  # (most have none: no call for them)
-            _keep_text(self, "reason")
+            _keep_reason(self)
 
     @property
     def status(self) -> MessageStatus:
@@ -93,9 +106,13 @@ class Defer:
     counts_attempt: bool = False
     #: the handler succeeded and asked to run again later: the next run starts with fresh attempts
     reset_attempts: bool = False
+    #: with ``reset_attempts``, the message's expiry from then on (None: it never expires). A run
+    #: asked for later starts the type's expiration again from that time: kept, the first run's expiry
+    #: expired the message before its second run (a recurring job ran once)
+    expires_at: datetime | None = None
 
     def __post_init__(self) -> None:
-        _keep_text(self, "reason")
+        _keep_reason(self)
         if self.until.tzinfo is not UTC or self.until > LATEST:
             object.__setattr__(self, "until", _in_utc(self.until))  # (frozen: set once, as it is made)
 
@@ -127,7 +144,7 @@ class Release:
     status = MessageStatus.PENDING
 
     def __post_init__(self) -> None:
-        _keep_text(self, "reason")
+        _keep_reason(self)
 
 
 @dataclass(frozen=True, slots=True)

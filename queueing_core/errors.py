@@ -151,7 +151,17 @@ class ProcessAgainAt(Exception):
         self.when = when
 
 
+def text_of(exc: BaseException) -> str:
+    """``str(exc)``, or a note that it failed. A handler's exception whose ``__str__`` raises (or
+    returns no string) failed the pipeline's handling of that failure: the worker handed the message
+    back uncounted, and it ran again at once, for ever, never retried or dead-lettered."""
+    try:
+        return str(exc)
+    except Exception as err:
+        return f"<str() of the {type(exc).__name__} failed: {type(err).__name__}>"
+
+
 def first_line(exc: BaseException) -> str:
     """One wording of an error in a log line: its type and the first line of its text."""
-    text = str(exc).strip()
+    text = text_of(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

@@ -38,7 +38,7 @@ from uuid import UUID
 
 from .clock import as_utc
 from .control.identities import KeepsIdentities
-from .messages import MessageStatus, QueueMessage
+from .messages import MessageStatus, QueueMessage, read_body
 from .producer import IdempotentOutcome, identity_of, outlasts
 
 if TYPE_CHECKING:
@@ -408,7 +408,7 @@ class IdentityGuard:
         rec = await self.tracker.get(last) if last is not None else None
         if rec is None or rec.body is None:
             return None
-        return sub.message_type.model_validate(rec.body)
+        return read_body(sub.message_type, rec.body)
 
     async def note_settled(self, settlements: Sequence[Settlement]) -> None:
         """Remember each idempotent message that succeeded, for its identity's next ``ctx.previous``.

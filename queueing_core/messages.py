@@ -6,14 +6,16 @@ correlation id, properties) travel in the envelope, not in the body, so there is
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 from uuid import UUID, uuid4
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Secret, SecretBytes, SecretStr, field_validator
+from pydantic_core import to_json
 
 from .clock import to_utc, utcnow
 from .errors import InvalidArgument
@@ -95,60 +97,197 @@ class QueueMessage(BaseModel):
     def body(self) -> dict[str, Any]:
         """The JSON body that goes on the wire (the message's own fields, without the base fields).
 
-        A number JSON cannot carry (NaN, an infinity) is refused: it would go out as null (or a
-        literal ``NaN`` no store keeps), and the message would no longer match its own model."""
-        body = self.model_dump(mode="json", exclude=set(BASE_FIELDS))
-        for path in _lost_on_the_wire(body, self):
+        Refused, as the message would not arrive as sent: a number JSON cannot carry (NaN, an
+        infinity: it would go out as null, or a literal ``NaN`` no store keeps), and a secret
+        (``SecretStr``, ``SecretBytes``, ``Secret[...]``): pydantic writes it out as ``"**********"``,
+        and the handler would get that. Computed fields are left out: they are not input, and a model
+        that forbids extra fields refused its own body."""
+        if _DUMPS_WITHOUT_COMPUTED:
+            body = self.model_dump(mode="json", exclude=set(BASE_FIELDS), exclude_computed_fields=True)
+        else:  # pydantic before 2.12: the message's own computed fields (a nested model's stay in)
+            left_out = set(BASE_FIELDS).union(type(self).model_computed_fields)
+            body = self.model_dump(mode="json", exclude=left_out)
+        for path, secret in _lost_on_the_wire(body, self):
+            where = f"{type(self).__name__}.{dotted(path)}"
+            if secret:
+                raise InvalidArgument(
+                    "message",
+                    f"{where} is a secret: its JSON is the mask {_body_at(body, path)!r}, not its value, "
+                    "so the message would not arrive as sent; send it as plain text (a str field) and keep "
+                    "it out of logs yourself, or send a reference to where the handler can read it",
+                )
             raise InvalidArgument(
                 "message",
-                f"{type(self).__name__}.{dotted(path)} is NaN or infinite: JSON has no such number, "
-                "and the message would not arrive as sent",
+                f"{where} is NaN or infinite: JSON has no such number, and the message would not arrive "
+                "as sent",
             )
         return body
 
 
 _UNCHECKED = object()
+_DUMPS_WITHOUT_COMPUTED = "exclude_computed_fields" in inspect.signature(BaseModel.model_dump).parameters
+#: pydantic's secret types: written to JSON as a mask (``"**********"``, or ``""`` for an empty value)
+_SECRETS = (SecretStr, SecretBytes, Secret)
+#: a typed field's value the walk follows: one it goes into, or a secret
+_WALKED = (dict, list, tuple, BaseModel, *_SECRETS)
 
 
-def _lost_on_the_wire(dumped: Any, model: BaseModel) -> Iterator[tuple[str | int, ...]]:
+def _lost_on_the_wire(dumped: Any, model: BaseModel) -> Iterator[tuple[tuple[str | int, ...], bool]]:
     """Where the dump (what goes on the wire) holds NaN or an infinity, as a typed float keeps it; or
     None where the value dumped was one and nothing of the model's chose that None: pydantic's JSON
-    mode turns a NaN held untyped (``Any``, a ``dict[str, Any]``) into None. Only what is dumped is
-    walked: a field excluded from the dump, or one whose own serializer writes None, is the model's
+    mode turns a NaN held untyped (``Any``, a ``dict[str, Any]``) into None. Also (the flag True) where
+    it holds a secret's mask in place of its value. Only what is dumped is walked: a field excluded
+    from the dump, or one whose own serializer writes None (or a secret's value), is the model's
     choice. The dump refused a cycle, so the walk ends."""
     stack: list[tuple[Any, Any, tuple[str | int, ...]]] = [(dumped, model, ())]
     while stack:
         out, raw, at = stack.pop()
         if isinstance(out, float):
             if not math.isfinite(out):
-                yield at
+                yield at, False
         elif out is None:
             if isinstance(raw, float) and not math.isfinite(raw):
-                yield at
+                yield at, False
+        elif isinstance(out, str):
+            # (a typed str field's raw is _UNCHECKED: one identity test per text, no more)
+            if raw is not _UNCHECKED and isinstance(raw, _SECRETS) and _masked(out, raw):
+                yield at, True
         elif isinstance(out, dict):
             stack.extend((v, _dumped_from(raw, k), (*at, k)) for k, v in reversed(out.items()))
         elif isinstance(out, list):
             stack.extend((v, _dumped_from(raw, i), (*at, i)) for i, v in reversed(list(enumerate(out))))
 
 
+def _masked(out: str, secret: Secret[Any] | SecretStr | SecretBytes) -> bool:
+    """Whether ``out`` is the mask pydantic wrote for ``secret``, which would not read back as it."""
+    value = secret.get_secret_value()
+    if out != ("**********" if value else ""):
+        return False  # its own serializer's doing (one that writes the value out, say)
+    if isinstance(value, str):
+        return value != out
+    if isinstance(value, bytes):
+        return value != out.encode()
+    return True  # a Secret[int] and the like: the mask does not even read back as its type
+
+
+def _body_at(body: Any, path: tuple[str | int, ...]) -> Any:
+    """What the dump holds at ``path``."""
+    for key in path:
+        body = body[key]
+    return body
+
+
 def _dumped_from(raw: Any, key: str | int) -> Any:
-    """The value ``raw[key]`` was dumped from, where a None in its place is not the model's choice."""
+    """The value ``raw[key]`` was dumped from, where a None in its place is not the model's choice
+    (or where it is a secret, whose mask is not)."""
     if isinstance(raw, BaseModel):
         field = type(raw).model_fields.get(key) if isinstance(key, str) else None
         if field is None or not isinstance(key, str):
             return _UNCHECKED
         value = getattr(raw, key, None)
         # a typed field's None is its type's or its serializer's doing; an untyped one's may be a NaN
-        return (
-            value
-            if field.annotation is Any or isinstance(value, dict | list | tuple | BaseModel)
-            else _UNCHECKED
-        )
+        return value if field.annotation is Any or isinstance(value, _WALKED) else _UNCHECKED
     if isinstance(raw, dict):
         return raw.get(key, _UNCHECKED)
     if isinstance(raw, list | tuple) and isinstance(key, int) and key < len(raw):
         return raw[key]
     return _UNCHECKED
+
+
+QM = TypeVar("QM", bound=BaseModel)
+#: each model's reader (see :func:`read_body`), decided the first time one of its bodies is read
+_READERS: dict[type[BaseModel], Callable[[dict[str, Any]], Any]] = {}
+
+
+def read_body(model: type[QM], data: dict[str, Any]) -> QM:
+    """A message of ``model`` from JSON data: a body read back (with the envelope's base fields), or
+    one given to the CLI or the ops API. Validated as JSON, which is how :meth:`QueueMessage.body`
+    wrote it: in pydantic's Python mode a strict model refused the text of its own UUID, Decimal,
+    datetime or Enum (every message of it was dead-lettered), as did any type whose JSON form is not
+    its Python one. A model whose fields read the same either way (decided once per model, see
+    :func:`_same_in_python`) is validated from the data as it is: writing it out as JSON to validate
+    it again doubled what reading a message cost. The keys of computed fields are dropped (bodies
+    written before they were left out)."""
+    reader = _READERS.get(model)
+    if reader is None:
+        reader = _reader(model)
+        if not model.__pydantic_complete__:
+            return cast(QM, reader(data))  # (not kept: decided again once the model is complete)
+        _READERS[model] = reader
+    return cast(QM, reader(data))
+
+
+def _reader(model: type[QM]) -> Callable[[dict[str, Any]], QM]:
+    computed = frozenset(model.model_computed_fields)
+    same = model.__pydantic_complete__ and _same_in_python(model.__pydantic_core_schema__)
+    if same and not computed:
+        return model.model_validate
+
+    def read(data: dict[str, Any]) -> QM:
+        if computed and not computed.isdisjoint(data):
+            data = {k: v for k, v in data.items() if k not in computed}
+        if same:
+            return model.model_validate(data)
+        # (NaN as a literal, as Python's json read it: the model's float fields decide, as before)
+        return model.model_validate_json(to_json(data, inf_nan_mode="constants"))
+
+    return read
+
+
+#: core schema types that validate JSON's values (str, int, float, bool, None, lists, objects) in
+#: Python's lax mode as JSON mode does: the same parser takes a UUID, a Decimal or a time from its text
+_SAME_LEAVES = frozenset(
+    {
+        *("any", "none", "bool", "int", "float", "str"),
+        *("uuid", "decimal", "datetime", "date", "time", "timedelta", "enum"),
+    }
+)
+_SAME_NODES = frozenset(
+    {
+        *("list", "set", "frozenset", "tuple", "dict", "nullable", "default", "union", "tagged-union"),
+        *("model", "model-fields", "model-field", "typed-dict", "typed-dict-field"),
+        *("dataclass", "dataclass-args", "dataclass-field", "definitions", "definition-ref"),
+        *("function-before", "function-after", "function-wrap", "function-plain"),
+    }
+)
+_CHILDREN = ("schema", "items_schema", "keys_schema", "values_schema", "extras_schema")
+
+
+def _same_in_python(schema: Any) -> bool:
+    """Whether a model validates JSON data in Python mode exactly as in JSON mode: no strict part (a
+    strict UUID, datetime, tuple... takes no text in Python mode), and only the schema types above
+    (anything else, a ``json_or_python`` one such as a secret, bytes, a URL, a path, may read its
+    JSON form otherwise). Validators see the same values either way. Conservative: a type not
+    listed takes the JSON way, which is always right, only slower."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if node.get("strict") or (node.get("config") or {}).get("strict"):
+            return False
+        kind = node.get("type")
+        if kind in _SAME_LEAVES:
+            continue
+        if kind == "literal":
+            if not all(v is None or type(v) in (str, int, bool) for v in node.get("expected", ())):
+                return False
+            continue
+        if kind not in _SAME_NODES:
+            return False
+        for key in _CHILDREN:
+            child = node.get(key)
+            if isinstance(child, dict):
+                stack.append(child)
+            elif isinstance(child, list):  # a tuple's items
+                stack.extend(child)
+        if kind == "union":
+            stack.extend(c[0] if isinstance(c, tuple) else c for c in node["choices"])
+        elif kind == "tagged-union":
+            stack.extend(node["choices"].values())
+        elif kind in ("model-fields", "typed-dict"):
+            stack.extend(node["fields"].values())
+        elif kind in ("dataclass-args", "definitions"):
+            stack.extend(node["fields" if kind == "dataclass-args" else "definitions"])
+    return True
 
 
 def non_finite(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:

@@ -40,9 +40,13 @@ class RetryPolicy(BaseModel):
             self.base.total_seconds() * self.factor ** min(exponent, 64), self.max_delay.total_seconds()
         )
         spread = raw * self.jitter
-        return timedelta(
-            seconds=min(self.max_delay.total_seconds(), max(0.0, raw - spread + 2 * spread * rand()))
-        )
+        seconds = min(self.max_delay.total_seconds(), max(0.0, raw - spread + 2 * spread * rand()))
+        try:
+            return timedelta(seconds=seconds)
+        except OverflowError:
+            # a cap of ``timedelta.max`` ("no cap"), whose seconds as a float round past it: raised
+            # here, it failed the pipeline on every run of the message (the pipeline bounds it)
+            return self.max_delay
 
 
 class CircuitBreakerOptions(BaseModel):

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import random
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from time import perf_counter
@@ -37,12 +39,13 @@ from uuid import UUID
 
 from pydantic import TypeAdapter, ValidationError
 
-from .app import QueueingApp, Subscription
+from .app import RUN_THREADS, HandlerThreads, QueueingApp, Subscription
 from .clock import Clock, utcnow
 from .context import HandlerContext
 from .control import CachedControlStore, circuit
 from .control.base import ControlStore
 from .decisions import (
+    LATEST,
     Complete,
     DeadLetter,
     DeadLetterReason,
@@ -53,9 +56,9 @@ from .decisions import (
     RetryAfter,
 )
 from .envelope import Envelope
-from .errors import NonRetryableError, Retry, first_line
+from .errors import NonRetryableError, Retry, first_line, text_of
 from .hooks import Event, Observation
-from .messages import BASE_FIELDS, MessageStatus, QueueMessage
+from .messages import BASE_FIELDS, MessageStatus, QueueMessage, read_body
 from .middleware import HandleMiddleware, compose_handle, same_middleware
 from .producer import identity_of
 from .storable import cut_short_marker, storable
@@ -129,9 +132,54 @@ def _utf8(text: str) -> bool:
     return True
 
 
+#: how early a delivery may come and be held until it is due rather than sent back to wait: a host
+#: whose clock runs behind the one that forwarded it (a delayed store's dispatcher, another worker, the
+#: database) sent it back, and that one, finding it due, forwarded it again at once: one message
+#: bounced between them until the clocks agreed (a few seconds of skew, a hundred and more bounces)
+EARLY_HOLD = timedelta(seconds=5)
+
+
+async def _held(seconds: float, closing: asyncio.Event | None) -> bool:
+    """Wait ``seconds`` for an early delivery to fall due; False if the host began closing meanwhile."""
+    if closing is None:
+        await asyncio.sleep(seconds)
+        return True
+    try:
+        await asyncio.wait_for(closing.wait(), seconds)
+    except TimeoutError:
+        return True
+    return False
+
+
+#: the longest a retry waits: a retry a thousand years away is "never" as far as anyone can wait, and a
+#: longer one ("no cap", ``timedelta.max``) made a due time no timestamp holds, which failed the
+#: settlement (on the brokers, the worker's settler with it: nothing more was settled)
+LONGEST_RETRY = timedelta(days=365_000)
+
+
+def run_again(sub: Subscription, when: datetime, now: datetime) -> Defer:
+    """A handler's success that asks to run again at ``when``: a new run with fresh attempts, which
+    expires the type's expiration after ``when``, or after now for a time already past (never, if
+    the type never expires). A message's own ``ttl=`` was its first run's."""
+    later = Defer(
+        when,  # (in UTC, a naive time taken as UTC: ``Defer`` sees to it)
+        MessageStatus.SLEEPING,
+        "handler asked to run again later",
+        reset_attempts=True,
+    )
+    life = sub.options.expiration
+    if life is None:
+        return later
+    try:
+        expires_at = min(max(later.until, now) + life, LATEST)
+    except OverflowError:
+        expires_at = LATEST
+    return dataclasses.replace(later, expires_at=expires_at)
+
+
 def describe_error(exc: BaseException) -> str:
     """``Type: message`` followed by the innermost frames, bounded so it fits any store."""
-    head = f"{type(exc).__name__}: {exc}"
+    head = f"{type(exc).__name__}: {text_of(exc)}"
     frames = "".join(traceback.format_tb(exc.__traceback__)[-3:]) if exc.__traceback__ else ""
     text = f"{head}\n{frames}".rstrip()
     return text if len(text) <= MAX_ERROR_TEXT else text[: MAX_ERROR_TEXT - 3] + "..."
@@ -206,13 +254,14 @@ def read_message(sub: Subscription, env: Envelope) -> QueueMessage | DeadLetter:
     except Exception as exc:
         return DeadLetter(
             DeadLetterReason.INVALID_BODY,
-            f"body could not be read as {sub.type_name}: {type(exc).__name__}: {first_line(exc)}",
+            f"body could not be read as {sub.type_name}: {first_line(exc)}",
         )
     return message
 
 
 def decode_message(sub: Subscription, env: Envelope) -> QueueMessage:
-    """Rebuild the user's model: body fields plus the base fields from the envelope."""
+    """Rebuild the user's model: body fields plus the base fields from the envelope, read as the JSON
+    the body was written as (:func:`read_body`)."""
     body = env.body
     # a body without base fields (every body the kit writes) is copied whole, in C, instead of being
     # filtered key by key; one that carries them still has them dropped (the envelope's values win)
@@ -225,7 +274,7 @@ def decode_message(sub: Subscription, env: Envelope) -> QueueMessage:
     data["created_at"] = env.created_at
     data["correlation_id"] = env.correlation_id
     data["properties"] = env.headers
-    return sub.message_type.model_validate(data)
+    return read_body(sub.message_type, data)
 
 
 class Pipeline:
@@ -254,6 +303,8 @@ class Pipeline:
         #: the control state without an await while the cache holds a fresh one (decided here, once)
         self._fresh_state = control.fresh if isinstance(control, CachedControlStore) else None
         self._limits: dict[str, asyncio.Semaphore] = {}
+        #: each type's own threads for its plain ``def`` handlers, as many as its concurrency slots
+        self._threads: dict[str, HandlerThreads] = {}
         #: handlers running now, by message id
         self.running: dict[UUID, _Run] = {}
         self.progress_sink: ProgressSink | None = None
@@ -294,6 +345,14 @@ class Pipeline:
             sem = self._limits[sub.type_name] = asyncio.Semaphore(sub.options.max_concurrency)
         return sem
 
+    def threads(self, sub: Subscription) -> HandlerThreads:
+        """The type's threads for a plain ``def`` handler: as many as its concurrency slots, as a
+        thread keeps its slot until it ends (see :meth:`_run`), so a call never waits for one."""
+        pool = self._threads.get(sub.type_name)
+        if pool is None:
+            pool = self._threads[sub.type_name] = HandlerThreads(sub.options.max_concurrency, sub.type_name)
+        return pool
+
     def _chain(self, sub: Subscription) -> Callable[[HandlerContext], Awaitable[Any]]:
         middleware = self.app.handle_middleware
         # asked for every message: with no middleware then and now (the usual case) the chains still fit,
@@ -306,11 +365,12 @@ class Pipeline:
         if chain is None:
             spec = sub.handler
             assert spec is not None
+            threads = None if spec.is_async else self.threads(sub)
 
             # a plain function handing on the handler's awaitable: awaited by the pipeline (or the
             # innermost middleware) directly, without a coroutine of its own per message
             def terminal(ctx: HandlerContext) -> Awaitable[Any]:
-                return spec.call(ctx.message, ctx)
+                return spec.call(ctx.message, ctx, threads)
 
             chain = self._chains[sub.type_name] = compose_handle(self._chains_middleware, terminal)
         return chain
@@ -360,9 +420,12 @@ class Pipeline:
             return await self._emit_final(delivery, Expire(expires_at))
 
         if env.not_before is not None and env.not_before > now:
-            return await self._emit_final(
-                delivery, Defer(env.not_before, MessageStatus.SLEEPING, "not due yet")
-            )
+            early = (env.not_before - now).total_seconds()
+            if early > EARLY_HOLD.total_seconds() or not await _held(early, closing):
+                return await self._emit_final(
+                    delivery, Defer(env.not_before, MessageStatus.SLEEPING, "not due yet")
+                )
+            now = self.clock()
 
         if sub is None:
             return await self._emit_final(
@@ -538,6 +601,11 @@ class Pipeline:
         error: BaseException | None = None
         self.running[env.message_id] = run
         result: Any = None
+        # a plain def handler's threads, told to the pipeline as they start (app.HandlerThreads.run)
+        spawned: list[Future[Any]] | None = None
+        if sub.handler is not None and not sub.handler.is_async:
+            spawned = []
+            watching = RUN_THREADS.set(spawned)
         try:  # the slot taken above is given back on the way out
             try:
                 if limit is None:
@@ -592,12 +660,7 @@ class Pipeline:
                 decision = self._failure(sub, delivery.attempt, describe_error(exc), None)
             else:
                 if isinstance(result, datetime):
-                    decision = Defer(
-                        result,  # (in UTC, a naive time taken as UTC: ``Defer`` sees to it)
-                        MessageStatus.SLEEPING,
-                        "handler asked to run again later",
-                        reset_attempts=True,
-                    )
+                    decision = run_again(sub, result, self.clock())
                 else:
                     decision = Complete(fit_result(result, ctx.log))
             finally:
@@ -608,8 +671,13 @@ class Pipeline:
                     self.running[env.message_id] = other
                 if run.timer is not None:
                     run.timer.cancel()
+                if spawned is not None:
+                    RUN_THREADS.reset(watching)
         finally:
-            limiter.release()
+            if spawned:
+                _release_when_ended(limiter, spawned)
+            else:
+                limiter.release()
         if run.requested:
             # cancelled while it ran: whatever the handler did after that, the message is not retried
             decision = Complete(decision.result if isinstance(decision, Complete) else None, cancelled=True)
@@ -627,7 +695,7 @@ class Pipeline:
                 f"attempt {attempt} of {sub.options.max_attempts} failed; last error: {error}",
             )
         delay = after if after is not None else sub.options.retry.delay(attempt, self.rand)
-        return RetryAfter(delay, error)
+        return RetryAfter(min(delay, LONGEST_RETRY), error)
 
     async def _track_circuit(
         self, sub: Subscription, decision: Decision, before: Any, probe: datetime | None, cb: Any
@@ -680,6 +748,32 @@ class Pipeline:
         return hooks.notify(
             Observation(event, delivery.envelope, delivery.queue, delivery.attempt, decision, error, duration)
         )
+
+
+def _release_when_ended(limiter: asyncio.Semaphore, threads: list[Future[Any]]) -> None:
+    """Give the slot back once every thread of the run has ended. asyncio cannot stop a thread: one
+    past its time limit, cancelled or cut short by the host runs on after the run is decided, and
+    given back at once, its slot let another run of the type start beside it (``max_concurrency=1``
+    and ordered types ran one message on several threads at once) and the hung threads piled up."""
+    running = [t for t in threads if not t.done()]
+    if not running:
+        limiter.release()
+        return
+    loop = asyncio.get_running_loop()
+    left = len(running)
+
+    def one_ended() -> None:
+        nonlocal left
+        left -= 1
+        if not left:
+            limiter.release()
+
+    def ended(_: Future[Any]) -> None:  # (on the thread, or here if it ended meanwhile)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits for the slot
+            loop.call_soon_threadsafe(one_ended)
+
+    for thread in running:
+        thread.add_done_callback(ended)
 
 
 def _unrun(decision: Decision) -> bool:

@@ -80,6 +80,12 @@ class HistoryAhead:
     rows: dict[int, int] = field(default_factory=dict)  # journal row by id() of the delivery
 
 
+#: transports whose queues (and their dead-letter or poison companions) are named on the broker
+_NAMED_ON_THE_BROKER = frozenset(
+    {Transport.SERVICE_BUS, Transport.STORAGE_QUEUE, Transport.SQS, Transport.RABBITMQ}
+)
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -139,6 +145,7 @@ class Runtime:
         #: handled messages and waiting time in this process (``GET metrics``)
         self.throughput = Throughput.of(app.hooks)
         self._opened = False
+        self._open_lock = asyncio.Lock()
 
     def _cancel_heard(self, message_id: UUID) -> None:
         self.control.invalidate()  # the next state read (a message about to start) sees it too
@@ -159,14 +166,21 @@ class Runtime:
         return self._opened
 
     async def open(self) -> None:
-        if not self._opened:
-            if self.provider.transport in (Transport.SQS, Transport.RABBITMQ):
-                # a queue named like another's dead-letter queue (or two sharing one name) would run
-                # that queue's dead letters again: refused before anything is declared or created
-                # (Service Bus and Storage are checked where the Functions app is built)
+        if self._opened:  # (every enqueue comes here: no lock once open)
+            return
+        # two first enqueues at once (a web app's first requests) opened the provider twice: the
+        # second open's broker connection replaced the first, which nothing closed
+        async with self._open_lock:
+            if self._opened:
+                return
+            if self.provider.transport in _NAMED_ON_THE_BROKER:
+                # a queue named like another's dead-letter or poison queue (or two sharing one name)
+                # would run that queue's dead letters again: refused before anything is declared or
+                # created. The Functions app runs the same check at indexing
                 from .infra import check_names
 
-                check_names(self.app, (self.provider.transport,), getattr(self.provider, "naming", None))
+                naming = getattr(self.provider, "naming", None)
+                check_names(self.app, (self.provider.transport,), naming, deployed=False)
             await self.provider.open(self.app)
             self._opened = True
             if not self.provider.capabilities.durable_history:
@@ -392,6 +406,8 @@ def history_record(s: Settlement, now: Any) -> MessageRecord:
         fields.update(reason=decision.reason.value, description=decision.description)
     elif isinstance(decision, Defer):
         fields.update(reason=decision.reason, not_before=decision.until)
+        if decision.reset_attempts:
+            fields.update(expires_at=decision.expires_at)
     elif isinstance(decision, Complete):
         fields.update(result=jsonable(decision.result))
         if decision.reason is not None:
@@ -418,10 +434,9 @@ def history_record(s: Settlement, now: Any) -> MessageRecord:
         queue=env.queue,
         correlation_id=env.correlation_id,
         created_at=env.created_at,
-        expires_at=env.expires_at,
         headers=env.headers,
         body=env.body,
-        **{"not_before": env.not_before, **fields},
+        **{"not_before": env.not_before, "expires_at": env.expires_at, **fields},
     )
 
 

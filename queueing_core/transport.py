@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .clock import utcnow
-from .decisions import Decision, counts_attempt
+from .decisions import Decision, Defer, counts_attempt
 from .envelope import Envelope
 from .errors import MalformedEnvelope
 from .naming import Transport
@@ -37,6 +37,9 @@ class Capabilities:
     transactions: bool = False
     #: largest encoded envelope the transport accepts
     max_message_bytes: int | None = None
+    #: the longest lease (lock) the transport gives a message (Service Bus: 5 minutes); a type's longer
+    #: ``lease_duration`` is held by renewing it within this
+    longest_lease: timedelta | None = None
     #: the provider's receive already leaves out paused queues/types (SQL filters in the claim)
     filters_paused: bool = False
     #: two receives for one subscription may run at once, each taking different messages (SQL: each
@@ -120,6 +123,16 @@ class Delivery:
         if getattr(decision, "reset_attempts", False):
             return 0
         return self.attempt if counts_attempt(decision) else self.attempt - 1
+
+    def copy_after(self, decision: Decision, attempts: int | None = None) -> Envelope:
+        """The envelope of the copy that carries ``decision`` on: the attempts it used (``attempts``
+        where the transport knows better) and, for a run asked for later, its new expiry."""
+        env = self.envelope
+        assert env is not None, "malformed messages are always dead-lettered"
+        used = self.attempts_used(decision) if attempts is None else attempts
+        if isinstance(decision, Defer) and decision.reset_attempts:
+            return env.with_attempt(used, expires_at=decision.expires_at)
+        return env.with_attempt(used)
 
     def text(self) -> str:
         raw = self.raw

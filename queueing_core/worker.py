@@ -38,8 +38,9 @@ from typing import Any, Literal, cast
 from .app import Subscription
 from .clock import Clock, utcnow
 from .control import ControlState, circuit
-from .decisions import Release
-from .errors import ProviderUnavailable
+from .decisions import Defer, Release
+from .errors import ProviderUnavailable, first_line
+from .messages import MessageStatus
 from .overlap import GATE_EVERY, STALE, Overlap
 from .runtime import HistoryAhead, Runtime, default_worker_id
 from .transport import (
@@ -142,6 +143,10 @@ def _measure(overlap: Overlap, got: int, want: int) -> None:
         overlap.returned(got)
     else:
         overlap.drained()
+
+
+#: how long a message whose processing failed in the kit itself (not in its handler) waits to run again
+PIPELINE_ERROR_WAIT = timedelta(seconds=10)
 
 
 def _released(delivery: Delivery) -> Settlement:
@@ -1182,9 +1187,13 @@ class Worker:
         except asyncio.CancelledError:
             settlement = _released(delivery)
         except Exception as exc:
-            # the pipeline itself failed (e.g. the control store is unreachable): give it back
-            log.exception("could not process a message from %s; releasing it", sub.queue)
-            settlement = Settlement(delivery, Release(f"pipeline error: {type(exc).__name__}: {exc}"))
+            # the pipeline itself failed (e.g. the control store is unreachable): give it back, due a
+            # little later. Handed back at once, a message that fails the pipeline every time (however
+            # it does) came straight back and ran again, as fast as the worker claims, for ever
+            log.exception("could not process a message from %s; it runs again later", sub.queue)
+            why = f"pipeline error: {first_line(exc)}"
+            later = Defer(utcnow() + PIPELINE_ERROR_WAIT, MessageStatus.PENDING, why)
+            settlement = Settlement(delivery, later)
         finally:
             # the slot is free for the next message; the lease is still renewed until the settlement
             # is committed (a slow database must not let the sweeper retry a message that succeeded)
@@ -1208,9 +1217,18 @@ class Worker:
         return why if ran >= budget else None
 
     async def _renew_loop(self) -> None:
-        leases = [s.options.lease_duration for s in self.subscriptions()] or [timedelta(seconds=30)]
-        interval = max(0.5, min(leases).total_seconds() / 3)
         provider = self.runtime.provider
+        # each message's lease as the transport holds it, renewed once a third of it has passed: judged
+        # by the shortest lease of the app, a long one was renewed only with less than two thirds of
+        # the shortest left (a 10-minute lease beside 30-second ones lost to a stall of 20 s), and one
+        # the transport caps (Service Bus locks at most 5 minutes) was first renewed after it lapsed
+        cap = provider.capabilities.longest_lease
+        lease_of = {
+            s.type_name: min(s.options.lease_duration, cap) if cap else s.options.lease_duration
+            for s in self.subscriptions()
+        }
+        shortest = min(lease_of.values(), default=timedelta(seconds=30)).total_seconds()
+        interval = max(0.5, shortest / 3)
         # a lease's end is on the provider's lease clock where it has one (SQL: the database's time);
         # compared with this host's clock, a host running behind would renew too late
         clock: Clock = getattr(provider, "lease_clock", utcnow)
@@ -1220,7 +1238,9 @@ class Worker:
             due = [
                 d
                 for d in list(self._in_flight.values())
-                if d.lease_until is None or (d.lease_until - now).total_seconds() < 2 * interval
+                if d.lease_until is None
+                or (d.lease_until - now).total_seconds()
+                < 2 * max(interval, lease_of.get(d.type_name or "", timedelta()).total_seconds() / 3)
             ]
             if not due:
                 continue

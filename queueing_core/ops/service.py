@@ -24,7 +24,7 @@ from ..app import Subscription
 from ..clock import Clock, as_utc, utcnow
 from ..envelope import Envelope
 from ..errors import InvalidArgument, InvalidOperation, MessageNotFound, NotSupported, first_line
-from ..messages import MessageStatus, QueueMessage
+from ..messages import MessageStatus, QueueMessage, read_body
 from ..options import Health
 from ..producer import EnqueueOptions
 from ..providers.dead_letters import is_whole_queue
@@ -763,7 +763,7 @@ class OpsService:
         messages, errors = [], []
         for index, body in enumerate(bodies):
             try:
-                messages.append(sub.message_type.model_validate(body))
+                messages.append(read_body(sub.message_type, body))  # as the JSON it is
             except ValidationError as exc:
                 for e in exc.errors(include_url=False):
                     errors.append(

@@ -155,7 +155,7 @@ class InProcessProvider:
                 continue
             used = d.attempts_used(decision)
             due = due_at(decision, now) or now
-            env = d.envelope.with_attempt(used)
+            env = d.copy_after(decision, used)
             item = _Item(due, d.handle.seq if isinstance(d.handle, _Item) else next(_seq), env.encode())
             if q.ordered:
                 q.head = item

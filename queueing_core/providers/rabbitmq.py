@@ -887,7 +887,7 @@ class RabbitMQProvider(SideStoreOps):
                         # as used and dead-letter it unrun
                         used = min(used, d.envelope.attempt)
                     # the copy first: if the ack fails afterwards, a duplicate beats a loss
-                    copy = d.envelope.with_attempt(used)
+                    copy = d.copy_after(decision, used)
                     await self.send_at(h.physical, copy, due_at(decision, now))
                 with _boundary("acknowledging a message"):
                     await h.message.ack()

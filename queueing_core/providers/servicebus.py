@@ -9,6 +9,14 @@
 - ``GET stats`` reads the queues' runtime properties (Manage again); without that right it counts by
   peeking (what *Data Receiver* allows) and says so in the response.
 - Peek-lock receive; a success completes.
+- **No link credit left standing.** With ``prefetch_count=0`` a receive that asks for n sets the link
+  credit to n, and what it does not use stays on the link: the broker locks messages into it that
+  nobody asked for (the SDK releases them only when it next reads the link, or at close). A receiver
+  that came back short and is then not asked again for ``idle_close`` seconds (a paused queue, a
+  worker at capacity, stopping) is closed once nothing it handed out is still unsettled: closing
+  drains the credit and releases what it held, without counting a delivery. The next receive opens a
+  new one. A message whose lock lapsed while it waited in the receiver's buffer is not run: it is
+  another run's now (its settlement would be refused), and Service Bus redelivers it.
 - **Retries are a scheduled copy, not an abandon.** Abandon makes the message available again at
   once (no backoff) and spends the entity's delivery count. The kit sends a copy scheduled for
   now + backoff, carrying the attempts used in its envelope, then completes the original. The
@@ -174,10 +182,24 @@ def _boundary(action: str) -> Any:
         raise ProviderError(f"{action} failed: {exc}") from None
 
 
+@dataclass(eq=False)
+class _Link:
+    """One queue's receiver and what keeps it open: receives in progress, and deliveries it handed out
+    that are not settled yet (only the receiver that received a message can settle it)."""
+
+    receiver: Any
+    receiving: int = 0
+    unsettled: int = 0
+    #: not asked to receive for ``idle_close`` seconds after a short receive: close when nothing is held
+    idle: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
 @dataclass
 class _Handle:
     receiver: Any
     message: Any
+    link: _Link | None = None
 
 
 def _text(message: Any) -> str:
@@ -281,6 +303,7 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         auto_create: bool = True,
         ttl_grace: timedelta = timedelta(hours=1),
         receive_wait: float = 1.0,
+        idle_close: float = 1.0,
         max_message_bytes: int = MAX_ENVELOPE_BYTES,
         closers: Sequence[Any] = (),
     ) -> None:
@@ -293,9 +316,13 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         #: time to live, which nothing the kit writes later makes longer (``idempotency``)
         self.drops_expired_after = ttl_grace
         self.receive_wait = receive_wait
+        #: seconds without a receive after a short one before the receiver is closed (its credit with it)
+        self.idle_close = idle_close
         self.capabilities = Capabilities(
             max_delay=None,
             lock_renewal=True,
+            # a queue's lock duration is its type's lease, at most this: a longer lease is renewed
+            longest_lease=MAX_LOCK,
             native_dead_letter=True,
             max_message_bytes=max_message_bytes,
             # the dead-letter sub-queue keeps letters for good, the expired ones too
@@ -305,7 +332,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         self._tracker = tracker
         self._closers = list(closers)
         self._senders: dict[str, Any] = {}
-        self._receivers: dict[str, Any] = {}
+        self._receivers: dict[str, _Link] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self._app: QueueingApp | None = None
         #: None until a management call says; False once the service refused one (401)
         self._can_manage: bool | None = None
@@ -334,14 +362,53 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             s = self._senders[name] = self.client.get_queue_sender(name)
         return s
 
-    def _receiver(self, queue: str) -> Any:
+    def _link(self, queue: str) -> _Link:
         name = self.physical(queue)
-        r = self._receivers.get(name)
-        if r is None:
-            r = self._receivers[name] = self.client.get_queue_receiver(
+        link = self._receivers.get(name)
+        if link is None:
+            receiver = self.client.get_queue_receiver(
                 name, receive_mode=ServiceBusReceiveMode.PEEK_LOCK, prefetch_count=0
             )
-        return r
+            link = self._receivers[name] = _Link(receiver)
+        return link
+
+    def _watch_idle(self, name: str, link: _Link) -> None:
+        """After a short receive: the credit it left is closed with the receiver unless another receive
+        comes within ``idle_close`` (a worker that keeps polling keeps its receiver)."""
+        if link.timer is not None:
+            link.timer.cancel()
+        link.timer = asyncio.get_running_loop().call_later(self.idle_close, self._went_idle, name, link)
+
+    def _went_idle(self, name: str, link: _Link) -> None:
+        link.timer = None
+        if not link.receiving:
+            link.idle = True
+            self._close_if_idle(name, link)
+
+    def _close_if_idle(self, name: str, link: _Link) -> None:
+        # (the receiver must outlive every delivery it handed out: only it can settle them)
+        if not link.idle or link.receiving or link.unsettled or self._receivers.get(name) is not link:
+            return
+        del self._receivers[name]
+        task = asyncio.get_running_loop().create_task(self._close_receiver(link.receiver))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_receiver(receiver: Any) -> None:
+        # the SDK drains the credit and releases what the receiver buffered (no delivery counted)
+        try:
+            await receiver.close()
+        except Exception as exc:  # its buffered messages come back when their locks lapse
+            log.warning("closing an idle Service Bus receiver failed: %s", _first_line(exc))
+
+    def _settled(self, d: Delivery) -> None:
+        h = d.handle
+        link = getattr(h, "link", None)
+        if isinstance(link, _Link):
+            h.link = None
+            link.unsettled -= 1
+            self._close_if_idle(self.physical(d.queue), link)
 
     async def open(self, app: QueueingApp) -> None:
         self._app = app
@@ -388,9 +455,15 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         self._can_manage = True
 
     async def close(self) -> None:
-        for handler in [*self._senders.values(), *self._receivers.values()]:
+        for link in self._receivers.values():
+            if link.timer is not None:
+                link.timer.cancel()
+        receivers = [link.receiver for link in self._receivers.values()]
+        for handler in [*self._senders.values(), *receivers]:
             with contextlib.suppress(Exception):
                 await handler.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         self._senders.clear()
         self._receivers.clear()
         await self.client.close()
@@ -489,23 +562,58 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
 
     # -- consuming ---------------------------------------------------------------------------------
     async def receive(self, sub: Subscription, max_messages: int) -> list[Delivery]:
-        receiver = self._receiver(sub.queue)
-        with _boundary(f"receiving from {sub.queue}"):
-            # waits up to receive_wait for the first message: the receive itself is the long poll
-            messages = await receiver.receive_messages(
-                max_message_count=max_messages, max_wait_time=self.receive_wait
-            )
+        name = self.physical(sub.queue)
+        link = self._link(sub.queue)
+        receiver = link.receiver
+        if link.timer is not None:
+            link.timer.cancel()
+            link.timer = None
+        link.idle = False
+        link.receiving += 1
+        try:
+            with _boundary(f"receiving from {sub.queue}"):
+                # waits up to receive_wait for the first message: the receive itself is the long poll
+                messages = await receiver.receive_messages(
+                    max_message_count=max_messages, max_wait_time=self.receive_wait
+                )
+        finally:
+            link.receiving -= 1
+        if len(messages) < max_messages and not link.receiving:
+            self._watch_idle(name, link)
+        live = [m for m in messages if not self._lapsed(sub, m)]
+        link.unsettled += len(live)
         deliveries = [
             Delivery.of(
                 _text(m),
                 queue=sub.queue,
                 delivery_count=(m.delivery_count or 0) + 1,
-                handle=_Handle(receiver, m),
+                handle=_Handle(receiver, m, link),
                 lease_until=m.locked_until_utc,
             )
-            for m in messages
+            for m in live
         ]
-        return [d for d in deliveries if not await self._known_duplicate(d)]
+        kept = []
+        for d in deliveries:
+            if await self._known_duplicate(d):
+                self._settled(d)
+            else:
+                kept.append(d)
+        return kept
+
+    @staticmethod
+    def _lapsed(sub: Subscription, m: Any) -> bool:
+        """A message whose lock lapsed while it waited in the receiver's buffer (the broker pushed it into
+        credit a receive left): Service Bus has counted the delivery and hands it to another receive, and
+        would refuse this run's settlement (the SDK checks ``_lock_expired`` before settling)."""
+        if not getattr(m, "_lock_expired", False):
+            return False
+        log.warning(
+            "message %s on %s waited in the receiver until its lock lapsed: not run here (Service Bus "
+            "delivers it again)",
+            m.sequence_number,
+            sub.queue,
+        )
+        return True
 
     async def _known_duplicate(self, d: Delivery) -> bool:
         h: _Handle = d.handle
@@ -533,7 +641,7 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 # Send the copy first: if completing fails afterwards, a duplicate beats a loss. The
                 # lock is renewed before it, so a run whose lock has already lapsed sends no copy.
                 await r.renew_message_lock(m)
-                copy = d.envelope.with_attempt(d.attempts_used(decision))
+                copy = d.copy_after(decision)
                 await self.send_copy(d.queue, copy, due_at(decision, utcnow()))
                 try:
                     await r.complete_message(m)
@@ -593,6 +701,9 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 if isinstance(r, Exception)
             )
         )
+        # done with them either way (one that failed is not tried again): its receiver may close
+        for s in settlements:
+            self._settled(s.delivery)
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         lost: list[Delivery] = []

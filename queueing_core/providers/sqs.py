@@ -738,7 +738,7 @@ class SqsProvider(SideStoreOps):
             return
         assert d.envelope is not None, "malformed messages are always dead-lettered"
         # the copy first: if the delete fails afterwards, a duplicate beats a loss
-        await self.send_at(d.queue, d.envelope.with_attempt(d.attempts_used(decision)), due_at(decision, now))
+        await self.send_at(d.queue, d.copy_after(decision), due_at(decision, now))
 
     async def _delete(self, handles: list[_Handle]) -> None:
         """DeleteMessageBatch per queue, 10 at a time. Each handle SQS answered for is marked: deleted,

@@ -59,6 +59,7 @@ from .. import retry_policy
 from ..clock import utcnow
 from ..connections import STORAGE, StorageConnection
 from ..decisions import (
+    LATEST,
     Complete,
     DeadLetter,
     DeadLetterReason,
@@ -139,19 +140,19 @@ def _fits(text: str) -> bool:
     return len(text.encode()) <= MAX_TEXT_BYTES
 
 
-def copy_for_later(env: Envelope, attempts: int, due: datetime, now: datetime) -> Envelope:
-    """The copy of ``env`` that runs at ``due``, carrying ``attempts`` used. A due beyond the
+def copy_for_later(copy: Envelope, due: datetime, now: datetime) -> Envelope:
+    """``copy`` (see :meth:`Delivery.copy_after`), to run at ``due``. A due beyond the
     visibility limit is written into the copy (``not_before``): the service shows it when the limit
     ends, and without its due time the copy would run then, early; with it, the pipeline hides it
     again until it is due (or the delayed store keeps it)."""
     if due - now > MAX_VISIBILITY:
-        later = env.with_attempt(attempts, not_before=due)
+        later = copy.model_copy(update={"not_before": due})
         if wire_text(later.encode_text()) is not None:
             return later
         # (another producer's envelope so near the limit that its due time does not fit: it comes back
         # when the visibility limit ends, days early, rather than not at all)
-        log.warning("a copy of %s is too large to carry its due time: it shows after 7 days", env.message_id)
-    return env.with_attempt(attempts)
+        log.warning("a copy of %s is too large to carry its due time: it shows after 7 days", copy.message_id)
+    return copy
 
 
 def poison_text(d: Delivery, decision: DeadLetter, now: datetime) -> str:
@@ -237,16 +238,21 @@ def wire_text(text: str) -> str | None:
     return None
 
 
+#: a time written as long as any (a run asked for later writes its new expiry into its copy)
+LONGEST_TIME = LATEST.replace(microsecond=999_999)
+
+
 def too_large_to_copy(env: Envelope, text: str, attempt: int) -> str | None:
     """Why no copy of ``env`` (received as ``text``) could be sent, or None. A copy carries the attempts
     used and may carry a due time; checked on receipt, so such a message is dead-lettered at once with
     this reason rather than run, fail to send its copies and come back until its attempts are spent."""
     if len(text) * 4 + 512 <= MAX_TEXT_BYTES:
         return None  # (cheap: well within what base64 carries, whatever the characters)
-    # the largest copy a settlement within the visibility limit sends (a retry, a pause, a deferral):
-    # the most attempts it can carry, its own due time (a copy for later than the limit that does not
-    # fit goes without its due time: ``copy_for_later``)
-    copy = env.with_attempt(attempt + 1).encode_text()
+    # the largest copy a settlement within the visibility limit sends (a retry, a pause, a deferral,
+    # a run asked for later with its new expiry, in its longest form): the most attempts it can carry,
+    # its own due time (a copy for later than the limit that does not fit goes without its due time:
+    # ``copy_for_later``)
+    copy = env.with_attempt(attempt + 1, expires_at=LONGEST_TIME).encode_text()
     if wire_text(copy) is not None:
         return None
     return (
@@ -661,7 +667,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                             if d.envelope is None:  # cannot happen: malformed bodies are dead-lettered
                                 return
                             due = due_at(decision, now) or now
-                            copy = copy_for_later(d.envelope, d.attempts_used(decision), due, now)
+                            copy = copy_for_later(d.copy_after(decision), due, now)
                             # a fresh copy starts at dequeue_count 0: its envelope counts the attempts
                             await self.put(d.queue, copy, due - now, now)
                         h.prepared = True
@@ -763,15 +769,16 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         removed: only their history goes."""
         if is_whole_queue(query):
             assert query.queue is not None
+            stays: set[uuid.UUID] = set()
             if self.delayed is not None:
                 # first, as on the other transports (side_stores): a delay beyond the visibility limit
                 # waits there, reported removed with the rest; a forward due meanwhile lands in the
-                # queue before its clearing
-                await self.delayed.purge(self.physical(query.queue))
+                # queue before its clearing (one stored there meanwhile stays: left, with its history)
+                stays = (await self.delayed.purge(self.physical(query.queue))).left
             for name in (self.physical(query.queue), self.poison_name(query.queue)):
                 with _boundary(f"clearing {name}"):
                     await (await self._ensure(name)).clear_messages()
-            return {r.message_id for r in records}
+            return {r.message_id for r in records if r.message_id not in stays}
         dead = [r for r in records if r.status == "DeadLettered"]
         removed: set[str] = set()
         for queue in {r.queue for r in dead}:

@@ -130,6 +130,67 @@ async def test_retry_after_is_honoured(harness):
     assert seen[1] - seen[0] >= 0.55
 
 
+@queue("recurring", expiration=timedelta(seconds=5))
+class Recurring(QueueMessage):
+    key: str
+
+
+async def test_a_run_asked_for_past_the_first_expiry_still_runs(harness):
+    """A handler that returns a later time (a recurring job) runs again then, with fresh attempts,
+    though that time is past the message's first expiry: the run asked for expires the type's
+    expiration after its own time. (It kept the first run's expiry: the job ran once and then
+    expired, on every transport.)"""
+    app = harness.app()
+    runs: list[int] = []
+    asked: list[datetime] = []
+
+    @app.handler()
+    async def again(msg: Recurring, ctx):
+        runs.append(ctx.attempt)
+        if len(runs) == 1:
+            asked.append(utcnow() + timedelta(seconds=6))
+            return asked[0]
+        return None
+
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Recurring(key="monthly"))
+    async with running(rt):
+        await wait_until(lambda: len(runs) == 1, what="the first run")
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SLEEPING), what="asleep")
+        sleeping = await record(rt, r.message_id)
+        assert sleeping.expires_at is not None
+        assert abs((sleeping.expires_at - (asked[0] + timedelta(seconds=5))).total_seconds()) < 0.01
+        await wait_until(
+            lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), timeout=45, what="the second run"
+        )
+    assert runs == [1, 1]
+
+
+async def test_a_message_an_operator_retried_succeeds_with_no_reason_left(harness):
+    """The reason an operator's retry gives ("retried by an operator") lasts until the copy runs: a
+    success leaves none (on SQL the usual success kept it: "Succeeded, retried by an operator")."""
+    from queueing_core.ops import OpsService
+
+    app = harness.app()
+    runs: list[int] = []
+
+    @app.handler()
+    async def once_void(msg: Job, ctx):
+        runs.append(ctx.attempt)
+        if len(runs) == 1:
+            raise NonRetryableError("void until an operator looks")
+
+    rt = await harness.runtime(app)
+    r = await app.enqueue(Job(key="void"))
+    async with running(rt):
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.DEAD_LETTERED), what="dead")
+        await OpsService(rt).retry(r.message_id)
+        await wait_until(lambda: all_have(rt, [r.message_id], MessageStatus.SUCCEEDED), what="its retry")
+    rec = await record(rt, r.message_id)
+    assert len(runs) == 2
+    assert rec.reason is None, rec.reason
+
+
 async def test_expired_messages_are_never_handled(harness):
     app, calls = job_app(harness)
     rt = await harness.runtime(app)

@@ -97,9 +97,11 @@ async def test_an_exception_text_no_store_keeps_is_recorded_replaced(sql_db, tex
     assert "bad \ufffd" in bad.last_error, bad.last_error
 
 
-async def test_a_settlement_that_cannot_be_made_does_not_hold_back_its_batch(sql_db, caplog):
+async def test_a_settlement_that_cannot_be_made_does_not_hold_back_its_batch(sql_db, caplog, monkeypatch):
     # a delay no timestamp holds: the provider cannot make this retry's due time, on any try (an
-    # OverflowError before the statement; a value the store refuses fails the batch's call alike)
+    # OverflowError before the statement; a value the store refuses fails the batch's call alike).
+    # (The pipeline bounds a retry's delay now: unbounded here, as a settlement the store cannot make)
+    monkeypatch.setattr("queueing_core.pipeline.LONGEST_RETRY", timedelta.max)
     caplog.set_level(logging.WARNING, logger="queueing.worker")
     good, bad, runs = await run_pair(sql_db, Retry(after=timedelta.max), None)
     # the two shared a batch, which failed and was settled apart (not two batches from the start)

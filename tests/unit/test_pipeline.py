@@ -156,6 +156,7 @@ async def test_retry_after_and_non_retryable_and_run_again_later():
         MessageStatus.SLEEPING,
         "handler asked to run again later",
         reset_attempts=True,
+        expires_at=T0 + timedelta(hours=1, minutes=10),  # the type's 10 minutes from then
     )
 
 
@@ -582,3 +583,79 @@ async def test_a_superseded_message_settled_without_running_does_not_hold_the_ci
     # the probe is still there for a message that runs
     opts = Version.queue_options().circuit_breaker
     assert await control.acquire_probe("Version", opts, clock.now)
+
+
+class _TextlessError(Exception):
+    """An exception whose ``str()`` fails (its ``__str__`` returns an int)."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+async def test_an_error_whose_text_cannot_be_made_still_counts_its_attempts():
+    # the pipeline's own description of the failure raised: the worker handed the message back
+    # uncounted and it ran again at once, for ever (never retried with backoff, never dead-lettered)
+    app, pipe, *_, prod = make()
+
+    @app.handler()
+    async def handle(msg: Work):
+        raise _TextlessError(404)
+
+    first = await pipe.process(delivery(prod, Work(), attempt=1))
+    assert isinstance(first, RetryAfter)
+    assert first.error.startswith("_TextlessError: <str() of the _TextlessError failed: TypeError>")
+    last = await pipe.process(delivery(prod, Work(), attempt=3))
+    assert isinstance(last, DeadLetter)
+    assert last.reason is DeadLetterReason.MAX_ATTEMPTS
+
+
+async def test_a_run_asked_for_later_expires_from_its_own_time():
+    app, pipe, _, clock, prod = make()
+    with_handler(app)  # "later": run again in an hour, past the type's 10 minutes
+    d = delivery(prod, Work(action="later", created_at=T0))
+    later = await pipe.process(d)
+    assert isinstance(later, Defer)
+    assert later.expires_at == T0 + timedelta(hours=1, minutes=10)
+    # the copy every transport sends runs then, with fresh attempts (it expired, the first run's expiry)
+    copy = d.copy_after(later)
+    assert (copy.attempt, copy.expires_at) == (0, later.expires_at)
+    clock.now = later.until
+    again = Delivery(queue=copy.queue, raw=copy.encode(), envelope=copy, malformed=None, attempt=1)
+    assert isinstance(await pipe.process(again), Defer)  # "later" again: it ran, not Expire
+
+
+async def test_a_run_asked_for_later_of_a_type_that_never_expires_never_expires():
+    app = QueueingApp()
+
+    @queue("forever", expiration=None)
+    class Forever(QueueMessage):
+        n: int = 0
+
+    app, pipe, *_, prod = make(app)
+
+    @app.handler()
+    async def handle(msg: Forever):
+        return T0 + timedelta(days=400)
+
+    later = await pipe.process(delivery(prod, Forever()))
+    assert isinstance(later, Defer)
+    assert later.reset_attempts
+    assert later.expires_at is None
+
+
+async def test_a_run_asked_for_a_time_already_past_expires_from_now():
+    # a naive local time on a host behind UTC, a catch-up schedule's missed slot: counted from the
+    # time asked, its expiry had passed too, and the job expired instead of running again
+    app, pipe, *_, prod = make()
+
+    @app.handler()
+    async def handle(msg: Work):
+        return T0 - timedelta(hours=1)
+
+    d = delivery(prod, Work(created_at=T0))
+    later = await pipe.process(d)
+    assert isinstance(later, Defer)
+    assert later.expires_at == T0 + timedelta(minutes=10)  # the type's 10 minutes from now
+    copy = d.copy_after(later)
+    again = Delivery(queue=copy.queue, raw=copy.encode(), envelope=copy, malformed=None, attempt=1)
+    assert isinstance(await pipe.process(again), Defer)  # it ran again, and asked again

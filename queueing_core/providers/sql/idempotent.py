@@ -13,7 +13,7 @@ from uuid import UUID
 import sqlalchemy as sa
 
 from ...control.base import CANCEL_KEPT
-from ...messages import MessageStatus, QueueMessage
+from ...messages import MessageStatus, QueueMessage, read_body
 from .rows import row_for
 from .schema import CLAIMABLE, CLAIMABLE_SQL, Tables, archived, claimable
 
@@ -251,4 +251,4 @@ async def previous(p: SqlProvider, sub: Subscription, message: QueueMessage, key
         ).scalar()
     if text is None:
         return None
-    return sub.message_type.model_validate(json.loads(text))
+    return read_body(sub.message_type, json.loads(text))

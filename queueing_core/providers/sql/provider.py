@@ -618,6 +618,8 @@ class SqlProvider:
                     "available_at": decision.until,
                     "reason": decision.reason,
                     "not_before": decision.until if sleeping else None,
+                    "renew": decision.reset_attempts,
+                    "expires_at": decision.expires_at,
                     "since": since,
                 }
                 self._note_due(d.queue, decision.until)

@@ -228,7 +228,9 @@ class Statements:
         self.complete_many = (
             sa.update(m)
             .where(owned_many)
-            .values(status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, **settled)
+            # (a success leaves no reason: an earlier wait's, "retried by an operator" or "circuit
+            # ... is open", stayed on the succeeded message)
+            .values(status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, reason=None, **settled)
             .returning(m.c.id)
         )
         # A run that leaves its message waiting (a retry, a delay, a release) while its cancellation
@@ -294,6 +296,11 @@ class Statements:
                 attempt=P("attempt"),
                 available_at=P("available_at"),
                 not_before=sa.func.coalesce(P("not_before", type_=m.c.not_before.type), m.c.not_before),
+                # a run asked for later expires from its own time (``Defer.expires_at``), maybe never
+                expires_at=sa.case(
+                    (P("renew", type_=sa.Boolean()), P("expires_at", type_=m.c.expires_at.type)),
+                    else_=m.c.expires_at,
+                ),
                 **waits(P("status", type_=m.c.status.type), P("reason", type_=m.c.reason.type)),
                 **released,
             ),
