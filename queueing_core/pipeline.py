@@ -769,8 +769,12 @@ def _release_when_ended(limiter: asyncio.Semaphore, threads: list[Future[Any]]) 
             limiter.release()
 
     def ended(_: Future[Any]) -> None:  # (on the thread, or here if it ended meanwhile)
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits for the slot
+        try:
             loop.call_soon_threadsafe(one_ended)
+        except RuntimeError:
+            # the loop is closed: nothing waits on it, and the slot is given back here (a pipeline
+            # used again on a new loop found its type's slot taken for good)
+            one_ended()
 
     for thread in running:
         thread.add_done_callback(ended)

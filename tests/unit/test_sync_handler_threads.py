@@ -270,3 +270,42 @@ def test_a_hung_handler_thread_does_not_hold_up_the_process_exit(tmp_path: Path)
         pytest.fail("the process did not exit: it waited for the hung handler's thread")
     assert done.returncode == 0, done.stderr
     assert "stopped" in done.stdout
+
+
+def test_a_thread_that_outlives_its_event_loop_still_gives_its_slot_back() -> None:
+    """A pipeline used again on a new loop (``asyncio.run`` twice, a fixture shared across tests): a
+    thread that returned after its loop closed kept its type's slot for good, and the second loop's
+    run waited for ever (found by a review)."""
+
+    @queue("loop-slot", max_concurrency=1, time_limit=timedelta(milliseconds=100))
+    class Slow(QueueMessage):
+        n: int = 0
+
+    app = QueueingApp("loop-slot")
+    gate = threading.Event()
+
+    @app.handler()
+    def handle(msg: Slow) -> None:
+        gate.wait(5)  # past its time limit, then returns
+
+    pipe = Pipeline(app, MemoryControlStore(), rand=lambda: 0.5)
+    prod = Producer(app, _NullProvider())
+
+    def one() -> Delivery:
+        env = prod.envelope_for(Slow())
+        return Delivery(queue=env.queue, raw=env.encode(), envelope=env, malformed=None, attempt=1)
+
+    asyncio.run(pipe.process(one()))  # decided at its time limit; its thread runs on
+    gate.set()
+    sub = app.subscription("Slow")
+    assert sub is not None
+    for _ in range(500):  # the thread returns, after its loop has closed
+        if pipe.limiter(sub)._value == 1:
+            break
+        time.sleep(0.01)
+    assert pipe.limiter(sub)._value == 1
+
+    async def again() -> object:
+        return await asyncio.wait_for(pipe.process(one()), 10)
+
+    assert asyncio.run(again()) is not None
