@@ -59,7 +59,6 @@ from .. import retry_policy
 from ..clock import utcnow
 from ..connections import STORAGE, StorageConnection
 from ..decisions import (
-    LATEST,
     Complete,
     DeadLetter,
     DeadLetterReason,
@@ -238,21 +237,16 @@ def wire_text(text: str) -> str | None:
     return None
 
 
-#: a time written as long as any (a run asked for later writes its new expiry into its copy)
-LONGEST_TIME = LATEST.replace(microsecond=999_999)
-
-
 def too_large_to_copy(env: Envelope, text: str, attempt: int) -> str | None:
     """Why no copy of ``env`` (received as ``text``) could be sent, or None. A copy carries the attempts
     used and may carry a due time; checked on receipt, so such a message is dead-lettered at once with
     this reason rather than run, fail to send its copies and come back until its attempts are spent."""
     if len(text) * 4 + 512 <= MAX_TEXT_BYTES:
         return None  # (cheap: well within what base64 carries, whatever the characters)
-    # the largest copy a settlement within the visibility limit sends (a retry, a pause, a deferral,
-    # a run asked for later with its new expiry, in its longest form): the most attempts it can carry,
-    # its own due time (a copy for later than the limit that does not fit goes without its due time:
-    # ``copy_for_later``)
-    copy = env.with_attempt(attempt + 1, expires_at=LONGEST_TIME).encode_text()
+    # the largest copy a settlement within the visibility limit sends (a retry, a pause, a deferral):
+    # the most attempts it can carry, its own due time (a copy for later than the limit that does not
+    # fit goes without its due time: ``copy_for_later``)
+    copy = env.with_attempt(attempt + 1).encode_text()
     if wire_text(copy) is not None:
         return None
     return (

@@ -40,7 +40,7 @@ async def _first_attempt_fails() -> tuple[Any, FakeServiceBusNamespace, Any, lis
     ns = FakeServiceBusNamespace()
     rt = in_memory_servicebus(app, ns, provider_options={"receive_wait": 0.1})
     await rt.open()
-    return rt, ns, rt.provider._receiver("dup/copies"), runs
+    return rt, ns, rt.provider._link("dup/copies").receiver, runs
 
 
 async def test_an_original_back_after_its_copy_was_sent_is_completed_without_running():

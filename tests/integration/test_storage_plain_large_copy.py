@@ -8,7 +8,7 @@ dead-lettered on receipt, with the reason said."""
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from azure.storage.queue.aio import QueueClient
@@ -150,40 +150,3 @@ def test_an_envelope_whose_copies_fit_is_not_refused_for_a_copy_it_never_sends()
     assert wire_text(later.encode_text()) is not None
     assert later.not_before is None  # (no room for it)
 
-
-def test_a_run_asked_for_later_of_an_envelope_taken_at_receipt_fits_its_copy():
-    """A run asked for later writes its new expiry into its copy: the receipt's check of what a copy
-    takes counts it, or an envelope taken there (another producer's, with no expiry, within bytes of
-    the limit) made a copy the service refused on every try, and its success ran again until its
-    attempts were spent (found by a review)."""
-    from queueing_core.decisions import Defer
-    from queueing_core.envelope import Envelope
-    from queueing_core.messages import MessageStatus
-    from queueing_core.providers.storage_queue import (
-        MAX_WIRE_BYTES,
-        copy_for_later,
-        too_large_to_copy,
-        wire_text,
-    )
-    from queueing_core.transport import Delivery
-
-    now = datetime(2026, 5, 1, 9, tzinfo=UTC)
-    base = Envelope(
-        type="Job", queue="job", message_id=uuid.uuid4(), tracking_id=uuid.uuid4(), created_at=now, body={}
-    )
-    room = MAX_WIRE_BYTES - len(base.with_attempt(1).encode_text().encode())
-    for pad in range(room - 60, room):  # every size near the limit, a byte at a time
-        env = base.model_copy(update={"body": {"pad": "x" * pad}})
-        d = Delivery.of(env.encode_text(), queue="job", delivery_count=1)
-        if too_large_to_copy(d.envelope, env.encode_text(), d.attempt) is not None:
-            continue  # dead-lettered at receipt, before it runs: no copy is ever made
-        when = now + timedelta(hours=1)
-        later = Defer(
-            when,
-            MessageStatus.SLEEPING,
-            "handler asked to run again later",
-            reset_attempts=True,
-            expires_at=when + timedelta(hours=4, microseconds=123_456),
-        )
-        copy = copy_for_later(d.copy_after(later), when, now)
-        assert wire_text(copy.encode_text()) is not None, pad

@@ -230,7 +230,9 @@ class Statements:
             .where(owned_many)
             # (a success leaves no reason: an earlier wait's, "retried by an operator" or "circuit
             # ... is open", stayed on the succeeded message)
-            .values(status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, reason=None, **settled)
+            .values(
+                status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, reason=sa.null(), **settled
+            )
             .returning(m.c.id)
         )
         # A run that leaves its message waiting (a retry, a delay, a release) while its cancellation
