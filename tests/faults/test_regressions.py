@@ -29,6 +29,7 @@ from queueing_core.providers.delayed import dispatcher as dispatcher_module
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.tracking import MessageQuery
 from tests.contract.harness import HARNESSES, Harness, all_have, running, wait_until
+from tests.envelopes import an_envelope
 
 from .inject import Injector
 from .kits import KITS
@@ -411,17 +412,7 @@ async def test_a_dispatcher_killed_mid_batch_repeats_only_its_forwards_in_flight
     store.lease = timedelta(milliseconds=200)
     try:
         now = utcnow()
-        envs = [
-            Envelope(
-                type="Job",
-                queue="jobs",
-                message_id=uuid.uuid4(),
-                tracking_id=uuid.uuid4(),
-                created_at=now,
-                body={"n": n},
-            )
-            for n in range(10)
-        ]
+        envs = [an_envelope(created_at=now, body={"n": n}) for n in range(10)]
         await store.store_many([(e, "jobs", now) for e in envs])
         first = Hanging(accept=4)
         killed = asyncio.create_task(DelayedDispatcher(store, first, stop_grace=0).dispatch_once())

@@ -19,12 +19,12 @@ from azure.servicebus import ServiceBusMessage, ServiceBusSubQueue
 
 from queueing_core import QueueingApp, QueueMessage, QueueNaming, queue
 from queueing_core.clock import utcnow
-from queueing_core.envelope import Envelope
 from queueing_core.errors import InvalidOperation
 from queueing_core.fakes.servicebus import FakeClock, FakeServiceBusNamespace
 from queueing_core.providers import servicebus
 from queueing_core.testing import in_memory_servicebus
 from queueing_core.tracking.base import record_from_envelope
+from tests.envelopes import an_envelope
 
 AHEAD = 250  # letters ahead of the one retried: three pages of 100
 
@@ -52,17 +52,7 @@ async def test_a_retry_whose_scan_outlasts_its_locks_sends_nothing_and_leaves_th
     prov: Any = rt.provider
     try:
         phys = prov.physical("scan-lapse")
-        envs = [
-            Envelope(
-                type="Job",
-                queue="scan-lapse",
-                message_id=uuid.uuid4(),
-                tracking_id=uuid.uuid4(),
-                created_at=utcnow(),
-                body={"n": i},
-            )
-            for i in range(AHEAD + 1)
-        ]
+        envs = [an_envelope(queue="scan-lapse", body={"n": i}) for i in range(AHEAD + 1)]
         async with prov.client.get_queue_sender(phys) as s:
             await s.send_messages([ServiceBusMessage(e.encode_text()) for e in envs])
         async with prov.client.get_queue_receiver(phys) as r:

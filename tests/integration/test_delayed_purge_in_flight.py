@@ -16,11 +16,11 @@ from datetime import timedelta
 import pytest
 
 from queueing_core.clock import utcnow
-from queueing_core.envelope import Envelope
 from queueing_core.naming import Transport
 from queueing_core.providers.delayed import DelayedDispatcher, DelayedMessage
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.tracking.base import record_from_envelope
+from tests.envelopes import an_envelope
 from tests.services import POSTGRES_URL, drop_schema, require
 
 
@@ -59,12 +59,7 @@ async def stores(request, tmp_path):
 async def test_a_purge_by_status_leaves_a_row_being_forwarded(stores) -> None:
     store = stores.delayed_store(Transport.RABBITMQ)
     now = utcnow()
-    env = Envelope(
-        type="Job", queue="jobs", message_id=uuid.uuid4(), tracking_id=uuid.uuid4(), created_at=now, body={}
-    )
-    waiting = Envelope(
-        type="Job", queue="jobs", message_id=uuid.uuid4(), tracking_id=uuid.uuid4(), created_at=now, body={}
-    )
+    env, waiting = an_envelope(created_at=now), an_envelope(created_at=now)
     await store.store(env, "jobs", now - timedelta(seconds=1))
     await store.store(waiting, "jobs", now + timedelta(hours=1))  # not due: purged as before
     await stores.history.upsert([record_from_envelope(e, "Pending", now) for e in (env, waiting)])

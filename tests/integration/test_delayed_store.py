@@ -28,6 +28,7 @@ from queueing_core.providers.delayed import (
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.tracking.base import record_from_envelope
 from tests.contract.harness import wait_until
+from tests.envelopes import an_envelope
 from tests.services import POSTGRES_URL, drop_schema, require
 
 
@@ -59,16 +60,8 @@ async def db(request, tmp_path):
     await drop_schema(d.schema)
 
 
-def envelope(**kw) -> Envelope:
-    return Envelope(
-        type="Job",
-        queue="jobs",
-        message_id=uuid.uuid4(),
-        tracking_id=uuid.uuid4(),
-        created_at=utcnow(),
-        body={"n": kw.pop("n", 0)},
-        **kw,
-    )
+def envelope(n: int = 0) -> Envelope:
+    return an_envelope(body={"n": n})
 
 
 @dataclass

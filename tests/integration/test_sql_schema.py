@@ -19,7 +19,6 @@ import sqlalchemy as sa
 
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.clock import utcnow
-from queueing_core.envelope import Envelope
 from queueing_core.naming import Transport
 from queueing_core.providers.delayed.store import channel_for as delayed_channel
 from queueing_core.providers.sql import SqlProvider
@@ -28,6 +27,7 @@ from queueing_core.providers.sql.history import SideStores
 from queueing_core.providers.sql.provider import channel_for
 from queueing_core.runtime import Runtime
 from queueing_core.testing import run_until_idle
+from tests.envelopes import an_envelope
 from tests.services import POSTGRES_URL, drop_schema, require
 
 MIGRATE_AT = textwrap.dedent(
@@ -116,14 +116,7 @@ async def test_a_63_character_schema_enqueues_and_wakes_a_waiting_worker():
         assert len(await consumer.receive(sub, 10)) == 1
         await stores.open()
         now = utcnow()
-        env = Envelope(
-            type="Ping",
-            queue="long-named",
-            message_id=uuid.uuid4(),
-            tracking_id=uuid.uuid4(),
-            created_at=now,
-            body={"n": 0},
-        )
+        env = an_envelope("Ping", "long-named", created_at=now, body={"n": 0})
         delayed = stores.delayed_store(Transport.RABBITMQ)
         await delayed.store(env, "long-named", now + timedelta(minutes=1))  # its NOTIFY fits as well
         await rt.close()

@@ -149,4 +149,3 @@ def test_an_envelope_whose_copies_fit_is_not_refused_for_a_copy_it_never_sends()
     later = copy_for_later(env.with_attempt(1), now + timedelta(days=10), now)
     assert wire_text(later.encode_text()) is not None
     assert later.not_before is None  # (no room for it)
-

@@ -47,19 +47,26 @@ class Pages:
         self.handed.extend(items)
 
 
+class Sends:
+    """The copy a retry sends before its letter is removed: counted, nothing sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    async def __call__(self) -> None:
+        self.sent.append(1)
+
+
 async def test_a_letter_found_before_the_read_fails_is_handed_back_and_no_copy_is_sent():
     """It stayed hidden until its hold lapsed, out of sight of a retry repeated meanwhile (found in
     review)."""
     pages = Pages([(1, "a"), (2, "b"), (3, "c")], fail_on_page=3)
-    sent: list[int] = []
-
-    async def send() -> None:
-        sent.append(1)
+    send = Sends()
 
     with pytest.raises(RuntimeError):
         await scan_dead_letters(pages, {"a"}, before_removing=send)
     assert sorted(pages.handed) == [(1, "a"), (2, "b")]
-    assert sent == []
+    assert send.sent == []
     assert pages.removed == []
 
 
@@ -115,27 +122,21 @@ async def test_a_retry_whose_letter_lies_past_the_scans_limit_sends_nothing_and_
     from queueing_core.errors import InvalidOperation
 
     pages = Pages([(1, "a"), (2, "b"), (3, "c")])
-    sent: list[int] = []
-
-    async def send() -> None:
-        sent.append(1)
+    send = Sends()
 
     with pytest.raises(InvalidOperation, match="not among the first 2 letters"):
         await scan_dead_letters(pages, {"c"}, before_removing=send, limit=2)
-    assert sent == []
+    assert send.sent == []
     assert pages.removed == []
     assert sorted(pages.handed) == [(1, "a"), (2, "b"), (3, "c")]  # (the third read to know there was more)
 
 
 async def test_a_letter_found_within_the_limit_is_retried_though_the_scan_stopped_there():
     pages = Pages([(1, "a"), (2, "b"), (3, "c")])
-    sent: list[int] = []
-
-    async def send() -> None:
-        sent.append(1)
+    send = Sends()
 
     assert await scan_dead_letters(pages, {"a"}, before_removing=send, limit=2) == {"a"}
-    assert sent == [1]
+    assert send.sent == [1]
     assert pages.removed == [(1, "a")]
 
 
@@ -144,13 +145,10 @@ async def test_a_queue_of_exactly_the_limit_is_read_to_its_end():
     longer holds (the history the only copy left, a Storage poison letter past its lifetime) was
     refused as if the letter lay further on (found in review). One more read tells them apart."""
     pages = Pages([(1, "a"), (2, "b")])
-    sent: list[int] = []
-
-    async def send() -> None:
-        sent.append(1)
+    send = Sends()
 
     assert await scan_dead_letters(pages, {"c"}, before_removing=send, limit=2) == set()
-    assert sent == [1]
+    assert send.sent == [1]
     assert sorted(pages.handed) == [(1, "a"), (2, "b")]
 
 
@@ -186,27 +184,21 @@ async def test_a_retry_whose_scan_outlasts_its_holds_sends_nothing_and_says_why(
     from queueing_core.errors import InvalidOperation
 
     pages = LapsingPages(LETTERS, lapse_after=2)
-    sent: list[int] = []
-
-    async def send() -> None:
-        sent.append(1)
+    send = Sends()
 
     with pytest.raises(InvalidOperation, match="took longer than it may hold them"):
         await scan_dead_letters(pages, {"f"}, before_removing=send)
-    assert sent == []
+    assert send.sent == []
     assert pages.removed == []
     assert sorted(pages.handed) == LETTERS[:4]  # every letter read goes back
 
 
 async def test_a_letter_located_before_the_holds_lapsed_is_still_retried():
     pages = LapsingPages(LETTERS, lapse_after=2)
-    sent: list[int] = []
-
-    async def send() -> None:
-        sent.append(1)
+    send = Sends()
 
     assert await scan_dead_letters(pages, {"c"}, before_removing=send) == {"c"}
-    assert sent == [1]
+    assert send.sent == [1]
     assert pages.removed == [(3, "c")]
 
 
@@ -223,13 +215,10 @@ async def test_a_page_with_new_letters_after_letters_met_again_reads_on():
             return self.script.pop(0) if self.script else []
 
     pages = Scripted([[(1, "a"), (2, "b")], [(1, "a"), (3, "c")], [(4, "d")]])
-    sent: list[int] = []
-
-    async def send() -> None:
-        sent.append(1)
+    send = Sends()
 
     assert await scan_dead_letters(pages, {"d"}, before_removing=send) == {"d"}
-    assert sent == [1]
+    assert send.sent == [1]
     assert pages.removed == [(4, "d")]
 
 
@@ -239,12 +228,9 @@ async def test_a_scan_that_outlasts_its_holds_at_the_limit_does_not_take_the_que
     from queueing_core.errors import InvalidOperation
 
     pages = LapsingPages(LETTERS, lapse_after=2)
-    sent: list[int] = []
-
-    async def send() -> None:
-        sent.append(1)
+    send = Sends()
 
     with pytest.raises(InvalidOperation, match="nothing was sent"):
         await scan_dead_letters(pages, {"f"}, before_removing=send, limit=4)
-    assert sent == []
+    assert send.sent == []
     assert pages.removed == []

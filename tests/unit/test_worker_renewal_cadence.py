@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from uuid import uuid4
 
 import pytest
 
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.clock import utcnow
-from queueing_core.envelope import Envelope
 from queueing_core.runtime import Runtime
 from queueing_core.transport import Capabilities, Delivery
 from queueing_core.worker import Worker
+from tests.envelopes import an_envelope
 
 
 @queue("renew-long", lease_duration=timedelta(seconds=6))
@@ -51,9 +50,7 @@ class Renews:
 
 
 def held(type_name: str, left: timedelta) -> Delivery:
-    env = Envelope(
-        type=type_name, queue="q", message_id=uuid4(), tracking_id=uuid4(), created_at=utcnow(), body={}
-    )
+    env = an_envelope(type_name, "q")
     return Delivery("q", env.encode(), env, None, 1, lease_until=utcnow() + left)
 
 
