@@ -63,7 +63,7 @@ from .middleware import HandleMiddleware, compose_handle, same_middleware
 from .producer import identity_of
 from .storable import cut_short_marker, storable
 from .throughput import Throughput
-from .transport import Delivery
+from .transport import Delivery, RunBound
 
 log = logging.getLogger("queueing.pipeline")
 _HANDLER_LOG = logging.getLogger("queueing.handler")
@@ -296,6 +296,9 @@ class Pipeline:
         self.waiting_recheck = waiting_recheck
         self.rand = rand
         self.producer = producer
+        #: the longest any run may go on here from its receive, whatever its type's time limit (the
+        #: transport's consumer timeout, the host's function timeout): see :class:`RunBound`
+        self.run_bound: RunBound | None = None
         self._chains_version = -1
         self._chains: dict[str, Callable[[HandlerContext], Awaitable[Any]]] = {}
         #: the app's handle middleware the chains were built with (a middleware added later rebuilds them)
@@ -596,7 +599,7 @@ class Pipeline:
             except BaseException:  # a cancelled lookup (errors are caught inside) must not keep the slot
                 limiter.release()
                 raise
-        limit = sub.options.time_limit
+        limit, bound = self._time_limit(sub, delivery)
         started = perf_counter()
         error: BaseException | None = None
         self.running[env.message_id] = run
@@ -651,7 +654,10 @@ class Pipeline:
                     # a plain def handler's thread is not stopped by the timeout (asyncio cannot stop a
                     # thread): it is told, as for a cancel, so it can stop before its retry runs
                     run.cancelled.set()
-                    text = f"execution time limit of {limit.total_seconds():g}s exceeded"
+                    if bound is None:
+                        text = f"execution time limit of {limit.total_seconds():g}s exceeded"
+                    else:
+                        text = f"cut after {perf_counter() - started:.0f} s: {bound.because}"
                 else:
                     text = describe_error(exc)
                 decision = self._failure(sub, delivery.attempt, text, None)
@@ -687,6 +693,20 @@ class Pipeline:
         if pending is not None:
             await pending
         return decision
+
+    def _time_limit(self, sub: Subscription, delivery: Delivery) -> tuple[timedelta | None, RunBound | None]:
+        """The run's time limit, and the bound that set it when that is nearer than the type's own.
+        The bound counts from the receive (wall clock: a message may have waited in a consumer's
+        buffer, its broker's timer running); a run starting with less than a second of it left gets a
+        second (the bound keeps a margin before the transport's own)."""
+        limit = sub.options.time_limit
+        bound = self.run_bound
+        if bound is None:
+            return limit, None
+        left = max(delivery.received_at + bound.limit - utcnow(), timedelta(seconds=1))
+        if limit is not None and limit <= left:
+            return limit, None
+        return left, bound
 
     def _failure(self, sub: Subscription, attempt: int, error: str, after: timedelta | None) -> Decision:
         if attempt >= sub.options.max_attempts:

@@ -127,6 +127,7 @@ class Runtime:
             producer=self.producer,
         )
         self.pipeline.progress_sink = self.store_progress
+        self.pipeline.run_bound = provider.capabilities.longest_run
         previous = getattr(provider, "previous_of", None)
         #: idempotent types where the provider cannot find a waiting message (all but SQL)
         self.identities: IdentityGuard | None = None

@@ -214,6 +214,14 @@ class QueueingSettings(BaseSettings):
         "default `max_message_size`) less 64 KiB kept for what a dead letter adds; for a broker "
         "configured for more, set it to that size less 64 KiB.",
     )
+    rabbitmq_consumer_timeout: float = Field(
+        default=1800.0,
+        ge=0,
+        description="RabbitMQ: the broker's `consumer_timeout`, in seconds (30 minutes unless its "
+        "configuration says otherwise; 0: it has none). A run is cut a minute before it (a failed "
+        "attempt, as at a time limit): past it the broker closes the channel, and every message of the "
+        "queue held on it runs again.",
+    )
     sqs_endpoint_url: str | None = Field(
         default=None,
         description="SQS: a different endpoint (a local server); AWS's own when unset.",

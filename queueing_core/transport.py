@@ -40,6 +40,9 @@ class Capabilities:
     #: the longest lease (lock) the transport gives a message (Service Bus: 5 minutes); a type's longer
     #: ``lease_duration`` is held by renewing it within this
     longest_lease: timedelta | None = None
+    #: the longest a run may go on from its receive before the transport takes the message back itself,
+    #: however its lease is renewed (RabbitMQ: the broker's consumer timeout): see :class:`RunBound`
+    longest_run: RunBound | None = None
     #: the provider's receive already leaves out paused queues/types (SQL filters in the claim)
     filters_paused: bool = False
     #: two receives for one subscription may run at once, each taking different messages (SQL: each
@@ -55,6 +58,23 @@ class Capabilities:
     #: the statuses whose messages wait in a dead-letter queue that never drops them: their history is
     #: not pruned by age (the letter would stay in no listing, and could never be retried)
     dead_letters_kept: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RunBound:
+    """The longest a run may go on from its receive wherever it runs, whatever its type's
+    ``time_limit``: past it the transport or the host takes the message back itself, and not only
+    that one (RabbitMQ's consumer timeout closes the channel, and every message of the queue held on
+    it is delivered again while its run goes on; the Functions host's ``functionTimeout`` restarts
+    the worker process, ending every invocation in it). A run still going when its bound is near is
+    cut as at its own time limit (a failed attempt) and settled before that happens."""
+
+    limit: timedelta
+    #: the run's cut, in words, for its error: what the bound is and the setting that moves it
+    because: str
+
+    def tighter(self, other: RunBound | None) -> RunBound:
+        return self if other is None or self.limit <= other.limit else other
 
 
 @dataclass(slots=True)
@@ -104,15 +124,16 @@ class Delivery:
         delivery_count: int = 1,
         handle: Any = None,
         lease_until: datetime | None = None,
+        received_at: datetime | None = None,
     ) -> Delivery:
-        """Decode ``raw``; ``delivery_count`` is the transport's own count for this copy (1 = first)."""
+        """Decode ``raw``; ``delivery_count`` is the transport's own count for this copy (1 = first);
+        ``received_at``: when the transport handed it over (now, unless it waited in a buffer since)."""
+        when = received_at or utcnow()
         try:
             env = Envelope.decode(raw)
         except MalformedEnvelope as exc:
-            return cls(queue, raw, None, exc, max(1, delivery_count), handle, lease_until=lease_until)
-        return cls(
-            queue, raw, env, None, env.attempt + max(1, delivery_count), handle, lease_until=lease_until
-        )
+            return cls(queue, raw, None, exc, max(1, delivery_count), handle, when, lease_until)
+        return cls(queue, raw, env, None, env.attempt + max(1, delivery_count), handle, when, lease_until)
 
     @property
     def type_name(self) -> str | None:

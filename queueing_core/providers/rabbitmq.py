@@ -52,7 +52,7 @@ import contextlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -68,6 +68,7 @@ from aio_pika.abc import (
 from aio_pika.exceptions import (
     AMQPConnectionError,
     AMQPError,
+    ChannelClosed,
     ChannelInvalidStateError,
     DeliveryError,
 )
@@ -85,7 +86,7 @@ from ..errors import (
 )
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageRecord
-from ..transport import Capabilities, Delivery, Settlement, settled_each
+from ..transport import Capabilities, Delivery, RunBound, Settlement, settled_each
 from .dead_letters import DEAD_STATES, id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
 from .delayed.breaker import first_line
@@ -121,6 +122,12 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024 - DEAD_LETTER_ROOM
 #: ``max_concurrency x prefetch`` may be more (each is validated alone), and a larger value failed the
 #: subscribe with a raw error, for ever (aio-pika's robust channel keeps it and asks it again on reconnect)
 MAX_PREFETCH = 65535
+#: the broker's ``consumer_timeout`` (30 minutes unless its configuration says otherwise): a message a
+#: consumer holds unacknowledged longer than this closes the consumer's channel
+CONSUMER_TIMEOUT = 1800.0
+#: how long before the consumer timeout a run is cut: the broker checks it once a minute (its channel
+#: tick), and the cut run's settlement (a copy published and confirmed, then the ack) must land first
+CONSUMER_TIMEOUT_MARGIN = 60.0
 
 
 @contextlib.contextmanager
@@ -136,6 +143,33 @@ def _boundary(action: str) -> Iterator[None]:
         raise ProviderUnavailable(f"RabbitMQ unreachable during {action}: {first_line(exc)}") from None
     except AMQPError as exc:
         raise ProviderError(f"{action} failed: {first_line(exc)}") from None
+
+
+def run_bound(consumer_timeout: float | None) -> RunBound | None:
+    """The longest a run may go on, from its delivery to the consumer, before the broker's consumer
+    timeout closes the channel it came on: every message of the queue held on that channel (the others
+    running, those in its buffer) is then delivered again while its first run goes on, and the run that
+    outlasted it runs again and again until its attempts are used (review). None: the broker has none."""
+    if not consumer_timeout:
+        return None
+    margin = min(CONSUMER_TIMEOUT_MARGIN, consumer_timeout / 10)
+    return RunBound(
+        timedelta(seconds=consumer_timeout - margin),
+        f"the run came within {margin:g} s of RabbitMQ's consumer timeout ({consumer_timeout:g} s), past "
+        "which the broker takes back every message of its channel (a broker set for longer runs: "
+        "QUEUEING_RABBITMQ_CONSUMER_TIMEOUT to its consumer_timeout, in seconds)",
+    )
+
+
+def _said_closed(physical: str) -> Callable[[object, BaseException | None], None]:
+    """A consumer's channel the broker closed (a consumer timeout, a queue deleted) is said once, at
+    WARNING: its messages come back, and the lost leases each run then reports would show no cause."""
+
+    def closed(_channel: object, exc: BaseException | None) -> None:
+        if isinstance(exc, ChannelClosed):
+            log.warning("RabbitMQ closed the consumer channel of %s: %s", physical, first_line(exc))
+
+    return closed
 
 
 def redact(url: str) -> str:
@@ -204,7 +238,8 @@ class _Consumer:
     channel: AbstractChannel
     queue: AbstractQueue
     tag: str | None = None
-    buffer: deque[AbstractIncomingMessage] = field(default_factory=deque)
+    #: messages the broker pushed, each with when it came (the broker's consumer timeout runs from then)
+    buffer: deque[tuple[AbstractIncomingMessage, datetime]] = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
     #: loop time of the last receive/wait_for_work (the worker still wants this queue's work)
@@ -350,6 +385,7 @@ class RabbitMQProvider(SideStoreOps):
         dispatcher_options: dict[str, Any] | None = None,
         clock: Clock = utcnow,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        consumer_timeout: float | None = CONSUMER_TIMEOUT,
     ) -> None:
         self.url = url
         self._use_stores(stores, delayed_retries, clock, dispatcher_options)
@@ -382,10 +418,13 @@ class RabbitMQProvider(SideStoreOps):
             max_message_bytes=max_message_bytes,
             # its dead-letter queue has no expiry: letters, the expired ones too, stay until handled
             dead_letters_kept=DEAD_STATES,
+            longest_run=run_bound(consumer_timeout),
         )
         self._conn: AbstractRobustConnection | None = None
         self._confirmed: AbstractChannel | None = None  # every publish, with publisher confirms
-        self._admin: AbstractChannel | None = None  # declarations: a refused one closes only this channel
+        self._admin: AbstractRobustChannel | None = (
+            None  # declarations: a refused one closes only this channel
+        )
         self._declared: set[str] = set()
         self._declare_lock = asyncio.Lock()
         self._consumers: dict[str, _Consumer] = {}
@@ -407,6 +446,7 @@ class RabbitMQProvider(SideStoreOps):
         kwargs.setdefault("delayed_retries", settings.delayed_store_retries)
         if settings.rabbitmq_max_message_bytes is not None:
             kwargs.setdefault("max_message_bytes", settings.rabbitmq_max_message_bytes)
+        kwargs.setdefault("consumer_timeout", settings.rabbitmq_consumer_timeout or None)
         return cls(
             settings.rabbitmq_url.get_secret_value(), stores=SideStores.from_settings(settings), **kwargs
         )
@@ -549,9 +589,13 @@ class RabbitMQProvider(SideStoreOps):
                 return
             assert self._admin is not None
             with _boundary(f"declaring queue {physical}"):
-                await self._admin.declare_queue(self.dead_letter_name(physical), durable=True)
+                # robust=False: the admin channel keeps no queue to declare again at a reconnect (it
+                # kept one more at every purge and failed publish, for the life of the process, and
+                # declared them all, one round trip each, before its channels were back); the kit
+                # declares again itself when a publish fails (``_declared``)
+                await self._admin.declare_queue(self.dead_letter_name(physical), durable=True, robust=False)
                 await self._admin.declare_queue(
-                    physical, durable=True, arguments=self.queue_arguments(physical)
+                    physical, durable=True, arguments=self.queue_arguments(physical), robust=False
                 )
             self._declared.add(physical)
 
@@ -694,11 +738,12 @@ class RabbitMQProvider(SideStoreOps):
                             with contextlib.suppress(Exception):
                                 await channel.close()
                             raise
+                        channel.close_callbacks.add(_said_closed(physical))
                         c = self._consumers[physical] = _Consumer(physical, channel, queue)
                     consumer = c
 
                     async def on_message(message: AbstractIncomingMessage) -> None:
-                        consumer.buffer.append(message)
+                        consumer.buffer.append((message, utcnow()))
                         consumer.ready.set()
 
                     c.tag = await c.queue.consume(on_message, no_ack=False)
@@ -728,7 +773,7 @@ class RabbitMQProvider(SideStoreOps):
         c = await self._consumer(sub)
         out: list[Delivery] = []
         while c.buffer and len(out) < max_messages:
-            m = c.buffer.popleft()
+            m, came = c.buffer.popleft()
             if _stale(m):
                 continue  # from before a reconnect: the broker requeued it and will deliver it again
             c.in_flight += 1
@@ -740,6 +785,7 @@ class RabbitMQProvider(SideStoreOps):
                     # (running it, or only in its buffer); see _count_redeliveries
                     delivery_count=2 if m.redelivered else 1,
                     handle=_Handle(m, c.physical),
+                    received_at=came,
                 )
             )
         if not c.buffer:
@@ -748,7 +794,7 @@ class RabbitMQProvider(SideStoreOps):
             await self._count_redeliveries([d for d in out if d.handle.message.redelivered])
         except BaseException:  # cancelled while counting: they never reached a handler, back they go
             for d in reversed(out):
-                c.buffer.appendleft(d.handle.message)
+                c.buffer.appendleft((d.handle.message, d.received_at))
             c.in_flight = max(0, c.in_flight - len(out))
             c.ready.set()
             raise
@@ -824,7 +870,7 @@ class RabbitMQProvider(SideStoreOps):
                 tag, c.tag = c.tag, None
                 with _boundary(f"cancelling the consumer of {c.physical}"):
                     await c.queue.cancel(tag)
-            held = list(c.buffer)
+            held = [m for m, _ in c.buffer]
             c.buffer.clear()
             c.ready.clear()
         for m in held:
@@ -1029,7 +1075,7 @@ class RabbitMQProvider(SideStoreOps):
         purged: dict[str, int] = {}
         with _boundary(f"purging {physical}"):
             for name, args in ((physical, self.queue_arguments(physical)), (dead, None)):
-                q = await self._admin.declare_queue(name, durable=True, arguments=args)
+                q = await self._admin.declare_queue(name, durable=True, arguments=args, robust=False)
                 ok = await q.purge()
                 purged[name] = ok.message_count or 0
         dead_gone = await self._waiting_and_consumers(dead) == (0, 0)

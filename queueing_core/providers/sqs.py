@@ -774,7 +774,7 @@ class SqsProvider(SideStoreOps):
         # The token stays (see ``SqlLeaseStore.holding``): renewals go on until the delete is done.
         ours = await self.leases.holding([s.delivery.handle.lease for s in settlements])
         for s in settlements:
-            if s.delivery.handle.lease.key not in ours:
+            if s.delivery.handle.lease not in ours:  # (key and token: a stale twin shares the key)
                 s.delivery.refuse("a later receive holds it (its lease token was replaced)")
         mine = [s for s in settlements if not s.delivery.refused]
         results = await asyncio.gather(*(self._prepare_once(s) for s in mine), return_exceptions=True)
@@ -827,10 +827,10 @@ class SqsProvider(SideStoreOps):
         # a newer receive holds the others: extending their visibility would extend its lease
         longest = max(self._lease_of(d) for d in deliveries)
         ours = await self.leases.extend([d.handle.lease for d in deliveries], self.clock() + longest)
-        lost: list[Delivery] = [d for d in deliveries if d.handle.lease.key not in ours]
+        lost: list[Delivery] = [d for d in deliveries if d.handle.lease not in ours]
         by_url: dict[str, list[Delivery]] = {}
         for d in deliveries:
-            if d.handle.lease.key in ours:
+            if d.handle.lease in ours:
                 by_url.setdefault(d.handle.url, []).append(d)
         for url, ds in by_url.items():
             for i in range(0, len(ds), 10):

@@ -112,8 +112,12 @@ class SqlLeaseStore:
             t.c.message_key.in_(sa.bindparam("keys", expanding=True)),
             sa.tuple_(t.c.message_key, t.c.token).in_(sa.bindparam("leases", expanding=True)),
         )
-        self._holding = sa.select(t.c.message_key).where(mine)
-        self._extend = sa.update(t).where(mine).values(until=sa.bindparam("until")).returning(t.c.message_key)
+        # the pairs, not the keys: two receives of one message (a lapsed one and the one holding it
+        # now) share the key, and a check by key let the stale one pass beside the live one in a batch
+        self._holding = sa.select(t.c.message_key, t.c.token).where(mine)
+        self._extend = (
+            sa.update(t).where(mine).values(until=sa.bindparam("until")).returning(t.c.message_key, t.c.token)
+        )
 
     async def take(self, received: Sequence[tuple[str, int]], until: datetime) -> list[LeaseToken | None]:
         """A new token for each message just received, as ``(key, receive count)``: an earlier
@@ -179,8 +183,10 @@ class SqlLeaseStore:
             await conn.execute(self._take, rows)
         return before
 
-    async def holding(self, leases: Sequence[LeaseToken]) -> set[str]:
-        """The keys of these leases that are still ours (the others went to a newer receive).
+    async def holding(self, leases: Sequence[LeaseToken]) -> set[LeaseToken]:
+        """Those of these leases that are still ours (the others went to a newer receive). A caller
+        tests the lease itself, key and token, for membership: a stale receive of a message shares
+        its key with the live one, which may be in the same batch.
 
         A settlement asks this, and leaves the row as it is: the token stays the message's fence after
         the settlement, until :meth:`prune` (a day after its lease ended). Deleted at the settlement, a
@@ -190,17 +196,17 @@ class SqlLeaseStore:
         message in between. A settlement that fails is tried again under the same token."""
         return await self._run(self._holding, leases)
 
-    async def extend(self, leases: Sequence[LeaseToken], until: datetime) -> set[str]:
-        """Move these leases' end; returns the keys that were still ours."""
+    async def extend(self, leases: Sequence[LeaseToken], until: datetime) -> set[LeaseToken]:
+        """Move these leases' end; returns those that were still ours (as :meth:`holding`)."""
         return await self._run(self._extend, leases, until=as_utc(until))
 
-    async def _run(self, stmt: Any, leases: Sequence[LeaseToken], **values: Any) -> set[str]:
+    async def _run(self, stmt: Any, leases: Sequence[LeaseToken], **values: Any) -> set[LeaseToken]:
         if not leases:
             return set()
         params = {"keys": [x.key for x in leases], "leases": [tuple(x) for x in leases], **values}
         await self.sql.ensure_open()
         async with self.sql.engine.begin() as conn:
-            return set((await conn.execute(stmt, params)).scalars())
+            return {LeaseToken(k, t) for k, t in (await conn.execute(stmt, params)).all()}
 
     async def prune(self, now: datetime) -> int:
         """Forget leases that ended long ago, settled or not (a consumer that died settled nothing)."""
