@@ -18,8 +18,11 @@ fails indexing with one line that names it, and so does shared state in a SQLite
 own on every instance).
 """
 
+import hashlib
 import logging
 import re
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import azure.functions as func
@@ -33,7 +36,7 @@ from queueing_core.loader import load_app
 from queueing_core.naming import Transport
 from queueing_core.settings import QueueingSettings, load_settings
 
-from .host import PROCESSOR_STOP_GRACE, FunctionsHost
+from .host import PROCESSOR_STOP_GRACE, FunctionsHost, function_timeout_bound
 
 log = logging.getLogger("queueing.functions")
 
@@ -41,9 +44,41 @@ STORAGE_CONNECTION = "QueueingStorage"
 SERVICEBUS_CONNECTION = "QueueingServiceBus"
 
 
+#: the longest Function name the host accepts
+MAX_FUNCTION_NAME = 128
+
+
 def function_name(prefix: str, queue: str) -> str:
     """Function names: letters, digits and underscores, starting with a letter, at most 128."""
-    return f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', queue)}"[:128]
+    return f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', queue)}"[:MAX_FUNCTION_NAME]
+
+
+def function_names(prefix: str, queues: Sequence[str]) -> dict[str, str]:
+    """Each queue's Function name (see :func:`function_name`). Two queues whose names differ only
+    where a Function name cannot follow (``orders.v1`` and ``orders-v1``), or only past its 128
+    characters, would share one, and the host then loads no function at all; those names (each but
+    one that is the queue's own name unchanged) end in ``_`` and 8 hex digits of the queue name's
+    SHA-256 instead. A queue that clashes with no other keeps its plain name, so adding a queue never
+    renames the function of one already deployed unless the two would clash."""
+    plain = {q: function_name(prefix, q) for q in queues}
+    # (the host tells Function names apart regardless of case)
+    sharing = Counter(name.lower() for name in plain.values())
+    names: dict[str, str] = {}
+    for q, name in plain.items():
+        if sharing[name.lower()] > 1 and name != f"{prefix}_{q}":
+            digest = hashlib.sha256(q.encode()).hexdigest()[:8]
+            name = f"{name[: MAX_FUNCTION_NAME - len(digest) - 1]}_{digest}"
+        names[q] = name
+    taken: dict[str, str] = {}
+    for q, name in names.items():
+        other = taken.setdefault(name.lower(), q)
+        if other != q:  # (a queue whose own name is another's plain name with its digest: not by chance)
+            raise ConfigurationError(
+                "queue names",
+                f"queues {other!r} and {q!r} would both be served by the Function {name!r}",
+                "rename one of the queues",
+            )
+    return names
 
 
 def usable_api_key(settings: QueueingSettings) -> str | None:
@@ -102,70 +137,94 @@ STOP_BEYOND_GRACE = 20.0
 BUDGET_MARGIN = PROCESSOR_STOP_GRACE + STOP_BEYOND_GRACE + 10.0
 
 
-def _check_budget(cfg: QueueingSettings, transport: Transport, env: dict[str, str]) -> None:
-    """A processor budget the host's ``functionTimeout`` (host.json) cuts short would stop runs
-    mid-settlement on every busy timer: their leases lapse and the messages run again. Said at indexing."""
+_NO_HOST_JSON = object()
+
+
+class _HostJson:
+    """The host's settings as it reads them: an app setting overrides host.json
+    (``AzureFunctionsJobHost__<path joined by __>``, any case). The file is read once, at the first
+    setting asked for."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self._file: object = None
+        self._read = False
+
+    def setting(self, path: tuple[str, ...]) -> object:
+        """None when neither sets it, ``_NO_HOST_JSON`` when there is no host.json (a test, a tool: not
+        an app the host runs)."""
+        wanted = "__".join(("azurefunctionsjobhost", *path)).lower()
+        override = next((v for k, v in self.env.items() if k.lower().replace(":", "__") == wanted), None)
+        if override is not None:
+            return override
+        value = self._load()
+        if value is _NO_HOST_JSON:
+            return value
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    def _load(self) -> object:
+        import json
+        import os
+
+        if not self._read:
+            self._read = True
+            root = self.env.get("AzureWebJobsScriptRoot") or os.getcwd()
+            try:
+                with open(os.path.join(root, "host.json"), encoding="utf-8") as f:
+                    self._file = json.load(f)
+            except (OSError, ValueError):
+                self._file = _NO_HOST_JSON
+        return self._file
+
+
+def _function_timeout(host: _HostJson) -> tuple[float, str] | None:
+    """The host's ``functionTimeout`` (host.json, or its app setting) in seconds and as written; None
+    where no host runs this app (no host.json: a test, a tool), for -1 (unbounded), and for a form the
+    host reads and this does not."""
     import re
 
-    delayed = transport is Transport.STORAGE_QUEUE and cfg.storage_delayed_store
-    if not (transport is Transport.SQL or delayed):
-        return
-    timeout = _host_setting(env, ("functionTimeout",))
+    timeout = host.setting(("functionTimeout",))
     if timeout is _NO_HOST_JSON:
-        return  # no host.json here (a test, a tool): not an app the host runs
+        return None
     if timeout is None:  # the host's default: 5 minutes on the Consumption plan, else 30
-        timeout = "00:05:00" if env.get("WEBSITE_SKU", "").lower() == "dynamic" else "00:30:00"
+        timeout = "00:05:00" if host.env.get("WEBSITE_SKU", "").lower() == "dynamic" else "00:30:00"
     found = re.fullmatch(r"(?:(\d+)\.)?(\d{1,2}):(\d{2}):(\d{2})(?:\.\d+)?", str(timeout).strip())
     if found is None:
-        return  # -1 (unbounded), or a form the host reads and this does not: nothing said
+        return None
     days, hours, minutes, seconds = (int(x or 0) for x in found.groups())
-    limit = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds), str(timeout)
+
+
+def _check_budget(cfg: QueueingSettings, transport: Transport, timeout: tuple[float, str] | None) -> None:
+    """A processor budget the host's ``functionTimeout`` (host.json) cuts short would stop runs
+    mid-settlement on every busy timer: their leases lapse and the messages run again. Said at indexing."""
+    delayed = transport is Transport.STORAGE_QUEUE and cfg.storage_delayed_store
+    if not (transport is Transport.SQL or delayed) or timeout is None:
+        return
+    limit, written = timeout
     if cfg.functions_processor_budget + BUDGET_MARGIN > limit:
         raise ConfigurationError(
             "QUEUEING_FUNCTIONS_PROCESSOR_BUDGET",
             f"{cfg.functions_processor_budget:g} s leaves a run no time to stop and settle before "
-            f"the host's functionTimeout ({timeout}) ends it: its messages would run again",
+            f"the host's functionTimeout ({written}) ends it: its messages would run again",
             f"at most {max(1.0, limit - BUDGET_MARGIN):g}, or a longer functionTimeout",
         )
-
-
-_NO_HOST_JSON = object()
-
-
-def _host_setting(env: dict[str, str], path: tuple[str, ...]) -> object:
-    """A host.json setting as the host reads it: an app setting overrides the file
-    (``AzureFunctionsJobHost__<path joined by __>``, any case); None when neither sets it,
-    ``_NO_HOST_JSON`` when there is no host.json (a test, a tool: not an app the host runs)."""
-    import json
-    import os
-
-    setting = "__".join(("azurefunctionsjobhost", *path)).lower()
-    override = next((v for k, v in env.items() if k.lower().replace(":", "__") == setting), None)
-    if override is not None:
-        return override
-    root = env.get("AzureWebJobsScriptRoot") or os.getcwd()
-    try:
-        with open(os.path.join(root, "host.json"), encoding="utf-8") as f:
-            value: object = json.load(f)
-        for key in path:
-            value = value.get(key) if isinstance(value, dict) else None
-    except (OSError, ValueError):
-        return _NO_HOST_JSON
-    return value
 
 
 #: the Storage Queues trigger's default maxDequeueCount
 DEFAULT_DEQUEUE_COUNT = 5
 
 
-def _check_dequeue_count(qapp: QueueingApp, transport: Transport, env: dict[str, str]) -> None:
+def _check_dequeue_count(qapp: QueueingApp, transport: Transport, host: _HostJson) -> None:
     """The Storage trigger's ``maxDequeueCount`` must exceed every queue's ``max_attempts``: a message
     whose runs all died unsettled (the process, a timeout) then reaches the kit once more, which
     dead-letters it with its reason and records it. At ``max_attempts`` the host moved it to
     ``-poison`` itself, unrecorded. Said at indexing."""
     if transport is not Transport.STORAGE_QUEUE:
         return
-    found = _host_setting(env, ("extensions", "queues", "maxDequeueCount"))
+    found = host.setting(("extensions", "queues", "maxDequeueCount"))
     if found is _NO_HOST_JSON:
         return
     try:
@@ -231,25 +290,36 @@ def build_app(
             f"{transport.value!r} has no Functions trigger here",
             "servicebus, storage_queue, sql",
         )
-    _check_connections(transport, dict(os.environ) if env is None else env)
+    env = dict(os.environ) if env is None else env
+    _check_connections(transport, env)
     if cfg.queue_prefix or cfg.queue_suffix:
         from queueing_core.naming import QueueNaming
 
         qapp.naming = QueueNaming(cfg.queue_prefix, cfg.queue_suffix)
     _check_shared_state(cfg, transport)
-    _check_budget(cfg, transport, dict(os.environ) if env is None else env)
-    _check_dequeue_count(qapp, transport, dict(os.environ) if env is None else env)
+    host_json = _HostJson(env)
+    timeout = _function_timeout(host_json)
+    _check_budget(cfg, transport, timeout)
+    _check_dequeue_count(qapp, transport, host_json)
     if transport in (Transport.STORAGE_QUEUE, Transport.SERVICE_BUS):
         # (a name the service refuses, the host's own -poison queue's included, failed every invocation
         # of every function at the runtime's open instead; found in review)
         check_names(qapp, (transport,))
-    the_host = host or FunctionsHost(qapp, cfg)
+    # a handler running into the host's functionTimeout ends every invocation of its process: cut first
+    the_host = host or FunctionsHost(
+        qapp, cfg, run_bound=function_timeout_bound(timeout[0] if timeout is not None else None)
+    )
     app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=_http_auth_level(cfg))
-    for sub in qapp.subscriptions():
-        if transport is Transport.STORAGE_QUEUE:
-            _storage_trigger(app, the_host, sub, sub.physical_queue(qapp.naming, transport))
-        elif transport is Transport.SERVICE_BUS:
-            _servicebus_trigger(app, the_host, sub, sub.physical_queue(qapp.naming, transport))
+    triggers = {
+        Transport.STORAGE_QUEUE: ("queue", _storage_trigger),
+        Transport.SERVICE_BUS: ("servicebus", _servicebus_trigger),
+    }
+    if transport in triggers:
+        prefix, trigger = triggers[transport]
+        subs = qapp.subscriptions()
+        names = function_names(prefix, [sub.queue for sub in subs])
+        for sub in subs:
+            trigger(app, the_host, sub, sub.physical_queue(qapp.naming, transport), names[sub.queue])
     _timers(app, the_host, cfg, transport)
     return app
 
@@ -277,7 +347,9 @@ def _continuing(context: Any) -> None:
         host_trace.set((str(parent), str(state)))
 
 
-def _storage_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscription, queue: str) -> None:
+def _storage_trigger(
+    app: func.FunctionApp, host: FunctionsHost, sub: Subscription, queue: str, name: str
+) -> None:
     # ``context`` is annotated with the class itself, not ``func.Context | None``: the Python worker
     # refuses, at indexing, a ``context`` whose type hint is not a class named Context (a union failed
     # the whole app's indexing: 0 functions loaded). The None default is for callers without one (tests)
@@ -285,14 +357,15 @@ def _storage_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscripti
         _continuing(context)  # each invocation runs in its own task: the value stays with it
         await host.on_storage_message(sub, msg)
 
-    name = function_name("queue", sub.queue)
     on_message.__name__ = name
     app.function_name(name)(
         app.queue_trigger(arg_name="msg", queue_name=queue, connection=STORAGE_CONNECTION)(on_message)
     )
 
 
-def _servicebus_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscription, queue: str) -> None:
+def _servicebus_trigger(
+    app: func.FunctionApp, host: FunctionsHost, sub: Subscription, queue: str, name: str
+) -> None:
     # the SDK-type binding: the worker reads these annotations to hand over the message and its actions
     import azurefunctions.extensions.bindings.servicebus as servicebus
 
@@ -310,7 +383,6 @@ def _servicebus_trigger(app: func.FunctionApp, host: FunctionsHost, sub: Subscri
         "context": func.Context,
         "return": None,
     }
-    name = function_name("servicebus", sub.queue)
     on_message.__name__ = name
     trigger = app.service_bus_queue_trigger(
         arg_name="msg", queue_name=queue, connection=SERVICEBUS_CONNECTION, auto_complete_messages=False

@@ -60,7 +60,7 @@ from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, Defe
 from queueing_core.errors import ProviderUnavailable, first_line
 from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings, journal_dir
-from queueing_core.transport import Delivery, Settlement
+from queueing_core.transport import Delivery, RunBound, Settlement
 
 if TYPE_CHECKING:
     import azure.functions as func
@@ -80,6 +80,26 @@ SLOT_WAIT = 60.0
 #: of the budget when that is less); one still running then is cut: a failed attempt if it had run
 #: the whole budget, else handed back uncounted (``Worker.drain``)
 PROCESSOR_STOP_GRACE = 10.0
+#: how long before the host's ``functionTimeout`` a run is cut (at most a quarter of it): the cut run's
+#: settlement, an outage of the kit's stores waited out included (``KIT_OUTAGE_WAIT``), must be done
+#: before the host ends the invocation
+TIMEOUT_MARGIN = KIT_OUTAGE_WAIT + 30.0
+
+
+def function_timeout_bound(timeout: float | None) -> RunBound | None:
+    """The longest a run may go on in a Functions worker process whose host ends an invocation after
+    ``timeout`` seconds (host.json's ``functionTimeout``; None: unbounded). The host ends it by
+    restarting the Python worker process, and with it every other invocation of the process (each
+    message's delivery or dequeue counted, some with a copy already sent: run again), so one handler
+    running into the timeout failed its neighbours too (review)."""
+    if timeout is None:
+        return None
+    margin = min(TIMEOUT_MARGIN, timeout / 4)
+    return RunBound(
+        timedelta(seconds=timeout - margin),
+        f"the run came within {margin:g} s of the Functions host's functionTimeout ({timeout:g} s), "
+        "which ends every invocation of the worker process (host.json: a longer functionTimeout)",
+    )
 
 
 async def outlasting(step: Callable[[], Awaitable[T]]) -> T:
@@ -109,12 +129,25 @@ class FunctionsHost:
     at import), then shared by every function of the process."""
 
     def __init__(
-        self, app: QueueingApp, settings: QueueingSettings, *, runtime: Runtime | None = None
+        self,
+        app: QueueingApp,
+        settings: QueueingSettings,
+        *,
+        runtime: Runtime | None = None,
+        run_bound: RunBound | None = None,
     ) -> None:
         self.app = app
         self.settings = settings
         self._runtime = runtime
         self._opening: asyncio.Lock | None = None
+        #: the host's own bound on a run (its functionTimeout): see :func:`function_timeout_bound`
+        self.run_bound = run_bound
+        if runtime is not None:
+            self._bound(runtime)
+
+    def _bound(self, rt: Runtime) -> None:
+        if self.run_bound is not None:
+            rt.pipeline.run_bound = self.run_bound.tighter(rt.pipeline.run_bound)
 
     async def runtime(self) -> Runtime:
         if self._runtime is None or not self._runtime.is_open:
@@ -131,6 +164,7 @@ class FunctionsHost:
                         # (or the instance's next process) writes it (it was memory only here)
                         history_journal=journal_dir(self.settings),
                     )
+                    self._bound(self._runtime)
                 try:
                     await self._runtime.open()
                 except BaseException:

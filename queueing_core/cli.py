@@ -605,14 +605,24 @@ def purge(
             min=0, max=1_000_000, metavar="HOURS", help="Only messages created at least this many hours ago"
         ),
     ] = None,
-    purge_all: Annotated[bool, typer.Option("--all", help="Needed to purge without any filter")] = False,
+    purge_all: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="Without filters: purge every message. With --queue alone: empty that queue whole on "
+            "its transport (messages without history too, and those a worker holds where its purge "
+            "takes them)",
+        ),
+    ] = False,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation")] = False,
     app: AppOption = None,
 ) -> None:
-    """Delete messages that match the filters (never the ones a worker holds)."""
+    """Delete messages that match the filters (never the ones a worker holds, unless --all empties a
+    whole queue whose transport's purge takes them)."""
     from datetime import timedelta
 
     from .clock import utcnow
+    from .providers.dead_letters import whole_queue
     from .tracking import MessageQuery
 
     query = MessageQuery(
@@ -623,13 +633,33 @@ def purge(
     )
     if query == MessageQuery() and not purge_all:
         fail("give at least one filter, or --all", 2)
+    # --all with a filter asks for the queue emptied whole: only what it says (a queue alone without
+    # it is purged message by message, as every other filter is)
+    whole = purge_all and query != MessageQuery()
+    if whole:
+        try:
+            whole_queue(query)
+        except InvalidArgument:
+            fail("--all with a filter empties one whole queue: give it with --queue alone", 2)
     what = f"the messages with {query.describe()}" if query != MessageQuery() else "every message"
 
     async def confirmed_purge(ops: OpsService) -> PurgeResult:
         await ops.check_filters(query, purging=True)  # a misspelt status fails before the question
-        if not yes and not typer.confirm(f"delete {what} (never those a worker holds)?"):
+        if whole:
+            held = (
+                "and those a worker holds (their runs' outcomes are then refused)"
+                if ops.runtime.provider.capabilities.purge_takes_held
+                else "but never those a worker holds"
+            )
+            question = (
+                f"empty queue {query.queue} whole: every message in it, its dead letters and delayed "
+                f"ones, those with no history too, {held}?"
+            )
+        else:
+            question = f"delete {what} (never those a worker holds)?"
+        if not yes and not typer.confirm(question):
             raise typer.Exit(1)
-        return await ops.purge(query)
+        return await ops.purge(query, whole=whole)
 
     result = _ops_call(app, confirmed_purge)
     out.print(

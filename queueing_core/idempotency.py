@@ -382,11 +382,23 @@ class IdentityGuard:
 
     async def reinstate(self, sub: Subscription, envelope: Envelope) -> None:
         """An operator retries a superseded version: it is no longer superseded, so it runs (before
-        it is sent again, or a host could settle it superseded once more)."""
-        from .pipeline import decode_message
+        it is sent again, or a host could settle it superseded once more). A body that no longer reads
+        as its model (the model was made stricter since, or it was dead-lettered for its body) or that
+        its identity cannot key is left as it is: no key, so nothing can have superseded it under one;
+        its copy is sent, and a worker reads it as this does and dead-letters it again with its reason
+        (nothing lost, and the operator's retry not refused for what the worker explains)."""
+        from .decisions import DeadLetter
+        from .pipeline import read_message
 
-        key = identity_of(sub.options, decode_message(sub, envelope))
         mid = str(envelope.message_id)
+        message = read_message(sub, envelope)
+        if isinstance(message, DeadLetter):
+            # (without the reason: it quotes the body's values, which the log must not hold)
+            log.warning(
+                "%s of %s does not read as its model or has no identity: retried as it is", mid, sub.type_name
+            )
+            return
+        key = identity_of(sub.options, message)
         for _ in range(_CAS_TRIES):
             found = await self.store.identity_doc(sub.type_name, key)
             if found is None or mid not in (found[0].get("superseded") or {}):

@@ -361,14 +361,21 @@ def create_app(
     @router.delete(
         "/messages",
         response_model=PurgeResult,
-        summary="Delete the messages that match the filters (never those a worker holds, except where "
-        "emptying a whole queue takes them)",
+        summary="Delete the messages that match the filters (never those a worker holds); all=true with "
+        "the queue alone empties that queue whole",
         responses=_problems(404),  # a queue the app does not have
     )
     async def purge(
         ops: Ops,
         query: Filters,
-        all: Annotated[Flag, Query(description="exactly `true` to purge with no filter")] = "false",
+        all: Annotated[
+            Flag,
+            Query(
+                description="exactly `true`: with no filter, purge everything; with the queue alone, empty "
+                "that queue whole on its transport (messages without history too, and those a worker "
+                "holds where the transport's purge takes them)"
+            ),
+        ] = "false",
     ) -> PurgeResult:
         if query == MessageQuery() and all != "true":
             raise RequestValidationError(
@@ -380,7 +387,8 @@ def create_app(
                     }
                 ]
             )
-        return await ops.purge(query)
+        # a queue alone, without all=true, is purged message by message, as every other filter is
+        return await ops.purge(query, whole=all == "true" and query != MessageQuery())
 
     @router.post("/queues/{queueName:path}/pause", response_model=PauseResult, responses=_problems(404))
     async def pause_queue(ops: Ops, queueName: QueueName) -> PauseResult:

@@ -27,7 +27,7 @@ from ..errors import InvalidArgument, InvalidOperation, MessageNotFound, NotSupp
 from ..messages import MessageStatus, QueueMessage, read_body
 from ..options import Health
 from ..producer import EnqueueOptions
-from ..providers.dead_letters import is_whole_queue
+from ..providers.dead_letters import is_whole_queue, whole_queue
 from ..runtime import Runtime
 from ..storable import HEADERS_CUT_SHORT, is_cut_short
 from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen, record_change
@@ -659,7 +659,16 @@ class OpsService:
         await self._track(r, archived=True, archived_at=now)
         return ActionResult(message_id=r.message_id, status=r.status, detail="archived")
 
-    async def purge(self, query: MessageQuery) -> PurgeResult:
+    async def purge(self, query: MessageQuery, *, whole: bool = False) -> PurgeResult:
+        """Delete what matches ``query``, message by message: never what a worker holds, and off SQL
+        not what waits in a live queue (no transport takes one out by id). ``whole`` (the operator
+        asked for exactly that; ``query`` names the queue alone, else :class:`InvalidArgument`): the
+        transport empties the queue itself, its dead letters and delayed messages too, those with no
+        history included, and, where its purge takes them (``purge_takes_held``), those a worker
+        holds, whose run's outcome is then refused. (On SQL, where every message is a row taken by
+        its id and held ones stay, it deletes the same as without.)"""
+        if whole:
+            query = whole_queue(query)
         await self.check_filters(query, purging=True)
         actions = self.actions
         if isinstance(actions, PurgesWithHistory):

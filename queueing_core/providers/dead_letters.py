@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from ..envelope import malformed_id
-from ..errors import InvalidOperation
+from ..errors import InvalidArgument, InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord
 
@@ -47,8 +47,29 @@ def id_in_text(text: str) -> str:
     return str(malformed_id(text))
 
 
+class WholeQueue(MessageQuery):
+    """The query of a purge asked to empty its one queue whole (see :func:`whole_queue`)."""
+
+
+def whole_queue(query: MessageQuery) -> WholeQueue:
+    """``query``, naming one queue and nothing else, as a purge that empties that queue on the
+    transport itself: the messages with no history go too, and, where the transport's purge takes
+    them (``purge_takes_held``), those a worker holds. Made only on an operator's explicit request (the
+    API's ``all=true``, the CLI's ``--all``, the dashboard's "Empty queue"), never because a query
+    happens to name a queue alone: that purge goes message by message and leaves held ones."""
+    if not _queue_alone(query):
+        raise InvalidArgument(
+            "all", "empties one whole queue: give it with the queue alone (or with no filter at all)"
+        )
+    return WholeQueue(queue=query.queue)
+
+
 def is_whole_queue(query: MessageQuery) -> bool:
-    """A purge of everything in one queue (the transport can empty the queue itself)."""
+    """A purge of everything in one queue, asked for as such (the transport empties the queue)."""
+    return isinstance(query, WholeQueue) and _queue_alone(query)
+
+
+def _queue_alone(query: MessageQuery) -> bool:
     return query.queue is not None and query.model_dump(exclude_none=True) == {"queue": query.queue}
 
 
@@ -86,7 +107,7 @@ class DeadLetterPages(Protocol, Generic[T]):
 
 
 @dataclass
-class _Pass(Generic[T]):
+class LetterPass(Generic[T]):
     """One read of a dead-letter queue from its head."""
 
     #: to hand back when the pass ends: letters passed over, or found and not removed
@@ -101,11 +122,11 @@ class _Pass(Generic[T]):
     came_round: bool = False
 
 
-async def _read(
+async def read_letters(
     pages: DeadLetterPages[T],
     picked: Callable[[T], bool],
     how: Literal["find", "locate", "remove"],
-    run: _Pass[T],
+    run: LetterPass[T],
     limit: int,
     enough: Callable[[], bool] = lambda: False,
 ) -> None:
@@ -177,12 +198,14 @@ async def scan_dead_letters(
     Returns the ids found; when removing, also the wanted ids the queue does not hold at all (the
     scan read every letter and none was out of its sight, held by an earlier reader that died), so
     a history that still lists them can let them go."""
-    run: _Pass[T] = _Pass()
+    run: LetterPass[T] = LetterPass()
     how: Literal["find", "locate", "remove"] = (
         "find" if not remove else "remove" if before_removing is None else "locate"
     )
     try:
-        await _read(pages, lambda item: wanted is None or pages.message_id(item) in wanted, how, run, limit)
+        await read_letters(
+            pages, lambda item: wanted is None or pages.message_id(item) in wanted, how, run, limit
+        )
         if run.came_round:
             log.warning(
                 "dead-letter scan met letters again after %d letters: it took longer than their holds, "
@@ -266,9 +289,9 @@ async def _remove_again(pages: DeadLetterPages[T], keys: set[Hashable], limit: i
     tag, which each channel numbers afresh) says so with ``keys_outlive_holds``; the copy's own
     new letter has a key of its own, so it stays. Letters not met again (another reader holds them)
     stay too, as duplicates."""
-    again: _Pass[T] = _Pass()
+    again: LetterPass[T] = LetterPass()
     try:
-        await _read(
+        await read_letters(
             pages,
             lambda item: pages.key(item) in keys,
             "remove",

@@ -10,6 +10,10 @@
   every dequeue raises ``dequeue_count``.
 - Dead letters go to ``<queue>-poison`` with the reason and last error in ``x-queueing-*`` headers
   of the envelope; bytes that are not an envelope are wrapped with their raw text kept.
+- The Functions host moves a message to ``<queue>-poison`` itself after its dequeue limit, with the
+  service's default time-to-live (7 days) and no history of it: the maintenance pass (``maintain``,
+  the Functions retention timer) keeps each such letter for good and records it DeadLettered, and an
+  operator's retry of a message whose history says it waits in its queue looks there too.
 - Bodies are sent as base64 text; the kit decodes each message itself (base64, or plain text from
   another producer), so one bad body is a poison message, not a failed receive. The Functions app
   reads the text as it is (host.json's ``messageEncoding`` is ``none``) and decodes it the same way.
@@ -81,7 +85,15 @@ from ..messages import MessageStatus
 from ..naming import QueueNaming, Transport
 from ..tracking.base import nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
-from .dead_letters import HOLD_SECONDS, DeadLetterOps, id_in_text, is_whole_queue
+from .dead_letters import (
+    HOLD_SECONDS,
+    SCAN_LIMIT,
+    DeadLetterOps,
+    LetterPass,
+    id_in_text,
+    is_whole_queue,
+    read_letters,
+)
 from .names import PhysicalNames, companion_name
 from .storage_errors import refusal
 from .tables import TablesControlStore, TablesTracker, tables_from_connection
@@ -106,6 +118,16 @@ DEAD_LETTER_ROOM = 1024
 MAX_ENVELOPE_BYTES = MAX_TEXT_BYTES - DEAD_LETTER_ROOM
 #: delayed-store rows remembered as dead-lettered while their history write fails
 _LETTERED_MEMORY = 10_000
+#: the history's description of a letter the Functions host moved to the poison queue itself
+HOST_MOVED = (
+    "moved to the poison queue by the Functions host after its dequeue limit (maxDequeueCount): "
+    "every invocation of it failed before the kit could settle it"
+)
+#: the year of the expiry the service reports for a message sent without a time-to-live (-1): never
+_NEVER_YEAR = 9999
+#: how often one process looks for letters the Functions host moved (a look at a long poison queue
+#: hides and hands back every letter in it; those letters have days left)
+HOST_LETTERS_EVERY = timedelta(minutes=30)
 
 
 def whole_seconds(delay: timedelta) -> int:
@@ -367,6 +389,25 @@ class _PoisonPages:
             await self.poison.update_message(m.id, m.pop_receipt, visibility_timeout=0)
 
 
+def never_expires(letter: Any) -> bool:
+    """Whether a queue message was sent without a time-to-live (the service reports 9999-12-31)."""
+    expires: datetime | None = letter.expires_on
+    return expires is None or expires.year >= _NEVER_YEAR
+
+
+class _HostLetters(_PoisonPages):
+    """A poison queue read for the letters the Functions host moved there itself: each letter
+    "removed" is first kept for good by ``keep`` (a copy without a time-to-live), then deleted."""
+
+    def __init__(self, poison: QueueClient, keep: Callable[[Any], Awaitable[None]]) -> None:
+        super().__init__(poison)
+        self._keep = keep
+
+    async def remove(self, item: Any) -> None:
+        await self._keep(item)  # copy first: a failure before the delete leaves two letters, not none
+        await super().remove(item)
+
+
 class StorageQueueProvider(DeadLetterOps, PhysicalNames):
     transport = Transport.STORAGE_QUEUE
 
@@ -446,6 +487,8 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         self._limit = asyncio.Semaphore(concurrency)
         self._wakeups: dict[str, asyncio.Event] = {}
         self._app: QueueingApp | None = None
+        #: when this process last looked for letters the Functions host moved (see ``maintain``)
+        self._host_letters_at: datetime | None = None
 
     # -- wiring ------------------------------------------------------------------------------------
     def control_store(self) -> TablesControlStore:
@@ -725,11 +768,18 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
     async def ops_retry(
         self, record: MessageRecord, envelope: Envelope, now: datetime, reopen: Reopen = nothing_to_reopen
     ) -> bool:
+        wanted = {str(record.message_id)}
+        in_poison = record.status == "DeadLettered"
         if record.status in ("Failed", "Sleeping"):
-            raise InvalidOperation(
-                f"message {record.message_id} is hidden in its queue until {record.not_before}: "
-                "Storage Queues cannot bring a scheduled message forward (it runs then)"
-            )
+            # the Functions host moves a message to the poison queue itself after its dequeue limit
+            # (every invocation failed in the kit, say with its Tables unreachable), leaving the
+            # history as the last run wrote it: the poison queue, not the history, says where it is
+            in_poison = bool(await self._dead_letters(record.queue, wanted, remove=False))
+            if not in_poison:
+                raise InvalidOperation(
+                    f"message {record.message_id} is hidden in its queue until {record.not_before}: "
+                    "Storage Queues cannot bring a scheduled message forward (it runs then)"
+                )
 
         # the copy is sent before the original leaves: a failure in between leaves two, never none
         async def send() -> None:
@@ -737,12 +787,12 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                 await self.put(record.queue, envelope, timedelta(0), now)
             self._wake(record.queue)
 
-        if record.status == "DeadLettered":
+        if in_poison:
             # the poison letters are found (and hidden) before the copy is sent, and only those are
             # deleted after, by id and pop receipt: the copy may run and be dead-lettered again
             # meanwhile, and its new letter stays (a hold that lapsed and was taken by another reader
             # leaves the old letter, a duplicate, never a loss)
-            await self._dead_letters(record.queue, {str(record.message_id)}, before_removing=send)
+            await self._dead_letters(record.queue, wanted, before_removing=send)
         else:
             await send()
         return True
@@ -843,8 +893,76 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
     maintenance_interval = 300.0
 
     async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
-        """Bound the history: finished records older than the tracker's retention are deleted."""
-        return {"history_pruned": await self._tracker.prune(utcnow(), self.capabilities.dead_letters_kept)}
+        """Keep for good the letters the Functions host moved to a poison queue (see
+        :meth:`keep_host_letters`), then bound the history: finished records older than the tracker's
+        retention are deleted (after, so a letter kept now is recorded DeadLettered, and stays)."""
+        try:
+            kept = await self.keep_host_letters(app or self._app)
+        finally:  # (the history is bounded also when the poison queues cannot be read)
+            pruned = await self._tracker.prune(utcnow(), self.capabilities.dead_letters_kept)
+        return {"history_pruned": pruned, "host_letters_kept": kept}
+
+    async def keep_host_letters(self, app: QueueingApp | None) -> int:
+        """The Functions host moves a message to ``<queue>-poison`` itself once its dequeue limit is
+        reached (every invocation failed before the kit could settle it), and sends it there without a
+        time-to-live: the service's default of 7 days, after which the letter is gone without a
+        trace, while the history still shows the message's last run. Each such letter (one whose
+        expiry is not "never") is recorded DeadLettered, copied without a time-to-live and then
+        deleted; returns how many. At most once per ``HOST_LETTERS_EVERY`` in a process."""
+        now = utcnow()
+        if app is None or (
+            self._host_letters_at is not None and now - self._host_letters_at < HOST_LETTERS_EVERY
+        ):
+            return 0
+        kept = 0
+        for sub in app.subscriptions():
+            kept += await self._keep_host_letters(sub.queue)
+        self._host_letters_at = now
+        return kept
+
+    async def _keep_host_letters(self, queue: str) -> int:
+        async with self._dead_letter_pages(queue) as found:
+            # most poison queues are empty or short: a peek, which hides nothing, settles those (a
+            # letter hidden by a scan under way makes the count larger than the peek: read them all)
+            seen = await found.poison.peek_messages(max_messages=32)
+            if await found.total() == len(seen) and all(never_expires(m) for m in seen):
+                return 0
+            pages = _HostLetters(found.poison, lambda letter: self._keep_host_letter(queue, letter))
+            run: LetterPass[Any] = LetterPass()
+            try:
+                await read_letters(pages, lambda letter: not never_expires(letter), "remove", run, SCAN_LIMIT)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pages.hand_back(run.held)
+        if not run.complete:
+            log.warning(
+                "looked at the first %d letters of %s's poison queue only: letters the Functions host "
+                "moved after them are kept at the next look",
+                run.seen,
+                queue,
+            )
+        return run.removed
+
+    async def _keep_host_letter(self, queue: str, letter: Any) -> None:
+        """Record a letter the Functions host moved as DeadLettered, and copy it without a
+        time-to-live, with the kit's dead-letter marks (the caller deletes the original after)."""
+        from ..runtime import history_record
+
+        now = utcnow()
+        d = storage_delivery(decode_body(letter.content), queue=queue, delivery_count=1)
+        decision = DeadLetter(DeadLetterReason.MAX_ATTEMPTS, HOST_MOVED)
+        # the history first: written after the copy and failing (the Tables outage that sent the
+        # message here, say), it would never be written, since the copy no longer expires and no
+        # later look picks it out; the history would then be pruned and the letter listed nowhere
+        record = history_record(Settlement(d, decision), now)
+        await self._tracker.upsert([record])
+        await self.dead_letter(d, decision, now)
+        log.warning(
+            "message %s was moved to %s by the Functions host after its dequeue limit: kept there for "
+            "good and recorded DeadLettered (retry or purge it from the ops API)",
+            record.message_id,
+            self.poison_name(queue),
+        )
 
     # -- for tests and the ops API -------------------------------------------------------------------
     async def depth(self, queue: str, *, poison: bool = False) -> int:

@@ -488,7 +488,7 @@ async def test_a_whole_queue_purge_that_stops_after_the_delayed_store_leaves_no_
     try:
         failed = _fail_once(prov, "_purge_whole", ProviderError("the broker dropped the connection"))
         with pytest.raises(ProviderError):
-            await OpsService(rt).purge(MessageQuery(queue="opsrace-later"))
+            await OpsService(rt).purge(MessageQuery(queue="opsrace-later"), whole=True)
         assert failed
         assert not await prov.delayed.holds(mid)
         assert await rt.tracker.get(mid) is None

@@ -29,6 +29,7 @@ from queueing_core.clock import utcnow
 from queueing_core.decisions import RetryAfter
 from queueing_core.envelope import Envelope
 from queueing_core.ops import OpsService
+from queueing_core.providers.dead_letters import whole_queue
 from queueing_core.providers.sql.rows import Lease
 from queueing_core.runtime import Runtime
 from queueing_core.tracking import MessageQuery, record_from_envelope
@@ -353,7 +354,7 @@ _NO_GIVE_BACK = (
 )
 _NO_RENEWAL = "AMQP holds a delivery until it is settled or its channel closes: there is no lease to renew"
 #: a whole queue: its live messages, its dead letters and what waits for it in the delayed store
-_WHOLE_QUEUE = MessageQuery(queue=QUEUE)
+_WHOLE_QUEUE = whole_queue(MessageQuery(queue=QUEUE))
 
 
 def _whole_queue_purge(name: str, handler: str, absent: dict[str, str] | None = None) -> Sequence:

@@ -154,7 +154,7 @@ async def test_a_whole_queue_purge_leaves_no_history_of_the_messages_it_removed(
     letters = await Letters(harness).open()
     try:
         ids = [(await letters.app.enqueue(Letter(key=f"w{i}"))).message_id for i in range(50)]
-        await letters.ops.purge(MessageQuery(queue="letters"))
+        await letters.ops.purge(MessageQuery(queue="letters"), whole=True)
         assert (await letters.places())["queue"] == 0
         assert [i for i in ids if await letters.rt.tracker.get(i) is not None] == []
     finally:
@@ -246,7 +246,7 @@ async def test_a_whole_queue_purge_keeps_the_history_of_a_dead_letter_exactly_wh
         [held] = await letters.dead_letter(["held"])
         [other] = await letters.dead_letter(["other"])
         async with reader_holding(letters.rt, held):
-            await letters.ops.purge(MessageQuery(queue="letters"))
+            await letters.ops.purge(MessageQuery(queue="letters"), whole=True)
         if harness.name in BOUNCES:
             # out of the purge's sight in the reader's credit (see ``BOUNCES``): it stays, listed
             assert await letters.held([other]) == {other}
@@ -259,7 +259,7 @@ async def test_a_whole_queue_purge_keeps_the_history_of_a_dead_letter_exactly_wh
         assert (await letters.rt.tracker.get(held) is not None) == stays
         if harness.name in ("rabbitmq", "servicebus") or within_the_minute:
             assert stays
-        await letters.ops.purge(MessageQuery(queue="letters"))  # alone now
+        await letters.ops.purge(MessageQuery(queue="letters"), whole=True)  # alone now
         await wait_until(lambda: _no_dead_letters(letters), 40, "the letter handed back, purged")
         assert [i for i in (held, other) if await letters.rt.tracker.get(i) is not None] == []
     finally:
@@ -297,10 +297,10 @@ async def test_a_whole_queue_purge_stopped_part_way_leaves_no_history_once_repea
 
         monkeypatch.setattr(prov, "_dead_letter_pages", failing_after_one)
         with pytest.raises(ProviderError):
-            await letters.ops.purge(MessageQuery(queue="letters"))
+            await letters.ops.purge(MessageQuery(queue="letters"), whole=True)
         monkeypatch.setattr(prov, "_dead_letter_pages", pages_of)
         assert await letters.held(ids) == set(ids[1:]) or harness.name == "sqs"  # (SQS: hidden a while)
-        await letters.ops.purge(MessageQuery(queue="letters"))
+        await letters.ops.purge(MessageQuery(queue="letters"), whole=True)
         await wait_until(lambda: _no_dead_letters(letters), 40, "the letters handed back, purged")
         assert [i for i in ids if await letters.rt.tracker.get(i) is not None] == []
     finally:

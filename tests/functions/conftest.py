@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import azure.functions as func
+import pytest
+
+from queueing_core.settings import QueueingSettings
 
 
 def functions_of(app: func.FunctionApp) -> dict[str, Any]:
@@ -50,3 +54,16 @@ class Context(func.Context):
     @property
     def retry_context(self) -> Any:
         return None
+
+
+def storage_settings(azurite: Any, monkeypatch: pytest.MonkeyPatch, **settings: Any) -> QueueingSettings:
+    """Storage Queues on Azurite, as an app's settings and connection say it, with names of its own."""
+    tag = uuid.uuid4().hex[:8]
+    monkeypatch.setenv("QueueingStorage", azurite.connection_string)
+    return QueueingSettings(
+        provider="storage_queue",
+        queue_prefix=f"f{tag}-",
+        control_table=f"ctl{tag}",
+        tracker_table=f"hist{tag}",
+        **settings,
+    )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import uuid
 from datetime import timedelta
 
 import azure.functions.queue as azq
@@ -24,7 +23,7 @@ from queueing_core.providers.storage_queue import decode_body
 from queueing_core.settings import QueueingSettings
 from queueing_core.testing import in_memory_servicebus
 
-from .conftest import bindings, functions_of, user
+from .conftest import bindings, functions_of, storage_settings, user
 from .servicebus_host import HostActions, host_delivers
 
 
@@ -51,16 +50,7 @@ def job_app() -> tuple[QueueingApp, list[tuple[str, int]]]:
 # -- Storage Queues ---------------------------------------------------------------------------------
 @contextlib.asynccontextmanager
 async def storage_host(azurite, monkeypatch, **settings):
-    tag = uuid.uuid4().hex[:8]
-    monkeypatch.setenv("QueueingStorage", azurite.connection_string)
-    cfg = QueueingSettings(
-        provider="storage_queue",
-        queue_prefix=f"f{tag}-",
-        control_table=f"ctl{tag}",
-        tracker_table=f"hist{tag}",
-        pause_recheck_seconds=5,
-        **settings,
-    )
+    cfg = storage_settings(azurite, monkeypatch, pause_recheck_seconds=5, **settings)
     app, seen = job_app()
     host = FunctionsHost(app, cfg)
     fns = functions_of(build_app(cfg, app, host=host))

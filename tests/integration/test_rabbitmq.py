@@ -338,7 +338,9 @@ async def test_ops_retry_from_the_dead_letter_queue_and_purge_over_http(tmp_path
         await app.enqueue(Invoice(n=99), delay=timedelta(hours=1))
         # (the stopped worker's consumer may hold them a moment before it hands them back)
         await wait_until(lambda: _depth(rt, n=3), what="three ready messages")
-        purged = (await client.request("DELETE", "/messages", params={"queue": "Billing.Invoice"})).json()
+        purged = (
+            await client.request("DELETE", "/messages", params={"queue": "Billing.Invoice", "all": "true"})
+        ).json()
         assert purged["deleted"] == 5  # three queued, one delayed, the succeeded one
         assert await rt.provider.depth(physical(rt)) == 0
         assert await rt.provider.delayed.counts() == {}

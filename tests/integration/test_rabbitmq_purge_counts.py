@@ -86,10 +86,10 @@ async def test_a_whole_queue_purge_counts_what_a_worker_had_received_as_left(tmp
     async with _held(tmp_path, HeldPlain) as (app, rt, provider):
         await app.enqueue_many([HeldPlain(n=i) for i in range(5)], wait=True)
         c = await _two_in_the_buffer(app, provider, HeldPlain)
-        done = await OpsService(rt).purge(MessageQuery(queue="Purge.HeldPlain"))
+        done = await OpsService(rt).purge(MessageQuery(queue="Purge.HeldPlain"), whole=True)
         assert (done.deleted, done.left_waiting) == (3, 2), done
         await provider._stop_consumer(c)  # handed back (as a stopped worker's are): a purge takes them
-        again = await OpsService(rt).purge(MessageQuery(queue="Purge.HeldPlain"))
+        again = await OpsService(rt).purge(MessageQuery(queue="Purge.HeldPlain"), whole=True)
         assert (again.deleted, again.left_waiting) == (0, 0), again
         assert await provider.depth(provider.physical("Purge.HeldPlain")) == 0
 
@@ -100,7 +100,7 @@ async def test_whole_queue_purge_with_delayed_rows_and_held_messages(tmp_path):
         await app.enqueue(HeldDelayed(n=99), delay=timedelta(hours=1))
         await app.enqueue_many([HeldDelayed(n=i) for i in range(5)], wait=True)
         await _two_in_the_buffer(app, provider, HeldDelayed)
-        done = await OpsService(rt).purge(MessageQuery(queue="Purge.HeldDelayed"))
+        done = await OpsService(rt).purge(MessageQuery(queue="Purge.HeldDelayed"), whole=True)
         # 6 matched: 1 delayed row + 3 waiting are deleted; the 2 the consumer holds are left
         assert (done.deleted, done.left_waiting) == (4, 2), done
 
@@ -110,6 +110,6 @@ async def test_whole_queue_purge_with_a_cancel_request_waiting(tmp_path):
         receipts = await app.enqueue_many([HeldCancel(n=i) for i in range(5)], wait=True)
         await app.cancel(receipts[4].tracking_id)  # the last one waits in the queue, cancel requested
         await _two_in_the_buffer(app, provider, HeldCancel)
-        done = await OpsService(rt).purge(MessageQuery(queue="Purge.HeldCancel"))
+        done = await OpsService(rt).purge(MessageQuery(queue="Purge.HeldCancel"), whole=True)
         # 5 matched: the 2 the consumer holds are left (they run); 3 are gone
         assert done.left_waiting == 2, done

@@ -366,7 +366,9 @@ async def test_ops_retry_from_the_dlq_and_purge_over_http(tmp_path):
 
         await app.enqueue_many([Invoice(n=i) for i in range(3)])
         await app.enqueue(Invoice(n=99), delay=timedelta(hours=1))
-        purged = (await client.request("DELETE", "/messages", params={"queue": "Billing.Invoice"})).json()
+        purged = (
+            await client.request("DELETE", "/messages", params={"queue": "Billing.Invoice", "all": "true"})
+        ).json()
         assert purged["deleted"] == 5
         assert (await depth(rt))["ready"] == 0
         assert await rt.provider.delayed.counts() == {}

@@ -89,7 +89,7 @@ async def test_a_whole_purge_takes_the_held_message_and_its_history(tmp_path, en
             await wait_until(
                 lambda: _is(rt, r.message_id, MessageStatus.LEASED.value), what="the progress recorded"
             )
-            result = await ops.purge(MessageQuery(queue="Held.Purged"))
+            result = await ops.purge(MessageQuery(queue="Held.Purged"), whole=True)
             depth = await provider.depth("Held.Purged")
             # SQS deleted the held message: the purge says so, and its history went with it
             assert sum(depth.values()) == 0, depth
@@ -139,7 +139,7 @@ async def test_a_record_a_late_progress_report_left_goes_with_the_next_purge(tmp
     refuses a purged message's delete) that record stays, until the next purge of the whole queue."""
     async with _progress_after_purge(tmp_path) as (rt, ops, message_id):
         assert await _status(rt, message_id) == MessageStatus.LEASED.value
-        result = await ops.purge(MessageQuery(queue="Held.Purged"))
+        result = await ops.purge(MessageQuery(queue="Held.Purged"), whole=True)
         assert (result.deleted, result.skipped_leased) == (1, 0), result
         assert await _status(rt, message_id) is None
 
@@ -171,7 +171,7 @@ async def _progress_after_purge(tmp_path: Any) -> AsyncIterator[tuple[Runtime, O
             await wait_until(
                 lambda: _is(rt, r.message_id, MessageStatus.LEASED.value), what="the progress recorded"
             )
-            result = await ops.purge(MessageQuery(queue="Held.Purged"))
+            result = await ops.purge(MessageQuery(queue="Held.Purged"), whole=True)
             assert (result.deleted, result.skipped_leased) == (1, 0), result
             go.set()
             await asyncio.sleep(3)  # the run reports, ends and settles (refused: the message is gone)

@@ -223,7 +223,9 @@ async def test_a_whole_queue_purge_empties_the_delayed_store_too(azurite, names,
         )
         assert await p.delayed.counts() == {p.physical("Billing.Invoice_Ready"): 1}
         async with ops_client(rt) as client:
-            r = await client.request("DELETE", "/messages", params={"queue": "Billing.Invoice_Ready"})
+            r = await client.request(
+                "DELETE", "/messages", params={"queue": "Billing.Invoice_Ready", "all": "true"}
+            )
         assert r.status_code == 200, r.text
         assert r.json()["deleted"] == 2
         assert await p.delayed.counts() == {}, "the purged message still waits in the delayed store"
@@ -294,7 +296,7 @@ async def test_a_whole_queue_purge_says_it_removed_the_messages_workers_held(azu
         rec = await rt.tracker.get(held.message_id)
         await rt.tracker.upsert([rec.model_copy(update={"status": MessageStatus.LEASED.value})])  # its run
         waiting = await app.enqueue(InvoiceReady(invoice="waiting"))
-        done = await OpsService(rt).purge(MessageQuery(queue="Billing.Invoice_Ready"))
+        done = await OpsService(rt).purge(MessageQuery(queue="Billing.Invoice_Ready"), whole=True)
         assert (done.deleted, done.skipped_leased) == (2, 0)
         assert await rt.tracker.get(held.message_id) is None
         assert await rt.tracker.get(waiting.message_id) is None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any
@@ -12,16 +14,19 @@ from fastapi import Path, Request
 from fastapi.responses import Response
 
 from ...errors import InvalidArgument, InvalidOperation, MessageNotFound, MessageTooLarge, ProviderError
+from ...providers.dead_letters import whole_queue
 from ...tracking import Activity, ActivitySource
 from ..api import refuse_non_finite
 from ..models import QUEUE_NAME, TYPE_NAME, ActionResult, MessageDetail, QueueSummary
-from ..service import BodyInvalid, OpsService
+from ..service import BodyInvalid, OpsService, PurgesWithHistory
 from . import charts
 from .activity import ActivityWindow
 from .forms import Filters, one, read_filters, read_form
 
 if TYPE_CHECKING:
     from .dashboard import Dashboard
+
+log = logging.getLogger("queueing.api")
 
 #: the kit's errors an operator can act on: shown on the page, as the API shows them as problems
 SHOWN = (MessageNotFound, InvalidOperation, InvalidArgument, MessageTooLarge)
@@ -233,16 +238,26 @@ def add_pages(ui: Dashboard) -> None:
         service = await ops()
         try:
             form = await read_form(request)
-            filters = read_filters(form, allowed=frozenset({"action", "step", "expected"}))
+            filters = read_filters(form, allowed=frozenset({"action", "step", "expected", "whole"}))
             action, step = one(form, "action"), one(form, "step", "confirm")
             if action not in ("retry", "purge") or step not in ("confirm", "run"):
                 raise InvalidArgument("action", "retry or purge, to confirm or run")
             if action == "purge" and not filters.pairs():
                 raise InvalidArgument("filters", "choose at least one filter before purging")
+            # emptying the queue whole is its own button, offered for a queue alone: a purge of a queue
+            # goes message by message otherwise, and leaves what a worker holds, as the page says
+            whole = action == "purge" and one(form, "whole") == "true"
+            if whole:
+                whole_queue(filters.query())
             ids, more = await matching(service, filters)
         except SHOWN as exc:
             return page(request, "_bulk.html", 422, error=str(exc))
         context: dict[str, Any] = {"filters": filters, "action": action, "count": len(ids), "more": more}
+        if action == "purge" and not isinstance(service.actions, PurgesWithHistory):
+            # (on SQL every message is a row the purge takes by its id: emptying it whole is the same)
+            with contextlib.suppress(InvalidArgument):
+                context["empties"] = whole_queue(filters.query()).queue
+                context["takes_held"] = service.runtime.provider.capabilities.purge_takes_held
         if more:
             context["error"] = f"more than {MAX_BULK:,} messages match: narrow the filters"
             return page(request, "_bulk.html", 422, **context)
@@ -252,8 +267,9 @@ def add_pages(ui: Dashboard) -> None:
             context["changed"] = step == "run"
             return page(request, "_bulk.html", **context)
         if action == "purge":
-            purged = await service.purge(filters.query())
-            done = [f"Deleted {purged.deleted} message(s)"]
+            purged = await service.purge(filters.query(), whole=whole)
+            emptied = f"Emptied queue {filters.queue}: deleted" if whole else "Deleted"
+            done = [f"{emptied} {purged.deleted} message(s)"]
             if purged.skipped_leased:
                 done.append(f"{purged.skipped_leased} held by a worker were left alone")
             if purged.left_waiting:
@@ -276,6 +292,12 @@ def add_pages(ui: Dashboard) -> None:
                 left = len(ids) - retried - len(refused)
                 stopped = f"; stopped with {left} not tried ({exc}): run it again for the rest"
                 break
+            except Exception:
+                # a fault of this one message's (the newest first: stopping there would leave every
+                # older one untried, on each repeat): the rest still go; the log has the details, the
+                # page only its id (an error's text may quote the body's values)
+                log.exception("dashboard bulk retry of message %s failed", message_id)
+                refused.append(f"message {message_id}: failed unexpectedly (the server logged the details)")
         else:
             stopped = ""
         context["done"] = (
