@@ -204,12 +204,19 @@ def _check_budget(cfg: QueueingSettings, transport: Transport, timeout: tuple[fl
     if not (transport is Transport.SQL or delayed) or timeout is None:
         return
     limit, written = timeout
-    if cfg.functions_processor_budget + BUDGET_MARGIN > limit:
+    most = limit - BUDGET_MARGIN
+    bound = function_timeout_bound(limit)
+    if transport is Transport.SQL and bound is not None:
+        # a run claimed at the start of the budget may go on to its end and the stop grace: within the
+        # bound every run of the process is cut at (else it was cut as a failed attempt, where the
+        # processor's drain expects to hand it back uncounted; found in review)
+        most = min(most, bound.limit.total_seconds() - PROCESSOR_STOP_GRACE)
+    if cfg.functions_processor_budget > most:
         raise ConfigurationError(
             "QUEUEING_FUNCTIONS_PROCESSOR_BUDGET",
             f"{cfg.functions_processor_budget:g} s leaves a run no time to stop and settle before "
             f"the host's functionTimeout ({written}) ends it: its messages would run again",
-            f"at most {max(1.0, limit - BUDGET_MARGIN):g}, or a longer functionTimeout",
+            f"at most {max(1.0, most):g}, or a longer functionTimeout",
         )
 
 

@@ -698,34 +698,56 @@ class OpsService:
         # Never by the filter alone: a message that matched it after the listing was read (a dead
         # letter written meanwhile) would lose its history while the transport still holds it, and a
         # dead letter that no listing shows can never be retried
-        gone: list[UUID | str] = [
-            r.message_id for r in records if r.readable("message_id") and r.message_id in removed
+        # a message that finished (succeeded, or cancelled by the host that received it) is nowhere on
+        # the transport: its history is all there is of it, and goes (a purge of them deleted nothing)
+        gone = [
+            r
+            for r in records
+            if r.readable("message_id")
+            and (
+                r.message_id in removed
+                or r.status == S.SUCCEEDED
+                or (r.status == S.CANCELLED and not is_cancel_request(r))
+            )
         ]
-        gone += [
+        damaged: list[UUID | str] = [
             r.stored["message_id"]
             for r in records
             if not r.readable("message_id") and r.stored and "message_id" in r.stored
         ]
-        # a message that finished (succeeded, or cancelled by the host that received it) is nowhere on
-        # the transport: its history is all there is of it, and goes (a purge of them deleted nothing)
-        gone += [
-            r.message_id
-            for r in records
-            if r.readable("message_id")
-            and r.message_id not in removed
-            and (r.status == S.SUCCEEDED or (r.status == S.CANCELLED and not is_cancel_request(r)))
-        ]
-        deleted = await self.runtime.tracker.delete(query, only=gone) if gone else 0
+        deleted = await self._delete_as_listed(query, gone, damaged)
         forgotten = removed.forgotten if isinstance(removed, Removed) else 0
         # (those a worker had already received, which the transport's purge of the whole queue left)
         held = min(removed.held, deleted) if isinstance(removed, Removed) else 0
         # (the messages a worker holds and the purge left, as on SQL, and those the transport may still
-        # hold and could not remove: waiting in a live queue, a dead letter another reader held; said
-        # so, not hidden in a 0. A delayed one whose history went with its row is not left)
-        left = len(records) - len(gone) - forgotten + held
+        # hold and could not remove: waiting in a live queue, a dead letter another reader held, one
+        # retried while the purge ran; said so, not hidden in a 0. A delayed one whose history went
+        # with its row is not left)
+        left = len(records) - deleted - forgotten + held
         return PurgeResult(
             deleted=deleted + forgotten - held, skipped_leased=leased, left_waiting=max(0, left)
         )
+
+    async def _delete_as_listed(
+        self, query: MessageQuery, gone: list[MessageRecord], damaged: list[UUID | str]
+    ) -> int:
+        """Delete the history of ``gone`` only while each record still has the status the purge
+        listed it with: one an operator retried while the purge ran is Pending, its copy on its way
+        (the letter the purge looked for had left), and keeps its history; deleted, the copy ran with
+        none, and could not be cancelled meanwhile (found in review). A damaged row whose id does not
+        read goes by its stored id text, as listed."""
+        tracker = self.runtime.tracker
+        by_status: dict[str, list[UUID | str]] = {}
+        for r in gone:
+            by_status.setdefault(r.status if r.readable("status") else "", []).append(r.message_id)
+        deleted = 0
+        for status, ids in by_status.items():
+            # (a record whose status does not read is deleted as listed, by its id)
+            still = query.model_copy(update={"status": (status,)}) if status else query
+            deleted += await tracker.delete(still, only=ids)
+        if damaged:
+            deleted += await tracker.delete(query, only=damaged)
+        return deleted
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
         if kind == "queue":

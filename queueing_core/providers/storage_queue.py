@@ -128,6 +128,19 @@ _NEVER_YEAR = 9999
 #: how often one process looks for letters the Functions host moved (a look at a long poison queue
 #: hides and hands back every letter in it; those letters have days left)
 HOST_LETTERS_EVERY = timedelta(minutes=30)
+#: the longest one look at the poison queues for such letters reads: the rest wait for the next look
+#: (after an outage the host may have moved thousands, and the look runs in a Functions timer whose
+#: invocation the host's functionTimeout ends, with every other invocation of its process)
+HOST_LETTERS_BUDGET = 60.0
+#: how far the service's clock (a letter's insertion time, in whole seconds) and the hosts' (the history's
+#: times) may be apart: a history is newer than a letter only by more. Taken wide: a letter wrongly
+#: thought older than its history would be left to expire, a loss; one wrongly thought newer only has
+#: its history written again
+CLOCKS_APART = timedelta(minutes=5)
+#: the statuses of a message that finished other than in a dead letter
+FINISHED_ELSEWHERE = frozenset(
+    {MessageStatus.SUCCEEDED.value, MessageStatus.CANCELLED.value, MessageStatus.EXPIRED.value}
+)
 
 
 def whole_seconds(delay: timedelta) -> int:
@@ -397,15 +410,23 @@ def never_expires(letter: Any) -> bool:
 
 class _HostLetters(_PoisonPages):
     """A poison queue read for the letters the Functions host moved there itself: each letter
-    "removed" is first kept for good by ``keep`` (a copy without a time-to-live), then deleted."""
+    "removed" is first kept for good by ``keep`` (a copy without a time-to-live), then deleted; one
+    ``keep`` leaves as it is goes back to the queue, to run out its time-to-live."""
 
-    def __init__(self, poison: QueueClient, keep: Callable[[Any], Awaitable[None]]) -> None:
+    def __init__(self, poison: QueueClient, keep: Callable[[Any], Awaitable[bool]]) -> None:
         super().__init__(poison)
         self._keep = keep
+        self.kept = 0
+        #: letters ``keep`` left as they are: handed back when the pass ends (before, it read them again)
+        self.left: list[Any] = []
 
     async def remove(self, item: Any) -> None:
-        await self._keep(item)  # copy first: a failure before the delete leaves two letters, not none
-        await super().remove(item)
+        # copy first: a failure before the delete leaves two letters, not none
+        if await self._keep(item):
+            await super().remove(item)
+            self.kept += 1
+        else:
+            self.left.append(item)
 
 
 class StorageQueueProvider(DeadLetterOps, PhysicalNames):
@@ -773,8 +794,12 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         if record.status in ("Failed", "Sleeping"):
             # the Functions host moves a message to the poison queue itself after its dequeue limit
             # (every invocation failed in the kit, say with its Tables unreachable), leaving the
-            # history as the last run wrote it: the poison queue, not the history, says where it is
-            in_poison = bool(await self._dead_letters(record.queue, wanted, remove=False))
+            # history as the last run wrote it: the poison queue, not the history, says where it is.
+            # Only once its copy was due: the host moves a message only after it became visible, and
+            # a look reads (and hides) the whole poison queue, which every retry of a message waiting
+            # for its backoff paid (a dashboard's bulk retry once for each; found in review)
+            due = record.not_before is None or record.not_before <= now
+            in_poison = due and bool(await self._dead_letters(record.queue, wanted, remove=False))
             if not in_poison:
                 raise InvalidOperation(
                     f"message {record.message_id} is hidden in its queue until {record.not_before}: "
@@ -914,13 +939,24 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             self._host_letters_at is not None and now - self._host_letters_at < HOST_LETTERS_EVERY
         ):
             return 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HOST_LETTERS_BUDGET
+
+        def enough() -> bool:
+            return loop.time() > deadline
+
         kept = 0
         for sub in app.subscriptions():
-            kept += await self._keep_host_letters(sub.queue)
+            if enough():
+                log.warning(
+                    "the look for letters the Functions host moved stopped at its time: the rest next"
+                )
+                break
+            kept += await self._keep_host_letters(sub.queue, enough)
         self._host_letters_at = now
         return kept
 
-    async def _keep_host_letters(self, queue: str) -> int:
+    async def _keep_host_letters(self, queue: str, enough: Callable[[], bool]) -> int:
         async with self._dead_letter_pages(queue) as found:
             # most poison queues are empty or short: a peek, which hides nothing, settles those (a
             # letter hidden by a scan under way makes the count larger than the peek: read them all)
@@ -930,10 +966,12 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             pages = _HostLetters(found.poison, lambda letter: self._keep_host_letter(queue, letter))
             run: LetterPass[Any] = LetterPass()
             try:
-                await read_letters(pages, lambda letter: not never_expires(letter), "remove", run, SCAN_LIMIT)
+                await read_letters(
+                    pages, lambda letter: not never_expires(letter), "remove", run, SCAN_LIMIT, enough
+                )
             finally:
                 with contextlib.suppress(Exception):
-                    await pages.hand_back(run.held)
+                    await pages.hand_back(run.held + pages.left)
         if not run.complete:
             log.warning(
                 "looked at the first %d letters of %s's poison queue only: letters the Functions host "
@@ -941,20 +979,30 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                 run.seen,
                 queue,
             )
-        return run.removed
+        return pages.kept
 
-    async def _keep_host_letter(self, queue: str, letter: Any) -> None:
+    async def _keep_host_letter(self, queue: str, letter: Any) -> bool:
         """Record a letter the Functions host moved as DeadLettered, and copy it without a
-        time-to-live, with the kit's dead-letter marks (the caller deletes the original after)."""
+        time-to-live, with the kit's dead-letter marks (the caller deletes the original after). A
+        letter whose message's history says it finished, or moved on since the letter was written (an
+        operator's retry, another copy's run), is a leftover duplicate: left as it is, to run out its
+        time-to-live (recorded DeadLettered, its outcome and result were overwritten; review)."""
         from ..runtime import history_record
 
         now = utcnow()
         d = storage_delivery(decode_body(letter.content), queue=queue, delivery_count=1)
         decision = DeadLetter(DeadLetterReason.MAX_ATTEMPTS, HOST_MOVED)
+        record = history_record(Settlement(d, decision), now)
+        seen = await self._tracker.get(record.message_id)
+        moved: datetime | None = letter.inserted_on
+        if seen is not None and (
+            seen.status in FINISHED_ELSEWHERE
+            or (moved is not None and seen.updated_at > moved + CLOCKS_APART)
+        ):
+            return False
         # the history first: written after the copy and failing (the Tables outage that sent the
         # message here, say), it would never be written, since the copy no longer expires and no
         # later look picks it out; the history would then be pruned and the letter listed nowhere
-        record = history_record(Settlement(d, decision), now)
         await self._tracker.upsert([record])
         await self.dead_letter(d, decision, now)
         log.warning(
@@ -963,6 +1011,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             record.message_id,
             self.poison_name(queue),
         )
+        return True
 
     # -- for tests and the ops API -------------------------------------------------------------------
     async def depth(self, queue: str, *, poison: bool = False) -> int:
