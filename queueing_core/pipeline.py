@@ -66,6 +66,9 @@ from .throughput import Throughput
 from .transport import Delivery, RunBound
 
 log = logging.getLogger("queueing.pipeline")
+#: the least time before its bound a run is started with: a slot that comes free later defers the
+#: message (no attempt counted) rather than start a run that is cut at once and counted
+LEAST_RUN = 1.0
 _HANDLER_LOG = logging.getLogger("queueing.handler")
 _RESULT: TypeAdapter[Any] = TypeAdapter(Any)
 
@@ -578,28 +581,37 @@ class Pipeline:
             if pending is not None:  # (a coroutine only for a hook that returned an awaitable)
                 await pending
         chain = self._chain(sub)  # before the slot: nothing that may raise runs between it and the try
+        # the run's bound counts from the receive, the wait for a slot included: a message waiting
+        # past it is taken back by the transport (RabbitMQ closes the channel, every message on it
+        # delivered again) or the host (the Functions worker process ended) all the same (review)
+        bound = self.run_bound
+        deadline = delivery.received_at + bound.limit if bound is not None else None
+        wait = slot_wait
+        if deadline is not None:
+            left = max(0.0, (deadline - utcnow()).total_seconds() - LEAST_RUN)
+            wait = left if wait is None else min(wait, left)
         limiter = self.limiter(sub)
-        if not limiter.locked() and (closing is None or not closing.is_set()):
+        taken = not limiter.locked() and (closing is None or not closing.is_set())
+        if taken:
             await limiter.acquire()  # a slot is free: taken at once (what _take_slot does first)
-        elif not await _take_slot(limiter, closing, slot_wait):
+        if not taken and not await _take_slot(limiter, closing, wait):
             if closing is not None and closing.is_set():
                 shutting = Release("host shutting down before the handler started")
                 return await self._emit_final(delivery, shutting)
             # (a Functions host: waited on, the invocation ran into the host's timeout with the handler
             # still to run, and the restart that ends a Python worker's timed-out invocation ended every
             # other one of the process too; review)
-            busy = f"no free slot of {sub.type_name!r} (max_concurrency {sub.options.max_concurrency})"
-            later = Defer(
-                self.clock() + self.waiting_recheck, MessageStatus.PENDING, f"{busy} within {slot_wait:g} s"
-            )
-            return await self._emit_final(delivery, later)
+            return await self._emit_final(delivery, self._busy(sub, wait))
+        if deadline is not None and (deadline - utcnow()).total_seconds() < LEAST_RUN:
+            limiter.release()  # (the slot came free too late to start a run before the bound)
+            return await self._emit_final(delivery, self._busy(sub, wait))
         if sub.options.idempotent and self.previous_lookup is not None:
             try:
                 ctx.previous = await self._previous(sub, message)
             except BaseException:  # a cancelled lookup (errors are caught inside) must not keep the slot
                 limiter.release()
                 raise
-        limit, bound = self._time_limit(sub, delivery)
+        limit, bound = self._time_limit(sub, deadline)
         started = perf_counter()
         error: BaseException | None = None
         self.running[env.message_id] = run
@@ -694,19 +706,27 @@ class Pipeline:
             await pending
         return decision
 
-    def _time_limit(self, sub: Subscription, delivery: Delivery) -> tuple[timedelta | None, RunBound | None]:
-        """The run's time limit, and the bound that set it when that is nearer than the type's own.
-        The bound counts from the receive (wall clock: a message may have waited in a consumer's
-        buffer, its broker's timer running); a run starting with less than a second of it left gets a
-        second (the bound keeps a margin before the transport's own)."""
+    def _time_limit(
+        self, sub: Subscription, deadline: datetime | None
+    ) -> tuple[timedelta | None, RunBound | None]:
+        """The run's time limit, and the bound that set it when its ``deadline`` (the receive plus the
+        bound, on the wall clock: a message may have waited in a consumer's buffer, its broker's timer
+        running) is nearer than the type's own limit."""
         limit = sub.options.time_limit
-        bound = self.run_bound
-        if bound is None:
+        if deadline is None or self.run_bound is None:
             return limit, None
-        left = max(delivery.received_at + bound.limit - utcnow(), timedelta(seconds=1))
+        left = max(deadline - utcnow(), timedelta(0))
         if limit is not None and limit <= left:
             return limit, None
-        return left, bound
+        return left, self.run_bound
+
+    def _busy(self, sub: Subscription, waited: float | None) -> Defer:
+        """No slot of ``sub``'s type came free within ``waited`` seconds (or too late to start a run
+        before its bound): deferred, no attempt counted."""
+        busy = f"no free slot of {sub.type_name!r} (max_concurrency {sub.options.max_concurrency})"
+        return Defer(
+            self.clock() + self.waiting_recheck, MessageStatus.PENDING, f"{busy} within {waited or 0:g} s"
+        )
 
     def _failure(self, sub: Subscription, attempt: int, error: str, after: timedelta | None) -> Decision:
         if attempt >= sub.options.max_attempts:

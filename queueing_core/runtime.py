@@ -307,7 +307,11 @@ class Runtime:
         """Write history (for providers without their own) and one outcome line per message. A
         settlement the transport refused (its lease had passed to another run) is not history: the
         run that holds the message now records the outcome. A write that fails is kept and retried
-        until it lands (``history.backlog`` counts what waits)."""
+        until it lands (``history.backlog`` counts what waits). An idempotent message's success is
+        noted for its identity first: one who saw it recorded and sent the next version got no
+        ``ctx.previous`` while the note was still on its way (seen in CI)."""
+        if self.identities is not None and settlements:
+            await self.identities.note_settled(settlements)
         if not self.provider.capabilities.durable_history and settlements:
             if ahead is None:
                 ahead = self.history_ahead(settlements)
@@ -332,8 +336,6 @@ class Runtime:
             for s in settlements:
                 if s.delivery.duplicate and not s.delivery.refused and s.delivery.envelope is not None:
                     await self._note_duplicate(s.delivery.envelope.message_id)
-        if self.identities is not None and settlements:
-            await self.identities.note_settled(settlements)
         for s in settlements:
             if not s.delivery.duplicate:
                 log_outcome(s)

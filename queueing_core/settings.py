@@ -217,6 +217,8 @@ class QueueingSettings(BaseSettings):
     rabbitmq_consumer_timeout: float = Field(
         default=1800.0,
         ge=0,
+        le=366 * 24 * 3600,  # (a year and more is none: 0)
+        allow_inf_nan=False,
         description="RabbitMQ: the broker's `consumer_timeout`, in seconds (30 minutes unless its "
         "configuration says otherwise; 0: it has none). A run is cut a minute before it (a failed "
         "attempt, as at a time limit): past it the broker closes the channel, and every message of the "

@@ -128,6 +128,8 @@ CONSUMER_TIMEOUT = 1800.0
 #: how long before the consumer timeout a run is cut: the broker checks it once a minute (its channel
 #: tick), and the cut run's settlement (a copy published and confirmed, then the ack) must land first
 CONSUMER_TIMEOUT_MARGIN = 60.0
+#: a consumer timeout this long or longer is taken for none
+LONGEST_CONSUMER_TIMEOUT = 366 * 24 * 3600.0
 
 
 @contextlib.contextmanager
@@ -150,8 +152,8 @@ def run_bound(consumer_timeout: float | None) -> RunBound | None:
     timeout closes the channel it came on: every message of the queue held on that channel (the others
     running, those in its buffer) is then delivered again while its first run goes on, and the run that
     outlasted it runs again and again until its attempts are used (review). None: the broker has none."""
-    if not consumer_timeout:
-        return None
+    if not consumer_timeout or not consumer_timeout < LONGEST_CONSUMER_TIMEOUT:
+        return None  # (none, or so long it is none: a year and more)
     margin = min(CONSUMER_TIMEOUT_MARGIN, consumer_timeout / 10)
     return RunBound(
         timedelta(seconds=consumer_timeout - margin),
@@ -162,8 +164,9 @@ def run_bound(consumer_timeout: float | None) -> RunBound | None:
 
 
 def _said_closed(physical: str) -> Callable[[object, BaseException | None], None]:
-    """A consumer's channel the broker closed (a consumer timeout, a queue deleted) is said once, at
-    WARNING: its messages come back, and the lost leases each run then reports would show no cause."""
+    """A consumer's channel the broker closed (a consumer timeout, an acknowledgement it refused) is
+    said once, at WARNING: its messages come back, and the lost leases each run then reports would
+    show no cause."""
 
     def closed(_channel: object, exc: BaseException | None) -> None:
         if isinstance(exc, ChannelClosed):
@@ -543,6 +546,9 @@ class RabbitMQProvider(SideStoreOps):
         )
         self._failed_reconnects = -1
         connection.reconnect_interval = self.reconnect_interval
+        # declared again at the next publish to each: a broker back without its queues (restarted
+        # without its data, a queue deleted meanwhile) returned that publish as unroutable (review)
+        self._declared.clear()
 
     async def close(self) -> None:
         self._closing = True

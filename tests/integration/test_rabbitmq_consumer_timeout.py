@@ -21,12 +21,13 @@ import aio_pika
 import pytest
 
 from queueing_core import MessageStatus, QueueingApp, QueueMessage, QueueNaming, queue
-from queueing_core.providers.rabbitmq import RabbitMQProvider
+from queueing_core.providers.rabbitmq import RabbitMQProvider, run_bound
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings
 from tests.contract.harness import running, wait_until
 from tests.services import RABBITMQ_URL, fresh_prefix, require
+from tests.tcp_proxy import TcpProxy
 
 TIMEOUT = 3.0  # the broker's consumer timeout the kit is told (its margin: a tenth, 0.3 s)
 
@@ -142,7 +143,48 @@ async def test_purges_leave_the_admin_channel_nothing_to_declare_again(tmp_path)
         await rt.close()
 
 
-@pytest.mark.parametrize("timeout", [-1.0])
-def test_a_negative_consumer_timeout_is_refused(timeout: float) -> None:
+@pytest.mark.parametrize("timeout", [-1.0, float("inf"), float("nan"), 1e12])
+def test_a_consumer_timeout_out_of_range_is_refused(timeout: float) -> None:
+    """(Infinity failed the start with a raw OverflowError, and 1e12 every run, its slot kept.)"""
     with pytest.raises(ValueError, match="rabbitmq_consumer_timeout"):
         QueueingSettings(provider="rabbitmq", rabbitmq_consumer_timeout=timeout)
+
+
+def test_a_consumer_timeout_of_a_year_and_more_in_code_is_none() -> None:
+    assert run_bound(1e12) is None
+    assert run_bound(float("inf")) is None
+
+
+async def test_a_queue_the_broker_lost_while_disconnected_is_declared_at_the_next_publish(
+    tmp_path, caplog
+) -> None:
+    """The admin channel no longer declares its queues again itself at a reconnect: a broker back
+    without them (restarted without its data, a queue deleted meanwhile) returned the first publish to
+    each as unroutable (found in review). They are declared again at the next publish."""
+    require("RabbitMQ", "127.0.0.1", 5672)
+    app = _app([])
+    proxy = TcpProxy("127.0.0.1", 5672)
+    port = await proxy.start()
+    provider = RabbitMQProvider(
+        f"amqp://guest:guest@127.0.0.1:{port}/",
+        stores=SideStores(f"sqlite:///{tmp_path}/side.db"),
+        reconnect_interval=0.5,
+    )
+    rt = Runtime(app, provider)
+    await rt.open()
+    try:
+        await app.enqueue(Job(n=0))  # (its queues declared)
+        physical = provider.physical("timeout.jobs")
+        await proxy.cut()
+        async with await aio_pika.connect(RABBITMQ_URL) as direct:
+            channel = await direct.channel()
+            await channel.queue_delete(physical)
+            await channel.queue_delete(provider.dead_letter_name(physical))
+        with caplog.at_level(logging.WARNING, logger="queueing"):
+            await proxy.restore()
+            await wait_until(lambda: "reconnected to RabbitMQ" in caplog.text, what="the reconnect")
+        await app.enqueue(Job(n=1))  # refused as unroutable before
+        assert await provider.depth(physical) == 1
+    finally:
+        await rt.close()
+        await proxy.stop()

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 from datetime import timedelta
 
-from queueing_core import QueueingApp, QueueMessage, RetryAfter, queue
+from queueing_core import Defer, MessageStatus, QueueingApp, QueueMessage, RetryAfter, queue
 from queueing_core.clock import utcnow
 from queueing_core.transport import RunBound
 from tests.unit.test_sync_handler_threads import delivery, make
@@ -40,14 +40,57 @@ def _app() -> QueueingApp:
     return app
 
 
-async def test_a_handler_with_no_limit_is_cut_at_the_bound_from_its_receive() -> None:
+async def test_a_handler_with_no_limit_is_cut_at_the_bound() -> None:
     pipe, prod = make(_app())
     pipe.run_bound = BOUND
-    # received an hour ago (it waited in a consumer's buffer): the bound has passed; it gets a second
+    started = asyncio.get_running_loop().time()
+    decision = await asyncio.wait_for(pipe.process(delivery(prod, Unlimited())), 10)
+    assert isinstance(decision, RetryAfter)
+    assert decision.error == "cut after 2 s: the host's own limit, 2 s"
+    assert asyncio.get_running_loop().time() - started < 5
+
+
+async def test_a_message_received_past_its_bound_is_deferred_unrun_and_uncounted() -> None:
+    """It waited in a consumer's buffer: started, it was cut after a second and counted, its broker
+    having taken it back already (review)."""
+    pipe, prod = make(_app())
+    pipe.run_bound = BOUND
     waited = dataclasses.replace(delivery(prod, Unlimited()), received_at=utcnow() - timedelta(hours=1))
     decision = await asyncio.wait_for(pipe.process(waited), 10)
-    assert isinstance(decision, RetryAfter)
-    assert decision.error == "cut after 1 s: the host's own limit, 2 s"
+    assert isinstance(decision, Defer)
+    assert decision.status == MessageStatus.PENDING
+    assert "no free slot" in decision.reason
+
+
+async def test_the_wait_for_a_slot_ends_at_the_bound() -> None:
+    """A slot held past the bound (a plain def handler's thread, cut, runs on and keeps it): the next
+    message waited for it unbounded, held by its consumer past the broker's timeout, then ran for a
+    second and was counted (review). It is deferred, uncounted, before its bound."""
+
+    @queue("bound-one", max_concurrency=1, max_attempts=3)
+    class One(QueueMessage):
+        n: int
+
+    app = QueueingApp("bound-slot")
+    release = asyncio.Event()
+
+    @app.handler()
+    async def hold(msg: One) -> None:
+        if msg.n == 0:
+            await release.wait()
+
+    pipe, prod = make(app)
+    pipe.run_bound = RunBound(timedelta(seconds=60), "a minute")
+    first = asyncio.ensure_future(pipe.process(delivery(prod, One(n=0))))
+    await asyncio.sleep(0.1)
+    pipe.run_bound = RunBound(timedelta(seconds=2), "the host's own limit, 2 s")
+    started = asyncio.get_running_loop().time()
+    decision = await asyncio.wait_for(pipe.process(delivery(prod, One(n=1))), 10)
+    assert isinstance(decision, Defer)
+    assert decision.status == MessageStatus.PENDING
+    assert asyncio.get_running_loop().time() - started < 5
+    release.set()
+    await first
 
 
 async def test_a_type_whose_own_limit_is_nearer_keeps_it() -> None:
