@@ -60,7 +60,7 @@ from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, Defe
 from queueing_core.errors import ProviderUnavailable, first_line
 from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings, journal_dir
-from queueing_core.transport import Delivery, RunBound, Settlement
+from queueing_core.transport import SHORTEST_BOUND, Delivery, RunBound, Settlement
 
 if TYPE_CHECKING:
     import azure.functions as func
@@ -92,9 +92,9 @@ def function_timeout_bound(timeout: float | None) -> RunBound | None:
     restarting the Python worker process, and with it every other invocation of the process (each
     message's delivery or dequeue counted, some with a copy already sent: run again), so one handler
     running into the timeout failed its neighbours too (review)."""
-    if timeout is None:
-        return None
-    margin = min(TIMEOUT_MARGIN, timeout / 4)
+    margin = min(TIMEOUT_MARGIN, timeout / 4) if timeout is not None else 0.0
+    if timeout is None or timeout - margin < SHORTEST_BOUND.total_seconds():
+        return None  # (a few seconds: nothing a run could be cut within)
     return RunBound(
         timedelta(seconds=timeout - margin),
         f"the run came within {margin:g} s of the Functions host's functionTimeout ({timeout:g} s), "

@@ -602,9 +602,12 @@ class Pipeline:
             # still to run, and the restart that ends a Python worker's timed-out invocation ended every
             # other one of the process too; review)
             return await self._emit_final(delivery, self._busy(sub, wait))
-        if deadline is not None and (deadline - utcnow()).total_seconds() < LEAST_RUN:
+        if bound is not None and deadline is not None and (deadline - utcnow()).total_seconds() < LEAST_RUN:
             limiter.release()  # (the slot came free too late to start a run before the bound)
-            return await self._emit_final(delivery, self._busy(sub, wait))
+            late = f"held too long to start a run before its bound: {bound.because}"
+            return await self._emit_final(
+                delivery, Defer(self.clock() + self.waiting_recheck, MessageStatus.PENDING, late)
+            )
         if sub.options.idempotent and self.previous_lookup is not None:
             try:
                 ctx.previous = await self._previous(sub, message)

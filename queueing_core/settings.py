@@ -407,6 +407,15 @@ class QueueingSettings(BaseSettings):
             raise ValueError("holds control characters, which would break the log lines that name it")
         return worker_id
 
+    @field_validator("rabbitmq_consumer_timeout")
+    @classmethod
+    def _usable_consumer_timeout(cls, seconds: float) -> float:
+        # a run is cut a tenth of it before it, and must have time to start (the broker checks it
+        # once a minute in any case)
+        if 0 < seconds < 10:
+            raise ValueError("0 (the broker has none) or at least 10 seconds")
+        return seconds
+
     @field_validator("rabbitmq_url")
     @classmethod
     def _readable_rabbitmq_url(cls, url: SecretStr) -> SecretStr:

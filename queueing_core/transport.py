@@ -60,6 +60,10 @@ class Capabilities:
     dead_letters_kept: tuple[str, ...] = ()
 
 
+#: the shortest :class:`RunBound`
+SHORTEST_BOUND = timedelta(seconds=2)
+
+
 @dataclass(frozen=True, slots=True)
 class RunBound:
     """The longest a run may go on from its receive wherever it runs, whatever its type's
@@ -72,6 +76,11 @@ class RunBound:
     limit: timedelta
     #: the run's cut, in words, for its error: what the bound is and the setting that moves it
     because: str
+
+    def __post_init__(self) -> None:
+        # a shorter one left a run no time to start: every message deferred, for ever (review)
+        if self.limit < SHORTEST_BOUND:
+            raise ValueError(f"a run bound of {self.limit.total_seconds():g} s is too short: {self.because}")
 
     def tighter(self, other: RunBound | None) -> RunBound:
         return self if other is None or self.limit <= other.limit else other

@@ -995,9 +995,17 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         record = history_record(Settlement(d, decision), now)
         seen = await self._tracker.get(record.message_id)
         moved: datetime | None = letter.inserted_on
-        if seen is not None and (
-            seen.status in FINISHED_ELSEWHERE
-            or (moved is not None and seen.updated_at > moved + CLOCKS_APART)
+        # (a record a look wrote before is not "moved on": its copy may have failed after it; review)
+        ours = (
+            seen is not None and seen.status == MessageStatus.DEAD_LETTERED and seen.description == HOST_MOVED
+        )
+        if (
+            seen is not None
+            and not ours
+            and (
+                seen.status in FINISHED_ELSEWHERE
+                or (moved is not None and seen.updated_at > moved + CLOCKS_APART)
+            )
         ):
             return False
         # the history first: written after the copy and failing (the Tables outage that sent the

@@ -221,3 +221,34 @@ async def test_a_letter_whose_message_finished_is_left_to_its_time_to_live(host_
     assert not never_expires(letter)  # left as the host sent it
     after = await rt.tracker.get(host_moved.message_id)
     assert (after.status, after.result) == ("Succeeded", {"invoice": 42})
+
+
+async def test_a_letter_whose_first_keeping_failed_after_its_history_is_kept_by_the_next_look(
+    host_moved: Moved, monkeypatch: pytest.MonkeyPatch
+):
+    """A look wrote the history DeadLettered, then its copy failed (Storage away a moment): the next
+    look took that record, newer than the letter, for the message having moved on, and left the
+    letter to expire while the history listed it for good (found in review)."""
+    from queueing_core.providers import storage_queue
+
+    rt: Any = host_moved.rt
+    provider = rt.provider
+    real = provider.dead_letter
+
+    async def refused(*args: Any, **kwargs: Any) -> None:
+        raise ProviderUnavailable("Storage away a moment")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(provider, "dead_letter", refused)
+        with pytest.raises(ProviderUnavailable):
+            await provider.maintain(rt.app)
+    assert provider.dead_letter == real
+    assert (await rt.tracker.get(host_moved.message_id)).status == "DeadLettered"
+    [letter] = await host_moved.poison.peek_messages(max_messages=5)
+    assert not never_expires(letter)
+
+    # (the next look long after: the first look's record is newer than the letter by more than the slack)
+    monkeypatch.setattr(storage_queue, "CLOCKS_APART", timedelta(seconds=-60))
+    assert (await provider.maintain(rt.app))["host_letters_kept"] == 1
+    [kept] = await host_moved.poison.peek_messages(max_messages=5)
+    assert never_expires(kept)

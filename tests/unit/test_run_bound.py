@@ -59,7 +59,7 @@ async def test_a_message_received_past_its_bound_is_deferred_unrun_and_uncounted
     decision = await asyncio.wait_for(pipe.process(waited), 10)
     assert isinstance(decision, Defer)
     assert decision.status == MessageStatus.PENDING
-    assert "no free slot" in decision.reason
+    assert "held too long to start a run before its bound" in decision.reason
 
 
 async def test_the_wait_for_a_slot_ends_at_the_bound() -> None:
@@ -106,3 +106,20 @@ def test_the_tighter_of_two_bounds() -> None:
     assert BOUND.tighter(longer) is BOUND
     assert longer.tighter(BOUND) is BOUND
     assert longer.tighter(None) is longer
+
+
+def test_a_bound_too_short_to_start_a_run_is_refused() -> None:
+    """(A bound under a second deferred every message, unrun and uncounted, for ever: review.)"""
+    import pytest
+
+    from functions.host import function_timeout_bound
+    from queueing_core.settings import QueueingSettings
+
+    with pytest.raises(ValueError, match="too short"):
+        RunBound(timedelta(seconds=1), "one second")
+    with pytest.raises(ValueError, match="at least 10 seconds"):
+        QueueingSettings(provider="rabbitmq", rabbitmq_consumer_timeout=5)
+    assert function_timeout_bound(2.0) is None
+    bound = function_timeout_bound(4.0)
+    assert bound is not None
+    assert bound.limit == timedelta(seconds=3)
