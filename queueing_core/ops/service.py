@@ -731,23 +731,18 @@ class OpsService:
     async def _delete_as_listed(
         self, query: MessageQuery, gone: list[MessageRecord], damaged: list[UUID | str]
     ) -> int:
-        """Delete the history of ``gone`` only while each record still has the status the purge
-        listed it with: one an operator retried while the purge ran is Pending, its copy on its way
-        (the letter the purge looked for had left), and keeps its history; deleted, the copy ran with
-        none, and could not be cancelled meanwhile (found in review). A damaged row whose id does not
-        read goes by its stored id text, as listed."""
-        tracker = self.runtime.tracker
-        by_status: dict[str, list[UUID | str]] = {}
-        for r in gone:
-            by_status.setdefault(r.status if r.readable("status") else "", []).append(r.message_id)
-        deleted = 0
-        for status, ids in by_status.items():
-            # (a record whose status does not read is deleted as listed, by its id)
-            still = query.model_copy(update={"status": (status,)}) if status else query
-            deleted += await tracker.delete(still, only=ids)
-        if damaged:
-            deleted += await tracker.delete(query, only=damaged)
-        return deleted
+        """Delete the history of ``gone`` only while each record still has one of the statuses the
+        purge listed: one an operator retried while the purge ran is Pending, its copy on its way (the
+        letter the purge looked for had left), and keeps its history; deleted, the copy ran with none,
+        and could not be cancelled meanwhile (found in review). One statement, as before. A damaged
+        row (its id or status does not read) goes by its stored id, as listed, with the rest."""
+        ids: list[UUID | str] = [*(r.message_id for r in gone), *damaged]
+        if not ids:
+            return 0
+        statuses = {r.status for r in gone if r.readable("status")}
+        as_listed = not damaged and statuses and all(r.readable("status") for r in gone)
+        still = query.model_copy(update={"status": tuple(sorted(statuses))}) if as_listed else query
+        return await self.runtime.tracker.delete(still, only=ids)
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
         if kind == "queue":
