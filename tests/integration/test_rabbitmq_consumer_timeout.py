@@ -14,7 +14,9 @@ has no per-queue one), checked once a minute, and the broker is shared with the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika
@@ -36,6 +38,20 @@ TIMEOUT = 3.0  # the broker's consumer timeout the kit is told (its margin: a te
 class Job(QueueMessage):
     n: int
     slow: bool = False
+
+
+@contextlib.asynccontextmanager
+async def _opened(tmp_path: Any) -> AsyncIterator[tuple[QueueingApp, RabbitMQProvider]]:
+    """A runtime on real RabbitMQ (its side stores on SQLite), opened, and closed after."""
+    require("RabbitMQ", "127.0.0.1", 5672)
+    app = _app([])
+    provider = RabbitMQProvider(RABBITMQ_URL, stores=SideStores(f"sqlite:///{tmp_path}/side.db"))
+    rt = Runtime(app, provider)
+    await rt.open()
+    try:
+        yield app, provider
+    finally:
+        await rt.close()
 
 
 def _app(runs: list[int]) -> QueueingApp:
@@ -102,12 +118,7 @@ async def test_a_consumer_channel_the_broker_closes_is_said_at_warning(tmp_path,
     back, and the lease each of their runs then loses was the only trace (aio-pika's own line about
     the close is demoted with its reconnect noise). Provoked with an acknowledgement of a delivery
     tag the channel never had, which the broker refuses the same way (PRECONDITION_FAILED)."""
-    require("RabbitMQ", "127.0.0.1", 5672)
-    app = _app([])
-    provider = RabbitMQProvider(RABBITMQ_URL, stores=SideStores(f"sqlite:///{tmp_path}/side.db"))
-    rt = Runtime(app, provider)
-    await rt.open()
-    try:
+    async with _opened(tmp_path) as (app, provider):
         sub = app.subscription(Job.type_name())
         assert sub is not None
         consumer = await provider._consumer(sub)
@@ -118,20 +129,13 @@ async def test_a_consumer_channel_the_broker_closes_is_said_at_warning(tmp_path,
                 lambda: "RabbitMQ closed the consumer channel of" in caplog.text, what="the close said"
             )
         assert "PRECONDITION_FAILED" in caplog.text
-    finally:
-        await rt.close()
 
 
 async def test_purges_leave_the_admin_channel_nothing_to_declare_again(tmp_path) -> None:
     """Each whole-queue purge (and each publish that failed) declared its queues again on the admin
     channel, which kept every declaration to repeat at a reconnect: more with every purge, for the
     life of the process, each one a round trip before the channels came back."""
-    require("RabbitMQ", "127.0.0.1", 5672)
-    app = _app([])
-    provider = RabbitMQProvider(RABBITMQ_URL, stores=SideStores(f"sqlite:///{tmp_path}/side.db"))
-    rt = Runtime(app, provider)
-    await rt.open()
-    try:
+    async with _opened(tmp_path) as (app, provider):
         await app.enqueue(Job(n=1))
         for _ in range(3):
             await provider._purge_whole("timeout.jobs")
@@ -139,8 +143,6 @@ async def test_purges_leave_the_admin_channel_nothing_to_declare_again(tmp_path)
         assert isinstance(admin, aio_pika.RobustChannel)
         kept = [q for queues in admin._queues.values() for q in queues]
         assert kept == []
-    finally:
-        await rt.close()
 
 
 @pytest.mark.parametrize("timeout", [-1.0, float("inf"), float("nan"), 1e12])
