@@ -367,19 +367,37 @@ async def settle_servicebus(
     from queueing_core.providers.servicebus import dead_letter_text  # (a Service Bus app's alone)
 
     d, decision = s.delivery, s.decision
+
+    async def taking_off(call: Callable[[], object]) -> None:
+        """A settlement that takes the message off its queue (complete, dead-letter). One that failed
+        may have been applied all the same, its answer lost on the way back through the host: when the
+        message is no longer in its queue, the run's outcome is recorded unless a later run's was (as
+        the worker does, ``Delivery.unconfirmed``). Raised on, the history said what it said before
+        the run, for a message completed or dead-lettered (found in review)."""
+        try:
+            await asyncio.to_thread(call)
+        except Exception as exc:
+            sequence = getattr(msg, "sequence_number", None)
+            if sequence is None or await provider.gone_from_queue(d.queue, sequence) is not True:
+                raise
+            d.unconfirmed = True
+            d.refuse(f"the host's settlement failed ({first_line(exc)}) and the message left its queue")
+
     if isinstance(decision, Expire):
-        await asyncio.to_thread(
-            actions.deadletter,
-            msg,
-            deadletter_reason=DeadLetterReason.EXPIRED.pascal,
-            deadletter_error_description=f"expired at {decision.expired_at.isoformat()}",
+        await taking_off(
+            lambda: actions.deadletter(
+                msg,
+                deadletter_reason=DeadLetterReason.EXPIRED.pascal,
+                deadletter_error_description=f"expired at {decision.expired_at.isoformat()}",
+            )
         )
     elif isinstance(decision, DeadLetter):
-        await asyncio.to_thread(
-            actions.deadletter,
-            msg,
-            deadletter_reason=decision.reason.pascal,
-            deadletter_error_description=dead_letter_text(decision.description),
+        await taking_off(
+            lambda: actions.deadletter(
+                msg,
+                deadletter_reason=decision.reason.pascal,
+                deadletter_error_description=dead_letter_text(decision.description),
+            )
         )
     elif isinstance(decision, RetryAfter | Defer | Release):
         assert d.envelope is not None, "malformed messages are always dead-lettered"
@@ -425,7 +443,7 @@ async def settle_servicebus(
                 except Exception as note_exc:  # the history write after settling carries it too
                     log.warning("could not note the copy of %s: %s", d.envelope.message_id, note_exc)
     else:
-        await asyncio.to_thread(actions.complete, msg)
+        await taking_off(lambda: actions.complete(msg))
 
 
 async def _known_duplicate(tracker: Any, d: Delivery, msg: Any, actions: Any) -> bool:

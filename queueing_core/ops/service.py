@@ -731,18 +731,20 @@ class OpsService:
     async def _delete_as_listed(
         self, query: MessageQuery, gone: list[MessageRecord], damaged: list[UUID | str]
     ) -> int:
-        """Delete the history of ``gone`` only while each record still has one of the statuses the
-        purge listed: one an operator retried while the purge ran is Pending, its copy on its way (the
+        """Delete the history of ``gone`` only while each record still has the status the purge listed
+        it with: one an operator retried while the purge ran is Pending, its copy on its way (the
         letter the purge looked for had left), and keeps its history; deleted, the copy ran with none,
-        and could not be cancelled meanwhile (found in review). One statement, as before. A damaged
-        row (its id or status does not read) goes by its stored id, as listed, with the rest."""
-        ids: list[UUID | str] = [*(r.message_id for r in gone), *damaged]
-        if not ids:
+        and could not be cancelled meanwhile (found in review). Each by its own status, not by the set
+        of them: a purge that also listed Pending messages took the retried one too (a later review).
+        One statement, as before. A damaged row (its id or status does not read) goes by its stored
+        id, as listed, whatever its status."""
+        listed: dict[UUID | str, str | None] = {
+            r.message_id: r.status if r.readable("status") else None for r in gone
+        }
+        listed.update(dict.fromkeys(damaged))
+        if not listed:
             return 0
-        statuses = {r.status for r in gone if r.readable("status")}
-        as_listed = not damaged and statuses and all(r.readable("status") for r in gone)
-        still = query.model_copy(update={"status": tuple(sorted(statuses))}) if as_listed else query
-        return await self.runtime.tracker.delete(still, only=ids)
+        return await self.runtime.tracker.delete(query, only=listed)
 
     async def set_paused(self, kind: str, name: str, paused: bool) -> PauseResult:
         if kind == "queue":

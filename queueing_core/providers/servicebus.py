@@ -289,6 +289,17 @@ async def known_duplicate(
     return True
 
 
+async def _gone(receiver: Any, seq: int) -> bool | None:
+    """Whether the message with sequence number ``seq`` is no longer in the receiver's queue (a locked or
+    scheduled message keeps its number, and a peek shows it); None when the peek fails."""
+    try:
+        found = await receiver.peek_messages(max_message_count=1, sequence_number=seq, timeout=_PEEK_TIMEOUT)
+    except Exception as exc:
+        log.warning("could not look for message %s in its queue: %s", seq, exc)
+        return None
+    return not found or found[0].sequence_number != seq
+
+
 class ServiceBusProvider(DeadLetterOps, PhysicalNames):
     transport = Transport.SERVICE_BUS
 
@@ -678,15 +689,18 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         if not isinstance(s.decision, Complete | Expire | DeadLetter):
             return
         h: _Handle = s.delivery.handle
-        seq = h.message.sequence_number
+        s.delivery.unconfirmed = await _gone(h.receiver, h.message.sequence_number) is True
+
+    async def gone_from_queue(self, queue: str, sequence_number: int) -> bool | None:
+        """Whether the message with that sequence number is no longer in ``queue`` (peeked on a
+        receiver of its own: the Functions host settles through the host, not through a receiver of
+        the kit's); None when the peek fails."""
         try:
-            found = await h.receiver.peek_messages(
-                max_message_count=1, sequence_number=seq, timeout=_PEEK_TIMEOUT
-            )
-        except Exception as exc:
-            log.warning("could not look for message %s in its queue: %s", seq, exc)
-            return
-        s.delivery.unconfirmed = not found or found[0].sequence_number != seq
+            async with self.client.get_queue_receiver(self.physical(queue)) as receiver:
+                return await _gone(receiver, sequence_number)
+        except Exception as exc:  # (opening the receiver; the peek's own failure is _gone's)
+            log.warning("could not look for message %s in %s: %s", sequence_number, queue, exc)
+            return None
 
     async def settle(self, settlements: Sequence[Settlement]) -> None:
         results = await asyncio.gather(*(self._settle_one(s) for s in settlements), return_exceptions=True)

@@ -58,7 +58,7 @@ from ..errors import (
 from ..naming import QueueNaming, Transport
 from ..options import QueueOptions
 from ..tracking import MessageRecord
-from ..transport import Capabilities, Delivery, Settlement, settled_each
+from ..transport import Capabilities, Delivery, RunBound, Settlement, settled_each
 from .dead_letters import DEAD_STATES, HOLD_SECONDS, empty_dead_letters, id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, stored_text_record
 from .delayed.breaker import first_line
@@ -77,6 +77,17 @@ T = TypeVar("T")
 
 MAX_NATIVE_DELAY = timedelta(minutes=15)  # DelaySeconds is at most 900
 MAX_VISIBILITY = timedelta(hours=12)
+#: a run is cut this long before SQS's 12 hours from its receive end, to settle while its receipt works
+HOLD_MARGIN = timedelta(minutes=1)
+#: SQS ends a receive's hold on a message 12 hours after it, however often its visibility timeout is
+#: extended: its receipt then stops working and another worker runs it beside the first, whose outcome
+#: is refused; it ran twice each attempt until dead-lettered "ended without a settlement"
+HOLD_BOUND = RunBound(
+    MAX_VISIBILITY - HOLD_MARGIN,
+    "the run came within a minute of SQS's 12 hours from its receive, past which its receipt stops "
+    "working and the message is received again (split work longer than that, or run it on another "
+    "transport)",
+)
 MAX_RETENTION = 14 * 24 * 3600
 #: the largest maxReceiveCount a redrive policy takes
 MAX_RECEIVE_COUNT = 1000
@@ -304,6 +315,7 @@ class SqsProvider(SideStoreOps):
             # its history, which keeps the message whole, stays: still listed, and a retry sends it
             # again from there (pruned by age with the rest, the message was lost; found in review)
             dead_letters_kept=DEAD_STATES,
+            longest_run=HOLD_BOUND,
         )
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None

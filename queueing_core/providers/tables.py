@@ -53,7 +53,9 @@ from ..tracking.base import (
     OUTCOMES,
     MessageQuery,
     MessageRecord,
+    Only,
     Page,
+    as_listed,
     invalid_cursor,
     is_enqueue_record,
     newest_per_message,
@@ -1222,13 +1224,17 @@ class TablesTracker(_OnTable):
                 found[(str(e["Queue"]), str(e["Status"]))] += 1
         return dict(found)
 
-    async def delete(self, query: MessageQuery, only: Collection[UUID | str] | None = None) -> int:
+    async def delete(self, query: MessageQuery, only: Only | None = None) -> int:
         if query.status == () or (only is not None and not only):
             return 0
-        keys = None if only is None else {str(i) for i in only}
+        keys = None if only is None else {str(i): s for i, s in as_listed(only).items()}
+
+        def listed(e: Mapping[str, Any]) -> bool:
+            key = str(e.get("MessageId"))
+            return keys is None or (key in keys and keys[key] in (None, e.get("Status")))
+
         return await self._delete_where(
-            _query_filter(query),
-            lambda e: _entity_matches(query, e) and (keys is None or str(e.get("MessageId")) in keys),
+            _query_filter(query), lambda e: _entity_matches(query, e) and listed(e)
         )
 
     async def prune(self, now: datetime, keep: Collection[str] = ()) -> int:

@@ -138,6 +138,16 @@ def invalid_cursor() -> InvalidArgument:
     return InvalidArgument("cursor", "not a cursor from a previous page; pass next_cursor unchanged")
 
 
+#: the message ids a delete may take, or each with the status its record must still have to go (None:
+#: whichever): a purge's, as it listed them
+Only = Collection[UUID | str] | Mapping[UUID | str, str | None]
+
+
+def as_listed(only: Only) -> Mapping[UUID | str, str | None]:
+    """``only`` as id -> the status its record must still have (None: whichever)."""
+    return only if isinstance(only, Mapping) else dict.fromkeys(only)
+
+
 @runtime_checkable
 class Tracker(Protocol):
     async def upsert(self, records: Sequence[MessageRecord]) -> None: ...
@@ -152,9 +162,10 @@ class Tracker(Protocol):
         """Number of messages per (queue, status)."""
         ...
 
-    async def delete(self, query: MessageQuery, only: Collection[UUID | str] | None = None) -> int:
+    async def delete(self, query: MessageQuery, only: Only | None = None) -> int:
         """Delete the records that match ``query`` and, when given, whose message id is one of
-        ``only`` (the stored text of a damaged record's id that does not read is a ``str``)."""
+        ``only`` (the stored text of a damaged record's id that does not read is a ``str``); where
+        ``only`` maps an id to a status, its record goes only while it still has that status."""
         ...
 
     async def reopen(self, record: MessageRecord) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -11,7 +11,9 @@ from .base import (
     OUTCOMES,
     MessageQuery,
     MessageRecord,
+    Only,
     Page,
+    as_listed,
     invalid_cursor,
     is_enqueue_record,
     supersedes,
@@ -101,8 +103,13 @@ class MemoryTracker:
     async def counts(self) -> dict[tuple[str, str], int]:
         return dict(Counter((r.queue, r.status) for r in self._items.values()))
 
-    async def delete(self, query: MessageQuery, only: Collection[UUID | str] | None = None) -> int:
-        doomed = [k for k, r in self._items.items() if query.matches(r) and (only is None or k in only)]
+    async def delete(self, query: MessageQuery, only: Only | None = None) -> int:
+        keys = None if only is None else as_listed(only)
+        doomed = [
+            k
+            for k, r in self._items.items()
+            if query.matches(r) and (keys is None or (k in keys and keys[k] in (None, r.status)))
+        ]
         for k in doomed:
             del self._items[k]
         return len(doomed)

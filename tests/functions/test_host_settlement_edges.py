@@ -74,6 +74,8 @@ class LiveActions:
     done: list[str] = field(default_factory=list)
     #: completes that fail before reaching the broker (a gRPC call to the host that breaks)
     failing_completes: int = 0
+    #: settlements applied on the broker whose answer is lost on the way back (raised all the same)
+    lost_answers: int = 0
     #: made on the event loop's thread (the tests build it there)
     loop_thread: int = field(default_factory=threading.get_ident)
 
@@ -85,6 +87,9 @@ class LiveActions:
         except Exception as exc:
             raise SettlementError(method, f"Failed to {method} message {message.lock_token}", exc) from exc
         self.done.append(method)
+        if self.lost_answers:
+            self.lost_answers -= 1
+            raise SettlementError(method, f"Failed to {method} message", ConnectionError("gRPC answer lost"))
 
     def complete(self, message: Any) -> None:
         if self.failing_completes:
@@ -207,6 +212,67 @@ async def test_servicebus_a_run_whose_lock_lapsed_sends_no_retry_copy() -> None:
             assert await host.counts() == (1, 0)
             await other.complete_message(state["live"])
         assert await host.counts() == (0, 0)
+
+
+# -- 1b. a settlement applied, its answer lost ----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("outcome", "status", "left"),
+    [("ok", "Succeeded", (0, 0, 0)), ("fatal", "DeadLettered", (0, 0, 1))],
+)
+async def test_servicebus_a_settlement_whose_answer_was_lost_is_recorded(
+    outcome: str, status: str, left: tuple[int, int, int]
+) -> None:
+    """The host completed (or dead-lettered) the message, and the answer was lost on its way back to the
+    worker: the extension raised. The history said what it said before the run (Leased) for a message
+    no longer in its queue (review). Now the message, gone from its queue, is recorded as the run ended
+    (as the worker's settlement does), and the invocation ends."""
+
+    async def handler(run: int) -> None:
+        if outcome == "fatal":
+            raise NonRetryableError("no good")
+
+    async with sb_host(handler) as host:
+        fn = user(host.fns["servicebus_rv_sb"])
+        sent = await host.app.enqueue(Work())
+        async with receiver_of(host) as receiver:
+            actions = LiveActions(asyncio.get_running_loop(), receiver, lost_answers=1)
+            assert await invoke(fn, actions) is None
+        rec = await host.rt.tracker.get(sent.message_id)
+        assert rec is not None
+        assert rec.status == status
+        assert (*await host.counts(), await dead_letters(host)) == left
+        assert host.runs == [1]
+
+
+async def test_servicebus_a_complete_that_never_reached_the_broker_is_not_recorded() -> None:
+    """The other side: the call failed before the broker, the message is still in its queue (locked).
+    The invocation fails, nothing is recorded, and the message runs again once the host gives it back."""
+
+    async def handler(run: int) -> None:
+        return None
+
+    async with sb_host(handler) as host:
+        fn = user(host.fns["servicebus_rv_sb"])
+        sent = await host.app.enqueue(Work())
+        async with receiver_of(host) as receiver:
+            actions = LiveActions(asyncio.get_running_loop(), receiver, failing_completes=1)
+            assert isinstance(await invoke(fn, actions), SettlementError)
+            rec = await host.rt.tracker.get(sent.message_id)
+            assert rec is not None
+            assert rec.status != "Succeeded"
+            assert await invoke(fn, actions) is None  # given back, run again
+        rec = await host.rt.tracker.get(sent.message_id)
+        assert rec is not None
+        assert rec.status == "Succeeded"
+        assert host.runs == [1, 2]
+        assert await host.counts() == (0, 0)
+
+
+async def dead_letters(host: SbHost) -> int:
+    async with host.rt.provider.client.get_queue_receiver(
+        "rv-sb", sub_queue=ServiceBusSubQueue.DEAD_LETTER
+    ) as r:
+        return len(await r.peek_messages(max_message_count=10))
 
 
 # -- 2. a left-behind original ----------------------------------------------------------------------

@@ -661,3 +661,22 @@ async def test_tables_a_delete_between_the_read_and_the_merge_is_a_deleted_messa
         assert got is not None
         assert (got.status, got.body) == ("Pending", body)
         assert await _listed(store) == {mid}
+
+
+async def test_a_delete_as_listed_takes_a_record_only_while_it_has_the_status_it_was_listed_with(
+    store: Tracker,
+) -> None:
+    """A purge lists records, then deletes their history: one changed meanwhile (an operator's retry
+    made a dead letter Pending) stays, even where the purge listed other Pending records (a guard by
+    the set of listed statuses took it: found in review). None: whichever status."""
+    moved_on, as_listed, any_status = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    await store.upsert(
+        [record(moved_on, "Pending", 2), record(as_listed, "Pending", 1), record(any_status, "Failed", 1)]
+    )
+    listed = {moved_on: "DeadLettered", as_listed: "Pending", any_status: None}
+    assert await store.delete(MessageQuery(), only=listed) == 2
+    kept = await store.get(moved_on)
+    assert kept is not None
+    assert kept.status == "Pending"
+    assert await store.get(as_listed) is None
+    assert await store.get(any_status) is None

@@ -7,7 +7,11 @@ could not be cancelled meanwhile (found in review). SQS on moto's server."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import tests.contract.harness  # noqa: F401  (first: it imports harness_sqs itself)
 from queueing_core import MessageStatus, NonRetryableError, QueueingApp, QueueMessage, QueueNaming, queue
@@ -28,7 +32,9 @@ class Job(QueueMessage):
     n: int
 
 
-async def test_a_letter_retried_while_its_queue_is_purged_keeps_its_history(tmp_path) -> None:
+@contextlib.asynccontextmanager
+async def dead_lettered(tmp_path: Path) -> AsyncIterator[tuple[Runtime, SqsProvider, UUID]]:
+    """A runtime on SQS whose one message was dead-lettered, its worker stopped."""
     prefix = fresh_prefix()
     sqs = sqs_client()
     app = QueueingApp("purge-retried", naming=QueueNaming(prefix=prefix))
@@ -43,15 +49,25 @@ async def test_a_letter_retried_while_its_queue_is_purged_keeps_its_history(tmp_
     try:
         mid = (await app.enqueue(Job(n=1))).message_id
 
-        async def status() -> str | None:
-            rec = await rt.tracker.get(mid)
-            return rec.status if rec is not None else None
-
         async def dead() -> bool:
-            return await status() == MessageStatus.DEAD_LETTERED
+            return await status(rt, mid) == MessageStatus.DEAD_LETTERED
 
         async with running(rt):
             await wait_until(dead, what="the dead letter")
+        yield rt, provider, mid
+    finally:
+        await rt.close()
+        for url in sqs.list_queues(QueueNamePrefix=prefix).get("QueueUrls", []):
+            sqs.delete_queue(QueueUrl=url)
+
+
+async def status(rt: Runtime, mid: UUID) -> str | None:
+    rec = await rt.tracker.get(mid)
+    return rec.status if rec is not None else None
+
+
+async def test_a_letter_retried_while_its_queue_is_purged_keeps_its_history(tmp_path: Path) -> None:
+    async with dead_lettered(tmp_path) as (rt, provider, mid):
         ops = OpsService(rt)
         remove = provider.ops_remove
 
@@ -61,10 +77,27 @@ async def test_a_letter_retried_while_its_queue_is_purged_keeps_its_history(tmp_
 
         provider.ops_remove = retried_meanwhile  # type: ignore[method-assign]
         done = await ops.purge(MessageQuery(queue=QUEUE))
-        assert await status() == MessageStatus.PENDING  # the copy waits in the queue with its history
+        assert await status(rt, mid) == MessageStatus.PENDING  # the copy waits in the queue with its history
         assert (done.deleted, done.left_waiting) == (0, 1), done
         await ops.cancel(mid)  # (it named no message: MessageNotFound)
-    finally:
-        await rt.close()
-        for url in sqs.list_queues(QueueNamePrefix=prefix).get("QueueUrls", []):
-            sqs.delete_queue(QueueUrl=url)
+
+
+async def test_a_letter_retried_after_its_queue_was_emptied_keeps_its_history(tmp_path: Path) -> None:
+    """The queue emptied whole, its waiting message listed Pending; the letter retried after the
+    transport's purge and before its history went: the copy is Pending as well, and waits in the
+    emptied queue. Its history stays (a guard by the set of listed statuses took it: Pending was one)."""
+    async with dead_lettered(tmp_path) as (rt, provider, mid):
+        waiting = (await rt.app.enqueue(Job(n=2))).message_id  # no worker: it waits, Pending
+        ops = OpsService(rt)
+        remove = provider.ops_remove
+
+        async def retried_after(query: MessageQuery, records: Any) -> Any:
+            removed = await remove(query, records)
+            await ops.retry(mid)  # another operator, once the queue was emptied
+            return removed
+
+        provider.ops_remove = retried_after  # type: ignore[method-assign]
+        await ops.purge(MessageQuery(queue=QUEUE), whole=True)
+        assert await status(rt, waiting) is None  # its message emptied with the queue, its history gone
+        assert await status(rt, mid) == MessageStatus.PENDING  # the copy's history kept
+        await ops.cancel(mid)  # (it named no message: MessageNotFound)

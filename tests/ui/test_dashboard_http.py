@@ -98,6 +98,21 @@ async def test_hostile_sign_in_attempts_are_refused_without_a_session(runtime):
             ({"json": {"key": KEY}}, 400),
             ({"content": f"key={KEY}", "headers": {**FORM, "Origin": "http://evil.example"}}, 403),
             ({"content": f"key={KEY}", "headers": {**FORM, "Sec-Fetch-Site": "cross-site"}}, 403),
+            # a page of another site, whatever Origin it claims
+            (
+                {
+                    "content": f"key={KEY}",
+                    "headers": {**FORM, "Sec-Fetch-Site": "cross-site", "Origin": "http://test"},
+                },
+                403,
+            ),
+            (
+                {
+                    "content": f"key={KEY}",
+                    "headers": {**FORM, "Sec-Fetch-Site": "same-site", "Origin": "http://evil.test"},
+                },
+                403,
+            ),
             ({"content": b"key=\xff\xfe", "headers": FORM}, 400),
         ]
         for kwargs, status in attempts:
@@ -105,6 +120,22 @@ async def test_hostile_sign_in_attempts_are_refused_without_a_session(runtime):
             assert r.status_code == status, kwargs
             assert "set-cookie" not in r.headers
             assert "text/html" in r.headers["content-type"]
+
+
+async def test_sign_in_through_a_gateway_that_forwards_under_the_apps_own_host_name(runtime):
+    """API Management (and Front Door by default) forward to the Function app under its own host name:
+    the browser's Origin is the gateway's, and the form's POST was refused as cross-site although the
+    browser said same-origin (review). ``Sec-Fetch-Site`` decides where the browser sends it."""
+    behind = {"Host": "func-x.azurewebsites.net", "Origin": "https://gw.example"}
+    async with client(runtime) as c:
+        r = await c.post(
+            f"{UI}/sign-in", content=f"key={KEY}", headers={**FORM, **behind, "Sec-Fetch-Site": "same-origin"}
+        )
+        assert r.status_code == 303, r.text
+        assert "set-cookie" in r.headers
+        # a browser that sends no Sec-Fetch-Site: its Origin must be the host it addressed
+        r = await c.post(f"{UI}/sign-in", content=f"key={KEY}", headers={**FORM, **behind})
+        assert r.status_code == 403
 
 
 async def test_the_session_opens_the_api_and_changes_need_the_anti_forgery_token(runtime):

@@ -206,8 +206,14 @@ class Dashboard:
 
 
 def same_origin(request: Request) -> bool:
-    """The browser says the request came from this server's own page (or the user typed it)."""
-    if any(s.lower() not in SAME_ORIGIN_FETCH for s in request.headers.getlist("sec-fetch-site")):
-        return False
+    """The browser says the request came from this server's own page (or the user typed it).
+    ``Sec-Fetch-Site``, where the browser sends it, decides: the browser sets it from the page and the
+    target as it saw them, and no page can set it. ``Origin`` against ``Host`` decides only for a
+    browser that sends no ``Sec-Fetch-Site``: behind a gateway that forwards to the app under its own
+    host name (API Management, Front Door by default) the two never match, and every sign-in there
+    was refused as cross-site (found in review)."""
+    fetch_site = request.headers.getlist("sec-fetch-site")
+    if fetch_site:
+        return all(s.lower() in SAME_ORIGIN_FETCH for s in fetch_site)
     own = f"{request.url.scheme}://{request.headers.get('host', '')}".lower()
     return all(o.lower() == own for o in request.headers.getlist("origin"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Collection, Sequence
+from collections import defaultdict
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -14,7 +15,7 @@ import sqlalchemy as sa
 
 from ...clock import as_utc
 from ...messages import MessageStatus
-from ...tracking.base import Activity, MessageQuery, MessageRecord, Page, invalid_cursor
+from ...tracking.base import Activity, MessageQuery, MessageRecord, Only, Page, as_listed, invalid_cursor
 from .records import read_record, stored_in_order
 from .schema import IN_LIST_BATCH, LEASED_SQL, UNLEASED_SQL, archived, claimable, tracked_by
 
@@ -238,19 +239,28 @@ class SqlTracker:
             rows = (await conn.execute(stmt)).all()
         return {(str(r[0]), str(r[1])): int(r[2]) for r in rows}
 
-    async def delete(self, query: MessageQuery, only: Collection[UUID | str] | None = None) -> int:
+    async def delete(self, query: MessageQuery, only: Only | None = None) -> int:
         m, where = self._m, self.where(query)
         if only is None:
             batches: list[list[sa.ColumnElement[bool]]] = [where]
         else:
             batches = []
-            given = list(only)
+            given = list(as_listed(only).items())
             for start in range(0, len(given), IN_LIST_BATCH):  # bound values per statement: bounded
                 part = given[start : start + IN_LIST_BATCH]
-                ids = [i for i in part if isinstance(i, UUID)]
+                by_status: defaultdict[str | None, list[UUID]] = defaultdict(list)
+                for i, status in part:
+                    if isinstance(i, UUID):
+                        by_status[status].append(i)
                 # a damaged row's id, by its stored text (only SQLite can store an id that is not one)
-                texts = [i for i in part if isinstance(i, str)]
-                by_id = sa.or_(m.c.message_id.in_(ids), sa.cast(m.c.message_id, sa.Text()).in_(texts))
+                texts = [i for i, _ in part if isinstance(i, str)]
+                picks = [
+                    m.c.message_id.in_(ids)
+                    if status is None
+                    else sa.and_(m.c.message_id.in_(ids), m.c.status == status)
+                    for status, ids in by_status.items()
+                ]
+                by_id = sa.or_(*picks, sa.cast(m.c.message_id, sa.Text()).in_(texts))
                 batches.append([*where, by_id])
         await self.provider.ensure_open()
         deleted = 0
