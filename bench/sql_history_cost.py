@@ -26,7 +26,7 @@ from sql_history import fill_history
 
 from queueing_core import QueueingApp
 from queueing_core.providers.sql import SqlProvider
-from queueing_core.providers.sql.statements import bind
+from queueing_core.providers.sql.statements import bind, claim_params
 from queueing_core.runtime import Runtime
 
 FIELDS = (
@@ -69,7 +69,7 @@ async def measure(url: str, schema: str, messages: int) -> dict[str, Counter[str
         out: dict[str, Counter[str]] = {"claim": Counter(), "settle": Counter()}
         for _ in range(messages // 10):
             now = prov.clock()
-            params = bind(queue="bench_noop", now=now, lease_until=now + timedelta(seconds=60), limit=10)
+            params = claim_params("bench_noop", 10, now, now + timedelta(seconds=60))
             async with prov.engine.begin() as conn:
                 out["claim"] += await explain(conn, st.claim, params)
             async with prov.engine.connect() as conn:

@@ -37,7 +37,7 @@ from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.providers.sql.schema import Tables
 from queueing_core.providers.sql.sqlite_driver import SqliteCompiled
-from queueing_core.providers.sql.statements import Statements, bind, leases_of
+from queueing_core.providers.sql.statements import Statements, bind, claim_step, leases_of
 from queueing_core.runtime import Runtime
 
 WORKER = "bench-worker"
@@ -102,7 +102,9 @@ def run_round(path: Path, v: Variant, batch: int, settle_rows: int) -> tuple[flo
     now = datetime.now(UTC).replace(tzinfo=None) + timedelta(seconds=1)
     text = now.strftime("%Y-%m-%d %H:%M:%S.%f")
     until = (now + timedelta(seconds=30)).strftime("%Y-%m-%d %H:%M:%S.%f")
-    cp = {**claim_defaults, **bind(queue="bench_stmt", now=text, lease_until=until, limit=batch)}
+    # (times as the text SQLite stores: the kit's claim_params binds datetimes; the step as it draws it)
+    values = bind(queue="bench_stmt", now=text, lease_until=until, limit=batch, step=claim_step())
+    cp = {**claim_defaults, **values}
     claim_t = settle_t = 0.0
     held: list[tuple[int, int]] = []
     claimed = 0

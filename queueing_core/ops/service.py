@@ -31,7 +31,14 @@ from ..providers.dead_letters import is_whole_queue, whole_queue
 from ..runtime import Runtime
 from ..storable import HEADERS_CUT_SHORT, is_cut_short
 from ..tracking import MessageQuery, MessageRecord, Removed, Reopen, nothing_to_reopen, record_change
-from ..tracking.base import ChangesIfUnchanged, before_reopening, is_cancel_request, reopened, reopening
+from ..tracking.base import (
+    ChangesIfUnchanged,
+    Listed,
+    before_reopening,
+    is_cancel_request,
+    reopened,
+    reopening,
+)
 from .models import (
     ActionResult,
     CircuitInfo,
@@ -731,15 +738,20 @@ class OpsService:
     async def _delete_as_listed(
         self, query: MessageQuery, gone: list[MessageRecord], damaged: list[UUID | str]
     ) -> int:
-        """Delete the history of ``gone`` only while each record still has the status the purge listed
-        it with: one an operator retried while the purge ran is Pending, its copy on its way (the
-        letter the purge looked for had left), and keeps its history; deleted, the copy ran with none,
-        and could not be cancelled meanwhile (found in review). Each by its own status, not by the set
-        of them: a purge that also listed Pending messages took the retried one too (a later review).
-        One statement, as before. A damaged row (its id or status does not read) goes by its stored
-        id, as listed, whatever its status."""
-        listed: dict[UUID | str, str | None] = {
-            r.message_id: r.status if r.readable("status") else None for r in gone
+        """Delete the history of ``gone`` only while each record is still as the purge listed it (its
+        status and time): one an operator retried while the purge ran is Pending, its copy on its way
+        (the letter the purge looked for had left), and keeps its history; deleted, the copy ran with
+        none, and could not be cancelled meanwhile (found in review). Each as listed, not by the set of
+        listed statuses (a purge that also listed Pending messages took the retried one too), nor by
+        its status alone (the retried copy dead-lettered again before the delete said DeadLettered
+        once more, and its new letter was left with no history: later reviews). One statement, as
+        before. A damaged row (its id, status or time does not read) goes by its stored id, as listed,
+        however it reads now."""
+        listed: dict[UUID | str, Listed | None] = {
+            r.message_id: (r.status, r.updated_at)
+            if r.readable("status") and r.readable("updated_at")
+            else None
+            for r in gone
         }
         listed.update(dict.fromkeys(damaged))
         if not listed:

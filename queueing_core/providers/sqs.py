@@ -79,6 +79,9 @@ MAX_NATIVE_DELAY = timedelta(minutes=15)  # DelaySeconds is at most 900
 MAX_VISIBILITY = timedelta(hours=12)
 #: a run is cut this long before SQS's 12 hours from its receive end, to settle while its receipt works
 HOLD_MARGIN = timedelta(minutes=1)
+#: what a renewal leaves of those 12 hours for its call to reach SQS (a renewal that asked for all that
+#: was left was refused when the call took a moment: seen in the test)
+RENEWAL_SLACK = timedelta(seconds=5)
 #: SQS ends a receive's hold on a message 12 hours after it, however often its visibility timeout is
 #: extended: its receipt then stops working and another worker runs it beside the first, whose outcome
 #: is refused; it ran twice each attempt until dead-lettered "ended without a settlement"
@@ -704,6 +707,9 @@ class SqsProvider(SideStoreOps):
                         delivery_count=n,
                         handle=_Handle(url, m["ReceiptHandle"], physical, token),
                         lease_until=sent_at + lease,
+                        # SQS's 12 hours run from the receive: counted from before the call, the
+                        # renewals' cap and the run's bound err the safe way
+                        received_at=sent_at,
                     )
                 )
             if len(messages) < 10:
@@ -833,16 +839,28 @@ class SqsProvider(SideStoreOps):
         sub = self._app.subscription(d.type_name) if self._app and d.type_name else None
         return min(sub.options.lease_duration if sub else timedelta(seconds=30), MAX_VISIBILITY)
 
+    def _renewal_of(self, d: Delivery, now: datetime) -> timedelta:
+        """The type's lease, but no further than SQS's 12 hours from the receive, less the call's way
+        there, in whole seconds: a renewal that asks past them is refused, and the message came back
+        beside its run before the run's bound cut it (review)."""
+        left = math.floor((d.received_at + MAX_VISIBILITY - now - RENEWAL_SLACK).total_seconds())
+        return min(self._lease_of(d), timedelta(seconds=max(0, left)))
+
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         if not deliveries:
             return []
+        now = self.clock()
         # a newer receive holds the others: extending their visibility would extend its lease
-        longest = max(self._lease_of(d) for d in deliveries)
-        ours = await self.leases.extend([d.handle.lease for d in deliveries], self.clock() + longest)
+        longest = max(self._renewal_of(d, now) for d in deliveries)
+        ours = await self.leases.extend([d.handle.lease for d in deliveries], now + longest)
         lost: list[Delivery] = [d for d in deliveries if d.handle.lease not in ours]
         by_url: dict[str, list[Delivery]] = {}
         for d in deliveries:
-            if d.handle.lease in ours:
+            if d.handle.lease not in ours:
+                continue
+            if not self._renewal_of(d, now):  # (its 12 hours are over: a timeout of 0 would free it)
+                lost.append(d)
+            else:
                 by_url.setdefault(d.handle.url, []).append(d)
         for url, ds in by_url.items():
             for i in range(0, len(ds), 10):
@@ -850,7 +868,7 @@ class SqsProvider(SideStoreOps):
                 leases = {}
                 entries = []
                 for j, d in enumerate(part):
-                    lease = leases[str(j)] = self._lease_of(d)
+                    lease = leases[str(j)] = self._renewal_of(d, now)
                     entries.append(
                         {
                             "Id": str(j),

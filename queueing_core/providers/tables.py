@@ -59,6 +59,7 @@ from ..tracking.base import (
     invalid_cursor,
     is_enqueue_record,
     newest_per_message,
+    still_as_listed,
 )
 from .storage_errors import refusal
 
@@ -718,6 +719,7 @@ _MATCH_PROPS: Final = [
     "Type",
     "Status",
     "CreatedAt",
+    "UpdatedAt",
     "Archived",
     "CorrelationId",
     "TrackingId",
@@ -1231,7 +1233,9 @@ class TablesTracker(_OnTable):
 
         def listed(e: Mapping[str, Any]) -> bool:
             key = str(e.get("MessageId"))
-            return keys is None or (key in keys and keys[key] in (None, e.get("Status")))
+            return keys is None or (
+                key in keys and still_as_listed(keys[key], e.get("Status"), e.get("UpdatedAt"))
+            )
 
         return await self._delete_where(
             _query_filter(query), lambda e: _entity_matches(query, e) and listed(e)

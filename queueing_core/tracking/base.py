@@ -138,14 +138,25 @@ def invalid_cursor() -> InvalidArgument:
     return InvalidArgument("cursor", "not a cursor from a previous page; pass next_cursor unchanged")
 
 
-#: the message ids a delete may take, or each with the status its record must still have to go (None:
-#: whichever): a purge's, as it listed them
-Only = Collection[UUID | str] | Mapping[UUID | str, str | None]
+#: a record as a purge listed it: its status and when it was last written
+Listed = tuple[str, datetime]
+#: the message ids a delete may take, or each with its record as listed, which it must still be to go
+#: (None: whichever): a purge's
+Only = Collection[UUID | str] | Mapping[UUID | str, Listed | None]
 
 
-def as_listed(only: Only) -> Mapping[UUID | str, str | None]:
-    """``only`` as id -> the status its record must still have (None: whichever)."""
+def as_listed(only: Only) -> Mapping[UUID | str, Listed | None]:
+    """``only`` as id -> the record as listed, which it must still be (None: whichever)."""
     return only if isinstance(only, Mapping) else dict.fromkeys(only)
+
+
+def still_as_listed(listed: Listed | None, status: object, updated_at: object) -> bool:
+    """A stored record (its status and time as stored) is still as it was listed."""
+    if listed is None:
+        return True
+    return (
+        status == listed[0] and isinstance(updated_at, datetime) and as_utc(updated_at) == as_utc(listed[1])
+    )
 
 
 @runtime_checkable
@@ -165,7 +176,8 @@ class Tracker(Protocol):
     async def delete(self, query: MessageQuery, only: Only | None = None) -> int:
         """Delete the records that match ``query`` and, when given, whose message id is one of
         ``only`` (the stored text of a damaged record's id that does not read is a ``str``); where
-        ``only`` maps an id to a status, its record goes only while it still has that status."""
+        ``only`` maps an id to its record as listed, that record goes only while it is still as
+        listed (its status and time)."""
         ...
 
     async def reopen(self, record: MessageRecord) -> None:

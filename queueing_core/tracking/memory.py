@@ -16,6 +16,7 @@ from .base import (
     as_listed,
     invalid_cursor,
     is_enqueue_record,
+    still_as_listed,
     supersedes,
 )
 
@@ -108,7 +109,8 @@ class MemoryTracker:
         doomed = [
             k
             for k, r in self._items.items()
-            if query.matches(r) and (keys is None or (k in keys and keys[k] in (None, r.status)))
+            if query.matches(r)
+            and (keys is None or (k in keys and still_as_listed(keys[k], r.status, r.updated_at)))
         ]
         for k in doomed:
             del self._items[k]

@@ -663,20 +663,32 @@ async def test_tables_a_delete_between_the_read_and_the_merge_is_a_deleted_messa
         assert await _listed(store) == {mid}
 
 
-async def test_a_delete_as_listed_takes_a_record_only_while_it_has_the_status_it_was_listed_with(
-    store: Tracker,
-) -> None:
-    """A purge lists records, then deletes their history: one changed meanwhile (an operator's retry
-    made a dead letter Pending) stays, even where the purge listed other Pending records (a guard by
-    the set of listed statuses took it: found in review). None: whichever status."""
-    moved_on, as_listed, any_status = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+async def test_a_delete_as_listed_takes_a_record_only_while_it_is_as_it_was_listed(store: Tracker) -> None:
+    """A purge lists records, then deletes their history: one changed meanwhile stays, even where
+    the purge listed other records of its new status (an operator's retry made a dead letter Pending
+    while the purge also listed Pending ones), or where it came back to the status it was listed with
+    (the retried copy dead-lettered again: a new letter, written later). Guards by the set of listed
+    statuses, then by each record's status alone, took them (found in reviews). None: whichever."""
+    moved_on, back_again, as_listed, any_status = uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     await store.upsert(
-        [record(moved_on, "Pending", 2), record(as_listed, "Pending", 1), record(any_status, "Failed", 1)]
+        [
+            record(moved_on, "Pending", 2),
+            record(back_again, "DeadLettered", 3),
+            record(as_listed, "Pending", 1),
+            record(any_status, "Failed", 1),
+        ]
     )
-    listed = {moved_on: "DeadLettered", as_listed: "Pending", any_status: None}
+    at = T0 + timedelta(seconds=1)
+    listed = {
+        moved_on: ("DeadLettered", at),
+        back_again: ("DeadLettered", at),
+        as_listed: ("Pending", at),
+        any_status: None,
+    }
     assert await store.delete(MessageQuery(), only=listed) == 2
-    kept = await store.get(moved_on)
-    assert kept is not None
-    assert kept.status == "Pending"
+    for mid, status in ((moved_on, "Pending"), (back_again, "DeadLettered")):
+        kept = await store.get(mid)
+        assert kept is not None
+        assert kept.status == status
     assert await store.get(as_listed) is None
     assert await store.get(any_status) is None

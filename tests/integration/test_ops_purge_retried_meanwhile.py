@@ -101,3 +101,39 @@ async def test_a_letter_retried_after_its_queue_was_emptied_keeps_its_history(tm
         assert await status(rt, waiting) is None  # its message emptied with the queue, its history gone
         assert await status(rt, mid) == MessageStatus.PENDING  # the copy's history kept
         await ops.cancel(mid)  # (it named no message: MessageNotFound)
+
+
+async def test_a_letter_retried_and_dead_lettered_again_during_the_purge_keeps_its_history(
+    tmp_path: Path,
+) -> None:
+    """Retried after the purge listed it, the copy ran and was dead-lettered again before the purge
+    deleted the history: DeadLettered once more, as listed, but a new letter. Its history stays with
+    it (a guard by the status alone took it, and the new letter was left with no history, which the
+    dead-letter list on SQS reads: never listed, never retried; found in review)."""
+    async with dead_lettered(tmp_path) as (rt, provider, mid):
+        ops = OpsService(rt)
+        remove = provider.ops_remove
+        first = await rt.tracker.get(mid)
+        assert first is not None
+
+        async def retried_and_dead_again(query: MessageQuery, records: Any) -> Any:
+            await ops.retry(mid)  # another operator, after this purge listed the history
+            removed = await remove(query, records)  # its letter not there: the copy on its way
+
+            async def dead_again() -> bool:
+                rec = await rt.tracker.get(mid)
+                return (
+                    rec is not None
+                    and rec.status == MessageStatus.DEAD_LETTERED
+                    and rec.updated_at > first.updated_at
+                )
+
+            async with running(rt):  # the copy runs, and is dead-lettered again at once
+                await wait_until(dead_again, what="the copy's dead letter")
+            return removed
+
+        provider.ops_remove = retried_and_dead_again  # type: ignore[method-assign]
+        await ops.purge(MessageQuery(queue=QUEUE))
+        assert await status(rt, mid) == MessageStatus.DEAD_LETTERED  # the new letter's history
+        listed = await rt.tracker.query(MessageQuery(queue=QUEUE, status=("DeadLettered",)))
+        assert [r.message_id for r in listed.items] == [mid]  # listed, so it can be retried

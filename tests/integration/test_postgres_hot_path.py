@@ -215,7 +215,7 @@ async def test_the_prepared_claims_generic_plan_reads_no_whole_table(pg_db):
         await pg.execute("SET plan_cache_mode = force_generic_plan")
         await pg.execute(f"PREPARE claim AS {sql}")
         now = "now()"
-        values = {"b_queue": "'hot'", "b_now": now, "b_lease_until": now, "b_limit": "10"}
+        values = {"b_queue": "'hot'", "b_now": now, "b_lease_until": now, "b_limit": "10", "b_step": "40000"}
         args = ", ".join(values.get(n, repr(prov._hot.claim.defaults[n])) for n in names)
         async with pg.transaction(force_rollback=True):
             plan = [r[0] for r in await (await pg.execute(f"EXPLAIN EXECUTE claim({args})")).fetchall()]

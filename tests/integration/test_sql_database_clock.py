@@ -131,6 +131,16 @@ async def test_a_delayed_message_on_a_host_behind_the_database_is_claimed_once(s
         return utcnow() - timedelta(seconds=30)
 
     prov = sql_db.provider(clock=DatabaseClock(behind))
+    # the claims of the message, counted where they are made (a lease token is no counter of them)
+    claims: list[object] = []
+    receive = prov.receive
+
+    async def counted(sub, max_messages):
+        got = await receive(sub, max_messages)
+        claims.extend(d.envelope.message_id for d in got)
+        return got
+
+    prov.receive = counted
     rt = Runtime(app, prov, clock=behind)
     await rt.open()
     sent = await app.enqueue(Later(), delay=timedelta(seconds=2))
@@ -150,7 +160,8 @@ async def test_a_delayed_message_on_a_host_behind_the_database_is_claimed_once(s
         row = (await conn.execute(sa.select(m).where(m.c.message_id == sent.message_id))).one()
     assert row.status == "Succeeded"
     # one claim to run it (two at most, were it claimed once just before it was due)
-    assert row.lease_token <= 2, f"claimed {row.lease_token} times in a claim/defer spin"
+    times = claims.count(sent.message_id)
+    assert 1 <= times <= 2, f"claimed {times} times in a claim/defer spin"
     await rt.close()
 
 

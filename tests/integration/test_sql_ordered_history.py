@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core.providers.sql.statements import claim_params
 
 from .history_rows import fill
 from .test_sql_history_plan import nodes
@@ -36,7 +37,7 @@ async def test_an_ordered_claim_reads_no_history(sql_db):
         assert prov._hot is not None
         head = prov._hot.claim_head
         lease = now + timedelta(seconds=30)
-        values = head.params({"b_queue": "ordered_hist", "b_now": now, "b_lease_until": lease})
+        values = head.params(claim_params("ordered_hist", 1, now, lease))
         with sqlite3.connect(sql_db.url.removeprefix("sqlite:///")) as conn:
             plan = [str(r[3]) for r in conn.execute(f"EXPLAIN QUERY PLAN {head.sql}", values)]
         assert not sqlite_reads(plan, m.name), plan

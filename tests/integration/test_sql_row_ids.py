@@ -1,6 +1,7 @@
 """A message's row id is never given to another message, so a run of a deleted message can never
-settle or renew a new one. The fence is (row id, lease token, worker): a new row's first claim gets
-token 1, as the deleted row's first claim did, so a reused id would let the old run through. SQLite
+settle or renew a new one. The fence is (row id, lease token, worker): a new row's first claim could
+get the token the deleted row's first claim did (always, when tokens were counted from 0), so a
+reused id would let the old run through. SQLite
 reuses the highest id once its row is deleted unless the table says AUTOINCREMENT (PostgreSQL's
 sequence never repeats); both databases run these, and the migration that rebuilds an older SQLite
 table keeps its rows and ids. Found in review: both scenarios failed on SQLite before."""

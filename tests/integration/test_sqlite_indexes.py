@@ -12,7 +12,7 @@ from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.providers.sql.schema import MIGRATIONS, migrate
 from queueing_core.providers.sql.sqlite_driver import SqliteCompiled, named_dialect
-from queueing_core.providers.sql.statements import bind
+from queueing_core.providers.sql.statements import claim_params
 from queueing_core.runtime import Runtime
 from queueing_core.tracking import MessageQuery
 
@@ -103,7 +103,7 @@ async def test_listings_by_status_and_the_claim_read_an_index_on_100k_rows(tmp_p
     now = prov.clock()
     # the claim as the SQLite hot path runs it (named parameters, values processed as it binds them)
     hot = SqliteCompiled(prov.statements.claim, named_dialect(prov.engine))
-    claim, params = hot.sql, hot.params(bind(queue="idx0", limit=10, now=now, lease_until=now))
+    claim, params = hot.sql, hot.params(claim_params("idx0", 10, now, now))
     async with prov.engine.connect() as conn:
         plans = []
         for statement, values in [*seen, (claim, params)]:

@@ -15,6 +15,7 @@ from ...control import circuit
 from ...control.base import CANCEL_KEPT, CircuitState, ControlState, PauseKind
 from ...messages import MessageStatus
 from ...options import CircuitBreakerOptions
+from .errors import db_boundary
 
 if TYPE_CHECKING:
     from .provider import SqlProvider
@@ -46,57 +47,64 @@ class SqlControlStore:
 
     async def state(self) -> ControlState:
         p, c, x = self._t.pauses, self._t.circuits, self._t.cancels
-        await self.provider.ensure_open()
-        since = self.provider.clock() - CANCEL_KEPT
-        async with self.provider.engine.connect() as conn:
-            cancels = (
-                await conn.execute(sa.select(x.c.message_id).where(x.c.requested_at > since))
-            ).scalars()
-            cancelled = frozenset(cancels)
-            pauses = (await conn.execute(sa.select(p.c.kind, p.c.name))).all()
-            # every circuit with something to say: open, half-open, or closed with failures counted
-            # (the pipeline records a success only where it sees failures to reset)
-            circuits = (
-                await conn.execute(
-                    sa.select(c).where(sa.or_(c.c.state != "closed", c.c.consecutive_failures > 0))
-                )
-            ).all()
-        return ControlState(
-            paused_queues=frozenset(n for k, n in pauses if k == "queue"),
-            paused_types=frozenset(n for k, n in pauses if k == "type"),
-            circuits={r.type: _state_of(r) for r in circuits},
-            paused_schedules=frozenset(n for k, n in pauses if k == "schedule"),
-            cancelled=cancelled,
-        )
+        with db_boundary("reading pause and circuit state"):
+            await self.provider.ensure_open()
+            since = self.provider.clock() - CANCEL_KEPT
+            async with self.provider.engine.connect() as conn:
+                cancels = (
+                    await conn.execute(sa.select(x.c.message_id).where(x.c.requested_at > since))
+                ).scalars()
+                cancelled = frozenset(cancels)
+                pauses = (await conn.execute(sa.select(p.c.kind, p.c.name))).all()
+                # every circuit with something to say: open, half-open, or closed with failures counted
+                # (the pipeline records a success only where it sees failures to reset)
+                circuits = (
+                    await conn.execute(
+                        sa.select(c).where(sa.or_(c.c.state != "closed", c.c.consecutive_failures > 0))
+                    )
+                ).all()
+            return ControlState(
+                paused_queues=frozenset(n for k, n in pauses if k == "queue"),
+                paused_types=frozenset(n for k, n in pauses if k == "type"),
+                circuits={r.type: _state_of(r) for r in circuits},
+                paused_schedules=frozenset(n for k, n in pauses if k == "schedule"),
+                cancelled=cancelled,
+            )
 
     async def set_cancel(self, message_id: UUID, requested: bool, now: datetime) -> None:
         x = self._t.cancels
-        await self.provider.ensure_open()
-        async with self.provider.engine.begin() as conn:
-            await conn.execute(
-                x.delete().where(sa.or_(x.c.message_id == message_id, x.c.requested_at < now - CANCEL_KEPT))
-            )
-            if requested:
-                try:
-                    async with conn.begin_nested():
-                        await conn.execute(x.insert().values(message_id=message_id, requested_at=now))
-                except sa.exc.IntegrityError:
-                    pass  # another request for it committed meanwhile: one is enough
-                if self.provider.backend == "postgresql":  # every host hears it at commit
-                    await conn.execute(
-                        sa.select(sa.func.pg_notify(self.provider.channel, f"{CANCEL_PREFIX}{message_id}"))
+        with db_boundary("storing a cancellation request"):
+            await self.provider.ensure_open()
+            async with self.provider.engine.begin() as conn:
+                await conn.execute(
+                    x.delete().where(
+                        sa.or_(x.c.message_id == message_id, x.c.requested_at < now - CANCEL_KEPT)
                     )
+                )
+                if requested:
+                    try:
+                        async with conn.begin_nested():
+                            await conn.execute(x.insert().values(message_id=message_id, requested_at=now))
+                    except sa.exc.IntegrityError:
+                        pass  # another request for it committed meanwhile: one is enough
+                    if self.provider.backend == "postgresql":  # every host hears it at commit
+                        await conn.execute(
+                            sa.select(
+                                sa.func.pg_notify(self.provider.channel, f"{CANCEL_PREFIX}{message_id}")
+                            )
+                        )
 
     async def identity_doc(self, type_name: str, identity: str) -> tuple[dict[str, Any], object] | None:
         i = self._t.identities
-        await self.provider.ensure_open()
-        async with self.provider.engine.connect() as conn:
-            row = (
-                await conn.execute(
-                    sa.select(i.c.doc, i.c.version).where(i.c.type == type_name, i.c.identity == identity)
-                )
-            ).first()
-        return None if row is None else (json.loads(row.doc), row.version)
+        with db_boundary("reading an identity"):
+            await self.provider.ensure_open()
+            async with self.provider.engine.connect() as conn:
+                row = (
+                    await conn.execute(
+                        sa.select(i.c.doc, i.c.version).where(i.c.type == type_name, i.c.identity == identity)
+                    )
+                ).first()
+            return None if row is None else (json.loads(row.doc), row.version)
 
     async def put_identity_doc(
         self, type_name: str, identity: str, doc: dict[str, Any], token: object | None
@@ -104,96 +112,99 @@ class SqlControlStore:
         i = self._t.identities
         text = json.dumps(doc, separators=(",", ":"))
         now = self.provider.clock()
-        await self.provider.ensure_open()
-        async with self.provider.engine.begin() as conn:
-            if token is None:
-                try:
-                    async with conn.begin_nested():
-                        await conn.execute(
-                            i.insert().values(
-                                type=type_name, identity=identity, doc=text, version=1, updated_at=now
+        with db_boundary("storing an identity"):
+            await self.provider.ensure_open()
+            async with self.provider.engine.begin() as conn:
+                if token is None:
+                    try:
+                        async with conn.begin_nested():
+                            await conn.execute(
+                                i.insert().values(
+                                    type=type_name, identity=identity, doc=text, version=1, updated_at=now
+                                )
                             )
-                        )
-                except sa.exc.IntegrityError:
-                    return False  # another writer created it first
-                return True
-            res = await conn.execute(
-                sa.update(i)
-                .where(i.c.type == type_name, i.c.identity == identity, i.c.version == token)
-                .values(doc=text, version=i.c.version + 1, updated_at=now)
-            )
-            return bool(res.rowcount == 1)
+                    except sa.exc.IntegrityError:
+                        return False  # another writer created it first
+                    return True
+                res = await conn.execute(
+                    sa.update(i)
+                    .where(i.c.type == type_name, i.c.identity == identity, i.c.version == token)
+                    .values(doc=text, version=i.c.version + 1, updated_at=now)
+                )
+                return bool(res.rowcount == 1)
 
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
         p, m = self._t.pauses, self._t.messages
         now = self.provider.clock()
-        await self.provider.ensure_open()
-        async with self.provider.engine.begin() as conn:
-            if paused:
-                exists = (
-                    await conn.execute(sa.select(p.c.name).where(p.c.kind == kind, p.c.name == name))
-                ).first()
-                if exists is None:
-                    try:
-                        async with conn.begin_nested():
-                            await conn.execute(p.insert().values(kind=kind, name=name, paused_at=now))
-                    except sa.exc.IntegrityError:
-                        pass  # another pause of it committed meanwhile (two operators at once): paused
-                return
-            await conn.execute(p.delete().where(p.c.kind == kind, p.c.name == name))
-            if kind == "schedule":
-                return  # a schedule holds no messages
-            # held rows become claimable at once instead of at their next recheck
-            column = m.c.queue if kind == "queue" else m.c.type
-            await conn.execute(
-                sa.update(m)
-                .where(column == name, m.c.status == MessageStatus.PAUSED.value)
-                .values(status=MessageStatus.PENDING.value, available_at=now, updated_at=now)
-            )
-            queues = (
-                [name]
-                if kind == "queue"
-                else list(
-                    (await conn.execute(sa.select(m.c.queue).where(m.c.type == name).limit(1))).scalars()
+        with db_boundary("a pause or resume"):
+            await self.provider.ensure_open()
+            async with self.provider.engine.begin() as conn:
+                if paused:
+                    exists = (
+                        await conn.execute(sa.select(p.c.name).where(p.c.kind == kind, p.c.name == name))
+                    ).first()
+                    if exists is None:
+                        try:
+                            async with conn.begin_nested():
+                                await conn.execute(p.insert().values(kind=kind, name=name, paused_at=now))
+                        except sa.exc.IntegrityError:
+                            pass  # another pause of it committed meanwhile (two operators at once): paused
+                    return
+                await conn.execute(p.delete().where(p.c.kind == kind, p.c.name == name))
+                if kind == "schedule":
+                    return  # a schedule holds no messages
+                # held rows become claimable at once instead of at their next recheck
+                column = m.c.queue if kind == "queue" else m.c.type
+                await conn.execute(
+                    sa.update(m)
+                    .where(column == name, m.c.status == MessageStatus.PAUSED.value)
+                    .values(status=MessageStatus.PENDING.value, available_at=now, updated_at=now)
                 )
-            )
-            await self.provider.notify_statements(conn, set(queues))
+                queues = (
+                    [name]
+                    if kind == "queue"
+                    else list(
+                        (await conn.execute(sa.select(m.c.queue).where(m.c.type == name).limit(1))).scalars()
+                    )
+                )
+                await self.provider.notify_statements(conn, set(queues))
 
     async def _update(
         self, type_name: str, change: Callable[[CircuitState], CircuitState | None]
     ) -> tuple[CircuitState, bool]:
         """Compare-and-set on the row's version; ``change`` returning None means no write."""
         c = self._t.circuits
-        await self.provider.ensure_open()
-        for _ in range(_CAS_TRIES):
-            async with self.provider.engine.begin() as conn:
-                row = (await conn.execute(sa.select(c).where(c.c.type == type_name))).first()
-                current = _state_of(row) if row is not None else CircuitState.closed(type_name)
-                new = change(current)
-                if new is None:
-                    return current, False
-                values = dict(
-                    state=new.state,
-                    consecutive_failures=new.consecutive_failures,
-                    opened_at=new.opened_at,
-                    open_until=new.open_until,
-                    probe_until=new.probe_until,
-                )
-                if row is None:
-                    try:
-                        async with conn.begin_nested():
-                            await conn.execute(c.insert().values(type=type_name, version=1, **values))
-                    except sa.exc.IntegrityError:
-                        continue  # someone else created it first: read again
-                    return new, True
-                res = await conn.execute(
-                    sa.update(c)
-                    .where(c.c.type == type_name, c.c.version == row.version)
-                    .values(version=row.version + 1, **values)
-                )
-                if res.rowcount == 1:
-                    return new, True
-        raise RuntimeError(f"circuit state for {type_name!r} kept changing under {_CAS_TRIES} attempts")
+        with db_boundary("updating a circuit"):
+            await self.provider.ensure_open()
+            for _ in range(_CAS_TRIES):
+                async with self.provider.engine.begin() as conn:
+                    row = (await conn.execute(sa.select(c).where(c.c.type == type_name))).first()
+                    current = _state_of(row) if row is not None else CircuitState.closed(type_name)
+                    new = change(current)
+                    if new is None:
+                        return current, False
+                    values = dict(
+                        state=new.state,
+                        consecutive_failures=new.consecutive_failures,
+                        opened_at=new.opened_at,
+                        open_until=new.open_until,
+                        probe_until=new.probe_until,
+                    )
+                    if row is None:
+                        try:
+                            async with conn.begin_nested():
+                                await conn.execute(c.insert().values(type=type_name, version=1, **values))
+                        except sa.exc.IntegrityError:
+                            continue  # someone else created it first: read again
+                        return new, True
+                    res = await conn.execute(
+                        sa.update(c)
+                        .where(c.c.type == type_name, c.c.version == row.version)
+                        .values(version=row.version + 1, **values)
+                    )
+                    if res.rowcount == 1:
+                        return new, True
+            raise RuntimeError(f"circuit state for {type_name!r} kept changing under {_CAS_TRIES} attempts")
 
     async def record_failure(
         self, type_name: str, opts: CircuitBreakerOptions, now: datetime

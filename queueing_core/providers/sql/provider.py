@@ -57,7 +57,7 @@ from .retention import RetentionPolicy
 from .rows import Lease, copy_rows, delivery_from_row, row_for, unnest_params
 from .schema import DONE_PREFIX, LATEST, Tables, current_version, done_channel_for, migrate
 from .sqlite_driver import SqliteCompiled, SqliteDriverPath, named_dialect
-from .statements import Statements, bind, leases_of
+from .statements import Statements, bind, claim_params, leases_of
 from .statements import notify_statement as notify_statement  # the outbox's wake-ups
 from .tracker import SqlTracker
 
@@ -384,18 +384,19 @@ class SqlProvider:
 
     async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
         # every send commits before returning, so ``wait`` (durably accepted) holds either way
-        await self.ensure_open()
-        now = self.clock()
-        rows = self.rows_for(envelopes, now)
-        if self.backend == "postgresql" and len(rows) >= COPY_FROM:
-            await self._copy_in(rows)
-        elif self.backend == "postgresql":
-            # one statement, one round trip: arrays in, rows and wake-ups out
-            async with self.auto.connect() as conn:
-                await conn.execute(self.statements.insert_unnest, unnest_params(rows, self.channel))
-        else:
-            async with self.engine.begin() as conn:
-                await conn.execute(insert_statement(self.tables, self.backend), rows)
+        with db_boundary("a send"):
+            await self.ensure_open()
+            now = self.clock()
+            rows = self.rows_for(envelopes, now)
+            if self.backend == "postgresql" and len(rows) >= COPY_FROM:
+                await self._copy_in(rows)
+            elif self.backend == "postgresql":
+                # one statement, one round trip: arrays in, rows and wake-ups out
+                async with self.auto.connect() as conn:
+                    await conn.execute(self.statements.insert_unnest, unnest_params(rows, self.channel))
+            else:
+                async with self.engine.begin() as conn:
+                    await conn.execute(insert_statement(self.tables, self.backend), rows)
         for env in envelopes:
             self._note_due(env.queue, env.not_before or now)
 
@@ -453,7 +454,7 @@ class SqlProvider:
     def _claim_params(
         sub: Subscription, max_messages: int, now: datetime, lease_until: datetime
     ) -> dict[str, Any]:
-        return bind(queue=sub.queue, now=now, lease_until=lease_until, limit=max_messages)
+        return claim_params(sub.queue, max_messages, now, lease_until)
 
     async def _leased(
         self, claimed: list[Delivery], sub: Subscription, lease_until: datetime
@@ -495,7 +496,7 @@ class SqlProvider:
         and bound values), to read its plan."""
         stmt = self.statements.claim_head if ordered else self.statements.claim
         compiled = stmt.compile(dialect=self.engine.dialect)
-        params = {**compiled.params, **bind(queue=queue, limit=limit, now=now, lease_until=lease_until)}
+        params = {**compiled.params, **claim_params(queue, limit, now, lease_until)}
         return str(compiled), params
 
     def _wake(self, queue: str) -> None:
@@ -701,8 +702,10 @@ class SqlProvider:
         def refused(results: Sequence[Result]) -> list[Delivery]:
             out: list[Delivery] = []
             if fast:
-                done = {r["id"] for r in results[0].rows}
-                out += [d for d in fast if d.handle.row not in done]
+                # the leases, not the rows: a stale run's lease of a row whose live run is in the
+                # same batch is refused, though the row was settled (under the live run's token)
+                done = {Lease(r["id"], r["lease_token"]) for r in results[0].rows}
+                out += [d for d in fast if d.handle not in done]
             first = 1 if fast else 0
             # (the wake-ups follow the single-row statements: zip stops at the last of those)
             out += [d for d, res in zip(singles, results[first:], strict=False) if res.rowcount != 1]
@@ -721,12 +724,9 @@ class SqlProvider:
         if fast:
             # the common batch (all successes): one autocommit round trip that says what it settled
             async with self.auto.connect() as conn:
-                done = set(
-                    (
-                        await conn.execute(self.statements.complete_many, _many(self.backend, fast, now=now))
-                    ).scalars()
-                )
-            refused += [d for d in fast if d.handle.row not in done]
+                stmt, params = self.statements.complete_many, _many(self.backend, fast, now=now)
+                done = {Lease(*r) for r in (await conn.execute(stmt, params)).all()}
+            refused += [d for d in fast if d.handle not in done]  # (by lease, as the hot path's)
         for shape, items in shaped.items():
             refused += await self._settle_each(self.statements.settle[shape], items)
         if wake and self.backend == "postgresql":
@@ -770,20 +770,23 @@ class SqlProvider:
             sub = self._app.by_queue().get(queue)
             until = now + (sub.options.lease_duration if sub else timedelta(seconds=30))
             groups.append((ds, until, _many(self.backend, ds, until=until)))
-        kept_per_group: list[set[int]]
+        # the leases renewed, (row, token): a stale run's lease sent with the live run's of the same
+        # row is lost, though the row was renewed (under the live run's token)
+        kept_per_group: list[set[Lease]]
         if self._hot is not None:
             # every queue's renewal in one pipeline (one round trip), on the claims' connections
             hot = self._hot.renew
             results = await self._driver.run(self.claims, "a lease renewal", [(hot, p) for _, _, p in groups])
-            kept_per_group = [{r["id"] for r in res.rows} for res in results]
+            kept_per_group = [{Lease(r["id"], r["lease_token"]) for r in res.rows} for res in results]
         else:
             kept_per_group = []
             async with self.claims.connect() as conn:
                 for _, _, params in groups:
-                    kept_per_group.append(set((await conn.execute(self.statements.renew, params)).scalars()))
+                    renewed = (await conn.execute(self.statements.renew, params)).all()
+                    kept_per_group.append({Lease(*r) for r in renewed})
         for (ds, until, _), kept in zip(groups, kept_per_group, strict=True):
             for d in ds:
-                if d.handle.row in kept:
+                if d.handle in kept:
                     d.lease_until = until
                 else:
                     lost.append(d)
@@ -799,12 +802,14 @@ class SqlProvider:
     async def send_idempotent(
         self, envelopes: Sequence[Envelope], identities: Sequence[str]
     ) -> list[IdempotentOutcome]:
-        await self.ensure_open()
-        return await sql_idempotent.send(self, envelopes, identities)
+        with db_boundary("an idempotent send"):
+            await self.ensure_open()
+            return await sql_idempotent.send(self, envelopes, identities)
 
     async def previous_of(self, sub: Subscription, message: QueueMessage) -> QueueMessage | None:
-        await self.ensure_open()
-        return await sql_idempotent.previous(self, sub, message, identity_of(sub.options, message))
+        with db_boundary("reading a previous version"):
+            await self.ensure_open()
+            return await sql_idempotent.previous(self, sub, message, identity_of(sub.options, message))
 
     async def superseded_by(self, sub: Subscription, message: QueueMessage) -> UUID | None:
         """The newer version that supersedes this one, if any; a failed lookup runs it (a duplicate run
@@ -859,9 +864,10 @@ class SqlProvider:
         """Sweep expired leases, expire overdue waiting rows, archive and prune. Safe on every host."""
         from .maintenance import run_maintenance
 
-        await self.ensure_open()
-        lease_now = await self.lease_time()
-        return await run_maintenance(self, app or self._app, self.clock(), lease_now)
+        with db_boundary("maintenance"):
+            await self.ensure_open()
+            lease_now = await self.lease_time()
+            return await run_maintenance(self, app or self._app, self.clock(), lease_now)
 
     async def lease_time(self) -> datetime:
         """The time leases are written and compared on (a sweep of lapsed leases): the database's,

@@ -251,9 +251,9 @@ def build_metadata(schema: str | None = None) -> sa.MetaData:
         partial_index("ix_queueing_messages_identity", "type", "identity", where="identity IS NOT NULL"),
         # SQLite: ids never reused (v12). Without AUTOINCREMENT a new row takes the highest id left
         # plus one, so deleting the newest row hands its id to the next message, whose first claim
-        # gets the same lease token (1) as the deleted row's first claim: the fence on (id, token)
-        # then let a run of the deleted message settle or renew the new one. PostgreSQL's sequence
-        # never gives an id twice.
+        # could get the same lease token as the deleted row's (with tokens counted from 0, it always
+        # did): the fence on (id, token) then let a run of the deleted message settle or renew the
+        # new one. PostgreSQL's sequence never gives an id twice.
         sqlite_autoincrement=True,
     )
     sa.Table(

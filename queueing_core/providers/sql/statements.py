@@ -7,7 +7,9 @@ batch was a third of the worker's CPU. These objects are reused with new paramet
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -28,6 +30,31 @@ def P(name: str, **kw: Any) -> sa.BindParameter[Any]:
 def bind(**values: Any) -> dict[str, Any]:
     """Parameters for statements built with :func:`P`."""
     return {f"b_{k}": v for k, v in values.items()}
+
+
+#: lease tokens are kept in [0, TOKENS): a token fits the INTEGER column; every claim moves a row's
+#: token by a step drawn per claim from STEPS, never a multiple of TOKENS, so it always changes
+TOKENS = 2**31 - 1
+#: (from 2**15: psycopg sends every such step as an ``int4``, so the prepared claim's parameter types,
+#: part of its key, are the same on every call)
+STEPS = (2**15, TOKENS - 1)
+
+
+def claim_step() -> int:
+    """A claim's token step: random, so a claim's token says nothing of the claims before it. A
+    counter (the token plus one) gave a claim whose commit was lost (a relaxed claim in a database
+    crash, a failover to an asynchronous standby) and the next claim of the row from the same stored
+    token the same token: the lost claim's run, still going, and the live run were one lease to the
+    fence, and the stale run's outcome could win over the live one's. Now two claims from one stored
+    token share a token with a probability of about one in 2**31."""
+    low, high = STEPS
+    return low + secrets.randbelow(high - low + 1)
+
+
+def claim_params(queue: str, limit: int, now: datetime, lease_until: datetime) -> dict[str, Any]:
+    """The bound values of a claim (:attr:`Statements.claim`, :attr:`Statements.claim_head`): the one
+    place a claim's token step is drawn."""
+    return bind(queue=queue, now=now, lease_until=lease_until, limit=limit, step=claim_step())
 
 
 def claim_columns(m: sa.Table) -> list[sa.ColumnElement[Any]]:
@@ -96,12 +123,21 @@ class Statements:
                 sa.and_(c.c.state == "half_open", sa.or_(c.c.probe_until.is_(None), c.c.probe_until > now)),
             ),
         )
-        # every claim takes a new lease token: the fence that every later statement on the row names
+        # every claim takes a new lease token: the fence that every later statement on the row names.
+        # Not the token plus one: moved by a random step (``claim_step``, bound: one statement text),
+        # so a claim whose commit was lost and the row's next claim never share a token but by chance
+        # (one in 2**31); the token always changes, and stays in the INTEGER column's range
+        # (PostgreSQL's ``mod()``, not ``%``, which psycopg's text spells ``%%``; SQLite has no ``mod()``)
+        moved = sa.cast(m.c.lease_token, sa.BigInteger()) + P("step", type_=sa.BigInteger())
+        modulus = sa.literal_column(str(TOKENS), sa.BigInteger())
+        token = (
+            sa.func.mod(moved, modulus, type_=sa.BigInteger()) if backend == "postgresql" else moved % modulus
+        )
         take = {
             "status": LEASED,
             "locked_by": worker_id,
             "locked_until": P("lease_until"),
-            "lease_token": m.c.lease_token + 1,
+            "lease_token": token,
             "updated_at": now,
         }
 
@@ -233,7 +269,9 @@ class Statements:
             .values(
                 status=MessageStatus.SUCCEEDED.value, attempt=m.c.attempt + 1, reason=sa.null(), **settled
             )
-            .returning(m.c.id)
+            # the leases it settled, (id, token): one process may hold two runs of a row (a release, a
+            # sweep), and only the pair tells the live run's lease from the stale one's in one batch
+            .returning(m.c.id, m.c.lease_token)
         )
         # A run that leaves its message waiting (a retry, a delay, a release) while its cancellation
         # stands ends it Cancelled instead: the request was made while it ran (a cancel of a leased row
@@ -319,7 +357,10 @@ class Statements:
             .values(status=MessageStatus.EXPIRED.value, reason=DeadLetterReason.EXPIRED.value, **settled),
         }
 
-        self.renew = sa.update(m).where(owned_many).values(locked_until=P("until")).returning(m.c.id)
+        # (as ``complete_many``: the leases it renewed, by (id, token))
+        self.renew = (
+            sa.update(m).where(owned_many).values(locked_until=P("until")).returning(m.c.id, m.c.lease_token)
+        )
         # another worker holds a lease (any queue): on the lease sweeper's index, whose predicate this
         # repeats; it stops at the first such row, and otherwise reads this worker's own leased rows only
         self.other_claimer = sa.select(sa.exists().where(sa.text(LEASED_SQL), m.c.locked_by != worker_id))

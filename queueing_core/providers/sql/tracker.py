@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections import defaultdict
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ import sqlalchemy as sa
 from ...clock import as_utc
 from ...messages import MessageStatus
 from ...tracking.base import Activity, MessageQuery, MessageRecord, Only, Page, as_listed, invalid_cursor
+from .errors import db_boundary
 from .records import read_record, stored_in_order
 from .schema import IN_LIST_BATCH, LEASED_SQL, UNLEASED_SQL, archived, claimable, tracked_by
 
@@ -144,11 +144,12 @@ class SqlTracker:
         """Nothing to do: the provider's retry statement reopens the row itself."""
 
     async def get(self, message_id: UUID) -> MessageRecord | None:
-        await self.provider.ensure_open()
-        async with self.provider.engine.connect() as conn:
-            row = (
-                await conn.execute(sa.select(*self.columns()).where(self._m.c.message_id == message_id))
-            ).first()
+        with db_boundary("reading a message"):
+            await self.provider.ensure_open()
+            async with self.provider.engine.connect() as conn:
+                row = (
+                    await conn.execute(sa.select(*self.columns()).where(self._m.c.message_id == message_id))
+                ).first()
         return None if row is None else self.record(row)
 
     def _page(
@@ -200,9 +201,10 @@ class SqlTracker:
             )
         else:
             stmt = self._page(query, after, limit + 1)
-        await self.provider.ensure_open()
-        async with self.provider.engine.connect() as conn:
-            rows = (await conn.execute(stmt)).all()
+        with db_boundary("listing messages"):
+            await self.provider.ensure_open()
+            async with self.provider.engine.connect() as conn:
+                rows = (await conn.execute(stmt)).all()
         more = len(rows) > limit
         rows = rows[:limit]
         items = [self.record(r) for r in rows]
@@ -234,9 +236,10 @@ class SqlTracker:
                 .where(archived(m, False))
                 .group_by(m.c.queue, m.c.status)
             )
-        await self.provider.ensure_open()
-        async with self.provider.engine.connect() as conn:
-            rows = (await conn.execute(stmt)).all()
+        with db_boundary("counting messages"):
+            await self.provider.ensure_open()
+            async with self.provider.engine.connect() as conn:
+                rows = (await conn.execute(stmt)).all()
         return {(str(r[0]), str(r[1])): int(r[2]) for r in rows}
 
     async def delete(self, query: MessageQuery, only: Only | None = None) -> int:
@@ -248,25 +251,23 @@ class SqlTracker:
             given = list(as_listed(only).items())
             for start in range(0, len(given), IN_LIST_BATCH):  # bound values per statement: bounded
                 part = given[start : start + IN_LIST_BATCH]
-                by_status: defaultdict[str | None, list[UUID]] = defaultdict(list)
-                for i, status in part:
-                    if isinstance(i, UUID):
-                        by_status[status].append(i)
+                ids = [i for i, seen in part if isinstance(i, UUID) and seen is None]
+                # (one row value each: an OR of a clause per record passed SQLite's expression depth)
+                as_seen = [(i, s[0], as_utc(s[1])) for i, s in part if isinstance(i, UUID) and s is not None]
                 # a damaged row's id, by its stored text (only SQLite can store an id that is not one)
                 texts = [i for i, _ in part if isinstance(i, str)]
-                picks = [
-                    m.c.message_id.in_(ids)
-                    if status is None
-                    else sa.and_(m.c.message_id.in_(ids), m.c.status == status)
-                    for status, ids in by_status.items()
-                ]
-                by_id = sa.or_(*picks, sa.cast(m.c.message_id, sa.Text()).in_(texts))
+                by_id = sa.or_(
+                    m.c.message_id.in_(ids),
+                    sa.tuple_(m.c.message_id, m.c.status, m.c.updated_at).in_(as_seen),
+                    sa.cast(m.c.message_id, sa.Text()).in_(texts),
+                )
                 batches.append([*where, by_id])
-        await self.provider.ensure_open()
         deleted = 0
-        for conditions in batches:
-            async with self.provider.engine.begin() as conn:
-                deleted += (await conn.execute(sa.delete(m).where(*conditions))).rowcount or 0
+        with db_boundary("deleting messages"):
+            await self.provider.ensure_open()
+            for conditions in batches:
+                async with self.provider.engine.begin() as conn:
+                    deleted += (await conn.execute(sa.delete(m).where(*conditions))).rowcount or 0
         return deleted
 
     async def activity(
@@ -297,15 +298,16 @@ class SqlTracker:
             )
             .group_by(m.c.queue, sa.literal_column("slot"), sa.literal_column("ok"))
         )
-        await self.provider.ensure_open()
-        async with self.provider.engine.connect() as conn:
-            rows = (await conn.execute(settled)).all()
-            oldest = []
-            for queue in queues:  # one claim-index lookup per queue, not a scan of every waiting row
-                due = sa.select(sa.func.min(m.c.available_at)).where(
-                    m.c.queue == queue, claimable(), m.c.available_at <= now
-                )
-                oldest.append((queue, (await conn.execute(due)).scalar()))
+        with db_boundary("reading the activity"):
+            await self.provider.ensure_open()
+            async with self.provider.engine.connect() as conn:
+                rows = (await conn.execute(settled)).all()
+                oldest = []
+                for queue in queues:  # one claim-index lookup per queue, not a scan of every waiting row
+                    due = sa.select(sa.func.min(m.c.available_at)).where(
+                        m.c.queue == queue, claimable(), m.c.available_at <= now
+                    )
+                    oldest.append((queue, (await conn.execute(due)).scalar()))
         out = Activity(since=since, slot_seconds=slot_seconds)
         spent: dict[str, list[float]] = {}
         counted: dict[str, list[int]] = {}

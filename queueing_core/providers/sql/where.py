@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from ...messages import MessageStatus
+from .errors import db_boundary
 from .schema import CLAIMABLE, IN_LIST_BATCH, archived
 
 if TYPE_CHECKING:
@@ -129,15 +130,18 @@ async def update_status(
     elif new_status in {s.value for s in MessageStatus.terminal()}:
         values["settled_at"] = now
     update = sa.update(m).where(*where).values(**values)
-    async with p.engine.begin() as conn:
-        if new_status not in CLAIMABLE:
-            return (await conn.execute(update)).rowcount or 0
-        # put back to run: a cancellation asked for earlier (kept a day) would have the worker settle
-        # it Cancelled again without running it, so those requests go with it, in the same transaction
-        # and for exactly the rows changed (as an operator's retry of a cancelled message clears its own)
-        changed = list((await conn.execute(update.returning(m.c.message_id))).scalars())
-        x = p.tables.cancels
-        for start in range(0, len(changed), IN_LIST_BATCH):
-            await conn.execute(x.delete().where(x.c.message_id.in_(changed[start : start + IN_LIST_BATCH])))
-        await p.notify_statements(conn, {queue})
+    with db_boundary("an update of statuses"):
+        async with p.engine.begin() as conn:
+            if new_status not in CLAIMABLE:
+                return (await conn.execute(update)).rowcount or 0
+            # put back to run: a cancellation asked for earlier (kept a day) would have the worker settle
+            # it Cancelled again without running it, so those requests go with it, in the same transaction
+            # and for exactly the rows changed (as an operator's retry of a cancelled message clears its own)
+            changed = list((await conn.execute(update.returning(m.c.message_id))).scalars())
+            x = p.tables.cancels
+            for start in range(0, len(changed), IN_LIST_BATCH):
+                await conn.execute(
+                    x.delete().where(x.c.message_id.in_(changed[start : start + IN_LIST_BATCH]))
+                )
+            await p.notify_statements(conn, {queue})
     return len(changed)
