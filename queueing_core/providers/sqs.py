@@ -856,19 +856,22 @@ class SqsProvider(SideStoreOps):
         lost: list[Delivery] = [d for d in deliveries if d.handle.lease not in ours]
         by_url: dict[str, list[Delivery]] = {}
         for d in deliveries:
-            if d.handle.lease not in ours:
-                continue
-            if not self._renewal_of(d, now):  # (its 12 hours are over: a timeout of 0 would free it)
-                lost.append(d)
-            else:
+            if d.handle.lease in ours:
                 by_url.setdefault(d.handle.url, []).append(d)
         for url, ds in by_url.items():
             for i in range(0, len(ds), 10):
                 part = ds[i : i + 10]
+                # (as for a receive: the new timeout starts within the call; what is left of the 12
+                # hours counted from here, not from before the batches ahead of this one)
+                sent_at = self.clock()
                 leases = {}
                 entries = []
                 for j, d in enumerate(part):
-                    lease = leases[str(j)] = self._renewal_of(d, now)
+                    lease = self._renewal_of(d, sent_at)
+                    if not lease:  # its 12 hours are over (a timeout of 0 would free the message)
+                        lost.append(d)
+                        continue
+                    leases[str(j)] = lease
                     entries.append(
                         {
                             "Id": str(j),
@@ -876,7 +879,8 @@ class SqsProvider(SideStoreOps):
                             "VisibilityTimeout": whole_seconds(lease, MAX_VISIBILITY),
                         }
                     )
-                sent_at = self.clock()  # (as for a receive: the new timeout starts within the call)
+                if not entries:
+                    continue
                 try:
                     resp = await self._call(
                         "renewing leases",
@@ -885,13 +889,13 @@ class SqsProvider(SideStoreOps):
                         Entries=entries,
                     )
                 except ProviderError:
-                    lost += part
+                    lost += [d for j, d in enumerate(part) if str(j) in leases]
                     continue
                 failed = {f["Id"] for f in resp.get("Failed") or []}
                 for j, d in enumerate(part):
                     if str(j) in failed:
                         lost.append(d)
-                    else:
+                    elif str(j) in leases:
                         d.lease_until = sent_at + leases[str(j)]
         return lost
 
