@@ -2,6 +2,11 @@ import asyncio
 import shutil
 import subprocess
 
+# schemathesis's pytest plugin imports its HTML report writer at the session's end, through pytest's
+# assertion rewriter, whose parse then failed on CPython 3.11.7 after a failing test ("AST constructor
+# recursion depth mismatch") and hid the failures' report; imported now, it is parsed before any test
+import schemathesis.reporting.html.writer  # noqa: F401
+
 pytest_plugins = ["tests.azurite", "tests.hung_tasks", "tests.scram_postgres", "tests.tls"]
 
 

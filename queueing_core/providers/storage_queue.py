@@ -474,9 +474,12 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             self.dispatcher = DelayedDispatcher(self.delayed, self, retries=delayed_retries)
         self._credential = connection.credential() if connection.connection_string is None else None
         if connection.connection_string is not None:
-            self._service = QueueServiceClient.from_connection_string(
-                connection.connection_string, **retry_policy.azure_storage_queue()
-            )
+            try:
+                self._service = QueueServiceClient.from_connection_string(
+                    connection.connection_string, **retry_policy.azure_storage_queue()
+                )
+            except ValueError as exc:  # (the SDK's word for it names no secret)
+                raise ConfigurationError(STORAGE, f"invalid connection string: {exc}") from None
             control, tracker = tables_from_connection(
                 connection.connection_string,
                 control_table=control_table,
@@ -713,21 +716,15 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                     # A copy goes first (a dead letter, a deferral's fresh copy, or a retry later than
                     # the service can hide a message, whose copy carries its due time) and the
                     # original is deleted after. Renewing the lease first proves this receipt still
-                    # holds the message, so a run whose lease passed on writes no copy at all. Once
+                    # holds the message, so a run whose lease passed on writes no copy at all; the
+                    # copy must land within that renewal's hold (``_copy_within_hold``). Once
                     # the copy is out (an earlier call's), only the delete is left: a renewal then
                     # proves nothing, and its 404 may be that earlier call's delete landing unanswered.
                     if not h.prepared:
+                        if d.envelope is None and not isinstance(decision, DeadLetter):
+                            return  # cannot happen: malformed bodies are dead-lettered on receipt
                         await self._hide(h, self._lease(d))
-                        if isinstance(decision, DeadLetter):
-                            await self.dead_letter(d, decision, now)
-                        else:
-                            assert isinstance(decision, RetryAfter | Defer | Release)
-                            if d.envelope is None:  # cannot happen: malformed bodies are dead-lettered
-                                return
-                            due = due_at(decision, now) or now
-                            copy = copy_for_later(d.copy_after(decision), due, now)
-                            # a fresh copy starts at dequeue_count 0: its envelope counts the attempts
-                            await self.put(d.queue, copy, due - now, now)
+                        await self._copy_within_hold(h, d, decision, now)
                         h.prepared = True
                     await self._delete(h)
             except _DeleteUnconfirmed as exc:
@@ -740,6 +737,31 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             # renew: a settlement that failed is tried again by the worker, and until then the lease is
             # renewed as the handler's was (a lease that ran out meanwhile would run the message again)
             h.settled = True
+
+    async def _copy_within_hold(
+        self, h: _Handle, d: Delivery, decision: DeadLetter | RetryAfter | Defer | Release, now: datetime
+    ) -> None:
+        """Write the settlement's copy while the original is surely still hidden, two thirds of the
+        hold at most (the last third is the delete's). A copy that takes longer is given up (cancelled):
+        the settlement fails, and the settler tries again from the hiding (a copy that reached the
+        service all the same is a duplicate). Past the hold another run may have received the message,
+        and a copy landing then stood beside that run's outcome: a stale run's letter beside a success,
+        or a fresh copy that ran again (found in review)."""
+        left = (h.hidden_until - utcnow()).total_seconds() * 2 / 3
+        try:
+            async with asyncio.timeout(max(left, 0.0)):
+                if isinstance(decision, DeadLetter):
+                    await self.dead_letter(d, decision, now)
+                    return
+                assert isinstance(decision, RetryAfter | Defer | Release)
+                due = due_at(decision, now) or now
+                # a fresh copy starts at dequeue_count 0: its envelope counts the attempts
+                await self.put(d.queue, copy_for_later(d.copy_after(decision), due, now), due - now, now)
+        except TimeoutError:
+            raise ProviderUnavailable(
+                "a settlement's copy took longer than the message stays hidden for it: given up, and "
+                "tried again"
+            ) from None
 
     async def dead_letter(self, d: Delivery, decision: DeadLetter, now: datetime) -> None:
         """Put ``d`` in ``<queue>-poison`` with the reason (the original is settled by the caller)."""

@@ -105,3 +105,14 @@ def test_a_status_of_ones_own_may_be_archived_but_not_a_misspelt_one(monkeypatch
 def test_an_at_sign_after_the_user_part_is_the_urls_own(monkeypatch, url):
     monkeypatch.setenv("QUEUEING_RABBITMQ_URL", url)
     assert load_settings().rabbitmq_url.get_secret_value() == url
+
+
+@pytest.mark.parametrize("text", ["garbage", "AccountName=x;AccountKey="])
+def test_a_malformed_storage_connection_string_is_a_configuration_error(text):
+    # (a ValueError from the SDK went out as a traceback; the Tables client's same mistake was named)
+    from queueing_core.connections import StorageConnection
+    from queueing_core.providers.storage_queue import StorageQueueProvider
+
+    with pytest.raises(ConfigurationError, match="QueueingStorage: invalid connection string") as raised:
+        StorageQueueProvider(StorageConnection(text))
+    assert text not in str(raised.value)  # the string itself (a secret, when it is a real one) is not told
