@@ -743,14 +743,25 @@ class Pipeline:
     async def _track_circuit(
         self, sub: Subscription, decision: Decision, before: Any, probe: datetime | None, cb: Any
     ) -> None:
-        # transient failures trip the breaker; a handler's deliberate refusal (non-retryable) or a bad
-        # body says nothing about the downstream's health
+        # transient failures trip the breaker; a handler's success resets the count (and a probe's
+        # closes the circuit)
         failed = isinstance(decision, RetryAfter) or (
             isinstance(decision, DeadLetter) and decision.reason is DeadLetterReason.MAX_ATTEMPTS
         )
+        succeeded = (isinstance(decision, Complete) and not decision.cancelled) or (
+            isinstance(decision, Defer) and decision.reset_attempts  # (a success that runs again later)
+        )
         try:
             if failed:
-                await self.control.record_failure(sub.type_name, cb, self.clock())
+                # a half-open circuit is reopened only by the probe that is out (circuit.on_failure)
+                await self.control.record_failure(sub.type_name, cb, self.clock(), probe)
+            elif not succeeded:
+                # neither: a deliberate refusal (NonRetryableError) or a run cancelled by an operator
+                # says nothing of the downstream's health. The count stays as it was (a refusal between
+                # two failures does not break their run), and a probe's question is still open: it is
+                # handed back, so the next message probes at once (the circuit stays half-open)
+                if probe is not None:
+                    await self.control.release_probe(sub.type_name, probe, self.clock())
             elif probe is not None:
                 # closes the circuit only while this probe is still the one out
                 await self.control.record_success(sub.type_name, probe)

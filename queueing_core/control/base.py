@@ -65,8 +65,11 @@ class ControlStore(Protocol):
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None: ...
 
     async def record_failure(
-        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
-    ) -> CircuitState: ...
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime, probe_until: datetime | None = None
+    ) -> CircuitState:
+        """A transient failure: ``probe_until`` names the probe that ran it (the time it was acquired
+        until), None a run that was not a probe (see ``circuit.on_failure``)."""
+        ...
 
     async def record_success(self, type_name: str, probe_until: datetime | None = None) -> CircuitState:
         """A success: ``probe_until`` names the probe that ran it (the time it was acquired until),
@@ -140,9 +143,9 @@ class CachedControlStore:
         self.invalidate()
 
     async def record_failure(
-        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime, probe_until: datetime | None = None
     ) -> CircuitState:
-        result = await self.inner.record_failure(type_name, opts, now)
+        result = await self.inner.record_failure(type_name, opts, now, probe_until)
         self.invalidate()
         return result
 

@@ -2,7 +2,8 @@
 
 closed --N consecutive failures--> open --cooldown elapsed, one probe acquired--> half_open
 half_open --probe succeeds--> closed;   half_open --probe fails--> open (a new cooldown)
-A probe that never reports (its host died) is replaced after ``probe_timeout``.
+A probe that never reports (its host died) is replaced after ``probe_timeout``. While half-open, only
+the probe that is out decides: the outcome of any other run changes nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +39,19 @@ def hold_until(state: CircuitState, now: datetime) -> datetime:
     return now
 
 
-def on_failure(state: CircuitState, opts: CircuitBreakerOptions, now: datetime) -> CircuitState:
+def on_failure(
+    state: CircuitState, opts: CircuitBreakerOptions, now: datetime, probe_until: datetime | None = None
+) -> CircuitState | None:
+    """The state after a failure, or None when the failure must not change it.
+
+    ``probe_until`` names the probe that failed (the time it was acquired until), None a run that was
+    not a probe. A half-open circuit is the probe's to decide: only the probe that is out reopens it.
+    A failure of any other run is left out, state and count: it is older news than the probe's (a run
+    admitted before the circuit opened, or a probe that outlived ``probe_timeout`` and was replaced),
+    and reopening on it gave the circuit a new cooldown under the live probe, whose success then could
+    no longer close it."""
+    if state.state == "half_open" and (probe_until is None or not _is_the_probe(state, probe_until)):
+        return None
     failures = state.consecutive_failures + 1
     if state.state == "half_open" or failures >= opts.failure_threshold:
         return replace(

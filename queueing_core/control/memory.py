@@ -8,13 +8,17 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+from ..clock import Clock, utcnow
 from ..options import CircuitBreakerOptions
 from . import circuit
 from .base import CANCEL_KEPT, CircuitState, ControlState, PauseKind
 
 
 class MemoryControlStore:
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = utcnow) -> None:
+        """``clock``: the time a cancellation request's age is read against (the durable stores read
+        it against theirs: the SQL provider's clock, the wall clock on Tables)."""
+        self.clock = clock
         self._queues: set[str] = set()
         self._types: set[str] = set()
         self._schedules: set[str] = set()
@@ -24,19 +28,21 @@ class MemoryControlStore:
         self._lock = asyncio.Lock()
 
     async def state(self) -> ControlState:
+        # a request past its keeping time is no longer one, as the durable stores read it
+        since = self.clock() - CANCEL_KEPT
         return ControlState(
             frozenset(self._queues),
             frozenset(self._types),
             dict(self._circuits),
             paused_schedules=frozenset(self._schedules),
-            cancelled=frozenset(self._cancels),
+            cancelled=frozenset(k for k, at in self._cancels.items() if at > since),
         )
 
     async def set_cancel(self, message_id: UUID, requested: bool, now: datetime) -> None:
         for old in [k for k, at in self._cancels.items() if at < now - CANCEL_KEPT]:
             del self._cancels[old]
         if requested:
-            self._cancels.setdefault(message_id, now)
+            self._cancels[message_id] = now  # a request made again is kept from now (as SQL and Tables)
         else:
             self._cancels.pop(message_id, None)
 
@@ -61,10 +67,14 @@ class MemoryControlStore:
         return self._circuits.get(type_name) or CircuitState.closed(type_name)
 
     async def record_failure(
-        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime, probe_until: datetime | None = None
     ) -> CircuitState:
         async with self._lock:
-            self._circuits[type_name] = new = circuit.on_failure(self._get(type_name), opts, now)
+            current = self._get(type_name)
+            new = circuit.on_failure(current, opts, now, probe_until)
+            if new is None:
+                return current
+            self._circuits[type_name] = new
             return new
 
     async def record_success(self, type_name: str, probe_until: datetime | None = None) -> CircuitState:

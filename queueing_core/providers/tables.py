@@ -276,9 +276,10 @@ class TablesControlStore(_OnTable):
                 await client.delete_entity(_PAUSE_PK, row)  # the SDK ignores "not found"
 
     async def record_failure(
-        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime, probe_until: datetime | None = None
     ) -> CircuitState:
-        new, _ = await self._transition(type_name, lambda s: circuit.on_failure(s, opts, as_utc(now)))
+        held = None if probe_until is None else as_utc(probe_until)
+        new, _ = await self._transition(type_name, lambda s: circuit.on_failure(s, opts, as_utc(now), held))
         return new
 
     async def record_success(self, type_name: str, probe_until: datetime | None = None) -> CircuitState:

@@ -201,7 +201,7 @@ async def test_circuit_goes_open_probe_closed(stores):
     later = probe_at + OPTS.probe_timeout
     assert await a.acquire_probe("T", OPTS, later)  # the first probe never reported
 
-    reopened = await b.record_failure("T", OPTS, later)  # the probe failed
+    reopened = await b.record_failure("T", OPTS, later, later + OPTS.probe_timeout)  # the probe failed
     assert (reopened.state, reopened.open_until, reopened.probe_until) == (
         "open",
         later + OPTS.cooldown,

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from ...clock import opt_utc
 from ...control import circuit
 from ...control.base import CANCEL_KEPT, CircuitState, ControlState, PauseKind
+from ...errors import ProviderError
 from ...messages import MessageStatus
 from ...options import CircuitBreakerOptions
 from .errors import db_boundary
@@ -20,7 +21,6 @@ from .errors import db_boundary
 if TYPE_CHECKING:
     from .provider import SqlProvider
 
-_CAS_TRIES = 20
 #: NOTIFY payload prefix of a cancellation request: the other payloads are queue names, and the
 #: unit separator is in none of them
 CANCEL_PREFIX = "\x1fcancel\x1f"
@@ -172,13 +172,26 @@ class SqlControlStore:
     async def _update(
         self, type_name: str, change: Callable[[CircuitState], CircuitState | None]
     ) -> tuple[CircuitState, bool]:
-        """Compare-and-set on the row's version; ``change`` returning None means no write."""
+        """Read the row, apply ``change`` and write it in one transaction that holds the row: every
+        concurrent change is applied in turn, none lost or refused. ``change`` returning None means no
+        write.
+
+        The read locks the row (``FOR UPDATE`` on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already
+        lets one writer in at a time, and SQLAlchemy leaves the clause out there), so the other
+        writers wait for this commit and then read what it wrote. (A compare-and-set on the version,
+        retried without a pause, gave up under a burst of failures from many handlers, and those
+        failures went uncounted.)"""
         c = self._t.circuits
         with db_boundary("updating a circuit"):
             await self.provider.ensure_open()
-            for _ in range(_CAS_TRIES):
-                async with self.provider.engine.begin() as conn:
-                    row = (await conn.execute(sa.select(c).where(c.c.type == type_name))).first()
+            async with self.provider.engine.begin() as conn:
+                # twice at most: a row that is missing may be created by another writer meanwhile; the
+                # insert then waits for its commit and fails, and the row is read again, locked (rows
+                # are never deleted: a closed circuit is written as closed)
+                for _ in range(2):
+                    row = (
+                        await conn.execute(sa.select(c).where(c.c.type == type_name).with_for_update())
+                    ).first()
                     current = _state_of(row) if row is not None else CircuitState.closed(type_name)
                     new = change(current)
                     if new is None:
@@ -190,26 +203,25 @@ class SqlControlStore:
                         open_until=new.open_until,
                         probe_until=new.probe_until,
                     )
-                    if row is None:
-                        try:
-                            async with conn.begin_nested():
-                                await conn.execute(c.insert().values(type=type_name, version=1, **values))
-                        except sa.exc.IntegrityError:
-                            continue  # someone else created it first: read again
+                    if row is not None:
+                        await conn.execute(
+                            sa.update(c)
+                            .where(c.c.type == type_name)
+                            .values(version=c.c.version + 1, **values)
+                        )
                         return new, True
-                    res = await conn.execute(
-                        sa.update(c)
-                        .where(c.c.type == type_name, c.c.version == row.version)
-                        .values(version=row.version + 1, **values)
-                    )
-                    if res.rowcount == 1:
-                        return new, True
-            raise RuntimeError(f"circuit state for {type_name!r} kept changing under {_CAS_TRIES} attempts")
+                    try:
+                        async with conn.begin_nested():
+                            await conn.execute(c.insert().values(type=type_name, version=1, **values))
+                    except sa.exc.IntegrityError:
+                        continue  # another writer created it first: read it again, locked
+                    return new, True
+            raise ProviderError(f"circuit state for {type_name!r}: its row could be neither read nor created")
 
     async def record_failure(
-        self, type_name: str, opts: CircuitBreakerOptions, now: datetime
+        self, type_name: str, opts: CircuitBreakerOptions, now: datetime, probe_until: datetime | None = None
     ) -> CircuitState:
-        return (await self._update(type_name, lambda s: circuit.on_failure(s, opts, now)))[0]
+        return (await self._update(type_name, lambda s: circuit.on_failure(s, opts, now, probe_until)))[0]
 
     async def record_success(self, type_name: str, probe_until: datetime | None = None) -> CircuitState:
         return (await self._update(type_name, lambda s: circuit.on_success(s, probe_until)))[0]
