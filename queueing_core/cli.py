@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from . import __version__
 from .app import QueueingApp
@@ -61,9 +62,12 @@ cli = typer.Typer(
     # plain help: rich's help table labels every option with a Python type (``<bool>``, ``<str>``)
     rich_markup_mode=None,
 )
-# wide enough for the tables when output goes to a file or a pipe (rich assumes 80 columns then)
-out = Console(width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+# wide enough for the tables when output goes to a file or a pipe (rich assumes 80 columns then).
+# No markup and no emoji codes: what is printed holds stored text (a handler's error, "unknown sku
+# [abc-1]") and the operator's own arguments, whose brackets and colons are text, not styling; the
+# deliberate styling is built as rich Text (``styled``), table cells included.
+out = Console(width=None if sys.stdout.isatty() else 200, markup=False, emoji=False)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False, emoji=False)
 
 AppOption = Annotated[
     str | None,
@@ -78,8 +82,13 @@ ScheduleOption = Annotated[
 ]
 
 
+def styled(label: str, style: str, text: str = "") -> Text:
+    """``label`` in ``style``, then ``text`` as it is (no markup is read in either)."""
+    return Text.assemble((label, style), (" " + text) if text else "")
+
+
 def fail(message: str, code: int) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(styled("error:", "bold red", message), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -92,7 +101,8 @@ def settings() -> QueueingSettings:
 
 def app_from(spec: str | None, cfg: QueueingSettings) -> QueueingApp:
     try:
-        return load_app(spec or cfg.app)
+        # an error names where the spec came from: the option, else the setting (or its default)
+        return load_app(spec, setting="--app") if spec else load_app(cfg.app, setting="QUEUEING_APP")
     except ConfigurationError as exc:
         fail(str(exc), 2)
     except RegistrationError as exc:
@@ -184,7 +194,7 @@ def check(
             sub.type_name,
             sub.queue,
             name,
-            sub.handler.origin.split(" (")[0] if sub.handler else "[yellow]none[/]",
+            sub.handler.origin.split(" (")[0] if sub.handler else Text("none", style="yellow"),
             str(o.max_attempts),
             "1 (ordered)" if o.ordered else str(o.max_concurrency),
             _seconds(o.time_limit),
@@ -196,12 +206,12 @@ def check(
         )
     out.print(table)
     for w in warnings:
-        out.print(f"[yellow]note:[/] {w}", highlight=False)
+        out.print(styled("note:", "yellow", w), highlight=False)
     if problems:
         for p in problems:
-            err.print(f"[bold red]invalid:[/] {p}", highlight=False, soft_wrap=True)
+            err.print(styled("invalid:", "bold red", p), highlight=False, soft_wrap=True)
         raise typer.Exit(1)
-    out.print("[green]ok[/]")
+    out.print(styled("ok", "green"))
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -256,7 +266,11 @@ def serve(
     where = _where(cfg)
     queues = len(the_app.subscriptions())
     out.print(
-        f"queueing {__version__}: app [bold]{the_app.name}[/] ({counted(queues, 'queue')}) on {where}",
+        Text.assemble(
+            f"queueing {__version__}: app ",
+            (the_app.name, "bold"),
+            f" ({counted(queues, 'queue')}) on {where}",
+        ),
         highlight=False,
     )
     _run(_serve(worker, cfg, host if api else None, port))
@@ -316,7 +330,7 @@ async def _enqueue(
     waiting = 0
     async with runtime:
         with Progress(
-            TextColumn("[progress.description]{task.description}"),
+            TextColumn("{task.description}", style="progress.description", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
             TimeRemainingColumn(),
@@ -496,8 +510,9 @@ def retry(
     message_id: Annotated[UUID, typer.Argument(metavar="MESSAGE_ID", hidden=True)],
     app: AppOption = None,
 ) -> None:
-    """Process the dead-lettered, failed, expired or abandoned message MESSAGE_ID again, with fresh
-    attempts."""
+    """Process message MESSAGE_ID again now, with fresh attempts: a dead-lettered, failed, expired,
+    abandoned or cancelled message, one sleeping until a later time, or one held in a custom status
+    (see set-status). A message that succeeded, is running or is waiting to run is refused."""
     result = _ops_call(app, lambda ops: ops.retry(message_id))
     out.print(f"{result.message_id}: {result.detail}", highlight=False)
 
@@ -744,7 +759,7 @@ def main() -> None:
     try:
         cli()
     except ConfigurationError as exc:  # raised below a command; same one-line contract
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err.print(styled("error:", "bold red", str(exc)), highlight=False)
         sys.exit(2)
 
 

@@ -323,7 +323,9 @@ class OpsService:
         takes one only if some message has it, so a misspelt status is an error, not "deleted 0".
         A purge names a queue of the app (404 otherwise): off SQL it empties the broker's queue of that
         name, which may belong to another application or be created by asking for it. On SQL a queue
-        the app no longer has is taken while some message still names it (its rows are only rows)."""
+        the app no longer has is taken while some message still names it (its rows are only rows).
+        A purge's type, likewise, is one of the app's or one some message has (404 otherwise): a
+        misspelt type is an error, not "deleted 0", as a misspelt queue is."""
         if purging and query.queue is not None and query.queue not in self.app.by_queue():
             named = (
                 isinstance(self.actions, PurgesWithHistory)
@@ -331,6 +333,11 @@ class OpsService:
             )
             if not named:
                 self.queue(query.queue)
+        if purging and query.type is not None and self.app.subscription(query.type) is None:
+            # (a type the app no longer has is purged message by message, as its records name it)
+            named = (await self.runtime.tracker.query(MessageQuery(type=query.type), limit=1)).items
+            if not named:
+                self.message_type(query.type)
         known = self.known_statuses()
         for status in query.status or ():
             if status in known:

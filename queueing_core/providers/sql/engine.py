@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -56,8 +58,51 @@ def sync_url(url: str | URL) -> URL:
     )
 
 
+#: query parameters libpq takes that hold a secret: ``?password=`` signs in as the URL's own password
+#: does, ``sslpassword`` unlocks the client key (``sslkey``/``sslcert`` are paths, and stay)
+SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+
+
 def redact(url: str | URL) -> str:
-    return make_url(url).render_as_string(hide_password=True)
+    """``url`` fit for a log line or a terminal: its password hidden, whether in the URL's own place
+    or in the query string (``?password=...``, ``?sslpassword=...``). Every line that names the
+    database goes through here."""
+    try:
+        u = make_url(url)
+    except sa.exc.ArgumentError:
+        return "(not a database URL)"  # its text may hold the password: none of it is shown
+    hidden = [key for key in u.query if key.lower() in SECRET_PARAMETERS]
+    text = u.update_query_dict(dict.fromkeys(hidden, "***")).render_as_string(hide_password=True)
+    for key in hidden:  # the query string's "***" comes back quoted: shown as the password's own is
+        text = text.replace(f"{key}=%2A%2A%2A", f"{key}=***")
+    return text
+
+
+def sqlite_cannot_open(url: URL) -> ConfigurationError:
+    """SQLite's "unable to open database file" for ``url``, as the configuration error it is (no
+    retry makes a missing directory appear), naming the file and the likely cause."""
+    name = url.database or ""
+    path = Path(name)
+    if url.query.get("uri") in ("true", "1") or name.startswith("file:"):
+        why = "SQLite cannot open it (does its directory exist, and may this user write there?)"
+    else:
+        folder = path.absolute().parent
+        if path.is_dir():
+            why = "it is a directory, not a file"
+        elif not folder.is_dir():
+            why = f"the directory {str(folder)!r} does not exist"
+        elif path.exists() and not os.access(path, os.R_OK | os.W_OK):
+            why = "this user may not read and write the file"
+        elif not os.access(folder, os.W_OK | os.X_OK):
+            # (SQLite writes its journal, or WAL and shared-memory files, beside the database)
+            why = f"this user may not write in the directory {str(folder)!r}"
+        else:
+            why = "SQLite cannot open it (a file system it cannot lock, or a path it cannot follow?)"
+    return ConfigurationError(
+        "QUEUEING_DATABASE_URL",
+        f"cannot open the SQLite database {name!r}: {why}",
+        "sqlite:///path/to/queue.db in a directory this user may write",
+    )
 
 
 #: gives the password for the next connection (e.g. a current Entra access token)
@@ -156,6 +201,12 @@ def _sqlite_connector(url: URL) -> Callable[[], Awaitable[Any]]:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:
             opening.add_done_callback(close_unclaimed)
+            raise
+        except Exception:
+            # the open failed (a missing directory, say): aiosqlite has told its thread to stop, and
+            # the thread answers on this loop as it ends; waited for here, or it may answer a loop
+            # closed meanwhile and print "Event loop is closed" from the thread
+            await asyncio.to_thread(conn._thread.join, 5.0)
             raise
 
     return connect

@@ -338,6 +338,14 @@ class SqlProvider:
                     await conn.execute(sa.text("SELECT 1"))
                 return
             except unreachable as exc:
+                if self.backend == "sqlite" and "unable to open database file" in str(exc):
+                    # a missing directory or one this user may not write in: configuration, which no
+                    # retry mends (the engine let go first: nothing of it outlives the error)
+                    from .engine import sqlite_cannot_open
+
+                    if self._own_engine and self._engine is not None:
+                        await self._engine.dispose()
+                    raise sqlite_cannot_open(self.url) from None
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 if attempt > self.connect_retries:
                     raise ProviderUnavailable(
