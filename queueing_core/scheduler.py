@@ -5,12 +5,20 @@ each tick. A round reads the newest claimed tick of each schedule, works out whi
 (on time, or the one catch-up tick of ``catch_up="once"``), builds their messages and fires each tick
 through the store. A paused schedule's ticks are claimed with no message, so resuming it does not
 replay the ticks of the pause.
+
+A tick that was claimed but never sent (its send failed, or its host died) and whose claim has lapsed
+comes back from the store as *unfinished*. While it is on time it is sent again (same message ids);
+once it is older than the grace it is a missed tick like any other, and ``catch_up`` decides: it is
+confirmed with no message (``"skip"``, or ``"once"`` when a newer tick was missed too), or sent as the
+newest missed tick (``"once"``). So a broker outage ends like a host outage: no hours-old tick goes
+out, and with ``"once"`` exactly one catch-up tick does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -37,13 +45,25 @@ KEEP_TICKS = timedelta(days=7)
 PRUNE_EVERY = 3600.0
 
 
+#: the in-process provider's tick store, one per provider: every Scheduler of a runtime (the worker's,
+#: a test's) and the ops API share it, as the hosts of a deployment share theirs
+_MEMORY_STORES: weakref.WeakKeyDictionary[object, MemoryTickStore] = weakref.WeakKeyDictionary()
+
+
 def tick_store_for(runtime: Runtime) -> TickStore:
     """The store every host of this deployment shares: the provider's own (SQL: its database; RabbitMQ
-    and SQS: the side database), else the control store's (Azure Tables), else memory (one process)."""
+    and SQS: the side database), else the control store's (Azure Tables), else memory (one process:
+    one store per provider, so that every scheduler of it claims each tick once and ops sees them)."""
     for source in (runtime.provider, runtime.control.inner):
         if isinstance(source, ProvidesTickStore):
             return source.schedule_store()
-    return MemoryTickStore()
+    try:
+        store = _MEMORY_STORES.get(runtime.provider)
+        if store is None:
+            store = _MEMORY_STORES[runtime.provider] = MemoryTickStore()
+    except TypeError:  # a provider that cannot be weakly referenced or hashed: one store per runtime
+        store = runtime.__dict__.setdefault("_queueing_tick_store", MemoryTickStore())
+    return store
 
 
 class Scheduler:
@@ -76,18 +96,36 @@ class Scheduler:
         fired = 0
         for s in schedules:
             try:
-                ticks = await self.store.unfinished(s.name, now)
-                for tick in ticks + s.due(last.get(s.name), now, self.grace):
-                    fired += await self.fire(s, tick, now, paused=s.name in paused)
+                unfinished = await self.store.unfinished(s.name, now)
+                for tick, send in self.plan(s, unfinished, last.get(s.name), now):
+                    fired += await self.fire(s, tick, now, paused=s.name in paused, missed=not send)
             except Exception as exc:  # the next round tries again; other schedules go on
                 log.warning("schedule %s: %s: %s; will try again", s.name, type(exc).__name__, exc)
         return fired
 
-    async def fire(self, s: Schedule, tick: datetime, now: datetime, *, paused: bool = False) -> bool:
+    def plan(
+        self, s: Schedule, unfinished: Sequence[datetime], last: datetime | None, now: datetime
+    ) -> list[tuple[datetime, bool]]:
+        """The ticks to fire now, oldest first, each with whether its messages go out.
+
+        ``unfinished`` are ticks claimed but never sent whose claim lapsed. One still on time is sent
+        again. One older than the grace is a missed tick, as a tick no host claimed is: with
+        ``catch_up="skip"`` it is confirmed with no message, with ``"once"`` only the newest missed tick
+        (unfinished or never claimed) is sent and the older ones are confirmed with no message."""
+        ticks = sorted(set(unfinished) | set(s.due(last, now, self.grace)))
+        missed = [t for t in ticks if now - t > self.grace]
+        kept = missed[-1:] if s.catch_up == "once" else []
+        return [(t, t not in missed or t in kept) for t in ticks]
+
+    async def fire(
+        self, s: Schedule, tick: datetime, now: datetime, *, paused: bool = False, missed: bool = False
+    ) -> bool:
+        """Claim ``tick`` and send its messages; a paused schedule's tick, or a missed one that its
+        catch-up policy drops (``missed``), is claimed and confirmed with no message."""
         producer = self.runtime.producer
         ready: list[Envelope] = []
         identities: list[str | None] = []
-        if not paused:
+        if not (paused or missed):
             headers = {SCHEDULE_HEADER: s.name, TICK_HEADER: tick.isoformat()}
             envelopes = []
             messages = await s.messages(tick)
@@ -100,7 +138,8 @@ class Scheduler:
             identities = identities_of(self.runtime.app, messages)
 
         async def send(envs: Sequence[Envelope]) -> None:
-            await producer.send_prepared(envs, wait=True, identities=identities)
+            if envs:  # (a tick with no message touches no transport: it goes through a broker outage)
+                await producer.send_prepared(envs, wait=True, identities=identities)
 
         async def announce(outcomes: dict[int, IdempotentOutcome]) -> None:
             await producer.sent(ready, outcomes)  # the store wrote them with the tick
@@ -110,12 +149,13 @@ class Scheduler:
         else:  # (``send`` records and announces them: a store of the older protocol works as it did)
             won = await self.store.fire(s.name, tick, ready, send, now, identities)
         if won:
-            log.info(
-                "schedule %s: tick %s %s",
-                s.name,
-                tick.isoformat(),
-                "skipped (paused)" if paused else f"enqueued {len(ready)} message(s)",
-            )
+            if paused:
+                outcome = "skipped (paused)"
+            elif missed:
+                outcome = f"dropped (missed: older than the grace, catch_up={s.catch_up!r})"
+            else:
+                outcome = f"enqueued {len(ready)} message(s)"
+            log.info("schedule %s: tick %s %s", s.name, tick.isoformat(), outcome)
         return won
 
     async def prune(self) -> int:

@@ -6,9 +6,10 @@ the message(s) to enqueue at each tick. This module is pure: tick arithmetic, th
 
 Ticks are instants in UTC, whole seconds. Interval ticks are aligned to the Unix epoch, so every host
 computes the same ticks without agreeing on a start time. A tick is *on time* while it is at most
-``grace`` old; older ticks that were never claimed (every host was down) are *missed*, and the
-schedule's ``catch_up`` policy decides: ``"skip"`` drops them, ``"once"`` runs the newest of them one
-time. So a long outage never ends in a burst of catch-up ticks.
+``grace`` old; older ticks that were never claimed (every host was down), or were claimed and never
+sent (the transport was down, or the host died), are *missed*, and the schedule's ``catch_up`` policy
+decides: ``"skip"`` drops them, ``"once"`` runs the newest of them one time. So a long outage never
+ends in a burst of catch-up ticks, nor in a tick sent hours late.
 """
 
 from __future__ import annotations

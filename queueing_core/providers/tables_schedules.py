@@ -1,19 +1,26 @@
 """Schedule ticks on Azure Tables (Service Bus and Storage Queues deployments): one entity per
 schedule, ``("schedule", <name>)``, in the control table, changed only by ETag-guarded writes.
 
-A tick is claimed, then sent, then confirmed. The entity holds the newest tick, its state
-(``claimed`` or ``sent``) and how long the claim lasts. Exactly one host's conditional write claims a
-tick. A host that dies after its claim leaves the tick ``claimed``; once the claim lapses, the next
-round on any host takes it over and sends it again, with the same message ids (so a send that did
-happen before the crash comes out as a duplicate with the same id, never as a lost tick). A newer
-tick is not claimed while an older one is unconfirmed, so ticks go out in order.
+A tick is claimed, then sent, then confirmed. The entity holds the newest claimed tick (``LastTick``)
+and, in ``Held``, every claimed tick not yet confirmed with how long its claim lasts and the claim's
+own token. Exactly one host's conditional write claims a tick. A newer tick can be claimed while an
+older one is held, as in the SQL side database (RabbitMQ, SQS): a host that dies holding a tick does
+not hold up the ticks after it. A host that dies after its claim leaves the tick held; once the claim
+lapses, the next round on any host takes it over (a new token) and sends it again, with the same
+message ids (so a send that did happen before the crash comes out as a duplicate with the same id,
+never as a lost tick). Confirming or releasing a claim checks its token, so a host whose claim was
+taken over changes nothing.
+
+``State`` and ``ClaimedUntil`` still describe ``LastTick`` alone, as entities written before ``Held``
+did; such an entity's held claim is read from them.
 """
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Sequence
-from contextlib import suppress
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final
 
 from azure.core import MatchConditions
@@ -30,6 +37,27 @@ if TYPE_CHECKING:
 _PK: Final = "schedule"
 CLAIMED: Final = "claimed"
 SENT: Final = "sent"
+
+
+#: a held claim: until when it holds, and its token
+_Claim = tuple[datetime, str]
+
+
+def _key(tick: datetime) -> str:
+    return tick.astimezone(UTC).isoformat()
+
+
+def _held(entity: dict[str, Any]) -> dict[datetime, _Claim]:
+    """The entity's unconfirmed claims, by tick."""
+    raw = entity.get("Held")
+    if raw is None:  # written before Held: State and ClaimedUntil describe LastTick alone
+        if entity.get("State") == CLAIMED:
+            return {_plain_utc(entity["LastTick"]): (_plain_utc(entity["ClaimedUntil"]), "")}
+        return {}
+    return {
+        datetime.fromisoformat(tick): (datetime.fromisoformat(until), str(token))
+        for tick, (until, token) in json.loads(str(raw)).items()
+    }
 
 
 class TablesTickStore:
@@ -58,9 +86,9 @@ class TablesTickStore:
     async def unfinished(self, schedule: str, now: datetime) -> list[datetime]:
         with _boundary("read schedule tick"):
             e, _ = await self._read(schedule)
-        if e is not None and e["State"] == CLAIMED and _plain_utc(e["ClaimedUntil"]) <= now:
-            return [_plain_utc(e["LastTick"])]
-        return []
+        if e is None:
+            return []
+        return sorted(tick for tick, (until, _token) in _held(e).items() if until <= now)
 
     async def fire(
         self,
@@ -72,67 +100,87 @@ class TablesTickStore:
         identities: Sequence[str | None] = (),
         announce: Announce | None = None,
     ) -> bool:
-        etag = await self._claim(schedule, tick, now)
-        if etag is None:
+        token = await self._claim(schedule, tick, now)
+        if token is None:
             return False
         try:
             await send(envelopes)
         except BaseException:
             # give the claim up at once (lapsed), so the next round on any host sends it again
-            await self._replace(schedule, self._entity(schedule, tick, CLAIMED, now), etag, "release")
+            await self._settle(schedule, tick, token, now, "release")
             raise
-        await self._replace(schedule, self._entity(schedule, tick, SENT, None), etag, "confirm")
+        await self._settle(schedule, tick, token, None, "confirm")
         return True
 
-    async def _replace(self, schedule: str, entity: dict[str, Any], etag: str, action: str) -> None:
-        """Write over our own claim; if it changed since, another host took the lapsed tick over and
-        sends it again itself (with the same message ids), so there is nothing left for us to do."""
-        with _boundary(f"{action} schedule tick"):
-            client = await self._table.ready()
-            with suppress(ResourceModifiedError, ResourceNotFoundError):
-                await client.update_entity(
-                    entity, mode=UpdateMode.REPLACE, etag=etag, match_condition=MatchConditions.IfNotModified
-                )
-
     @staticmethod
-    def _entity(schedule: str, tick: datetime, state: str, until: datetime | None) -> dict[str, Any]:
+    def _entity(schedule: str, last: datetime, held: dict[datetime, _Claim]) -> dict[str, Any]:
         entity: dict[str, Any] = {
             "PartitionKey": _PK,
             "RowKey": escape_key(schedule),
             "Name": schedule,
-            "LastTick": tick,
-            "State": state,
+            "LastTick": last,
+            "State": CLAIMED if last in held else SENT,
+            "Held": json.dumps({_key(t): [_key(u), k] for t, (u, k) in sorted(held.items())}),
         }
-        if until is not None:
-            entity["ClaimedUntil"] = until
+        if last in held:
+            entity["ClaimedUntil"] = held[last][0]
         return entity
 
-    async def _claim(self, schedule: str, tick: datetime, now: datetime) -> str | None:
-        """The ETag of our claim, or None when the tick is not ours to send."""
-        with _boundary("claim schedule tick"):
-            client = await self._table.ready()
+    async def _write(self, entity: dict[str, Any], etag: str | None) -> None:
+        client = await self._table.ready()
+        if etag is None:
+            await client.create_entity(entity)
+        else:
+            await client.update_entity(
+                entity, mode=UpdateMode.REPLACE, etag=etag, match_condition=MatchConditions.IfNotModified
+            )
+
+    async def _settle(
+        self, schedule: str, tick: datetime, token: str, until: datetime | None, action: str
+    ) -> None:
+        """Confirm our claim (``until`` None: drop it from the held ones) or release it (lapsed at
+        ``until``). If it is no longer ours, another host took the lapsed tick over and sends it again
+        itself (with the same message ids), so there is nothing left for us to do."""
+        with _boundary(f"{action} schedule tick"):
             for attempt in range(_CAS_ATTEMPTS):
                 current, etag = await self._read(schedule)
-                if current is not None:
-                    last = _plain_utc(current["LastTick"])
-                    claimed = current["State"] == CLAIMED
-                    lapsed = claimed and _plain_utc(current["ClaimedUntil"]) <= now
-                    if last > tick or (last == tick and not lapsed):
-                        return None  # done or being done
-                    if last < tick and claimed:
-                        return None  # an older tick is unconfirmed: it goes first
-                entity = self._entity(schedule, tick, CLAIMED, now + self.lease)
+                if current is None:
+                    return
+                held = _held(current)
+                if held.get(tick, (None, None))[1] != token:
+                    return
+                if until is None:
+                    del held[tick]
+                else:
+                    held[tick] = (until, token)
                 try:
-                    if etag is None:
-                        result = await client.create_entity(entity)
-                    else:
-                        result = await client.update_entity(
-                            entity,
-                            mode=UpdateMode.REPLACE,
-                            etag=etag,
-                            match_condition=MatchConditions.IfNotModified,
-                        )
-                    return str(result["etag"])
+                    await self._write(self._entity(schedule, _plain_utc(current["LastTick"]), held), etag)
+                    return
+                except (ResourceModifiedError, ResourceNotFoundError):
+                    await _cas_backoff(attempt)  # another host claimed a tick meanwhile: read again
+        raise ProviderUnavailable(f"schedule {schedule!r}: too much contention, gave up ({action})")
+
+    async def _claim(self, schedule: str, tick: datetime, now: datetime) -> str | None:
+        """The token of our claim, or None when the tick is not ours to send."""
+        with _boundary("claim schedule tick"):
+            for attempt in range(_CAS_ATTEMPTS):
+                current, etag = await self._read(schedule)
+                held: dict[datetime, _Claim] = {}
+                last = tick
+                if current is not None:
+                    held = _held(current)
+                    last = _plain_utc(current["LastTick"])
+                    if tick in held:
+                        if held[tick][0] > now:
+                            return None  # being done
+                    elif tick <= last:
+                        return None  # done
+                    last = max(last, tick)  # (older held ticks stay held: their claims run on)
+                token = uuid.uuid4().hex
+                held[tick] = (now + self.lease, token)
+                try:
+                    await self._write(self._entity(schedule, last, held), etag)
+                    return token
                 except (ResourceModifiedError, ResourceExistsError, ResourceNotFoundError):
                     await _cas_backoff(attempt)  # another host wrote first: read again
         raise ProviderUnavailable(f"schedule {schedule!r}: too much contention, gave up")

@@ -151,7 +151,7 @@ class SqlTickStore:
                     t.c.state == CLAIMED,
                     t.c.claimed_until <= now,
                 )
-                .values(claimed_until=until, fired_at=now)
+                .values(claimed_until=until, fired_at=now, messages=row["messages"])
             )
             return bool(taken.rowcount == 1)
 
