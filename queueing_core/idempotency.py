@@ -10,7 +10,8 @@ The control store keeps one document per (type, identity)::
      "started": message id}                             the newest version, once a host began it
 
 An enqueue reads it. If the newest version has the same JSON and has not started (no host wrote its
-start marker, and its history says it waits) and expires no sooner than the new one would, the enqueue
+start marker, its history says it waits, and no cancellation of it stands in the control store), is due
+no later than the new one asks to run, and expires no sooner than the new one would, the enqueue
 writes the unchanged document back by compare-and-set and, if that succeeds, sends nothing
 (``discarded``): a host that begins the version writes the marker by compare-and-set too, so either
 the discard or the start comes first, and a requested run is never lost. Otherwise the new version is
@@ -33,10 +34,11 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 from uuid import UUID
 
-from .clock import as_utc
+from .clock import Clock, as_utc, utcnow
+from .control.base import ControlStore
 from .control.identities import KeepsIdentities
 from .messages import MessageStatus, QueueMessage, read_body
 from .producer import IdempotentOutcome, identity_of, outlasts
@@ -60,8 +62,24 @@ MAX_REPLACED = 64
 #: compare-and-set rounds; each round one writer wins and the others read again
 _CAS_TRIES = 20
 _WAITING = frozenset(s.value for s in MessageStatus.runnable())
+#: the waiting statuses whose next run is at a time of the message's own (its delay, its retry); a
+#: message held for another reason (paused, an open circuit, no handler yet) is looked at again soon,
+#: and an identical enqueue would be held the same way
+_TIMED = frozenset(s.value for s in (MessageStatus.PENDING, MessageStatus.SLEEPING, MessageStatus.FAILED))
 _FINAL = frozenset(s.value for s in MessageStatus.terminal())
 T = TypeVar("T")
+
+
+class _Standing(NamedTuple):
+    """A waiting version an enqueue of the same JSON may be discarded against."""
+
+    #: when it expires (None: never), its life as an earlier discard made it longer included
+    expires: datetime | None
+    #: when it expires by its own envelope
+    own: datetime | None
+    #: when a host runs it next, when that is a time of its own (its delay, its retry): None when it is
+    #: due now or held for another reason
+    due: datetime | None
 
 
 class _Mark(Enum):
@@ -144,30 +162,34 @@ class IdentityGuard:
     store that keeps identity documents."""
 
     def __init__(
-        self, app: QueueingApp, store: KeepsIdentities, tracker: Tracker, provider: Provider
+        self,
+        app: QueueingApp,
+        store: KeepsIdentities,
+        tracker: Tracker,
+        provider: Provider,
+        clock: Clock = utcnow,
     ) -> None:
         self.app = app
         self.store = store
         self.tracker = tracker
         self.provider = provider
+        self.clock = clock
 
     # -- enqueue ----------------------------------------------------------------------------------
     async def send_idempotent(
         self, envelopes: Sequence[Envelope], identities: Sequence[str]
     ) -> list[IdempotentOutcome]:
         out: list[IdempotentOutcome] = []
-        # sent by this call (their expiry): waiting, though their history is not written yet
-        sent: dict[UUID, datetime | None] = {}
+        # sent by this call: waiting, though their history is not written yet
+        sent: dict[UUID, Envelope] = {}
         for env, key in zip(envelopes, identities, strict=True):
             outcome = await self._send_one(env, key, sent)
             if outcome.outcome == "enqueued":
-                sent[env.message_id] = env.expires_at
+                sent[env.message_id] = env
             out.append(outcome)
         return out
 
-    async def _send_one(
-        self, env: Envelope, key: str, sent: dict[UUID, datetime | None]
-    ) -> IdempotentOutcome:
+    async def _send_one(self, env: Envelope, key: str, sent: dict[UUID, Envelope]) -> IdempotentOutcome:
         digest = body_hash(env.body)
         found = await self.store.identity_doc(env.type, key)
         for _ in range(_CAS_TRIES):
@@ -177,9 +199,17 @@ class IdentityGuard:
             waiting = doc.get("waiting")
             if not (waiting and waiting[2] == digest):
                 break
-            waits, expiry, own = await self._waits(doc, UUID(waiting[0]), sent)
-            if not waits:
+            standing = await self._waits(doc, UUID(waiting[0]), sent)
+            if standing is None:
                 break
+            expiry, own = standing.expires, standing.own
+            if standing.due is not None and waiting[0] != str(env.message_id):
+                asked = env.not_before or self.clock()
+                if as_utc(standing.due) > as_utc(asked):
+                    # it runs later than this one asks to (its delay, its retry): a queued message
+                    # cannot be brought forward, so this one is sent, superseding it (the run asked
+                    # for comes when asked; a duplicate at worst, never a late run)
+                    break
             grace: timedelta | None = getattr(self.provider, "drops_expired_after", None)
             if own is not None and grace is not None and not outlasts(own + grace, env.expires_at):
                 # the transport drops the waiting message that long after its own expiry (a time to
@@ -224,7 +254,7 @@ class IdentityGuard:
         key: str,
         digest: str,
         found: tuple[dict[str, Any], object] | None,
-        sent: Mapping[UUID, datetime | None],
+        sent: Mapping[UUID, Envelope],
     ) -> UUID | None:
         """Make ``env`` the identity's newest version and mark the one it replaces superseded. A failure
         here is logged, not raised: the message is sent, and raising would make the caller send again."""
@@ -280,28 +310,48 @@ class IdentityGuard:
         return None
 
     async def _waits(
-        self, doc: dict[str, Any], message_id: UUID, sent: Mapping[UUID, datetime | None]
-    ) -> tuple[bool, datetime | None, datetime | None]:
-        """Whether no host has begun this message (its start marker is not in the document, and it was
-        sent by this call or the history says it waits; an unreadable history says no: sending again is
-        a duplicate at worst); when it expires (None: never), its life as made longer included; and
-        when it expires by its own envelope."""
+        self, doc: dict[str, Any], message_id: UUID, sent: Mapping[UUID, Envelope]
+    ) -> _Standing | None:
+        """The waiting version as it stands, if no host has begun this message: its start marker is not
+        in the document, and it was sent by this call, or the history says it waits and no cancellation
+        of it stands in the control store (a cancel writes its request before the history: one whose
+        history write failed, or has not come yet, still has the message settled Cancelled unrun). None
+        otherwise: an unreadable history or control store says no too (sending again is a duplicate at
+        worst)."""
         if doc.get("started") == str(message_id):
-            return False, None, None
+            return None
         if message_id in sent:
-            own = sent[message_id]
-        else:
-            try:
-                rec = await self.tracker.get(message_id)
-            except Exception as exc:
-                log.warning("could not read the history of %s (%s): sending the new version", message_id, exc)
-                return False, None, None
-            if rec is None or rec.status not in _WAITING:
-                return False, None, None
-            own = rec.expires_at
-        return True, _lasts(doc, message_id, own), own
+            env = sent[message_id]
+            return _Standing(_lasts(doc, message_id, env.expires_at), env.expires_at, env.not_before)
+        try:
+            rec = await self.tracker.get(message_id)
+        except Exception as exc:
+            log.warning("could not read the history of %s (%s): sending the new version", message_id, exc)
+            return None
+        if rec is None or rec.status not in _WAITING:
+            return None
+        if await self._cancelling(message_id):
+            return None
+        due = rec.not_before if rec.status in _TIMED else None
+        return _Standing(_lasts(doc, message_id, rec.expires_at), rec.expires_at, due)
 
-    async def _may_run(self, message_id: UUID, sent: Mapping[UUID, datetime | None]) -> bool:
+    async def _cancelling(self, message_id: UUID) -> bool:
+        """Whether a cancellation of this message stands (as a host that receives it reads the control
+        store: it is then settled Cancelled without running), or the store cannot say."""
+        if not isinstance(self.store, ControlStore):
+            return False  # a store that keeps identities only: it holds no requests
+        try:
+            return message_id in (await self.store.state()).cancelled
+        except Exception as exc:
+            log.warning(
+                "could not read the cancellation requests (%s): %s is taken as cancelled, and the new "
+                "version sent",
+                exc,
+                message_id,
+            )
+            return True
+
+    async def _may_run(self, message_id: UUID, sent: Mapping[UUID, Envelope]) -> bool:
         """Worth marking superseded: not known to be finished."""
         if message_id in sent:
             return True

@@ -109,7 +109,9 @@ class Runtime:
         self.clock = clock
         if control is None:
             control = (
-                provider.control_store() if isinstance(provider, ProvidesControl) else MemoryControlStore()
+                provider.control_store()
+                if isinstance(provider, ProvidesControl)
+                else MemoryControlStore(clock)
             )
         if tracker is None:
             tracker = provider.tracker() if isinstance(provider, ProvidesTracker) else MemoryTracker()
@@ -135,7 +137,7 @@ class Runtime:
             self.pipeline.previous_lookup = previous
             self.pipeline.supersede_check = getattr(provider, "superseded_by", None)
         elif not isinstance(provider, SendsIdempotent) and isinstance(control, KeepsIdentities):
-            self.identities = IdentityGuard(app, control, tracker, provider)
+            self.identities = IdentityGuard(app, control, tracker, provider, clock)
             self.producer.identities = self.identities
             self.pipeline.previous_lookup = self.identities.previous
             self.pipeline.supersede_check = self.identities.check_start

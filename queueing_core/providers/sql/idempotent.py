@@ -1,6 +1,7 @@
 """Idempotent message types on SQL: an enqueue equal (identity and JSON) to the waiting message of
-its identity is discarded; one with a changed body replaces the waiting body; the handler's
-``ctx.previous`` is the last version of its identity that succeeded."""
+its identity is discarded (the waiting row brought forward to the time the enqueue asks for, when it was
+due later); one with a changed body replaces the waiting body; the handler's ``ctx.previous`` is the last
+version of its identity that succeeded."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from uuid import UUID
 
 import sqlalchemy as sa
 
+from ...clock import as_utc
 from ...control.base import CANCEL_KEPT
 from ...messages import MessageStatus, QueueMessage, read_body
 from .rows import row_for
 from .schema import CLAIMABLE, CLAIMABLE_SQL, Tables, archived, claimable
+from .statements import notify_statement
 
 if TYPE_CHECKING:
     from ...app import QueueingApp, Subscription
@@ -24,6 +27,10 @@ if TYPE_CHECKING:
     from .provider import SqlProvider
 
 T = TypeVar("T")
+
+#: the waiting statuses whose next run is at a time of the row's own (its delay, its retry); a row held
+#: for another reason (paused, waiting for a handler) is looked at again soon, and stays held
+TIMED = (MessageStatus.PENDING.value, MessageStatus.SLEEPING.value, MessageStatus.FAILED.value)
 
 
 #: one statement to run and its parameters (None: run it bare); the plan is sent what it answered
@@ -47,13 +54,22 @@ def batch_lock(backend: str, envs: Sequence[Envelope], keys: Sequence[str | None
 
 
 def plan(
-    tables: Tables, backend: str, app: QueueingApp | None, env: Envelope, key: str, now: datetime
+    tables: Tables,
+    backend: str,
+    app: QueueingApp | None,
+    env: Envelope,
+    key: str,
+    now: datetime,
+    *,
+    woken: set[str] | None = None,
 ) -> Generator[Step, Any, IdempotentOutcome]:
     """The statements that send one envelope of an idempotent type, in order, inside a transaction
-    the driver holds: discard it if the waiting message of its identity has the same JSON, replace the
-    waiting body if it differs, else insert it with its identity. One plan for the provider's own
-    transaction (:func:`send`) and the caller's (the outbox), sync or async: a row written without its
-    identity would be invisible to the next enqueue of that identity and to ``ctx.previous``."""
+    the driver holds: discard it if the waiting message of its identity has the same JSON (bringing that
+    message forward to the time this one asks for, if it was due later: its queue is then added to
+    ``woken``, and NOTIFYed on PostgreSQL), replace the waiting body if it differs, else insert it with
+    its identity. One plan for the provider's own transaction (:func:`send`) and the caller's (the
+    outbox), sync or async: a row written without its identity would be invisible to the next enqueue
+    of that identity and to ``ctx.previous``."""
     from ...producer import IdempotentOutcome, outlasts
     from .provider import initial_status, insert_statement
 
@@ -77,6 +93,9 @@ def plan(
             m.c.message_id,
             m.c.tracking_id,
             m.c.expires_at,
+            m.c.status,
+            m.c.not_before,
+            m.c.available_at,
             sa.cast(m.c.body, sa.Text()).label("b"),
             sa.literal_column(f"({CLAIMABLE_SQL})").label("waits"),
             m.c.superseded_by,
@@ -114,26 +133,45 @@ def plan(
             # marked by a newer row that is gone since (retention, a purge): it stands for this
             # enqueue now, so it runs
             keep["superseded_by"] = None
+        asked = env.not_before or now
+        forward = waiting.status in TIMED and as_utc(waiting.available_at) > as_utc(asked)
+        if forward:
+            # it is due later than this one asks to run (its delay, its retry): it is brought forward
+            # to this one's time, so the run asked for comes when asked, not days later
+            keep["available_at"] = asked
+            if waiting.not_before is not None:
+                keep["not_before"] = env.not_before
+            if waiting.status == MessageStatus.SLEEPING.value and env.not_before is None:
+                keep["status"] = initial_status(app, env)
+            keep["updated_at"] = now
         if keep:
             yield sa.update(m).where(m.c.id == waiting.id).values(**keep), None
+        if forward:
+            if woken is not None:
+                woken.add(env.queue)
+            if backend == "postgresql":
+                # a listening worker claims it at the commit, as it would a row just inserted
+                yield notify_statement(_channel(tables), env.queue), None
         return IdempotentOutcome("discarded", waiting.message_id, waiting.tracking_id)
     if waiting is not None:
         # the new version as it was enqueued, as on every other transport (where it is a message of
         # its own): its delay, expiry and fresh attempts, not the replaced version's; a row held for
         # another reason (paused, waiting for a handler) stays held
-        timed = (MessageStatus.PENDING.value, MessageStatus.SLEEPING.value, MessageStatus.FAILED.value)
         replace = (
             sa.update(m)
             .where(m.c.id == waiting.id, claimable())
             .values(
                 body=env.body,
                 headers=env.headers,
+                # the new version's, as it is a message of its own on the other transports
+                correlation_id=env.correlation_id,
+                created_at=env.created_at,
                 updated_at=now,
                 not_before=env.not_before,
                 available_at=env.not_before or now,
                 expires_at=env.expires_at,
                 attempt=env.attempt,
-                status=sa.case((m.c.status.in_(timed), initial_status(app, env)), else_=m.c.status),
+                status=sa.case((m.c.status.in_(TIMED), initial_status(app, env)), else_=m.c.status),
                 # the newest version now, whatever marked the row before (a newer row gone since)
                 superseded_by=None,
             )
@@ -202,15 +240,26 @@ async def send(
     """One transaction: per envelope, discard, replace the waiting body, or insert."""
     now = p.clock()
     out: list[IdempotentOutcome] = []
+    woken: set[str] = set()  # queues of waiting rows brought forward (NOTIFYed by the plan)
     async with p.engine.begin() as conn:
         lock = batch_lock(p.backend, envelopes, identities)
         if lock is not None:
             await conn.execute(lock[0])
         for env, key in zip(envelopes, identities, strict=True):
-            out.append(await run_plan_async(conn, plan(p.tables, p.backend, p._app, env, key, now)))
+            steps = plan(p.tables, p.backend, p._app, env, key, now, woken=woken)
+            out.append(await run_plan_async(conn, steps))
         sent = zip(envelopes, out, strict=True)
         await p.notify_statements(conn, {e.queue for e, o in sent if o.outcome == "enqueued"})
+    for q in woken:
+        p._note_due(q, now)  # a worker of this process waiting for the old due time looks now
     return out
+
+
+def _channel(tables: Tables) -> str:
+    """The NOTIFY channel of the provider whose tables these are."""
+    from .provider import channel_for
+
+    return channel_for(tables.messages.schema)
 
 
 def _same(stored: str | None, body: dict[str, Any]) -> bool:
