@@ -5,6 +5,7 @@ in-process provider."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,6 +14,13 @@ from typing import Literal, Protocol, runtime_checkable
 from uuid import UUID
 
 from ..options import CircuitBreakerOptions
+
+
+async def cas_backoff(attempt: int) -> None:
+    """The pause before compare-and-set round ``attempt`` (from 1): jitter spreads competing writers
+    (other hosts) so the next round is not another collision."""
+    await asyncio.sleep(random.uniform(0, min(0.25, 0.005 * 2**attempt)))  # noqa: S311 - not crypto
+
 
 CircuitName = Literal["closed", "open", "half_open"]
 PauseKind = Literal["queue", "type", "schedule"]

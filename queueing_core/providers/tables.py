@@ -17,7 +17,6 @@ import base64
 import binascii
 import hashlib
 import json
-import random
 import re
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -43,7 +42,7 @@ from pydantic import TypeAdapter
 from .. import retry_policy
 from ..clock import as_utc
 from ..control import circuit
-from ..control.base import CANCEL_KEPT, CircuitName, CircuitState, ControlState, PauseKind
+from ..control.base import CANCEL_KEPT, CircuitName, CircuitState, ControlState, PauseKind, cas_backoff
 from ..errors import ConfigurationError, ProviderError, ProviderUnavailable
 from ..messages import MessageStatus
 from ..options import CircuitBreakerOptions
@@ -175,11 +174,6 @@ _CIRCUIT_STATES: Final[frozenset[str]] = frozenset({"closed", "open", "half_open
 _CAS_ATTEMPTS: Final = 25
 
 
-async def _cas_backoff(attempt: int) -> None:
-    # Jitter spreads competing writers (other instances) so the next round is not another collision.
-    await asyncio.sleep(random.uniform(0, min(0.25, 0.005 * 2**attempt)))  # noqa: S311 - not crypto
-
-
 class _OnTable:
     """An async context over one ``_Table``: leaving it (or ``aclose``) closes the table's client."""
 
@@ -304,7 +298,7 @@ class TablesControlStore(_OnTable):
                         )
                         return new
                     except ResourceModifiedError:
-                        await _cas_backoff(attempt)
+                        await cas_backoff(attempt)
         raise ProviderUnavailable(f"circuit of {type_name!r}: too much contention, gave up")
 
     async def acquire_probe(self, type_name: str, opts: CircuitBreakerOptions, now: datetime) -> bool:
@@ -387,7 +381,7 @@ class TablesControlStore(_OnTable):
                         if etag is None:
                             raise  # the table itself is missing
                         # the entity was deleted (a success or reset) after our read: read again
-                    await _cas_backoff(attempt)
+                    await cas_backoff(attempt)
         raise ProviderUnavailable(f"circuit of {type_name!r}: too much contention, gave up")
 
 

@@ -27,8 +27,9 @@ from azure.core import MatchConditions
 from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
 from azure.data.tables import UpdateMode
 
+from ..control.base import cas_backoff
 from ..errors import ProviderUnavailable
-from .tables import _CAS_ATTEMPTS, _boundary, _cas_backoff, _plain_utc, _Table, escape_key
+from .tables import _CAS_ATTEMPTS, _boundary, _plain_utc, _Table, escape_key
 
 if TYPE_CHECKING:
     from ..envelope import Envelope
@@ -157,7 +158,7 @@ class TablesTickStore:
                     await self._write(self._entity(schedule, _plain_utc(current["LastTick"]), held), etag)
                     return
                 except (ResourceModifiedError, ResourceNotFoundError):
-                    await _cas_backoff(attempt)  # another host claimed a tick meanwhile: read again
+                    await cas_backoff(attempt)  # another host claimed a tick meanwhile: read again
         raise ProviderUnavailable(f"schedule {schedule!r}: too much contention, gave up ({action})")
 
     async def _claim(self, schedule: str, tick: datetime, now: datetime) -> str | None:
@@ -182,5 +183,5 @@ class TablesTickStore:
                     await self._write(self._entity(schedule, last, held), etag)
                     return token
                 except (ResourceModifiedError, ResourceExistsError, ResourceNotFoundError):
-                    await _cas_backoff(attempt)  # another host wrote first: read again
+                    await cas_backoff(attempt)  # another host wrote first: read again
         raise ProviderUnavailable(f"schedule {schedule!r}: too much contention, gave up")

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from ...clock import opt_utc
 from ...control import circuit
-from ...control.base import CANCEL_KEPT, CircuitState, ControlState, PauseKind
+from ...control.base import CANCEL_KEPT, CircuitState, ControlState, PauseKind, cas_backoff
 from ...errors import ProviderError
 from ...messages import MessageStatus
 from ...options import CircuitBreakerOptions
@@ -21,6 +21,9 @@ from .errors import db_boundary
 if TYPE_CHECKING:
     from .provider import SqlProvider
 
+#: tries of a circuit change whose row another writer changed in between (never, where the row is
+#: locked: PostgreSQL, and SQLite on the kit's own engine)
+_TRIES = 100
 #: NOTIFY payload prefix of a cancellation request: the other payloads are queue names, and the
 #: unit separator is in none of them
 CANCEL_PREFIX = "\x1fcancel\x1f"
@@ -172,23 +175,25 @@ class SqlControlStore:
     async def _update(
         self, type_name: str, change: Callable[[CircuitState], CircuitState | None]
     ) -> tuple[CircuitState, bool]:
-        """Read the row, apply ``change`` and write it in one transaction that holds the row: every
+        """Read the row, apply ``change`` and write it back in one transaction that holds the row: every
         concurrent change is applied in turn, none lost or refused. ``change`` returning None means no
         write.
 
-        The read locks the row (``FOR UPDATE`` on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already
-        lets one writer in at a time, and SQLAlchemy leaves the clause out there), so the other
-        writers wait for this commit and then read what it wrote. (A compare-and-set on the version,
-        retried without a pause, gave up under a burst of failures from many handlers, and those
-        failures went uncounted.)"""
+        The read locks the row (``FOR UPDATE`` on PostgreSQL; on SQLite the kit's engine begins each
+        transaction with ``BEGIN IMMEDIATE``, which lets one writer in at a time), so the other writers
+        wait for this commit and then read what it wrote. (A compare-and-set alone, retried without a
+        pause, gave up under a burst of failures from many handlers, and those failures went
+        uncounted.) The write still checks the version it read: on an engine of the caller's, SQLite
+        begins no transaction before the read, and an unchecked write there overwrote what another
+        writer wrote in between (every waiting probe was granted at once); such a write is tried
+        again, after a short random pause."""
         c = self._t.circuits
         with db_boundary("updating a circuit"):
             await self.provider.ensure_open()
-            async with self.provider.engine.begin() as conn:
-                # twice at most: a row that is missing may be created by another writer meanwhile; the
-                # insert then waits for its commit and fails, and the row is read again, locked (rows
-                # are never deleted: a closed circuit is written as closed)
-                for _ in range(2):
+            for attempt in range(_TRIES):
+                if attempt:
+                    await cas_backoff(attempt)
+                async with self.provider.engine.begin() as conn:
                     row = (
                         await conn.execute(sa.select(c).where(c.c.type == type_name).with_for_update())
                     ).first()
@@ -204,19 +209,22 @@ class SqlControlStore:
                         probe_until=new.probe_until,
                     )
                     if row is not None:
-                        await conn.execute(
+                        done = await conn.execute(
                             sa.update(c)
-                            .where(c.c.type == type_name)
-                            .values(version=c.c.version + 1, **values)
+                            .where(c.c.type == type_name, c.c.version == row.version)
+                            .values(version=row.version + 1, **values)
                         )
-                        return new, True
+                        if done.rowcount == 1:
+                            return new, True
+                        continue  # written in between (no lock held): read it again
                     try:
+                        # (rows are never deleted: a closed circuit is written as closed)
                         async with conn.begin_nested():
                             await conn.execute(c.insert().values(type=type_name, version=1, **values))
                     except sa.exc.IntegrityError:
-                        continue  # another writer created it first: read it again, locked
+                        continue  # another writer created it first: read it again
                     return new, True
-            raise ProviderError(f"circuit state for {type_name!r}: its row could be neither read nor created")
+            raise ProviderError(f"circuit state for {type_name!r} kept changing under {_TRIES} tries")
 
     async def record_failure(
         self, type_name: str, opts: CircuitBreakerOptions, now: datetime, probe_until: datetime | None = None
