@@ -288,8 +288,10 @@ class FunctionsHost:
         grace = timedelta(seconds=self.settings.schedule_grace_seconds)
         # a tick waits for the next timer run: its grace counts from there, or a run that comes a
         # little late would read the first ticks of the interval as missed (and drop them)
-        grace += longest_interval(self.settings.functions_schedules_schedule)
-        return {"ticks": await Scheduler(rt, grace=grace).run_due()}
+        interval = longest_interval(self.settings.functions_schedules_schedule)
+        grace += interval
+        # a tick whose send failed is tried again by the next run at the soonest
+        return {"ticks": await Scheduler(rt, grace=grace, retry_gap=interval).run_due()}
 
     async def prune_ticks(self) -> dict[str, int]:
         from queueing_core.scheduler import Scheduler

@@ -74,10 +74,18 @@ class Scheduler:
         store: TickStore | None = None,
         grace: timedelta = timedelta(seconds=60),
         poll: float = 1.0,
+        retry_gap: timedelta = timedelta(0),
     ) -> None:
+        """``retry_gap``: how long after a failed try a host tries a tick again at most (a Functions
+        timer's interval); the tick store's claim lease is the least (a dead host's claim lapses)."""
         self.runtime = runtime
         self.store = store or tick_store_for(runtime)
         self.grace = grace
+        #: an unfinished tick is missed only this much later than a tick no host claimed: it was
+        #: claimed on time, and its next try could come no sooner than its claim lapsed (or the next
+        #: timer run). Judged by the grace alone, a tick whose send failed once was dropped by a retry
+        #: that came a second late, its never-tried neighbour sent (found in review)
+        self.unfinished_allowance = max(retry_gap, getattr(self.store, "lease", timedelta(seconds=30)))
         self.poll = poll
         self._unwakeable: set[str] = set()  # schedules whose next tick failed (warned once each)
 
@@ -109,11 +117,14 @@ class Scheduler:
         """The ticks to fire now, oldest first, each with whether its messages go out.
 
         ``unfinished`` are ticks claimed but never sent whose claim lapsed. One still on time is sent
-        again. One older than the grace is a missed tick, as a tick no host claimed is: with
-        ``catch_up="skip"`` it is confirmed with no message, with ``"once"`` only the newest missed tick
-        (unfinished or never claimed) is sent and the older ones are confirmed with no message."""
-        ticks = sorted(set(unfinished) | set(s.due(last, now, self.grace)))
-        missed = [t for t in ticks if now - t > self.grace]
+        again. One older than the grace (and, unfinished, than ``unfinished_allowance`` more) is a
+        missed tick, as a tick no host claimed is: with ``catch_up="skip"`` it is confirmed with no
+        message, with ``"once"`` only the newest missed tick (unfinished or never claimed) is sent and
+        the older ones are confirmed with no message."""
+        retried = set(unfinished)
+        ticks = sorted(retried | set(s.due(last, now, self.grace)))
+        late = {t: self.grace + (self.unfinished_allowance if t in retried else timedelta(0)) for t in ticks}
+        missed = [t for t in ticks if now - t > late[t]]
         kept = missed[-1:] if s.catch_up == "once" else []
         return [(t, t not in missed or t in kept) for t in ticks]
 

@@ -283,9 +283,9 @@ class QueueingSettings(BaseSettings):
         ge=1,
         le=86400,
         description="How late a schedule's tick may run and still count as on time. Older ticks that no "
-        "host ran (every host was down) are missed: the schedule's `catch_up` runs the newest once, or "
-        "none. In Functions the longest interval of `QUEUEING_FUNCTIONS_SCHEDULES_SCHEDULE` is added "
-        "(a tick waits for the next timer run).",
+        "host sent (every host was down, or the transport was) are missed: the schedule's `catch_up` "
+        "runs the newest once, or none. In Functions the longest interval of "
+        "`QUEUEING_FUNCTIONS_SCHEDULES_SCHEDULE` is added (a tick waits for the next timer run).",
     )
     opentelemetry: bool = Field(
         default=False,
