@@ -717,7 +717,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                     # the service can hide a message, whose copy carries its due time) and the
                     # original is deleted after. Renewing the lease first proves this receipt still
                     # holds the message, so a run whose lease passed on writes no copy at all; the
-                    # copy must land within that renewal's hold (``_copy_within_hold``). Once
+                    # hold is renewed until the copy has landed (``_copy_within_hold``). Once
                     # the copy is out (an earlier call's), only the delete is left: a renewal then
                     # proves nothing, and its 404 may be that earlier call's delete landing unanswered.
                     if not h.prepared:
@@ -741,27 +741,48 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
     async def _copy_within_hold(
         self, h: _Handle, d: Delivery, decision: DeadLetter | RetryAfter | Defer | Release, now: datetime
     ) -> None:
-        """Write the settlement's copy while the original is surely still hidden, two thirds of the
-        hold at most (the last third is the delete's). A copy that takes longer is given up (cancelled):
-        the settlement fails, and the settler tries again from the hiding (a copy that reached the
-        service all the same is a duplicate). Past the hold another run may have received the message,
-        and a copy landing then stood beside that run's outcome: a stale run's letter beside a success,
-        or a fresh copy that ran again (found in review)."""
-        left = (h.hidden_until - utcnow()).total_seconds() * 2 / 3
+        """Write the settlement's copy while the original stays hidden under this run's receipt: the
+        hold is renewed (a lease at a time) for as long as the copy is on its way, so a slow copy lands
+        while no other run can have the message. Hidden for one lease only, a copy that took longer
+        landed after another run had received the message and completed it: the stale run's letter, or
+        a fresh copy that ran again, stood beside that run's outcome (found in review). Given up in two
+        cases only: the receipt is refused (another run has the message; a copy that reached the
+        service all the same is a duplicate), or the hold cannot be renewed and less than a third of
+        it is left (the service does not answer; the settler tries again from the hiding). Cancelled,
+        not waited out, a copy whose answer was only slow was sent again on each try of the settler
+        (found in review)."""
+        lease = self._lease(d)
+        copy = asyncio.ensure_future(self._copy(d, decision, now))
         try:
-            async with asyncio.timeout(max(left, 0.0)):
-                if isinstance(decision, DeadLetter):
-                    await self.dead_letter(d, decision, now)
+            while True:
+                # renewed a third into each hold; tried again soon when a renewal fails
+                wait = max((h.hidden_until - lease * 2 / 3 - utcnow()).total_seconds(), 0.0)
+                done, _ = await asyncio.wait({copy}, timeout=wait or min(1.0, lease.total_seconds() / 10))
+                if done:
+                    copy.result()  # (its failure is the settlement's)
                     return
-                assert isinstance(decision, RetryAfter | Defer | Release)
-                due = due_at(decision, now) or now
-                # a fresh copy starts at dequeue_count 0: its envelope counts the attempts
-                await self.put(d.queue, copy_for_later(d.copy_after(decision), due, now), due - now, now)
-        except TimeoutError:
-            raise ProviderUnavailable(
-                "a settlement's copy took longer than the message stays hidden for it: given up, and "
-                "tried again"
-            ) from None
+                try:
+                    await self._hide(h, lease)
+                except ProviderUnavailable:
+                    if h.hidden_until - utcnow() < lease / 3:
+                        raise ProviderUnavailable(
+                            "a settlement's copy was still on its way with the message's hold nearly "
+                            "over and the service not answering: given up, and tried again"
+                        ) from None
+        finally:
+            if not copy.done():
+                copy.cancel()
+                await asyncio.wait({copy})  # (its cancellation; never raises the copy's error)
+
+    async def _copy(
+        self, d: Delivery, decision: DeadLetter | RetryAfter | Defer | Release, now: datetime
+    ) -> None:
+        if isinstance(decision, DeadLetter):
+            await self.dead_letter(d, decision, now)
+            return
+        due = due_at(decision, now) or now
+        # a fresh copy starts at dequeue_count 0: its envelope counts the attempts
+        await self.put(d.queue, copy_for_later(d.copy_after(decision), due, now), due - now, now)
 
     async def dead_letter(self, d: Delivery, decision: DeadLetter, now: datetime) -> None:
         """Put ``d`` in ``<queue>-poison`` with the reason (the original is settled by the caller)."""

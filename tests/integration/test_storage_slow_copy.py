@@ -2,8 +2,9 @@
 under its receipt, then writes the copy, then deletes the original. Hidden for one lease only, a copy
 that took longer than the lease landed after another run had received the message and completed it:
 the stale run's letter (or fresh copy, run again) stood beside the success (found in review). Now the
-original stays hidden for as long as a copy and a delete can take, and a copy slower than that is
-given up before the hold ends, so no other run can have the message while the copy lands."""
+hold is renewed while the copy is on its way, so no other run can have the message while it lands; a
+copy is given up only when the hold cannot be renewed, and a copy whose answer is only slow is sent
+once (cancelled at a deadline, it was sent again on every try of the settler: found in review)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from azure.core.exceptions import ServiceRequestError
 
 from queueing_core import QueueingApp, QueueMessage, QueueNaming, queue
 from queueing_core.decisions import Complete, DeadLetter, DeadLetterReason, Decision, Release
@@ -45,19 +47,24 @@ async def provider(azurite: Any) -> AsyncIterator[StorageQueueProvider]:
     await rt.close()
 
 
-async def _slowed(p: StorageQueueProvider, kind: str, seconds: float) -> Any:
-    """The copy's queue client, its sends taking ``seconds`` before they go out."""
+async def _slowed(p: StorageQueueProvider, kind: str, before: float, after: float = 0.0) -> Any:
+    """The copy's queue client: its sends wait ``before`` seconds, go out, then answer ``after``
+    seconds later. Returns the client, its own send, and the list of sends that went out."""
     sub = p._app.subscription(Job.type_name())  # type: ignore[union-attr]
     name = p.poison_name(sub.queue) if kind == "dead-letter" else p.physical(sub.queue)
     client = await p._ensure(name)
     real = client.send_message
+    went: list[object] = []
 
     async def send_message(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(seconds)
-        return await real(*args, **kwargs)
+        await asyncio.sleep(before)
+        answer = await real(*args, **kwargs)
+        went.append(answer)
+        await asyncio.sleep(after)
+        return answer
 
     client.send_message = send_message
-    return client, real
+    return client, real, went
 
 
 def _decision(kind: str) -> Decision:
@@ -66,30 +73,87 @@ def _decision(kind: str) -> Decision:
     return Release("the stale run's release")
 
 
+async def _depths(p: StorageQueueProvider, queue: str) -> tuple[int, int]:
+    await asyncio.sleep(0.2)
+    return await p.depth(queue), await p.depth(queue, poison=True)
+
+
 @pytest.mark.parametrize("kind", ["dead-letter", "release"])
-async def test_a_copy_slower_than_the_hold_is_given_up_before_another_run_can_have_the_message(
+@pytest.mark.parametrize(("before", "after"), [(2.5, 0.0), (0.0, 2.5)], ids=["slow-send", "slow-answer"])
+async def test_a_copy_slower_than_the_lease_lands_while_the_original_is_held(
+    provider: StorageQueueProvider, kind: str, before: float, after: float
+) -> None:
+    """The lease is 1 s; the copy takes 2.5 s (before it goes out, or after, its answer slow). No other
+    run gets the original meanwhile, the settlement succeeds at its first try, and one copy is sent."""
+    p = provider
+    app = p._app
+    assert app is not None
+    sub = app.subscription(Job.type_name())
+    await app.enqueue(Job(n=1))
+    [first] = await p.receive(sub, 1)
+    client, real, went = await _slowed(p, kind, before, after)
+    settling = asyncio.create_task(p.settle([Settlement(first, _decision(kind))]))
+    others = []
+    for _ in range(8):  # past the first hold and beyond: the original stays hidden (a copy may come)
+        await asyncio.sleep(0.3)
+        others += await p.receive(sub, 5)
+    await settling
+    client.send_message = real
+    assert not first.refused
+    assert len(went) == 1
+    others += await p.receive(sub, 5) if kind == "release" else []
+    assert all(d.handle.id != first.handle.id for d in others)  # never the original
+    if kind == "dead-letter":
+        assert others == []
+        assert await _depths(p, sub.queue) == (0, 1)
+    else:
+        # the fresh copy, one queue message (received again here as each of its leases ran out)
+        assert len({d.handle.id for d in others}) == 1
+        again = others[0]
+        assert again.envelope is not None
+        assert first.envelope is not None
+        assert again.envelope.message_id == first.envelope.message_id
+
+
+@pytest.mark.parametrize("kind", ["dead-letter", "release"])
+async def test_a_copy_is_given_up_when_its_hold_cannot_be_renewed(
     provider: StorageQueueProvider, kind: str
 ) -> None:
+    """The copy takes 2.5 s and the service stops answering renewals: the copy is given up before the
+    hold ends (cancelled before it goes out). The original comes back and another run completes it;
+    the stale run's settlement, tried again, is refused, and no copy stands beside the success."""
     p = provider
     app = p._app
     assert app is not None
     sub = app.subscription(Job.type_name())
     await app.enqueue(Job(n=1))
     [stale] = await p.receive(sub, 1)
-    # the renewal before the copy hides the original for one lease (1 s); the copy takes 2.5 s
-    client, real = await _slowed(p, kind, 2.5)
-    with pytest.raises(ProviderUnavailable, match="took longer than the message stays hidden"):
+    client, real, went = await _slowed(p, kind, 2.5)
+    main = await p._ensure(p.physical(sub.queue))
+    real_update = main.update_message
+    hides = 0
+
+    async def update_message(*args: Any, **kwargs: Any) -> Any:
+        nonlocal hides
+        hides += 1
+        if hides > 1:  # the hold before the copy is given; its renewals are not answered
+            raise ServiceRequestError("the service does not answer")
+        return await real_update(*args, **kwargs)
+
+    main.update_message = update_message
+    with pytest.raises(ProviderUnavailable, match="hold nearly over"):
         await p.settle([Settlement(stale, _decision(kind))])
+    main.update_message = real_update
     client.send_message = real
-    # past the hold: the original comes back, and another run completes it
     live = await _received(p, sub)
     await p.settle([Settlement(live, Complete())])
     assert not live.refused
     # the settler tries the stale run's settlement again: its receipt is gone, so nothing is written
     await p.settle([Settlement(stale, _decision(kind))])
     assert stale.refused
-    await asyncio.sleep(2.5)  # as long as the slow copy would have taken to land
-    assert (await p.depth(sub.queue), await p.depth(sub.queue, poison=True)) == (0, 0)
+    await asyncio.sleep(2.5)  # as long as the cancelled copy would have taken to land
+    assert went == []
+    assert await _depths(p, sub.queue) == (0, 0)
     assert await p.receive(sub, 5) == []
 
 
