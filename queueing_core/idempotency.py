@@ -208,7 +208,12 @@ class IdentityGuard:
                 if as_utc(standing.due) > as_utc(asked):
                     # it runs later than this one asks to (its delay, its retry): a queued message
                     # cannot be brought forward, so this one is sent, superseding it (the run asked
-                    # for comes when asked; a duplicate at worst, never a late run)
+                    # for comes when asked; a duplicate at worst, never a late run). It stands for
+                    # both requests, so it lives as long as the one it supersedes: sent with its own
+                    # shorter life, it could expire unrun, and the superseded one was then settled
+                    # unrun too (found in review)
+                    if not outlasts(env.expires_at, expiry):
+                        env = env.model_copy(update={"expires_at": expiry})
                     break
             grace: timedelta | None = getattr(self.provider, "drops_expired_after", None)
             if own is not None and grace is not None and not outlasts(own + grace, env.expires_at):

@@ -895,7 +895,14 @@ class RabbitMQProvider(SideStoreOps):
                 raise ProviderError("not an envelope")
             await self._publish(physical, self._message(env, self.clock()))
             await m.ack()
-        except (ProviderError, AMQPError, ChannelInvalidStateError):
+        except (ProviderError, AMQPError, ChannelInvalidStateError) as exc:
+            # (said, because the broker then marks it redelivered: its next run counts one attempt,
+            # and a copy whose confirm was only late is a duplicate)
+            log.warning(
+                "could not hand a buffered message of %s back as a copy (%s): returned to the broker",
+                physical,
+                first_line(exc),
+            )
             with contextlib.suppress(AMQPError, ChannelInvalidStateError):
                 await m.nack(requeue=True)
 

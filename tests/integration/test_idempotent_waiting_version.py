@@ -413,3 +413,26 @@ async def test_on_every_transport_a_standing_cancel_and_a_later_due_time_do_not_
 async def _status_is(rt: Runtime, message_id: uuid.UUID, status: str) -> bool:
     rec = await rt.tracker.get(message_id)
     return rec is not None and rec.status == status
+
+
+async def test_a_run_asked_for_now_lives_as_long_as_the_later_version_it_stands_for(make: Make) -> None:
+    """The waiting version runs in 3 days and lives 4; the identical request asked for now lives hours.
+    Off SQL the new one is sent and supersedes the waiting one: it must live as long, or a queue not
+    worked for those hours (a pause, an outage) had it expire unrun, and the superseded version was
+    settled unrun when it came. On SQL the waiting row, brought forward, keeps its own life."""
+    clock = Clock()
+    runs: list[tuple[int, str | None, datetime]] = []
+    app = _app(runs)
+    rt = make(app, clock)
+    async with rt:
+        later = await app.enqueue(
+            Price(sku="E", cents=5), delay=timedelta(seconds=1), expires_at=clock() + timedelta(days=4)
+        )
+        asap = await app.enqueue(Price(sku="E", cents=5))  # no delay; the default life (hours)
+        clock.now += timedelta(hours=6)  # nobody works the queue for longer than the new one's life
+        await asyncio.sleep(1.2)  # (the in-process transport delays by the real clock)
+        await run_until_idle(rt, raise_errors=False)
+        assert [r[0] for r in runs] == [5]  # one run, for both requests
+        final = {(await rt.tracker.get(r.message_id)).status for r in (later, asap)}  # type: ignore[union-attr]
+    assert MessageStatus.SUCCEEDED in final
+    assert MessageStatus.EXPIRED not in final
