@@ -66,6 +66,7 @@ from ..decisions import (
     Complete,
     DeadLetter,
     DeadLetterReason,
+    Decision,
     Defer,
     Expire,
     Release,
@@ -161,6 +162,10 @@ class _Handle:
     #: and a delete sent with the receipt a renewal in flight is about to replace would fail
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     settled: bool = False
+    #: a settlement of it is under way: the worker's renewals pass it by rather than wait their turn
+    #: behind it (a copy renews the hold itself while it is on its way; waiting behind a slow one held
+    #: up the renewal of every other message of the worker, whose leases ran out: found in review)
+    settling: bool = False
     #: the settlement's copy or dead letter is sent: the settler's next try after a failed delete goes
     #: on from there, not sending another (each try sent one: up to five copies that all ran)
     prepared: bool = False
@@ -706,6 +711,13 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         d, decision = s.delivery, s.decision
         h: _Handle = d.handle
         now = utcnow()
+        h.settling = True  # (before the turn is awaited: a renewal that comes meanwhile passes it by)
+        try:
+            await self._settle_held(d, decision, h, now)
+        finally:
+            h.settling = False
+
+    async def _settle_held(self, d: Delivery, decision: Decision, h: _Handle, now: datetime) -> None:
         async with h.turn, self._limit:
             try:
                 if isinstance(decision, Complete | Expire):
@@ -746,8 +758,9 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         while no other run can have the message. Hidden for one lease only, a copy that took longer
         landed after another run had received the message and completed it: the stale run's letter, or
         a fresh copy that ran again, stood beside that run's outcome (found in review). Given up in two
-        cases only: the receipt is refused (another run has the message; a copy that reached the
-        service all the same is a duplicate), or the hold cannot be renewed and less than a third of
+        cases only: the receipt is refused (another run has the message, or a renewal of ours whose
+        answer was lost replaced the receipt; a copy that reached the service all the same is then a
+        duplicate), or the hold cannot be renewed and less than a third of
         it is left (the service does not answer; the settler tries again from the hiding). Cancelled,
         not waited out, a copy whose answer was only slow was sent again on each try of the settler
         (found in review)."""
@@ -808,6 +821,8 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         async def one(d: Delivery) -> None:
             h: _Handle = d.handle
             lease = self._lease(d)
+            if h.settling:
+                return  # its settlement holds it (and renews it while a copy is on its way)
             try:
                 async with h.turn:
                     if h.settled:

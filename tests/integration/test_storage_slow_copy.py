@@ -9,6 +9,7 @@ once (cancelled at a deadline, it was sent again on every try of the settler: fo
 from __future__ import annotations
 
 import asyncio
+import types
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -23,6 +24,7 @@ from queueing_core.errors import ProviderUnavailable
 from queueing_core.providers.storage_queue import StorageConnection, StorageQueueProvider
 from queueing_core.runtime import Runtime
 from queueing_core.transport import Settlement
+from queueing_core.worker import Worker
 
 
 @queue("slow.copy", lease_duration=timedelta(seconds=1))
@@ -164,3 +166,38 @@ async def _received(p: StorageQueueProvider, sub: Any) -> Any:
             return got[0]
         await asyncio.sleep(0.1)
     raise AssertionError("the original did not come back after its hold")
+
+
+async def test_a_slow_copy_does_not_hold_up_the_renewal_of_the_workers_other_messages(
+    provider: StorageQueueProvider,
+) -> None:
+    """The worker's renewal round renews every message it has in flight together. A settlement whose
+    copy is slow holds its message's turn; a renewal that waited its turn behind it held up the whole
+    round, and the other messages' leases ran out while their handlers still ran (found in review).
+    The worker's own renewal loop runs here over A (settling, its dead letter taking 4 s) and B (its
+    handler still running): no other run receives B meanwhile."""
+    p = provider
+    app = p._app
+    assert app is not None
+    sub = app.subscription(Job.type_name())
+    await app.enqueue_many([Job(n=1), Job(n=2)])
+    a, b = await p.receive(sub, 2)
+    client, real, went = await _slowed(p, "dead-letter", 4.0)
+    worker = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(provider=p), subscriptions=lambda: [sub], _in_flight={1: a, 2: b}
+    )
+    renewing = asyncio.create_task(Worker._renew_loop(worker))  # type: ignore[arg-type]
+    try:
+        settling = asyncio.create_task(p.settle([Settlement(a, _decision("dead-letter"))]))
+        others = []
+        while not settling.done():
+            await asyncio.sleep(0.3)
+            others += await p.receive(sub, 5)  # another worker
+        await settling
+    finally:
+        renewing.cancel()
+        await asyncio.wait({renewing})
+    client.send_message = real
+    assert others == []
+    assert not a.refused
+    assert len(went) == 1
