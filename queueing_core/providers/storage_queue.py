@@ -162,10 +162,12 @@ class _Handle:
     #: and a delete sent with the receipt a renewal in flight is about to replace would fail
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     settled: bool = False
-    #: a settlement of it is under way: the worker's renewals pass it by rather than wait their turn
-    #: behind it (a copy renews the hold itself while it is on its way; waiting behind a slow one held
-    #: up the renewal of every other message of the worker, whose leases ran out: found in review)
-    settling: bool = False
+    #: a settlement's copy is on its way (or about to be): the worker's renewals pass it by rather
+    #: than wait their turn behind it, since the copy renews the hold itself (waiting behind a slow one
+    #: held up the renewal of every other message of the worker, whose leases ran out: found in
+    #: review). Only then: a delete tried again renews nothing itself, and the renewals that wait
+    #: their turn run between its tries
+    copying: bool = False
     #: the settlement's copy or dead letter is sent: the settler's next try after a failed delete goes
     #: on from there, not sending another (each try sent one: up to five copies that all ran)
     prepared: bool = False
@@ -711,18 +713,27 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         d, decision = s.delivery, s.decision
         h: _Handle = d.handle
         now = utcnow()
-        h.settling = True  # (before the turn is awaited: a renewal that comes meanwhile passes it by)
+        # (set before the turn is awaited: a renewal that comes meanwhile passes it by)
+        h.copying = not h.prepared and self._copies(decision)
         try:
             await self._settle_held(d, decision, h, now)
         finally:
-            h.settling = False
+            h.copying = False
+
+    @staticmethod
+    def _copies(decision: Decision) -> bool:
+        """Whether settling ``decision`` writes a copy first (all but a delete and a re-hide)."""
+        if isinstance(decision, Complete | Expire):
+            return False
+        return not (isinstance(decision, RetryAfter) and decision.delay <= MAX_VISIBILITY)
 
     async def _settle_held(self, d: Delivery, decision: Decision, h: _Handle, now: datetime) -> None:
         async with h.turn, self._limit:
             try:
                 if isinstance(decision, Complete | Expire):
                     await self._delete(h)
-                elif isinstance(decision, RetryAfter) and decision.delay <= MAX_VISIBILITY:
+                elif not self._copies(decision):
+                    assert isinstance(decision, RetryAfter)
                     await self._hide(h, decision.delay)  # the next dequeue counts the attempt
                 else:
                     # A copy goes first (a dead letter, a deferral's fresh copy, or a retry later than
@@ -738,6 +749,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                         await self._hide(h, self._lease(d))
                         await self._copy_within_hold(h, d, decision, now)
                         h.prepared = True
+                        h.copying = False  # (the renewals that come now wait for the delete)
                     await self._delete(h)
             except _DeleteUnconfirmed as exc:
                 # not known to be ours: not applied, but recorded unless a later run recorded its own
@@ -821,8 +833,8 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
         async def one(d: Delivery) -> None:
             h: _Handle = d.handle
             lease = self._lease(d)
-            if h.settling:
-                return  # its settlement holds it (and renews it while a copy is on its way)
+            if h.copying:
+                return  # its settlement renews it while the copy is on its way
             try:
                 async with h.turn:
                     if h.settled:

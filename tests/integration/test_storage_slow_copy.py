@@ -201,3 +201,65 @@ async def test_a_slow_copy_does_not_hold_up_the_renewal_of_the_workers_other_mes
     assert others == []
     assert not a.refused
     assert len(went) == 1
+
+
+@queue("slow.delete", lease_duration=timedelta(seconds=6))
+class Held(QueueMessage):
+    n: int
+
+
+async def test_a_delete_tried_again_after_the_copy_keeps_the_original_renewed(
+    provider: StorageQueueProvider,
+) -> None:
+    """The dead letter is written; then the original's delete fails for 10 s (the service answers
+    renewals all the while) and the settler tries again with its pauses. Between the tries the
+    worker's renewals keep the original hidden: no other run receives it (passed over for the whole
+    settlement, renewals let the hold lapse between the tries, and another run ran the message beside
+    its letter: found in review)."""
+    p = provider
+    app = p._app
+    assert app is not None
+    app.message(Held)
+    sub = app.subscription(Held.type_name())
+    await p._ensure(p.physical(sub.queue))
+    await app.enqueue(Held(n=1))
+    [a] = await p.receive(sub, 1)
+    main = await p._ensure(p.physical(sub.queue))
+    real_delete = main.delete_message
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def delete_message(*args: Any, **kwargs: Any) -> Any:
+        if loop.time() - start < 10:
+            raise ServiceRequestError("the service does not answer deletes")
+        return await real_delete(*args, **kwargs)
+
+    main.delete_message = delete_message
+    worker = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(provider=p), subscriptions=lambda: [sub], _in_flight={1: a}
+    )
+    renewing = asyncio.create_task(Worker._renew_loop(worker))  # type: ignore[arg-type]
+    others: list[Any] = []
+
+    async def another_worker() -> None:
+        while True:
+            await asyncio.sleep(0.3)
+            others.extend(await p.receive(sub, 5))
+
+    polling = asyncio.create_task(another_worker())
+    try:
+        for attempt in range(1, 6):  # the settler's tries and pauses
+            try:
+                await p.settle([Settlement(a, _decision("dead-letter"))])
+                break
+            except ProviderUnavailable:
+                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+    finally:
+        renewing.cancel()
+        polling.cancel()
+        await asyncio.wait({renewing, polling})
+        main.delete_message = real_delete
+        await p.client(p.physical(sub.queue)).delete_queue()
+        await p.client(p.poison_name(sub.queue)).delete_queue()
+    assert others == []
+    assert not a.refused
