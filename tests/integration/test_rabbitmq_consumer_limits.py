@@ -84,8 +84,16 @@ async def test_a_prefetch_over_amqps_limit_is_capped_and_the_worker_consumes_and
         w = _worker(rt)
         await w.start()
         try:
-            await app.enqueue(Wide(n=1))
+            first = await app.enqueue(Wide(n=1))
             await wait_until(lambda: ran == [1], what="the first run")
+
+            async def settled() -> bool:
+                rec = await rt.tracker.get(first.message_id)
+                return rec is not None and rec.status == MessageStatus.SUCCEEDED
+
+            # its ack is in before the cut: cut between the run and the ack, the broker delivers the
+            # message again after the reconnect (a duplicate, as it should), and ``ran`` is [1, 1, 2]
+            await wait_until(settled, what="the first run's settlement")
             c = provider._consumers[physical]
             assert c.tag is not None
             assert c.channel._prefetch_count == MAX_PREFETCH  # type: ignore[attr-defined]
