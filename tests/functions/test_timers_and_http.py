@@ -126,41 +126,6 @@ async def test_the_sweeper_and_retention_timers(tmp_path):
     await rt.close()
 
 
-async def test_the_schedules_timer_a_little_late_enqueues_every_tick_of_the_interval(tmp_path):
-    """The timer fires every minute and the grace is 60 s (both defaults): a run 3 s late (a cold
-    start) read the first ticks of the minute, more than 60 s old, as missed, and an every-second
-    schedule never enqueued them. The grace now counts from the timer run the ticks waited for."""
-    from datetime import UTC, datetime
-
-    t0 = datetime(2026, 3, 2, 12, 0, 0, tzinfo=UTC)
-    now = [t0 + timedelta(seconds=0.2)]
-    app = QueueingApp("fn-beats")
-    app.every(timedelta(seconds=1), Timed(n=0), name="beat")
-
-    @app.handler()
-    async def handle(msg: Timed) -> None:
-        pass
-
-    cfg = QueueingSettings(
-        provider="sql", database_url=f"sqlite:///{tmp_path}/fn.db", functions_local_sqlite=True
-    )
-    assert (cfg.schedule_grace_seconds, cfg.functions_schedules_schedule) == (60, "0 * * * * *")
-    host = FunctionsHost(app, cfg)
-    fns = functions_of(build_app(cfg, app, host=host, env={}))
-    rt = await host.runtime()
-    rt.clock = lambda: now[0]
-    await user(fns["queueing_schedules"])(TimerRequest(past_due=False))  # the 12:00 run
-    now[0] = t0 + timedelta(seconds=63.2)  # the 12:01 run, 3 s late
-    await user(fns["queueing_schedules"])(TimerRequest(past_due=True))
-    ticks = rt.provider.tables.ticks
-    async with rt.provider.engine.connect() as conn:
-        fired = (await conn.execute(sa.select(ticks.c.tick_at).where(ticks.c.schedule == "beat"))).scalars()
-        seconds = {round((t.replace(tzinfo=UTC) - t0).total_seconds()) for t in fired}
-    assert sorted(set(range(64)) - seconds) == [], "ticks never enqueued (seconds after 12:00)"
-    assert (await rt.tracker.counts()) == {("timed", "Pending"): 64}
-    await rt.close()
-
-
 def request(
     method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b""
 ) -> func.HttpRequest:

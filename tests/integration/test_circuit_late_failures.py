@@ -16,7 +16,8 @@ from queueing_core.control import MemoryControlStore
 from queueing_core.pipeline import Pipeline
 from queueing_core.producer import Producer
 from queueing_core.providers.sql import SqlProvider
-from queueing_core.transport import Capabilities, Delivery
+from queueing_core.transport import Delivery
+from tests.clocks import ManualClock, NullProvider
 from tests.services import POSTGRES_URL, drop_schema, require
 
 OPTS = CircuitBreakerOptions(
@@ -86,22 +87,11 @@ class Call(QueueMessage):
     n: int
 
 
-class Clock:
-    now = T0
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
-class _NullProvider:
-    capabilities = Capabilities()
-
-
 async def test_a_run_admitted_before_the_circuit_opened_fails_while_a_probe_is_out():
     """A slow run admitted while closed fails while the probe is out: the circuit stays half-open, and
     the probe's success closes it (before the fix the slow run's failure reopened it for a new
     cooldown, and the probe's success was then ignored)."""
-    app, clock, control = QueueingApp(), Clock(), MemoryControlStore()
+    app, clock, control = QueueingApp(), ManualClock(T0), MemoryControlStore()
     slow_may_fail = asyncio.Event()
 
     @app.handler()
@@ -114,7 +104,7 @@ async def test_a_run_admitted_before_the_circuit_opened_fails_while_a_probe_is_o
         return None  # the probe: the downstream is back
 
     pipe = Pipeline(app, control, clock=clock, rand=lambda: 0.5)
-    prod = Producer(app, _NullProvider(), clock=clock)
+    prod = Producer(app, NullProvider(), clock=clock)
 
     def delivery(n: int) -> Delivery:
         env = prod.envelope_for(Call(n=n))
@@ -134,14 +124,14 @@ async def test_a_run_admitted_before_the_circuit_opened_fails_while_a_probe_is_o
 
 
 async def test_a_failing_probe_through_the_pipeline_reopens_it():
-    app, clock, control = QueueingApp(), Clock(), MemoryControlStore()
+    app, clock, control = QueueingApp(), ManualClock(T0), MemoryControlStore()
 
     @app.handler()
     async def call(msg: Call):
         raise ConnectionError("down")
 
     pipe = Pipeline(app, control, clock=clock, rand=lambda: 0.5)
-    prod = Producer(app, _NullProvider(), clock=clock)
+    prod = Producer(app, NullProvider(), clock=clock)
 
     def delivery(n: int) -> Delivery:
         env = prod.envelope_for(Call(n=n))

@@ -87,6 +87,14 @@ def _app(runs: list[tuple[int, str | None, datetime]]) -> QueueingApp:
     return app
 
 
+def _start(make: Make) -> tuple[Clock, list[tuple[int, str | None, datetime]], QueueingApp, Runtime]:
+    """A clock, the runs' record, the app and its runtime on the fixture's transport."""
+    clock = Clock()
+    runs: list[tuple[int, str | None, datetime]] = []
+    app = _app(runs)
+    return clock, runs, app, make(app, clock)
+
+
 # -- a standing cancellation request -----------------------------------------------------------------
 
 
@@ -95,10 +103,7 @@ async def test_an_identical_enqueue_is_not_discarded_against_a_version_whose_can
 ) -> None:
     """The request stands, the history still says the version waits (off SQL: the cancel's history
     write failed; on SQL: the cancel stopped before it took the row out of the queue)."""
-    clock = Clock()
-    runs: list[tuple[int, str | None, datetime]] = []
-    app = _app(runs)
-    rt = make(app, clock)
+    clock, runs, app, rt = _start(make)
     async with rt:
         first = await app.enqueue(Price(sku="A", cents=1))
         await rt.control.set_cancel(first.message_id, True, clock())
@@ -151,10 +156,7 @@ async def test_a_cancel_whose_history_write_failed_does_not_swallow_the_next_enq
 async def test_an_identical_enqueue_asking_to_run_now_runs_now_not_when_the_sleeping_version_is_due(
     make: Make,
 ) -> None:
-    clock = Clock()
-    runs: list[tuple[int, str | None, datetime]] = []
-    app = _app(runs)
-    rt = make(app, clock)
+    clock, runs, app, rt = _start(make)
     async with rt:
         later = await app.enqueue(
             Price(sku="C", cents=3), delay=timedelta(days=3), expires_at=clock() + timedelta(days=4)
@@ -182,10 +184,7 @@ async def test_an_identical_enqueue_asking_to_run_now_runs_now_not_when_the_slee
 
 async def test_an_earlier_delay_brings_a_later_sleeping_version_forward(make: Make) -> None:
     """Asked for in one day, against a version due in three: due in one day (no sooner, no later)."""
-    clock = Clock()
-    runs: list[tuple[int, str | None, datetime]] = []
-    app = _app(runs)
-    rt = make(app, clock)
+    clock, runs, app, rt = _start(make)
     async with rt:
         later = await app.enqueue(
             Price(sku="D", cents=4), delay=timedelta(days=3), expires_at=clock() + timedelta(days=4)
@@ -212,10 +211,7 @@ async def test_an_earlier_delay_brings_a_later_sleeping_version_forward(make: Ma
 
 async def test_an_identical_enqueue_is_still_discarded_against_a_version_due_no_later(make: Make) -> None:
     """Bringing forward changes nothing where the waiting version is due no later than asked."""
-    clock = Clock()
-    runs: list[tuple[int, str | None, datetime]] = []
-    app = _app(runs)
-    rt = make(app, clock)
+    _, runs, app, rt = _start(make)
     async with rt:
         now = await app.enqueue(Price(sku="E", cents=5))
         in_an_hour = await app.enqueue(Price(sku="E", cents=5), delay=timedelta(hours=1))
@@ -305,10 +301,7 @@ async def test_a_brought_forward_row_wakes_a_worker_of_this_process(tmp_path) ->
 
 
 async def test_a_changed_version_carries_its_own_correlation_id_and_creation_time(make: Make) -> None:
-    clock = Clock()
-    runs: list[tuple[int, str | None, datetime]] = []
-    app = _app(runs)
-    rt = make(app, clock)
+    clock, runs, app, rt = _start(make)
     made_first, made_second = clock() - timedelta(minutes=2), clock() - timedelta(minutes=1)
     async with rt:
         first = await app.enqueue(
@@ -420,10 +413,7 @@ async def test_a_run_asked_for_now_lives_as_long_as_the_later_version_it_stands_
     Off SQL the new one is sent and supersedes the waiting one: it must live as long, or a queue not
     worked for those hours (a pause, an outage) had it expire unrun, and the superseded version was
     settled unrun when it came. On SQL the waiting row, brought forward, keeps its own life."""
-    clock = Clock()
-    runs: list[tuple[int, str | None, datetime]] = []
-    app = _app(runs)
-    rt = make(app, clock)
+    clock, runs, app, rt = _start(make)
     async with rt:
         later = await app.enqueue(
             Price(sku="E", cents=5), delay=timedelta(seconds=1), expires_at=clock() + timedelta(days=4)

@@ -21,12 +21,10 @@ import pytest
 from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.envelope import Envelope
 from queueing_core.providers.inprocess import InProcessProvider
-from queueing_core.providers.sql import SqlProvider
-from queueing_core.providers.sql.schedules import SqlTickStore
 from queueing_core.runtime import Runtime
 from queueing_core.scheduler import Scheduler
 from queueing_core.schedules import TICK_HEADER, TickStore, tick_message_id
-from tests.services import POSTGRES_URL, drop_schema, require
+from tests.tick_stores import two_tick_stores
 
 T0 = datetime(2026, 3, 2, 4, 0, 0, tzinfo=UTC)
 
@@ -45,41 +43,8 @@ class Stores:
 
 @pytest.fixture(params=["sqlite-claim", "postgres-claim", "tables"])
 async def stores(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncIterator[Stores]:
-    kind = request.param
-    if kind == "tables":
-        from azure.data.tables.aio import TableClient
-
-        from queueing_core.providers.tables import TablesControlStore
-
-        azurite = request.getfixturevalue("azurite")
-        name = f"t{uuid.uuid4().hex[:24]}"
-        controls = [
-            TablesControlStore(
-                TableClient.from_connection_string(azurite.connection_string, name), create_table=True
-            )
-            for _ in range(2)
-        ]
-        yield Stores(kind, controls[0].schedule_store(), controls[1].schedule_store())
-        async with TableClient.from_connection_string(azurite.connection_string, name) as client:
-            await client.delete_table()
-        for c in controls:
-            await c.aclose()
-        return
-    schema = None
-    if kind.startswith("postgres"):
-        require("PostgreSQL", "127.0.0.1", 5432)
-        schema = f"qs_{uuid.uuid4().hex[:10]}"
-        providers = [SqlProvider(POSTGRES_URL, schema=schema, listen=False) for _ in range(2)]
-    else:
-        providers = [SqlProvider(f"sqlite:///{tmp_path}/side.db") for _ in range(2)]
-    for p in providers:
-        await p.open(QueueingApp("side"))
-    a, b = (SqlTickStore(p, transactional=False) for p in providers)
-    yield Stores(kind, a, b)
-    for p in providers:
-        await p.close()
-    if schema:
-        await drop_schema(schema)
+    async with two_tick_stores(request.param, request, tmp_path) as (a, b, _):
+        yield Stores(request.param, a, b)
 
 
 class Broker:

@@ -21,9 +21,8 @@ from queueing_core import QueueingApp, QueueMessage, queue
 from queueing_core.envelope import Envelope
 from queueing_core.producer import build_envelope
 from queueing_core.providers.sql import SqlProvider
-from queueing_core.providers.sql.schedules import SqlTickStore
-from queueing_core.schedules import MemoryTickStore, TickStore, tick_message_id
-from tests.services import POSTGRES_URL, drop_schema, require
+from queueing_core.schedules import TickStore, tick_message_id
+from tests.tick_stores import two_tick_stores
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -64,46 +63,8 @@ class Hosts:
 
 @pytest.fixture(params=["memory", "sqlite", "sqlite-claim", "postgres", "postgres-claim", "tables"])
 async def hosts(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncIterator[Hosts]:
-    kind = request.param
-    if kind == "memory":
-        one = MemoryTickStore()
-        yield Hosts(kind, one, one)
-        return
-    if kind == "tables":
-        from azure.data.tables.aio import TableClient
-
-        from queueing_core.providers.tables import TablesControlStore
-
-        azurite = request.getfixturevalue("azurite")
-        name = f"t{uuid.uuid4().hex[:24]}"
-        controls = [
-            TablesControlStore(
-                TableClient.from_connection_string(azurite.connection_string, name), create_table=True
-            )
-            for _ in range(2)
-        ]
-        yield Hosts(kind, controls[0].schedule_store(), controls[1].schedule_store())
-        async with TableClient.from_connection_string(azurite.connection_string, name) as client:
-            await client.delete_table()
-        for c in controls:
-            await c.aclose()
-        return
-    schema = None
-    if kind.startswith("postgres"):
-        require("PostgreSQL", "127.0.0.1", 5432)
-        schema = f"qs_{uuid.uuid4().hex[:10]}"
-        providers = [SqlProvider(POSTGRES_URL, schema=schema, listen=False) for _ in range(2)]
-    else:
-        providers = [SqlProvider(f"sqlite:///{tmp_path}/t.db") for _ in range(2)]
-    transactional = not kind.endswith("claim")
-    for p in providers:
-        await p.open(QueueingApp("t"))
-    a, b = (SqlTickStore(p, transactional=transactional) for p in providers)
-    yield Hosts(kind, a, b, providers[0])
-    for p in providers:
-        await p.close()
-    if schema:
-        await drop_schema(schema)
+    async with two_tick_stores(request.param, request, tmp_path) as (a, b, provider):
+        yield Hosts(request.param, a, b, provider)
 
 
 async def test_two_hosts_firing_one_tick_at_once_send_it_once(hosts: Hosts) -> None:

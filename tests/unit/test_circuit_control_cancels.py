@@ -12,20 +12,14 @@ import pytest
 from queueing_core.control import MemoryControlStore
 from queueing_core.control.base import CANCEL_KEPT
 from queueing_core.providers.sql import SqlProvider
+from tests.clocks import ManualClock
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
 
-class Clock:
-    now = T0
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
 @pytest.fixture(params=["memory", "sqlite"])
 async def store_and_clock(request, tmp_path):
-    clock = Clock()
+    clock = ManualClock(T0)
     if request.param == "memory":
         yield MemoryControlStore(clock=clock), clock
         return

@@ -21,7 +21,8 @@ from queueing_core import (
 from queueing_core.control import MemoryControlStore
 from queueing_core.pipeline import Pipeline
 from queueing_core.producer import Producer
-from queueing_core.transport import Capabilities, Delivery
+from queueing_core.transport import Delivery
+from tests.clocks import ManualClock, NullProvider
 
 T0 = datetime(2026, 5, 1, 9, 0, tzinfo=UTC)
 BREAKER = CircuitBreakerOptions(failure_threshold=3, cooldown=timedelta(seconds=30))
@@ -34,19 +35,8 @@ class Pay(QueueMessage):
     kind: str
 
 
-class Clock:
-    now = T0
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
-class _NullProvider:
-    capabilities = Capabilities()
-
-
 def make():
-    app, clock, control = QueueingApp(), Clock(), MemoryControlStore()
+    app, clock, control = QueueingApp(), ManualClock(T0), MemoryControlStore()
     ran: list[str] = []
 
     @app.handler()
@@ -61,7 +51,7 @@ def make():
         return None
 
     pipe = Pipeline(app, control, clock=clock, rand=lambda: 0.5)
-    prod = Producer(app, _NullProvider(), clock=clock)
+    prod = Producer(app, NullProvider(), clock=clock)
 
     async def process(kind: str):
         env = prod.envelope_for(Pay(kind=kind))
