@@ -12,7 +12,7 @@ from queueing_core.providers.sql.records import read_record, stored_in_order
 
 
 def row(**changes: Any) -> SimpleNamespace:
-    """A row as :meth:`SqlTracker.columns` selects it on SQLite (ids and times as their stored text)."""
+    """A row as :meth:`SqlRecords.columns` selects it on SQLite (ids and times as their stored text)."""
     values: dict[str, Any] = {
         "message_id": uuid4().hex,
         "tracking_id": uuid4().hex,

@@ -38,7 +38,7 @@ from ...tracking.base import (
 from .control import SqlControlStore
 from .provider import SqlProvider
 from .schema import archived, first_rows
-from .tracker import SqlTracker
+from .tracker import SqlRecords
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -78,7 +78,7 @@ def _fold(records: Sequence[MessageRecord]) -> list[MessageRecord]:
     return [folded[k] for k in sorted(folded)]
 
 
-class SqlHistoryTracker(SqlTracker):
+class SqlHistoryTracker(SqlRecords):
     """The Tracker protocol over ``queueing_history``; listing, paging and filters are the SQL
     provider's (same columns, same keyset cursor, newest first)."""
 

@@ -29,7 +29,7 @@ SQLITE_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}
 
 
 def stored_in_order(value: Any) -> bool:
-    """Whether a time as selected (:meth:`SqlTracker.columns`) sorts among the others as the time it
+    """Whether a time as selected (:meth:`SqlRecords.columns`) sorts among the others as the time it
     reads as: always on PostgreSQL (a ``timestamptz``), on SQLite only in the form the kit writes. A page
     cursor may carry such a time; after any other row it names the row alone."""
     return not isinstance(value, str) or SQLITE_TIME.fullmatch(value) is not None
@@ -113,7 +113,7 @@ class _Reading:
 
 
 def read_record(row: Any) -> MessageRecord:
-    """The record of ``row`` (a row of :meth:`SqlTracker.columns`); never raises for what is stored."""
+    """The record of ``row`` (a row of :meth:`SqlRecords.columns`); never raises for what is stored."""
     mapping: Mapping[str, Any] = row._mapping
     r = _Reading(mapping)
     headers = r.json("headers", mapping["headers_text"], obj=True, strings=True)

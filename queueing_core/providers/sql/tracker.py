@@ -65,7 +65,10 @@ def decode_cursor(cursor: str) -> tuple[datetime | None, int]:
         raise invalid_cursor() from None
 
 
-class SqlTracker:
+class SqlRecords:
+    """The records' reads and writes over a table of the messages' columns: the queue's own
+    (``SqlTracker``) and the side database's history (``SqlHistoryTracker``)."""
+
     def __init__(self, provider: SqlProvider) -> None:
         self.provider = provider
 
@@ -269,6 +272,12 @@ class SqlTracker:
                 async with self.provider.engine.begin() as conn:
                     deleted += (await conn.execute(sa.delete(m).where(*conditions))).rowcount or 0
         return deleted
+
+
+class SqlTracker(SqlRecords):
+    """The SQL provider's tracker: its records are the queue's own rows, which also know when each was
+    settled and when each waiting one is due, so it says what happened lately (the dashboard's charts).
+    The side database's history has no such columns; its tracker shows counts only."""
 
     async def activity(
         self, queues: Sequence[str], since: datetime, slot_seconds: int, slots: int, now: datetime
