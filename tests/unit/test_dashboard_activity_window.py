@@ -51,3 +51,28 @@ async def test_finished_slots_are_read_once_and_the_current_one_every_time():
     assert moved.since == first.since + timedelta(minutes=5)
     assert len(window.kept) == 11
     assert moved.succeeded["q"] == [1] * 12
+
+
+async def test_two_polls_either_side_of_a_slot_boundary_both_answer():
+    """Two tabs share the window: the poll just after a boundary drops the oldest kept slot while the
+    poll just before it waits on its current slot's read. The earlier poll then looked that slot up in
+    the shared window, and the overview answered 500."""
+    import asyncio
+
+    class Slow(Recorder):
+        async def activity(self, queues, since, slot_seconds, slots, now) -> Activity:
+            out = await super().activity(queues, since, slot_seconds, slots, now)
+            if slots == 1 and now.minute == 4:  # the earlier poll's current slot: a slow read
+                await asyncio.sleep(0.2)
+            return out
+
+    source, window = Slow(), ActivityWindow(slots=12, slot_seconds=300)
+    await window.read(source, ["q"], datetime(2030, 1, 1, 12, 4, 58, tzinfo=UTC))
+    before = asyncio.create_task(window.read(source, ["q"], datetime(2030, 1, 1, 12, 4, 59, tzinfo=UTC)))
+    await asyncio.sleep(0.05)
+    after = await window.read(source, ["q"], datetime(2030, 1, 1, 12, 5, 1, tzinfo=UTC))
+    early = await before
+    assert early.succeeded["q"] == [1] * 12 and after.succeeded["q"] == [1] * 12
+    assert early.since == datetime(2030, 1, 1, 11, 5, tzinfo=UTC)
+    assert after.since == datetime(2030, 1, 1, 11, 10, tzinfo=UTC)
+    assert sorted(window.kept)[0] == int(after.since.timestamp())  # the newest hour kept, no older slot

@@ -41,16 +41,21 @@ class ActivityWindow:
     async def read(self, source: ActivitySource, queues: Sequence[str], now: datetime) -> Activity:
         current = int(now.timestamp()) // self.width * self.width
         starts = [current - self.width * i for i in range(self.slots - 1, -1, -1)]  # oldest first
-        self.kept = {s: v for s, v in self.kept.items() if s >= starts[0]}
-        missing = [s for s in starts[:-1] if s not in self.kept]
+        # a copy of what is kept: polls from several tabs share the window, and one just past a slot
+        # boundary drops the oldest slot while one just before it is still reading
+        kept = {s: v for s, v in self.kept.items() if s >= starts[0]}
+        missing = [s for s in starts[:-1] if s not in kept]
         if missing:  # one read from the first slot not kept to the start of the current one
             first = missing[0]
             count = (current - first) // self.width
             done = await source.activity(queues, _at(first), self.width, count, _at(current))
             for i in range(count):
-                self.kept[first + i * self.width] = _slot(done, i)
+                kept[first + i * self.width] = _slot(done, i)
         live = await source.activity(queues, _at(current), self.width, 1, now)
-        slots = [self.kept[s] for s in starts[:-1]] + [_slot(live, 0)]
+        slots = [kept[s] for s in starts[:-1]] + [_slot(live, 0)]
+        merged = {**self.kept, **kept}  # what another poll kept meanwhile stays; the newest hour only
+        oldest = max(merged, default=starts[0]) - self.width * (self.slots - 2)
+        self.kept = {s: v for s, v in merged.items() if s >= oldest}
         out = Activity(since=_at(starts[0]), slot_seconds=self.width, oldest_due=live.oldest_due)
         for q in {q for slot in slots for q in slot}:
             values = [slot.get(q, (0, 0, None)) for slot in slots]
