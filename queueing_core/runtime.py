@@ -28,6 +28,7 @@ from .messages import MessageStatus
 from .naming import Transport
 from .pipeline import Pipeline
 from .producer import Producer, SendsIdempotent
+from .storable import storable, storable_text
 from .throughput import Throughput
 from .tracking import MemoryTracker, MessageRecord, Tracker, record_from_envelope
 from .tracking.backlog import HistoryWriter
@@ -421,26 +422,29 @@ def history_record(s: Settlement, now: Any) -> MessageRecord:
         fields.update(reason=decision.reason)
     if d.left_behind is not None:
         fields.update(copied_from=d.left_behind)
+    # the message's own texts made storable (storable.py): one another system published straight to the
+    # broker never met the enqueue's check, and a U+0000 or a lone surrogate in it made every history
+    # store refuse its record (PostgreSQL's on every try, and the writer then dropped it)
     if env is None:
         message_id, tracking_id, type_name = malformed_identity(d.text())
         return MessageRecord(
             message_id=message_id,
             tracking_id=tracking_id,
-            type=type_name,
+            type=storable_text(type_name),
             queue=d.queue,
             created_at=d.received_at,
-            raw=d.text()[:65536],
+            raw=storable_text(d.text()[:65536]),
             **fields,
         )
     return MessageRecord(
         message_id=env.message_id,
         tracking_id=env.tracking_id,
-        type=env.type,
+        type=storable_text(env.type),
         queue=env.queue,
-        correlation_id=env.correlation_id,
+        correlation_id=None if env.correlation_id is None else storable_text(env.correlation_id),
         created_at=env.created_at,
-        headers=env.headers,
-        body=env.body,
+        headers=storable(env.headers)[0],
+        body=storable(env.body)[0],
         **{"not_before": env.not_before, "expires_at": env.expires_at, **fields},
     )
 

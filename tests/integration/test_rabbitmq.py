@@ -11,7 +11,7 @@ import os
 import shutil
 import subprocess
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aio_pika
@@ -29,13 +29,14 @@ from queueing_core import (
 )
 from queueing_core.envelope import DESCRIPTION, REASON
 from queueing_core.errors import MessageTooLarge, ProviderError, ProviderUnavailable
+from queueing_core.producer import build_envelope
 from queueing_core.providers.rabbitmq import ATTEMPT, RabbitMQProvider
 from queueing_core.providers.sql.history import SideStores, malformed_id
 from queueing_core.runtime import Runtime
 from queueing_core.settings import QueueingSettings
 from queueing_core.tracking import MessageQuery
 from tests.contract.harness import all_have, ops_client, running, wait_until
-from tests.services import RABBITMQ_URL, fresh_prefix, require
+from tests.services import POSTGRES_URL, RABBITMQ_URL, drop_schema, fresh_prefix, require
 
 
 @pytest.fixture(autouse=True)
@@ -134,17 +135,40 @@ async def test_dead_letters_are_published_to_the_dead_letter_queue_with_the_reas
     await rt.close()
 
 
-async def test_bytes_that_are_not_an_envelope_go_to_the_dead_letter_queue_as_they_came(tmp_path):
-    app, rt, calls = make(tmp_path)
+@pytest.mark.parametrize("side", ["sqlite", "postgres"])
+async def test_bytes_that_are_not_an_envelope_go_to_the_dead_letter_queue_as_they_came(tmp_path, side):
+    """Published straight to the broker by another system, with U+0000 in it: PostgreSQL keeps no such
+    text, and its history store refused the record on every try until the writer dropped it."""
+    schema = None
+    stores = None
+    if side == "postgres":
+        require("PostgreSQL", "127.0.0.1", 5432)
+        schema = f"qr_{uuid.uuid4().hex[:10]}"
+        stores = SideStores(POSTGRES_URL, schema=schema)
+    app, rt, calls = make(tmp_path, stores=stores)
     await rt.open()
     raw = b"\x00\xffnot an envelope"
+    # a well-formed envelope from the same system, U+0000 in its correlation id and a header
+    envelope = json.loads(build_envelope(app, Invoice(n=2), datetime.now(UTC)).encode_text())
+    envelope.update(correlation_id="order\u00001", headers={**envelope["headers"], "x-from": "\u0000"})
     async with await aio_pika.connect(RABBITMQ_URL) as conn:
         channel = await conn.channel()
         await channel.default_exchange.publish(aio_pika.Message(raw), routing_key=physical(rt))
+        foreign = aio_pika.Message(json.dumps(envelope).encode())
+        await channel.default_exchange.publish(foreign, routing_key=physical(rt))
     good = await app.enqueue(Invoice(n=1))
+    foreign_id = uuid.UUID(envelope["message_id"])
     async with running(rt):
-        await wait_until(lambda: all_have(rt, [good.message_id], MessageStatus.SUCCEEDED), what="good one")
+        await wait_until(
+            lambda: all_have(rt, [good.message_id, foreign_id], MessageStatus.SUCCEEDED), what="both runs"
+        )
         await wait_until(lambda: _depth(rt, dead=True, n=1), what="the malformed dead letter")
+        await wait_until(
+            lambda: rt.tracker.get(malformed_id(raw.decode("utf-8", "replace"))), what="its record"
+        )
+    kept = await rt.tracker.get(foreign_id)
+    assert kept.correlation_id == "order\ufffd1"
+    assert kept.headers["x-from"] == "\ufffd"
     [m] = await take_all(f"{physical(rt)}.dead-letter")
     assert m.body == raw  # byte for byte
     assert m.headers[REASON] == "malformed-envelope"
@@ -154,8 +178,10 @@ async def test_bytes_that_are_not_an_envelope_go_to_the_dead_letter_queue_as_the
     assert rec is not None
     assert rec.status == MessageStatus.DEAD_LETTERED
     assert "not an envelope" in (rec.raw or "")
-    assert calls == [(1, 1)]
+    assert sorted(calls) == [(1, 1), (2, 1)]
     await rt.close()
+    if schema is not None:
+        await drop_schema(schema)
 
 
 async def test_every_enqueue_returns_only_once_the_broker_confirmed(tmp_path):
