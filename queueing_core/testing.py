@@ -78,12 +78,14 @@ def in_memory_servicebus(app: QueueingApp, namespace: Any = None, **kwargs: Any)
     from .providers.servicebus import ServiceBusProvider
     from .tracking import MemoryTracker
 
-    ns = namespace or FakeServiceBusNamespace()
+    # ``is None``, not ``or``: an empty tracker has no length, and was taken for "not given"
+    ns = FakeServiceBusNamespace() if namespace is None else namespace
+    control, tracker = kwargs.pop("control", None), kwargs.pop("tracker", None)
     provider = ServiceBusProvider(
         client=FakeServiceBusClient(ns),
         admin=FakeServiceBusAdministrationClient(ns),
-        control=kwargs.pop("control", None) or MemoryControlStore(),
-        tracker=kwargs.pop("tracker", None) or MemoryTracker(),
+        control=MemoryControlStore() if control is None else control,
+        tracker=MemoryTracker() if tracker is None else tracker,
         **kwargs.pop("provider_options", {}),
     )
     return Runtime(app, provider, **kwargs)
