@@ -72,7 +72,8 @@ async def test_two_polls_either_side_of_a_slot_boundary_both_answer():
     await asyncio.sleep(0.05)
     after = await window.read(source, ["q"], datetime(2030, 1, 1, 12, 5, 1, tzinfo=UTC))
     early = await before
-    assert early.succeeded["q"] == [1] * 12 and after.succeeded["q"] == [1] * 12
+    assert early.succeeded["q"] == [1] * 12
+    assert after.succeeded["q"] == [1] * 12
     assert early.since == datetime(2030, 1, 1, 11, 5, tzinfo=UTC)
     assert after.since == datetime(2030, 1, 1, 11, 10, tzinfo=UTC)
     assert sorted(window.kept)[0] == int(after.since.timestamp())  # the newest hour kept, no older slot
