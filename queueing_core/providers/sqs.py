@@ -1,5 +1,8 @@
-"""Amazon SQS provider on ``boto3``; every boto3 call runs in the provider's own thread pool,
-never on the event loop (boto3 clients are thread-safe; the pool bounds the concurrent requests).
+"""Amazon SQS provider on ``boto3``; every boto3 call runs in the provider's own thread pools,
+never on the event loop (boto3 clients are thread-safe; the pools bound the concurrent requests).
+The consumers' receives (long polls that hold a thread up to ``receive_wait`` each, back to back while
+a queue is idle) have a pool of their own: sharing one, idle polls held every thread and a renewal,
+settlement or send waited behind them past the visibility timeout, and the message ran twice (review).
 
 - A standard queue per type (sanitized: 80 characters of letters, digits, ``-`` and ``_``) and its
   dead-letter queue ``<queue>-dlq``, created on open with a redrive policy (``maxReceiveCount`` = the
@@ -39,7 +42,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
@@ -47,7 +50,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..clock import Clock, utcnow
 from ..decisions import Complete, DeadLetter, DeadLetterReason, Expire, dead_letter_of, due_at
-from ..envelope import DESCRIPTION, REASON, Envelope, dead_letter_marks
+from ..envelope import DEAD_AT, DESCRIPTION, REASON, Envelope, dead_letter_marks
 from ..errors import (
     ConfigurationError,
     InvalidOperation,
@@ -92,6 +95,11 @@ HOLD_BOUND = RunBound(
     "transport)",
 )
 MAX_RETENTION = 14 * 24 * 3600
+#: the threads of the control calls (sends, renewals, settlements, forwards, operations)
+THREADS = 16
+#: the most threads the consumers' receives get by default: one per consumed queue up to this (an
+#: idle queue's long poll holds its thread); with more queues than threads their polls take turns
+MAX_RECEIVE_THREADS = 64
 #: the largest maxReceiveCount a redrive policy takes
 MAX_RECEIVE_COUNT = 1000
 #: SQS accepts 256 KiB per message and per batch, message attributes included
@@ -200,6 +208,14 @@ def standard_region(session: Any) -> str:
     return str(session.region_name or os.environ.get("AWS_REGION") or DEFAULT_REGION)
 
 
+def _sent_at(m: dict[str, Any]) -> datetime | None:
+    """When SQS took the message in (its ``SentTimestamp``, milliseconds since 1970), if it says."""
+    try:
+        return datetime.fromtimestamp(int(m["Attributes"]["SentTimestamp"]) / 1000, UTC)
+    except (KeyError, TypeError, ValueError, OverflowError, OSError):
+        return None
+
+
 @dataclass
 class _Handle:
     url: str
@@ -286,7 +302,8 @@ class SqsProvider(SideStoreOps):
         ttl_grace: timedelta = timedelta(hours=1),
         receive_wait: int = 1,
         max_native_delay: timedelta = MAX_NATIVE_DELAY,
-        threads: int = 16,
+        threads: int = THREADS,
+        receive_threads: int | None = None,
         delayed_retries: int = 3,
         dispatcher_options: dict[str, Any] | None = None,
         clock: Clock = utcnow,
@@ -320,8 +337,12 @@ class SqsProvider(SideStoreOps):
             dead_letters_kept=DEAD_STATES,
             longest_run=HOLD_BOUND,
         )
+        #: the control calls' threads; the receives' (``None``: one per consumed queue, at most
+        #: :data:`MAX_RECEIVE_THREADS`, fixed when the first receive starts)
         self.threads = threads
+        self.receive_threads = receive_threads
         self._pool: ThreadPoolExecutor | None = None
+        self._receive_pool: ThreadPoolExecutor | None = None
         self._urls: dict[str, str] = {}
         self._url_lock = asyncio.Lock()
         self._app: QueueingApp | None = None
@@ -333,7 +354,8 @@ class SqsProvider(SideStoreOps):
 
         from .. import retry_policy
 
-        threads = int(kwargs.pop("threads", 16))
+        threads = int(kwargs.pop("threads", THREADS))
+        receive_threads = kwargs.get("receive_threads")
         # the default session an application set up in code (``boto3.setup_default_session``: its
         # keys, profile or assumed role), as ``boto3.client`` uses it; else a session of its own, the
         # AWS configuration as it is now, its region and credentials from one reading
@@ -352,7 +374,10 @@ class SqsProvider(SideStoreOps):
             "sqs",
             endpoint_url=settings.sqs_endpoint_url,
             region_name=region,
-            config=retry_policy.boto3_config(max_pool_connections=threads),
+            # a connection for every thread of both pools (more are opened and thrown away after use)
+            config=retry_policy.boto3_config(
+                max_pool_connections=threads + int(receive_threads or MAX_RECEIVE_THREADS)
+            ),
         )
         kwargs.setdefault("ttl_grace", settings.ttl_grace)
         kwargs.setdefault("delayed_retries", settings.delayed_store_retries)
@@ -361,10 +386,23 @@ class SqsProvider(SideStoreOps):
 
     # -- plumbing ----------------------------------------------------------------------------------
     async def _run(self, fn: Callable[..., T], **kwargs: Any) -> T:
-        """Run one boto3 call in the pool: boto3 blocks, the event loop must not."""
+        """Run one boto3 call in the control calls' pool: boto3 blocks, the event loop must not."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="queueing-sqs")
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, **kwargs))
+
+    def _receive_executor(self) -> ThreadPoolExecutor:
+        """The consumers' receives' own pool: their long polls never hold a thread a renewal,
+        settlement or send waits for."""
+        if self._receive_pool is None:
+            size = self.receive_threads
+            if size is None:
+                queues = len(self._app.subscriptions()) if self._app is not None else 1
+                size = min(MAX_RECEIVE_THREADS, max(1, queues))
+            self._receive_pool = ThreadPoolExecutor(
+                max_workers=max(1, size), thread_name_prefix="queueing-sqs-receive"
+            )
+        return self._receive_pool
 
     async def _call(self, action: str, fn: Callable[..., T], **kwargs: Any) -> T:
         with _boundary(action):
@@ -494,9 +532,10 @@ class SqsProvider(SideStoreOps):
                 await self._url(sub.queue, dead=True)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for pool in (self._pool, self._receive_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._receive_pool = None
         self._urls.clear()
         await self.stores.close()
 
@@ -663,18 +702,25 @@ class SqsProvider(SideStoreOps):
         while len(out) < max_messages:
             # the visibility timeout starts when SQS hands the message over, somewhere in this call: a
             # lease counted from the clock after it would overstate what is left by the call's time
-            # (a stalled process would renew too late); counted from before, it errs the safe way
-            sent_at = self.clock()
-            resp = await self._call(
-                f"receiving from {physical}",
+            # (a stalled process would renew too late); counted from before, it errs the safe way.
+            # Read in the receive's thread as the call starts, not before a wait for a free thread
+            request = functools.partial(
                 self.client.receive_message,
                 QueueUrl=url,
                 MaxNumberOfMessages=min(10, max_messages - len(out)),
                 WaitTimeSeconds=wait,  # the first call is a short long-poll; the rest take what is there
                 VisibilityTimeout=whole_seconds(lease, MAX_VISIBILITY),
-                MessageSystemAttributeNames=["ApproximateReceiveCount"],
+                MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
                 MessageAttributeNames=["All"],
             )
+
+            def timed(request: Callable[[], dict[str, Any]] = request) -> tuple[datetime, dict[str, Any]]:
+                return self.clock(), request()
+
+            with _boundary(f"receiving from {physical}"):
+                sent_at, resp = await asyncio.get_running_loop().run_in_executor(
+                    self._receive_executor(), timed
+                )
             messages = resp.get("Messages") or []
             counts = [int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1)) for m in messages]
             # the side store learns of this receive before any handler runs: from now on an earlier
@@ -700,21 +746,49 @@ class SqsProvider(SideStoreOps):
                         n,
                     )
                     continue
-                out.append(
-                    Delivery.of(
-                        m["Body"],
-                        queue=sub.queue,
-                        delivery_count=n,
-                        handle=_Handle(url, m["ReceiptHandle"], physical, token),
-                        lease_until=sent_at + lease,
-                        # SQS's 12 hours run from the receive: counted from before the call, the
-                        # renewals' cap and the run's bound err the safe way
-                        received_at=sent_at,
-                    )
+                d = Delivery.of(
+                    m["Body"],
+                    queue=sub.queue,
+                    delivery_count=n,
+                    handle=_Handle(url, m["ReceiptHandle"], physical, token),
+                    lease_until=sent_at + lease,
+                    # SQS's 12 hours run from the receive: counted from before the call, the
+                    # renewals' cap and the run's bound err the safe way
+                    received_at=sent_at,
                 )
+                out.append(self._redriven(d, sub, n, _sent_at(m) or sent_at))
             if len(messages) < 10:
                 break
             wait = 0
+
+    @staticmethod
+    def _redriven(d: Delivery, sub: Subscription, count: int, sent: datetime) -> Delivery:
+        """``d``, or where it is a dead letter of the kit's back in its live queue, ``d`` as a retry.
+        Only an operator puts one there: AWS's DLQ redrive (``StartMessageMoveTask``, the console's
+        "Start DLQ redrive") moves each letter back as a new message, its body and attributes as they
+        were. Its envelope carried the attempts its message had used (all of them) and an expiry that
+        may have passed: its first receive was past its last attempt, and it was dead-lettered again
+        unrun, "ended without a settlement" (review). So it starts again as the kit's own retry sends
+        it: no attempts used (SQS's receive count of the new message is the attempt), its type's
+        expiration from when the redrive sent it (the same on each receive of it: its envelope keeps
+        the marks, and a retry by visibility receives it again), and without the marks of its
+        dead-lettering."""
+        env = d.envelope
+        if env is None or REASON not in env.headers:
+            return d
+        expiration = sub.options.expiration
+        headers = {k: v for k, v in env.headers.items() if k not in (REASON, DESCRIPTION, DEAD_AT)}
+        d.envelope = env.with_attempt(
+            0, headers=headers, expires_at=sent + expiration if expiration is not None else None
+        )
+        d.attempt = max(1, count)
+        log.info(
+            "SQS message %s (%s) came back from its dead-letter queue (a redrive): run again with "
+            "fresh attempts",
+            env.message_id,
+            env.type,
+        )
+        return d
 
     async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
         if not self.receive_wait:
@@ -759,28 +833,37 @@ class SqsProvider(SideStoreOps):
         await self.send_at(d.queue, d.copy_after(decision), due_at(decision, now))
 
     async def _delete(self, handles: list[_Handle]) -> None:
-        """DeleteMessageBatch per queue, 10 at a time. Each handle SQS answered for is marked: deleted,
-        or ``stale`` where SQS refused its delete as the sender's fault (the receipt is no longer the
-        message's; a later try would be refused again). An entry that failed on SQS's side is left for
-        the settler's next try: raised once every part was sent."""
+        """DeleteMessageBatch per queue, 10 at a time, the calls side by side (one after another, a
+        large batch's last part waited for all the others' round trips). Each handle SQS answered for
+        is marked: deleted, or ``stale`` where SQS refused its delete as the sender's fault (the
+        receipt is no longer the message's; a later try would be refused again). An entry that failed
+        on SQS's side, or a call that failed, is left for the settler's next try: raised once every
+        part was sent."""
         transient: list[str] = []
+
+        async def delete_part(url: str, part: list[_Handle]) -> None:
+            entries = [{"Id": str(j), "ReceiptHandle": h.receipt} for j, h in enumerate(part)]
+            resp = await self._call(
+                "deleting messages", self.client.delete_message_batch, QueueUrl=url, Entries=entries
+            )
+            failed = {f.get("Id"): f for f in resp.get("Failed") or []}
+            for j, h in enumerate(part):
+                f = failed.get(str(j))
+                if f is not None and not f.get("SenderFault", True):
+                    transient.append(str(f.get("Code", "InternalError")))
+                    continue
+                h.deleted, h.stale = f is None, f is not None
+
         by_url: dict[str, list[_Handle]] = {}
         for h in handles:
             by_url.setdefault(h.url, []).append(h)
-        for url, hs in by_url.items():
-            for i in range(0, len(hs), 10):
-                part = hs[i : i + 10]
-                entries = [{"Id": str(j), "ReceiptHandle": h.receipt} for j, h in enumerate(part)]
-                resp = await self._call(
-                    "deleting messages", self.client.delete_message_batch, QueueUrl=url, Entries=entries
-                )
-                failed = {f.get("Id"): f for f in resp.get("Failed") or []}
-                for j, h in enumerate(part):
-                    f = failed.get(str(j))
-                    if f is not None and not f.get("SenderFault", True):
-                        transient.append(str(f.get("Code", "InternalError")))
-                        continue
-                    h.deleted, h.stale = f is None, f is not None
+        results = await asyncio.gather(
+            *(delete_part(url, hs[i : i + 10]) for url, hs in by_url.items() for i in range(0, len(hs), 10)),
+            return_exceptions=True,
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
         if transient:
             raise ProviderUnavailable(
                 f"SQS did not delete {len(transient)} message(s): {', '.join(sorted(set(transient)))}"
@@ -806,16 +889,20 @@ class SqsProvider(SideStoreOps):
                 await self._delete(ready)
             except BaseException:
                 # the parts deleted before the failure are settled: should the settler give up on
-                # the batch, their outcomes are recorded all the same (see ``Delivery.applied``)
+                # the batch, their outcomes are recorded all the same (see ``Delivery.applied``). So
+                # is a dead letter sent whose original's delete SQS refused (below): given up with
+                # the batch for another entry's failure, the letter stayed in the DLQ unlisted, its
+                # history Pending (review)
                 for s, r in zip(mine, results, strict=True):
-                    s.delivery.applied = r is None and s.delivery.handle.deleted
+                    h = s.delivery.handle
+                    s.delivery.applied = r is None and (h.deleted or self._stale_letter(s))
                 raise
         for s in mine:
             if not s.delivery.handle.stale or s.delivery.refused:
                 continue
             # SQS refused the delete: the receipt is no longer the message's (another receive has it,
             # or SQS moved it to the dead-letter queue itself after its last receive)
-            if isinstance(s.decision, Expire | DeadLetter):
+            if self._stale_letter(s):
                 # its dead letter is sent: recorded all the same, so the letter is listed (refused,
                 # the letter would stay in the dead-letter queue with a history that never says so)
                 log.warning(
@@ -829,6 +916,13 @@ class SqsProvider(SideStoreOps):
                 )
         # a message not deleted comes back when its visibility timeout ends (at least once, not lost)
         settled_each(mine, results, "SQS")
+
+    @staticmethod
+    def _stale_letter(s: Settlement) -> bool:
+        """A dead letter sent whose original's delete SQS refused as the sender's fault: its outcome
+        stands (the letter is in the DLQ) whatever happens to the rest of its batch."""
+        h = s.delivery.handle
+        return h.prepared and h.stale and isinstance(s.decision, Expire | DeadLetter)
 
     async def maintain(self, app: QueueingApp | None = None) -> dict[str, int]:
         done = await super().maintain(app)
@@ -858,46 +952,55 @@ class SqsProvider(SideStoreOps):
         for d in deliveries:
             if d.handle.lease in ours:
                 by_url.setdefault(d.handle.url, []).append(d)
-        for url, ds in by_url.items():
-            for i in range(0, len(ds), 10):
-                part = ds[i : i + 10]
-                # (as for a receive: the new timeout starts within the call; what is left of the 12
-                # hours counted from here, not from before the batches ahead of this one)
-                sent_at = self.clock()
-                leases = {}
-                entries = []
-                for j, d in enumerate(part):
-                    lease = self._renewal_of(d, sent_at)
-                    if not lease:  # its 12 hours are over (a timeout of 0 would free the message)
-                        lost.append(d)
-                        continue
-                    leases[str(j)] = lease
-                    entries.append(
-                        {
-                            "Id": str(j),
-                            "ReceiptHandle": d.handle.receipt,
-                            "VisibilityTimeout": whole_seconds(lease, MAX_VISIBILITY),
-                        }
-                    )
-                if not entries:
-                    continue
-                try:
-                    resp = await self._call(
-                        "renewing leases",
-                        self.client.change_message_visibility_batch,
-                        QueueUrl=url,
-                        Entries=entries,
-                    )
-                except ProviderError:
-                    lost += [d for j, d in enumerate(part) if str(j) in leases]
-                    continue
-                failed = {f["Id"] for f in resp.get("Failed") or []}
-                for j, d in enumerate(part):
-                    if str(j) in failed:
-                        lost.append(d)
-                    elif str(j) in leases:
-                        d.lease_until = sent_at + leases[str(j)]
+        # the batches side by side: one after another, a host with many messages in flight renewed
+        # the last of them a round trip per ten later
+        await asyncio.gather(
+            *(
+                self._renew_part(url, ds[i : i + 10], lost)
+                for url, ds in by_url.items()
+                for i in range(0, len(ds), 10)
+            )
+        )
         return lost
+
+    async def _renew_part(self, url: str, part: list[Delivery], lost: list[Delivery]) -> None:
+        """One ChangeMessageVisibilityBatch of up to 10 deliveries; those not extended join ``lost``."""
+        # (as for a receive: the new timeout starts within the call; what is left of the 12 hours
+        # counted from just before it, not from before the batches beside this one were built)
+        sent_at = self.clock()
+        leases: dict[str, timedelta] = {}
+        entries: list[dict[str, Any]] = []
+        for j, d in enumerate(part):
+            lease = self._renewal_of(d, sent_at)
+            if not lease:  # its 12 hours are over (a timeout of 0 would free the message)
+                lost.append(d)
+                continue
+            leases[str(j)] = lease
+            entries.append(
+                {
+                    "Id": str(j),
+                    "ReceiptHandle": d.handle.receipt,
+                    "VisibilityTimeout": whole_seconds(lease, MAX_VISIBILITY),
+                }
+            )
+        if not entries:
+            return
+        try:
+            resp = await self._call(
+                "renewing leases",
+                self.client.change_message_visibility_batch,
+                QueueUrl=url,
+                Entries=entries,
+            )
+        except ProviderError:
+            lost.extend(d for j, d in enumerate(part) if str(j) in leases)
+            return
+        failed = {f["Id"] for f in resp.get("Failed") or []}
+        for j, d in enumerate(part):
+            if str(j) in failed:
+                lost.append(d)
+            elif str(j) in leases:
+                d.lease_until = sent_at + leases[str(j)]
 
     # -- ops ---------------------------------------------------------------------------------------
     async def depth(self, queue: str, *, dead: bool = False) -> dict[str, int]:
