@@ -76,7 +76,7 @@ from yarl import URL
 
 from .. import retry_policy
 from ..clock import Clock, utcnow
-from ..decisions import Complete, DeadLetter, Expire, counts_attempt, dead_letter_of, due_at
+from ..decisions import Complete, DeadLetter, DeadLetterReason, Expire, counts_attempt, dead_letter_of, due_at
 from ..envelope import Envelope, dead_letter_marks
 from ..errors import (
     InvalidOperation,
@@ -88,7 +88,7 @@ from ..naming import QueueNaming, Transport
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, RunBound, Settlement, settled_each
 from .dead_letters import DEAD_STATES, id_in_text
-from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record
+from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, stored_text_record
 from .delayed.breaker import first_line
 from .names import companion_name
 from .side_stores import SideStoreOps, WholeQueuePurge
@@ -679,16 +679,46 @@ class RabbitMQProvider(SideStoreOps):
         """Publish a due message from the delayed store (confirmed: it is removed from the store next)."""
         now = self.clock()
         try:
-            message = self._message(Envelope.decode(item.envelope), now)
-        except MalformedEnvelope:
-            message = aio_pika.Message(item.envelope.encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
-        await self._publish(item.destination, message)
+            env = Envelope.decode(item.envelope)
+        except MalformedEnvelope as exc:
+            # no run could read it: straight to the dead-letter queue, as SQS and Storage Queues send
+            # such a row. Published raw to the live queue, the worker dead-lettered it under an id taken
+            # from the text (the row's own message left Sleeping for good; a text naming another
+            # message's id overwrote that message's history)
+            await self._dead_letter_stored_text(item, f"a delayed message is not an envelope: {exc}")
+            return
+        await self._publish(item.destination, self._message(env, now))
 
     async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
         now = self.clock()
-        env = Envelope.decode(item.envelope)
+        try:
+            env = Envelope.decode(item.envelope)
+        except MalformedEnvelope:
+            # (a row that is not an envelope whose dead letter failed before: decoding it again here
+            # failed every try, and the row was due again for ever)
+            await self._dead_letter_stored_text(item, description)
+            return
         await self._dead_letter_envelope(item.destination, env, FORWARD_FAILED, description, now)
         await self.stores.history.upsert([forward_failed_record(env, description, now)])
+
+    async def _dead_letter_stored_text(self, item: DelayedMessage, description: str) -> None:
+        """A delayed-store row whose text is not an envelope: the text as it was stored goes to the
+        dead-letter queue with the reason ``malformed-envelope`` (in the headers, as the receive path
+        sends such bytes), under the message id the row was stored with, and the history says so under
+        that id. Published (confirmed) before the history is written and before the dispatcher removes
+        the row: a failure after the publish leaves a second letter, never none."""
+        now = self.clock()
+        reason = DeadLetterReason.MALFORMED_ENVELOPE.value
+        message = aio_pika.Message(
+            item.envelope.encode(),
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=str(item.message_id),
+            timestamp=now,
+            headers={**dead_letter_marks(reason, description, now)},
+        )
+        await self._publish(item.destination, message, dead=True)
+        record = stored_text_record(item, self.logical_of(item.destination), reason, description, now)
+        await self.stores.history.upsert([record])
 
     async def _dead_letter_envelope(
         self, physical: str, env: Envelope, reason: str, description: str, now: datetime
