@@ -28,6 +28,7 @@ from typing import Any
 import azure.functions as func
 
 from queueing_core.app import QueueingApp, Subscription
+from queueing_core.bootstrap import instrumented
 from queueing_core.connections import ServiceBusConnection, StorageConnection
 from queueing_core.context import host_trace
 from queueing_core.errors import ConfigurationError
@@ -81,19 +82,35 @@ def function_names(prefix: str, queues: Sequence[str]) -> dict[str, str]:
     return names
 
 
+#: how a Key Vault reference in an app setting begins (``@Microsoft.KeyVault(SecretUri=...)``)
+KEY_VAULT_REFERENCE = "@Microsoft.KeyVault("
+#: the ops API's answer while QUEUEING_API_KEY is a reference the platform could not resolve (the
+#: reference itself is not repeated: it names the vault and the secret)
+UNRESOLVED_KEY = (
+    "QUEUEING_API_KEY is an unresolved Key Vault reference (the platform could not read the secret): "
+    "this API refuses every request until it resolves"
+)
+
+
+def unresolved_api_key(settings: QueueingSettings) -> bool:
+    """Whether QUEUEING_API_KEY is a Key Vault reference the platform left unresolved: it then passes
+    the reference text itself as the setting's value."""
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    return key is not None and key.startswith(KEY_VAULT_REFERENCE)
+
+
 def usable_api_key(settings: QueueingSettings) -> str | None:
     """The ops API key, unless the platform left a Key Vault reference unresolved: it then passes the
     reference text itself, which anyone who can guess the vault's name could send. Without a key the
     ops API refuses every request."""
-    key = settings.api_key.get_secret_value() if settings.api_key else None
-    if key is not None and key.startswith("@Microsoft.KeyVault("):
+    if unresolved_api_key(settings):
         log.error(
             "QUEUEING_API_KEY is an unresolved Key Vault reference: the platform could not read the secret "
             "(the app's identity needs Key Vault Secrets User on the vault, and the site's "
             "keyVaultReferenceIdentity must name it); the ops API refuses every request until it resolves"
         )
         return None
-    return key
+    return settings.api_key.get_secret_value() if settings.api_key else None
 
 
 class LazyAsgi:
@@ -116,11 +133,23 @@ class LazyAsgi:
                 api_key=usable_api_key(self.host.settings),
                 max_body_bytes=self.host.settings.api_max_body_bytes,
             )
+        if scope["type"] == "http" and unresolved_api_key(self.host.settings):
+            # refused here, whatever the auth level: the API's own refusal would say no key is set
+            from queueing_core.ops.guard import WWW_AUTHENTICATE
+            from queueing_core.ops.problems import problem
+
+            refusal = problem(
+                401, "unauthorized", UNRESOLVED_KEY, instance=scope["path"], headers=WWW_AUTHENTICATE
+            )
+            await refusal(scope, receive, send)
+            return
         await self._app(scope, receive, send)
 
 
 def _check_connections(transport: str, env: dict[str, str]) -> None:
-    """A trigger without its connection setting would fail later in the host; say so at indexing."""
+    """A trigger without its connection setting would fail later in the host; say so at indexing. The
+    same reading as the kit's at its open: an identity-based Storage connection without the Tables'
+    URI (which the host's queue trigger does not need) failed every invocation there instead."""
     if transport == Transport.SERVICE_BUS:
         ServiceBusConnection.from_environment(SERVICEBUS_CONNECTION, env)
     if transport in (Transport.SERVICE_BUS, Transport.STORAGE_QUEUE):
@@ -299,6 +328,9 @@ def build_app(
         )
     env = dict(os.environ) if env is None else env
     _check_connections(transport, env)
+    # OpenTelemetry asked for but not installed (Azure installs requirements.txt only) failed every
+    # invocation at the runtime's open; instrumenting is idempotent, so the runtime's call is a no-op
+    instrumented(qapp, cfg)
     if cfg.queue_prefix or cfg.queue_suffix:
         from queueing_core.naming import QueueNaming
 
@@ -335,12 +367,16 @@ def _http_auth_level(cfg: QueueingSettings) -> func.AuthLevel:
     """The platform's check in front of the ops API and the dashboard. Anonymous leaves the kit's API
     key as the only one, so it is refused without a key (the API would then refuse every request)."""
     if cfg.functions_http_auth_level == "anonymous":
-        if usable_api_key(cfg) is None:
+        if cfg.api_key is None:
             raise ConfigurationError(
                 "QUEUEING_FUNCTIONS_HTTP_AUTH_LEVEL",
                 "'anonymous' leaves the API key as the only check, and QUEUEING_API_KEY is not set",
                 "set QUEUEING_API_KEY, or keep 'function'",
             )
+        # An unresolved Key Vault reference is logged, and the ops API refuses every request (LazyAsgi)
+        # until it resolves; failing here instead loaded no function at all, so every queue trigger and
+        # timer stopped for want of a key only the HTTP function uses (found in review)
+        usable_api_key(cfg)
         return func.AuthLevel.ANONYMOUS
     return func.AuthLevel.FUNCTION
 

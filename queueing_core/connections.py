@@ -25,6 +25,13 @@ def identity_credential(client_id: str | None = None) -> Any:
     return DefaultAzureCredential(managed_identity_client_id=client_id)
 
 
+def no_table_uri(name: str) -> ConfigurationError:
+    """The error of an identity-based Storage connection ``name`` without its Tables' endpoint."""
+    return ConfigurationError(
+        f"{name}__tableServiceUri", "not set", "https://<account>.table.core.windows.net"
+    )
+
+
 @dataclass(frozen=True)
 class StorageConnection:
     """Where the account is: a connection string, or service URIs used with an Entra identity."""
@@ -54,6 +61,10 @@ class StorageConnection:
                 f"{name}=<connection string> or {name}__queueServiceUri=https://<account>"
                 ".queue.core.windows.net (+ __tableServiceUri) for a managed identity",
             )
+        if not conn and not table_uri:
+            # the kit's tables (history, control state) need their own endpoint with an identity; the
+            # host's queue trigger does not, so only this says it before the first invocation
+            raise no_table_uri(name)
         if conn == "UseDevelopmentStorage=true":
             conn = _AZURITE
         return cls(

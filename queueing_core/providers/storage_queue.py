@@ -61,7 +61,7 @@ from azure.storage.queue.aio import QueueClient, QueueServiceClient
 
 from .. import retry_policy
 from ..clock import utcnow
-from ..connections import STORAGE, StorageConnection
+from ..connections import STORAGE, StorageConnection, no_table_uri
 from ..decisions import (
     Complete,
     DeadLetter,
@@ -495,9 +495,7 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             )
         else:
             if not connection.table_service_uri:
-                raise ConfigurationError(
-                    f"{STORAGE}__tableServiceUri", "not set", "https://<account>.table.core.windows.net"
-                )
+                raise no_table_uri(STORAGE)
             assert connection.queue_service_uri is not None
             self._service = QueueServiceClient(
                 connection.queue_service_uri,
