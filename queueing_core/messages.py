@@ -100,13 +100,29 @@ class QueueMessage(BaseModel):
         Refused, as the message would not arrive as sent: a number JSON cannot carry (NaN, an
         infinity: it would go out as null, or a literal ``NaN`` no store keeps), and a secret
         (``SecretStr``, ``SecretBytes``, ``Secret[...]``): pydantic writes it out as ``"**********"``,
-        and the handler would get that. Computed fields are left out: they are not input, and a model
-        that forbids extra fields refused its own body."""
+        and the handler would get that. So are a body nested more than :data:`MAX_BODY_DEPTH` levels
+        deep (past about 255 pydantic-core cannot write it, and each store, answer and page wraps it in
+        more) and a dict key that is not Unicode text (a lone surrogate). Computed fields are left
+        out: they are not input, and a model that forbids extra fields refused its own body."""
         if _DUMPS_WITHOUT_COMPUTED:
-            body = self.model_dump(mode="json", exclude=set(BASE_FIELDS), exclude_computed_fields=True)
+            dump: dict[str, Any] = {"exclude": set(BASE_FIELDS), "exclude_computed_fields": True}
         else:  # pydantic before 2.12: the message's own computed fields (a nested model's stay in)
-            left_out = set(BASE_FIELDS).union(type(self).model_computed_fields)
-            body = self.model_dump(mode="json", exclude=left_out)
+            dump = {"exclude": set(BASE_FIELDS).union(type(self).model_computed_fields)}
+        try:
+            body = self.model_dump(mode="json", **dump)
+        except UnicodeEncodeError:  # a lone surrogate in a dict key, as from "\udc00" (but see below)
+            raise InvalidArgument(
+                "message", f"{type(self).__name__}: a key {NOT_UTF8} (a lone surrogate)"
+            ) from None
+        except ValueError as exc:  # pydantic-core's own limit, over 250 levels: a bare ValueError
+            if too_deep(exc):
+                raise InvalidArgument("message", f"{type(self).__name__}: {TOO_DEEP}") from None
+            raise
+        if _check_nesting(body, type(self).__name__) and _surrogate_key(self, dump):
+            # JSON mode writes a dict key holding a high lone surrogate ("\ud800") as U+FFFD (so the
+            # envelope's encoding does not refuse it, as it does such a value): the message would be
+            # stored, and run, with a key other than the one sent
+            raise InvalidArgument("message", f"{type(self).__name__}: a key {NOT_UTF8} (a lone surrogate)")
         for path, secret in _lost_on_the_wire(body, self):
             where = f"{type(self).__name__}.{dotted(path)}"
             if secret:
@@ -122,6 +138,70 @@ class QueueMessage(BaseModel):
                 "as sent",
             )
         return body
+
+
+#: how deep objects and arrays may nest in a body (the body itself is the first level): well below
+#: pydantic-core's own limit (about 255, counting what wraps the body: the envelope, an API answer), so
+#: a message that is accepted can also be written to every store, read back and shown
+MAX_BODY_DEPTH = 128
+TOO_DEEP = (
+    f"the body nests objects and arrays more than {MAX_BODY_DEPTH} levels deep; the kit sends at most that"
+)
+NOT_UTF8 = "holds text that cannot be encoded as UTF-8"
+
+
+def too_deep(exc: BaseException) -> bool:
+    """Whether pydantic-core refused to write a value for nesting past its limit (its only sign is the
+    text: a plain ``ValueError`` from ``model_dump``, a ``PydanticSerializationError`` from ``to_json``)."""
+    return "serialization depth" in str(exc)
+
+
+def _check_nesting(body: dict[str, Any], name: str) -> bool:
+    """Refuse a body that nests deeper than :data:`MAX_BODY_DEPTH`; return whether it holds a dict key
+    with U+FFFD, which may be JSON mode's stand-in for a lone surrogate (the caller then checks). Walked
+    without recursion."""
+    suspect = False
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            raise InvalidArgument("message", f"{name}: {TOO_DEEP}")
+        if isinstance(value, dict):
+            suspect = suspect or any("\ufffd" in k for k in value if isinstance(k, str))
+            stack.extend((v, depth + 1) for v in value.values() if isinstance(v, dict | list))
+        else:
+            stack.extend((v, depth + 1) for v in value if isinstance(v, dict | list))
+    return suspect
+
+
+def _surrogate_key(message: QueueMessage, dump: dict[str, Any]) -> bool:
+    """Whether the message's body holds a dict key that is not Unicode text (a lone surrogate). JSON
+    mode, both to Python values and to text, writes such a key of a typed ``dict[str, ...]`` as U+FFFD,
+    so it is looked for in the Python-mode dump, which keeps keys as they are."""
+    try:
+        stack: list[Any] = [message.model_dump(**dump)]
+    except UnicodeEncodeError:
+        return True
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            if any(isinstance(k, str) and not encodable(k) for k in value):
+                return True
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple | set | frozenset):
+            stack.extend(value)
+    return False
+
+
+def encodable(text: str) -> bool:
+    """Whether ``text`` can be encoded as UTF-8 (it holds no lone surrogate)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _UNCHECKED = object()

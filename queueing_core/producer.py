@@ -17,7 +17,7 @@ from .clock import Clock, as_utc, utcnow
 from .envelope import Envelope
 from .errors import InvalidArgument, MessageTooLarge, NotSupported
 from .hooks import Event, Observation
-from .messages import MessageStatus, QueueMessage
+from .messages import NOT_UTF8, TOO_DEEP, MessageStatus, QueueMessage, encodable, too_deep
 from .middleware import compose_enqueue, same_middleware
 from .options import QueueOptions
 from .tracking.base import MessageRecord, record_from_envelope
@@ -226,8 +226,12 @@ def check_sendable(envelopes: Sequence[Envelope], limit: int | None, transport: 
     for env in envelopes:
         try:
             data = env.encode()
-        except PydanticSerializationError:  # text that is not Unicode: a lone surrogate from "\ud800"
-            raise InvalidArgument("message", "holds text that cannot be encoded as UTF-8") from None
+        except PydanticSerializationError as exc:
+            # nested past pydantic-core's limit (a body QueueMessage.body() bounds, that enqueue
+            # middleware deepened), or text that is not Unicode: a lone surrogate from "\ud800"
+            raise InvalidArgument("message", TOO_DEEP if too_deep(exc) else NOT_UTF8) from None
+        if not all(map(encodable, env.headers)):  # (encoded above as U+FFFD, not refused)
+            raise InvalidArgument("message", f"a header's name {NOT_UTF8} (a lone surrogate)")
         if limit is not None and len(data) > limit:
             raise MessageTooLarge(len(data), limit, transport)
         if b"\\u0000" in data and _NUL_ESCAPE.search(data):

@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from pydantic_core import from_json, to_json
+from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from ...clock import opt_utc
 from ...envelope import Envelope
-from ...errors import MalformedEnvelope
+from ...errors import InvalidArgument, MalformedEnvelope
+from ...messages import TOO_DEEP, too_deep
 from ...transport import Delivery
 
 
@@ -110,8 +111,8 @@ _ARRAY_COLUMNS = (
 def unnest_params(rows: list[dict[str, Any]], channel: str) -> dict[str, Any]:
     """Column-wise arrays for the PostgreSQL ``unnest`` INSERT; JSON columns as text, cast there."""
     params: dict[str, Any] = {c: [r[c] for r in rows] for c in _ARRAY_COLUMNS}
-    params["headers"] = [to_json(r["headers"]).decode() for r in rows]
-    params["body"] = [to_json(r["body"]).decode() for r in rows]
+    params["headers"] = [_fast_json(r["headers"]) for r in rows]
+    params["body"] = [_fast_json(r["body"]) for r in rows]
     params["channel"] = channel
     return params
 
@@ -135,7 +136,15 @@ _COPY_TYPES = [
 
 
 def _fast_json(value: Any) -> str:
-    return to_json(value).decode()
+    try:
+        return to_json(value).decode()
+    except PydanticSerializationError as exc:
+        # Enqueue refuses a body nested past MAX_BODY_DEPTH; one that still comes here (enqueue
+        # middleware made it deeper) is the caller's to fix, refused before anything is written
+        # (the INSERT, or the COPY's transaction, holds none of the batch)
+        if too_deep(exc):
+            raise InvalidArgument("message", TOO_DEEP) from None
+        raise
 
 
 async def copy_rows(conn: Any, tables: Any, rows: list[dict[str, Any]]) -> None:
