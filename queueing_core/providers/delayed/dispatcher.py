@@ -11,6 +11,11 @@ A failed forward:
 - any other error counts a failure on the message; after ``retries`` failures it goes to the
   transport's dead-letter queue with the reason ``delayed-forward-failed`` and the last error.
 
+Due times, leases and retry times are the store's, on the database's clock (see the store's module),
+so hosts whose clocks differ neither forward a message early nor take another's lease for over. The
+lease of the rows in hand is renewed every third of it while their forwards are under way, so a forward
+that outlasts it (a transport's SDK retrying) is neither fetched again nor purged meanwhile.
+
 Three circuit breakers (``store`` in the store, ``fetch`` and ``dispatch`` here) open after failures
 that continue for longer than their time-to-trigger: they log once at CRITICAL and back off.
 """
@@ -112,6 +117,7 @@ class DelayedDispatcher:
         # PostgreSQL wakes dispatchers across processes; SQLite has no NOTIFY, so poll more often
         self.max_idle = max_idle if max_idle is not None else (30.0 if store.is_postgres else 5.0)
         self.listen = listen
+        #: this host's clock; due and retry times are the store's, on the database's (see the module)
         self.clock = clock
         self.stop_grace = stop_grace  # how long a stop waits for the batch in hand
         self.fetch_breaker = CircuitBreaker(
@@ -133,17 +139,43 @@ class DelayedDispatcher:
     # -- one batch ---------------------------------------------------------------------------------
     async def dispatch_once(self) -> int:
         """Fetch up to ``batch`` due messages and forward them; returns how many were taken."""
-        items = await self.store.fetch_due(self.clock(), limit=self.batch)
+        items = await self.store.fetch_due(limit=self.batch)
         if not items:
             return 0
         batch = asyncio.ensure_future(self._settle(items))
+        renewing = asyncio.ensure_future(self._renew_while(batch, items))
         try:
             await asyncio.shield(batch)
         except asyncio.CancelledError:
             # stopping between a forward and its removal would leave the message to be sent twice
             await asyncio.wait([batch], timeout=self.stop_grace)
             raise
+        finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
         return len(items)
+
+    async def _renew_while(self, batch: asyncio.Future[None], items: list[DelayedMessage]) -> None:
+        """Renew the lease of the rows of ``items`` every third of it until ``batch`` is done: a forward
+        that outlasts the lease is neither fetched by another dispatcher (a second forward while the
+        first is under way) nor taken by a purge by status (reported gone, its history deleted, and
+        then run when the forward lands). Only rows still as the fetch (or the last renewal) left them
+        are renewed (see :meth:`SqlDelayedStore.renew`); a renewal that fails is tried again at the
+        next third, and a lease that ends all the same lets another dispatcher forward the row again,
+        a known repeat (at least once), never a loss."""
+        held = {i.id for i in items}
+        until = items[0].leased_until
+        every = self.store.lease.total_seconds() / 3
+        while held and until is not None and not batch.done():
+            await asyncio.sleep(every)
+            if batch.done():
+                return
+            try:
+                held, until = await self.store.renew(sorted(held), until)
+            except Exception as exc:
+                log.warning(
+                    "renewing the lease of %d delayed message(s) failed: %s", len(held), first_line(exc)
+                )
 
     async def _settle(self, items: list[DelayedMessage]) -> None:
         """Forward (or dead-letter) each item, removing each as soon as it left the store's care: a
@@ -178,7 +210,7 @@ class DelayedDispatcher:
         except Exception as exc:
             backoff = self.dispatch_breaker.failure(exc)
             if isinstance(exc, ProviderUnavailable):
-                await self.store.release(item.id, self.clock() + timedelta(seconds=backoff))
+                await self.store.release(item.id, self.store.now() + timedelta(seconds=backoff))
                 return False
             return await self._failed(item, exc)
         self.dispatch_breaker.success()
@@ -198,7 +230,7 @@ class DelayedDispatcher:
                 log.error("delayed message %s dead-lettered: %s", item.message_id, description)
                 return True
         delay = self.retry_delay * 2 ** min(item.failures, 6)
-        await self.store.increment_failure(item.id, error=error, retry_at=self.clock() + delay)
+        await self.store.increment_failure(item.id, error=error, retry_at=self.store.now() + delay)
         log.warning(
             "forwarding delayed message %s to %s failed (%d/%d): %s",
             item.message_id,
@@ -253,7 +285,7 @@ class DelayedDispatcher:
             return
         timeout = self.max_idle
         if nxt is not None:
-            timeout = min(timeout, max(0.0, (nxt - self.clock()).total_seconds()))
+            timeout = min(timeout, max(0.0, (nxt - self.store.now()).total_seconds()))
         if n == 0:
             # due but not fetched: another dispatcher holds it this instant; do not spin on it
             timeout = max(timeout, 0.05)

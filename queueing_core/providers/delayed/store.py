@@ -17,6 +17,21 @@ reached the transport all the same: a publish the broker took whose confirm was 
 answer never came), so such a repeat is known: the row comes back with ``claims`` > 1 and its
 forward is marked and logged.
 
+**The database's clock.** Due times and leases are judged on the database's time (the store's
+:class:`~..sql.db_clock.DatabaseClock`: this host's clock corrected by its difference to the
+database's, read at most once a minute), the one clock every host shares. On each host's own clock, a
+dispatcher whose clock ran ahead forwarded a message early, a worker sent it back as not due yet, and
+the dispatcher, finding it due, forwarded it again at once, for as long as the clocks differed; and a
+host whose clock ran behind by more than the lease wrote leases the others read as over already. A
+due time is stamped by the storing host's clock (a message's ``not_before``); a row is forwarded no
+sooner than both the database's clock and the storing host's say it is due: a worker whose clock runs
+behind the database's, sending a message back as not due yet, stores it until its own clock says it
+is due, not for the dispatcher to forward again at once.
+
+**Renewed while forwarded.** A dispatcher renews the lease of the rows it still forwards (see
+:meth:`renew`), so a forward that outlasts the lease (a transport's SDK retrying) is not fetched by
+another dispatcher, nor taken by a purge by status, while it is still under way.
+
 Each :meth:`store` wakes the dispatchers of this process at once and, on PostgreSQL, those of other
 processes through ``NOTIFY`` on the store's own channel.
 """
@@ -38,10 +53,11 @@ from ...envelope import Envelope
 from ...errors import ProviderError, ProviderUnavailable
 from ...naming import Transport
 from ..sql import errors as sql_errors
+from ..sql.db_clock import DatabaseClock
 from ..sql.listener import channel_name
 from ..sql.provider import SqlProvider
 from ..sql.schema import IN_LIST_BATCH
-from .breaker import CircuitBreaker
+from .breaker import CircuitBreaker, first_line
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
@@ -78,6 +94,8 @@ class DelayedMessage:
     #: fetches of this row, this one included (> 1: an earlier forward of it may have reached the
     #: transport, before its dispatcher stopped or though it raised)
     claims: int = 1
+    #: the lease this fetch wrote (the row's due time while it is forwarded: :meth:`renew` moves it on)
+    leased_until: datetime | None = None
 
 
 def channel_for(schema: str | None) -> str:
@@ -97,6 +115,8 @@ class SqlDelayedStore:
         self.sql = sql
         self.transport = transport
         self.clock = clock
+        #: due times and leases are judged on the database's time (see the module's note)
+        self.db_clock = DatabaseClock(clock)
         self.lease = lease
         self.store_breaker = store_breaker or CircuitBreaker("delayed store (store)")
         self.channel = channel_for(sql.tables.metadata.schema)
@@ -124,6 +144,30 @@ class SqlDelayedStore:
     async def close(self) -> None:
         self._wakers.clear()
 
+    # -- the database's clock ----------------------------------------------------------------------
+    async def database_time(self) -> datetime:
+        """The database's time now: this host's clock corrected by the difference to the database's,
+        read again first when that is due (a failed reading keeps the last difference)."""
+        clock = self.db_clock
+        if clock.due():
+            try:
+                await self.sql.ensure_open()
+                async with self.sql.engine.connect() as conn:
+                    before = clock.host()
+                    value = (await conn.execute(self.sql.statements.database_now)).scalar_one()
+                    after = clock.host()
+            except Exception as exc:
+                clock.failed()
+                log.warning("could not read the database's clock (%s); will try again", first_line(exc))
+            else:
+                at = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+                clock.correct(as_utc(at), as_utc(before), as_utc(after))
+        return self.now()
+
+    def now(self) -> datetime:
+        """The database's time by the difference last read (no round trip)."""
+        return as_utc(self.db_clock())
+
     # -- the seed's operations ---------------------------------------------------------------------
     async def store(self, envelope: Envelope, destination: str, due: datetime) -> uuid.UUID:
         """Keep ``envelope`` until ``due``, then it goes to ``destination`` (a physical queue)."""
@@ -137,6 +181,12 @@ class SqlDelayedStore:
                 f"the delayed store is failing (circuit breaker open); next try in {wait:.1f}s"
             )
         now = self.clock()
+        if items:
+            await self.database_time()
+        # a host behind the database's clock: its due times fall that much later on the database's, so
+        # a worker that sends a message back as not due yet gets it when its own clock says it is due
+        # (a host ahead keeps its own: the database's clock reaches it later still)
+        behind = max(self.db_clock.offset, timedelta(0))
         ids = [uuid.uuid4() for _ in items]
         rows = [
             {
@@ -144,7 +194,7 @@ class SqlDelayedStore:
                 "message_id": env.message_id,
                 "transport": self.transport.value,
                 "destination": destination,
-                "due_at": as_utc(due),
+                "due_at": _later(as_utc(due), behind),
                 "envelope": env.encode_text(),
                 "failures": 0,
                 "created_at": now,
@@ -173,8 +223,11 @@ class SqlDelayedStore:
         return found[0] if found else None
 
     async def fetch_due(self, now: datetime | None = None, *, limit: int = 50) -> list[DelayedMessage]:
+        """Take up to ``limit`` rows due at ``now`` (the database's time, read when not given) under a
+        lease of ``lease``; each message's ``leased_until`` says to what time."""
         t = self._t
-        at = as_utc(now or self.clock())
+        at = as_utc(now or await self.database_time())
+        until = at + self.lease
         stmt = (
             sa.select(t)
             .where(t.c.transport == self.transport.value, t.c.due_at <= at)
@@ -190,9 +243,32 @@ class SqlDelayedStore:
                     await conn.execute(
                         sa.update(t)
                         .where(t.c.id.in_([r.id for r in rows]))
-                        .values(due_at=at + self.lease, claims=t.c.claims + 1)
+                        .values(due_at=until, claims=t.c.claims + 1)
                     )
-        return [_message(r, claimed=True) for r in rows]
+        return [_message(r, claimed=True, until=until) for r in rows]
+
+    async def renew(self, ids: Sequence[uuid.UUID], held_until: datetime) -> tuple[set[uuid.UUID], datetime]:
+        """Move the lease of the rows ``ids`` still forwarded on to ``lease`` from now: only those whose
+        due time is still ``held_until``, the lease their fetch (or the last renewal) wrote; a row
+        given back (a failed forward's retry time), made an operator's copy, fetched again by another
+        dispatcher after the lease ended, or removed is left as it is. Returns the rows renewed and
+        their new lease."""
+        t = self._t
+        until = await self.database_time() + self.lease
+        renewed: set[uuid.UUID] = set()
+        with db_boundary("renewing the lease of delayed messages"):
+            await self.sql.ensure_open()
+            async with self.sql.engine.begin() as conn:
+                for start in range(0, len(ids), IN_LIST_BATCH):
+                    part = list(ids[start : start + IN_LIST_BATCH])
+                    res = await conn.execute(
+                        sa.update(t)
+                        .where(t.c.id.in_(part), t.c.due_at == as_utc(held_until))
+                        .values(due_at=until)
+                        .returning(t.c.id)
+                    )
+                    renewed |= {r[0] for r in res.all()}
+        return renewed, until
 
     async def remove(self, id: uuid.UUID) -> bool:
         """True when the row was removed; False when it was already gone."""
@@ -285,6 +361,7 @@ class SqlDelayedStore:
         if not rows:
             return 0
         t = self._t
+        until = await self.database_time() + self.lease
         with db_boundary("holding delayed messages"):
             await self.sql.ensure_open()
             async with self.sql.engine.begin() as conn:
@@ -292,7 +369,7 @@ class SqlDelayedStore:
                     sa.update(t)
                     .where(t.c.id.in_(list(rows)))
                     .values(
-                        due_at=as_utc(self.clock()) + self.lease,
+                        due_at=until,
                         envelope=envelope.encode_text(),
                         claims=t.c.claims + 1,
                         # a fresh copy: the forward tries before it is dead-lettered start again
@@ -348,7 +425,9 @@ class SqlDelayedStore:
         the copy it brings forward, and reopened its history) stays, to be forwarded."""
         t = self._t
         cond = [t.c.transport == self.transport.value, t.c.destination == destination]
-        forwarding = sa.and_(t.c.claims > 0, t.c.due_at > as_utc(self.clock()))
+        # (on the database's clock, as the lease was written: a purging host's own clock ahead by more
+        # than the lease read every forward's lease as over)
+        forwarding = sa.and_(t.c.claims > 0, t.c.due_at > await self.database_time())
         given = list(message_ids) if message_ids is not None else None
         # bound values per statement: bounded (PostgreSQL takes 65,535 at most)
         parts = (
@@ -401,7 +480,14 @@ class SqlDelayedStore:
         return {str(r[0]): int(r[1]) for r in rows}
 
 
-def _message(r: Any, *, claimed: bool = False) -> DelayedMessage:
+def _later(due: datetime, by: timedelta) -> datetime:
+    try:
+        return due + by
+    except OverflowError:  # a due time near the end of time: later still is no different
+        return due
+
+
+def _message(r: Any, *, claimed: bool = False, until: datetime | None = None) -> DelayedMessage:
     return DelayedMessage(
         id=r.id,
         message_id=r.message_id,
@@ -412,4 +498,5 @@ def _message(r: Any, *, claimed: bool = False) -> DelayedMessage:
         created_at=as_utc(r.created_at),
         last_error=r.last_error,
         claims=r.claims + 1 if claimed else r.claims,
+        leased_until=until,
     )
