@@ -226,19 +226,16 @@ class Runtime:
 
     async def _already_done(self, env: Envelope) -> bool:
         """A forward sent again after a dispatcher died: its first forward ran if the history holds a
-        success of this attempt or a later one, or (a message that asked to run again) a later run
-        asked for since this copy was made. Only those count: another outcome may be a record whose
-        settlement never reached the transport, and acting on it could drop the only copy (a success,
-        stale or not, means a run of the handler succeeded). An unreadable history runs it (a
-        duplicate run beats a lost one)."""
+        success of this attempt or a later one. Only a success counts: another outcome may be a record
+        whose settlement never reached the transport, and acting on it could drop the only copy (a
+        success, stale or not, means a run of the handler succeeded). An unreadable history runs it
+        (a duplicate run beats a lost one)."""
         try:
             rec = await self.tracker.get(env.message_id)
         except Exception as exc:
             outcome_log.warning("could not look for an earlier run of %s: %s", env.message_id, exc)
             return False
-        done = rec is not None and (
-            (rec.status == MessageStatus.SUCCEEDED and rec.attempt >= env.attempt) or _ran_again(rec, env)
-        )
+        done = rec is not None and rec.status == MessageStatus.SUCCEEDED and rec.attempt >= env.attempt
         if done:
             outcome_log.warning(
                 "message %s was forwarded again after its outcome (%s) was recorded: completed as a "
@@ -399,22 +396,6 @@ def _with_left_behind(rec: MessageRecord, d: Delivery) -> MessageRecord:
     if d.left_behind is None or rec.copied_from == d.left_behind:
         return rec
     return rec.model_copy(update={"copied_from": d.left_behind})
-
-
-def _ran_again(rec: MessageRecord, env: Envelope) -> bool:
-    """Whether ``rec`` shows a run of this copy (or a later one) that asked to run again: a run's
-    Sleeping record (not the producer's) whose expiry is later than the copy's. Each run that asks to
-    run again starts the expiration anew from its own time, in the record and in the next copy alike,
-    and it is recorded only once that next copy is stored: a later expiry than this copy's was set by
-    a run after the one that made this copy, so the message goes on in that run's copy. The run that
-    made this copy recorded this copy's own expiry (not later: it runs), and so did the producer. A
-    type that never expires has no expiry to tell runs apart: its repeat runs (a duplicate, not a
-    loss)."""
-    if rec.status != MessageStatus.SLEEPING.value or is_producers_record(rec):
-        return False
-    if env.expires_at is None or rec.expires_at is None or not rec.readable("expires_at"):
-        return False
-    return as_utc(rec.expires_at) > as_utc(env.expires_at)
 
 
 def history_record(s: Settlement, now: Any) -> MessageRecord:
