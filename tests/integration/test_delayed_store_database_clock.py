@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from queueing_core.clock import utcnow
 from queueing_core.naming import Transport
 from queueing_core.providers.delayed import DelayedDispatcher, DelayedMessage, SqlDelayedStore
+from queueing_core.providers.sql.db_clock import DatabaseClock
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.tracking.base import record_from_envelope
 from tests.contract.harness import wait_until
@@ -48,8 +49,10 @@ class Hosts:
         return self.host(off).delayed_store(Transport.RABBITMQ)
 
 
-def off_by(off: timedelta) -> Callable[[], datetime]:
-    return lambda: utcnow() + off
+def off_by(off: timedelta) -> DatabaseClock:
+    """A host's clock ``off`` from the real one, corrected by the database's as a host's own clock is
+    (a plain callable is a test's clock, used as it is)."""
+    return DatabaseClock(lambda: utcnow() + off)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -179,3 +182,16 @@ async def test_a_renewal_leaves_a_row_given_back_or_fetched_again(hosts):
     assert abs(await due_at(store, given_back.message_id) - retry_at) < timedelta(milliseconds=1)
     assert again.leased_until is not None
     assert abs(await due_at(store, fetched_again.message_id) - again.leased_until) < timedelta(milliseconds=1)
+
+
+async def test_a_tests_own_clock_travels_in_time_uncorrected(hosts):
+    """A plain callable is a test's clock, as for the SQL provider's leases: moved two hours ahead,
+    what it stores comes due by it (corrected by the database's, nothing came due for two hours)."""
+    now = [utcnow() + timedelta(hours=2)]
+    s = SideStores(hosts.url, schema=hosts.schema, clock=lambda: now[0])
+    hosts.made.append(s)
+    store = s.delayed_store(Transport.RABBITMQ)
+    await store.store(an_envelope(), "jobs", now[0] + timedelta(seconds=30))
+    assert await store.fetch_due() == []
+    now[0] += timedelta(seconds=31)
+    assert len(await store.fetch_due()) == 1

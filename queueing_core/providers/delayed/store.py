@@ -114,9 +114,16 @@ class SqlDelayedStore:
     ) -> None:
         self.sql = sql
         self.transport = transport
-        self.clock = clock
-        #: due times and leases are judged on the database's time (see the module's note)
-        self.db_clock = DatabaseClock(clock)
+        #: due times and leases are judged on the database's time (see the module's note), as the SQL
+        #: provider's leases: the host's own clock (the default) is corrected by the database's, a
+        #: ``DatabaseClock`` passed keeps its correction, and a plain callable is used as it is (tests
+        #: move it to travel in time; corrected, a clock moved ahead was measured against the real one
+        #: and nothing it stored came due)
+        self.db_clock: DatabaseClock | None
+        if isinstance(clock, DatabaseClock):
+            self.clock, self.db_clock = clock.host, clock
+        else:
+            self.clock, self.db_clock = clock, DatabaseClock(clock) if clock is utcnow else None
         self.lease = lease
         self.store_breaker = store_breaker or CircuitBreaker("delayed store (store)")
         self.channel = channel_for(sql.tables.metadata.schema)
@@ -149,6 +156,8 @@ class SqlDelayedStore:
         """The database's time now: this host's clock corrected by the difference to the database's,
         read again first when that is due (a failed reading keeps the last difference)."""
         clock = self.db_clock
+        if clock is None:
+            return as_utc(self.clock())
         if clock.due():
             try:
                 await self.sql.ensure_open()
@@ -166,7 +175,7 @@ class SqlDelayedStore:
 
     def now(self) -> datetime:
         """The database's time by the difference last read (no round trip)."""
-        return as_utc(self.db_clock())
+        return as_utc(self.clock() if self.db_clock is None else self.db_clock())
 
     # -- the seed's operations ---------------------------------------------------------------------
     async def store(self, envelope: Envelope, destination: str, due: datetime) -> uuid.UUID:
@@ -186,7 +195,7 @@ class SqlDelayedStore:
         # a host behind the database's clock: its due times fall that much later on the database's, so
         # a worker that sends a message back as not due yet gets it when its own clock says it is due
         # (a host ahead keeps its own: the database's clock reaches it later still)
-        behind = max(self.db_clock.offset, timedelta(0))
+        behind = max(self.db_clock.offset, timedelta(0)) if self.db_clock is not None else timedelta(0)
         ids = [uuid.uuid4() for _ in items]
         rows = [
             {
