@@ -756,7 +756,8 @@ class SqsProvider(SideStoreOps):
                     # renewals' cap and the run's bound err the safe way
                     received_at=sent_at,
                 )
-                out.append(self._redriven(d, sub, n, _sent_at(m) or sent_at))
+                marked = REASON in (m.get("MessageAttributes") or {})
+                out.append(self._redriven(d, sub, n, _sent_at(m) or sent_at) if marked else d)
             if len(messages) < 10:
                 break
             wait = 0
@@ -774,6 +775,8 @@ class SqsProvider(SideStoreOps):
         the marks, and a retry by visibility receives it again), and without the marks of its
         dead-lettering."""
         env = d.envelope
+        # (the caller found the letter's reason among the message's attributes too, which only a
+        # letter the kit sent carries: a header of that name alone may be the sender's own)
         if env is None or REASON not in env.headers:
             return d
         expiration = sub.options.expiration

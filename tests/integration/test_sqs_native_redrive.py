@@ -105,3 +105,40 @@ async def test_a_letter_moved_back_by_aws_dlq_redrive_runs_with_fresh_attempts(t
         await rt.close()
         for url in (main_url, dlq_url):
             client.delete_queue(QueueUrl=url)
+
+
+async def test_a_senders_own_header_of_the_letters_name_is_not_taken_for_a_redrive(tmp_path: Any) -> None:
+    """Only a letter the kit sent carries its reason among the SQS message's attributes: a header of
+    that name that the sender set is the sender's, kept with the message's own expiry (taken for a
+    redrive, it was dropped and the expiry replaced by the type's)."""
+    seen: list[dict[str, str]] = []
+    prefix = fresh_prefix()
+    app = QueueingApp("redrive-own", naming=QueueNaming(prefix=prefix))
+
+    @app.handler()
+    async def handle(msg: Job, ctx: Any) -> None:
+        seen.append(dict(ctx.headers))
+
+    prov = SqsProvider(sqs_client(), stores=SideStores(f"sqlite:///{tmp_path}/side.db"), receive_wait=0)
+    rt = Runtime(app, prov)
+    await rt.open()
+    client = sqs_client()
+    urls = [await prov._url("Redrive.Job"), await prov._url("Redrive.Job", dead=True)]
+    sub = app.subscription("Job")
+    assert sub is not None
+    try:
+        sent = await app.enqueue(Job(n=1), headers={REASON: "the sender's"}, ttl=timedelta(minutes=2))
+        got: list[Any] = []
+
+        async def received() -> bool:
+            got.extend(await prov.receive(sub, 1))
+            return bool(got)
+
+        await wait_until(received, timeout=15, what="the message")
+        assert got[0].envelope.expires_at == sent.expires_at
+        await rt.process(got[0])
+        assert seen == [{REASON: "the sender's"}]
+    finally:
+        await rt.close()
+        for url in urls:
+            client.delete_queue(QueueUrl=url)
