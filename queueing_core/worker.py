@@ -1223,10 +1223,16 @@ class Worker:
         # the shortest left (a 10-minute lease beside 30-second ones lost to a stall of 20 s), and one
         # the transport caps (Service Bus locks at most 5 minutes) was first renewed after it lapsed
         cap = provider.capabilities.longest_lease
-        lease_of = {
-            s.type_name: min(s.options.lease_duration, cap) if cap else s.options.lease_duration
-            for s in self.subscriptions()
-        }
+        # (a provider that knows better says what it holds: an existing Service Bus queue's lock may
+        # be shorter than the type's lease, and renewals timed by the lease came after it lapsed)
+        held: Callable[[Subscription], timedelta] | None = getattr(provider, "held_lease", None)
+
+        def lease(s: Subscription) -> timedelta:
+            if held is not None:
+                return held(s)
+            return min(s.options.lease_duration, cap) if cap else s.options.lease_duration
+
+        lease_of = {s.type_name: lease(s) for s in self.subscriptions()}
         shortest = min(lease_of.values(), default=timedelta(seconds=30)).total_seconds()
         interval = max(0.5, shortest / 3)
         # a lease's end is on the provider's lease clock where it has one (SQL: the database's time);

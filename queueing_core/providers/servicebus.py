@@ -60,6 +60,7 @@ from azure.servicebus import (
 from azure.servicebus.exceptions import (
     MessageAlreadySettled,
     MessageLockLostError,
+    MessageNotFoundError,
     MessageSizeExceededError,
     MessagingEntityNotFoundError,
     OperationTimeoutError,
@@ -257,16 +258,19 @@ async def known_duplicate(
     sequence_number: int | None,
     delivery_count: int | None,
     complete: Callable[[], Awaitable[None]],
+    timeout: float | None = None,
 ) -> bool:
     """A redelivered original whose outcome already went on in a copy (the copy was sent, completing
     the original failed, and the history noted its sequence number in ``copied_from``): ``complete``
     it without running the handler, and count it in the history. The worker's receive and the
-    Functions host ask the same question of every message that came back."""
+    Functions host ask the same question of every message that came back. A lookup that takes longer
+    than ``timeout`` seconds counts as not known: the message runs (it holds a lock that the lookup
+    must not use up; only a history that answers it was copied may keep it from running)."""
     if d.envelope is None or not delivery_count or sequence_number is None:
         return False  # only a message that came back can be one
     try:
-        rec = await tracker.get(d.envelope.message_id)
-    except Exception as exc:  # history unreachable: run it (a duplicate run beats a lost message)
+        rec = await asyncio.wait_for(tracker.get(d.envelope.message_id), timeout)
+    except Exception as exc:  # history unreachable or slow: run it (a duplicate run beats a lost message)
         log.warning("could not look for a duplicate of %s: %s", d.envelope.message_id, _first_line(exc))
         return False
     if rec is None or rec.copied_from != str(sequence_number):
@@ -344,6 +348,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         self._closers = list(closers)
         self._senders: dict[str, Any] = {}
         self._receivers: dict[str, _Link] = {}
+        #: existing queues whose lock duration is shorter than their type's lease (``held_lease``)
+        self._locks: dict[str, timedelta] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._app: QueueingApp | None = None
         #: None until a management call says; False once the service refused one (401)
@@ -461,9 +467,46 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             # as the generated Bicep does: the service drops a producer's repeated send of one message
             # id. Safe because every copy the kit sends (retry, pause, operator's retry) has its own id.
             settings["requires_duplicate_detection"] = True
-        with _boundary(f"creating queue {sub.queue}"), contextlib.suppress(ResourceExistsError):
-            await self.admin.create_queue(self.physical(sub.queue), **settings)
+        name = self.physical(sub.queue)
+        with _boundary(f"creating queue {sub.queue}"):
+            try:
+                await self.admin.create_queue(name, **settings)
+            except ResourceExistsError:
+                existed = True
+            else:
+                existed = False
         self._can_manage = True
+        if existed:
+            # an existing queue is left as it is, its lock duration too (created before the lease was
+            # raised, by hand, or in the emulator's config): renewals must follow its lock
+            try:
+                props = await asyncio.wait_for(self.admin.get_queue(name), _PEEK_TIMEOUT)
+            except Exception as exc:  # not known: renewed by the type's lease, as before
+                log.warning("could not read the lock duration of queue %s: %s", sub.queue, _first_line(exc))
+            else:
+                self._note_lock(props.lock_duration, sub)
+
+    def _note_lock(self, lock: timedelta | None, sub: Subscription) -> None:
+        wanted = min(sub.options.lease_duration, MAX_LOCK)
+        if lock is None or lock >= wanted:
+            return
+        self._locks[sub.queue] = lock
+        log.warning(
+            "queue %s exists with a lock duration of %s, shorter than its type's lease_duration (%s): "
+            "its messages' locks are renewed by the queue's lock; give the queue the lease's lock "
+            "duration (provision it again) so that the type's setting holds",
+            sub.queue,
+            lock,
+            sub.options.lease_duration,
+        )
+
+    def held_lease(self, sub: Subscription) -> timedelta:
+        """The lock Service Bus holds a message of ``sub`` for: its type's lease (at most
+        :data:`MAX_LOCK`), or its queue's lock duration where an existing queue has a shorter one. The
+        worker renews by it: renewing by the type's lease alone lost the lock of every run longer than
+        a shorter queue lock (found in review)."""
+        wanted = min(sub.options.lease_duration, MAX_LOCK)
+        return min(wanted, self._locks.get(sub.queue, wanted))
 
     async def close(self) -> None:
         for link in self._receivers.values():
@@ -603,9 +646,15 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             )
             for m in live
         ]
+        # every message that came back is looked for in the history, all at once and each for a
+        # quarter of its lock at most: one after the other, a slow history store (Tables throttled, its
+        # SDK trying again) used up the locks of the whole batch before the worker held any of them,
+        # and each message ran, had its success refused and came back, until it was dead-lettered
+        dup = await asyncio.gather(*(self._known_duplicate(d) for d in deliveries))
         kept = []
-        for d in deliveries:
-            if await self._known_duplicate(d):
+        for d, m, known in zip(deliveries, live, dup, strict=True):
+            # (a lock that lapsed during the lookups is another run's now: Service Bus delivers it again)
+            if known or self._lapsed(sub, m):
                 self._settled(d)
             else:
                 kept.append(d)
@@ -614,12 +663,13 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
     @staticmethod
     def _lapsed(sub: Subscription, m: Any) -> bool:
         """A message whose lock lapsed while it waited in the receiver's buffer (the broker pushed it into
-        credit a receive left): Service Bus has counted the delivery and hands it to another receive, and
-        would refuse this run's settlement (the SDK checks ``_lock_expired`` before settling)."""
+        credit a receive left) or while the history was asked about it: Service Bus has counted the
+        delivery and hands it to another receive, and would refuse this run's settlement (the SDK checks
+        ``_lock_expired`` before settling)."""
         if not getattr(m, "_lock_expired", False):
             return False
         log.warning(
-            "message %s on %s waited in the receiver until its lock lapsed: not run here (Service Bus "
+            "message %s on %s: its lock lapsed before it could run: not run here (Service Bus "
             "delivers it again)",
             m.sequence_number,
             sub.queue,
@@ -629,8 +679,15 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
     async def _known_duplicate(self, d: Delivery) -> bool:
         h: _Handle = d.handle
         m = h.message
+        until: datetime | None = m.locked_until_utc
+        left = (until - utcnow()).total_seconds() if until is not None else None
         return await known_duplicate(
-            self._tracker, d, m.sequence_number, m.delivery_count, lambda: h.receiver.complete_message(m)
+            self._tracker,
+            d,
+            m.sequence_number,
+            m.delivery_count,
+            lambda: h.receiver.complete_message(m),
+            timeout=None if left is None else max(0.0, left / 4),
         )
 
     async def wait_for_work(self, sub: Subscription, timeout: float) -> None:
@@ -719,15 +776,46 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         for s in settlements:
             self._settled(s.delivery)
 
+    def _renew_within(self, d: Delivery) -> float:
+        """Seconds a renewal of ``d``'s lock may take: a third of its lock. The worker waits for its
+        whole round of renewals, so one renewal the SDK kept trying (a throttled or re-attaching link)
+        held up the next renewal of every other message, whose locks lapsed under running handlers
+        (found in review)."""
+        sub = self._app.subscription(d.type_name) if self._app is not None and d.type_name else None
+        lock = self.held_lease(sub) if sub is not None else MAX_LOCK
+        return max(0.1, lock.total_seconds() / 3)
+
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         lost: list[Delivery] = []
 
         async def one(d: Delivery) -> None:
             h: _Handle = d.handle
-            try:
-                d.lease_until = await h.receiver.renew_message_lock(h.message)
-            except (MessageLockLostError, MessageAlreadySettled, ServiceBusError):
-                lost.append(d)
+            # two tries in the round, each for half of it: a try that hangs (one slow answer) is given
+            # up in time for a fresh one to renew the lock before it lapses
+            each = self._renew_within(d) / 2
+            for last in (False, True):
+                try:
+                    # the SDK's own timeout (all its tries) first; the wait stops one that overruns it
+                    d.lease_until = await asyncio.wait_for(
+                        h.receiver.renew_message_lock(h.message, timeout=0.9 * each), each
+                    )
+                    return
+                except (TimeoutError, OperationTimeoutError) as exc:
+                    # slow, not refused: tried again (here, then next round) while the lock lasts
+                    if d.lease_until is not None and d.lease_until <= utcnow():
+                        lost.append(d)
+                        return
+                    log.warning(
+                        "renewing the lock of message %s on %s took over %.1fs (%s): %s",
+                        h.message.sequence_number,
+                        d.queue,
+                        each,
+                        type(exc).__name__,
+                        "tried again next round" if last else "trying again",
+                    )
+                except (MessageLockLostError, MessageAlreadySettled, ServiceBusError):
+                    lost.append(d)
+                    return
 
         await asyncio.gather(*(one(d) for d in deliveries))
         return lost
@@ -835,6 +923,30 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             await send()
         return True
 
+    async def _cancel_scheduled(self, queue: str) -> set[str]:
+        """Cancel every scheduled message of ``queue`` (found by peeking, which shows them with their
+        sequence numbers); returns the message ids of those cancelled. One at a time: Service Bus
+        refuses a whole batch when one of it is no longer scheduled (it came due, or another purge
+        cancelled it), and then cancels none."""
+        sender = self._sender(queue)
+        cancelled: set[str] = set()
+        with _boundary(f"cancelling the scheduled messages of {queue}"):
+            async with self.client.get_queue_receiver(self.physical(queue)) as receiver:
+                next_sequence = 0  # 0: from the start
+                while batch := await receiver.peek_messages(
+                    max_message_count=250, sequence_number=next_sequence
+                ):
+                    next_sequence = batch[-1].sequence_number + 1
+                    for m in batch:
+                        if m.state != ServiceBusMessageState.SCHEDULED:
+                            continue
+                        try:
+                            await sender.cancel_scheduled_messages(m.sequence_number)
+                        except MessageNotFoundError:
+                            continue  # no longer scheduled: if it came due, the drain takes it
+                        cancelled.add(id_in_text(_text(m)))
+        return cancelled
+
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
         raise InvalidOperation(
             "a Service Bus lock belongs to the receiver that holds it: only that receiver "
@@ -846,11 +958,14 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
 
     async def ops_remove(self, query: MessageQuery, records: Sequence[MessageRecord]) -> set[uuid.UUID]:
         """Dead letters (and expired ones) are removed from the dead-letter queue; a purge of a whole
-        queue also drains its active messages. Scheduled messages are left to run. Returns the ids
-        of the messages removed: only their history goes."""
+        queue also cancels its scheduled messages and drains its active ones (those a worker holds
+        stay). Returns the ids of the messages removed: only their history goes."""
         removed: set[str] = set()
         if is_whole_queue(query):
             assert query.queue is not None
+            # scheduled messages first (a retry's or a delay's): a receive never sees them, so the
+            # drain left them to run, history and all. One that came due meanwhile, the drain takes
+            removed |= await self._cancel_scheduled(query.queue)
             with _boundary(f"draining {query.queue}"):
                 async with self.client.get_queue_receiver(
                     self.physical(query.queue), receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE
