@@ -17,28 +17,12 @@ import pytest
 
 from queueing_core.clock import utcnow
 from queueing_core.naming import Transport
-from queueing_core.providers.delayed import DelayedDispatcher, DelayedMessage
+from queueing_core.providers.delayed import DelayedDispatcher
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.tracking.base import record_from_envelope
 from tests.envelopes import an_envelope
 from tests.services import POSTGRES_URL, drop_schema, require
-
-
-class Slow:
-    """The transport's side: a forward under way (its confirm on the way) until ``go`` is set."""
-
-    def __init__(self) -> None:
-        self.entered = asyncio.Event()
-        self.go = asyncio.Event()
-        self.landed: list[uuid.UUID] = []
-
-    async def forward_delayed(self, item: DelayedMessage) -> None:
-        self.entered.set()
-        await self.go.wait()
-        self.landed.append(item.message_id)
-
-    async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
-        raise AssertionError("not dead-lettered here")
+from tests.slow_forward import Slow
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -23,13 +23,14 @@ import sqlalchemy as sa
 
 from queueing_core.clock import utcnow
 from queueing_core.naming import Transport
-from queueing_core.providers.delayed import DelayedDispatcher, DelayedMessage, SqlDelayedStore
+from queueing_core.providers.delayed import DelayedDispatcher, SqlDelayedStore
 from queueing_core.providers.sql.db_clock import DatabaseClock
 from queueing_core.providers.sql.history import SideStores
 from queueing_core.tracking.base import record_from_envelope
 from tests.contract.harness import wait_until
 from tests.envelopes import an_envelope
 from tests.services import POSTGRES_URL, drop_schema, require
+from tests.slow_forward import Slow
 
 
 @dataclass
@@ -67,23 +68,6 @@ async def hosts(request, tmp_path) -> AsyncIterator[Hosts]:
         await s.close()
     if h.schema is not None:
         await drop_schema(h.schema)
-
-
-class Slow:
-    """The transport's side: a forward under way until ``go`` is set."""
-
-    def __init__(self) -> None:
-        self.entered = asyncio.Event()
-        self.go = asyncio.Event()
-        self.landed: list[uuid.UUID] = []
-
-    async def forward_delayed(self, item: DelayedMessage) -> None:
-        self.entered.set()
-        await self.go.wait()
-        self.landed.append(item.message_id)
-
-    async def dead_letter_delayed(self, item: DelayedMessage, description: str) -> None:
-        raise AssertionError("not dead-lettered here")
 
 
 async def due_at(store: SqlDelayedStore, message_id: uuid.UUID) -> datetime:
