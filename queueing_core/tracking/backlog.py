@@ -22,8 +22,8 @@ overwrite the "Succeeded" of the retry that ran meanwhile, and a late "Pending" 
 overwrite an outcome. A run's record is not held back by a producer's, whatever their clocks say: a
 producer reads its clock after the send, a worker that ran the message at once may read an earlier
 time. The same rule (:func:`~queueing_core.tracking.base.supersedes`) holds while records wait, in the
-backlog and in the journal, and for a run's records written at once, outcomes included, which another
-host's record may overtake (:meth:`HistoryWriter.write`).
+backlog and in the journal, and for records written at once that another host's record may overtake
+(:meth:`HistoryWriter.write`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from uuid import UUID
 
 from ..clock import Clock, as_utc, utcnow
 from ..errors import ProviderUnavailable
+from ..messages import MessageStatus
 from .base import OUTCOMES, MessageRecord, Tracker, is_enqueue_record, is_producers_record, supersedes
 
 log = logging.getLogger("queueing.history")
@@ -59,6 +60,8 @@ JOURNAL_STALE = 10.0
 DRAIN_CHUNK = 200
 #: refusals of one record, while the store takes the others, before it is dropped (see ``_isolate``)
 POISON_STRIKES = 3
+#: statuses no run follows
+FINAL = frozenset(s.value for s in MessageStatus.terminal())
 
 
 @runtime_checkable
@@ -105,14 +108,12 @@ def _producers(text: str) -> bool:
 
 
 def may_be_overtaken(rec: MessageRecord) -> bool:
-    """A run's record: another host's newer record may reach the store before it, whatever the delay,
-    since one write to a store can take longer than that (an SDK's tries and timeouts: up to minutes on
-    Azure Tables), so it is written by the late write's rule. After a release, a retry, a deferral or a
-    pause, the next run's record; after an outcome too: while the outcome's write is on its way history
-    still reads as before, so an operator may retry the message (the transport holds the dead letter),
-    and the retry's reopened record and its copy's outcome are newer. Only a producer's record goes
-    plainly: the stores keep it from outcomes themselves."""
-    return not is_enqueue_record(rec)
+    """A run's record after which the message runs again (released, retried, deferred, paused): the
+    next run's record may reach the store before it, whatever the delay, since one write to a store
+    can take longer than that (an SDK's tries and timeouts: up to minutes on Azure Tables), so it is
+    written by the late write's rule. An outcome has no next run, and a producer's record is kept from
+    outcomes by the stores themselves."""
+    return not (rec.status in FINAL or is_enqueue_record(rec))
 
 
 def default_journal_dir() -> Path:
@@ -443,15 +444,13 @@ class HistoryWriter:
         return True
 
     async def _write_now(self, records: Sequence[MessageRecord]) -> None:
-        """A direct write. A run's record (:func:`may_be_overtaken`) can land after a newer record that
-        another host wrote first: the next run's (after a release at a stop, a retry, a deferral), or,
-        after an outcome, an operator's retry of the message and its copy's records (the retry reads
-        history before the outcome lands). Such records are written by the late write's rule
-        (:func:`~queueing_core.tracking.base.supersedes`), so the newer record stays: an outcome written
-        plainly over a retry's would show the message finished, or retryable again, while its copy runs.
-        Producers' records go as they are, in one write: the stores keep outcomes from them themselves.
-        (Newer by ``updated_at``, as every late write: a host whose clock runs ahead by more than the
-        time between the two writes can still put its record over the newer one.)"""
+        """A direct write. A record after which the message runs again (released at a stop, retried or
+        deferred: :func:`may_be_overtaken`) can land after the record of that next run, which another host
+        wrote first: such records are written by the late write's rule
+        (:func:`~queueing_core.tracking.base.supersedes`), so the next run's record stays. The rest goes as
+        it is, in one write: no run follows an outcome, and the stores keep outcomes from producers' records
+        themselves. (Newer by ``updated_at``, as every late write: a host whose clock runs ahead by more
+        than the time between the two settlements can still put its record over the next run's.)"""
         tracker = self.tracker
         if not isinstance(tracker, WritesLate):
             await tracker.upsert(records)

@@ -17,13 +17,13 @@ from .kits import KITS
 from .sequences import SEQUENCES, Sequence
 
 STEPS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("succeed", "inprocess"): ("memory.settle", "history.upsert_newer"),
+    ("succeed", "inprocess"): ("memory.settle", "history.upsert"),
     ("succeed", "sqlite"): ("sqlite.round_trip",),
     ("succeed", "postgres"): ("pg.round_trip",),
-    ("succeed", "storage_queue"): ("queue.delete_message", "history.upsert_newer"),
-    ("succeed", "servicebus"): ("sb.complete_message", "history.upsert_newer"),
-    ("succeed", "rabbitmq"): ("amqp.ack", "history.upsert_newer"),
-    ("succeed", "sqs"): ("leases.holding", "sqs.delete_message_batch", "history.upsert_newer"),
+    ("succeed", "storage_queue"): ("queue.delete_message", "history.upsert"),
+    ("succeed", "servicebus"): ("sb.complete_message", "history.upsert"),
+    ("succeed", "rabbitmq"): ("amqp.ack", "history.upsert"),
+    ("succeed", "sqs"): ("leases.holding", "sqs.delete_message_batch", "history.upsert"),
     # a retry or a pause due again at once is recorded by the late write's rule (``upsert_newer``):
     # its next run, on another host, may record first
     ("retry_by_copy", "inprocess"): ("memory.settle", "history.upsert_newer"),
@@ -66,22 +66,22 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "sqs.delete_message_batch",
         "history.upsert_newer",
     ),
-    ("dead_letter", "inprocess"): ("memory.settle", "history.upsert_newer"),
+    ("dead_letter", "inprocess"): ("memory.settle", "history.upsert"),
     ("dead_letter", "sqlite"): ("sqlite.round_trip",),
     ("dead_letter", "postgres"): ("pg.round_trip",),
     ("dead_letter", "storage_queue"): (
         "queue.update_message",
         "queue.send_message",
         "queue.delete_message",
-        "history.upsert_newer",
+        "history.upsert",
     ),
-    ("dead_letter", "servicebus"): ("sb.dead_letter_message", "history.upsert_newer"),
-    ("dead_letter", "rabbitmq"): ("amqp.publish", "amqp.ack", "history.upsert_newer"),
+    ("dead_letter", "servicebus"): ("sb.dead_letter_message", "history.upsert"),
+    ("dead_letter", "rabbitmq"): ("amqp.publish", "amqp.ack", "history.upsert"),
     ("dead_letter", "sqs"): (
         "leases.holding",
         "sqs.send_message_batch",
         "sqs.delete_message_batch",
-        "history.upsert_newer",
+        "history.upsert",
     ),
     # one round trip: the settlement and the next claim in one pipeline (one transaction)
     ("retry_with_claim", "sqlite"): ("sqlite.round_trip",),
@@ -91,17 +91,17 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("retry_beside_a_refused_one", "postgres"): ("pg.round_trip",),
     ("dead_letter_with_claim", "sqlite"): ("sqlite.round_trip",),
     ("dead_letter_with_claim", "postgres"): ("pg.round_trip",),
-    ("expiry", "inprocess"): ("memory.settle", "history.upsert_newer"),
+    ("expiry", "inprocess"): ("memory.settle", "history.upsert"),
     ("expiry", "sqlite"): ("sqlite.round_trip",),
     ("expiry", "postgres"): ("pg.round_trip",),
-    ("expiry", "storage_queue"): ("queue.delete_message", "history.upsert_newer"),
-    ("expiry", "servicebus"): ("sb.dead_letter_message", "history.upsert_newer"),
-    ("expiry", "rabbitmq"): ("amqp.publish", "amqp.ack", "history.upsert_newer"),
+    ("expiry", "storage_queue"): ("queue.delete_message", "history.upsert"),
+    ("expiry", "servicebus"): ("sb.dead_letter_message", "history.upsert"),
+    ("expiry", "rabbitmq"): ("amqp.publish", "amqp.ack", "history.upsert"),
     ("expiry", "sqs"): (
         "leases.holding",
         "sqs.send_message_batch",
         "sqs.delete_message_batch",
-        "history.upsert_newer",
+        "history.upsert",
     ),
     # the run reads the identity's document and marks the message started in it (compare-and-set)
     # before it expires it; then the expiry's own steps
@@ -109,26 +109,26 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "control.identity_doc",
         "control.put_identity_doc",
         "memory.settle",
-        "history.upsert_newer",
+        "history.upsert",
     ),
     ("idempotent_expiry", "storage_queue"): (
         "control.identity_doc",
         "control.put_identity_doc",
         "queue.delete_message",
-        "history.upsert_newer",
+        "history.upsert",
     ),
     ("idempotent_expiry", "servicebus"): (
         "control.identity_doc",
         "control.put_identity_doc",
         "sb.dead_letter_message",
-        "history.upsert_newer",
+        "history.upsert",
     ),
     ("idempotent_expiry", "rabbitmq"): (
         "control.identity_doc",
         "control.put_identity_doc",
         "amqp.publish",
         "amqp.ack",
-        "history.upsert_newer",
+        "history.upsert",
     ),
     ("idempotent_expiry", "sqs"): (
         "control.identity_doc",
@@ -136,7 +136,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "leases.holding",
         "sqs.send_message_batch",
         "sqs.delete_message_batch",
-        "history.upsert_newer",
+        "history.upsert",
     ),
     ("operator_retry", "inprocess"): ("history.change_if_unchanged", "memory._forget", "memory.send"),
     # the control state read first (three tables: a cancel request to withdraw?), then the retry
@@ -229,7 +229,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     # a message received, run and settled (SQL: the claim, the control state read, the settlement;
     # RabbitMQ: the broker pushes it to the consumer, no call of the kit's receives it; SQS: the
     # receive, then its lease row taken)
-    ("receive", "inprocess"): ("memory.settle", "history.upsert_newer"),
+    ("receive", "inprocess"): ("memory.settle", "history.upsert"),
     ("receive", "sqlite"): (
         "sqlite.round_trip",
         "sql.execute",
@@ -238,15 +238,15 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "sqlite.round_trip",
     ),
     ("receive", "postgres"): ("pg.round_trip", "sql.execute", "sql.execute", "sql.execute", "pg.round_trip"),
-    ("receive", "storage_queue"): ("queue.receive_messages", "queue.delete_message", "history.upsert_newer"),
-    ("receive", "servicebus"): ("sb.receive_messages", "sb.complete_message", "history.upsert_newer"),
-    ("receive", "rabbitmq"): ("amqp.ack", "history.upsert_newer"),
+    ("receive", "storage_queue"): ("queue.receive_messages", "queue.delete_message", "history.upsert"),
+    ("receive", "servicebus"): ("sb.receive_messages", "sb.complete_message", "history.upsert"),
+    ("receive", "rabbitmq"): ("amqp.ack", "history.upsert"),
     ("receive", "sqs"): (
         "sqs.receive_message",
         "leases.take",
         "leases.holding",
         "sqs.delete_message_batch",
-        "history.upsert_newer",
+        "history.upsert",
     ),
     # the message's waiting rows found, then made the operator's copy and held for the store's lease
     # with the history reopened, in one transaction (a retry that stops after this leaves them to come
@@ -314,14 +314,14 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "sqlite.round_trip",
     ),
     ("renew", "postgres"): ("pg.round_trip", "sql.execute", "sql.execute", "sql.execute", "pg.round_trip"),
-    ("renew", "storage_queue"): ("queue.update_message", "queue.delete_message", "history.upsert_newer"),
-    ("renew", "servicebus"): ("sb.renew_message_lock", "sb.complete_message", "history.upsert_newer"),
+    ("renew", "storage_queue"): ("queue.update_message", "queue.delete_message", "history.upsert"),
+    ("renew", "servicebus"): ("sb.renew_message_lock", "sb.complete_message", "history.upsert"),
     ("renew", "sqs"): (
         "leases.extend",
         "sqs.change_message_visibility_batch",
         "leases.holding",
         "sqs.delete_message_batch",
-        "history.upsert_newer",
+        "history.upsert",
     ),
     ("enqueue_history", "inprocess"): ("memory.send", "history.upsert"),
     ("enqueue_history", "sqlite"): ("sql.execute", "sql.commit"),

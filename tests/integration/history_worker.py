@@ -54,15 +54,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)  # settled, history not written: the crash
             await write(records)
 
-        write_newer = tracker.upsert_newer  # type: ignore[attr-defined]
-
-        async def crash_at_outcomes_newer(records: Sequence[MessageRecord]) -> None:
-            if any(r.status == "Succeeded" for r in records):
-                os.kill(os.getpid(), signal.SIGKILL)
-            await write_newer(records)
-
         tracker.upsert = crash_at_outcomes  # type: ignore[method-assign]
-        tracker.upsert_newer = crash_at_outcomes_newer  # type: ignore[attr-defined]
     worker = Worker(runtime, poll_min=0.01, poll_max=0.2, shutdown_timeout=5)
     print("ready", flush=True)
     asyncio.run(worker.run())
