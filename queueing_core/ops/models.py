@@ -13,14 +13,16 @@ from ..messages import CUSTOM_STATUS_PATTERN
 from ..options import Health
 
 #: what no name the ops API takes may hold: whitespace, control characters (U+0000-U+001F, U+007F-U+009F), the
-#: invisible formatting ones (Unicode's category Cf: zero-width, bidirectional overrides and isolates,
-#: tags) that make one name look like another, and markup and quoting characters (< > " ' ` \): the
-#: dashboard escapes names, but no real name needs them, and a name that holds none cannot become
-#: markup or break out of a quoted value anywhere
-_FORMAT = (  # every Cf character the Unicode database knows (a test holds it against Python's)
+#: invisible formatting ones of the Basic Multilingual Plane (Unicode's category Cf there: zero-width,
+#: bidirectional overrides and isolates) that make one name look like another, and markup and quoting
+#: characters (< > " ' ` \): the dashboard escapes names, but no real name needs them, and a name that
+#: holds none cannot become markup or break out of a quoted value anywhere. The pattern is published in
+#: the OpenAPI document and run by browsers (the API's docs page checks a name before it sends it), so
+#: it is written as every engine reads it, without the u flag: \uXXXX escapes only (an escape of a
+#: character past U+FFFF read there as letters, and refused names such as "ui-reports")
+_FORMAT = (  # every Cf character below U+10000 (a test holds it against Python's Unicode database)
     r"\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890-\u0891\u08e2\u180e\u200b-\u200f\u202a-\u202e"
-    r"\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f"
-    r"\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f"
+    r"\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb"
 )
 _UNSAFE = r"\s\x00-\x1f\x7f-\x9f" + _FORMAT + "<>\"'`" + r"\\"
 #: Registration takes any string as a queue or type name, and names such as `_internal` or
