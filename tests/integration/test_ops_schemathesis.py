@@ -167,7 +167,9 @@ def test_no_server_errors_responses_match_the_schema_and_auth_is_enforced(server
                 # (``0001-01-01T00:00:00+00:01``): OpenAPI cannot say any of these, so valid-looking
                 # ones get a 422
                 run.remove(positive_data_acceptance) if positive_data_acceptance in run else None
-            case.call_and_validate(checks=run)
+            # generous: on a loaded machine one answer took over schemathesis's default 10 s (this
+            # checks what comes back, not how fast)
+            case.call_and_validate(checks=run, timeout=60)
 
         try:
             check()
