@@ -231,4 +231,4 @@ async def test_the_requests_the_provider_sends_validate_against_the_installed_mo
             problems.append(f"{op}: {report.generate_report()}")
     assert not problems, problems
     receive = next(params for op, params in sent if op == "ReceiveMessage")
-    assert receive["MessageSystemAttributeNames"] == ["ApproximateReceiveCount"]
+    assert receive["MessageSystemAttributeNames"] == ["ApproximateReceiveCount", "SentTimestamp"]
