@@ -26,10 +26,11 @@ class Job(QueueMessage):
     n: int = 0
 
 
-# the renewer looks every lease/3 (2 s) and renews what has less than 2 x that left: a renewal comes
-# with between 2 and 4 s of the lease left, slack against a stalled event loop or a disk busy with
-# another process's syncs on a loaded machine (a 3 s lease left 1 s at worst, and lost it once in CI)
-@queue("sql-long", lease_duration=timedelta(seconds=6), max_attempts=3)
+# the renewer looks every lease/3 (4 s) and renews what has less than 2 x that left: a renewal comes
+# with between 4 and 8 s of the lease left, slack against a stalled event loop or a disk busy with
+# another process's syncs on a loaded machine (a 3 s lease left 1 s at worst, and a 6 s one 2 s: each
+# lost it once in CI)
+@queue("sql-long", lease_duration=timedelta(seconds=12), max_attempts=3)
 class LongJob(QueueMessage):
     pass
 
@@ -117,7 +118,7 @@ async def test_long_handler_keeps_its_lease_by_renewal(sql_db):
 
     async def slow(msg: LongJob, ctx) -> None:
         handled.append(ctx.attempt)
-        await asyncio.sleep(10)  # the lease is 6 s: only renewal keeps it
+        await asyncio.sleep(20)  # the lease is 12 s: only renewal keeps it
 
     app = QueueingApp("sql-tests")
     app.handler(LongJob)(slow)
