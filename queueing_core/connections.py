@@ -91,6 +91,8 @@ class ServiceBusConnection:
     connection_string: str | None = None
     fully_qualified_namespace: str | None = None
     client_id: str | None = None
+    #: the app setting it was read from, which an error about it names
+    setting: str = SERVICE_BUS
 
     @classmethod
     def from_environment(
@@ -107,7 +109,7 @@ class ServiceBusConnection:
                 "not set",
                 f"{name}=<connection string> or {name}__fullyQualifiedNamespace=<ns>.servicebus.windows.net",
             )
-        return cls(conn or None, None if conn else fqns, e.get(f"{name}__clientId"))
+        return cls(conn or None, None if conn else fqns, e.get(f"{name}__clientId"), name)
 
     def clients(self) -> tuple[Any, Any, Any]:
         """(ServiceBusClient, ServiceBusAdministrationClient, credential to close or None)."""
@@ -118,7 +120,17 @@ class ServiceBusConnection:
 
         policy = retry_policy.service_bus()
         if self.connection_string:
-            client = ServiceBusClient.from_connection_string(self.connection_string, **policy)
+            try:
+                client = ServiceBusClient.from_connection_string(self.connection_string, **policy)
+            except ValueError as exc:
+                # a malformed string stopped start-up with the SDK's traceback; its words (``Connection
+                # string is either blank or malformed.``) name no part of the string, and are kept
+                raise ConfigurationError(
+                    self.setting,
+                    f"invalid connection string: {exc}",
+                    "Endpoint=sb://<namespace>.servicebus.windows.net/;SharedAccessKeyName=<name>;"
+                    "SharedAccessKey=<key>, the emulator's ending ;UseDevelopmentEmulator=true",
+                ) from None
             try:
                 admin = ServiceBusAdministrationClient.from_connection_string(
                     self.connection_string, **policy

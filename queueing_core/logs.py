@@ -4,8 +4,36 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from datetime import UTC, datetime
 from typing import Any, Literal
+
+#: what ends a line or steers a terminal: the C0 and C1 controls and Unicode's line and paragraph
+#: separators. Written into a text log as they are, a value holding one (a correlation id sent to
+#: the ops API, a message type read from an envelope) started a line of its own, forged
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+#: a URL's query string, from its '?' to the next space or quote, when it holds a ``name=value``:
+#: an error's text may quote the URL it failed on, and a Storage SAS token is that query string
+_URL_QUERY = re.compile(r"""\?[^\s'"<>]*=[^\s'"<>]*""")
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line: each control character as its escape (``\\n``, ``\\x1b``, ``\\u2028``)."""
+    return _CONTROL.sub(_escape, text)
+
+
+def _escape(found: re.Match[str]) -> str:
+    char = found.group()
+    return _ESCAPES.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+
+def without_url_queries(text: str) -> str:
+    """``text`` (an SDK error's) with every URL query string shown as ``?…``: it may carry a secret
+    (a SAS token's ``sig=``), and is never worth a log line."""
+    return _URL_QUERY.sub("?…", text)
+
 
 #: attributes every LogRecord has; anything else was passed in ``extra=`` and is structured data
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
@@ -30,17 +58,17 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """``time level logger message key=value ...`` for people at a terminal."""
+    """``time level logger message key=value ...`` for people at a terminal, one line per record
+    (a traceback, when there is one, follows on lines of its own)."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
-    def format(self, record: logging.LogRecord) -> str:
-        base = super().format(record)
-        extra = structured_fields(record)
-        if not extra:
-            return base
-        return base + " " + " ".join(f"{k}={v}" for k, v in extra.items() if v is not None)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # (the message and the extras only: ``format`` adds the traceback after, its lines kept)
+        line = super().formatMessage(record)
+        extra = " ".join(f"{k}={v}" for k, v in structured_fields(record).items() if v is not None)
+        return one_line(f"{line} {extra}" if extra else line)
 
 
 def configure_logging(level: str = "INFO", fmt: Literal["text", "json"] = "text") -> None:

@@ -79,10 +79,10 @@ class Instrumentation:
         transport = producer.provider.transport.value if producer is not None else "unknown"
         return SYSTEMS.get(transport, transport)
 
-    def _attributes(self, env: Envelope) -> dict[str, Any]:
+    def _attributes(self, env: Envelope, queue: str) -> dict[str, Any]:
         return {
             "messaging.system": self.system(),
-            "messaging.destination.name": env.queue,
+            "messaging.destination.name": queue,
             "messaging.message.id": str(env.message_id),
             "queueing.message.type": env.type,
             **({"messaging.message.conversation_id": env.correlation_id} if env.correlation_id else {}),
@@ -92,7 +92,8 @@ class Instrumentation:
     async def on_enqueue(
         self, env: Envelope, call_next: Callable[[Envelope], Awaitable[Envelope]]
     ) -> Envelope:
-        attributes = {**self._attributes(env), "messaging.operation.type": "create"}
+        # (the producer set ``env.queue`` itself: the queue of a type this app registered)
+        attributes = {**self._attributes(env, env.queue), "messaging.operation.type": "create"}
         with self.tracer.start_as_current_span(
             f"create {env.queue}", kind=SpanKind.PRODUCER, attributes=attributes
         ):
@@ -103,6 +104,10 @@ class Instrumentation:
     # -- consuming -----------------------------------------------------------------------------------
     async def on_handle(self, ctx: HandlerContext, call_next: Callable[[], Awaitable[Any]]) -> Any:
         env = ctx.envelope
+        # the queue of the subscription the message was received for, not the envelope's own
+        # ``queue``: that is whatever its sender wrote, and as a metric attribute or in a span's name
+        # each new value started a series or a name of its own, without bound
+        queue = ctx.subscription.queue
         parent = propagate.extract(env.headers)
         links: list[Link] = []
         host = host_trace.get()
@@ -114,18 +119,18 @@ class Instrumentation:
                 {"traceparent": host[0], **({"tracestate": host[1]} if host[1] else {})}
             )
         attributes = {
-            **self._attributes(env),
+            **self._attributes(env, queue),
             "messaging.operation.type": "process",
             "queueing.attempt": ctx.attempt,
         }
         due = env.not_before or env.created_at
         self.lag.record(
             max(0.0, (utcnow() - due).total_seconds()),
-            {"messaging.system": attributes["messaging.system"], "messaging.destination.name": env.queue},
+            {"messaging.system": attributes["messaging.system"], "messaging.destination.name": queue},
         )
         started = time.perf_counter()
         with self.tracer.start_as_current_span(
-            f"process {env.queue}",
+            f"process {queue}",
             context=parent,
             kind=SpanKind.CONSUMER,
             links=links,
@@ -146,7 +151,7 @@ class Instrumentation:
                     time.perf_counter() - started,
                     {
                         "messaging.system": attributes["messaging.system"],
-                        "messaging.destination.name": env.queue,
+                        "messaging.destination.name": queue,
                         "queueing.outcome": outcome,
                     },
                 )

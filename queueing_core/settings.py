@@ -76,6 +76,7 @@ class QueueingSettings(BaseSettings):
     maintenance_interval: float = Field(
         default=5.0,
         gt=0,
+        allow_inf_nan=False,  # (inf: the first sweep's wait never ended, and no sweep ran)
         description="Seconds between SQL sweeps (lapsed leases, overdue expiry, retention) in each host.",
     )
     durable_claims: bool = Field(
@@ -133,16 +134,21 @@ class QueueingSettings(BaseSettings):
     shutdown_timeout: float = Field(
         default=30.0,
         ge=0,
+        allow_inf_nan=False,  # (inf: a stop waited for ever on a handler that never ended)
         description="Seconds a stopping worker lets claims in flight come back and running handlers "
         "finish before it cancels them and gives their messages back; the whole stop takes at most this "
         "plus 20 s (26 s for `queueing serve` with its ops API), even when the database stops answering.",
     )
     poll_min: float = Field(
-        default=0.05, gt=0, description="Seconds a worker waits before polling again after a partial batch."
+        default=0.05,
+        gt=0,
+        allow_inf_nan=False,  # (inf: a worker's wait after a partial batch never ended)
+        description="Seconds a worker waits before polling again after a partial batch.",
     )
     poll_max: float = Field(
         default=2.0,
         gt=0,
+        allow_inf_nan=False,  # (inf: an idle worker's wait grew until only a wake-up ended it)
         description="The longest wait between polls of an idle queue (the wait doubles up to it; a "
         "wake-up cuts it short).",
     )
@@ -356,6 +362,16 @@ class QueueingSettings(BaseSettings):
             raise ValueError(problem)
         return url
 
+    @field_validator("ttl_grace", "archive_after", "delete_archived_after")
+    @classmethod
+    def _not_negative(cls, duration: timedelta | None) -> timedelta | None:
+        # a negative one was taken: a negative grace had Service Bus expire a message before its
+        # expiry, before a worker could record it; a negative age read as "at once". (A validator,
+        # not ``ge=``: the configuration reference's table formats each bound as a number.)
+        if duration is not None and duration < timedelta(0):
+            raise ValueError("is negative; a duration of 0 or more")
+        return duration
+
     @field_validator("archive_statuses", mode="before")
     @classmethod
     def _status_list(cls, value: Any) -> Any:
@@ -440,16 +456,23 @@ class QueueingSettings(BaseSettings):
         return key
 
 
+#: how SQLAlchemy reads a URL's scheme (``postgresql+psycopg``), which ends at the first '://'
+_DB_SCHEME = re.compile(r"[\w+]+")
 #: how SQLAlchemy reads a URL's user part (``[^:/]*`` then ``:[^@]*``: a password ends at its first '@')
 _DB_USER = re.compile(r"[^:/]*(?::[^@]*)?@")
 
 
 def database_url_problem(url: str) -> str | None:
-    """What in a database URL's host part shows a password that was not percent-encoded, in words that
-    never hold any part of it; None: nothing. It reads the host part as SQLAlchemy does, without
-    importing it (indexing a Functions app loads only what its configuration needs)."""
+    """What makes ``url`` no database URL, or in its host part shows a password that was not
+    percent-encoded, in words that never hold any part of it; None: nothing. It reads the URL as
+    SQLAlchemy does, without importing it (indexing a Functions app loads only what its configuration
+    needs)."""
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme.startswith("sqlite"):  # (a SQLite path may hold anything)
+    if not sep or not _DB_SCHEME.fullmatch(scheme):
+        # SQLAlchemy reads no such URL, and its refusal (before 2.0.41) printed the whole text,
+        # password and all: said here, from none of it
+        return "is not a database URL: it starts <database>:// (sqlite:///path.db, postgresql://user@host/db)"
+    if scheme.startswith("sqlite"):  # (a SQLite path may hold anything)
         return None
     user = _DB_USER.match(rest)
     host = re.split(r"[/?]", rest[user.end() :] if user else rest, maxsplit=1)[0]

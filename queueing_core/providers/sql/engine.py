@@ -38,9 +38,13 @@ _ASYNC_DRIVERS = {
 def normalize_url(url: str | URL, *, setting: str = "QUEUEING_DATABASE_URL") -> URL:
     try:
         u = make_url(url)
-    except sa.exc.ArgumentError as exc:
+    except (sa.exc.ArgumentError, ValueError):
+        # neither refusal is shown: SQLAlchemy's (before 2.0.41) holds the whole URL, password and
+        # all, and a port that is not a number (``int()``'s) may be the tail of an unencoded password
         raise ConfigurationError(
-            setting, f"not a database URL: {exc}", "sqlite:///path.db or postgresql://..."
+            setting,
+            "not a database URL SQLAlchemy reads (percent-encode '@', '/', ':' in the password)",
+            "sqlite:///path.db or postgresql://user:password@host:port/db",
         ) from None
     backend = u.get_backend_name()
     if backend not in _ASYNC_DRIVERS:
@@ -69,7 +73,7 @@ def redact(url: str | URL) -> str:
     database goes through here."""
     try:
         u = make_url(url)
-    except sa.exc.ArgumentError:
+    except (sa.exc.ArgumentError, ValueError):  # (a port that is not a number: ``int()``'s refusal)
         return "(not a database URL)"  # its text may hold the password: none of it is shown
     hidden = [key for key in u.query if key.lower() in SECRET_PARAMETERS]
     text = u.update_query_dict(dict.fromkeys(hidden, "***")).render_as_string(hide_password=True)
