@@ -88,7 +88,7 @@ from ..naming import QueueNaming, Transport
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, RunBound, Settlement, settled_each
 from .dead_letters import DEAD_STATES, id_in_text
-from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, stored_text_record
+from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, record_stored_text
 from .delayed.breaker import first_line
 from .names import companion_name
 from .side_stores import SideStoreOps, WholeQueuePurge
@@ -717,8 +717,8 @@ class RabbitMQProvider(SideStoreOps):
             headers={**dead_letter_marks(reason, description, now)},
         )
         await self._publish(item.destination, message, dead=True)
-        record = stored_text_record(item, self.logical_of(item.destination), reason, description, now)
-        await self.stores.history.upsert([record])
+        queue = self.logical_of(item.destination)
+        await record_stored_text(self.stores.history, item, queue, reason, description, now)
 
     async def _dead_letter_envelope(
         self, physical: str, env: Envelope, reason: str, description: str, now: datetime

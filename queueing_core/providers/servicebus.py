@@ -78,6 +78,7 @@ from ..decisions import Complete, DeadLetter, Expire, dead_letter_of, due_at
 from ..envelope import Envelope
 from ..errors import InvalidArgument, InvalidOperation, MissingPermission, ProviderError, ProviderUnavailable
 from ..infra import MAX_LOCK, delivery_limit, queue_time_to_live
+from ..messages import MessageStatus
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageQuery, MessageRecord, Reopen, Tracker, nothing_to_reopen
 from ..transport import Capabilities, Delivery, Settlement, settled_each
@@ -923,13 +924,15 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             await send()
         return True
 
-    async def _cancel_scheduled(self, queue: str) -> set[str]:
+    async def _cancel_scheduled(self, queue: str) -> tuple[set[str], set[str]]:
         """Cancel every scheduled message of ``queue`` (found by peeking, which shows them with their
-        sequence numbers); returns the message ids of those cancelled. One at a time: Service Bus
-        refuses a whole batch when one of it is no longer scheduled (it came due, or another purge
-        cancelled it), and then cancels none."""
+        sequence numbers); returns the message ids of those cancelled, and of every message the peek
+        found (locked, deferred and scheduled ones too). One at a time: Service Bus refuses a whole
+        batch when one of it is no longer scheduled (it came due, or another purge cancelled it), and
+        then cancels none."""
         sender = self._sender(queue)
         cancelled: set[str] = set()
+        seen: set[str] = set()
         with _boundary(f"cancelling the scheduled messages of {queue}"):
             async with self.client.get_queue_receiver(self.physical(queue)) as receiver:
                 next_sequence = 0  # 0: from the start
@@ -938,6 +941,7 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 ):
                     next_sequence = batch[-1].sequence_number + 1
                     for m in batch:
+                        seen.add(id_in_text(_text(m)))
                         if m.state != ServiceBusMessageState.SCHEDULED:
                             continue
                         try:
@@ -945,7 +949,7 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                         except MessageNotFoundError:
                             continue  # no longer scheduled: if it came due, the drain takes it
                         cancelled.add(id_in_text(_text(m)))
-        return cancelled
+        return cancelled, seen
 
     async def ops_release(self, record: MessageRecord, now: datetime) -> bool:
         raise InvalidOperation(
@@ -965,7 +969,17 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             assert query.queue is not None
             # scheduled messages first (a retry's or a delay's): a receive never sees them, so the
             # drain left them to run, history and all. One that came due meanwhile, the drain takes
-            removed |= await self._cancel_scheduled(query.queue)
+            cancelled, seen = await self._cancel_scheduled(query.queue)
+            removed |= cancelled
+            # a message the history shows still live that the peek found nowhere in the queue is gone
+            # from it: one an earlier purge cancelled before it stopped (its history was left, and a
+            # purge again found nothing to cancel). A message moved meanwhile is seen all the same: a
+            # retry's copy is sent before its original is settled, with a later sequence number
+            removed |= {
+                str(r.message_id)
+                for r in records
+                if r.status not in MessageStatus.terminal() and str(r.message_id) not in seen
+            }
             with _boundary(f"draining {query.queue}"):
                 async with self.client.get_queue_receiver(
                     self.physical(query.queue), receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE

@@ -63,7 +63,7 @@ from ..options import QueueOptions
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, RunBound, Settlement, settled_each
 from .dead_letters import DEAD_STATES, HOLD_SECONDS, empty_dead_letters, id_in_text
-from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, stored_text_record
+from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, record_stored_text
 from .delayed.breaker import first_line
 from .names import companion_name
 from .side_stores import SideStoreOps, WholeQueuePurge
@@ -351,6 +351,7 @@ class SqsProvider(SideStoreOps):
     def from_settings(cls, settings: QueueingSettings, **kwargs: Any) -> SqsProvider:
         """Credentials come from the standard AWS chain (environment, profile, instance role)."""
         import boto3
+        from botocore.exceptions import InvalidRegionError
 
         from .. import retry_policy
 
@@ -370,15 +371,35 @@ class SqsProvider(SideStoreOps):
                 "set QUEUEING_SQS_REGION, to us-east-1 to keep the queues there, to say which)",
                 region,
             )
-        client = session.client(
-            "sqs",
-            endpoint_url=settings.sqs_endpoint_url,
-            region_name=region,
-            # a connection for every thread of both pools (more are opened and thrown away after use)
-            config=retry_policy.boto3_config(
-                max_pool_connections=threads + int(receive_threads or MAX_RECEIVE_THREADS)
-            ),
-        )
+        try:
+            client = session.client(
+                "sqs",
+                endpoint_url=settings.sqs_endpoint_url,
+                region_name=region,
+                # a connection for every thread of both pools (more are opened and thrown away after use)
+                config=retry_policy.boto3_config(
+                    max_pool_connections=threads + int(receive_threads or MAX_RECEIVE_THREADS)
+                ),
+            )
+        except InvalidRegionError:
+            # botocore's refusal was a traceback (exit 1): said as the setting it came from, in one line
+            if settings.sqs_region:
+                raise ConfigurationError(
+                    "QUEUEING_SQS_REGION", f"{region!r} is not a region name", "us-east-1, eu-west-2, ..."
+                ) from None
+            raise ConfigurationError(
+                "QUEUEING_SQS_REGION",
+                f"not set, and the region of the AWS configuration, {region!r}, is not a region name",
+                "us-east-1, eu-west-2, ... here or in the AWS configuration",
+            ) from None
+        except ValueError:
+            if settings.sqs_endpoint_url is None:
+                raise
+            raise ConfigurationError(
+                "QUEUEING_SQS_ENDPOINT_URL",
+                f"{settings.sqs_endpoint_url!r} is not a URL",
+                "http://host:port or https://host, or unset for AWS's own",
+            ) from None
         kwargs.setdefault("ttl_grace", settings.ttl_grace)
         kwargs.setdefault("delayed_retries", settings.delayed_store_retries)
         kwargs.setdefault("auto_create", settings.sqs_create_queues)
@@ -649,8 +670,8 @@ class SqsProvider(SideStoreOps):
             },
         }
         await self._send_entries(dlq, [entry])
-        record = stored_text_record(item, self.logical_of(item.destination), reason, description, now)
-        await self.stores.history.upsert([record])
+        queue = self.logical_of(item.destination)
+        await record_stored_text(self.stores.history, item, queue, reason, description, now)
 
     def _dead_entry(self, env: Envelope, reason: str, description: str, now: datetime) -> dict[str, Any]:
         """The dead letter of ``env``: its marks in the body's headers and in attributes. A letter must

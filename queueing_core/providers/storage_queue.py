@@ -82,6 +82,7 @@ from ..errors import (
     ProviderUnavailable,
     first_line,
 )
+from ..logs import without_url_queries
 from ..messages import MessageStatus
 from ..naming import QueueNaming, Transport
 from ..tracking.base import nothing_to_reopen
@@ -320,20 +321,28 @@ def decode_body(content: str) -> str:
 
 @contextlib.contextmanager
 def _boundary(action: str) -> Iterator[None]:
-    """SDK errors become the kit's: unreachable -> ProviderUnavailable, the rest -> ProviderError."""
+    """SDK errors become the kit's: unreachable -> ProviderUnavailable, the rest -> ProviderError.
+    An SDK error is said by its type and first line, any URL's query string hidden: the text of one
+    raised by the HTTP client quotes the request's URL, whose query string holds a SAS token."""
     try:
         yield
     except (ServiceRequestError, ServiceResponseError, OSError) as exc:
-        raise ProviderUnavailable(f"storage queue service unreachable during {action}: {exc}") from None
+        raise ProviderUnavailable(
+            f"storage queue service unreachable during {action}: {without_url_queries(first_line(exc))}"
+        ) from None
     except HttpResponseError as exc:
         if exc.status_code in (408, 429, 500, 502, 503, 504):
             raise ProviderUnavailable(f"storage queue service busy during {action}: {exc.reason}") from None
         refused = refusal(exc, "queue", action)
         if refused is not None:
             raise refused from None
+        if exc.status_code is None:
+            # no answer to quote: the request was never sent (the SDK could not sign it with an
+            # AccountKey that is not base64); its own words say why, and hold no part of the key
+            raise ProviderError(f"{action} failed: {without_url_queries(first_line(exc))}") from None
         raise ProviderError(f"{action} failed: {exc.status_code} {exc.reason}") from None
     except AzureError as exc:
-        raise ProviderError(f"{action} failed: {exc}") from None
+        raise ProviderError(f"{action} failed: {without_url_queries(first_line(exc))}") from None
 
 
 class _ReceiptLost(ProviderError):
@@ -487,6 +496,18 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
                 )
             except ValueError as exc:  # (the SDK's word for it names no secret)
                 raise ConfigurationError(STORAGE, f"invalid connection string: {exc}") from None
+            # the SDK reads an AccountKey only to sign the first request, whose failure then read
+            # "failed: None None" (no answer to quote); decoded here as it decodes it, start-up says so
+            key = getattr(self._service.credential, "account_key", None)
+            if isinstance(key, str):
+                try:
+                    base64.b64decode(key)
+                except binascii.Error as exc:  # (its text counts the key's characters, shows none)
+                    raise ConfigurationError(
+                        STORAGE,
+                        f"its AccountKey is not base64: {exc}",
+                        "the account's key as the portal shows it",
+                    ) from None
             control, tracker = tables_from_connection(
                 connection.connection_string,
                 control_table=control_table,
@@ -972,14 +993,14 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
     async def _dead_letter_stored_text(self, item: DelayedMessage, description: str, now: datetime) -> None:
         """A delayed-store row whose text is not an envelope: its text to the poison queue in the
         wrapper the receive path gives such text, with the reason ``malformed-envelope``."""
-        from .delayed import stored_text_record
+        from .delayed import record_stored_text
 
         reason = DeadLetterReason.MALFORMED_ENVELOPE.value
         await self._letter_once(
             item, raw_poison_text(item.envelope, reason, description, now, item.message_id)
         )
         queue = self.logical_of(item.destination)
-        await self._tracker.upsert([stored_text_record(item, queue, reason, description, now)])
+        await record_stored_text(self._tracker, item, queue, reason, description, now)
         self._lettered.pop(item.id, None)
 
     # -- upkeep ------------------------------------------------------------------------------------

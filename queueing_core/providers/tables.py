@@ -44,6 +44,7 @@ from ..clock import as_utc
 from ..control import circuit
 from ..control.base import CANCEL_KEPT, CircuitName, CircuitState, ControlState, PauseKind, cas_backoff
 from ..errors import ConfigurationError, ProviderError, ProviderUnavailable
+from ..logs import without_url_queries
 from ..messages import MessageStatus
 from ..options import CircuitBreakerOptions
 from ..storable import HEADERS_CUT_SHORT, cut_short_marker
@@ -105,33 +106,33 @@ def _first_line(text: str | None, fallback: str) -> str:
 
 @contextmanager
 def _boundary(action: str) -> Iterator[None]:
-    """Translate azure-core errors raised inside the block into the kit's provider errors."""
+    """Translate azure-core errors raised inside the block into the kit's provider errors. An SDK
+    error is said by its first line, any URL's query string hidden: the text of one raised by the
+    HTTP client quotes the request's URL, whose query string holds a SAS token."""
     try:
         yield
     except (ServiceRequestError, ServiceResponseError) as exc:
-        raise ProviderUnavailable(f"Azure Tables unreachable ({action}): {exc.message}") from exc
+        said = without_url_queries(_first_line(exc.message, type(exc).__name__))
+        # (not chained: the cause's text, in a traceback, is the URL with its query string)
+        raise ProviderUnavailable(f"Azure Tables unreachable ({action}): {said}") from None
     except HttpResponseError as exc:
         refused = refusal(exc, "table", f"Azure Tables {action}")
         if refused is not None:
             raise refused from exc
         kind = ProviderUnavailable if exc.status_code in _TRANSIENT_STATUS else ProviderError
-        raise kind(
-            f"Azure Tables {action} failed ({exc.status_code}): "
-            f"{_first_line(exc.message, type(exc).__name__)}"
-        ) from exc
+        said = without_url_queries(_first_line(exc.message, type(exc).__name__))
+        raise kind(f"Azure Tables {action} failed ({exc.status_code}): {said}") from exc
     except AzureError as exc:
-        raise ProviderError(
-            f"Azure Tables {action} failed: {_first_line(exc.message, type(exc).__name__)}"
-        ) from exc
+        said = without_url_queries(_first_line(exc.message, type(exc).__name__))
+        raise ProviderError(f"Azure Tables {action} failed: {said}") from exc
     except AttributeError as exc:
         # azure-data-tables 12.7 reprocesses some errors by reading .error_code, which a credential's
         # ClientAuthenticationError lacks: the AttributeError hides the real cause, which is its context
         cause = exc.__context__
         if not isinstance(cause, AzureError):
             raise
-        raise ProviderError(
-            f"Azure Tables {action} failed: {_first_line(cause.message, type(cause).__name__)}"
-        ) from cause
+        said = without_url_queries(_first_line(cause.message, type(cause).__name__))
+        raise ProviderError(f"Azure Tables {action} failed: {said}") from cause
 
 
 def _plain_utc(value: datetime) -> datetime:
@@ -248,13 +249,15 @@ class TablesControlStore(_OnTable):
                 )
             else:
                 await client.delete_entity(_CANCEL_PK, str(message_id))
-            # requests past their keeping time: few, and read by every state() until gone
+            # requests past their keeping time: few, and read by every state() until gone. Each only
+            # as listed (its ETag): another host may request the same message's cancellation again
+            # meanwhile, and that fresh request must stay
             stale = client.query_entities(
                 "PartitionKey eq @x and RequestedAt lt @t",
                 parameters={"x": _CANCEL_PK, "t": now - CANCEL_KEPT},
             )
             async for e in stale:
-                await client.delete_entity(_CANCEL_PK, str(e["RowKey"]))
+                await _delete_if_unchanged(client, _CANCEL_PK, str(e["RowKey"]), str(e.metadata["etag"]))
 
     async def set_paused(self, kind: PauseKind, name: str, paused: bool) -> None:
         if kind not in ("queue", "type", "schedule"):
@@ -440,7 +443,7 @@ _PAGE_REQUESTS: Final = 8
 # Size rule (never fail an upsert for size). An entity may hold 1 MiB with strings at 2 bytes per
 # UTF-16 unit, so every text field has a fixed budget in units and the budgets add up to about
 # 470K units (~940 KB) with room for property overhead:
-#   body 7 parts (224K), raw 3 parts (96K), result 2 parts (64K), headers 1 part (32K),
+#   body 7 parts (224K), raw 3 parts (96K less 3), result 2 parts (64K), headers 1 part (32K),
 #   last_error/description 16K each, reason/type/correlation_id/locked_by/status 4K each.
 # JSON that fits is split across parts (Body0..Body6) and read back whole. JSON that does not fit is
 # replaced by a marker object {"_truncated": true, "_original_chars": N, "_preview": "<start>"}
@@ -490,8 +493,16 @@ def _clip(text: str, units: int) -> str:
     return _cut_units(text, units - len(marker)) + marker
 
 
+def _fits(parts: int) -> int:
+    """The UTF-16 units of text that :func:`_split` always fits in ``parts`` parts. A part is cut one
+    unit short where a surrogate pair straddles its end (half a pair cannot be stored), so each part
+    is only sure to hold ``_PART_UNITS - 1`` units."""
+    return parts * (_PART_UNITS - 1)
+
+
 def _split(text: str, parts: int) -> list[str]:
-    """``text`` in exactly ``parts`` pieces of at most _PART_UNITS units (unused pieces are "")."""
+    """``text`` in exactly ``parts`` pieces of at most _PART_UNITS units (unused pieces are ""). Text of
+    up to ``_fits(parts)`` units always fits; ASCII text (the JSON fields) fits ``parts * _PART_UNITS``."""
     out: list[str] = []
     rest = text
     for _ in range(parts):
@@ -590,7 +601,8 @@ def _record_entity(rec: MessageRecord) -> dict[str, Any]:
     if rec.body is not None:
         _put_parts(e, "Body", _fit_json(_jsonable(rec.body), _BODY_PARTS), _BODY_PARTS)
     if rec.raw is not None:
-        _put_parts(e, "Raw", _clip(rec.raw, _RAW_PARTS * _PART_UNITS), _RAW_PARTS)
+        # (the only split field that may hold surrogate pairs: JSON is written with ensure_ascii)
+        _put_parts(e, "Raw", _clip(rec.raw, _fits(_RAW_PARTS)), _RAW_PARTS)
     # the duplicate marks only when set, so that MERGE of a later record keeps them
     if rec.copied_from is not None:
         e["CopiedFrom"] = _clip(rec.copied_from, _SHORT_TEXT)
@@ -1254,6 +1266,10 @@ class TablesTracker(_OnTable):
                 # Deleting rows behind the continuation token does not disturb the pages after it.
                 entities, token = await self._page(client, f, 1000, token, _MATCH_PROPS)
                 doomed = [e for e in entities if keep(e)]
+                # Each index entry too only as read before its record goes: a host that finds the
+                # record deleted writes it again whole, record then index entry, and an index entry
+                # deleted after that would leave the record listed but found by no lookup.
+                index = await self._index_entries(client, doomed)
                 # each record only as it was read (its ETag): one written meanwhile (an operator's
                 # retry reopened it, a run recorded it) no longer says what chose it, and stays
                 records = [
@@ -1264,9 +1280,9 @@ class TablesTracker(_OnTable):
                 for batch in _batches(records):
                     gone.update(await self._delete_unchanged(client, batch))
                 left = [e for e in doomed if (e["PartitionKey"], e["RowKey"]) in gone]
-                index = [{"PartitionKey": _INDEX_PK, "RowKey": e["MessageId"]} for e in left]
-                for batch in _batches(index):
-                    await self._delete_batch(client, batch)
+                entries = [index[k] for e in left if (k := (e["PartitionKey"], e["RowKey"])) in index]
+                for batch in _batches(entries):
+                    await self._delete_unchanged(client, batch)
                 for e in left:  # a message written again later needs its index and body again
                     self._written.pop(UUID(e["MessageId"]), None)
                 deleted += len(left)
@@ -1274,8 +1290,35 @@ class TablesTracker(_OnTable):
                     return deleted
 
     @staticmethod
+    async def _index_entries(
+        client: TableClient, records: Sequence[Mapping[str, Any]]
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        """The id index entries of ``records`` with their ETags, by the record's keys; an entry that
+        is missing or points at another record (the id written again in another queue) is left out."""
+        limit = asyncio.Semaphore(_LATE_WRITES)  # a point read per record: a few at once
+        found: dict[tuple[str, str], dict[str, Any]] = {}
+
+        async def one(e: Mapping[str, Any]) -> None:
+            async with limit:
+                try:
+                    ix = await client.get_entity(_INDEX_PK, str(e["MessageId"]))
+                except ResourceNotFoundError as exc:
+                    if not _entity_missing(exc):
+                        raise
+                    return
+            if (ix.get("Pk"), ix.get("Rk")) == (e["PartitionKey"], e["RowKey"]):
+                found[(e["PartitionKey"], e["RowKey"])] = {
+                    "PartitionKey": _INDEX_PK,
+                    "RowKey": ix["RowKey"],
+                    "etag": ix.metadata["etag"],
+                }
+
+        await asyncio.gather(*(one(e) for e in records))
+        return found
+
+    @staticmethod
     async def _delete_unchanged(client: TableClient, batch: list[dict[str, Any]]) -> list[tuple[str, str]]:
-        """Delete the records of ``batch`` (one partition) that are as read (their ETags); the keys of
+        """Delete the entities of ``batch`` (one partition) that are as read (their ETags); the keys of
         those gone (one already gone counts: a concurrent delete)."""
         condition = {"match_condition": MatchConditions.IfNotModified}
         try:
@@ -1291,28 +1334,12 @@ class TablesTracker(_OnTable):
             )
             return [(str(e["PartitionKey"]), str(e["RowKey"])) for e in batch]
         except TableTransactionError:
-            pass  # one changed or gone fails the whole transaction: one by one
-        gone: list[tuple[str, str]] = []
-        for e in batch:
-            try:
-                await client.delete_entity(e["PartitionKey"], e["RowKey"], etag=e["etag"], **condition)
-            except ResourceModifiedError:
-                continue  # written since it was read: it stays
-            except ResourceNotFoundError as exc:
-                if not _entity_missing(exc):
-                    raise
-            gone.append((str(e["PartitionKey"]), str(e["RowKey"])))
-        return gone
-
-    @staticmethod
-    async def _delete_batch(client: TableClient, batch: list[dict[str, Any]]) -> None:
-        try:
-            await client.submit_transaction([("delete", e) for e in batch])
-        except TableTransactionError:
-            # One entity gone already (a concurrent delete) fails the whole transaction; delete one
-            # by one, where "not found" is ignored.
-            for e in batch:
-                await client.delete_entity(e["PartitionKey"], e["RowKey"])
+            pass  # one changed or gone fails the whole transaction: one by one, where it alone stays
+        return [
+            (str(e["PartitionKey"]), str(e["RowKey"]))
+            for e in batch
+            if await _delete_if_unchanged(client, str(e["PartitionKey"]), str(e["RowKey"]), str(e["etag"]))
+        ]
 
 
 # --- factory -----------------------------------------------------------------------------------
@@ -1380,6 +1407,19 @@ def tables_from_connection(
         TablesControlStore(control, create_table=True, close_also=closers),
         TablesTracker(tracker, retention=retention, create_table=True, close_also=closers),
     )
+
+
+async def _delete_if_unchanged(client: TableClient, pk: str, rk: str, etag: str) -> bool:
+    """Delete one entity only while its ETag is still ``etag``; False when it was written since (it
+    stays). One already gone counts as deleted (the SDK ignores "not found")."""
+    try:
+        await client.delete_entity(pk, rk, etag=etag, match_condition=MatchConditions.IfNotModified)
+    except ResourceModifiedError:
+        return False
+    except ResourceNotFoundError as exc:
+        if not _entity_missing(exc):
+            raise
+    return True
 
 
 async def _write_if_unchanged(client: TableClient, entity: dict[str, Any], etag: str | None) -> None:

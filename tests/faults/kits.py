@@ -259,9 +259,11 @@ def _servicebus_points() -> list[CallPoint]:
         "abandon_message",
         "dead_letter_message",
         "renew_message_lock",
+        "peek_messages",
     ]
+    sender = ["send_messages", "cancel_scheduled_messages"]
     return [
-        *_methods("sb", lambda rt: FakeServiceBusSender, ["send_messages"], _servicebus_error),
+        *_methods("sb", lambda rt: FakeServiceBusSender, sender, _servicebus_error),
         *_methods("sb", lambda rt: FakeServiceBusReceiver, receiver, _servicebus_error),
         *_tables_history(),
     ]

@@ -1,13 +1,13 @@
 """The multi-step sequences of the fault suite: how each is set up and what its one action is.
 
-A sequence is one operation that takes several calls to stores and brokers: a worker receiving,
-renewing and settling a run (success, retry by copy, a paused type's wait by copy, dead-lettering,
-expiry, an idempotent message's expiry), an operator's action (retry, bringing a waiting retry
-forward, purge of dead letters, of waiting messages and of a whole queue, archive, lease release,
-cancel), the delayed store's forward, and an enqueue with its history record. Some run with a call the
-transport refuses throughout (``Sequence.refused``: a forward or a retry's copy whose send fails, for an
-outage or a denial, an ack that fails), so that their steps are the paths that handle that first fault:
-a release, a failure counted, a hand-back, a give-back.
+A sequence is one operation that takes several calls to stores and brokers: a worker receiving, renewing
+and settling a run (success, retry by copy, a paused type's wait by copy, dead-lettering, expiry, an
+idempotent message's expiry), an operator's action (retry, bringing a waiting retry forward, purge of
+dead letters, of waiting messages and of a whole queue, archive, lease release, cancel), the delayed
+store's forward (of a row whose text is no envelope, too), and an enqueue with its history record. Some
+run with a call the transport refuses throughout (``Sequence.refused``: a forward or a retry's copy
+whose send fails, for an outage or a denial, an ack that fails), so that their steps are the paths that
+handle that first fault: a release, a failure counted, a hand-back, a give-back.
 ``prepare`` brings one message to the state the operation starts from (no faults), ``act`` is the
 operation itself (every call it makes is a step of the table), ``final`` the state it must end in once
 the operator's action is repeated and the workers drain.
@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+import sqlalchemy as sa
 
 from queueing_core import NonRetryableError, QueueingApp, QueueMessage, Retry, RetryPolicy, queue
 from queueing_core.clock import utcnow
@@ -205,6 +207,18 @@ async def _due_in_store(ctx: Ctx) -> None:
     await prov.delayed.store(env, prov.physical(QUEUE), now)
 
 
+async def _damaged_in_store(ctx: Ctx) -> None:
+    """A row of the delayed store whose text is not an envelope (damaged, or written by another
+    version), due now: its forward sends the text as it was stored to the dead-letter queue, under the
+    row's message id, and the history records it there."""
+    await _due_in_store(ctx)
+    store: Any = ctx.rt.provider.delayed
+    async with store.sql.engine.begin() as conn:
+        await conn.execute(
+            sa.update(store._t).where(store._t.c.message_id == ctx.mid).values(envelope="not an envelope")
+        )
+
+
 async def _settle_it(ctx: Ctx) -> None:
     assert ctx.settlement is not None
     await settle(ctx.rt, ctx.settlement)
@@ -311,8 +325,8 @@ class Sequence:
     prepare: Callable[[Ctx], Awaitable[None]]
     act: Callable[[Ctx], Awaitable[None]]
     #: the state once the operator's action is repeated and workers drained: the message ran
-    #: ("succeeded"), it is gone from the transport and the history ("gone"), it is "archived", or it
-    #: ended without running ("cancelled")
+    #: ("succeeded"), it is gone from the transport and the history ("gone"), it is "archived", it
+    #: ended without running ("cancelled"), or it is a dead letter and nothing else ("dead")
     final: str = "succeeded"
     #: the operator's action, repeated in recovery
     repeat: str | None = None
@@ -466,6 +480,8 @@ SEQUENCES: list[Sequence] = [
     # later; or denying it: a failure counted on the row, which is tried again after a while
     Sequence("forward_refused", _due_in_store, _forward, absent=_NO_FORWARD, refused=_SENDS),
     Sequence("forward_denied", _due_in_store, _forward, absent=_NO_FORWARD, refused=_SENDS, denied=True),
+    # a damaged row forwarded: its text to the dead-letter queue (confirmed), its history, its removal
+    Sequence("damaged_forward", _damaged_in_store, _forward, final="dead", absent=_NO_FORWARD),
     # a message waiting an hour for its retry, brought forward by an operator: a copy sent now, and
     # only then the waiting one taken from the delayed store (SQL: the row made due, one statement)
     _operator_retry("bring_forward", "later", absent=_HIDDEN),
@@ -486,11 +502,7 @@ SEQUENCES: list[Sequence] = [
     # letters cleared (Storage's clear, SQS's purge, AMQP's purge, Service Bus's drain), then history
     _whole_queue_purge("purge_queue", "fatal"),
     # the same, a message waiting in it for its retry: its row and its history go in one transaction
-    _whole_queue_purge(
-        "purge_queue_waiting",
-        "later",
-        absent={"servicebus": "a scheduled message is left to run (the purge leaves it)"},
-    ),
+    _whole_queue_purge("purge_queue_waiting", "later"),
     # a message received, run and settled: the receive's own steps (a lease row beside it on SQS)
     Sequence("receive", _enqueue_one, _receive_run_settle),
     # a held message's lease renewed while it runs, then the run settled

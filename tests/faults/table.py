@@ -226,6 +226,25 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("delayed_forward", "rabbitmq"): ("delayed.fetch_due", "amqp.publish", "delayed.remove"),
     ("delayed_forward", "sqs"): ("delayed.fetch_due", "sqs.send_message_batch", "delayed.remove"),
     ("delayed_forward", "storage_queue"): ("delayed.fetch_due", "queue.send_message", "delayed.remove"),
+    # a damaged row (its text no envelope): the text to the dead-letter queue, its history, its removal
+    ("damaged_forward", "rabbitmq"): (
+        "delayed.fetch_due",
+        "amqp.publish",
+        "history.upsert",
+        "delayed.remove",
+    ),
+    ("damaged_forward", "sqs"): (
+        "delayed.fetch_due",
+        "sqs.send_message_batch",
+        "history.upsert",
+        "delayed.remove",
+    ),
+    ("damaged_forward", "storage_queue"): (
+        "delayed.fetch_due",
+        "queue.send_message",
+        "history.upsert",
+        "delayed.remove",
+    ),
     # a message received, run and settled (SQL: the claim, the control state read, the settlement;
     # RabbitMQ: the broker pushes it to the consumer, no call of the kit's receives it; SQS: the
     # receive, then its lease row taken)
@@ -296,6 +315,7 @@ STEPS: dict[tuple[str, str], tuple[str, ...]] = {
         "history.delete",
     ),
     ("purge_queue", "servicebus"): (
+        "sb.peek_messages",
         "sb.receive_messages",
         "sb.receive_messages",
         "sb.complete_message",
@@ -405,6 +425,16 @@ STEPS |= {
     for (sequence, provider), steps in list(STEPS.items())
     if sequence == "purge_queue" and provider != "servicebus"
 }
+# (Service Bus: the retry waits as a scheduled message, which a receive never sees: found by a peek and
+# cancelled, then the drain finds the queue empty)
+STEPS[("purge_queue_waiting", "servicebus")] = (
+    "sb.peek_messages",
+    "sb.cancel_scheduled_messages",
+    "sb.peek_messages",
+    "sb.receive_messages",
+    "sb.receive_messages",
+    "history.delete",
+)
 # (RabbitMQ, SQS: the waiting message's history went with its row, so the purge has no history of its
 # own left to delete: counted once, as the delayed store's)
 STEPS |= {
@@ -435,6 +465,7 @@ ANSWER_LOST = {
     "sb.send_messages",
     "sb.complete_message",
     "sb.dead_letter_message",
+    "sb.cancel_scheduled_messages",
     "amqp.publish",
     "sqs.send_message_batch",
     "sqs.delete_message",
@@ -477,6 +508,7 @@ WORKER_SEQUENCES = {
     "expiry",
     "idempotent_expiry",
     "delayed_forward",
+    "damaged_forward",
     "forward_refused",
     "forward_denied",
     "give_back",

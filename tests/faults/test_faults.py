@@ -104,6 +104,11 @@ async def _recover(ctx: Ctx, seq: Sequence, kit: Kit, timeout: float = 90.0) -> 
                 if rec is None and not held:
                     return
                 await ops.purge(seq.purges)
+            elif seq.final == "dead":
+                # (a dead letter twice over is a duplicate: a forward whose answer was lost, repeated)
+                live = places.get("queue", 0) + places.get("delayed", 0)
+                if status == "DeadLettered" and places.get("dead", 0) and not live:
+                    return
             elif seq.final == "archived":
                 if rec is not None and rec.archived and not held:
                     return

@@ -6,7 +6,7 @@ from .dispatcher import (
     DelayedDispatcher,
     DelayedTarget,
     forward_failed_record,
-    stored_text_record,
+    record_stored_text,
 )
 from .store import DelayedMessage, SqlDelayedStore
 
@@ -18,5 +18,5 @@ __all__ = [
     "DelayedTarget",
     "SqlDelayedStore",
     "forward_failed_record",
-    "stored_text_record",
+    "record_stored_text",
 ]

@@ -34,7 +34,7 @@ from ...clock import Clock, utcnow
 from ...envelope import REPEATED_FORWARD, Envelope, malformed_identity
 from ...errors import ProviderUnavailable
 from ...messages import MessageStatus
-from ...tracking import MessageRecord, record_from_envelope
+from ...tracking import MessageRecord, Tracker, record_from_envelope
 from .breaker import CircuitBreaker, first_line
 from .store import DelayedMessage, SqlDelayedStore
 
@@ -51,24 +51,30 @@ def forward_failed_record(env: Envelope, description: str, now: datetime) -> Mes
     )
 
 
-def stored_text_record(
-    item: DelayedMessage, queue: str, reason: str, description: str, now: datetime
-) -> MessageRecord:
-    """The history of a delayed-store row whose text is not an envelope, dead-lettered as it was
-    stored: under the message id the row was stored with, the text kept (up to 64 KiB)."""
+async def record_stored_text(
+    tracker: Tracker, item: DelayedMessage, queue: str, reason: str, description: str, now: datetime
+) -> None:
+    """Record in ``tracker`` a delayed-store row whose text is not an envelope, dead-lettered as it
+    was stored: under the message id the row was stored with, the text kept (up to 64 KiB). The
+    message's own record, when the history has one, gives its creation time, type and tracking id:
+    the text cannot (what it names may be another message's), and a record of another creation time
+    was, on Tables, whose row key holds it, a second entity beside the message's, which stayed listed
+    as waiting."""
     _, tracking_id, type_name = malformed_identity(item.envelope)
-    return MessageRecord(
+    known = await tracker.get(item.message_id)
+    record = MessageRecord(
         message_id=item.message_id,
-        tracking_id=tracking_id,
-        type=type_name,
+        tracking_id=known.tracking_id if known is not None else tracking_id,
+        type=known.type if known is not None else type_name,
         queue=queue,
         status=MessageStatus.DEAD_LETTERED.value,
-        created_at=item.created_at,
+        created_at=known.created_at if known is not None else item.created_at,
         updated_at=now,
         reason=reason,
         description=description,
         raw=item.envelope[:65536],
     )
+    await tracker.upsert([record])
 
 
 def mark_repeated(item: DelayedMessage) -> DelayedMessage:
