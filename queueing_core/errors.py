@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta
 
 
@@ -131,12 +132,49 @@ class InvalidArgument(QueueingError, ValueError):
 
 
 class Retry(Exception):
-    """Raise from a handler to retry after a delay (counts an attempt)."""
+    """Raise from a handler to retry after a delay (counts an attempt).
+
+    ``after``: a ``timedelta`` or a number of seconds; None for the type's backoff. Anything else (a
+    time to run at, text, a ``Decimal``) raises ``TypeError``, a number that is not finite
+    ``ValueError``: raised inside a handler, that is a failed attempt like any error. Kept as given, it
+    failed the kit's own handling of the retry on every run, which handed the message back uncounted,
+    and it ran again for ever."""
+
+    # (a subclass whose ``__init__`` does not call this one's retries after the type's backoff)
+    _after: timedelta | None = None
+    reason: str = "retry requested"
 
     def __init__(self, after: timedelta | float | None = None, reason: str = "retry requested") -> None:
         super().__init__(reason)
-        self.after = timedelta(seconds=after) if isinstance(after, int | float) else after
+        self.after = after
         self.reason = reason
+
+    @property
+    def after(self) -> timedelta | None:
+        """The delay asked for (None: the type's backoff); a negative one retries at once."""
+        return self._after
+
+    @after.setter
+    def after(self, value: timedelta | float | None) -> None:
+        self._after = _delay(value)
+
+
+def _delay(value: object) -> timedelta | None:
+    """``Retry``'s ``after`` as a ``timedelta``, or the error that says what it must be."""
+    if value is None or isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"Retry(after=...) takes a timedelta or a number of seconds, not {type(value).__name__}"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"Retry(after=...) takes a finite number of seconds, not {value!r}")
+    try:
+        return timedelta(seconds=value)
+    except OverflowError:
+        # past what a timedelta holds (a few thousand million years): as long (or as short) as one can
+        # be; the pipeline bounds the wait in any case
+        return timedelta.max if value > 0 else timedelta.min
 
 
 class NonRetryableError(Exception):

@@ -12,10 +12,13 @@ Order of the checks (each is a decision the transports only settle):
 7. body invalid for the model   -> DeadLetter(invalid-body)
 8. attempts used up already     -> DeadLetter(max-attempts-exceeded), never run: earlier runs ended
    unsettled (their worker died, their lease lapsed), so a message that kills every worker ends
-9. run the handler through the middleware, under the type's concurrency and time limits:
+9. run the handler through the middleware, under the type's concurrency and time limits (a message
+   that had to wait for a slot is looked at again first: expired (2), cancelled, paused (4) or its
+   circuit no longer closed (5) meanwhile, it is decided as at the start and does not start);
    success -> Complete (or Defer(Sleeping) if it returned a time to run again);
-   ``Retry(after=)`` / exception / time limit -> RetryAfter(backoff) until max attempts, then
-   DeadLetter(max-attempts-exceeded); ``NonRetryableError`` -> DeadLetter(non-retryable);
+   ``Retry(after=)`` / exception (any ``BaseException`` but the host's own cancellation) / time limit
+   -> RetryAfter(backoff) until max attempts, then DeadLetter(max-attempts-exceeded);
+   ``NonRetryableError`` -> DeadLetter(non-retryable);
    the host cancelling (shutdown) -> Release, no attempt counted; but a host whose time for the
    run is over (``cut_short``: a scheduled host's budget and its stop grace) counts a failed attempt.
 """
@@ -43,7 +46,7 @@ from .app import RUN_THREADS, HandlerThreads, QueueingApp, Subscription
 from .clock import Clock, utcnow
 from .context import HandlerContext
 from .control import CachedControlStore, circuit
-from .control.base import ControlStore
+from .control.base import CircuitState, ControlState, ControlStore
 from .decisions import (
     LATEST,
     Complete,
@@ -190,7 +193,7 @@ def describe_error(exc: BaseException) -> str:
 
 @dataclass(slots=True)
 class _Run:
-    """One running handler, so a cancellation by message id can reach it."""
+    """One running handler (or one waiting for its slot), so a cancellation by message id can reach it."""
 
     cancelled: asyncio.Event
     task: asyncio.Task[Any] | None
@@ -418,11 +421,7 @@ class Pipeline:
                 return await self._emit_final(
                     delivery, DeadLetter(DeadLetterReason.MALFORMED_ENVELOPE, too_late)
                 )
-        if (
-            expires_at is not None
-            and now >= expires_at
-            and not await self._lives_on(sub, env, expires_at, now)
-        ):
+        if expires_at is not None and await self._expired(sub, env, expires_at, now):
             return await self._emit_final(delivery, Expire(expires_at))
 
         if env.not_before is not None and env.not_before > now:
@@ -438,17 +437,12 @@ class Pipeline:
                 delivery, self._waiting(now, f"no message type {env.type!r} is registered")
             )
 
-        state = self._fresh_state() if self._fresh_state is not None else None
-        if state is None:
-            state = await self.control.state()
-        # (a UUID hashes in Python: the usual empty set is not asked)
-        if state.cancelled and env.message_id in state.cancelled and await self._still_cancelled(env):
+        state = await self._state()
+        if await self._cancelled(state, env):
             return await self._emit_final(delivery, Complete(None, cancelled=True))
-        if state.is_paused(sub.queue, sub.type_name):
-            what = f"queue {sub.queue!r}" if sub.queue in state.paused_queues else f"type {sub.type_name!r}"
-            return await self._emit_final(
-                delivery, Defer(now + self.pause_recheck, MessageStatus.PAUSED, f"{what} is paused")
-            )
+        paused = self._paused(state, sub, now)
+        if paused is not None:
+            return await self._emit_final(delivery, paused)
 
         if sub.handler is None:
             return await self._emit_final(
@@ -487,15 +481,21 @@ class Pipeline:
             if adm is circuit.Admission.PROBE:
                 probing = await self.control.acquire_probe(sub.type_name, cb, now)
             if adm is circuit.Admission.HOLD or (adm is circuit.Admission.PROBE and not probing):
-                # look again soon rather than at the cooldown's end, so an operator's reset is quick
-                until = min(circuit.hold_until(cstate, now), now + self.pause_recheck)
-                if until <= now:
-                    until = now + self.pause_recheck
-                return await self._emit_final(
-                    delivery, Defer(until, MessageStatus.PAUSED, f"circuit for {sub.type_name!r} is open")
-                )
+                return await self._emit_final(delivery, self._circuit_held(sub, cstate, now))
 
-        decision = await self._run(delivery, sub, env, message, stopping, closing, slot_wait, now, cut_short)
+        decision = await self._run(
+            delivery,
+            sub,
+            env,
+            message,
+            stopping,
+            closing,
+            slot_wait,
+            now,
+            cut_short,
+            expires_at=expires_at,
+            probing=probing,
+        )
         # the probe named by the time the store acquired it until
         probe = now + cb.probe_timeout if probing and cb is not None else None
         if cb is not None and not _unrun(decision):
@@ -508,6 +508,39 @@ class Pipeline:
             except Exception:
                 log.exception("could not hand back the circuit probe of %s", sub.type_name)
         return decision
+
+    async def _state(self) -> ControlState:
+        """The control state: the cache's without an await while it holds a fresh one."""
+        state = self._fresh_state() if self._fresh_state is not None else None
+        return state if state is not None else await self.control.state()
+
+    async def _expired(
+        self, sub: Subscription | None, env: Envelope, expires_at: datetime, now: datetime
+    ) -> bool:
+        """Past its expiry, and not kept alive by an enqueue discarded against it (:meth:`_lives_on`)."""
+        return now >= expires_at and not await self._lives_on(sub, env, expires_at, now)
+
+    async def _cancelled(self, state: ControlState, env: Envelope) -> bool:
+        """An operator asked to cancel the message (and still does: :meth:`_still_cancelled`)."""
+        # (a UUID hashes in Python: the usual empty set is not asked)
+        return (
+            bool(state.cancelled) and env.message_id in state.cancelled and await self._still_cancelled(env)
+        )
+
+    def _paused(self, state: ControlState, sub: Subscription, now: datetime) -> Defer | None:
+        """The deferral of a message whose queue or type is paused, None if neither is."""
+        if not state.is_paused(sub.queue, sub.type_name):
+            return None
+        what = f"queue {sub.queue!r}" if sub.queue in state.paused_queues else f"type {sub.type_name!r}"
+        return Defer(now + self.pause_recheck, MessageStatus.PAUSED, f"{what} is paused")
+
+    def _circuit_held(self, sub: Subscription, cstate: CircuitState, now: datetime) -> Defer:
+        """The deferral of a message whose type's circuit holds it (open, or a probe out)."""
+        # look again soon rather than at the cooldown's end, so an operator's reset is quick
+        until = min(circuit.hold_until(cstate, now), now + self.pause_recheck)
+        if until <= now:
+            until = now + self.pause_recheck
+        return Defer(until, MessageStatus.PAUSED, f"circuit for {sub.type_name!r} is open")
 
     async def _still_cancelled(self, env: Envelope) -> bool:
         """A request the cached state shows, read again from the store before the message is settled
@@ -559,8 +592,12 @@ class Pipeline:
         slot_wait: float | None,
         now: datetime,
         cut_short: CutShort | None = None,
+        *,
+        expires_at: datetime | None = None,
+        probing: bool = False,
     ) -> Decision:
-        run = _Run(asyncio.Event(), asyncio.current_task(), sub.options.cancel_grace.total_seconds())
+        # (its task is set once it starts: see _wait_for_slot)
+        run = _Run(asyncio.Event(), None, sub.options.cancel_grace.total_seconds())
         if stopping is not None and stopping.is_set():
             run.cancelled.set()
         sink = self.progress_sink
@@ -591,17 +628,15 @@ class Pipeline:
             left = max(0.0, (deadline - utcnow()).total_seconds() - LEAST_RUN)
             wait = left if wait is None else min(wait, left)
         limiter = self.limiter(sub)
-        taken = not limiter.locked() and (closing is None or not closing.is_set())
-        if taken:
-            await limiter.acquire()  # a slot is free: taken at once (what _take_slot does first)
-        if not taken and not await _take_slot(limiter, closing, wait):
-            if closing is not None and closing.is_set():
-                shutting = Release("host shutting down before the handler started")
-                return await self._emit_final(delivery, shutting)
-            # (a Functions host: waited on, the invocation ran into the host's timeout with the handler
-            # still to run, and the restart that ends a Python worker's timed-out invocation ended every
-            # other one of the process too; review)
-            return await self._emit_final(delivery, self._busy(sub, wait))
+        if not limiter.locked() and (closing is None or not closing.is_set()):
+            # a slot is free: taken at once (what _take_slot does first). The checks above were made
+            # just now: not made again (no second read of the control state on this, the usual, path)
+            await limiter.acquire()
+        else:
+            instead = await self._wait_for_slot(sub, env, run, limiter, closing, wait, expires_at, probing)
+            if instead is not None:
+                return await self._emit_final(delivery, instead)
+        run.task = asyncio.current_task()
         if bound is not None and deadline is not None and (deadline - utcnow()).total_seconds() < LEAST_RUN:
             limiter.release()  # (the slot came free too late to start a run before the bound)
             late = f"held too long to start a run before its bound: {bound.because}"
@@ -676,7 +711,19 @@ class Pipeline:
                 else:
                     text = describe_error(exc)
                 decision = self._failure(sub, delivery.attempt, text, None)
-            except Exception as exc:
+            except BaseException as exc:  # (asyncio.CancelledError is dealt with above)
+                if not isinstance(exc, Exception):
+                    # SystemExit (sys.exit, argparse), KeyboardInterrupt, or a library's own (gevent's
+                    # Timeout, GreenletExit, pytest's Failed): a failed attempt like any error. Let
+                    # through, it left the message leased and renewed for ever, or ended the process
+                    # without a stop (every other message's lease then lapsed, counting an attempt)
+                    log.error(
+                        "the handler of message %s raised %s, which is not an Exception: a failed "
+                        "attempt like any error; the host goes on",
+                        env.message_id,
+                        type(exc).__name__,
+                        extra={"message_id": str(env.message_id), "correlation_id": env.correlation_id},
+                    )
                 error = exc
                 decision = self._failure(sub, delivery.attempt, describe_error(exc), None)
             else:
@@ -685,11 +732,7 @@ class Pipeline:
                 else:
                     decision = Complete(fit_result(result, ctx.log))
             finally:
-                # one lookup (a UUID hashes in Python); another run of the same id (a duplicate delivery
-                # running beside this one) that took the entry meanwhile keeps it
-                other = self.running.pop(env.message_id, run)
-                if other is not run:
-                    self.running[env.message_id] = other
+                self._forget(env.message_id, run)
                 if run.timer is not None:
                     run.timer.cancel()
                 if spawned is not None:
@@ -708,6 +751,72 @@ class Pipeline:
         if pending is not None:
             await pending
         return decision
+
+    async def _wait_for_slot(
+        self,
+        sub: Subscription,
+        env: Envelope,
+        run: _Run,
+        limiter: asyncio.Semaphore,
+        closing: asyncio.Event | None,
+        wait: float | None,
+        expires_at: datetime | None,
+        probing: bool,
+    ) -> Decision | None:
+        """Wait for a concurrency slot of ``sub``'s type: None once the message holds one and may start;
+        otherwise what becomes of it, no slot held: handed back if the host began closing, deferred if
+        none came within ``wait`` seconds, or what changed while it waited (:meth:`_changed_meanwhile`).
+
+        Meanwhile it is in :attr:`running`, so that a cancel reaches it, and has no task to cancel: a
+        cancel's timer ending the wait would hand the message back as a host's stop does."""
+        self.running[env.message_id] = run
+        try:
+            if not await _take_slot(limiter, closing, wait):
+                if closing is not None and closing.is_set():
+                    return Release("host shutting down before the handler started")
+                # (a Functions host: waited on, the invocation ran into the host's timeout with the
+                # handler still to run, and the restart that ends a Python worker's timed-out invocation
+                # ended every other one of the process too; review)
+                return self._busy(sub, wait)
+            try:
+                changed = await self._changed_meanwhile(sub, env, run, expires_at, probing)
+            except BaseException:  # (a control store that failed, or a stop, must not keep the slot)
+                limiter.release()
+                raise
+            if changed is not None:
+                limiter.release()
+            return changed
+        finally:
+            self._forget(env.message_id, run)
+
+    async def _changed_meanwhile(
+        self, sub: Subscription, env: Envelope, run: _Run, expires_at: datetime | None, probing: bool
+    ) -> Decision | None:
+        """The checks :meth:`process` made at the start, made again for a message that waited for its
+        slot (a handler's whole run, a Functions host's minute): one paused, expired or cancelled
+        meanwhile must not start (its cancel said Cancelled, then it ran and was recorded Succeeded).
+        None: it starts. The control state is the cache's, as at the start."""
+        now = self.clock()
+        if expires_at is not None and await self._expired(sub, env, expires_at, now):
+            return Expire(expires_at)
+        state = await self._state()
+        if run.requested or await self._cancelled(state, env):
+            return Complete(None, cancelled=True)
+        paused = self._paused(state, sub, now)
+        if paused is not None:
+            return paused
+        cstate = state.circuit(sub.type_name)
+        # (a message holding the probe runs: its probe is what keeps the circuit half-open)
+        if sub.options.circuit_breaker is not None and not probing and cstate.state != "closed":
+            return self._circuit_held(sub, cstate, now)
+        return None
+
+    def _forget(self, message_id: UUID, run: _Run) -> None:
+        """``run`` is no longer in :attr:`running`. One lookup (a UUID hashes in Python); another run of
+        the same id (a duplicate delivery beside this one) that took the entry meanwhile keeps it."""
+        other = self.running.pop(message_id, run)
+        if other is not run:
+            self.running[message_id] = other
 
     def _time_limit(
         self, sub: Subscription, deadline: datetime | None
@@ -738,7 +847,9 @@ class Pipeline:
                 f"attempt {attempt} of {sub.options.max_attempts} failed; last error: {error}",
             )
         delay = after if after is not None else sub.options.retry.delay(attempt, self.rand)
-        return RetryAfter(min(delay, LONGEST_RETRY), error)
+        # a negative delay (a handler's, or a policy's negative cap) retries at once: one too far back
+        # made a due time no timestamp holds, which failed the settlement
+        return RetryAfter(max(timedelta(0), min(delay, LONGEST_RETRY)), error)
 
     async def _track_circuit(
         self, sub: Subscription, decision: Decision, before: Any, probe: datetime | None, cb: Any

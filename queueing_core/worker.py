@@ -264,7 +264,12 @@ class Settler:
                     ahead.records.update(more[1].records)
                     ahead.rows.update(more[1].rows)
             if chunk:
-                await self.runtime.record(chunk, ahead)
+                try:
+                    await self.runtime.record(chunk, ahead)
+                except Exception:
+                    # (these are settled: only their history is missing; raised on, it ended the task,
+                    # and no later settlement's history was written)
+                    log.exception("could not record the history of %d settled message(s)", len(chunk))
 
     def add(self, settlement: Settlement) -> None:
         self._buf.append(settlement)
@@ -312,14 +317,16 @@ class Settler:
             return batch
 
     def take(self) -> tuple[list[Settlement], HistoryAhead] | None:
-        """Up to a batch of the buffered settlements, for the caller's claim to commit; the caller
-        reports back with :meth:`_applied` or :meth:`give_back` (see :meth:`claim_with`)."""
+        """Up to a batch of the buffered settlements, for the caller's claim to commit (None: none, or
+        none whose history record could be made: see :meth:`_journal`); the caller reports back with
+        :meth:`_applied` or :meth:`give_back` (see :meth:`claim_with`)."""
         if not self._buf:
             return None
         chunk, self._buf = self._buf[: self.batch], self._buf[self.batch :]
         self._changed.set()
         # journaled before the settlement, as ``_flush`` does
-        return chunk, self.runtime.history_ahead(chunk)
+        chunk, ahead = self._journal(chunk)
+        return (chunk, ahead) if chunk else None
 
     def give_back(self, chunk: list[Settlement], ahead: HistoryAhead) -> None:
         """The claim's transaction failed (nothing settled): the settler settles ``chunk`` itself, first
@@ -382,14 +389,48 @@ class Settler:
                     break
 
     async def _flush(self, chunk: list[Settlement], ahead: HistoryAhead | None = None) -> None:
-        # journaled before the settlement: a crash after it still leaves the history to be written
-        if ahead is None:
-            ahead = self.runtime.history_ahead(chunk)
-        self._on_the_way += len(chunk)
+        on_the_way = len(chunk)
+        self._on_the_way += on_the_way
         try:
+            # journaled before the settlement: a crash after it still leaves the history to be written
+            if ahead is None:
+                chunk, ahead = self._journal(chunk)
             await self._settle(chunk, ahead)
+        except Exception:
+            # a fault of the kit's own (the store's are retried in ``_settle``): raised on, it ended the
+            # settler's task, and nothing more was settled on this worker. The chunk is no longer
+            # renewed: settled, or left to lapse and delivered again (at-least-once, nothing lost)
+            log.exception("could not settle %d message(s); those not settled are delivered again", len(chunk))
+            self._settled(chunk)
         finally:
-            self._on_the_way -= len(chunk)
+            self._on_the_way -= on_the_way
+
+    def _journal(self, chunk: list[Settlement]) -> tuple[list[Settlement], HistoryAhead]:
+        """``chunk``'s history records, made and journaled before it is settled, and the settlements
+        they were made for. One whose record cannot be made (a value no record holds) is not settled:
+        it is no longer renewed, its lease lapses and it is delivered again (at-least-once, nothing
+        lost). Raised on, it failed the whole chunk, and ended the settler's task."""
+        with contextlib.suppress(Exception):  # (failed: for which one? each is made on its own)
+            return chunk, self.runtime.history_ahead(chunk)
+        kept: list[Settlement] = []
+        ahead = HistoryAhead()
+        for one in chunk:
+            try:
+                own = self.runtime.history_ahead([one])
+            except Exception:
+                env = one.delivery.envelope
+                log.exception(
+                    "could not make the history record of message %s (%s); not settled: it is delivered "
+                    "again once its lease lapses",
+                    env.message_id if env else "?",
+                    type(one.decision).__name__,
+                )
+                self._settled([one])
+                continue
+            kept.append(one)
+            ahead.records.update(own.records)
+            ahead.rows.update(own.rows)
+        return kept, ahead
 
     async def _settle(self, chunk: list[Settlement], ahead: HistoryAhead) -> None:
         """``chunk`` settled, with five tries; after the last, its leases are left to lapse and its
@@ -1186,11 +1227,15 @@ class Worker:
             )
         except asyncio.CancelledError:
             settlement = _released(delivery)
-        except Exception as exc:
+        except BaseException as exc:
             # the pipeline itself failed (e.g. the control store is unreachable): give it back, due a
             # little later. Handed back at once, a message that fails the pipeline every time (however
-            # it does) came straight back and ran again, as fast as the worker claims, for ever
-            log.exception("could not process a message from %s; it runs again later", sub.queue)
+            # it does) came straight back and ran again, as fast as the worker claims, for ever. Whatever
+            # it raised, not only an Exception (a hook's SystemExit, a library's own BaseException): let
+            # through, it left the delivery renewed for ever, never settled, or ended the process
+            log.exception(
+                "could not process a message from %s (%s); it runs again later", sub.queue, type(exc).__name__
+            )
             why = f"pipeline error: {first_line(exc)}"
             later = Defer(utcnow() + PIPELINE_ERROR_WAIT, MessageStatus.PENDING, why)
             settlement = Settlement(delivery, later)

@@ -114,11 +114,21 @@ async def flaky_host():
     @app.handler()
     async def handle(msg: Flaky, ctx) -> None:
         attempts.append(ctx.attempt)
-        if ctx.attempt <= crash_until["attempt"]:
-            raise Crash
         raise RuntimeError(f"failed on attempt {ctx.attempt}")
 
     rt = in_memory_servicebus(app, ns)
+    decide = rt.pipeline.process
+
+    async def dies_after_the_run(delivery, **kwargs):
+        # (the process dies after the handler ran, before anything is settled; a handler's own raise of
+        # any kind is a failed attempt the kit settles)
+        before = len(attempts)
+        decision = await decide(delivery, **kwargs)
+        if len(attempts) > before and attempts[-1] <= crash_until["attempt"]:
+            raise Crash
+        return decision
+
+    rt.pipeline.process = dies_after_the_run
     cfg = QueueingSettings(provider="servicebus")
     host = FunctionsHost(app, cfg, runtime=rt)
     fn = user(functions_of(build_app(cfg, app, host=host, env=ENV))["servicebus_fn_count"])
