@@ -501,7 +501,9 @@ class StorageQueueProvider(DeadLetterOps, PhysicalNames):
             key = getattr(self._service.credential, "account_key", None)
             if isinstance(key, str):
                 try:
-                    base64.b64decode(key)
+                    # (as the SDK decodes it: its UTF-8 bytes, whose non-base64 characters, a pasted
+                    # no-break space say, it skips; decoded as text, such a key raised a ValueError)
+                    base64.b64decode(key.encode("utf-8"))
                 except binascii.Error as exc:  # (its text counts the key's characters, shows none)
                     raise ConfigurationError(
                         STORAGE,

@@ -85,6 +85,27 @@ async def test_an_account_key_that_is_not_base64_is_said_at_start_up() -> None:
     assert "TOPSECRET" not in str(caught.value)
 
 
+async def test_an_account_key_is_read_as_the_sdk_reads_it() -> None:
+    # the SDK decodes the key's UTF-8 bytes, skipping what is not base64 (a no-break space pasted
+    # with it, say) and signs with it: start-up takes such a key. Decoded as text, it was a traceback
+    azurite = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+    for key in (azurite + "\u00a0", azurite[:40] + "\u200b" + azurite[40:]):
+        connection = StorageConnection(
+            f"DefaultEndpointsProtocol=http;AccountName=acct;AccountKey={key};"
+            "QueueEndpoint=http://127.0.0.1:1/acct;TableEndpoint=http://127.0.0.1:1/acct"
+        )
+        StorageQueueProvider(connection)
+    # one that is not base64 however read: said in one line naming the setting
+    connection = StorageConnection(
+        "DefaultEndpointsProtocol=http;AccountName=acct;AccountKey=TOPSECRET\u00e9;"
+        "QueueEndpoint=http://127.0.0.1:1/acct;TableEndpoint=http://127.0.0.1:1/acct"
+    )
+    with pytest.raises(ConfigurationError) as caught:
+        StorageQueueProvider(connection)
+    assert caught.value.setting == "QueueingStorage"
+    assert "TOPSECRET" not in str(caught.value)
+
+
 async def test_a_request_never_sent_says_why_not_none_none() -> None:
     # the SDK signs the request before sending it: an AccountKey it cannot decode fails there, with
     # no status code or reason to quote
