@@ -305,6 +305,13 @@ async def _gone(receiver: Any, seq: int) -> bool | None:
     return not found or found[0].sequence_number != seq
 
 
+#: what the history says of a message Service Bus holds only as a scheduled message (a retry's copy,
+#: a delay, a run again, a paused type's copy): none an operator's action writes here
+_SCHEDULED_ONLY = frozenset(
+    {MessageStatus.FAILED, MessageStatus.SLEEPING, MessageStatus.PAUSED, MessageStatus.WAITING_FOR_HANDLER}
+)
+
+
 class ServiceBusProvider(DeadLetterOps, PhysicalNames):
     transport = Transport.SERVICE_BUS
 
@@ -971,14 +978,14 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             # drain left them to run, history and all. One that came due meanwhile, the drain takes
             cancelled, seen = await self._cancel_scheduled(query.queue)
             removed |= cancelled
-            # a message the history shows still live that the peek found nowhere in the queue is gone
-            # from it: one an earlier purge cancelled before it stopped (its history was left, and a
-            # purge again found nothing to cancel). A message moved meanwhile is seen all the same: a
-            # retry's copy is sent before its original is settled, with a later sequence number
+            # a message the history shows waiting as a scheduled message that the peek found nowhere
+            # in the queue is gone from it: one an earlier purge cancelled before it stopped (its
+            # history was left, and a purge again found nothing to cancel). Only those statuses: an
+            # operator's retry records Pending before it sends its copy, which the peek may not see yet
             removed |= {
                 str(r.message_id)
                 for r in records
-                if r.status not in MessageStatus.terminal() and str(r.message_id) not in seen
+                if r.status in _SCHEDULED_ONLY and str(r.message_id) not in seen
             }
             with _boundary(f"draining {query.queue}"):
                 async with self.client.get_queue_receiver(

@@ -32,9 +32,9 @@ from typing import Protocol, runtime_checkable
 
 from ...clock import Clock, utcnow
 from ...envelope import REPEATED_FORWARD, Envelope, malformed_identity
-from ...errors import ProviderUnavailable
+from ...errors import ProviderError, ProviderUnavailable
 from ...messages import MessageStatus
-from ...tracking import MessageRecord, Tracker, record_from_envelope
+from ...tracking import MessageRecord, Tracker, record_change, record_from_envelope
 from .breaker import CircuitBreaker, first_line
 from .store import DelayedMessage, SqlDelayedStore
 
@@ -56,24 +56,44 @@ async def record_stored_text(
 ) -> None:
     """Record in ``tracker`` a delayed-store row whose text is not an envelope, dead-lettered as it
     was stored: under the message id the row was stored with, the text kept (up to 64 KiB). The
-    message's own record, when the history has one, gives its creation time, type and tracking id:
-    the text cannot (what it names may be another message's), and a record of another creation time
-    was, on Tables, whose row key holds it, a second entity beside the message's, which stayed listed
-    as waiting."""
+    message's own record, when the history has one that reads, gives its queue, creation time, type
+    and tracking id: the text cannot (what it names may be another message's), and a record of another
+    creation time or queue was, on Tables, whose keys hold them, a second entity beside the message's,
+    which stayed listed as waiting. A damaged one (see ``MessageRecord.malformed``) is changed in place
+    (:func:`record_change`), so that its stand-ins never replace the text it keeps."""
     _, tracking_id, type_name = malformed_identity(item.envelope)
-    known = await tracker.get(item.message_id)
     record = MessageRecord(
         message_id=item.message_id,
-        tracking_id=known.tracking_id if known is not None else tracking_id,
-        type=known.type if known is not None else type_name,
+        tracking_id=tracking_id,
+        type=type_name,
         queue=queue,
         status=MessageStatus.DEAD_LETTERED.value,
-        created_at=known.created_at if known is not None else item.created_at,
+        created_at=item.created_at,
         updated_at=now,
         reason=reason,
         description=description,
         raw=item.envelope[:65536],
     )
+    try:
+        known = await tracker.get(item.message_id)
+    except ProviderError:
+        raise  # (the store failing: the row stays, and its dead letter is tried again)
+    except Exception as exc:  # a stored record that does not read at all: written over, as it was
+        log.warning("the history record of message %s does not read (%s)", item.message_id, first_line(exc))
+        known = None
+    if known is not None and known.malformed is not None:
+        changes = {"status": record.status, "updated_at": now, "reason": reason, "description": description}
+        await record_change(tracker, known, changes)
+        return
+    if known is not None:
+        record = record.model_copy(
+            update={
+                "queue": known.queue,
+                "created_at": known.created_at,
+                "tracking_id": known.tracking_id,
+                "type": known.type,
+            }
+        )
     await tracker.upsert([record])
 
 
