@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta
+from typing import Any
 
 
 class QueueingError(Exception):
@@ -154,9 +155,22 @@ class Retry(Exception):
         """The delay asked for (None: the type's backoff); a negative one retries at once."""
         return self._after
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled (a handler's process pool), copied: an exception is rebuilt as ``cls(*args)``, whose
+        # args are (reason,), which ``after`` then refused (the pool broke): rebuilt as it stands instead
+        return (_remade, (type(self), self.args, self.__dict__))
+
     @after.setter
     def after(self, value: timedelta | float | None) -> None:
         self._after = _delay(value)
+
+
+def _remade(cls: type[Retry], args: tuple[Any, ...], state: dict[str, Any]) -> Retry:
+    """A pickled or copied ``Retry`` (or a subclass) as it stood, its ``__init__`` not called again."""
+    made = cls.__new__(cls)
+    Exception.__init__(made, *args)
+    made.__dict__.update(state)
+    return made
 
 
 def _delay(value: object) -> timedelta | None:

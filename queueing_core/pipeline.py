@@ -769,7 +769,9 @@ class Pipeline:
 
         Meanwhile it is in :attr:`running`, so that a cancel reaches it, and has no task to cancel: a
         cancel's timer ending the wait would hand the message back as a host's stop does."""
-        self.running[env.message_id] = run
+        # (not over a copy of the same id running here already, a duplicate delivery: a cancel must
+        # reach that one; this one reads the cancellation requests again once it has its slot)
+        self.running.setdefault(env.message_id, run)
         try:
             if not await _take_slot(limiter, closing, wait):
                 if closing is not None and closing.is_set():

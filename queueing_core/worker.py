@@ -525,9 +525,11 @@ class Settler:
         return None
 
     def _applied(self, chunk: list[Settlement], ahead: HistoryAhead) -> None:
+        # the history queued first (no await between these calls): whatever fails after it, what the
+        # store applied has its outcome recorded, since it will not be delivered again
+        self._history.put_nowait((chunk, ahead))
         self.runtime.history_applied(chunk, ahead)
         self._settled(chunk)
-        self._history.put_nowait((chunk, ahead))
 
     def _settled(self, chunk: list[Settlement]) -> None:
         if self.on_settled is not None:

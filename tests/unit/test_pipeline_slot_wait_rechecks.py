@@ -76,13 +76,14 @@ class _NullProvider:
 
 
 class Setup:
-    def __init__(self) -> None:
+    def __init__(self, handler: Callable[..., Awaitable[None]] | None = None) -> None:
         self.app = QueueingApp("slot-wait")
         self.ran: list[int] = []
 
-        @self.app.handler()
         async def handle(msg: Held) -> None:
             self.ran.append(msg.n)
+
+        self.app.handler()(handler or handle)
 
         self.clock = Clock()
         self.control = CountingControl(self.clock)
@@ -293,3 +294,45 @@ async def test_a_claimed_message_waiting_for_its_slot_does_not_start_once_paused
         "cancel": MessageStatus.CANCELLED,
     }
     assert rec.status == expected[case].value
+
+
+async def _running_and_a_duplicate_waiting(slot_wait: float | None) -> tuple[Any, ...]:
+    """Two deliveries of one message (a retry's copy beside its original, a redelivery): the first
+    runs, holding the type's one slot, until it is told to stop or let go; the second waits."""
+    told: list[bool] = []
+    let_go = asyncio.Event()
+    started = asyncio.Event()
+
+    async def handle(msg: Held, ctx: Any) -> None:
+        if started.is_set():
+            return
+        started.set()
+        stop = asyncio.ensure_future(ctx.cancelled.wait())
+        await asyncio.wait({stop, asyncio.ensure_future(let_go.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        told.append(ctx.cancelled.is_set())
+
+    s = Setup(handle)
+    first = s.delivery(1)
+    second = Delivery(first.queue, first.raw, first.envelope, None, 1)
+    running = asyncio.create_task(s.pipe.process(first))
+    await asyncio.wait_for(started.wait(), 5)
+    waiting = asyncio.create_task(s.pipe.process(second, slot_wait=slot_wait))
+    await asyncio.sleep(0.05)  # (the second waits for the slot)
+    return s, first, running, waiting, told, let_go
+
+
+@pytest.mark.parametrize("slot_wait", [None, 0.1], ids=["still-waiting", "gave-up-waiting"])
+async def test_a_cancel_reaches_the_running_copy_beside_a_waiting_duplicate(slot_wait: float | None) -> None:
+    # (the waiting copy took the running one's entry: a cancel reached only the waiting copy, and once
+    # it gave up waiting, none at all)
+    s, first, running, waiting, told, let_go = await _running_and_a_duplicate_waiting(slot_wait)
+    if slot_wait is not None:
+        assert isinstance(await asyncio.wait_for(waiting, 5), Defer)  # it gave up: no slot in time
+    assert first.envelope is not None
+    assert s.pipe.cancel_running(first.envelope.message_id)
+    decided = await asyncio.wait_for(running, 5)
+    let_go.set()
+    assert told == [True]
+    assert decided == Complete(None, cancelled=True)
+    if slot_wait is None:
+        await asyncio.wait_for(waiting, 5)

@@ -207,3 +207,16 @@ async def test_a_retry_far_in_the_past_leaves_the_settler_settling_the_rest() ->
     assert rec is not None
     # retried at once until its attempts were used up
     assert (rec.status, rec.attempt, runs.count(1)) == ("DeadLettered", 3, 3)
+
+
+@pytest.mark.parametrize("after", [timedelta(seconds=60), 60, None])
+def test_a_retry_pickles_and_copies_as_it_stands(after: timedelta | float | None) -> None:
+    # (a handler's process pool pickles what its function raises: rebuilt as ``Retry(*args)``, its
+    # reason was taken for ``after`` and refused, and the pool broke for every later message)
+    import copy
+    import pickle
+
+    raised = Retry(after=after, reason="rate limited")
+    for again in (pickle.loads(pickle.dumps(raised)), copy.copy(raised), copy.deepcopy(raised)):
+        assert type(again) is Retry
+        assert (again.after, again.reason, again.args) == (raised.after, "rate limited", ("rate limited",))
