@@ -155,14 +155,14 @@ class Retry(Exception):
         """The delay asked for (None: the type's backoff); a negative one retries at once."""
         return self._after
 
+    @after.setter
+    def after(self, value: timedelta | float | None) -> None:
+        self._after = _delay(value)
+
     def __reduce__(self) -> tuple[Any, ...]:
         # pickled (a handler's process pool), copied: an exception is rebuilt as ``cls(*args)``, whose
         # args are (reason,), which ``after`` then refused (the pool broke): rebuilt as it stands instead
         return (_remade, (type(self), self.args, self.__dict__))
-
-    @after.setter
-    def after(self, value: timedelta | float | None) -> None:
-        self._after = _delay(value)
 
 
 def _remade(cls: type[Retry], args: tuple[Any, ...], state: dict[str, Any]) -> Retry:
