@@ -29,6 +29,15 @@
   moved the message of a paused type unread, without a reason, its history left Pending). The queue's
   ``x-dead-letter-exchange`` stays for messages that have one (sent by an earlier version or by
   another publisher).
+- **Properties another client wrote are read whatever they hold** (:mod:`.amqp_decoding`): a message
+  id or header name that is not UTF-8, a timestamp in microseconds or headers nested hundreds deep
+  closed the connection that received the message, which then came back for ever. Such a message is
+  dead-lettered as malformed (``malformed-envelope``, its body kept, the reason naming what could not
+  be read), never run on values that are not the ones sent.
+- **A dead letter moved back with the broker's own tools runs again** (the management UI's "Move
+  messages", a shovel: body and properties as they were). Its AMQP headers carry the kit's
+  dead-letter reason, which no message the kit publishes to a live queue carries: it starts again as
+  after an operator's retry (see :func:`_moved_back`).
 - ``connect_robust`` reconnects after a broker restart; consumers are restored. Settling a message
   received on a connection that has since died is skipped (the broker requeued it): nothing acked
   is lost, and what was not acked is delivered again.
@@ -52,7 +61,7 @@ import contextlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -77,7 +86,7 @@ from yarl import URL
 from .. import retry_policy
 from ..clock import Clock, utcnow
 from ..decisions import Complete, DeadLetter, DeadLetterReason, Expire, counts_attempt, dead_letter_of, due_at
-from ..envelope import Envelope, dead_letter_marks
+from ..envelope import DEAD_AT, DESCRIPTION, REASON, Envelope, dead_letter_marks
 from ..errors import (
     InvalidOperation,
     MalformedEnvelope,
@@ -87,6 +96,8 @@ from ..errors import (
 from ..naming import QueueNaming, Transport
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, RunBound, Settlement, settled_each
+from . import amqp_decoding
+from .amqp_decoding import unreadable
 from .dead_letters import DEAD_STATES, id_in_text
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, record_stored_text
 from .delayed.breaker import first_line
@@ -100,6 +111,9 @@ if TYPE_CHECKING:
     from ..settings import QueueingSettings
 
 log = logging.getLogger("queueing.rabbitmq")
+
+# before any connection reads a message: see amqp_decoding
+amqp_decoding.install()
 
 DEAD_LETTER_SUFFIX = ".dead-letter"
 ATTEMPT = "x-attempt"
@@ -130,6 +144,8 @@ CONSUMER_TIMEOUT = 1800.0
 CONSUMER_TIMEOUT_MARGIN = 60.0
 #: a consumer timeout this long or longer is taken for none
 LONGEST_CONSUMER_TIMEOUT = 366 * 24 * 3600.0
+#: the headers that mark one of the kit's dead letters (see ``dead_letter_marks``)
+DEAD_LETTER_MARKS = (REASON, DESCRIPTION, DEAD_AT)
 
 
 @contextlib.contextmanager
@@ -250,6 +266,8 @@ class _Consumer:
     #: wait_for_work calls waiting on this consumer now: never idle meanwhile (a wait may be longer
     #: than ``idle_timeout``, and a cancelled consumer can wake nobody when a message arrives)
     waiters: int = 0
+    #: the queue's type's expiration: a dead letter moved back starts it again (see _moved_back)
+    expiration: timedelta | None = None
 
 
 class _DeadLetterPages:
@@ -365,6 +383,29 @@ def _short(text: str | None) -> str | None:
     raw error after a batch's earlier messages had gone (a correlation id may be 256 characters, and
     each character up to 4 bytes)."""
     return text if text is None or len(text.encode("utf-8")) <= SHORTSTR_BYTES else None
+
+
+def _moved_back(
+    env: Envelope, headers: Mapping[str, Any] | None, expiration: timedelta | None, since: datetime
+) -> Envelope | None:
+    """``env`` started again where its message is one of the kit's dead letters moved back to its live
+    queue, else None. Only an operator puts one there, with the broker's own tools (the management
+    UI's "Move messages", a shovel), which publish each letter again with its body and properties as
+    they were: the kit's own messages on a live queue never carry its dead-letter reason among their
+    AMQP headers. Its envelope kept the attempts its message had used (all of them) and no expiry (the
+    dead-letter queue keeps letters for good), so its first delivery was past its last attempt and it
+    was dead-lettered again unrun, "ended without a settlement" (found in review). It starts again as
+    an operator's retry sends it (and as SQS starts a letter its redrive moved back): no attempts
+    used, its type's expiration from ``since`` (when the broker handed it over: RabbitMQ stamps no time
+    of its own on a moved message), and without the marks of its dead-lettering."""
+    if REASON not in env.headers or not isinstance((headers or {}).get(REASON), str):
+        return None
+    kept = {k: v for k, v in env.headers.items() if k not in DEAD_LETTER_MARKS}
+    try:
+        expires_at = since + expiration if expiration is not None else None
+    except OverflowError:  # (past the year 9999: as good as none)
+        expires_at = None
+    return env.with_attempt(0, headers=kept, expires_at=expires_at)
 
 
 class RabbitMQProvider(SideStoreOps):
@@ -775,7 +816,9 @@ class RabbitMQProvider(SideStoreOps):
                                 await channel.close()
                             raise
                         channel.close_callbacks.add(_said_closed(physical))
-                        c = self._consumers[physical] = _Consumer(physical, channel, queue)
+                        c = self._consumers[physical] = _Consumer(
+                            physical, channel, queue, expiration=sub.options.expiration
+                        )
                     consumer = c
 
                     async def on_message(message: AbstractIncomingMessage) -> None:
@@ -813,17 +856,7 @@ class RabbitMQProvider(SideStoreOps):
             if _stale(m):
                 continue  # from before a reconnect: the broker requeued it and will deliver it again
             c.in_flight += 1
-            out.append(
-                Delivery.of(
-                    m.body,
-                    queue=sub.queue,
-                    # classic queues count no deliveries: a redelivery means a consumer died holding it
-                    # (running it, or only in its buffer); see _count_redeliveries
-                    delivery_count=2 if m.redelivered else 1,
-                    handle=_Handle(m, c.physical),
-                    received_at=came,
-                )
-            )
+            out.append(self._delivery(m, came, sub.queue, c))
         if not c.buffer:
             c.ready.clear()
         try:
@@ -835,6 +868,29 @@ class RabbitMQProvider(SideStoreOps):
             c.ready.set()
             raise
         return out
+
+    def _delivery(self, m: AbstractIncomingMessage, came: datetime, queue: str, c: _Consumer) -> Delivery:
+        # classic queues count no deliveries: a redelivery means a consumer died holding it (running it,
+        # or only in its buffer); see _count_redeliveries
+        count = 2 if m.redelivered else 1
+        handle = _Handle(m, c.physical)
+        damaged = unreadable(m.headers)
+        if damaged is not None:
+            # not run, whatever its body: what the properties that could not be read said is unknown
+            # (a header the handler or the kit reads, an id). Dead-lettered as malformed, its body kept
+            why = MalformedEnvelope(f"its AMQP properties could not be read: {damaged}", m.body)
+            return Delivery(queue, m.body, None, why, count, handle, came)
+        d = Delivery.of(m.body, queue=queue, delivery_count=count, handle=handle, received_at=came)
+        fresh = None if d.envelope is None else _moved_back(d.envelope, m.headers, c.expiration, came)
+        if fresh is not None:
+            log.info(
+                "RabbitMQ message %s (%s) came back from its dead-letter queue (moved by the broker's "
+                "tools): run again with fresh attempts",
+                fresh.message_id,
+                fresh.type,
+            )
+            d.envelope, d.attempt = fresh, fresh.attempt + count
+        return d
 
     async def _count_redeliveries(self, redelivered: list[Delivery]) -> None:
         """The broker says only "redelivered": the first redelivery of a copy is taken as one attempt
@@ -906,16 +962,17 @@ class RabbitMQProvider(SideStoreOps):
                 tag, c.tag = c.tag, None
                 with _boundary(f"cancelling the consumer of {c.physical}"):
                     await c.queue.cancel(tag)
-            held = [m for m, _ in c.buffer]
+            held = list(c.buffer)
             c.buffer.clear()
             c.ready.clear()
-        for m in held:
-            await self._hand_back(m, c.physical)
+        for m, came in held:
+            await self._hand_back(m, came, c)
 
-    async def _hand_back(self, m: AbstractIncomingMessage, physical: str) -> None:
+    async def _hand_back(self, m: AbstractIncomingMessage, came: datetime, c: _Consumer) -> None:
         """Return a message that never reached a handler without marking it redelivered."""
         if _stale(m):
             return
+        physical = c.physical
         try:
             env = Envelope.decode(m.body)
         except MalformedEnvelope:
@@ -923,6 +980,13 @@ class RabbitMQProvider(SideStoreOps):
         try:
             if env is None:
                 raise ProviderError("not an envelope")
+            if unreadable(m.headers) is not None:
+                # (a copy would carry none of its properties, those that could not be read included:
+                # it would run as a message it is not)
+                raise ProviderError("its AMQP properties could not be read")
+            # a dead letter moved back is handed back started again: the copy carries none of the
+            # marks that tell one, and its used attempts would dead-letter it unrun
+            env = _moved_back(env, m.headers, c.expiration, came) or env
             await self._publish(physical, self._message(env, self.clock()))
             await m.ack()
         except (ProviderError, AMQPError, ChannelInvalidStateError) as exc:
