@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 import sqlalchemy as sa
 
-from queueing_core import QueueingApp, QueueMessage, queue
+from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
 from queueing_core.ops import OpsService
 from queueing_core.ops.api import PREFIX, create_app
+from queueing_core.ops.models import StatusUpdate
 from queueing_core.runtime import Runtime
+from queueing_core.testing import run_until_idle
+from queueing_core.tracking import MessageQuery
+
+from ..clocks import ManualClock
 
 KEY = "where-test-key"
 
@@ -225,3 +231,126 @@ async def test_an_ended_message_held_under_a_custom_status_then_put_back_gets_it
                 )
             ).one()
         assert tuple(row) == ("Pending", 0)
+
+
+@queue("flags-where")
+class Flagged(QueueMessage):
+    ref: str
+    flag: Any = None
+
+
+FLAGS = {"t": True, "f": False, "text": "true", "one": 1, "null": None}
+
+
+@pytest.mark.parametrize(
+    ("op", "value", "changed"),
+    [
+        ("eq", True, {"t"}),
+        ("ne", True, {"f"}),
+        ("ne", False, {"t"}),
+        ("lt", True, {"f"}),
+        ("ge", False, {"t", "f"}),
+        ("gt", True, set()),
+    ],
+)
+async def test_a_boolean_compares_with_booleans_only(sql_db, op, value, changed):
+    """As text and numbers do: ``ne true`` matched the text "true", the number 1 and null too (the
+    negation of ``eq``), and an ordering matched them as well."""
+    app = QueueingApp("flags")
+    app.message(Flagged)
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    try:
+        await app.enqueue_many([Flagged(ref=ref, flag=flag) for ref, flag in FLAGS.items()])
+        where = {"where": {"path": "flag", "op": op, "value": value}, "set": "Hold"}
+        res = await OpsService(rt).update_status_where("flags-where", StatusUpdate.model_validate(where))
+        assert res.updated == len(changed)
+        held = {r.body["ref"] for r in (await rt.tracker.query(MessageQuery(status=("Hold",)))).items}
+        assert held == changed
+    finally:
+        await rt.close()
+
+
+@queue("putback-where", max_attempts=1)  # (the default expiration: four hours)
+class Nightly(QueueMessage):
+    ref: str
+
+
+async def test_a_letter_put_back_after_its_expiry_runs_with_a_new_expiry_as_a_retry_gives(sql_db):
+    """Put back to Pending the morning after it was dead-lettered, a message kept its first run's
+    expiry, long past: it ended Expired without running, while the operator was told it was updated.
+    It gets the expiry an operator's retry gives (now plus its type's expiration), and runs; one held
+    mid-retries (never settled) keeps its own."""
+    clock = ManualClock(datetime(2026, 3, 2, 12, 0, tzinfo=UTC))
+    app = QueueingApp("putback")
+    runs: list[str] = []
+    failing = {"put-back", "retried"}
+
+    @app.handler()
+    async def nightly(msg: Nightly) -> None:
+        runs.append(msg.ref)
+        if msg.ref in failing:
+            raise RuntimeError("boom")
+
+    rt = Runtime(app, sql_db.provider(clock=clock, listen=False), clock=clock)
+    await rt.open()
+    try:
+        put_back = await app.enqueue(Nightly(ref="put-back", created_at=clock()))
+        retried = await app.enqueue(Nightly(ref="retried", created_at=clock()))
+        held = await app.enqueue(Nightly(ref="held", created_at=clock()))
+        ops = OpsService(rt, clock=clock)
+        await ops.update_status_where("putback-where", where_ref("held", "Hold"))
+        await run_until_idle(rt, raise_errors=False)
+        for receipt in (put_back, retried):
+            assert (await rt.tracker.get(receipt.message_id)).status == MessageStatus.DEAD_LETTERED
+        failing.clear()
+        clock.now += timedelta(hours=5)  # the operator looks the next morning
+
+        res = await ops.update_status_where("putback-where", where_ref("put-back", "Pending"))
+        assert res.updated == 1
+        await ops.retry(retried.message_id)
+        expiry = {r.message_id: r.expires_at for r in (await rt.tracker.query(MessageQuery())).items}
+        assert expiry[put_back.message_id] == expiry[retried.message_id] == clock() + timedelta(hours=4)
+        await ops.update_status_where("putback-where", where_ref("held", "Pending"))
+        assert (await rt.tracker.get(held.message_id)).expires_at == held.expires_at  # long past
+        await run_until_idle(rt, raise_errors=False)
+
+        assert sorted(runs) == ["put-back", "put-back", "retried", "retried"]
+        for receipt in (put_back, retried):
+            assert (await rt.tracker.get(receipt.message_id)).status == MessageStatus.SUCCEEDED
+        assert (await rt.tracker.get(held.message_id)).status == MessageStatus.EXPIRED
+    finally:
+        await rt.close()
+
+
+def where_ref(ref: str, to: str) -> StatusUpdate:
+    return StatusUpdate.model_validate({"where": {"path": "ref", "op": "eq", "value": ref}, "set": to})
+
+
+@queue("forever-where", max_attempts=1, expiration=None)
+class Forever(QueueMessage):
+    ref: str
+
+
+async def test_a_letter_of_a_type_that_never_expires_is_put_back_without_an_expiry(sql_db):
+    """As an operator's retry: its type's expiration (none), not the ``ttl=`` its first run was sent with."""
+    app = QueueingApp("forever")
+    app.message(Forever)
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    try:
+        sent = await app.enqueue(Forever(ref="a"), ttl=timedelta(minutes=5))
+        assert sent.expires_at is not None
+        m = rt.provider.tables.messages
+        async with rt.provider.engine.begin() as conn:  # as its failed attempt's settlement left it
+            await conn.execute(
+                sa.update(m)
+                .where(m.c.message_id == sent.message_id)
+                .values(status="DeadLettered", attempt=1, settled_at=sa.func.now())
+            )
+        res = await OpsService(rt).update_status_where("forever-where", where_ref("a", "Pending"))
+        assert res.updated == 1
+        record = await rt.tracker.get(sent.message_id)
+        assert (record.status, record.expires_at) == ("Pending", None)
+    finally:
+        await rt.close()

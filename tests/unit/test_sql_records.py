@@ -69,3 +69,25 @@ def test_only_the_kits_own_time_text_orders_as_its_time():
     for text in ("2026-01-02T03:04:05", "2026-01-02 03:04:05", "2026-01-02 05:00:00+05:00", "garbage"):
         assert not stored_in_order(text), text
     assert stored_in_order(None)  # PostgreSQL: a timestamptz, or NULL for one that does not read
+
+
+def test_json_nested_past_what_the_parser_reads_is_a_damaged_field_not_a_failed_read():
+    """A body (or result, progress) another program wrote nested deeper than Python's recursion limit:
+    ``json.loads`` raises RecursionError, which failed the read of the message and its listing."""
+    deep = '{"x": ' + "[" * 5000 + "]" * 5000 + "}"
+    r = read_record(row(body_text=deep, result_text=deep))
+    assert r.malformed == "body is nested too deep to read; result is nested too deep to read"
+    assert (r.body, r.result) == (None, None)
+    assert r.raw == deep
+    assert r.stored["body"] == deep[:2000]
+
+
+def test_a_json_column_not_utf8_is_a_damaged_field_with_its_text_kept():
+    """On SQLite the JSON columns come as their stored bytes, which another program may have written in
+    another encoding."""
+    r = read_record(row(body_text=b'{"to": "\xe9"}', headers_text=b'{"h": "\xe9"}'))
+    assert r.malformed == "headers is not UTF-8 text; body is not UTF-8 text"
+    assert (r.body, r.headers) == (None, {})
+    assert r.raw == '{"to": "\ufffd"}'
+    assert r.stored == {"headers": '{"h": "\ufffd"}', "body": '{"to": "\ufffd"}'}
+    assert read_record(row(body_text=b'{"to": "a@x.io"}')).body == {"to": "a@x.io"}

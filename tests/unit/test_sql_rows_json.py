@@ -70,3 +70,49 @@ def test_a_row_whose_body_is_not_json_is_a_malformed_delivery() -> None:
     good = delivery_from_row({**row, "body_text": '{"n": 1}', "headers_text": '{"h": "v"}'})
     assert good.envelope is not None
     assert (good.envelope.body, good.envelope.headers) == ({"n": 1}, {"h": "v"})
+
+
+DEEP = '{"n": 1, "x": ' + "[" * 5000 + "]" * 5000 + "}"  # deeper than Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"body_text": DEEP}, "recursion"),  # json's fallback raises RecursionError
+        ({"headers_text": '{"h": ' + "[" * 5000 + "]" * 5000 + "}"}, "recursion"),
+        ({"attempt": "x"}, "invalid literal"),  # SQLite keeps any value in an INTEGER column
+        ({"body_text": b'{"n": "\xe9"}'}, "utf-8"),  # SQLite's stored bytes, in Latin-1
+        ({"headers_text": b'{"h": "\xe9"}'}, "utf-8"),
+    ],
+)
+def test_a_row_that_does_not_decode_for_any_reason_is_a_malformed_delivery_of_its_own(changes, why) -> None:
+    """Raised out of the batch instead, after its claim committed, it left every row of the batch leased
+    until the sweep, which counted an attempt on each: healthy messages were dead-lettered unrun."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    row = {
+        "id": 7,
+        "lease_token": 1,
+        "locked_until": now,
+        "attempt": 0,
+        "type": "Job",
+        "queue": "jobs",
+        "message_id": "0" * 32,
+        "tracking_id": "1" * 32,
+        "correlation_id": None,
+        "created_at": now,
+        "not_before": None,
+        "expires_at": None,
+        "headers_text": b"{}",
+        "body_text": b'{"n": 1}',
+        "raw": None,
+    }
+    good = delivery_from_row(row)
+    assert good.envelope is not None
+    assert (good.envelope.body, good.raw) == ({"n": 1}, '{"n": 1}')
+    bad = delivery_from_row({**row, **changes})
+    assert bad.envelope is None
+    assert bad.malformed is not None
+    assert why in str(bad.malformed).lower(), bad.malformed
+    assert bad.attempt == 1
+    if isinstance(changes.get("body_text"), bytes):
+        assert bad.text() == '{"n": "\ufffd"}'  # what its dead letter keeps

@@ -49,6 +49,15 @@ def driver_errors() -> tuple[type[BaseException], ...]:
     return (sa.exc.SQLAlchemyError, sqlite3.Error, *_psycopg()[1])
 
 
+def _undecodable(exc: BaseException) -> bool:
+    """``sqlite3``'s "Could not decode to UTF-8 column ...": a stored text that another program wrote
+    in another encoding, met while fetching a row. An OperationalError (as SQLAlchemy wraps it too), yet
+    the data's fault, not the database's absence: read as an outage it is retried for ever, and every
+    caller is told the database is unreachable while it answers."""
+    error = getattr(exc, "orig", None) or exc
+    return isinstance(error, sqlite3.OperationalError) and str(error).startswith("Could not decode to UTF-8")
+
+
 @contextlib.contextmanager
 def db_boundary(action: str, store: str = "database") -> Iterator[None]:
     """Driver errors become the kit's: unreachable -> ProviderUnavailable, the rest -> ProviderError."""
@@ -57,6 +66,8 @@ def db_boundary(action: str, store: str = "database") -> Iterator[None]:
     except ProviderError:
         raise
     except down_errors() as exc:
+        if _undecodable(exc):
+            raise ProviderError(f"{store}: {action} failed: {first_line(exc)}") from None
         raise ProviderUnavailable(f"{store} unreachable during {action}: {first_line(exc)}") from None
     except driver_errors() as exc:
         raise ProviderError(f"{store}: {action} failed: {first_line(exc)}") from None

@@ -1,11 +1,11 @@
 """Reading a stored row of the messages (or history) table into the record the operator's views show.
 
 The one place a row becomes a :class:`MessageRecord`. A row damaged outside the kit (an id that is not
-a UUID, a time that does not read, headers or a body that are not JSON objects, a value of the wrong
-kind) must not take the listing it is in down with it: that listing is the dead-letter page an
-operator opens to look at exactly that row. So every field is read on its own; a field that does not
-read is left empty (or a stand-in where the record needs a value), its stored text is kept in
-``stored`` and the reason in ``malformed``."""
+a UUID, a time that does not read, headers or a body that are not UTF-8 text or not JSON objects, a
+value of the wrong kind) must not take the listing it is in down with it: that listing is the
+dead-letter page an operator opens to look at exactly that row. So every field is read on its own; a
+field that does not read is left empty (or a stand-in where the record needs a value), its stored text
+is kept in ``stored`` and the reason in ``malformed``."""
 
 from __future__ import annotations
 
@@ -93,15 +93,28 @@ class _Reading:
             self.bad(name, value, f"{name} does not read as a time")
             return None
 
+    def text(self, name: str, stored: str | bytes | None) -> str | None:
+        """A column selected as :func:`rows.stored_text` as text: on SQLite its stored bytes, which
+        another program may have written in another encoding (kept with those bytes replaced)."""
+        if not isinstance(stored, bytes):
+            return stored
+        try:
+            return stored.decode()
+        except UnicodeDecodeError:
+            text = stored.decode(errors="replace")
+            self.bad(name, text, f"{name} is not UTF-8 text")
+            return text
+
     def json(self, name: str, text: str | None, *, obj: bool, strings: bool = False) -> Any:
         """The parsed JSON; None (with the text kept) when it is not JSON, or not an object (of strings)
-        where one is needed."""
-        if text is None:
+        where one is needed, or when its text did not read (:meth:`text`)."""
+        if text is None or name in self.unreadable:
             return None
         try:
             value = json.loads(text)
-        except ValueError:
-            self.bad(name, text, f"{name} is not JSON")
+        except Exception as exc:  # (RecursionError too: a row is data, and never fails its listing)
+            why = "is nested too deep to read" if isinstance(exc, RecursionError) else "is not JSON"
+            self.bad(name, text, f"{name} {why}")
             return None
         if obj and not isinstance(value, dict):
             self.bad(name, text, f"{name} is not a JSON object")
@@ -116,8 +129,8 @@ def read_record(row: Any) -> MessageRecord:
     """The record of ``row`` (a row of :meth:`SqlRecords.columns`); never raises for what is stored."""
     mapping: Mapping[str, Any] = row._mapping
     r = _Reading(mapping)
-    headers = r.json("headers", mapping["headers_text"], obj=True, strings=True)
-    body_text = mapping["body_text"]
+    headers = r.json("headers", r.text("headers", mapping["headers_text"]), obj=True, strings=True)
+    body_text = r.text("body", mapping["body_text"])
     body = r.json("body", body_text, obj=True)
     values: dict[str, Any] = {
         "message_id": r.uuid("message_id"),
@@ -142,8 +155,8 @@ def read_record(row: Any) -> MessageRecord:
         "body": body,
         # the stored text of a body that is not a JSON object (the kit's own column, else the body's)
         "raw": mapping["raw"] or (body_text if body is None and "body" in r.stored else None),
-        "result": r.json("result", mapping["result_text"], obj=False),
-        "progress": r.json("progress", mapping["progress_text"], obj=True),
+        "result": r.json("result", r.text("result", mapping["result_text"]), obj=False),
+        "progress": r.json("progress", r.text("progress", mapping["progress_text"]), obj=True),
         "duplicates": mapping.get("duplicates"),  # a history column only
     }
     for name, stand_in in _STAND_INS.items():

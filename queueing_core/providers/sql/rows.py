@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, NamedTuple
 
+import sqlalchemy as sa
 from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from ...clock import opt_utc
@@ -54,16 +55,34 @@ class Lease(NamedTuple):
     token: int
 
 
+def stored_text(column: sa.ColumnElement[Any], backend: str, label: str) -> sa.ColumnElement[Any]:
+    """A column of JSON (or text) as the claim and the listings select it, to be read per row: text on
+    PostgreSQL, whose text is UTF-8 (the server checks it on the way in); on SQLite the stored bytes,
+    decoded by the reader. SQLite keeps whatever bytes another program wrote, and ``sqlite3`` fails the
+    whole fetch on one row's text that is not UTF-8: every claim of its queue (taken for the database's
+    absence), and every listing that holds the row."""
+    if backend != "postgresql":
+        return sa.cast(column, sa.LargeBinary()).label(label)
+    return (column if isinstance(column.type, sa.Text) else sa.cast(column, sa.Text())).label(label)
+
+
 def delivery_from_row(row: Mapping[Any, Any]) -> Delivery:
-    """Rebuild the envelope from a claimed row; a body that no longer parses becomes a malformed
-    delivery (dead-lettered with its text kept) instead of an error that would fail the whole batch."""
-    body_text: str | None = row["body_text"]
-    raw = body_text if body_text is not None else (row["raw"] or "")
-    attempt = int(row["attempt"]) + 1
+    """Rebuild the envelope from a claimed row. A row that does not decode (a body or headers that are
+    not UTF-8 or not JSON objects, JSON nested past what the parser reads, a value of the wrong kind:
+    changed outside the kit) becomes a malformed delivery, dead-lettered with its text kept, instead of
+    an error that would fail the whole batch after its claim committed (every row of it left leased
+    until the sweep counted an attempt on each)."""
+    stored: str | bytes | None = row["body_text"]  # (bytes on SQLite: see ``stored_text``)
     lease, until = Lease(row["id"], row["lease_token"]), opt_utc(row["locked_until"])
+    attempt = 0  # (a count that does not read: the delivery is its first)
     try:
+        attempt = int(row["attempt"])
+        body_text = stored.decode() if isinstance(stored, bytes) else stored
+        raw = body_text if body_text is not None else (row["raw"] or "")
         body = json_value(body_text) if body_text is not None else None
         headers_text = row["headers_text"]
+        if isinstance(headers_text, bytes):
+            headers_text = headers_text.decode()
         # most messages carry no headers: "{}" is not parsed for each of them
         headers = json_value(headers_text) if headers_text and headers_text != "{}" else {}
         if not isinstance(body, dict):
@@ -78,7 +97,7 @@ def delivery_from_row(row: Mapping[Any, Any]) -> Delivery:
                 "message_id": row["message_id"],
                 "tracking_id": row["tracking_id"],
                 "correlation_id": row["correlation_id"],
-                "attempt": int(row["attempt"]),
+                "attempt": attempt,
                 "created_at": row["created_at"],
                 "not_before": row["not_before"],
                 "expires_at": row["expires_at"],
@@ -86,10 +105,12 @@ def delivery_from_row(row: Mapping[Any, Any]) -> Delivery:
                 "body": body,
             }
         )
-    except (ValueError, TypeError) as exc:
-        bad = MalformedEnvelope(f"stored row {row['id']} does not decode: {exc}", raw)
-        return Delivery(row["queue"], raw, None, bad, attempt, handle=lease, lease_until=until)
-    return Delivery(row["queue"], raw, env, None, attempt, handle=lease, lease_until=until)
+    except Exception as exc:  # (RecursionError too: a row is data, and one row's fault is its own)
+        # the stored bytes as they are: the dead letter keeps them as text, undecodable bytes replaced
+        kept = stored if stored is not None else (row["raw"] or "")
+        bad = MalformedEnvelope(f"stored row {row['id']} does not decode: {exc}", kept)
+        return Delivery(row["queue"], kept, None, bad, attempt + 1, handle=lease, lease_until=until)
+    return Delivery(row["queue"], raw, env, None, attempt + 1, handle=lease, lease_until=until)
 
 
 _ARRAY_COLUMNS = (

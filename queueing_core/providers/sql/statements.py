@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 
 from ...decisions import DeadLetterReason
 from ...messages import MessageStatus
+from .rows import stored_text
 from .schema import CLAIMABLE, LEASED_SQL, Tables, archived, by_id, claimable
 
 LEASED = MessageStatus.LEASED.value
@@ -57,9 +58,9 @@ def claim_params(queue: str, limit: int, now: datetime, lease_until: datetime) -
     return bind(queue=queue, now=now, lease_until=lease_until, limit=limit, step=claim_step())
 
 
-def claim_columns(m: sa.Table) -> list[sa.ColumnElement[Any]]:
-    """What a claim returns: enough to rebuild the envelope; JSON as text, parsed per row."""
-    text = sa.Text()
+def claim_columns(m: sa.Table, backend: str) -> list[sa.ColumnElement[Any]]:
+    """What a claim returns: enough to rebuild the envelope; JSON as text (bytes on SQLite), parsed per
+    row (``rows.delivery_from_row``)."""
     return [
         m.c.id,
         m.c.message_id,
@@ -73,9 +74,9 @@ def claim_columns(m: sa.Table) -> list[sa.ColumnElement[Any]]:
         m.c.expires_at,
         m.c.locked_until,
         m.c.lease_token,
-        m.c.raw,
-        sa.cast(m.c.body, text).label("body_text"),
-        sa.cast(m.c.headers, text).label("headers_text"),
+        stored_text(m.c.raw, backend, "raw"),
+        stored_text(m.c.body, backend, "body_text"),
+        stored_text(m.c.headers, backend, "headers_text"),
     ]
 
 
@@ -166,7 +167,7 @@ class Statements:
         # (a generic plan, with no values) fetches those rows by primary key; a join with the CTE is
         # planned for a LIMIT of unknown size and hashes a scan of the whole table
         taken = by_id(m, sa.select(due.c.id), backend) if backend == "postgresql" else m.c.id == due.c.id
-        self.claim = sa.update(m).where(taken).values(**take).returning(*claim_columns(m))
+        self.claim = sa.update(m).where(taken).values(**take).returning(*claim_columns(m, backend))
 
         # ordered queues: the oldest message that holds the line (one running, or one claimable that is
         # due, was tried already, or is not merely scheduled for later), and only if it is due. Its two
@@ -203,7 +204,7 @@ class Statements:
                 self.not_held,
             )
             .values(**take)
-            .returning(*claim_columns(m))
+            .returning(*claim_columns(m, backend))
         )
 
         self.mark_waiting = (

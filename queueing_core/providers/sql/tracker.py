@@ -17,6 +17,7 @@ from ...messages import MessageStatus
 from ...tracking.base import Activity, MessageQuery, MessageRecord, Only, Page, as_listed, invalid_cursor
 from .errors import db_boundary
 from .records import read_record, stored_in_order
+from .rows import stored_text
 from .schema import IN_LIST_BATCH, LEASED_SQL, UNLEASED_SQL, archived, claimable, tracked_by
 
 if TYPE_CHECKING:
@@ -77,10 +78,11 @@ class SqlRecords:
         return self.provider.tables.messages
 
     def columns(self) -> list[Any]:
-        """What the listings select. JSON columns come as text; so do, on SQLite, the ids and times
-        (a damaged one would fail the whole fetch in the driver); on PostgreSQL, whose columns refuse a
-        non-UUID or non-time, a time the driver cannot hold (``infinity``, a year past 9999 or before 1)
-        comes as NULL with its text beside it. :func:`read_record` reads each of them."""
+        """What the listings select. JSON columns come as text (on SQLite their stored bytes: see
+        ``rows.stored_text``); so do, on SQLite, the ids and times (a damaged one would fail the whole
+        fetch in the driver); on PostgreSQL, whose columns refuse a non-UUID or non-time, a time the
+        driver cannot hold (``infinity``, a year past 9999 or before 1) comes as NULL with its text
+        beside it. :func:`read_record` reads each of them."""
         m, text = self._m, sa.Text()
         skip = {"body", "headers", "result", "progress"}
         postgres = self.provider.backend == "postgresql"
@@ -98,12 +100,13 @@ class SqlRecords:
                 out.append(sa.cast(c, text).label(c.name))
             else:
                 out.append(c)
+        backend = self.provider.backend
         return [
             *out,
-            sa.cast(m.c.body, text).label("body_text"),
-            sa.cast(m.c.headers, text).label("headers_text"),
-            sa.cast(m.c.result, text).label("result_text"),
-            sa.cast(m.c.progress, text).label("progress_text"),
+            stored_text(m.c.body, backend, "body_text"),
+            stored_text(m.c.headers, backend, "headers_text"),
+            stored_text(m.c.result, backend, "result_text"),
+            stored_text(m.c.progress, backend, "progress_text"),
         ]
 
     @staticmethod

@@ -9,6 +9,7 @@ boolean with boolean); null matches a missing value as well as JSON null.
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from decimal import Decimal
@@ -47,13 +48,19 @@ def condition(p: SqlProvider, steps: Sequence[str | int], op: str, value: Scalar
         kind: sa.ColumnElement[Any] = sa.func.jsonb_typeof(body.op("#>")(path))
         text: sa.ColumnElement[Any] = body.op("#>>", return_type=sa.Text())(path)
         is_text, is_number = kind == "string", kind == "number"
-        bool_test = sa.and_(kind == "boolean", text == ("true" if value else "false"))
+
+        def is_bool(b: bool) -> sa.ColumnElement[bool]:
+            return sa.and_(kind == "boolean", text == ("true" if b else "false"))
+
     else:
         path = sa.bindparam("where_path", _sqlite_path(steps), type_=sa.Text())
         kind = sa.func.json_type(body, path)
         text = sa.func.json_extract(body, path)
         is_text, is_number = kind == "text", kind.in_(["integer", "real"])
-        bool_test = kind == ("true" if value else "false")
+
+        def is_bool(b: bool) -> sa.ColumnElement[bool]:
+            return kind == ("true" if b else "false")
+
     compare = _OPS[op]
     if value is None:
         missing = sa.or_(kind.is_(None), kind == "null")
@@ -61,7 +68,9 @@ def condition(p: SqlProvider, steps: Sequence[str | int], op: str, value: Scalar
             return sa.false()  # nothing is ordered against null
         return missing if op == "eq" else sa.not_(missing)
     if isinstance(value, bool):
-        return bool_test if op == "eq" else sa.and_(kind.is_not(None), sa.not_(bool_test))
+        # each boolean for which the comparison holds (false < true, as PostgreSQL orders them): as
+        # for text and numbers, a value of another JSON type (or null, or none) never matches
+        return sa.or_(sa.false(), *(is_bool(b) for b in (False, True) if compare(b, value)))
     test: sa.ColumnElement[bool]
     if isinstance(value, int | float):
         test = compare(_number(p, is_number, text), _number_value(p, value))
@@ -91,6 +100,18 @@ def _number_value(p: SqlProvider, value: int | float) -> sa.BindParameter[Any]:
     if isinstance(value, int):
         return sa.bindparam("where_value", value, type_=sa.BigInteger())
     return sa.bindparam("where_value", value, type_=sa.Float())
+
+
+def _expiry_from(p: SqlProvider, now: datetime) -> sa.ColumnElement[Any]:
+    """A new run's expiry by its row's type, as an operator's retry sets it: the type's expiration
+    after ``now``, or none for a type that never expires or that the app does not register."""
+    m = p.tables.messages
+    types: dict[datetime, list[str]] = defaultdict(list)
+    for sub in p._app.subscriptions() if p._app is not None else ():
+        if sub.options.expiration is not None:
+            types[now + sub.options.expiration].append(sub.type_name)
+    at = [(m.c.type.in_(names), sa.literal(when, m.c.expires_at.type)) for when, names in types.items()]
+    return sa.case(*at, else_=sa.null()) if at else sa.null()
 
 
 async def update_status(
@@ -125,6 +146,9 @@ async def update_status(
         ended = [s.value for s in (*MessageStatus.terminal(), MessageStatus.ABANDONED)]
         settled = sa.or_(m.c.status.in_(sorted(ended)), m.c.settled_at.is_not(None))
         values["attempt"] = sa.case((settled, 0), else_=m.c.attempt)
+        # and a new expiry, as the retry gives: its first run's, long past for a letter put back the
+        # next morning, would end it Expired without running it
+        values["expires_at"] = sa.case((settled, _expiry_from(p, now)), else_=m.c.expires_at)
         # put back by an operator: an idempotent type's version runs, whatever came after it (as a retry)
         values["superseded_by"] = None
     elif new_status in {s.value for s in MessageStatus.terminal()}:
