@@ -10,32 +10,21 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
-from uuid import uuid4
 
 from queueing_core.providers.tables import TablesTracker
 from queueing_core.tracking import MessageRecord
 from queueing_core.tracking.backlog import HistoryWriter
+from tests.unit.test_tables_raw_parts import EMOJI
+from tests.unit.test_tables_raw_parts import dead_letter as letter_of
 
 from .test_tables import tables_tracker  # noqa: F401  (the fixture)
 
-EMOJI = "\N{GRINNING FACE}"
 #: a 240 KB body: one ASCII character, then emoji (two UTF-16 units each) from an odd offset
 ODD = "a" + EMOJI * 60_000
 
 
 def dead_letter(raw: str) -> MessageRecord:
-    now = datetime.now(UTC)
-    return MessageRecord(
-        message_id=uuid4(),
-        tracking_id=uuid4(),
-        type="unknown",
-        queue="orders",
-        status="DeadLettered",
-        reason="MalformedMessage",
-        created_at=now,
-        updated_at=now,
-        raw=raw,
-    )
+    return letter_of(raw, datetime.now(UTC))
 
 
 async def assert_stored(tracker: TablesTracker, rec: MessageRecord) -> None:

@@ -44,9 +44,10 @@ def test_what_pydantic_core_refuses_json_reads_and_nan_and_large_numbers_alike()
             json_value(broken)
 
 
-def test_a_row_whose_body_is_not_json_is_a_malformed_delivery() -> None:
+def _row(**columns: Any) -> dict[str, Any]:
+    """A claimed row as the claim's statement returns it, ``columns`` changed."""
     now = datetime(2026, 1, 1, tzinfo=UTC)
-    row = {
+    return {
         "id": 7,
         "lease_token": 1,
         "locked_until": now,
@@ -59,10 +60,13 @@ def test_a_row_whose_body_is_not_json_is_a_malformed_delivery() -> None:
         "created_at": now,
         "not_before": None,
         "expires_at": None,
-        "headers_text": "{}",
-        "body_text": '{"n": 1',
         "raw": None,
+        **columns,
     }
+
+
+def test_a_row_whose_body_is_not_json_is_a_malformed_delivery() -> None:
+    row = _row(headers_text="{}", body_text='{"n": 1')
     bad = delivery_from_row(row)
     assert bad.envelope is None
     assert bad.malformed is not None
@@ -88,24 +92,7 @@ DEEP = '{"n": 1, "x": ' + "[" * 5000 + "]" * 5000 + "}"  # deeper than Python's 
 def test_a_row_that_does_not_decode_for_any_reason_is_a_malformed_delivery_of_its_own(changes, why) -> None:
     """Raised out of the batch instead, after its claim committed, it left every row of the batch leased
     until the sweep, which counted an attempt on each: healthy messages were dead-lettered unrun."""
-    now = datetime(2026, 1, 1, tzinfo=UTC)
-    row = {
-        "id": 7,
-        "lease_token": 1,
-        "locked_until": now,
-        "attempt": 0,
-        "type": "Job",
-        "queue": "jobs",
-        "message_id": "0" * 32,
-        "tracking_id": "1" * 32,
-        "correlation_id": None,
-        "created_at": now,
-        "not_before": None,
-        "expires_at": None,
-        "headers_text": b"{}",
-        "body_text": b'{"n": 1}',
-        "raw": None,
-    }
+    row = _row(headers_text=b"{}", body_text=b'{"n": 1}')  # (SQLite's: the stored bytes)
     good = delivery_from_row(row)
     assert good.envelope is not None
     assert (good.envelope.body, good.raw) == ({"n": 1}, '{"n": 1}')

@@ -24,7 +24,8 @@ def units(text: str) -> int:
     return len(text.encode("utf-16-le")) // 2
 
 
-def dead_letter(raw: str) -> MessageRecord:
+def dead_letter(raw: str, at: datetime = T0) -> MessageRecord:
+    """A dead letter that was no envelope, ``raw`` its text."""
     return MessageRecord(
         message_id=uuid4(),
         tracking_id=uuid4(),
@@ -32,8 +33,8 @@ def dead_letter(raw: str) -> MessageRecord:
         queue="orders",
         status="DeadLettered",
         reason="MalformedMessage",
-        created_at=T0,
-        updated_at=T0,
+        created_at=at,
+        updated_at=at,
         raw=raw,
     )
 
