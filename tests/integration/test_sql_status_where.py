@@ -354,3 +354,48 @@ async def test_a_letter_of_a_type_that_never_expires_is_put_back_without_an_expi
         assert (record.status, record.expires_at) == ("Pending", None)
     finally:
         await rt.close()
+
+
+@queue("putback-where", max_attempts=1)
+class Unrelated(QueueMessage):
+    ref: str
+
+
+async def test_an_ops_host_that_does_not_register_the_type_keeps_its_expiry(sql_db):
+    """Two apps on one table: the operator's host does not register the type it puts back. Written
+    as "no expiry", a worker that registers the type counted its expiration from the message's
+    creation instead: a letter sent for two days and put back five hours later expired unrun."""
+    clock = ManualClock(datetime(2026, 3, 2, 12, 0, tzinfo=UTC))
+    worker_app = QueueingApp("putback-worker")
+    runs: list[str] = []
+    failing = {"a"}
+
+    @worker_app.handler()
+    async def nightly(msg: Nightly) -> None:
+        runs.append(msg.ref)
+        if msg.ref in failing:
+            raise RuntimeError("boom")
+
+    ops_app = QueueingApp("putback-ops")
+    ops_app.message(Unrelated)  # (its own type only, on the same queue)
+    worker = Runtime(worker_app, sql_db.provider(clock=clock, listen=False), clock=clock)
+    ops_host = Runtime(ops_app, sql_db.provider(clock=clock, listen=False), clock=clock)
+    await worker.open()
+    await ops_host.open()
+    try:
+        sent = await worker_app.enqueue(Nightly(ref="a", created_at=clock()), ttl=timedelta(days=2))
+        await run_until_idle(worker, raise_errors=False)
+        assert (await worker.tracker.get(sent.message_id)).status == MessageStatus.DEAD_LETTERED
+        failing.clear()
+        clock.now += timedelta(hours=5)
+        res = await OpsService(ops_host, clock=clock).update_status_where(
+            "putback-where", where_ref("a", "Pending")
+        )
+        assert res.updated == 1
+        assert (await worker.tracker.get(sent.message_id)).expires_at == sent.expires_at
+        await run_until_idle(worker, raise_errors=False)
+        assert runs == ["a", "a"]
+        assert (await worker.tracker.get(sent.message_id)).status == MessageStatus.SUCCEEDED
+    finally:
+        await worker.close()
+        await ops_host.close()

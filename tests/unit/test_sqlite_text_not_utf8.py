@@ -6,13 +6,15 @@ reported as what it is, never as the database being unreachable."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from queueing_core import MessageStatus, QueueingApp, QueueMessage, queue
-from queueing_core.errors import ProviderError, ProviderUnavailable
+from queueing_core.errors import ConfigurationError, ProviderError, ProviderUnavailable
 from queueing_core.providers.sql import SqlProvider
 from queueing_core.runtime import Runtime
 from queueing_core.testing import run_until_idle
@@ -118,4 +120,22 @@ async def test_a_text_not_utf8_elsewhere_in_a_row_is_not_the_database_unreachabl
             await rt.tracker.query(MessageQuery(queue="not-utf8"))
         assert not isinstance(listed.value, ProviderUnavailable)
     finally:
+        await rt.close()
+
+
+async def test_a_database_file_in_utf16_is_refused_at_open(tmp_path) -> None:
+    """The claim reads a body as its stored bytes and decodes them as UTF-8; a file another program
+    made UTF-16 held every body in UTF-16, and every message was dead-lettered unread as malformed."""
+    path = tmp_path / "utf16.db"
+    made = sqlite3.connect(path)
+    made.execute("PRAGMA encoding='UTF-16le'")
+    made.execute("CREATE TABLE made_elsewhere (a)")  # (the encoding is fixed by the first table)
+    made.commit()
+    made.close()
+    rt = Runtime(QueueingApp("utf16"), SqlProvider(f"sqlite:///{path}", listen=False))
+    with pytest.raises(ConfigurationError) as refused:
+        await rt.open()
+    assert refused.value.setting == "QUEUEING_DATABASE_URL"
+    assert "UTF-16le" in str(refused.value)
+    with contextlib.suppress(Exception):
         await rt.close()

@@ -320,7 +320,18 @@ def _tune_sqlite(engine: AsyncEngine, synchronous: str) -> None:
         # (an OS crash or a power cut before it rolls the last commits back); FULL: at each commit
         cur.execute(f"PRAGMA synchronous={synchronous.upper()}")
         cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA encoding")
+        (encoding,) = cur.fetchone()
         cur.close()
+        if encoding != "UTF-8":
+            # a file another program made UTF-16: the claim reads bodies as their stored bytes, which
+            # it decodes as UTF-8 (so that one row that is not stays one malformed message), and every
+            # message would have been dead-lettered unread
+            raise ConfigurationError(
+                "QUEUEING_DATABASE_URL",
+                f"the SQLite database's text encoding is {encoding}; the kit reads UTF-8 databases only",
+                "a new file (SQLite makes it UTF-8), or this one copied into one",
+            )
 
     @sa.event.listens_for(engine.sync_engine, "begin")
     def on_begin(conn: sa.Connection) -> None:

@@ -104,14 +104,19 @@ def _number_value(p: SqlProvider, value: int | float) -> sa.BindParameter[Any]:
 
 def _expiry_from(p: SqlProvider, now: datetime) -> sa.ColumnElement[Any]:
     """A new run's expiry by its row's type, as an operator's retry sets it: the type's expiration
-    after ``now``, or none for a type that never expires or that the app does not register."""
+    after ``now``, or none for a type that never expires. A type the app does not register keeps the
+    expiry it has: none read as "never" by this host, a worker that registers it counts the type's
+    expiration from the message's creation, and the message expired again unrun."""
     m = p.tables.messages
-    types: dict[datetime, list[str]] = defaultdict(list)
+    types: dict[datetime | None, list[str]] = defaultdict(list)
     for sub in p._app.subscriptions() if p._app is not None else ():
-        if sub.options.expiration is not None:
-            types[now + sub.options.expiration].append(sub.type_name)
-    at = [(m.c.type.in_(names), sa.literal(when, m.c.expires_at.type)) for when, names in types.items()]
-    return sa.case(*at, else_=sa.null()) if at else sa.null()
+        expiration = sub.options.expiration
+        types[now + expiration if expiration is not None else None].append(sub.type_name)
+    at = [
+        (m.c.type.in_(names), sa.literal(when, m.c.expires_at.type) if when is not None else sa.null())
+        for when, names in types.items()
+    ]
+    return sa.case(*at, else_=m.c.expires_at) if at else m.c.expires_at
 
 
 async def update_status(
