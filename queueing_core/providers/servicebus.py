@@ -982,7 +982,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             # in the queue is gone from it: one an earlier purge cancelled before it stopped (its
             # history was left, and a purge again found nothing to cancel). Only those statuses: an
             # operator's retry records Pending before it sends its copy, which the peek may not see yet
-            removed |= {
+            # (and only once the dead-letter queue is found empty: see below)
+            nowhere = {
                 str(r.message_id)
                 for r in records
                 if r.status in _SCHEDULED_ONLY and str(r.message_id) not in seen
@@ -996,9 +997,12 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             async with self._dead_letter_pages(query.queue) as pages:
                 dead_removed = await empty_dead_letters(pages, SCAN_LIMIT)
             if dead_removed is None:  # none left: every dead letter's history goes (see there)
+                removed |= nowhere
                 return {
                     r.message_id for r in records if r.status in DEAD_STATES or str(r.message_id) in removed
                 }
+            # letters left past the scan's limit: one of them may be a message whose history still said
+            # it waited (Service Bus dead-letters one by itself, at its delivery limit): it stays
             removed |= dead_removed
         else:
             dead = [r for r in records if r.status in DEAD_STATES]

@@ -13,6 +13,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from azure.servicebus import ServiceBusSubQueue
 
 from queueing_core import MessageStatus, NonRetryableError, QueueingApp, QueueMessage, queue
 from queueing_core.errors import ProviderUnavailable
@@ -82,5 +83,45 @@ async def test_a_retry_under_way_keeps_its_history_through_a_whole_purge(send_fa
         else:
             assert props.active_message_count == 1  # the retry's copy waits in the queue
             assert rec is not None, "the live copy's history was deleted by the purge"
+    finally:
+        await rt.close()
+
+
+async def test_a_letter_the_purge_leaves_keeps_the_history_that_says_it_waits() -> None:
+    """A message Service Bus dead-lettered by itself (its delivery limit) whose history still says it
+    waits for its retry: a purge that finds it nowhere in the queue, and leaves its letter (another
+    reader holds it), does not take it for one an earlier purge cancelled: the letter stays, so does
+    its history."""
+    app = QueueingApp("purge-letter-left")
+
+    @app.handler()
+    async def job(msg: Job) -> None:
+        raise NonRetryableError("no")
+
+    rt = in_memory_servicebus(app, FakeServiceBusNamespace(), provider_options={"receive_wait": 0.1})
+    await rt.open()
+    try:
+        held = (await app.enqueue(Job(n=1))).message_id
+        other = (await app.enqueue(Job(n=2))).message_id
+
+        async def both_dead() -> bool:
+            records = [await rt.tracker.get(mid) for mid in (held, other)]
+            return all(r is not None and r.status == MessageStatus.DEAD_LETTERED for r in records)
+
+        async with running(rt):
+            await wait_until(both_dead, what="two dead letters")
+        record = await rt.tracker.get(held)
+        assert record is not None
+        await rt.tracker.upsert([record.model_copy(update={"status": MessageStatus.FAILED.value})])
+        prov: Any = rt.provider
+        reader = prov.client.get_queue_receiver(prov.physical(Q), sub_queue=ServiceBusSubQueue.DEAD_LETTER)
+        async with reader:
+            [letter] = await reader.receive_messages(max_message_count=1, max_wait_time=5)  # (held)
+            await OpsService(rt).purge(MessageQuery(queue=Q), whole=True)
+            props = await prov.admin.get_queue_runtime_properties(prov.physical(Q))
+            assert props.dead_letter_message_count == 1
+            assert await rt.tracker.get(other) is None  # (its letter removed: its history went)
+            assert await rt.tracker.get(held) is not None, "a letter left with no history: never listed"
+            await reader.abandon_message(letter)
     finally:
         await rt.close()
