@@ -20,9 +20,10 @@ import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
-from ..envelope import malformed_id
+from ..envelope import DEAD_AT, DESCRIPTION, REASON, Envelope, malformed_id
 from ..errors import InvalidArgument, InvalidOperation
 from ..messages import MessageStatus
 from ..tracking import MessageQuery, MessageRecord
@@ -265,6 +266,21 @@ async def scan_dead_letters(
         with contextlib.suppress(Exception):
             await pages.hand_back(run.held + run.located)
     return run.found
+
+
+def started_again(env: Envelope, expiration: timedelta | None, since: datetime) -> Envelope:
+    """``env``, one of the kit's dead letters an operator moved back to its live queue with the
+    transport's own tools (AWS's DLQ redrive, RabbitMQ's "Move messages" or a shovel), started again as
+    the kit's own retry sends one: no attempts used, its type's ``expiration`` from ``since``, and
+    without the marks of its dead-lettering. Kept as it came, it carried the attempts its message had
+    used (all of them): its first delivery was past its last attempt, and it was dead-lettered again
+    unrun."""
+    kept = {k: v for k, v in env.headers.items() if k not in (REASON, DESCRIPTION, DEAD_AT)}
+    try:
+        expires_at = since + expiration if expiration is not None else None
+    except OverflowError:  # (past the year 9999: as good as none)
+        expires_at = None
+    return env.with_attempt(0, headers=kept, expires_at=expires_at)
 
 
 async def empty_dead_letters(pages: DeadLetterPages[T], limit: int) -> set[str] | None:

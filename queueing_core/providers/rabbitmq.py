@@ -86,7 +86,7 @@ from yarl import URL
 from .. import retry_policy
 from ..clock import Clock, utcnow
 from ..decisions import Complete, DeadLetter, DeadLetterReason, Expire, counts_attempt, dead_letter_of, due_at
-from ..envelope import DEAD_AT, DESCRIPTION, REASON, Envelope, dead_letter_marks
+from ..envelope import REASON, Envelope, dead_letter_marks
 from ..errors import (
     InvalidOperation,
     MalformedEnvelope,
@@ -98,7 +98,7 @@ from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, RunBound, Settlement, settled_each
 from . import amqp_decoding
 from .amqp_decoding import unreadable
-from .dead_letters import DEAD_STATES, id_in_text
+from .dead_letters import DEAD_STATES, id_in_text, started_again
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, record_stored_text
 from .delayed.breaker import first_line
 from .names import companion_name
@@ -144,8 +144,6 @@ CONSUMER_TIMEOUT = 1800.0
 CONSUMER_TIMEOUT_MARGIN = 60.0
 #: a consumer timeout this long or longer is taken for none
 LONGEST_CONSUMER_TIMEOUT = 366 * 24 * 3600.0
-#: the headers that mark one of the kit's dead letters (see ``dead_letter_marks``)
-DEAD_LETTER_MARKS = (REASON, DESCRIPTION, DEAD_AT)
 
 
 @contextlib.contextmanager
@@ -400,12 +398,7 @@ def _moved_back(
     of its own on a moved message), and without the marks of its dead-lettering."""
     if REASON not in env.headers or not isinstance((headers or {}).get(REASON), str):
         return None
-    kept = {k: v for k, v in env.headers.items() if k not in DEAD_LETTER_MARKS}
-    try:
-        expires_at = since + expiration if expiration is not None else None
-    except OverflowError:  # (past the year 9999: as good as none)
-        expires_at = None
-    return env.with_attempt(0, headers=kept, expires_at=expires_at)
+    return started_again(env, expiration, since)
 
 
 class RabbitMQProvider(SideStoreOps):

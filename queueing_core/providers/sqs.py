@@ -50,7 +50,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..clock import Clock, utcnow
 from ..decisions import Complete, DeadLetter, DeadLetterReason, Expire, dead_letter_of, due_at
-from ..envelope import DEAD_AT, DESCRIPTION, REASON, Envelope, dead_letter_marks
+from ..envelope import DESCRIPTION, REASON, Envelope, dead_letter_marks
 from ..errors import (
     ConfigurationError,
     InvalidOperation,
@@ -62,7 +62,7 @@ from ..naming import QueueNaming, Transport
 from ..options import QueueOptions
 from ..tracking import MessageRecord
 from ..transport import Capabilities, Delivery, RunBound, Settlement, settled_each
-from .dead_letters import DEAD_STATES, HOLD_SECONDS, empty_dead_letters, id_in_text
+from .dead_letters import DEAD_STATES, HOLD_SECONDS, empty_dead_letters, id_in_text, started_again
 from .delayed import FORWARD_FAILED, DelayedMessage, forward_failed_record, record_stored_text
 from .delayed.breaker import first_line
 from .names import companion_name
@@ -800,11 +800,7 @@ class SqsProvider(SideStoreOps):
         # letter the kit sent carries: a header of that name alone may be the sender's own)
         if env is None or REASON not in env.headers:
             return d
-        expiration = sub.options.expiration
-        headers = {k: v for k, v in env.headers.items() if k not in (REASON, DESCRIPTION, DEAD_AT)}
-        d.envelope = env.with_attempt(
-            0, headers=headers, expires_at=sent + expiration if expiration is not None else None
-        )
+        d.envelope = started_again(env, sub.options.expiration, sent)
         d.attempt = max(1, count)
         log.info(
             "SQS message %s (%s) came back from its dead-letter queue (a redrive): run again with "

@@ -31,9 +31,9 @@ class Job(QueueMessage):
     n: int
 
 
-@pytest.mark.parametrize("send_fails", [False, True], ids=["copy-sent", "copy-refused"])
-async def test_a_retry_under_way_keeps_its_history_through_a_whole_purge(send_fails: bool) -> None:
-    app = QueueingApp("purge-retry")
+async def _dead_lettering(name: str) -> tuple[QueueingApp, Any]:
+    """An app whose handler dead-letters every ``Job``, open on an in-memory Service Bus."""
+    app = QueueingApp(name)
 
     @app.handler()
     async def job(msg: Job) -> None:
@@ -41,6 +41,12 @@ async def test_a_retry_under_way_keeps_its_history_through_a_whole_purge(send_fa
 
     rt = in_memory_servicebus(app, FakeServiceBusNamespace(), provider_options={"receive_wait": 0.1})
     await rt.open()
+    return app, rt
+
+
+@pytest.mark.parametrize("send_fails", [False, True], ids=["copy-sent", "copy-refused"])
+async def test_a_retry_under_way_keeps_its_history_through_a_whole_purge(send_fails: bool) -> None:
+    app, rt = await _dead_lettering("purge-retry")
     try:
         mid = (await app.enqueue(Job(n=1))).message_id
 
@@ -92,14 +98,7 @@ async def test_a_letter_the_purge_leaves_keeps_the_history_that_says_it_waits() 
     waits for its retry: a purge that finds it nowhere in the queue, and leaves its letter (another
     reader holds it), does not take it for one an earlier purge cancelled: the letter stays, so does
     its history."""
-    app = QueueingApp("purge-letter-left")
-
-    @app.handler()
-    async def job(msg: Job) -> None:
-        raise NonRetryableError("no")
-
-    rt = in_memory_servicebus(app, FakeServiceBusNamespace(), provider_options={"receive_wait": 0.1})
-    await rt.open()
+    app, rt = await _dead_lettering("purge-letter-left")
     try:
         held = (await app.enqueue(Job(n=1))).message_id
         other = (await app.enqueue(Job(n=2))).message_id
