@@ -32,6 +32,16 @@ class RetryPolicy(BaseModel):
     max_delay: timedelta = timedelta(minutes=5)
     jitter: float = Field(default=0.2, ge=0.0, le=1.0)
 
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        # a negative wait was clamped to "retry at once" where it was used: refused here instead,
+        # where the mistake is made, so a policy means what it says
+        if self.base < timedelta(0):
+            raise ValueError("retry base must not be negative")
+        if self.max_delay < timedelta(0):
+            raise ValueError("retry max_delay must not be negative")
+        return self
+
     def delay(self, attempt: int, rand: Callable[[], float] = random.random) -> timedelta:
         """Delay before the retry that follows failed attempt number ``attempt`` (1-based)."""
         exponent = max(0, attempt - 1)
@@ -60,6 +70,12 @@ class CircuitBreakerOptions(BaseModel):
     #: that the probe a late report names (its time, kept to the second by some stores) is told apart
     #: from the one that replaced it
     probe_timeout: timedelta = Field(default=timedelta(minutes=5), ge=timedelta(seconds=5))
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.cooldown < timedelta(0):
+            raise ValueError("circuit breaker cooldown must not be negative")
+        return self
 
 
 LeaseExpiry = Literal["retry", "abandon"]
@@ -111,6 +127,8 @@ class QueueOptions(BaseModel):
             raise ValueError("idempotent types need an identity: a field name or a function of the message")
         if self.expiration is not None and self.expiration <= timedelta(0):
             raise ValueError("expiration must be positive or None")
+        if self.keep_processed_for is not None and self.keep_processed_for < timedelta(0):
+            raise ValueError("keep_processed_for must not be negative")
         if self.ordered and self.max_concurrency != 1 and "max_concurrency" in self.model_fields_set:
             raise ValueError("ordered queues process one message at a time: max_concurrency must be 1")
         return self

@@ -200,6 +200,8 @@ class _Run:
     grace: float
     requested: bool = False
     timer: asyncio.TimerHandle | None = None
+    #: set by a cancel while the message waits for its slot, which ends the wait (see _wait_for_slot)
+    woken: asyncio.Event | None = None
 
 
 class _MessageLog(logging.LoggerAdapter[logging.Logger]):
@@ -332,6 +334,8 @@ class Pipeline:
             return run is not None
         run.requested = True
         run.cancelled.set()
+        if run.woken is not None:
+            run.woken.set()
         if run.task is not None:
             run.timer = asyncio.get_running_loop().call_later(run.grace, run.task.cancel)
         return True
@@ -772,10 +776,14 @@ class Pipeline:
         # (not over a copy of the same id running here already, a duplicate delivery: a cancel must
         # reach that one; this one reads the cancellation requests again once it has its slot)
         self.running.setdefault(env.message_id, run)
+        # a cancel ends the wait (it waited a whole run, or a Functions host's minute, told Cancelled)
+        run.woken = asyncio.Event()
         try:
-            if not await _take_slot(limiter, closing, wait):
+            if not await _take_slot(limiter, closing, wait, run.woken):
                 if closing is not None and closing.is_set():
                     return Release("host shutting down before the handler started")
+                if run.requested:
+                    return Complete(None, cancelled=True)
                 # (a Functions host: waited on, the invocation ran into the host's timeout with the
                 # handler still to run, and the restart that ends a Python worker's timed-out invocation
                 # ended every other one of the process too; review)
@@ -956,32 +964,35 @@ def _unrun(decision: Decision) -> bool:
 
 
 async def _take_slot(
-    limiter: asyncio.Semaphore, closing: asyncio.Event | None, within: float | None = None
+    limiter: asyncio.Semaphore,
+    closing: asyncio.Event | None,
+    within: float | None = None,
+    cancelled: asyncio.Event | None = None,
 ) -> bool:
-    """Wait for a concurrency slot; False (and no slot held) if ``closing`` is set first, or when
-    ``within`` seconds have passed without one."""
-    if closing is not None and closing.is_set():
+    """Wait for a concurrency slot; False (and no slot held) if ``closing`` or ``cancelled`` is set
+    first, or when ``within`` seconds have passed without one."""
+    ends = [event for event in (closing, cancelled) if event is not None]
+    if any(event.is_set() for event in ends):
         return False
-    if not limiter.locked() or (closing is None and within is None):
+    if not limiter.locked() or (not ends and within is None):
         await limiter.acquire()  # free (or nothing to race): taken without waiting on two things
         return True
     acquiring = asyncio.ensure_future(limiter.acquire())
-    closed = asyncio.ensure_future(closing.wait()) if closing is not None else None
+    ending = [asyncio.ensure_future(event.wait()) for event in ends]
     unwinding = True
     try:
-        waits = {acquiring} if closed is None else {acquiring, closed}
-        await asyncio.wait(waits, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({acquiring, *ending}, timeout=within, return_when=asyncio.FIRST_COMPLETED)
         unwinding = False
     finally:
-        if closed is not None:
-            closed.cancel()
+        for waiting in ending:
+            waiting.cancel()
         if not acquiring.done():
             acquiring.cancel()  # the semaphore passes a slot granted meanwhile on to the next waiter
             with contextlib.suppress(asyncio.CancelledError):
                 await acquiring
         got = acquiring.done() and not acquiring.cancelled()
-        if got and (unwinding or (closing is not None and closing.is_set())):
-            limiter.release()  # closing won the race (or we were cancelled): start nothing
+        if got and (unwinding or any(event.is_set() for event in ends)):
+            limiter.release()  # an end won the race (or we were cancelled): start nothing
             got = False
     return got
 

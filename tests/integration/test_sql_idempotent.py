@@ -424,3 +424,35 @@ async def test_a_message_sent_again_with_its_own_id_while_it_runs_is_not_superse
         assert await _status(rt, first.message_id) == "Succeeded"
     finally:
         await rt.close()
+
+
+@queue("flags", idempotent=True, identity="key")
+class Flag(QueueMessage):
+    key: str
+    value: Any
+
+
+async def test_a_changed_body_python_takes_for_equal_replaces_the_waiting_one(sql_db):
+    """``1`` then ``true`` for one key: another version on every transport (they compare the JSON's
+    digest), but SQL compared with Python's ``==`` (``True == 1``) and discarded the new version, whose
+    handler then ran with the old value."""
+    app = QueueingApp("flags")
+    seen: list[Any] = []
+
+    @app.handler()
+    async def handle(msg: Flag) -> None:
+        seen.append(msg.value)
+
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    try:
+        first = await app.enqueue(Flag(key="beta", value=1), delay=timedelta(hours=1))
+        second = await app.enqueue(Flag(key="beta", value=True), delay=timedelta(hours=1))
+        assert (second.outcome, second.message_id) == ("replaced", first.message_id)
+        same = await app.enqueue(Flag(key="beta", value=True), delay=timedelta(hours=1))
+        assert same.outcome == "discarded"  # (the same JSON still is)
+        await app.enqueue(Flag(key="beta", value=True))  # brought forward: it runs now
+        await run_until_idle(rt)
+        assert seen == [True]
+    finally:
+        await rt.close()

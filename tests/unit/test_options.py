@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from queueing_core import QueueingApp, QueueMessage, QueueOptions, RetryPolicy, queue
+from queueing_core import CircuitBreakerOptions, QueueingApp, QueueMessage, QueueOptions, RetryPolicy, queue
 
 
 def test_backoff_is_exponential_and_capped_without_jitter():
@@ -80,3 +80,18 @@ def test_a_probe_timeout_under_five_seconds_is_refused():
     with pytest.raises(ValidationError, match="probe_timeout"):
         CircuitBreakerOptions(probe_timeout=timedelta(seconds=1))
     assert CircuitBreakerOptions(probe_timeout=timedelta(seconds=5)).probe_timeout == timedelta(seconds=5)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: CircuitBreakerOptions(cooldown=timedelta(seconds=-1)), "cooldown must not be negative"),
+        (
+            lambda: QueueOptions(keep_processed_for=timedelta(hours=-1)),
+            "keep_processed_for must not be negative",
+        ),
+    ],
+)
+def test_negative_durations_are_refused(make, words):
+    with pytest.raises(ValidationError, match=words):
+        make()

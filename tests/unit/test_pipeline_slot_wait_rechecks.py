@@ -187,6 +187,26 @@ async def test_a_cancel_reaches_it_while_it_waits() -> None:
     assert s.ran == []
 
 
+async def test_a_cancel_ends_its_wait_at_once() -> None:
+    """It is settled Cancelled when cancelled, not once the slot comes free (a handler's whole run, or
+    a Functions invocation's minute later: told Cancelled, the message stayed leased all that while)."""
+    s = Setup()
+    await s.slot.acquire()  # another run holds the type's one slot, and keeps it
+    d = s.delivery(2)
+    assert d.envelope is not None
+    task = asyncio.create_task(s.pipe.process(d))
+    for _ in range(100):
+        if d.envelope.message_id in s.pipe.running:
+            break
+        await asyncio.sleep(0)
+    assert s.pipe.cancel_running(d.envelope.message_id)
+    assert await asyncio.wait_for(task, 5) == Complete(None, cancelled=True)
+    assert s.ran == []
+    assert not s.pipe.running
+    s.slot.release()
+    assert not s.slot.locked()  # (it took no slot: the one held is the only one out)
+
+
 async def test_its_circuit_opened_meanwhile_it_is_held() -> None:
     s = Setup()
 

@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from pydantic import ValidationError
 
 from queueing_core import (
     DeadLetter,
@@ -28,7 +29,7 @@ from queueing_core import (
 )
 from queueing_core.control import MemoryControlStore
 from queueing_core.decisions import Decision
-from queueing_core.pipeline import LONGEST_RETRY, Pipeline
+from queueing_core.pipeline import Pipeline
 from queueing_core.producer import Producer
 from queueing_core.runtime import history_record
 from queueing_core.testing import in_memory_servicebus
@@ -141,26 +142,18 @@ async def test_a_retry_into_the_past_retries_at_once(after: str) -> None:
     assert history_record(Settlement(d, decision), T0).not_before == T0
 
 
-@queue(
-    "retry-values-policy",
-    max_attempts=3,
-    retry=RetryPolicy(base=timedelta(seconds=1), max_delay=timedelta(days=-999_999_999), jitter=0),
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_delay": timedelta(days=-999_999_999)},
+        {"max_delay": timedelta(seconds=-1)},
+        {"base": timedelta(seconds=-1)},
+    ],
 )
-class NegativeCap(QueueMessage):
-    n: int = 0
-
-
-async def test_a_policy_with_a_negative_cap_retries_at_once() -> None:
-    app = QueueingApp("retry-values-policy")
-
-    @app.handler()
-    async def handle(msg: NegativeCap) -> None:
-        raise RuntimeError("downstream gone")
-
-    pipe, prod = _pipeline(app)
-    _, decision = await _decide(pipe, prod, NegativeCap(created_at=T0), attempt=1)
-    assert isinstance(decision, RetryAfter)
-    assert timedelta(0) == decision.delay <= LONGEST_RETRY
+def test_a_policy_with_a_negative_wait_is_refused_where_it_is_written(fields: dict[str, timedelta]) -> None:
+    # it was taken and clamped to "retry at once" where it was used, a policy not meaning what it said
+    with pytest.raises(ValidationError, match="must not be negative"):
+        RetryPolicy(**fields)
 
 
 @queue("retry-values-sb", max_attempts=3, lease_duration=timedelta(seconds=5))

@@ -15,8 +15,9 @@ import sqlalchemy as sa
 
 from ...clock import as_utc
 from ...control.base import CANCEL_KEPT
+from ...idempotency import body_hash
 from ...messages import MessageStatus, QueueMessage, read_body
-from .rows import row_for
+from .rows import row_for, stored_text
 from .schema import CLAIMABLE, CLAIMABLE_SQL, Tables, archived, claimable
 from .statements import notify_statement
 
@@ -96,7 +97,9 @@ def plan(
             m.c.status,
             m.c.not_before,
             m.c.available_at,
-            sa.cast(m.c.body, sa.Text()).label("b"),
+            # (bytes on SQLite, decoded by ``_same``: a row another program wrote that is not UTF-8 failed
+            # every idempotent enqueue of the identity)
+            stored_text(m.c.body, backend, "b"),
             sa.literal_column(f"({CLAIMABLE_SQL})").label("waits"),
             m.c.superseded_by,
             # a cancellation standing for it (as the control state reads them): the next claim settles
@@ -262,10 +265,15 @@ def _channel(tables: Tables) -> str:
     return channel_for(tables.messages.schema)
 
 
-def _same(stored: str | None, body: dict[str, Any]) -> bool:
+def _same(stored: str | bytes | None, body: dict[str, Any]) -> bool:
+    """Whether the stored body is ``body``, by the rule of every transport (``body_hash``: the same JSON
+    whatever the key order; Python's ``==`` took ``true`` for ``1`` and discarded the changed version).
+    One that does not read (not UTF-8, not JSON, nested past what the parser reads) is not: it is
+    replaced by this version, which can run."""
     try:
-        return stored is not None and json.loads(stored) == body
-    except ValueError:
+        text = stored.decode() if isinstance(stored, bytes) else stored  # (as the claim reads it)
+        return text is not None and body_hash(json.loads(text)) == body_hash(body)
+    except (ValueError, RecursionError):
         return False
 
 
@@ -287,7 +295,7 @@ async def previous(p: SqlProvider, sub: Subscription, message: QueueMessage, key
     async with p.engine.connect() as conn:
         text = (
             await conn.execute(
-                sa.select(sa.cast(m.c.body, sa.Text()))
+                sa.select(stored_text(m.c.body, p.backend, "b"))
                 .where(
                     m.c.type == sub.type_name,
                     m.c.identity == key,
@@ -300,4 +308,5 @@ async def previous(p: SqlProvider, sub: Subscription, message: QueueMessage, key
         ).scalar()
     if text is None:
         return None
-    return read_body(sub.message_type, json.loads(text))
+    # (a version that does not read fails the lookup, which the pipeline tells and takes for none)
+    return read_body(sub.message_type, json.loads(text.decode() if isinstance(text, bytes) else text))
