@@ -168,11 +168,20 @@ async def test_the_dashboard_lists_and_shows_a_damaged_row(api, sql_db):
     # bulk actions count the damaged row with the rest: a retry refuses it, a purge deletes it
     csrf = re.search(r'"X-CSRF-Token": "([^"]+)"', (await client.get("/ui/")).text).group(1)
     headers = {**FORM, "X-CSRF-Token": csrf, "HX-Request": "true"}
-    form = "step=run&expected=3&status=Pending&action="
-    retried = await client.post("/ui/bulk", content=form + "retry", headers=headers)
+
+    async def confirmed(action: str) -> str:
+        """The run's form, carrying what the confirmation states (its count and selection)."""
+        confirm = await client.post(
+            "/ui/bulk", content=f"step=confirm&status=Pending&action={action}", headers=headers
+        )
+        carried = re.findall(r'name="(expected|selection)" value="([^"]*)"', confirm.text)
+        assert ("expected", "3") in carried, confirm.text
+        return f"step=run&status=Pending&action={action}&" + "&".join(f"{k}={v}" for k, v in carried)
+
+    retried = await client.post("/ui/bulk", content=await confirmed("retry"), headers=headers)
     assert retried.status_code == 200, retried.text
     assert "Retried 0 message(s); 3 refused" in retried.text
-    purged = await client.post("/ui/bulk", content=form + "purge", headers=headers)
+    purged = await client.post("/ui/bulk", content=await confirmed("purge"), headers=headers)
     assert purged.status_code == 200, purged.text
     assert "Deleted 3 message(s)" in purged.text
     assert (await api_client.get("/messages/stats")).json()["total"] == 1

@@ -116,7 +116,15 @@ async def _purge(held: HeldRun, way: str, *, whole: bool) -> dict[str, Any]:
     assert "Messages a worker holds are left alone" in confirm, confirm
     assert 'id="bulk-empty" name="whole" value="true"' in confirm, confirm
     assert "and so do <strong>the messages a worker holds</strong>" in confirm, confirm
-    run = {**form, "step": "run", "expected": count.group(1), **({"whole": "true"} if whole else {})}
+    selection = re.search(r'name="selection" value="([^"]*)"', confirm)
+    assert selection is not None, confirm
+    run = {
+        **form,
+        "step": "run",
+        "expected": count.group(1),
+        "selection": selection.group(1),
+        **({"whole": "true"} if whole else {}),
+    }
     done = (await held.client.post("/ui/bulk", data=run)).text
     found = re.search(r"[Dd]eleted (\d+) message\(s\)(?:; (\d+) held by a worker)?", done)
     assert found is not None, done

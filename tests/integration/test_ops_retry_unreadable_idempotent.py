@@ -113,9 +113,13 @@ async def test_a_retry_is_scheduled_and_the_worker_dead_letters_it_again_with_it
         await rt.close()
 
 
-def _bulk_form(queue_name: str, step: str, expected: int | None = None) -> dict[str, str]:
+def _bulk_form(queue_name: str, step: str, confirmation: str | None = None) -> dict[str, str]:
+    """The bulk retry's form; the run's carries what the confirmation states (count, selection)."""
     form = {"queue": queue_name, "status": "DeadLettered", "action": "retry", "step": step}
-    return form if expected is None else {**form, "expected": str(expected)}
+    if confirmation is None:
+        return form
+    carried = re.findall(r'name="(expected|selection)" value="([^"]*)"', confirmation)
+    return {**form, **dict(carried)}
 
 
 async def test_a_bulk_retry_goes_past_a_newest_dead_letter_that_no_longer_reads(monkeypatch):
@@ -128,7 +132,8 @@ async def test_a_bulk_retry_goes_past_a_newest_dead_letter_that_no_longer_reads(
         async with ops_client(rt) as client:
             confirm = await client.post("/ui/bulk", data=_bulk_form("retry-unreadable-model", "confirm"))
             assert re.search(r"Retry <strong>2</strong>", confirm.text), confirm.text
-            done = await client.post("/ui/bulk", data=_bulk_form("retry-unreadable-model", "run", 2))
+            run = _bulk_form("retry-unreadable-model", "run", confirm.text)
+            done = await client.post("/ui/bulk", data=run)
         assert done.status_code == 200, done.text
         assert "Retried 2 message(s)." in done.text, done.text
         assert (await rt.tracker.get(good)).status == MessageStatus.PENDING
@@ -154,7 +159,9 @@ async def test_one_messages_unexpected_failure_does_not_stop_a_bulk_retry(monkey
 
         monkeypatch.setattr(OpsService, "retry", retry)
         async with ops_client(rt) as client:
-            done = await client.post("/ui/bulk", data=_bulk_form("retry-unreadable-model", "run", 2))
+            confirm = await client.post("/ui/bulk", data=_bulk_form("retry-unreadable-model", "confirm"))
+            run = _bulk_form("retry-unreadable-model", "run", confirm.text)
+            done = await client.post("/ui/bulk", data=run)
         assert done.status_code == 200, done.text
         assert "Retried 1 message(s); 1 refused." in done.text, done.text
         assert f"message {failed[0]}: failed unexpectedly" in done.text

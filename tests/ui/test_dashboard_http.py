@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import re
+from urllib.parse import urlencode
 from uuid import UUID
 
 import httpx
@@ -40,6 +42,13 @@ async def signed_in(c: httpx.AsyncClient) -> str:
     assert r.status_code == 303
     page = await c.get(f"{UI}/")
     return re.search(r'"X-CSRF-Token": "([^"]+)"', page.text).group(1)
+
+
+def run_form(confirmation: str) -> str:
+    """The form the confirmation's button sends, as a browser sends it: its hidden fields."""
+    fields = re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', confirmation)
+    assert ("step", "run") in fields, confirmation
+    return urlencode([(k, html.unescape(v)) for k, v in fields])
 
 
 def test_a_session_is_signed_dated_and_tied_to_the_key():
@@ -219,19 +228,68 @@ async def test_bulk_actions_state_the_count_and_act_only_on_that_count(runtime):
         assert "Delete <strong>3</strong> message(s)" in r.text
         # the selection grew since the confirmation: asked again, nothing deleted
         await runtime.producer.enqueue(ChargeCard(order_id="late", amount_cents=1))
-        r = await c.post(
-            f"{UI}/bulk", content="action=purge&step=run&expected=3&queue=ui-orders", headers=headers
-        )
+        r = await c.post(f"{UI}/bulk", content=run_form(r.text), headers=headers)
         assert "The selection changed since you confirmed" in r.text
+        assert "3 message(s) then, 4 now; nothing was done." in r.text
         assert "Delete <strong>4</strong> message(s)" in r.text
         assert sum((await runtime.tracker.counts()).values()) == 4
-        r = await c.post(
-            f"{UI}/bulk", content="action=purge&step=run&expected=4&queue=ui-orders", headers=headers
-        )
+        r = await c.post(f"{UI}/bulk", content=run_form(r.text), headers=headers)
         assert "Deleted 4 message(s)" in r.text
         assert sum((await runtime.tracker.counts()).values()) == 0
         r = await c.post(f"{UI}/bulk", content="action=drop&step=run&queue=ui-orders", headers=headers)
         assert r.status_code == 422
+
+
+async def test_a_bulk_action_acts_only_on_the_messages_confirmed_not_on_as_many_others(runtime):
+    """The run checked only the count: the dead letter the operator confirmed (A) was archived by a
+    colleague, another (B) came in, the count stayed 1, and the run deleted B, which the operator
+    never saw (a review found it). A selection that is not the same messages, in the same states, is
+    refused and confirmed again."""
+    a, b = await runtime.producer.enqueue_many([ChargeCard(order_id=o, amount_cents=1) for o in "ab"])
+    await runtime.app.cancel(a.tracking_id)  # finished (no worker): listed, archivable
+    ops = OpsService(runtime)
+    selection = "queue=ui-orders&status=Cancelled&archived=false"
+    async with client(runtime) as c:
+        csrf = await signed_in(c)
+        headers = {**FORM, "X-CSRF-Token": csrf, "HX-Request": "true"}
+        confirm = await c.post(
+            f"{UI}/bulk", content=f"action=purge&step=confirm&{selection}", headers=headers
+        )
+        assert "Delete <strong>1</strong> message(s)" in confirm.text
+        await ops.archive(a.message_id)  # meanwhile, A leaves the selection and B enters it
+        await runtime.app.cancel(b.tracking_id)
+        r = await c.post(f"{UI}/bulk", content=run_form(confirm.text), headers=headers)
+        assert r.status_code == 200, r.text
+        assert "The selection changed since you confirmed" in r.text
+        assert "still 1 message(s), but not the same ones" in r.text
+        assert 'id="bulk-done"' not in r.text
+        assert await runtime.tracker.get(a.message_id) is not None
+        assert await runtime.tracker.get(b.message_id) is not None
+        # confirmed again, the run deletes B, the one now stated, and nothing else
+        r = await c.post(f"{UI}/bulk", content=run_form(r.text), headers=headers)
+        assert "Deleted 1 message(s)" in r.text
+        assert await runtime.tracker.get(b.message_id) is None
+        assert (await runtime.tracker.get(a.message_id)).archived
+
+        # the same messages in another state are not what was confirmed either: a retry of the
+        # queue's messages confirmed while C waited, run after C was cancelled
+        [c_] = await runtime.producer.enqueue_many([ChargeCard(order_id="c", amount_cents=1)])
+        confirm = await c.post(
+            f"{UI}/bulk", content="action=retry&step=confirm&queue=ui-orders&archived=false", headers=headers
+        )
+        assert "Retry <strong>1</strong> message(s)" in confirm.text
+        await runtime.app.cancel(c_.tracking_id)
+        r = await c.post(f"{UI}/bulk", content=run_form(confirm.text), headers=headers)
+        assert "still 1 message(s), but not the same ones or not in the same state" in r.text
+        assert (await runtime.tracker.get(c_.message_id)).status == "Cancelled"
+        # a run without the confirmation's digest (a form from before it carried one) is not run
+        r = await c.post(
+            f"{UI}/bulk",
+            content="action=retry&step=run&expected=1&queue=ui-orders&archived=false",
+            headers=headers,
+        )
+        assert "The selection changed since you confirmed" in r.text
+        assert (await runtime.tracker.get(c_.message_id)).status == "Cancelled"
 
 
 async def test_message_actions_name_the_refusal_and_unknown_ones_are_not_found(runtime):
@@ -334,8 +392,9 @@ async def test_a_bulk_retry_the_store_stops_part_way_says_how_far_it_got(runtime
     async with client(runtime) as c:
         csrf = await signed_in(c)
         headers = {**FORM, "X-CSRF-Token": csrf, "HX-Request": "true"}
-        form = "action=retry&step=run&expected=4&queue=ui-orders&status=Cancelled"
-        r = await c.post(f"{UI}/bulk", content=form, headers=headers)
+        form = "action=retry&step=confirm&queue=ui-orders&status=Cancelled"
+        confirm = await c.post(f"{UI}/bulk", content=form, headers=headers)
+        r = await c.post(f"{UI}/bulk", content=run_form(confirm.text), headers=headers)
         assert r.status_code == 200, r.text
         assert "Retried 2 message(s); stopped with 2 not tried" in r.text
         assert "run it again for the rest" in r.text

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any
 from uuid import UUID
@@ -82,19 +84,38 @@ async def overview_context(ops: OpsService, window: ActivityWindow) -> dict[str,
     return {"summary": summary, "rows": [queue_row(q, activity, now) for q in summary.queues]}
 
 
-async def matching(ops: OpsService, filters: Filters) -> tuple[list[UUID | None], bool]:
-    """The ids of the messages the filters select (at most MAX_BULK), and whether there are more; None
-    for a damaged row whose id does not read (counted: a purge deletes it too)."""
+@dataclass(frozen=True)
+class Selection:
+    """What a bulk action's filters select: the messages' ids (None for a damaged row whose id does
+    not read: counted, a purge deletes it too), whether there are more than MAX_BULK, and a digest of
+    which messages they are and in what state, which the confirmation carries to the run."""
+
+    ids: list[UUID | None]
+    more: bool
+    digest: str
+
+
+async def matching(ops: OpsService, filters: Filters) -> Selection:
+    """The messages the filters select now (at most MAX_BULK)."""
     ids: list[UUID | None] = []
+    states: list[str] = []
     cursor = None
     while True:
         page = await ops.list_messages(filters.query(), limit=500, cursor=cursor)
-        ids += [m.message_id for m in page.items]
+        for m in page.items:
+            ids.append(m.message_id)
+            # a damaged row by its stored id text: two damaged rows are not the same row
+            key = str(m.message_id) if m.message_id is not None else (m.stored or {}).get("message_id", "")
+            # its state too: a message retried or archived since the confirmation is not the one
+            # the operator confirmed (a retry refuses some states, a purge leaves held ones)
+            states.append(f"{key}\x1f{m.status}\x1f{m.archived}")
         if len(ids) > MAX_BULK:
-            return ids[:MAX_BULK], True
+            return Selection(ids[:MAX_BULK], True, "")
         if page.next_cursor is None:
-            return ids, False
+            break
         cursor = page.next_cursor
+    digest = hashlib.sha256("\n".join(sorted(states)).encode()).hexdigest()
+    return Selection(ids, False, digest)
 
 
 def timeline(m: MessageDetail) -> list[tuple[datetime, str]]:
@@ -238,7 +259,9 @@ def add_pages(ui: Dashboard) -> None:
         service = await ops()
         try:
             form = await read_form(request)
-            filters = read_filters(form, allowed=frozenset({"action", "step", "expected", "whole"}))
+            filters = read_filters(
+                form, allowed=frozenset({"action", "step", "expected", "selection", "whole"})
+            )
             action, step = one(form, "action"), one(form, "step", "confirm")
             if action not in ("retry", "purge") or step not in ("confirm", "run"):
                 raise InvalidArgument("action", "retry or purge, to confirm or run")
@@ -249,24 +272,37 @@ def add_pages(ui: Dashboard) -> None:
             whole = action == "purge" and one(form, "whole") == "true"
             if whole:
                 whole_queue(filters.query())
-            ids, more = await matching(service, filters)
+            selection = await matching(service, filters)
         except SHOWN as exc:
             return page(request, "_bulk.html", 422, error=str(exc))
-        context: dict[str, Any] = {"filters": filters, "action": action, "count": len(ids), "more": more}
+        ids = selection.ids
+        context: dict[str, Any] = {
+            "filters": filters,
+            "action": action,
+            "count": len(ids),
+            "more": selection.more,
+            "selection": selection.digest,
+        }
         if action == "purge" and not isinstance(service.actions, PurgesWithHistory):
             # (on SQL every message is a row the purge takes by its id: emptying it whole is the same)
             with contextlib.suppress(InvalidArgument):
                 context["empties"] = whole_queue(filters.query()).queue
                 context["takes_held"] = service.runtime.provider.capabilities.purge_takes_held
-        if more:
+        if selection.more:
             context["error"] = f"more than {MAX_BULK:,} messages match: narrow the filters"
             return page(request, "_bulk.html", 422, **context)
         expected = one(form, "expected")
-        if step == "confirm" or expected != str(len(ids)):
-            # the count stated is the count acted on: a selection that changed is confirmed again
-            context["changed"] = step == "run"
+        if step == "confirm" or one(form, "selection") != selection.digest:
+            # what was confirmed is what is acted on: the same messages in the same states, not only
+            # as many (one archived and another dead-lettered meanwhile kept the count, and the run
+            # deleted a message the operator never saw). A selection that changed is confirmed again
+            if step == "run":
+                context["changed"] = True
+                context["before"] = expected if expected.isascii() and expected.isdigit() else None
             return page(request, "_bulk.html", **context)
         if action == "purge":
+            # (by the filters again: the service deletes by a query, not by a list of ids. The check
+            # above leaves only the moment between it and the purge's own listing)
             purged = await service.purge(filters.query(), whole=whole)
             emptied = f"Emptied queue {filters.queue}: deleted" if whole else "Deleted"
             done = [f"{emptied} {purged.deleted} message(s)"]
