@@ -59,6 +59,18 @@ behaves as with 0), ``AutoLockRenewer``, AMQP value and sequence bodies.
   buffered messages are already gone from the broker, and are lost). A release ends the lock without
   counting a delivery (AMQP ``released``: Service Bus does not count it).
 
+**Handler shut down by an error**, as the SDK leaves a receiver (azure-servicebus 7.15): an operation
+that fails with a ``ServiceBusError`` whose ``_shutdown_handler`` is set (a connection or communication
+error, a refused link, a missing entity: ``exceptions.py``) closes the receiver's handler
+(``aio/_base_handler_async.py`` ``_handle_exception`` -> ``_close_handler``, which releases what the
+link buffered). From then on ``renew_message_lock`` and every settlement are refused with the SDK's
+``ValueError`` ("Failed to complete the message as the handler has already been shutdown.")
+before anything is sent (``_common/receiver_mixins.py`` ``_check_message_alive``), until an operation
+that opens the handler again: a receive, a peek or another management call, or ``async with``. The
+locks it holds are the broker's and stay. This holds for an error raised here and for one a test
+raises in place of an operation (a method of :class:`FakeServiceBusReceiver` replaced on the class,
+as the fault suite does): the class wraps every operation installed on it.
+
 Time comes from the namespace's clock. Pass a :class:`FakeClock` to move time by hand (advancing it
 wakes waiting receivers; with a clock of your own, call ``namespace.wake_waiters()`` after moving it).
 Waits given in seconds (``max_wait_time``) are always real asyncio time.
@@ -71,11 +83,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import inspect
 import itertools
 import math
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -149,6 +163,13 @@ _MAX_LOCK_DURATION = timedelta(minutes=5)
 _REASON_KEY = "DeadLetterReason"
 _DESCRIPTION_KEY = "DeadLetterErrorDescription"
 _SHUTDOWN = "The handler has already been shutdown. Please use ServiceBusClient to create a new instance."
+#: what ``_check_message_alive`` (azure-servicebus 7.15 ``_common/receiver_mixins.py``) answers a renewal
+#: or settlement once an error shut the handler down; the action is the SDK's word for the operation
+#: ("renew", "complete", "abandon", "dead-letter", "defer")
+_HANDLER_SHUT = (
+    "Failed to {} the message as the handler has already been shutdown."
+    "Please use ServiceBusClient to create a new instance."
+)
 
 
 # --- rights -------------------------------------------------------------------------------------
@@ -1010,7 +1031,71 @@ def _is_dead_letter(sub_queue: ServiceBusSubQueue | str | None) -> bool:
     raise NotImplementedError("the fake has no transfer dead-letter queue (it never forwards)")
 
 
-class FakeServiceBusReceiver(_Link):
+#: the receiver's operations that run through the SDK's ``_do_retryable_operation`` (or, for
+#: ``__aenter__``, ``_open_with_retry``): an error that leaves one of them goes through
+#: ``_handle_exception`` first
+_HANDLER_OPERATIONS = frozenset(
+    {
+        "__aenter__",
+        "__anext__",
+        "receive_messages",
+        "receive_deferred_messages",
+        "peek_messages",
+        "renew_message_lock",
+        "complete_message",
+        "abandon_message",
+        "defer_message",
+        "dead_letter_message",
+    }
+)
+_KEEPS_HANDLER_STATE = "_fake_servicebus_keeps_handler_state"
+
+
+def _shuts_the_handler(exc: BaseException) -> bool:
+    """Whether the SDK closes the receiver's handler for this error (``aio/_base_handler_async.py``
+    ``_handle_exception``: ``if error._shutdown_handler: await self._close_handler()``). Every
+    ``ServiceBusError`` carries the flag, True unless its class says otherwise (``exceptions.py``:
+    ``ServiceBusConnectionError``, ``ServiceBusCommunicationError``, ``ServiceBusAuthorizationError``,
+    ``MessagingEntityNotFoundError`` and a plain ``ServiceBusError`` set it; ``OperationTimeoutError``,
+    ``ServiceBusServerBusyError``, ``MessageLockLostError`` and ``MessageNotFoundError`` do not)."""
+    return isinstance(exc, ServiceBusError) and bool(getattr(exc, "_shutdown_handler", True))
+
+
+def _keeps_handler_state(operation: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """``operation`` with the SDK's rule applied to what it raises (see :func:`_shuts_the_handler`)."""
+    if getattr(operation, _KEEPS_HANDLER_STATE, False):
+        return operation
+
+    @functools.wraps(operation)
+    async def call(self: FakeServiceBusReceiver, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await operation(self, *args, **kwargs)
+        except Exception as exc:
+            if _shuts_the_handler(exc):
+                self._close_handler()
+            raise
+
+    setattr(call, _KEEPS_HANDLER_STATE, True)
+    return call
+
+
+class _ReceiverType(type):
+    """Applies :func:`_keeps_handler_state` to the receiver's operations, and to any installed on the
+    class later: a test that replaces one to make it fail (the fault suite raises the SDK's own
+    ``ServiceBusConnectionError`` in place of the call) leaves the receiver as the SDK would."""
+
+    def __init__(cls, name: str, bases: tuple[type, ...], namespace: dict[str, Any]) -> None:
+        super().__init__(name, bases, namespace)
+        for attribute in _HANDLER_OPERATIONS & namespace.keys():
+            type.__setattr__(cls, attribute, _keeps_handler_state(namespace[attribute]))
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        if name in _HANDLER_OPERATIONS and inspect.iscoroutinefunction(value):
+            value = _keeps_handler_state(value)
+        super().__setattr__(name, value)
+
+
+class FakeServiceBusReceiver(_Link, metaclass=_ReceiverType):
     """Mirrors ``azure.servicebus.aio.ServiceBusReceiver`` for a queue or its dead-letter sub-queue."""
 
     claim = LISTEN
@@ -1043,6 +1128,32 @@ class FakeServiceBusReceiver(_Link):
         self._buffer: list[FakeReceivedMessage] = []
         self._receiving = 0  # receive calls in progress (the SDK's ``_receive_context``)
         self._keep_alive: asyncio.TimerHandle | None = None
+        #: the SDK's ``_running``: the handler is open (set by ``_open``; an error can shut it down)
+        self._running = False
+
+    async def __aenter__(self) -> Self:
+        await super().__aenter__()  # the SDK's ``_open_with_retry``
+        self._running = True
+        return self
+
+    async def _open(self) -> None:
+        """The SDK's ``_open``, which every receive and management call (a peek) runs first: the link
+        attaches (the service checks the claim) and the handler runs again after an error shut it."""
+        await self._authorize()
+        self._running = True
+
+    def _close_handler(self) -> None:
+        """The SDK's ``_close_handler`` (what an error that shuts the handler down runs, and
+        ``close``): the credit drained and what the link buffered released; later renewals and
+        settlements are refused until :meth:`_open` runs again."""
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            self._keep_alive = None
+        self._credit = 0
+        with contextlib.suppress(ValueError):
+            self._namespace._credited.remove(self)
+        self._release_buffer()
+        self._running = False
 
     @property
     def receive_mode(self) -> ServiceBusReceiveMode:
@@ -1058,7 +1169,7 @@ class FakeServiceBusReceiver(_Link):
         self, max_message_count: int | None = 1, max_wait_time: float | None = None
     ) -> list[FakeReceivedMessage]:
         """Up to ``max_message_count`` messages available now, waiting up to ``max_wait_time`` s for one."""
-        await self._authorize()
+        await self._open()
         if max_wait_time is not None and max_wait_time <= 0:
             raise ValueError("The max_wait_time must be greater than 0.")
         if max_message_count is not None and max_message_count <= 0:
@@ -1075,7 +1186,7 @@ class FakeServiceBusReceiver(_Link):
 
     async def __anext__(self) -> FakeReceivedMessage:
         """One message at a time; ends after the receiver's ``max_wait_time`` with none (never if unset)."""
-        await self._authorize()
+        await self._open()
         wait = math.inf if self._max_wait_time is None else self._max_wait_time
         messages = await self._receive(1, wait)
         if not messages:
@@ -1185,20 +1296,14 @@ class FakeServiceBusReceiver(_Link):
     async def close(self) -> None:
         # the SDK's _close_handler: drain the credit and release what the buffer holds (peek-lock);
         # messages already returned stay locked until settled or their lock expires
-        if self._keep_alive is not None:
-            self._keep_alive.cancel()
-            self._keep_alive = None
-        self._credit = 0
-        with contextlib.suppress(ValueError):
-            self._namespace._credited.remove(self)
-        self._release_buffer()
+        self._close_handler()
         await super().close()
 
     async def receive_deferred_messages(
         self, sequence_numbers: int | list[int], *, timeout: float | None = None
     ) -> list[FakeReceivedMessage]:
         """Deferred messages by sequence number (locked, or removed in receive-and-delete mode)."""
-        await self._authorize()
+        await self._open()
         _check_timeout(timeout)
         numbers = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         queue = self._namespace._queue(self.entity_name)
@@ -1230,7 +1335,7 @@ class FakeServiceBusReceiver(_Link):
         Like the SDK, ``sequence_number=0`` continues after the last message this receiver received or
         peeked, so repeated peeks page through the queue.
         """
-        await self._authorize()
+        await self._open()  # a management call: ``_mgmt_request_response`` opens the handler first
         _check_timeout(timeout)
         if int(max_message_count) < 0:
             raise ValueError("max_message_count must be 1 or greater.")
@@ -1249,8 +1354,9 @@ class FakeServiceBusReceiver(_Link):
 
     # settling
 
-    def _locked_entry(self, message: FakeReceivedMessage, action: str) -> tuple[_Queue, _Entry]:
-        """The broker's entry still locked by ``message``, checked in the order the SDK checks."""
+    def _check_message_alive(self, message: FakeReceivedMessage, action: str) -> None:
+        """What the SDK checks before a renewal or settlement is sent, in its order (``_check_live``,
+        then ``_common/receiver_mixins.py`` ``_check_message_alive``)."""
         self._check_live()
         if not isinstance(message, FakeReceivedMessage):
             raise TypeError("Parameter 'message' must be of type ServiceBusReceivedMessage")
@@ -1263,6 +1369,13 @@ class FakeServiceBusReceiver(_Link):
             raise ValueError(f"The operation {action} is not supported in 'RECEIVE_AND_DELETE' receive mode.")
         if message._settled:
             raise MessageAlreadySettled(action=action)
+        if not self._running:
+            raise ValueError(_HANDLER_SHUT.format(action))
+
+    async def _locked_entry(self, message: FakeReceivedMessage, action: str) -> tuple[_Queue, _Entry]:
+        """The broker's entry still locked by ``message``, checked in the order the SDK checks."""
+        self._check_message_alive(message, action)
+        await self._authorize()
         queue = self._namespace._queue(self.entity_name)  # an expired lock is released here
         entry = queue.sub(self._dead_letter).get(message.sequence_number)
         if (
@@ -1275,23 +1388,20 @@ class FakeServiceBusReceiver(_Link):
         return queue, entry
 
     async def complete_message(self, message: FakeReceivedMessage) -> None:
-        await self._authorize()
-        queue, entry = self._locked_entry(message, "complete")
+        queue, entry = await self._locked_entry(message, "complete")
         del queue.sub(self._dead_letter)[entry.sequence_number]
         message._settled = True
 
     async def abandon_message(self, message: FakeReceivedMessage) -> None:
         """Unlock now for immediate redelivery, counting a delivery (dead-letters at the queue's limit)."""
-        await self._authorize()
-        queue, entry = self._locked_entry(message, "abandon")
+        queue, entry = await self._locked_entry(message, "abandon")
         queue.release(entry)
         message._settled = True
         self._namespace.wake_waiters()
 
     async def defer_message(self, message: FakeReceivedMessage) -> None:
         """Set aside: only :meth:`receive_deferred_messages` with its sequence number can get it again."""
-        await self._authorize()
-        _, entry = self._locked_entry(message, "defer")
+        _, entry = await self._locked_entry(message, "defer")
         entry.lock_token = entry.locked_until = None
         entry.deferred = True
         message._settled = True
@@ -1299,8 +1409,7 @@ class FakeServiceBusReceiver(_Link):
     async def dead_letter_message(
         self, message: FakeReceivedMessage, reason: str | None = None, error_description: str | None = None
     ) -> None:
-        await self._authorize()
-        queue, entry = self._locked_entry(message, "dead-letter")
+        queue, entry = await self._locked_entry(message, "dead-letter")
         if entry.in_dead_letter:
             raise ServiceBusError("A message in a dead-letter queue cannot be dead-lettered again.")
         queue.move_to_dead_letter(entry, reason, error_description)
@@ -1311,9 +1420,9 @@ class FakeServiceBusReceiver(_Link):
         self, message: FakeReceivedMessage, *, timeout: float | None = None
     ) -> datetime:
         """Extend the lock by the queue's lock duration from now; return the new ``locked_until_utc``."""
+        self._check_message_alive(message, "renew")  # (the SDK checks the timeout after these)
         _check_timeout(timeout)
-        await self._authorize()
-        queue, entry = self._locked_entry(message, "renew")
+        queue, entry = await self._locked_entry(message, "renew")
         entry.locked_until = message._locked_until = self._namespace.now() + queue.settings.lock_duration
         return entry.locked_until
 

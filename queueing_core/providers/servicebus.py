@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from azure.core.exceptions import (
     AzureError,
@@ -104,6 +106,12 @@ _PEEK_TIMEOUT = 10.0
 
 #: Standard tier: 256 KB per message including headers; leave room for the system properties
 MAX_ENVELOPE_BYTES = 250 * 1024
+#: the longest time to live a message can carry: the AMQP header's ``ttl`` is a uint of milliseconds,
+#: and the SDK's encoder refuses a longer one with a bare ValueError (about 49.7 days)
+MAX_MESSAGE_TTL = timedelta(milliseconds=2**32 - 1)
+#: what the service reports for a queue whose messages never expire (.NET ``TimeSpan.MaxValue``, about
+#: 10,675,199 days): anything from here on is "no limit"
+_NO_TTL_LIMIT = timedelta(days=10675199)
 TYPE_PROPERTY = "queueing-type"
 #: the longest dead-letter description Service Bus's SDKs send, in UTF-16 code units: the .NET SDK,
 #: which a Functions host settles through, refuses a longer one (a character beyond the BMP counts two)
@@ -152,6 +160,63 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+#: how the SDK refuses a renewal or settlement once an error closed the receiver's handler
+#: (azure-servicebus 7.15 ``_common/receiver_mixins.py`` ``_check_message_alive``: "Failed to complete
+#: the message as the handler has already been shutdown."). A receiver the kit closed itself says "The
+#: handler has already been shutdown." instead (``_check_live``), which no reopening mends.
+_HANDLER_SHUT = "the message as the handler has already been shutdown"
+#: a sequence number past every message's (the field is a signed 64-bit integer): a peek from it finds
+#: nothing, so it locks nothing and moves no peek cursor
+_PAST_EVERY_MESSAGE = 2**63 - 1
+
+_T = TypeVar("_T")
+#: one reopening at a time per receiver: the SDK's ``_open`` is not safe to run twice at once
+_reopening: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def _handler_shut(exc: BaseException) -> bool:
+    return isinstance(exc, ValueError) and _HANDLER_SHUT in str(exc)
+
+
+async def _on_open_handler(
+    receiver: Any, call: Callable[[], Awaitable[_T]], *, timeout: float = _PEEK_TIMEOUT
+) -> _T:
+    """``call`` (a renewal or settlement through ``receiver``), tried once more after opening the
+    receiver again if the SDK refused it because an error had shut its handler down.
+
+    The SDK closes a receiver's handler when an operation fails with a connection error (every error it
+    maps with ``shutdown_handler``: ``aio/_base_handler_async.py`` ``_handle_exception``), and from then
+    on refuses every renewal and settlement before trying to reconnect: only a receive or a management
+    call opens it again. The worker receives only when it has a free slot, so a worker whose slots all
+    held long runs never did: every lock it held lapsed under its running handlers (found in review).
+    A peek opens it (``_mgmt_request_response`` runs ``_open``) and, from a sequence number past every
+    message's, finds and locks nothing. The locks are the broker's and outlive the handler: the held
+    messages are renewed and settled by their lock tokens once it is open again.
+    """
+    try:
+        return await call()
+    except ValueError as exc:
+        if not _handler_shut(exc):
+            raise
+    lock = _reopening.get(receiver)
+    if lock is None:
+        lock = _reopening[receiver] = asyncio.Lock()
+    async with lock:
+        try:
+            return await call()  # another renewal may have opened it meanwhile
+        except ValueError as exc:
+            if not _handler_shut(exc):
+                raise
+            log.warning(
+                "a Service Bus receiver was shut down by an error (a lost connection): opening it again "
+                "to renew and settle the messages it holds"
+            )
+        await receiver.peek_messages(
+            max_message_count=1, sequence_number=_PAST_EVERY_MESSAGE, timeout=timeout
+        )
+    return await call()
+
+
 @contextlib.contextmanager
 def _boundary(action: str) -> Any:
     try:
@@ -180,8 +245,32 @@ def _boundary(action: str) -> Any:
         raise ProviderError(f"{action}: message too large for Service Bus ({exc})") from None
     except _UNAVAILABLE as exc:
         raise ProviderUnavailable(f"Service Bus unreachable or busy during {action}: {exc}") from None
+    except ValueError as exc:
+        if not _handler_shut(exc):
+            raise
+        # a connection error closed the receiver and opening it again failed: the service is away
+        raise ProviderUnavailable(
+            f"Service Bus unreachable during {action}: the receiver's connection was lost "
+            f"({_first_line(exc)})"
+        ) from None
     except (ServiceBusError, AzureError) as exc:
         raise ProviderError(f"{action} failed: {exc}") from None
+
+
+def _added(batch: Any, msg: ServiceBusMessage, env: Envelope) -> bool:
+    """Whether ``msg`` went into ``batch`` (False: the batch is full). Only the SDK's
+    ``MessageSizeExceededError`` says full: any other ValueError is its AMQP encoder refusing the
+    message, which another batch would refuse as well (read as full, the batch so far was sent and the
+    error left after it: found in review)."""
+    try:
+        batch.add_message(msg)
+    except MessageSizeExceededError:
+        if not len(batch):
+            raise  # the message alone is too large (the boundary says so)
+        return False
+    except ValueError as exc:
+        raise ProviderError(f"Service Bus cannot carry message {env.message_id}: {exc}") from None
+    return True
 
 
 @dataclass(eq=False)
@@ -237,7 +326,7 @@ class _DeadLetterPages:
         return item.sequence_number
 
     async def remove(self, item: Any) -> None:
-        await self.receiver.complete_message(item)
+        await _on_open_handler(self.receiver, lambda: self.receiver.complete_message(item))
 
     async def total(self) -> int | None:
         # a receiver that died keeps its letters locked for the lock duration: count them too
@@ -250,7 +339,7 @@ class _DeadLetterPages:
     async def hand_back(self, items: Sequence[Any]) -> None:
         for m in items:
             with contextlib.suppress(ServiceBusError):  # a lapsed lock hands it back by itself
-                await self.receiver.abandon_message(m)
+                await _on_open_handler(self.receiver, functools.partial(self.receiver.abandon_message, m))
 
 
 async def known_duplicate(
@@ -358,6 +447,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         self._receivers: dict[str, _Link] = {}
         #: existing queues whose lock duration is shorter than their type's lease (``held_lease``)
         self._locks: dict[str, timedelta] = {}
+        #: existing queues whose time to live is shorter than the one the kit gives (``check_expiry``)
+        self._ttls: dict[str, timedelta] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._app: QueueingApp | None = None
         #: None until a management call says; False once the service refused one (401)
@@ -485,14 +576,18 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 existed = False
         self._can_manage = True
         if existed:
-            # an existing queue is left as it is, its lock duration too (created before the lease was
-            # raised, by hand, or in the emulator's config): renewals must follow its lock
+            # an existing queue is left as it is, its lock duration and its expiry too (created before
+            # the lease or the expiration was raised, by hand, or in the emulator's config): renewals
+            # must follow its lock, and no message may be promised a life its queue cuts short
             try:
                 props = await asyncio.wait_for(self.admin.get_queue(name), _PEEK_TIMEOUT)
             except Exception as exc:  # not known: renewed by the type's lease, as before
-                log.warning("could not read the lock duration of queue %s: %s", sub.queue, _first_line(exc))
+                log.warning("could not read the settings of queue %s: %s", sub.queue, _first_line(exc))
             else:
                 self._note_lock(props.lock_duration, sub)
+                self._note_expiry(
+                    props.default_message_time_to_live, props.dead_lettering_on_message_expiration, sub
+                )
 
     def _note_lock(self, lock: timedelta | None, sub: Subscription) -> None:
         wanted = min(sub.options.lease_duration, MAX_LOCK)
@@ -507,6 +602,35 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             lock,
             sub.options.lease_duration,
         )
+
+    def _note_expiry(
+        self, ttl: timedelta | None, dead_letters_expired: bool | None, sub: Subscription
+    ) -> None:
+        """An existing queue's time to live and expiry dead-lettering, held against what the kit gives
+        a queue (the type's expiration plus the grace, and dead-lettering on): the broker expires every
+        message by its queue's time to live whatever the message asks for, and deletes it unless the
+        queue dead-letters expired messages, while its history still says Pending."""
+        wanted = queue_time_to_live(sub.options, self.ttl_grace)  # None: never expires
+        limited = ttl is not None and ttl < _NO_TTL_LIMIT
+        if limited and ttl is not None and (wanted is None or ttl < wanted):
+            self._ttls[sub.queue] = ttl
+            log.warning(
+                "queue %s exists with a default message time to live of %s, shorter than its type's "
+                "expiration plus the grace (%s): Service Bus expires its messages by then, whatever the kit "
+                "recorded, so enqueue refuses any message that would outlive it; give the queue that time to "
+                "live (provision it again: `queueing infra params` and the Bicep, or the emulator's config)",
+                sub.queue,
+                ttl,
+                "never" if wanted is None else wanted,
+            )
+        if dead_letters_expired is False and (limited or wanted is not None):
+            log.warning(
+                "queue %s exists with dead-lettering on message expiration off: a message Service Bus "
+                "expires (not received within its expiry and the grace) is deleted, and its history still "
+                "says Pending; the kit needs it on (provision the queue again: `queueing infra params` and "
+                "the Bicep, or DeadLetteringOnMessageExpiration in the emulator's config)",
+                sub.queue,
+            )
 
     def held_lease(self, sub: Subscription) -> timedelta:
         """The lock Service Bus holds a message of ``sub`` for: its type's lease (at most
@@ -538,12 +662,20 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 await close()
 
     # -- producing ---------------------------------------------------------------------------------
-    def _time_to_live(self, env: Envelope, now: datetime) -> timedelta | None:
+    def _time_to_live(self, env: Envelope, start: datetime) -> timedelta | None:
         """The message's own time to live: its expiry, and the grace in which the kit (not the broker)
-        finds it expired and dead-letters it with its reason."""
+        finds it expired and dead-letters it with its reason, counted from ``start``, when the message
+        becomes available: Service Bus counts a scheduled message's time to live from its scheduled
+        time. Counted from the send, a message delayed further than its time to live could carry was
+        refused, and a run again far off failed its settlement (found in review).
+
+        None (the queue's own time to live applies) for a message that never expires, and for one
+        longer than a message can carry (:data:`MAX_MESSAGE_TTL`): its queue's is at least as long
+        (:meth:`check_expiry` refused it otherwise), and the kit finds it expired by its envelope."""
         if env.expires_at is None:
             return None
-        return max(timedelta(seconds=1), env.expires_at - now + self.ttl_grace)
+        ttl = max(timedelta(seconds=1), env.expires_at - start + self.ttl_grace)
+        return None if ttl > MAX_MESSAGE_TTL else ttl
 
     def check_expiry(self, app: QueueingApp, envelopes: Sequence[Envelope], now: datetime) -> None:
         """Refuse, before anything is sent, a message that would outlast its queue's time to live.
@@ -551,10 +683,16 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         Service Bus caps a message's time to live at its queue's without a word: such a message would
         be expired and dead-lettered by the broker before the expiry the kit recorded, its history
         left Pending. The queue's is the one the kit gives it (the Bicep through ``queueing infra
-        params``, or :meth:`_create_queue`)."""
+        params``, or :meth:`_create_queue`), or an existing queue's where that is shorter."""
         for env in envelopes:
             sub = app.subscription(env.type)
-            if sub is None or env.expires_at is None:
+            if sub is None:
+                continue
+            existing = self._ttls.get(sub.queue)
+            if existing is not None:
+                self._refuse_past_existing_queue(sub, env, existing, now)
+                continue
+            if env.expires_at is None:
                 continue
             # a scheduled message's time to live runs from its scheduled time: a delay past the type's
             # expiration with a later expiry to match (as the docs ask) is within its queue's
@@ -574,8 +712,40 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                     f"ttl={expiration}, or a longer expiration on the type (and provision its queue again)",
                 )
 
-    def _message(self, env: Envelope, now: datetime, *, copy: bool = False) -> ServiceBusMessage:
-        ttl = self._time_to_live(env, now)
+    def _refuse_past_existing_queue(
+        self, sub: Subscription, env: Envelope, limit: timedelta, now: datetime
+    ) -> None:
+        """:meth:`check_expiry` on a queue that exists with a shorter time to live than the kit gives
+        (warned of at start): a message the broker would remove before its recorded expiry is refused,
+        one that never expires too. What is left of the grace after its expiry is whatever the queue
+        leaves (the broker caps the message's own time to live at the queue's)."""
+        start = max(now, env.not_before) if env.not_before is not None else now
+        life = None if env.expires_at is None else env.expires_at - start
+        if life is not None and life <= limit + min(EXPIRY_LEEWAY, self.ttl_grace):
+            return
+        raise InvalidArgument(
+            "expires_at",
+            (
+                "the message never expires"
+                if env.expires_at is None
+                else f"the message would expire at {env.expires_at.isoformat()}"
+            )
+            + f", which would outlast its Service Bus queue {sub.queue!r}: the queue exists with a time to "
+            f"live of {limit}, shorter than the type's expiration plus the grace, and Service Bus expires "
+            "every message there by then, whatever it asks for; provision the queue again (`queueing infra "
+            f"params` and the Bicep) so that its time to live is the type's, or give the message at most "
+            f"ttl={limit}",
+        )
+
+    def _message(
+        self, env: Envelope, now: datetime, *, copy: bool = False, at: datetime | None = None
+    ) -> ServiceBusMessage:
+        """``env`` as a Service Bus message, scheduled for its ``not_before`` (or ``at``, a copy's
+        run-again time) when that is still to come."""
+        due = env.not_before if env.not_before is not None and env.not_before > now else None
+        if at is not None and at > now:
+            due = at
+        ttl = self._time_to_live(env, due or now)
         msg = ServiceBusMessage(
             env.encode_text(),
             content_type="application/json",
@@ -587,8 +757,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             application_properties={TYPE_PROPERTY: env.type},
             time_to_live=ttl,
         )
-        if env.not_before is not None and env.not_before > now:
-            msg.scheduled_enqueue_time_utc = env.not_before
+        if due is not None:
+            msg.scheduled_enqueue_time_utc = due
         return msg
 
     async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
@@ -599,26 +769,29 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         by_queue: dict[str, list[Envelope]] = {}
         for env in envelopes:
             by_queue.setdefault(env.queue, []).append(env)
+        # every batch is built (each message encoded and measured) before any is sent: a message the
+        # SDK cannot encode fails the call with nothing sent, not after the messages before it went
+        # out with no history written for them (found in review)
+        batches: list[tuple[str, Any, Any]] = []
         for queue, envs in by_queue.items():
             sender = self._sender(queue)
             with _boundary(f"sending to {queue}"):
                 batch = await sender.create_message_batch()
                 for env in envs:
                     msg = self._message(env, now)
-                    try:
-                        batch.add_message(msg)
-                    except ValueError:  # the batch is full: send it and start another
-                        await sender.send_messages(batch)
+                    if not _added(batch, msg, env):  # the batch is full: another one
+                        batches.append((queue, sender, batch))
                         batch = await sender.create_message_batch()
-                        batch.add_message(msg)
+                        _added(batch, msg, env)
+                batches.append((queue, sender, batch))
+        for queue, sender, batch in batches:
+            with _boundary(f"sending to {queue}"):
                 await sender.send_messages(batch)
 
     async def send_copy(self, queue: str, env: Envelope, at: datetime | None) -> None:
         """A copy of ``env`` (not taken for a duplicate of the original), scheduled for ``at``."""
         now = utcnow()
-        msg = self._message(env, now, copy=True)
-        if at is not None and at > now:
-            msg.scheduled_enqueue_time_utc = at
+        msg = self._message(env, now, copy=True, at=at)
         with _boundary(f"re-sending to {queue}"):
             await self._sender(queue).send_messages(msg)
 
@@ -694,7 +867,7 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
             d,
             m.sequence_number,
             m.delivery_count,
-            lambda: h.receiver.complete_message(m),
+            lambda: _on_open_handler(h.receiver, lambda: h.receiver.complete_message(m)),
             timeout=None if left is None else max(0.0, left / 4),
         )
 
@@ -707,20 +880,22 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         r, m = h.receiver, h.message
         try:
             if isinstance(decision, Complete):
-                await r.complete_message(m)
+                await _on_open_handler(r, lambda: r.complete_message(m))
             elif isinstance(decision, Expire | DeadLetter):
                 reason, description = dead_letter_of(decision)
                 described = dead_letter_text(description)
-                await r.dead_letter_message(m, reason=reason.pascal, error_description=described)
+                await _on_open_handler(
+                    r, lambda: r.dead_letter_message(m, reason=reason.pascal, error_description=described)
+                )
             else:
                 assert d.envelope is not None, "malformed messages are always dead-lettered"
                 # Send the copy first: if completing fails afterwards, a duplicate beats a loss. The
                 # lock is renewed before it, so a run whose lock has already lapsed sends no copy.
-                await r.renew_message_lock(m)
+                await _on_open_handler(r, lambda: r.renew_message_lock(m))
                 copy = d.copy_after(decision)
                 await self.send_copy(d.queue, copy, due_at(decision, utcnow()))
                 try:
-                    await r.complete_message(m)
+                    await _on_open_handler(r, lambda: r.complete_message(m))
                 except Exception as exc:
                     # The copy is out and carries the outcome on; the original stays and will come
                     # back. Its sequence number goes into the history, where its return is recognised.
@@ -795,6 +970,8 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
 
     async def renew(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         lost: list[Delivery] = []
+        #: what failed a renewal otherwise: each delivery's own, so one cannot end the round for the rest
+        failed: list[BaseException] = []
 
         async def one(d: Delivery) -> None:
             h: _Handle = d.handle
@@ -805,7 +982,12 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 try:
                     # the SDK's own timeout (all its tries) first; the wait stops one that overruns it
                     d.lease_until = await asyncio.wait_for(
-                        h.receiver.renew_message_lock(h.message, timeout=0.9 * each), each
+                        _on_open_handler(
+                            h.receiver,
+                            lambda: h.receiver.renew_message_lock(h.message, timeout=0.9 * each),
+                            timeout=0.9 * each,
+                        ),
+                        each,
                     )
                     return
                 except (TimeoutError, OperationTimeoutError) as exc:
@@ -824,8 +1006,17 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
                 except (MessageLockLostError, MessageAlreadySettled, ServiceBusError):
                     lost.append(d)
                     return
+                except Exception as exc:
+                    lost.append(d)
+                    failed.append(exc)
+                    return
 
         await asyncio.gather(*(one(d) for d in deliveries))
+        if failed and len(failed) == len(deliveries):
+            with _boundary("renewing locks"):  # none renewed: the first error, in the kit's terms
+                raise failed[0]
+        for exc in failed:
+            log.warning("renewing the lock of a Service Bus message failed: %s", _first_line(exc))
         return lost
 
     # -- ops ---------------------------------------------------------------------------------------

@@ -498,6 +498,11 @@ async def test_explicit_dead_lettering_keeps_reason_and_the_dlq_never_dead_lette
     dead = await receive_one(dlq)
     with pytest.raises(ServiceBusError):
         await dlq.dead_letter_message(dead, reason="again")
+    # the SDK shuts a receiver's handler down on that refusal (a plain ServiceBusError, as it maps
+    # amqp:not-allowed): a peek opens it again before the letter can be settled
+    with pytest.raises(ValueError, match="handler has already been shutdown"):
+        await dlq.complete_message(dead)
+    await dlq.peek_messages(max_message_count=1, sequence_number=2**63 - 1)
     await dlq.complete_message(dead)
     assert (await admin.get_queue_runtime_properties("q")).total_message_count == 0
 

@@ -25,6 +25,7 @@ from azure.servicebus.exceptions import (
     OperationTimeoutError,
     ServiceBusCommunicationError,
     ServiceBusConnectionError,
+    ServiceBusError,
     ServiceBusServerBusyError,
 )
 
@@ -189,3 +190,161 @@ async def test_settling_after_lock_expiry_raises_the_sdks_lock_lost(ns, clock):
                 await receiver.renew_message_lock(m)
             with pytest.raises(MessageLockLostError):
                 await receiver.complete_message(m)
+
+
+# --- a handler shut down by an error, held against the SDK's own receiver --------------------------
+
+
+class _NoNetworkHandler:
+    """What the SDK's receiver opens as its AMQP handler, answering its management requests as the
+    service does (a peek past every message: 204; a renewal: the new expiry; a settlement: 200), with
+    no network. Everything above it is the installed SDK's own receiver code."""
+
+    _shutdown = False
+    _link = None  # (no receive link: a settlement goes by the management link, as the SDK falls back)
+
+    def __init__(self) -> None:
+        self.operations: list[str] = []
+        self.peeked_from: list[int] = []
+
+    async def open_async(self, connection: Any = None) -> None:
+        self._shutdown = False
+
+    async def client_ready_async(self) -> bool:
+        return True
+
+    async def close_async(self) -> None:
+        self._shutdown = True
+
+    async def mgmt_request_async(self, message: Any, *, operation: Any, **kwargs: Any) -> Any:
+        from azure.servicebus._pyamqp.message import Message
+
+        name = operation["VALUE"]
+        self.operations.append(name)
+        if name == "com.microsoft:peek-message":
+            self.peeked_from.append(message.value["from-sequence-number"]["VALUE"])
+            return 204, b"No Content", Message(application_properties={})
+        if name == "com.microsoft:renew-lock":
+            until = int((datetime.now(UTC) + timedelta(seconds=60)).timestamp() * 1000)
+            return 200, b"OK", Message(value={b"expirations": [until]}, application_properties={})
+        return 200, b"OK", Message(value={}, application_properties={})
+
+
+def _sdk_receiver() -> tuple[Any, Any, _NoNetworkHandler]:
+    """The SDK's own receiver, running (as after its first receive), and a message it received."""
+    from azure.core.credentials import AzureNamedKeyCredential
+    from azure.servicebus import ServiceBusReceivedMessage, ServiceBusReceiveMode
+    from azure.servicebus._pyamqp.message import Header, Message
+    from azure.servicebus.aio import ServiceBusReceiver
+
+    receiver = ServiceBusReceiver(
+        fully_qualified_namespace="nowhere.servicebus.windows.net",
+        credential=AzureNamedKeyCredential("name", "c2VjcmV0"),
+        queue_name="q",
+        receive_mode=ServiceBusReceiveMode.PEEK_LOCK,
+    )
+    handler = _NoNetworkHandler()
+
+    def create_handler(auth: Any) -> None:  # (its own builds a pyamqp client that would connect)
+        receiver._handler = handler
+
+    receiver._create_handler = create_handler  # type: ignore[method-assign]
+    until = int((datetime.now(UTC) + timedelta(seconds=60)).timestamp() * 1000)
+    amqp = Message(
+        data=[b"x"],
+        header=Header(delivery_count=0),
+        message_annotations={b"x-opt-sequence-number": 1, b"x-opt-locked-until": until},
+        delivery_annotations={b"x-opt-lock-token": b"\x01" * 16},
+    )
+    message = ServiceBusReceivedMessage(amqp, receive_mode=ServiceBusReceiveMode.PEEK_LOCK, receiver=receiver)
+    receiver._handler, receiver._running = handler, True  # as its first receive left it
+    return receiver, message, handler
+
+
+async def _outcomes(receiver: Any, message: Any) -> dict[str, str]:
+    """What each renewal and settlement of ``message`` answers (none of them is applied: each is refused
+    or only the renewal goes through)."""
+    calls = {
+        "renew": lambda: receiver.renew_message_lock(message, timeout=5),
+        "complete": lambda: receiver.complete_message(message),
+        "abandon": lambda: receiver.abandon_message(message),
+        "defer": lambda: receiver.defer_message(message),
+        "dead-letter": lambda: receiver.dead_letter_message(message, reason="r", error_description="d"),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            await call()
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[name] = "done"
+            if name != "renew":
+                break  # (a settlement that went through ends the message)
+    return out
+
+
+_CONNECTION_ERRORS = [
+    # what the SDK maps each AMQP failure to, and whether it shuts the handler down
+    ("socket", AMQPConnectionError, ErrorCondition.SocketError),
+    ("communication", AMQPConnectionError, ErrorCondition.NotFound),
+    ("server-busy", AMQPException, ERROR_CODE_SERVER_BUSY),
+    ("timeout", AMQPException, ERROR_CODE_TIMEOUT),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "condition"), _CONNECTION_ERRORS, ids=[c[0] for c in _CONNECTION_ERRORS]
+)
+async def test_an_error_shuts_the_handler_down_as_the_sdk_does_until_a_peek_opens_it(
+    ns, clock, monkeypatch, name, kind, condition
+):
+    """The SDK closes a receiver's handler for an error it maps with ``shutdown_handler``
+    (``_handle_exception``) and then refuses every renewal and settlement with a ValueError before
+    trying to reconnect, until a receive or a management call (a peek) opens it again. The stand-in had
+    no such state: an error raised in place of a call (as the fault suite raises it) left it usable,
+    so no test ever met the refusal the provider could not handle (found in review). Here the SDK's
+    own receiver and the stand-in's go through the same error and the same calls and must answer the
+    same."""
+    from queueing_core.fakes.servicebus import FakeServiceBusReceiver
+
+    sdk, sdk_message, handler = _sdk_receiver()
+    try:  # (it returns an error it would retry, and raises one it would not: closing first either way)
+        error = await sdk._handle_exception(kind(condition, description="injected: the link went away"))
+    except ServiceBusError as raised:
+        error = raised
+
+    async with FakeServiceBusClient(ns) as client:
+        async with client.get_queue_sender("q") as sender:
+            await sender.send_messages(ServiceBusMessage("x"))
+        fake = client.get_queue_receiver("q")
+        async with fake:
+            [fake_message] = await fake.receive_messages(max_wait_time=0.05)
+            real = FakeServiceBusReceiver.renew_message_lock
+
+            async def fails(self: Any, message: Any, *, timeout: float | None = None) -> Any:
+                raise error  # the SDK's own exception, raised in place of the call
+
+            monkeypatch.setattr(FakeServiceBusReceiver, "renew_message_lock", fails)
+            with pytest.raises(type(error)):
+                await fake.renew_message_lock(fake_message, timeout=5)
+            monkeypatch.setattr(FakeServiceBusReceiver, "renew_message_lock", real)
+
+            shut = not sdk._running
+            assert shut is error._shutdown_handler  # (the SDK's own rule)
+            sdk_after, fake_after = await _outcomes(sdk, sdk_message), await _outcomes(fake, fake_message)
+            assert fake_after == sdk_after
+            if not shut:
+                assert sdk_after == {"renew": "done", "complete": "done"}
+                return
+            assert set(sdk_after) == {"renew", "complete", "abandon", "defer", "dead-letter"}
+            assert all("handler has already been shutdown" in said for said in sdk_after.values())
+
+            # a peek from past every message opens both again, and finds (and locks) nothing
+            assert await sdk.peek_messages(max_message_count=1, sequence_number=2**63 - 1, timeout=5) == []
+            assert await fake.peek_messages(max_message_count=1, sequence_number=2**63 - 1, timeout=5) == []
+            assert handler.peeked_from == [2**63 - 1]
+            # the held message is renewed and settled by its lock token again
+            assert await _outcomes(sdk, sdk_message) == {"renew": "done", "complete": "done"}
+            assert await _outcomes(fake, fake_message) == {"renew": "done", "complete": "done"}
+            assert handler.operations[-2:] == ["com.microsoft:renew-lock", "com.microsoft:update-disposition"]
