@@ -15,7 +15,9 @@
 
 Importing this module opens no connection and loads no transport SDK; a missing or invalid setting
 fails indexing with one line that names it, and so does shared state in a SQLite file (a file of its
-own on every instance).
+own on every instance). The exception is the API key, which only the HTTP function uses: a key the kit
+refuses, or a Key Vault reference the platform left unresolved, is logged and makes the ops API refuse
+every request with the reason, while the queue triggers and timers load and run.
 """
 
 import hashlib
@@ -99,6 +101,31 @@ def unresolved_api_key(settings: QueueingSettings) -> bool:
     return key is not None and key.startswith(KEY_VAULT_REFERENCE)
 
 
+#: the setting :func:`load_settings` names when it refuses the API key
+API_KEY_SETTING = "QUEUEING_API_KEY"
+
+
+def settings_for_functions() -> tuple[QueueingSettings, str | None]:
+    """The app settings, and why the ops API must refuse every request (None: no reason). A key the
+    kit refuses (blank, whitespace at an end, a control character: a secret pasted with its newline is
+    enough) is left out instead of failing indexing, which loaded no function at all: every queue
+    trigger and timer stopped for a key only the HTTP function uses (found in review). Any other bad
+    setting still fails indexing, naming it."""
+    try:
+        return load_settings(), None
+    except ConfigurationError as exc:
+        if exc.setting != API_KEY_SETTING:
+            raise
+        # the problem, without the advice after it (written for `queueing serve`); never the key itself
+        problem = exc.problem.split(";", 1)[0]
+    settings = load_settings(api_key=None)
+    refusal = (
+        f"{API_KEY_SETTING} {problem}: this API refuses every request until the setting holds a usable key"
+    )
+    log.error("%s (the queue triggers and timers run)", refusal)
+    return settings, refusal
+
+
 def usable_api_key(settings: QueueingSettings) -> str | None:
     """The ops API key, unless the platform left a Key Vault reference unresolved: it then passes the
     reference text itself, which anyone who can guess the vault's name could send. Without a key the
@@ -114,10 +141,12 @@ def usable_api_key(settings: QueueingSettings) -> str | None:
 
 
 class LazyAsgi:
-    """The ops API, built on the first request: FastAPI is not imported at cold start."""
+    """The ops API, built on the first request: FastAPI is not imported at cold start. ``refusal``:
+    why every request is refused (the API key the settings held was unusable), said in each answer."""
 
-    def __init__(self, host: FunctionsHost) -> None:
+    def __init__(self, host: FunctionsHost, refusal: str | None = None) -> None:
         self.host = host
+        self.refusal = refusal
         self._app: Any = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -133,14 +162,13 @@ class LazyAsgi:
                 api_key=usable_api_key(self.host.settings),
                 max_body_bytes=self.host.settings.api_max_body_bytes,
             )
-        if scope["type"] == "http" and unresolved_api_key(self.host.settings):
+        reason = self.refusal or (UNRESOLVED_KEY if unresolved_api_key(self.host.settings) else None)
+        if scope["type"] == "http" and reason is not None:
             # refused here, whatever the auth level: the API's own refusal would say no key is set
             from queueing_core.ops.guard import WWW_AUTHENTICATE
             from queueing_core.ops.problems import problem
 
-            refusal = problem(
-                401, "unauthorized", UNRESOLVED_KEY, instance=scope["path"], headers=WWW_AUTHENTICATE
-            )
+            refusal = problem(401, "unauthorized", reason, instance=scope["path"], headers=WWW_AUTHENTICATE)
             await refusal(scope, receive, send)
             return
         await self._app(scope, receive, send)
@@ -313,7 +341,10 @@ def build_app(
     """The Functions app for ``queueing_app`` (default: ``QUEUEING_APP``) on the configured transport."""
     import os
 
-    cfg = settings or load_settings()
+    key_refusal = None
+    if settings is None:
+        settings, key_refusal = settings_for_functions()
+    cfg = settings
     qapp = queueing_app or load_app(cfg.app, setting="QUEUEING_APP")
     transport = Transport(cfg.provider)
     if transport is Transport.INPROCESS:
@@ -348,7 +379,10 @@ def build_app(
     the_host = host or FunctionsHost(
         qapp, cfg, run_bound=function_timeout_bound(timeout[0] if timeout is not None else None)
     )
-    app = func.AsgiFunctionApp(app=LazyAsgi(the_host), http_auth_level=_http_auth_level(cfg))
+    app = func.AsgiFunctionApp(
+        app=LazyAsgi(the_host, key_refusal),
+        http_auth_level=_http_auth_level(cfg, key_given=key_refusal is not None),
+    )
     triggers = {
         Transport.STORAGE_QUEUE: ("queue", _storage_trigger),
         Transport.SERVICE_BUS: ("servicebus", _servicebus_trigger),
@@ -363,11 +397,13 @@ def build_app(
     return app
 
 
-def _http_auth_level(cfg: QueueingSettings) -> func.AuthLevel:
+def _http_auth_level(cfg: QueueingSettings, *, key_given: bool = False) -> func.AuthLevel:
     """The platform's check in front of the ops API and the dashboard. Anonymous leaves the kit's API
-    key as the only one, so it is refused without a key (the API would then refuse every request)."""
+    key as the only one, so it is refused without a key (the API would then refuse every request).
+    ``key_given``: a key was set but left out as unusable (the ops API refuses every request, saying
+    why), which, like an unresolved Key Vault reference, stops only the HTTP function."""
     if cfg.functions_http_auth_level == "anonymous":
-        if cfg.api_key is None:
+        if cfg.api_key is None and not key_given:
             raise ConfigurationError(
                 "QUEUEING_FUNCTIONS_HTTP_AUTH_LEVEL",
                 "'anonymous' leaves the API key as the only check, and QUEUEING_API_KEY is not set",

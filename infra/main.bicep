@@ -3,8 +3,9 @@
 // Key Vault, Application Insights with Entra ingestion, and optionally a PostgreSQL flexible server
 // for the `sql` provider. infra/README.md walks through a deployment to the end.
 //
+//   export QUEUEING_DEPLOY_API_KEY=<secret>    # the ops API key: main.bicepparam reads it from here
 //   az deployment group create --resource-group <rg> --template-file infra/main.bicep \
-//     --parameters infra/main.bicepparam --parameters apiKey=<secret>
+//     --parameters infra/main.bicepparam
 
 targetScope = 'resourceGroup'
 
@@ -75,8 +76,9 @@ param queuePrefix string = ''
 @description('Suffix composed into queue names (QUEUEING_QUEUE_SUFFIX). Written by `queueing infra params` with the queue lists, which already include it: set QUEUEING_QUEUE_SUFFIX when running it, never pass this alone.')
 param queueSuffix string = ''
 
-@description('Key for the ops API (QUEUEING_API_KEY). Pass it at deployment time; never commit it.')
+@description('Key for the ops API (QUEUEING_API_KEY). main.bicepparam reads it from the environment variable QUEUEING_DEPLOY_API_KEY; never commit it. Without leading or trailing whitespace or control characters: the app refuses such a key (the ops API then refuses every request, the triggers run).')
 @secure()
+@minLength(1)
 param apiKey string
 
 @description('Upper bound on Flex Consumption instances (Flex Consumption accepts 40 to 1000).')
@@ -235,6 +237,10 @@ module postgres 'modules/postgres.bicep' = if (deployPostgres) {
     storageSizeGB: postgresStorageSizeGB
     databaseName: postgresDatabaseName
     clientIpAddress: postgresClientIpAddress
+    // the deployer (a person or group), never the app: it creates the app's role (app-role.sql)
+    adminPrincipalId: postgresAdminObjectId
+    adminPrincipalName: postgresAdminName
+    adminPrincipalType: postgresAdminType
   }
 }
 
@@ -285,19 +291,6 @@ module functionApp 'modules/functionapp.bicep' = {
   // the identity's roles exist before the app: its first start and the first publish find them
   dependsOn: [
     roles
-  ]
-}
-
-module postgresAdmin 'modules/postgres-admin.bicep' = if (deployPostgres) {
-  name: 'postgres-admin'
-  params: {
-    serverName: names.postgres
-    principalId: postgresAdminObjectId
-    principalName: postgresAdminName
-    principalType: postgresAdminType
-  }
-  dependsOn: [
-    postgres
   ]
 }
 

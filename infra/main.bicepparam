@@ -1,8 +1,14 @@
 // Sample parameters for the example app (queueing_core/examples/orders.py). Deploy with:
+//   export QUEUEING_DEPLOY_API_KEY=<secret>
 //   az deployment group create --resource-group <rg> --template-file infra/main.bicep \
-//     --parameters infra/main.bicepparam --parameters apiKey=<secret>
-// apiKey is deliberately absent: pass it on the command line or from a pipeline secret.
+//     --parameters infra/main.bicepparam
 using 'main.bicep'
+
+// The ops API key, from the environment of the deploying shell or pipeline (a secret there), never
+// from this file. Bicep stops with an error naming the variable when it is not set. It cannot be left
+// out for the command line to fill in: the Azure CLI compiles this file once without the command
+// line's values, and Bicep refuses a file that does not assign every required parameter.
+param apiKey = readEnvironmentVariable('QUEUEING_DEPLOY_API_KEY')
 
 param namePrefix = 'queueing'
 param queueingProvider = 'servicebus'

@@ -11,6 +11,10 @@
 -- From outside Azure the server's firewall must admit your address first (postgresClientIpAddress, or
 -- run psql from Cloud Shell): infra/README.md.
 --
+-- "permission denied for database" on CREATE SCHEMA: the database was created before the server had its
+-- Entra administrator (earlier versions of the template did that), so the platform's superuser owns it.
+-- infra/README.md ("A database made before its administrator") says how to check and what to do.
+--
 -- It creates the role for the app's managed identity (pgaadauth_create_principal maps a role to the
 -- Entra principal of the same name: the identity's name) and one schema where that role may create
 -- objects, where the kit creates and migrates its tables (which the role then owns). Nothing more: the

@@ -1,7 +1,8 @@
 """Settings the kit reads only as it opens (the Tables' endpoint of an identity-based Storage connection,
 OpenTelemetry) fail indexing with one line naming them: at the open they failed every invocation, so
 the host retried each message into its poison queue / dead-letter unrecorded. And an unresolved Key
-Vault reference for the API key stops only the ops API, not the triggers, whatever the auth level."""
+Vault reference for the API key, or a key the kit refuses (a secret pasted with its newline), stops
+only the ops API, not the triggers, whatever the auth level."""
 
 from __future__ import annotations
 
@@ -121,3 +122,74 @@ def test_anonymous_without_any_key_still_fails_indexing_saying_it_is_not_set():
         )
     assert str(info.value).startswith("QUEUEING_FUNCTIONS_HTTP_AUTH_LEVEL:")
     assert "QUEUEING_API_KEY is not set" in str(info.value)
+
+
+def _from_the_environment(monkeypatch, **settings: str) -> None:
+    """The app settings the host hands the worker: exactly these, as build_app reads them at indexing."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("QUEUEING_"):
+            monkeypatch.delenv(key)
+    for key, value in settings.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("level", ["anonymous", "function"])
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [
+        ("a-key-pasted-with-its-newline\n", "starts or ends with whitespace"),
+        (" a-key-with-a-leading-space", "starts or ends with whitespace"),
+        ("a-key-with\ta-tab", "holds control characters"),
+        ("   ", "is blank"),
+    ],
+    ids=["trailing-newline", "leading-space", "control-character", "blank"],
+)
+def test_an_unusable_key_stops_the_ops_api_not_the_triggers(monkeypatch, caplog, level, key, says):
+    # a key a secret store or a pipeline hands over with its newline failed indexing: no function loaded
+    _from_the_environment(
+        monkeypatch,
+        QUEUEING_PROVIDER="storage_queue",
+        QUEUEING_FUNCTIONS_HTTP_AUTH_LEVEL=level,
+        QUEUEING_API_KEY=key,
+    )
+    app = build_app(env=STORAGE_ENV)
+    _KEPT.append(app)
+    fns = functions_of(app)
+    assert {"queue_order_placed", "queue_capture_payment", "queueing_retention"} <= set(fns)
+    assert bindings(fns["http_app_func"])[0]["authLevel"] == level.upper()
+    [logged] = [r.getMessage() for r in caplog.records if "QUEUEING_API_KEY" in r.getMessage()]
+    assert says in logged
+    for headers in ({}, {"X-API-Key": key.strip()}, {"Authorization": f"Bearer {key.strip()}"}):
+        refused = _stats(fns, headers)
+        assert refused.status_code == 401, headers
+        problem = json.loads(refused.get_body())
+        assert problem["detail"].startswith(f"QUEUEING_API_KEY {says}"), problem
+        assert "refuses every request" in problem["detail"]
+        if key.strip():
+            assert key.strip() not in refused.get_body().decode()  # the key is never told
+    assert len([r for r in caplog.records if "QUEUEING_API_KEY" in r.getMessage()]) == 1  # logged once
+
+
+def test_a_usable_key_from_the_environment_opens_the_ops_api(monkeypatch):
+    _from_the_environment(monkeypatch, QUEUEING_PROVIDER="storage_queue", QUEUEING_API_KEY="a-usable-key")
+    app = build_app(env=STORAGE_ENV)
+    _KEPT.append(app)
+    fns = functions_of(app)
+    refused = _stats(fns, {"X-API-Key": "a-wrong-key"})
+    assert refused.status_code == 401
+    assert "QUEUEING_API_KEY" not in json.loads(refused.get_body())["detail"]
+
+
+def test_another_bad_setting_beside_an_unusable_key_still_fails_indexing_naming_it(monkeypatch):
+    _from_the_environment(
+        monkeypatch,
+        QUEUEING_PROVIDER="storage_queue",
+        QUEUEING_API_KEY="a-key-pasted-with-its-newline\n",
+        # (declared after the key: the settings name the key first, then this once the key is left out)
+        QUEUEING_PAUSE_RECHECK_SECONDS="-1",
+    )
+    with pytest.raises(ConfigurationError) as info:
+        build_app(env=STORAGE_ENV)
+    assert str(info.value).startswith("QUEUEING_PAUSE_RECHECK_SECONDS:")

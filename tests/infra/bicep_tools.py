@@ -10,6 +10,7 @@ down, under ``config["config"]``, next to ``loop_type`` / ``condition``.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -24,6 +25,8 @@ MAIN = INFRA / "main.bicep"
 PARAMS = INFRA / "main.bicepparam"
 BEGIN_MARKER = "// BEGIN GENERATED QUEUES (queueing infra params)"
 END_MARKER = "// END GENERATED QUEUES"
+#: the environment variable main.bicepparam reads the ops API key (``apiKey``) from
+API_KEY_VARIABLE = "QUEUEING_DEPLOY_API_KEY"
 
 
 class BicepSyntaxError(AssertionError):
@@ -196,3 +199,65 @@ def read_bicepparam(path: Path = PARAMS) -> ParamsFile:
     generated_doc = parse_text(block, f"{_display(path)} (generated block)")
     generated = {name: var["value"] for name, var in generated_doc.get("variables", {}).items()}
     return ParamsFile(values=values, generated=generated, using=using.group(1))
+
+
+class ParamsRefused(AssertionError):
+    """``bicep build-params`` refuses the file; the message starts with Bicep's diagnostic code."""
+
+
+def required_parameters(template: Path = MAIN) -> set[str]:
+    """The parameters Bicep wants a value for: declared without a default and not nullable
+    (``string?``); Bicep's SemanticModel reports each one a ``.bicepparam`` leaves out as BCP258."""
+    declared = parsed(template)["parameters"]
+    return {
+        name
+        for name, spec in declared.items()
+        if spec.get("default") is None and not str(spec.get("type", "")).endswith("?")
+    }
+
+
+def build_params(
+    params: ParamsFile, environ: Mapping[str, str], overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The parameter values ``bicep build-params`` compiles the file to in this environment, refused
+    as Bicep refuses them. ``overrides``: the values the Azure CLI passes (``BICEP_PARAMETERS_OVERRIDES``,
+    from ``--parameters name=value``); they replace an assignment or add one.
+
+    The Azure CLI runs build-params once *without* the overrides (to find the template) and fails the
+    deployment if that fails, so a file that leaves a required parameter for the command line to fill
+    in is refused whatever the command line says: BCP258. ``readEnvironmentVariable(name[, default])``
+    reads the environment at compile time and, with no default, fails when the variable is not set:
+    BCP427 (Bicep's SystemNamespaceType, ReadEnvironmentVariableResultBuilder).
+    """
+    built: dict[str, Any] = {}
+    for name, value in params.values.items():
+        built[name] = _built(value, environ, name)
+    missing = sorted(n for n in required_parameters() if built.get(n) is None)
+    if missing:
+        raise ParamsRefused(
+            "BCP258: The following parameters are declared in the Bicep file but are missing an "
+            f"assignment in the params file: {missing}"
+        )
+    return {**built, **(overrides or {})}
+
+
+def _built(value: Any, environ: Mapping[str, str], where: str) -> Any:
+    call = function(value)
+    if call is not None and call[0] == "readEnvironmentVariable":
+        args = call[1]
+        variable, default = args["arg_1"], args.get("arg_2")
+        if variable in environ:
+            return environ[variable]
+        if default is not None:
+            return default
+        raise ParamsRefused(
+            f'BCP427: Environment variable "{variable}" does not exist and there\'s no default value set '
+            f"(param {where})"
+        )
+    if call is not None or (isinstance(value, dict) and "operator" in value):
+        raise NotImplementedError(f"param {where}: {value!r} is not modelled here")
+    if isinstance(value, list):
+        return [_built(v, environ, where) for v in value]
+    if isinstance(value, dict):
+        return {k: _built(v, environ, where) for k, v in value.items()}
+    return value

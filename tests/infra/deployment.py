@@ -23,13 +23,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tests.infra.bicep_tools import INFRA, MAIN, body, condition, loop, parse_text, parsed
+from tests.infra.bicep_tools import INFRA, MAIN, accessor, body, condition, loop, parse_text, parsed, walk
 
 SUBSCRIPTION = "00000000-0000-0000-0000-000000000001"
 RESOURCE_GROUP = "rg-queueing-test"
 TENANT = "72f988bf-86f1-41af-91ab-2d7cd011db47"
 LOCATION = "westeurope"
 STORAGE_SUFFIX = "core.windows.net"
+#: the type of every child resource of a PostgreSQL flexible server begins so
+POSTGRES_SERVER_CHILD = "Microsoft.DBforPostgreSQL/flexibleServers/"
 
 
 class DeploymentRefused(Exception):
@@ -148,6 +150,11 @@ class _Scope:
                 raise DeploymentRefused(f"{self.file}: {name}={value} is below the minimum {arg}")
             if kind == "max_value" and value > arg:
                 raise DeploymentRefused(f"{self.file}: {name}={value} is above the maximum {arg}")
+            # (a @secure() value is not repeated)
+            if kind == "min_length" and len(value) < arg:
+                raise DeploymentRefused(f"{self.file}: {name} is shorter than its minimum length {arg}")
+            if kind == "max_length" and len(value) > arg:
+                raise DeploymentRefused(f"{self.file}: {name} is longer than its maximum length {arg}")
 
     def resource(self, symbol: str) -> Resource:
         res = self.doc["resources"][symbol]
@@ -288,6 +295,8 @@ class Deployment:
 
     parameters: dict[str, Any]
     _modules: dict[str, _ModuleRef] = field(default_factory=dict)
+    #: id of a module's scope -> (the scope declaring the module, the module's symbol)
+    _declared_in: dict[int, tuple[_Scope, str]] = field(default_factory=dict)
     main: _Scope = field(init=False)
 
     def __post_init__(self) -> None:
@@ -312,10 +321,103 @@ class Deployment:
             params = {k: scope.eval(v) for k, v in body(mod).get("params", {}).items()}
             path = (scope.path.parent / mod["detail"]["path"]).resolve()
             self._modules[key] = _ModuleRef(_Scope(path, params, self))
+            self._declared_in[id(self._modules[key].scope)] = (scope, name)
         return self._modules[key]
 
     def scope_of(self, module: str) -> _Scope:
         return self.module(self.main, module).scope
+
+    # -- the order ARM creates resources in ----------------------------------------------------------
+    def waits_for(self, module: str | None, symbol: str) -> set[Resource]:
+        """Every resource ARM has created before it starts on ``symbol`` (a resource of the module
+        ``module`` of main.bicep, or of main.bicep itself for None): what the declaration names in
+        ``dependsOn`` or ``parent`` and what it references (Bicep makes each reference to another
+        resource or module a dependency, through variables too), transitively. Waiting for a module is
+        waiting for everything it deploys, and a module's resources wait for what the module waits for.
+        A resource not deployed with these parameters drops out, as ARM drops it; an ``existing`` one
+        is no dependency."""
+        scope = self.main if module is None else self.scope_of(module)
+        found: set[Resource] = set()
+        self._prerequisites(scope, symbol, found, set())
+        return found
+
+    def created_before(self, res: Resource) -> set[Resource]:
+        """:meth:`waits_for` of a resource found with :meth:`all_resources`."""
+        if res.file == self.main.file:
+            return self.waits_for(None, res.symbol)
+        [module] = [k.split(":", 1)[1] for k, m in self._modules.items() if m.scope.file == res.file]
+        return self.waits_for(module, res.symbol)
+
+    def _prerequisites(
+        self, scope: _Scope, symbol: str, found: set[Resource], seen: set[tuple[int, str]]
+    ) -> None:
+        doc = scope.doc
+        entity = doc.get("resources", {}).get(symbol) or doc["modules"][symbol]
+        for dep in self._direct_dependencies(scope, entity) - {symbol}:
+            self._everything_of(scope, dep, found, seen)
+        if id(scope) in self._declared_in:  # the module's own prerequisites, in the scope declaring it
+            parent, name = self._declared_in[id(scope)]
+            self._prerequisites(parent, name, found, seen)
+
+    def _everything_of(
+        self, scope: _Scope, symbol: str, found: set[Resource], seen: set[tuple[int, str]]
+    ) -> None:
+        """``symbol`` done: the resource and what it waited for, or everything a module deployed."""
+        if (id(scope), symbol) in seen:
+            return
+        seen.add((id(scope), symbol))
+        doc = scope.doc
+        if symbol in doc.get("resources", {}):
+            if loop(doc["resources"][symbol]) is None:
+                found.add(scope.resource(symbol))
+            self._prerequisites(scope, symbol, found, seen)
+            return
+        inner = self.module(scope, symbol).scope
+        for name in inner.doc.get("resources", {}):
+            if self._counts(inner, name):
+                self._everything_of(inner, name, found, seen)
+        for name in inner.doc.get("modules", {}):
+            if self._counts(inner, name):
+                self._everything_of(inner, name, found, seen)
+        self._prerequisites(scope, symbol, found, seen)
+
+    def _counts(self, scope: _Scope, symbol: str) -> bool:
+        """A resource or module this deployment creates (not ``existing``, its condition true)."""
+        doc = scope.doc
+        if symbol in doc.get("resources", {}):
+            res = doc["resources"][symbol]
+            return not res["existing"] and self._deployed(scope, res)
+        return symbol in doc.get("modules", {}) and self._deployed(scope, doc["modules"][symbol])
+
+    def _direct_dependencies(self, scope: _Scope, entity: dict[str, Any]) -> set[str]:
+        doc = scope.doc
+        variables = doc.get("variables", {})
+        names: set[str] = set()
+        # a name written as a literal is often the symbol's own ('roles', 'postgres'): it names the
+        # deployment or resource, and refers to nothing
+        own = body(entity)
+        pending = [
+            entity["config"].get("condition"),
+            {k: v for k, v in own.items() if not (k == "name" and isinstance(v, str) and "${" not in v)},
+        ]
+        expanded: set[str] = set()
+        while pending:
+            for item in walk(pending.pop()):
+                # a bare identifier and a string literal look alike in pycep: a literal that happens to
+                # be a symbol's name would count as a reference (none does in these templates)
+                heads = set()
+                if isinstance(item, str):
+                    heads.add(item)
+                    heads.update(m.split(".")[0].strip() for m in re.findall(r"\$\{([^}]*)\}", item))
+                chain = accessor(item) if isinstance(item, dict) else None
+                if chain:
+                    heads.add(chain.split(".")[0])
+                for head in heads:
+                    if head in variables and head not in expanded:
+                        expanded.add(head)
+                        pending.append(variables[head]["value"])
+                    names.add(head)
+        return {n for n in names if self._counts(scope, n)}
 
     def output(self, name: str) -> Any:
         return self.main.eval(self.main.doc["outputs"][name]["value"])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.identity_endpoint import Identity
-from tests.infra.bicep_tools import read_bicepparam
+from tests.infra.bicep_tools import API_KEY_VARIABLE, build_params, read_bicepparam
 from tests.infra.deployment import Deployment, DeploymentRefused, UserAssignedIdentity
 
 #: roles that may read secret values on a vault
@@ -47,7 +47,8 @@ class Provisioned:
 
     @classmethod
     def deploy(cls, **overrides: Any) -> Provisioned:
-        parameters = {**read_bicepparam().values, "apiKey": API_KEY, **overrides}
+        # as the README deploys: main.bicepparam, the key from the environment, the rest on the command line
+        parameters = build_params(read_bicepparam(), {API_KEY_VARIABLE: API_KEY}, overrides)
         deployment = Deployment(parameters)
         return cls(deployment, resolve_key_vault_references(deployment, deployment.app_settings))
 

@@ -10,14 +10,19 @@ import pytest
 
 from queueing_core.naming import InvalidQueueName, Transport, validate
 from tests.infra.bicep_tools import (
+    API_KEY_VARIABLE,
     BEGIN_MARKER,
     END_MARKER,
     MAIN,
     PARAMS,
     BicepSyntaxError,
+    ParamsRefused,
+    build_params,
     decorators,
+    function,
     parsed,
     read_bicepparam,
+    required_parameters,
 )
 
 ISO_DURATION = re.compile(r"^P(?!$)(\d+D)?(T(?=\d)(\d+H)?(\d+M)?(\d+(\.\d+)?S)?)?$")
@@ -52,7 +57,7 @@ def test_uses_main_bicep_and_sets_only_declared_parameters(params) -> None:
     assert params.using == "main.bicep"
     declared = parsed(MAIN)["parameters"]
     assert set(params.values) <= set(declared), sorted(set(params.values) - set(declared))
-    for name, value in params.values.items():
+    for name, value in build_params(params, {API_KEY_VARIABLE: "a-key"}).items():
         kind = declared[name]["type"]
         expected = {"string": str, "int": int, "bool": bool, "array": list, "object": dict}[kind]
         assert isinstance(value, expected), name
@@ -61,10 +66,41 @@ def test_uses_main_bicep_and_sets_only_declared_parameters(params) -> None:
         assert allowed is None or value in allowed, f"{name}={value!r} not in {allowed}"
 
 
+def test_every_required_parameter_is_assigned_in_the_file(params) -> None:
+    # The Azure CLI compiles the file once without the command line's `--parameters name=value` (to find
+    # the template), and Bicep refuses a file that leaves a required parameter out (BCP258): the
+    # documented deployment failed before anything deployed (found in review)
+    required = required_parameters()
+    assert "apiKey" in required
+    assert required <= set(params.values), sorted(required - set(params.values))
+    build_params(params, {API_KEY_VARIABLE: "a-key"})  # and Bicep compiles it
+
+
 def test_no_secret_in_the_parameters_file(params) -> None:
-    assert "apiKey" not in params.values
     secure = {n for n, spec in parsed(MAIN)["parameters"].items() if "secure" in decorators(spec)}
-    assert not secure & set(params.values)
+    assert secure, "main.bicep has no @secure() parameter: nothing to check"
+    for name in secure & set(params.values):
+        # read from the deploying shell's environment when the file is compiled, with no default (a
+        # default would be a secret written in the file)
+        assert function(params.values[name]) == ("readEnvironmentVariable", {"arg_1": API_KEY_VARIABLE}), (
+            f"{name} = {params.values[name]!r}: a secure parameter's value may come only from the environment"
+        )
+    with pytest.raises(
+        ParamsRefused, match=f'BCP427: Environment variable "{API_KEY_VARIABLE}" does not exist'
+    ):
+        build_params(params, {})  # unset: Bicep stops, naming the variable
+    assert (
+        build_params(params, {API_KEY_VARIABLE: "from-the-environment"})["apiKey"] == "from-the-environment"
+    )
+
+
+def test_a_file_that_leaves_a_required_parameter_out_is_refused(tmp_path: Path) -> None:
+    text = PARAMS.read_text(encoding="utf-8")
+    without = tmp_path / "main.bicepparam"
+    without.write_text(re.sub(r"^param apiKey = .*$", "", text, flags=re.M), encoding="utf-8")
+    with pytest.raises(ParamsRefused, match=r"BCP258: .*\['apiKey'\]"):
+        # the command line's value comes too late: the CLI's first compile runs without it
+        build_params(read_bicepparam(without), {API_KEY_VARIABLE: "a-key"}, {"apiKey": "a-key"})
 
 
 def test_generated_block_is_well_formed(params) -> None:

@@ -8,6 +8,9 @@ Functions*, and every value the template accepts is one the kit accepts (both fo
 - ``trackerRetentionDays``: the template only bounded it below; the kit refuses more than its ``le``
   bound for ``QUEUEING_TRACKER_RETENTION_DAYS`` at indexing, so every function of the app failed to
   load ("0 functions found") after a deployment the template accepted.
+- ``apiKey``: the template takes any string (Bicep has no pattern decorator), and Key Vault hands it to
+  the app unchanged; a key pasted with its newline failed indexing the same way. Such a key now stops
+  only the ops API, and the template refuses what it can: an empty key.
 """
 
 from __future__ import annotations
@@ -19,8 +22,18 @@ import pytest
 
 from queueing_core.errors import ConfigurationError
 from queueing_core.settings import QueueingSettings, load_settings
-from tests.infra.bicep_tools import MAIN, ROOT, decorators, module_file, parsed, read_bicepparam
+from tests.infra.bicep_tools import (
+    API_KEY_VARIABLE,
+    MAIN,
+    ROOT,
+    build_params,
+    decorators,
+    module_file,
+    parsed,
+    read_bicepparam,
+)
 from tests.infra.deployment import DeploymentRefused, deploy
+from tests.infra.provisioned import API_KEY, Provisioned
 
 PREFIX = str(QueueingSettings.model_config.get("env_prefix", ""))
 
@@ -31,7 +44,7 @@ def env_name(field: str) -> str:
 
 def deployed_settings(monkeypatch, **parameters) -> QueueingSettings:
     """The kit's settings as a deployment (main.bicepparam + ``parameters``) hands them to the app."""
-    settings = deploy(**{**read_bicepparam().values, **parameters}).app_settings
+    settings = deploy(**build_params(read_bicepparam(), {API_KEY_VARIABLE: API_KEY}, parameters)).app_settings
     for key in list(os.environ):
         if key.startswith(PREFIX):
             monkeypatch.delenv(key)
@@ -88,3 +101,42 @@ def test_a_retention_the_template_accepts_is_one_the_app_starts_with(monkeypatch
         pytest.fail(
             f"trackerRetentionDays={too_long} deploys, then the app fails indexing (every function): {exc}"
         )
+
+
+def _shortest_key_the_app_accepts() -> int:
+    for length in range(64):
+        try:
+            QueueingSettings(api_key="k" * length)
+        except ValueError:
+            continue
+        return length
+    raise AssertionError("the kit accepts no key of up to 63 characters")
+
+
+def test_the_template_refuses_the_keys_too_short_for_the_app() -> None:
+    shortest = _shortest_key_the_app_accepts()
+    assert decorators(parsed(MAIN)["parameters"]["apiKey"]).get("min_length") == shortest
+    with pytest.raises(DeploymentRefused, match="apiKey is shorter than its minimum length"):
+        deploy(apiKey="k" * (shortest - 1))
+    deploy(apiKey="k" * shortest)
+
+
+@pytest.mark.parametrize("provider", ["servicebus", "storage_queue"])
+@pytest.mark.parametrize(
+    "key", ["a-key-pasted-with-its-newline\n", " a-key-with-a-leading-space", "a-key-with\ta-tab"]
+)
+def test_an_api_key_the_template_accepts_stops_no_trigger(monkeypatch, provider, key) -> None:
+    from functions import build_app
+    from tests.functions.conftest import functions_of
+
+    prov = Provisioned.deploy(queueingProvider=provider, apiKey=key)  # the template has no pattern check
+    assert prov.settings["QUEUEING_API_KEY"] == key  # Key Vault hands it over unchanged
+    for name in list(os.environ):
+        if name.startswith(("QUEUEING_", "Queueing", "AzureWebJobs")):
+            monkeypatch.delenv(name)
+    for name, value in prov.settings.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(ROOT)  # host.json next to function_app.py, as deployed
+    names = set(functions_of(build_app(env=dict(prov.settings))))  # as function_app.py builds it
+    prefix = "servicebus" if provider == "servicebus" else "queue"
+    assert {f"{prefix}_order_placed", "queueing_retention", "http_app_func"} <= names, names

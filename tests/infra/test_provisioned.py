@@ -49,7 +49,7 @@ from tests.functions.conftest import functions_of, user
 from tests.functions.servicebus_host import host_delivers
 from tests.identity_endpoint import OTHER_CREDENTIAL_VARIABLES, IdentityEndpoint, Issued
 from tests.infra.bicep_tools import ROOT
-from tests.infra.deployment import DeploymentRefused
+from tests.infra.deployment import POSTGRES_SERVER_CHILD, DeploymentRefused
 from tests.infra.provisioned import API_KEY, Provisioned
 from tests.storage_gate import StorageGate
 from tests.tls import sdk_trusts
@@ -440,7 +440,7 @@ END $$
 
 #: the server's administrators as the file may meet them: the local superuser, and the Microsoft Entra
 #: administrator as Azure makes one: no superuser ("only Microsoft is part of the super user role"),
-#: CREATEROLE and CREATEDB, a member of azure_pg_admin, which owns the databases ARM creates
+#: CREATEROLE and CREATEDB, a member of azure_pg_admin
 #: (learn.microsoft.com/azure/postgresql/flexible-server/how-to-create-users). CREATE SCHEMA ...
 #: AUTHORIZATION <app role> failed as the latter, who is no member of the role it created.
 ADMINS = {
@@ -476,10 +476,29 @@ def run_app_role_sql(scram_postgres, prov: Provisioned, admin: str = "entra-admi
     assert done.returncode == 0, done.stderr
 
 
+#: stands in for azuresu, the platform's superuser, which owns a database ARM creates while the server
+#: has no Entra administrator (no login: only Microsoft signs in as it)
+PLATFORM_SUPERUSER = "azuresu"
+
+
+def database_owner(prov: Provisioned, admin: str) -> str:
+    """Who owns the kit's database, from the order the deployment creates things in: the Entra
+    administrator when ARM creates the database after it, azuresu when before (or at the same time:
+    then it is a race), as Azure/bicep-registry-modules#3596 and hashicorp/terraform-provider-azurerm#27895
+    report. The local superuser stands in for the administrator in the ``superuser`` case."""
+    children = [r for r in prov.deployment.all_resources() if r.type.startswith(POSTGRES_SERVER_CHILD)]
+    [database] = [r for r in children if r.type == POSTGRES_SERVER_CHILD + "databases"]
+    administrators = {r for r in children if r.type == POSTGRES_SERVER_CHILD + "administrators"}
+    if administrators and administrators <= prov.deployment.created_before(database):
+        return ADMINS[admin][0]
+    return PLATFORM_SUPERUSER
+
+
 @contextlib.contextmanager
 def postgres_server(scram_postgres, prov: Provisioned, admin: str = "entra-admin"):
-    """The server as the deployment leaves it: Entra only (here: passwords checked), the kit's database
-    (owned by azure_pg_admin, as ARM creates it), and its Entra administrator ``admin``."""
+    """The server as the deployment leaves it: Entra only (here: passwords checked), its Entra
+    administrator ``admin``, and the kit's database, owned as the order the deployment declares makes
+    it (:func:`database_owner`)."""
     database = prov.deployment.scope_of("postgres").lookup("databaseName")
     role = prov.deployment.output("postgresAppRole")
     user, security = ADMINS[admin]
@@ -493,7 +512,15 @@ def postgres_server(scram_postgres, prov: Provisioned, admin: str = "entra-admin
                 " IN ROLE azure_pg_admin"
             ).format(sql.Identifier(user), sql.Literal(ENTRA_ADMIN_PASSWORD))
         )
-    scram_postgres.run(sql.SQL("CREATE DATABASE {} OWNER azure_pg_admin").format(sql.Identifier(database)))
+    owner = database_owner(prov, admin)
+    created_platform = owner == PLATFORM_SUPERUSER and not scram_postgres.run(
+        "SELECT 1 FROM pg_roles WHERE rolname = %s", PLATFORM_SUPERUSER
+    )
+    if created_platform:
+        scram_postgres.run(sql.SQL("CREATE ROLE {} SUPERUSER NOLOGIN").format(sql.Identifier(owner)))
+    scram_postgres.run(
+        sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(database), sql.Identifier(owner))
+    )
     scram_postgres.run(PGAADAUTH_STAND_IN.format(security=security))
     try:
         yield database, role
@@ -505,6 +532,8 @@ def postgres_server(scram_postgres, prov: Provisioned, admin: str = "entra-admin
         scram_postgres.run(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
         if user != "postgres":
             scram_postgres.run(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(user)))
+        if created_platform:
+            scram_postgres.run(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(PLATFORM_SUPERUSER)))
         if created_group:
             scram_postgres.run("DROP ROLE IF EXISTS azure_pg_admin")
         scram_postgres.run("DROP FUNCTION IF EXISTS pgaadauth_create_principal(text, boolean, boolean)")
@@ -585,9 +614,14 @@ def test_the_app_role_sql_grants_least_privilege(scram_postgres, admin):
         )  # fmt: skip
         assert (create_db, create_public, usage_other) == (False, False, False)
         # the app is not the server's Entra administrator: that is the deployer's parameter
-        admin_module = prov.deployment.scope_of("postgresAdmin")
-        assert admin_module.lookup("principalName") == SQL_DEPLOYMENT["postgresAdminName"]
-        assert admin_module.lookup("principalId") != prov.identity.principal_id
+        server = prov.deployment.scope_of("postgres")
+        assert server.lookup("adminPrincipalName") == SQL_DEPLOYMENT["postgresAdminName"]
+        assert server.lookup("adminPrincipalId") != prov.identity.principal_id
+        # the administrator owns the database: ARM created it after the administrator
+        [(owner,)] = scram_postgres.run(
+            "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = %s", database
+        )
+        assert owner == ADMINS[admin][0]
 
 
 SQL_DEPLOYMENT = {

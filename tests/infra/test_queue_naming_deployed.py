@@ -17,7 +17,7 @@ import pytest
 from functions import build_app
 from queueing_core.settings import load_settings
 from tests.functions.conftest import bindings, functions_of
-from tests.infra.bicep_tools import PARAMS, read_bicepparam
+from tests.infra.bicep_tools import API_KEY_VARIABLE, PARAMS, build_params, read_bicepparam
 from tests.infra.deployment import deploy
 
 TRIGGERS = {"serviceBusTrigger": "serviceBus", "queueTrigger": "storage"}
@@ -66,7 +66,7 @@ def _generated(tmp_path, prefix: str, suffix: str) -> dict:
         update(params, render(app))
     finally:
         app.naming = saved
-    return read_bicepparam(params).values
+    return build_params(read_bicepparam(params), {API_KEY_VARIABLE: "test-ops-key"})
 
 
 @pytest.mark.parametrize("provider", ["servicebus", "storage_queue"])
