@@ -674,7 +674,10 @@ class ServiceBusProvider(DeadLetterOps, PhysicalNames):
         (:meth:`check_expiry` refused it otherwise), and the kit finds it expired by its envelope."""
         if env.expires_at is None:
             return None
-        ttl = max(timedelta(seconds=1), env.expires_at - start + self.ttl_grace)
+        # the grace always follows the activation: a copy due after its expiry (a long retry, a
+        # defer) must still reach a worker, which finds it expired and records so; with 1 s the broker
+        # dead-lettered it as TTLExpiredException, its history left Failed (found in review)
+        ttl = max(timedelta(seconds=1), max(env.expires_at - start, timedelta(0)) + self.ttl_grace)
         return None if ttl > MAX_MESSAGE_TTL else ttl
 
     def check_expiry(self, app: QueueingApp, envelopes: Sequence[Envelope], now: datetime) -> None:

@@ -228,6 +228,47 @@ async def test_a_handler_asking_to_run_again_in_sixty_days_is_settled():
         await rt.close()
 
 
+@queue("sb-ttl-retry-late", expiration=timedelta(minutes=10))
+class Late(QueueMessage):
+    n: int
+
+
+async def test_a_retry_due_after_its_expiry_still_reaches_the_kit_which_records_it_expired():
+    """A retry copy due past its message's expiry (a handler's long ``Retry(after=)``) was given a time
+    to live of 1 s from its due time: the broker dead-lettered it as TTLExpiredException unless a worker
+    took it within that second, and its history stayed Failed. The grace follows its activation."""
+    from queueing_core import Retry
+
+    clock = FakeClock(datetime.now(UTC))
+    app = QueueingApp("sb-ttl-retry-late")
+    runs: list[int] = []
+
+    @app.handler()
+    async def late(msg: Late) -> None:
+        runs.append(msg.n)
+        raise Retry(timedelta(hours=2), "come back in two hours")
+
+    rt = in_memory_servicebus(
+        app, FakeServiceBusNamespace(clock=clock), clock=clock, provider_options={"receive_wait": 0.1}
+    )
+    await rt.open()
+    try:
+        receipt = await app.enqueue(Late(n=1))
+        await run_until_idle(rt, raise_errors=False)
+        [copy] = await _peek(rt, "sb-ttl-retry-late")
+        assert copy.time_to_live >= rt.provider.ttl_grace
+        clock.advance(timedelta(hours=2, seconds=3))  # a worker takes it 3 s after it is due
+        await run_until_idle(rt, raise_errors=False)
+        assert runs == [1]
+        rec = await rt.tracker.get(receipt.message_id)
+        assert rec is not None
+        assert rec.status == MessageStatus.EXPIRED
+        [letter] = await _peek(rt, "sb-ttl-retry-late", ServiceBusSubQueue.DEAD_LETTER)
+        assert letter.dead_letter_reason != "TTLExpiredException"
+    finally:
+        await rt.close()
+
+
 def test_only_a_full_batch_is_taken_for_full():
     """Any ValueError from adding to a batch was taken for "the batch is full": the batch so far was
     sent, and the same error left after it. Only the SDK's ``MessageSizeExceededError`` says full; any

@@ -456,3 +456,24 @@ async def test_a_changed_body_python_takes_for_equal_replaces_the_waiting_one(sq
         assert seen == [True]
     finally:
         await rt.close()
+
+
+@pytest.mark.parametrize("value", [2e16, -0.0, 1.5e300, {"b": [1, 2.5], "a": None}])
+async def test_an_unchanged_body_is_discarded_as_the_database_gives_it_back(sql_db, value):
+    """PostgreSQL's JSONB gives ``2e16`` back as ``20000000000000000`` and ``-0.0`` as ``0``: compared by
+    their text, the repeat of an unchanged request was taken for a changed version, replacing the
+    waiting one and moving its due time on every repeat (found in review)."""
+    app = QueueingApp("flags")
+
+    @app.handler()
+    async def handle(msg: Flag) -> None:
+        pass
+
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    try:
+        first = await app.enqueue(Flag(key="k", value=value), delay=timedelta(hours=1))
+        again = await app.enqueue(Flag(key="k", value=value), delay=timedelta(hours=2))
+        assert (again.outcome, again.message_id) == ("discarded", first.message_id)
+    finally:
+        await rt.close()

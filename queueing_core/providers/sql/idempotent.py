@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Generator, Sequence
 from datetime import datetime
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
@@ -15,7 +16,6 @@ import sqlalchemy as sa
 
 from ...clock import as_utc
 from ...control.base import CANCEL_KEPT
-from ...idempotency import body_hash
 from ...messages import MessageStatus, QueueMessage, read_body
 from .rows import row_for, stored_text
 from .schema import CLAIMABLE, CLAIMABLE_SQL, Tables, archived, claimable
@@ -266,15 +266,31 @@ def _channel(tables: Tables) -> str:
 
 
 def _same(stored: str | bytes | None, body: dict[str, Any]) -> bool:
-    """Whether the stored body is ``body``, by the rule of every transport (``body_hash``: the same JSON
-    whatever the key order; Python's ``==`` took ``true`` for ``1`` and discarded the changed version).
+    """Whether the stored body is ``body``: the same JSON whatever the key order, each value of the
+    same kind (Python's ``==`` took ``true`` for ``1`` and discarded the changed version), numbers equal
+    by value (PostgreSQL's JSONB gives back ``2e16`` as ``20000000000000000`` and ``-0.0`` as ``0``: by
+    their text, an unchanged body was taken for a changed one and its due time moved on every repeat).
     One that does not read (not UTF-8, not JSON, nested past what the parser reads) is not: it is
     replaced by this version, which can run."""
     try:
         text = stored.decode() if isinstance(stored, bytes) else stored  # (as the claim reads it)
-        return text is not None and body_hash(json.loads(text)) == body_hash(body)
-    except (ValueError, RecursionError):
+        return text is not None and _canonical(json.loads(text)) == _canonical(body)
+    except (ValueError, RecursionError, ArithmeticError):
         return False
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` (JSON) tagged by kind, its numbers as decimals (a float by its shortest text, as JSON
+    wrote it), so that equality is JSON's and never Python's ``True == 1``."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return (type(value).__name__, value)
+    if isinstance(value, int | float):
+        return ("number", Decimal(repr(value)) if isinstance(value, float) else Decimal(value))
+    if isinstance(value, dict):
+        return ("object", frozenset((k, _canonical(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return ("array", tuple(_canonical(v) for v in value))
+    raise ValueError(f"not JSON: {type(value).__name__}")
 
 
 async def newer_version(p: SqlProvider, message: QueueMessage) -> UUID | None:
