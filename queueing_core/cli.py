@@ -320,6 +320,11 @@ def enqueue(
         read_body(sub.message_type, body)
     except ValidationError as exc:
         fail(f"the message does not match {type_name}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", 2)
+    if count > 1 and "message_id" in body:
+        # every copy would carry that one id: one message at most, the others duplicates of it
+        fail(
+            "--json gives a message_id, so --count must be 1 (each copy is a new message with its own id)", 2
+        )
     _run(_enqueue(runtime, sub.message_type, body, count, delay))
 
 
@@ -374,10 +379,12 @@ async def _enqueue(
     )
 
 
-#: what an idempotent type's enqueue did instead of writing a new message (the producer's outcomes)
+#: what an enqueue did instead of writing a new message (the producer's outcomes): an idempotent
+#: type's, or, on SQL, one whose message id is stored already
 _NOT_NEW = {
     "discarded": "discarded: a message of the same identity and content was waiting; nothing was written",
     "replaced": "replaced: the waiting message of the same identity took this body",
+    "duplicate": "duplicate: a message with this id is stored already; nothing was written",
 }
 
 
@@ -389,6 +396,8 @@ def _receipt_line(type_name: str, receipt: EnqueueReceipt) -> str:
     if receipt.outcome == "replaced":
         superseded = f"; it supersedes {receipt.supersedes}" if receipt.supersedes else ""
         return f"{type_name} {receipt.message_id} {_NOT_NEW['replaced']}{superseded}"
+    if receipt.outcome == "duplicate":
+        return f"{type_name} {receipt.message_id} {_NOT_NEW['duplicate']}"
     return f"enqueued {type_name} {receipt.message_id} ({receipt.status})"
 
 
@@ -396,7 +405,7 @@ def _outcomes_line(type_name: str, outcomes: Counter[str]) -> str:
     """Many enqueues: how many wrote a new message, and how many an idempotent type discarded or
     replaced (``--count 3`` of one identity is one message, not three)."""
     line = f"enqueued {counted(outcomes['enqueued'], type_name + ' message')}"
-    for outcome in ("discarded", "replaced"):
+    for outcome in ("discarded", "replaced", "duplicate"):
         if outcomes[outcome]:
             line += f"; {outcomes[outcome]:,} {_NOT_NEW[outcome]}"
     return line

@@ -14,11 +14,13 @@ from pydantic_core import PydanticSerializationError
 from typing_extensions import Unpack
 
 from .clock import Clock, as_utc, utcnow
+from .decisions import LATEST
+from .decisions import _in_utc as kept_time
 from .envelope import Envelope
 from .errors import InvalidArgument, MessageTooLarge, NotSupported
 from .hooks import Event, Observation
 from .messages import NOT_UTF8, TOO_DEEP, MessageStatus, QueueMessage, encodable, too_deep
-from .middleware import compose_enqueue, same_middleware
+from .middleware import EnqueueNext, compose_enqueue, same_middleware
 from .options import QueueOptions
 from .tracking.base import MessageRecord, record_from_envelope
 
@@ -30,7 +32,8 @@ if TYPE_CHECKING:
 
 class EnqueueOptions(TypedDict, total=False):
     """Per-enqueue options. ``delay``/``not_before`` make the message Sleeping until then;
-    ``ttl``/``expires_at`` override the queue's expiration."""
+    ``ttl``/``expires_at`` override the queue's expiration. ``not_before``/``expires_at`` are
+    timezone-aware (a naive time is refused); a time past ``decisions.LATEST`` is kept as it."""
 
     delay: timedelta | float | None
     not_before: datetime | None
@@ -52,9 +55,11 @@ class EnqueueReceipt:
     expires_at: datetime | None
     #: ``enqueued``; for idempotent types also ``discarded`` (nothing was written: the waiting message
     #: of its identity has the same JSON, or, off SQL, this message id was sent before and a newer
-    #: version has replaced it since) or ``replaced`` (the waiting message took the new body). When
-    #: not ``enqueued``, the ids are the waiting (newest) message's; the status and times are this
-    #: request's, not read back from that message.
+    #: version has replaced it since) or ``replaced`` (the waiting message took the new body). On SQL
+    #: also ``duplicate``: a message of this id is stored already (sent before, maybe finished), and
+    #: nothing was written (the other transports cannot tell, and say ``enqueued``). When not
+    #: ``enqueued``, the ids are the waiting (newest) message's (a duplicate's: this request's); the
+    #: status and times are this request's, not read back from that message.
     outcome: str = "enqueued"
     #: transports that cannot edit a queued message (all but SQL): the waiting version this one
     #: superseded; it is settled Cancelled, "superseded by" this one, without running
@@ -63,7 +68,7 @@ class EnqueueReceipt:
 
 @dataclass(frozen=True, slots=True)
 class IdempotentOutcome:
-    outcome: str  # enqueued | discarded | replaced
+    outcome: str  # enqueued | discarded | replaced | duplicate (see EnqueueReceipt.outcome)
     message_id: UUID
     tracking_id: UUID
     #: the waiting version this one superseded (transports that cannot edit a queued message)
@@ -84,6 +89,18 @@ class SendsIdempotent(Protocol):
     async def send_idempotent(
         self, envelopes: Sequence[Envelope], identities: Sequence[str]
     ) -> list[IdempotentOutcome]: ...
+
+
+#: the receipt's outcome for a message whose id the transport holds already (nothing was written)
+DUPLICATE = "duplicate"
+
+
+@runtime_checkable
+class SendsNew(Protocol):
+    """A provider that says which envelopes of a send it stored: one whose message id it holds already
+    adds nothing (SQL: the insert skips it), and must not be told enqueued, announced or recorded."""
+
+    async def send_new(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> list[bool]: ...
 
 
 @runtime_checkable
@@ -135,9 +152,21 @@ def _when(
     if relative is not None and absolute is not None:
         raise InvalidArgument(what[0], f"pass either {what[0]}= or {what[1]}=, not both")
     if absolute is not None:
-        return as_utc(absolute)
+        if not isinstance(absolute, datetime):
+            raise InvalidArgument(what[1], f"must be a datetime, not {type(absolute).__name__}")
+        if absolute.utcoffset() is None:
+            # Python reads a naive time as local (``astimezone``, ``timestamp``), this kit read it as UTC:
+            # "in two hours" as ``datetime.now() + ...`` came due hours early or late, without a word
+            raise InvalidArgument(
+                what[1],
+                "has no time zone: give a timezone-aware datetime "
+                "(e.g. datetime.now(UTC) + timedelta(hours=2))",
+            )
+        return kept_time(absolute)  # in UTC, and no later than LATEST (see there)
     if relative is None:
         return None
+    if isinstance(relative, datetime):
+        raise InvalidArgument(what[0], f"is a time, not a length of time: pass {what[1]}= for a time")
     if isinstance(relative, timedelta):
         delta = relative
     else:
@@ -148,7 +177,7 @@ def _when(
     if delta < timedelta(0):
         raise InvalidArgument(what[0], "must not be negative")
     try:
-        return now + delta
+        return min(now + delta, LATEST)
     except OverflowError:
         raise InvalidArgument(what[0], "puts the time past the year 9999") from None
 
@@ -159,14 +188,19 @@ def build_envelope(
     """The envelope ``enqueue`` would send (pure; raises :class:`InvalidArgument`, a ``ValueError``, for
     timing that contradicts itself)."""
     mtype = type(message)
-    if mtype.type_name() not in app.message_types:
-        app.produced(mtype)  # producing a type registers it, so the ops API knows its queue
+    sub = app.subscription(mtype.type_name())
+    if sub is None or sub.message_type is not mtype:
+        # producing a type registers it, so the ops API knows its queue; and another class under a
+        # registered type name is refused as registering it is: its messages went to the registered
+        # type's queue (dead-lettered there, its body not that model's) or to a queue nobody consumes
+        app.produced(mtype)
     qopts = app.options_for(mtype)
     due = _when(now, options.get("delay"), options.get("not_before"), ("delay", "not_before"))
     expiry = _when(now, options.get("ttl"), options.get("expires_at"), ("ttl", "expires_at"))
     if expiry is None and qopts.expiration is not None:
         try:
-            expiry = message.created_at + qopts.expiration
+            # (capped as every time the kit keeps: one late in 9999 failed each read on PostgreSQL)
+            expiry = min(message.created_at + qopts.expiration, LATEST)
         except OverflowError:
             raise InvalidArgument("created_at", "is too late to add the queue's expiration to") from None
     if expiry is not None and expiry <= now:
@@ -188,8 +222,35 @@ def build_envelope(
     try:
         return _envelope(mtype, message, due, expiry, options)
     except ValidationError as exc:  # e.g. a correlation id over 256 characters, or not Unicode text
-        error = exc.errors(include_url=False)[0]
-        raise InvalidArgument(".".join(map(str, error["loc"])) or "message", error["msg"]) from None
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: ValidationError, after: str = "") -> InvalidArgument:
+    error = exc.errors(include_url=False)[0]
+    return InvalidArgument(".".join(map(str, error["loc"])) or "message", error["msg"] + after)
+
+
+async def through_middleware(chain: EnqueueNext, envelopes: Sequence[Envelope]) -> list[Envelope]:
+    """Envelopes through the enqueue middleware, each it changed validated again, before anything is
+    sent: ``model_copy(update=...)`` (how middleware stamps a header) skips validation, and a header
+    that is not text (None from a lookup, an int) was sent, then every copy was dead-lettered as a
+    malformed envelope unrun. One it passed on unchanged costs nothing more."""
+    out = []
+    for env in envelopes:
+        after = await chain(env)
+        if after is not env:
+            if not isinstance(after, Envelope):
+                raise InvalidArgument(
+                    "envelope",
+                    f"enqueue middleware returned {type(after).__name__}, not an envelope "
+                    "(end it with `return await call_next(envelope)`)",
+                )
+            try:
+                after = Envelope.model_validate(dict(after))  # its fields as they are: no dump first
+            except ValidationError as exc:
+                raise _invalid(exc, " (as enqueue middleware left the envelope)") from None
+        out.append(after)
+    return out
 
 
 def _envelope(
@@ -271,7 +332,7 @@ class Producer:
         if not same_middleware(self._chain_middleware, self.app.enqueue_middleware):  # changed since
             self._chain_middleware = list(self.app.enqueue_middleware)
             self._chain = compose_enqueue(self._chain_middleware)
-        out = [await self._chain(e) for e in envelopes] if self._chain_middleware else list(envelopes)
+        out = await through_middleware(self._chain, envelopes) if self._chain_middleware else list(envelopes)
         check_sendable(out, self.provider.capabilities.max_message_bytes, self.provider.transport.value)
         if isinstance(self.provider, LimitsExpiry):
             # here, before an idempotent type's identity is looked up or anything is sent
@@ -310,11 +371,16 @@ class Producer:
                 [ready[i] for i in keyed], [str(identities[i]) for i in keyed]
             )
             outcomes = dict(zip(keyed, found, strict=True))
-            plain = [e for i, e in enumerate(ready) if i not in outcomes]
-        else:
-            plain = list(ready)
+        plain = [i for i in range(len(ready)) if i not in outcomes]
         if plain:
-            await self.provider.send(plain, wait=wait)
+            envs = [ready[i] for i in plain]
+            if isinstance(self.provider, SendsNew):
+                stored = await self.provider.send_new(envs, wait=wait)
+                for i, env, new in zip(plain, envs, stored, strict=True):
+                    if not new:  # (told enqueued and announced, though the transport wrote nothing)
+                        outcomes[i] = IdempotentOutcome(DUPLICATE, env.message_id, env.tracking_id)
+            else:
+                await self.provider.send(envs, wait=wait)
         return await self.sent(ready, outcomes)
 
     async def sent(
@@ -341,7 +407,8 @@ class Producer:
             )
         if self.history is not None and not self.provider.capabilities.durable_history:
             now = self.clock()
-            # a discarded or replaced envelope was never sent: its receipt names the waiting message
+            # a discarded, replaced or duplicate envelope wrote no new message: its receipt names the
+            # waiting (or stored) one
             records: list[MessageRecord] = [
                 record_from_envelope(e, r.status, now)
                 for e, r in zip(ready, receipts, strict=True)
@@ -353,7 +420,8 @@ class Producer:
         hooks = self.app.hooks
         if hooks.wants(Event.ENQUEUED):
             # what the transport now holds as a new message: not an idempotent enqueue discarded against
-            # the waiting version, nor one that replaced that version's body (it was told when it went in)
+            # the waiting version, nor one that replaced that version's body (it was told when it went in),
+            # nor a message id the transport held already
             for env, r in zip(ready, receipts, strict=True):
                 if r.outcome == "enqueued":
                     await hooks.emit(Observation(Event.ENQUEUED, env, env.queue))

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 from queueing_core import QueueingApp, QueueMessage, queue
@@ -29,8 +30,14 @@ class SyncAccount(QueueMessage):
     account: str
     plan: str = "basic"
 
+
+@queue("outcome-notes")
+class Note(QueueMessage):
+    text: str
+
 app = QueueingApp("outcome")
 app.message(SyncAccount)
+app.message(Note)
 """
 
 
@@ -40,7 +47,9 @@ class SyncAccount(QueueMessage):
     plan: str = "basic"
 
 
-def test_the_cli_reports_each_outcome(tmp_path):
+def _cli(tmp_path: Path) -> Callable[..., str]:
+    """`queueing` on a SQLite file with the app above: its output on one line (exit 0 expected, or
+    ``code=``: then its output and errors)."""
     (tmp_path / "outcomeapp.py").write_text(textwrap.dedent(APP))
     env = {
         **os.environ,
@@ -49,7 +58,7 @@ def test_the_cli_reports_each_outcome(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
     }
 
-    def cli(*args: str) -> str:
+    def cli(*args: str, code: int = 0) -> str:
         done = subprocess.run(
             [sys.executable, "-m", "queueing_core.cli", *args],
             cwd=tmp_path,
@@ -59,8 +68,14 @@ def test_the_cli_reports_each_outcome(tmp_path):
             timeout=120,
             check=False,
         )
-        assert done.returncode == 0, (done.stdout, done.stderr)
-        return " ".join(done.stdout.split())  # rich may wrap a long line
+        assert done.returncode == code, (done.stdout, done.stderr)
+        return " ".join((done.stdout + (done.stderr if code else "")).split())  # rich may wrap a long line
+
+    return cli
+
+
+def test_the_cli_reports_each_outcome(tmp_path):
+    cli = _cli(tmp_path)
 
     first = cli("enqueue", "SyncAccount", "--json", '{"account": "acme"}')
     assert first.startswith("enqueued SyncAccount "), first
@@ -84,6 +99,20 @@ def test_the_cli_reports_each_outcome(tmp_path):
 
     plain = cli("stats", "--json")
     assert '"Pending": 2' in plain, plain  # acme (replaced once) and globex: two messages in all
+
+
+def test_the_cli_reports_a_stored_message_id_and_refuses_copies_of_one(tmp_path):
+    """A message id given in --json: sent again, nothing is written (the CLI said "enqueued"); with
+    --count 3 every copy carried it, and "enqueued 3" stood for one message."""
+    cli = _cli(tmp_path)
+    body = '{"text": "hi", "message_id": "6f1c1b9e-8f1e-4f55-9a51-0d1c9d7e2a10"}'
+    assert cli("enqueue", "Note", "--json", body).startswith("enqueued Note 6f1c1b9e-")
+    again = cli("enqueue", "Note", "--json", body)
+    assert again.startswith("Note 6f1c1b9e-8f1e-4f55-9a51-0d1c9d7e2a10 duplicate:"), again
+    assert "nothing was written" in again, again
+    refused = cli("enqueue", "Note", "--json", body, "--count", "3", code=2)
+    assert "--json gives a message_id, so --count must be 1" in refused, refused
+    assert '"Pending": 1' in cli("stats", "--json")
 
 
 async def test_the_dashboard_reports_each_outcome(tmp_path):

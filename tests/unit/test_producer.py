@@ -19,6 +19,11 @@ class Greet(QueueMessage):
     name: str
 
 
+@queue("lasting", expiration=None)
+class Lasting(QueueMessage):
+    name: str
+
+
 class RecordingProvider:
     transport = Transport.INPROCESS
 
@@ -171,3 +176,107 @@ async def test_enqueue_middleware_swapped_for_another_while_running_is_the_one_t
     app.use_enqueue_middleware(stamp("second"))
     await p.enqueue(Greet(name="ann"))
     assert [s[0][0].headers["stamp"] for s in prov.sends] == ["first", "second"]
+
+
+async def test_enqueue_middleware_output_is_validated_again_before_any_send():
+    """``model_copy(update=...)`` skips validation: a header of None or 42 was sent, then the enqueue
+    failed on a raw pydantic error (in-process) or reported success (SQL), and every copy was
+    dead-lettered as a malformed envelope, never run."""
+    app, prov, p = producer()
+    tenant: list[object] = []
+
+    @app.use_enqueue_middleware
+    async def stamp(env, call_next):
+        return await call_next(env.model_copy(update={"headers": {**env.headers, "tenant": tenant[-1]}}))
+
+    for bad in (None, 42):
+        tenant.append(bad)
+        with pytest.raises(InvalidArgument, match=r"headers\.tenant: Input should be a valid str") as refused:
+            await p.enqueue(Greet(name="ann"))
+        assert "enqueue middleware" in str(refused.value)
+    assert prov.sends == []
+    tenant.append("t1")
+    await p.enqueue(Greet(name="ann"))
+    assert prov.sends[-1][0][0].headers["tenant"] == "t1"
+
+
+async def test_enqueue_middleware_that_returns_no_envelope_is_refused_and_one_unchanged_is_kept():
+    app, prov, p = producer()
+    kept = []
+
+    @app.use_enqueue_middleware
+    async def forgets_to_return(env, call_next):
+        if env.body["name"] == "lost":
+            await call_next(env)
+            return None
+        return await call_next(env)
+
+    @app.use_enqueue_middleware
+    async def watches(env, call_next):
+        kept.append(env)
+        return await call_next(env)
+
+    with pytest.raises(InvalidArgument, match="returned NoneType, not an envelope"):
+        await p.enqueue(Greet(name="lost"))
+    await p.enqueue(Greet(name="ok"))
+    assert prov.sends[-1][0][0] is kept[-1]  # passed on unchanged: the same object, not checked again
+
+
+async def test_a_second_class_under_a_registered_type_name_is_refused_as_registration_refuses_it():
+    """Enqueue registered a type only when its name was unknown: another class of that name was sent
+    to the registered type's queue (dead-lettered, its body not that model's) or to a queue of its own
+    that no host consumes."""
+    from queueing_core.errors import RegistrationError
+
+    app, prov, p = producer()
+    await p.enqueue(Greet(name="ann"))
+
+    def elsewhere() -> tuple[type[QueueMessage], type[QueueMessage]]:
+        class Greet(QueueMessage):  # another module's class of the same name
+            sku: int
+
+        @queue("other-greetings", type_name="Greet")
+        class Renamed(QueueMessage):
+            sku: int
+
+        return Greet, Renamed
+
+    for clash in elsewhere():
+        with pytest.raises(RegistrationError, match="two message classes use the type name 'Greet'"):
+            await p.enqueue(clash(sku=1))
+    assert len(prov.sends) == 1
+    assert app.message_types["Greet"] is Greet
+
+
+async def test_times_later_than_the_latest_kept_time_are_kept_as_it():
+    """A time late on 9999-12-31 (``datetime.max`` as "never") was stored as given, and on PostgreSQL
+    in a time zone ahead of UTC every read of the row failed; a deferral keeps ``LATEST`` instead."""
+    from datetime import timezone
+
+    from queueing_core.decisions import LATEST
+
+    _, _, p = producer()
+    never = datetime.max.replace(tzinfo=UTC)
+    msg = Greet(name="x", created_at=NOW)
+    assert p.envelope_for(msg, expires_at=never).expires_at == LATEST
+    west = datetime.max.replace(tzinfo=timezone(timedelta(hours=-5)))  # past the year 9999 in UTC
+    assert p.envelope_for(msg, expires_at=west).expires_at == LATEST
+    parked = Lasting(name="x", created_at=NOW)  # (a type that never expires)
+    env = p.envelope_for(parked, not_before=never - timedelta(hours=1))
+    assert (env.not_before, env.expires_at) == (LATEST, None)
+    assert p.envelope_for(parked, delay=LATEST - NOW + timedelta(hours=20)).not_before == LATEST
+    late = Greet(name="x", created_at=datetime(9999, 12, 30, 12, tzinfo=UTC))  # + the queue's hour
+    assert p.envelope_for(late).expires_at == LATEST
+
+
+async def test_a_time_without_a_time_zone_is_refused():
+    """Python reads a naive time as local time, and the kit read it as UTC: ``datetime.now() + 2h`` in
+    New York came due seven hours late, without a word."""
+    _, prov, p = producer()
+    naive = datetime(2026, 3, 1, 14, 0)
+    for option in ("not_before", "expires_at"):
+        with pytest.raises(InvalidArgument, match=f"{option}: has no time zone: give a timezone-aware"):
+            await p.enqueue(Greet(name="x"), **{option: naive})
+    with pytest.raises(InvalidArgument, match="delay: is a time, not a length of time: pass not_before="):
+        await p.enqueue(Greet(name="x"), delay=NOW + timedelta(hours=1))
+    assert prov.sends == []

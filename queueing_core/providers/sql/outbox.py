@@ -24,15 +24,17 @@ from ...envelope import Envelope
 from ...messages import QueueMessage
 from ...middleware import compose_enqueue
 from ...producer import (
+    DUPLICATE,
     EnqueueOptions,
     EnqueueReceipt,
     IdempotentOutcome,
     build_envelope,
     check_sendable,
     identities_of,
+    through_middleware,
 )
 from . import idempotent as sql_idempotent
-from .provider import channel_for, initial_status, insert_statement, notify_statement
+from .provider import added, channel_for, initial_status, insert_statement, notify_statement
 from .rows import row_for
 from .schema import Tables
 
@@ -69,8 +71,7 @@ class SqlOutbox:
         return identities_of(self.app, items) or [None] * len(items)
 
     async def _through_middleware(self, envs: list[Envelope]) -> list[Envelope]:
-        chain = compose_enqueue(self.app.enqueue_middleware)
-        out = [await chain(e) for e in envs]
+        out = await through_middleware(compose_enqueue(self.app.enqueue_middleware), envs)
         check_sendable(out, self.max_message_bytes, "sql")
         return out
 
@@ -80,11 +81,19 @@ class SqlOutbox:
         transaction; on PostgreSQL its identity's lock is then held to the caller's commit."""
         now = self.clock()
         plain = [(i, e) for i, e in enumerate(envs) if keys[i] is None]
-        receipts: dict[int, EnqueueReceipt] = {i: self._receipt(e) for i, e in plain}
-        queues = {e.queue for _, e in plain}
+        receipts: dict[int, EnqueueReceipt] = {}
+        queues: set[str] = set()
         if plain:
             rows = [row_for(e, initial_status(self.app, e), now) for _, e in plain]
-            yield insert_statement(self.tables, backend), rows
+            # (RETURNING: a message id stored already goes nothing in, and its receipt says duplicate)
+            insert = insert_statement(self.tables, backend).returning(self.tables.messages.c.message_id)
+            went_in = added([e for _, e in plain], (yield insert, rows).scalars())
+            for (i, e), new in zip(plain, went_in, strict=True):
+                receipts[i] = self._receipt(
+                    e, None if new else IdempotentOutcome(DUPLICATE, e.message_id, e.tracking_id)
+                )
+                if new:
+                    queues.add(e.queue)
         lock = sql_idempotent.batch_lock(backend, envs, keys)
         if lock is not None:
             yield lock

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -80,6 +80,20 @@ def initial_status(app: QueueingApp | None, env: Envelope) -> str:
     return sub.options.default_status if sub is not None else MessageStatus.PENDING.value
 
 
+def added(envelopes: Sequence[Envelope], inserted: Iterable[UUID] | None) -> list[bool]:
+    """Of each envelope, whether its row went in, from the message ids the insert returned (None: all
+    of them). A message id the table held already went nothing in; one twice in a batch went in once,
+    the first time."""
+    if inserted is None:
+        return [True] * len(envelopes)
+    left = set(inserted)
+    out = []
+    for env in envelopes:
+        out.append(env.message_id in left)
+        left.discard(env.message_id)
+    return out
+
+
 def insert_statement(tables: Tables, backend: str) -> sa.Insert:
     """INSERT that ignores a message id already present: enqueue is idempotent per message id,
     so a producer that retries after an unclear failure adds nothing."""
@@ -91,6 +105,11 @@ def insert_statement(tables: Tables, backend: str) -> sa.Insert:
         from sqlalchemy.dialects.sqlite import insert as dialect_insert
     stmt: sa.Insert = dialect_insert(t).on_conflict_do_nothing(index_elements=[t.c.message_id])
     return stmt
+
+
+def _inserted(answer: Any) -> set[UUID]:
+    """The message ids the PostgreSQL ``insert_unnest`` put in (its rows: a queue woken, its ids)."""
+    return {UUID(str(mid)) for row in answer for mid in row.ids}
 
 
 def _many(backend: str, deliveries: Sequence[Delivery], **values: Any) -> dict[str, Any]:
@@ -391,28 +410,54 @@ class SqlProvider:
                 await conn.execute(self.statements.notify, bind(channel=self.channel, queue=q))
 
     async def send(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> None:
+        await self.send_new(envelopes, wait=wait)
+
+    async def send_new(self, envelopes: Sequence[Envelope], *, wait: bool = False) -> list[bool]:
+        """:meth:`send`, saying of each envelope whether its row went in: a message id the table holds
+        already (a producer's retry, a message sent again, maybe long finished) adds nothing, and the
+        producer must not tell it enqueued. Only a batch that met one pays for finding out which."""
         # every send commits before returning, so ``wait`` (durably accepted) holds either way
         with db_boundary("a send"):
             await self.ensure_open()
             now = self.clock()
             rows = self.rows_for(envelopes, now)
             if self.backend == "postgresql" and len(rows) >= COPY_FROM:
-                await self._copy_in(rows)
+                inserted = await self._copy_in(rows)
             elif self.backend == "postgresql":
-                # one statement, one round trip: arrays in, rows and wake-ups out
+                # one statement, one round trip: arrays in, wake-ups and the ids that went in out
                 async with self.auto.connect() as conn:
-                    await conn.execute(self.statements.insert_unnest, unnest_params(rows, self.channel))
+                    answer = await conn.execute(
+                        self.statements.insert_unnest, unnest_params(rows, self.channel)
+                    )
+                    inserted = _inserted(answer)
             else:
-                async with self.engine.begin() as conn:
-                    await conn.execute(insert_statement(self.tables, self.backend), rows)
+                inserted = await self._insert_sqlite(rows)
         for env in envelopes:
             self._note_due(env.queue, env.not_before or now)
+        return added(envelopes, inserted)
 
-    async def _copy_in(self, rows: list[dict[str, Any]]) -> None:
-        """Large batches through binary COPY (rows formatted in C, not adapted value by value).
+    async def _insert_sqlite(self, rows: list[dict[str, Any]]) -> set[UUID] | None:
+        """The rows in one transaction; the message ids that went in, or None for all of them. The
+        plain executemany, whose count says whether every row went in, unless a message id was stored
+        already: then again, in a new transaction, as one INSERT ... RETURNING (costlier: so only then)."""
+        insert = insert_statement(self.tables, self.backend)
+        async with self.engine.connect() as conn:
+            async with conn.begin() as tx:
+                if (await conn.execute(insert, rows)).rowcount == len(rows):
+                    return None
+                # the count cannot say which went in: none does, and they go again, asking
+                await tx.rollback()
+            async with conn.begin():
+                answer = await conn.execute(insert.returning(self.tables.messages.c.message_id), rows)
+                return set(answer.scalars())
+
+    async def _copy_in(self, rows: list[dict[str, Any]]) -> set[UUID] | None:
+        """Large batches through binary COPY (rows formatted in C, not adapted value by value); the
+        message ids that went in, or None for all of them.
 
         COPY cannot skip an existing message id, so it runs in a savepoint; if a producer re-sent a
-        message (rare), the batch goes again through the INSERT that ignores duplicates.
+        message (rare), the batch goes again through the INSERT that ignores duplicates, which says
+        which went in.
         """
         from psycopg.errors import UniqueViolation
 
@@ -421,9 +466,11 @@ class SqlProvider:
                 async with conn.begin_nested():
                     await copy_rows(conn, self.tables, rows)
             except UniqueViolation:
-                await conn.execute(self.statements.insert_unnest, unnest_params(rows, self.channel))
+                answer = await conn.execute(self.statements.insert_unnest, unnest_params(rows, self.channel))
+                return _inserted(answer)
             else:
                 await self.notify_statements(conn, {r["queue"] for r in rows})
+                return None
 
     # -- consuming ---------------------------------------------------------------------------------
     async def sole_claimer(self) -> bool:

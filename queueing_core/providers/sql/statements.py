@@ -367,7 +367,8 @@ class Statements:
         self.other_claimer = sa.select(sa.exists().where(sa.text(LEASED_SQL), m.c.locked_by != worker_id))
         self.notify = notify_statement(P("channel", type_=sa.Text()), P("queue", type_=sa.Text()))
 
-        # PostgreSQL enqueue: the whole batch as arrays in one statement, with its wake-ups
+        # PostgreSQL enqueue: the whole batch as arrays in one statement, with its wake-ups; per queue
+        # woken, the ids that went in (a message id already stored is skipped: its enqueue is told so)
         self.insert_unnest = sa.text(f"""
             WITH added AS (
                 INSERT INTO {m.fullname} (message_id, tracking_id, queue, type, status, attempt,
@@ -381,7 +382,7 @@ class Statements:
                     CAST(:available_at AS timestamptz[]), CAST(:expires_at AS timestamptz[]),
                     CAST(:headers AS jsonb[]), CAST(:body AS jsonb[]))
                 ON CONFLICT (message_id) DO NOTHING
-                RETURNING queue
+                RETURNING queue, message_id
             )
-            SELECT pg_notify(:channel, q) FROM (SELECT DISTINCT queue AS q FROM added) AS queues
+            SELECT pg_notify(:channel, queue), array_agg(message_id) AS ids FROM added GROUP BY queue
         """)
