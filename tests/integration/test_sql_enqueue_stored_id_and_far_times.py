@@ -170,3 +170,50 @@ async def test_times_for_ever_read_back_in_a_time_zone_ahead_of_utc(sql_db):
         ]
     finally:
         await rt.close()
+
+
+@queue("stored-profiles", idempotent=True, identity="user")
+class Profile(QueueMessage):
+    user: str
+    version: int
+
+
+async def test_a_resent_old_version_of_an_identity_is_a_duplicate_and_the_newer_one_runs(sql_db):
+    """A producer's retry (an outbox replayed) of an idempotent version that ran long ago, while a newer
+    version of its identity waits: its older body was written over the newer one's, the receipt said
+    ``replaced`` and the newer content never ran (found in review). A stored id of an idempotent type,
+    finished or of another type's row, was told ``enqueued`` and announced with nothing written."""
+    app = QueueingApp("stored-profiles")
+    seen: list[int] = []
+    told: list[Any] = []
+
+    @app.handler()
+    async def handle(msg: Profile) -> None:
+        seen.append(msg.version)
+
+    @app.hooks.on(Event.ENQUEUED)
+    async def enqueued(observation: Any) -> None:
+        told.append(observation.envelope.message_id)
+
+    rt = Runtime(app, sql_db.provider())
+    await rt.open()
+    try:
+        v1 = Profile(user="u1", version=1)
+        await app.enqueue(v1)
+        await run_until_idle(rt)
+        v2 = Profile(user="u1", version=2)
+        waiting = await app.enqueue(v2, delay=timedelta(hours=1))
+        assert waiting.outcome == "enqueued"
+        again = await app.enqueue(v1)
+        assert (again.outcome, again.message_id) == ("duplicate", v1.message_id)
+        assert told == [v1.message_id, v2.message_id]  # (the duplicate was not announced)
+        # another type's stored row under the id: nothing written either, and said so
+        stray = await app.enqueue(Recalc(account="a"))
+        other = await app.enqueue(Profile(user="u2", version=1, message_id=stray.message_id))
+        assert other.outcome == "duplicate"
+        # the newer version, brought forward, runs with its own content
+        await app.enqueue(v2)
+        await run_until_idle(rt)
+        assert seen == [1, 2]
+    finally:
+        await rt.close()

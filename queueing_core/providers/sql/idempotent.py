@@ -71,7 +71,7 @@ def plan(
     its identity. One plan for the provider's own transaction (:func:`send`) and the caller's (the
     outbox), sync or async: a row written without its identity would be invisible to the next enqueue
     of that identity and to ``ctx.previous``."""
-    from ...producer import IdempotentOutcome, outlasts
+    from ...producer import DUPLICATE, IdempotentOutcome, outlasts
     from .provider import initial_status, insert_statement
 
     m = tables.messages
@@ -118,6 +118,16 @@ def plan(
         find = find.with_for_update(of=m)
     newest = (yield find, None).first()
     waiting = newest if newest is not None and newest.waits else None
+    # a message id stored already (a producer's retry, an outbox replayed, long after): nothing is
+    # written. Sent on, it replaced a newer waiting version's body with its own older one, told
+    # "replaced", and the newer content never ran (found in review); the waiting message itself sent
+    # again with the same JSON goes on below (discarded, brought forward if asked sooner)
+    if not (waiting is not None and waiting.message_id == env.message_id):
+        stored = (
+            yield sa.select(m.c.message_id, m.c.tracking_id).where(m.c.message_id == env.message_id), None
+        ).first()
+        if stored is not None:
+            return IdempotentOutcome(DUPLICATE, stored.message_id, stored.tracking_id)
     if waiting is not None and waiting.cancelling and _same(waiting.b, env.body):
         # the same JSON as a version whose cancellation stands (its run was cancelled, and ended with a
         # retry or a release before it heard): that version ends Cancelled as asked, and this one is a
@@ -190,12 +200,12 @@ def plan(
     # (its id returned: whether it was added, or its message id was known already; a row count may
     # not say, -1 on psycopg here)
     added = (yield insert_statement(tables, backend).returning(m.c.id), row).first() is not None
-    if added and newest is not None:
+    if not added:  # (another sender's row under this id committed meanwhile: nothing was written)
+        return IdempotentOutcome(DUPLICATE, env.message_id, env.tracking_id)
+    if newest is not None:
         # the versions of the identity not settled yet (running now, or back for a retry later) are
         # superseded by this one, as on the other transports: a running one runs to its end, and if it
-        # comes back it is settled superseded (said on its row, whatever becomes of this one's). Not
-        # when the message was known already (sent again with its own id: a producer's retry, an
-        # outbox replayed): no row was added, and nothing would run in the place of those it marked
+        # comes back it is settled superseded (said on its row, whatever becomes of this one's)
         unsettled = [*CLAIMABLE, MessageStatus.LEASED.value]
         yield (
             (
