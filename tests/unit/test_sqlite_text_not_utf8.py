@@ -147,10 +147,8 @@ class Version(QueueMessage):
     price: int
 
 
-async def test_an_idempotent_enqueue_over_a_waiting_body_not_utf8_replaces_it(tmp_path):
-    """The waiting version of an identity, its body damaged, failed every enqueue of the identity (the
-    lookup read the body as text): it is now taken for a different body and replaced, and the version
-    sent runs, the last success its ``ctx.previous`` as ever."""
+async def opened_versions(tmp_path: Any) -> tuple[Runtime, list[tuple[int, int | None]]]:
+    """An app of versions whose handler notes each version's price and its ``ctx.previous``'s."""
     from queueing_core import HandlerContext
 
     app = QueueingApp("not-utf8-versions")
@@ -162,12 +160,20 @@ async def test_an_idempotent_enqueue_over_a_waiting_body_not_utf8_replaces_it(tm
 
     rt = Runtime(app, SqlProvider(f"sqlite:///{tmp_path}/q.db", listen=False))
     await rt.open()
+    return rt, seen
+
+
+async def test_an_idempotent_enqueue_over_a_waiting_body_not_utf8_replaces_it(tmp_path):
+    """The waiting version of an identity, its body damaged, failed every enqueue of the identity (the
+    lookup read the body as text): it is now taken for a different body and replaced, and the version
+    sent runs, the last success its ``ctx.previous`` as ever."""
+    rt, seen = await opened_versions(tmp_path)
     try:
-        await app.enqueue(Version(sku="A", price=1))
+        await rt.app.enqueue(Version(sku="A", price=1))
         await run_until_idle(rt)
-        waiting = await app.enqueue(Version(sku="A", price=2))
+        waiting = await rt.app.enqueue(Version(sku="A", price=2))
         await damage(rt, waiting.message_id, body="CAST(X'7B22736B75223A2022E9227D' AS TEXT)")
-        again = await app.enqueue(Version(sku="A", price=3))
+        again = await rt.app.enqueue(Version(sku="A", price=3))
         assert (again.outcome, again.message_id) == ("replaced", waiting.message_id)
         await run_until_idle(rt)
         assert seen == [(1, None), (3, 1)]
@@ -176,22 +182,12 @@ async def test_an_idempotent_enqueue_over_a_waiting_body_not_utf8_replaces_it(tm
 
 
 async def test_a_last_success_not_utf8_is_no_previous_version(tmp_path):
-    from queueing_core import HandlerContext
-
-    app = QueueingApp("not-utf8-versions")
-    seen: list[tuple[int, int | None]] = []
-
-    @app.handler()
-    async def handle(msg: Version, ctx: HandlerContext) -> None:
-        seen.append((msg.price, ctx.previous.price if ctx.previous else None))
-
-    rt = Runtime(app, SqlProvider(f"sqlite:///{tmp_path}/q.db", listen=False))
-    await rt.open()
+    rt, seen = await opened_versions(tmp_path)
     try:
-        done = await app.enqueue(Version(sku="A", price=1))
+        done = await rt.app.enqueue(Version(sku="A", price=1))
         await run_until_idle(rt)
         await damage(rt, done.message_id, body=LATIN_1)
-        await app.enqueue(Version(sku="A", price=2))
+        await rt.app.enqueue(Version(sku="A", price=2))
         await run_until_idle(rt)
         assert seen == [(1, None), (2, None)]  # (the lookup failed, told in the log: it ran)
     finally:
